@@ -1,0 +1,74 @@
+"""Every ``MKERNEL_*`` environment variable, in one place.
+
+``docs/ENVIRONMENT.md`` is generated from this table (``python -m mkernel env --markdown``) and a
+CPU test checks that the two agree and that no other ``MKERNEL_`` name appears in the sources.
+"""
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Var:
+    name: str
+    default: str
+    doc: str
+
+    def raw(self) -> str:
+        return os.environ.get(self.name, self.default)
+
+
+_DEFAULT_CACHE = str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mkernel")
+
+VARS = {
+    v.name: v
+    for v in [
+        Var("MKERNEL_CACHE_DIR", _DEFAULT_CACHE,
+            "Directory of the compiled-kernel cache (cubins keyed by the hash of every source and "
+            "header, the options, mkernel's and NVRTC's versions). Safe to share between ranks and "
+            "to copy to another machine with the same NVRTC version."),
+        Var("MKERNEL_NVRTC", "",
+            "Path of libnvrtc.so to use instead of searching (the nvidia-cuda-nvrtc wheel, CuPy's "
+            "CUDA, CUDA_PATH, the system library path)."),
+        Var("MKERNEL_LOG_LEVEL", "INFO",
+            "Level of the 'mkernel' logger (DEBUG, INFO, WARNING, ERROR). Log lines carry the rank."),
+        Var("MKERNEL_GPUS_PER_NODE", "",
+            "Ranks per node, overriding MPI's shared-memory split, so that one host acts as several "
+            "nodes (inter-node traffic then goes through the proxy and its transport)."),
+        Var("MKERNEL_TRANSPORT", "auto",
+            "Inter-node transport: auto, verbs, host, tcp. 'auto' picks verbs when an active RDMA port "
+            "exists, else host memory between ranks of one host, else TCP."),
+        Var("MKERNEL_TIMEOUT_S", "30",
+            "Seconds any device spin-wait or proxy wait may last before it records a timeout that "
+            "the host raises as mkernel.TimeoutError (naming op, rank and peer)."),
+        Var("MKERNEL_WORKSPACE_BYTES", str(256 << 20),
+            "Default size of the symmetric workspace allocated on every rank."),
+        Var("MKERNEL_TRACE", "",
+            "When set to a path, fused kernels record per-block spans that are written there as "
+            "Chrome trace JSON (one track per SM). Free when unset."),
+    ]
+}
+
+
+def get(name: str) -> str:
+    return VARS[name].raw()
+
+
+def get_float(name: str) -> float:
+    return float(get(name))
+
+
+def get_int(name: str) -> int:
+    return int(get(name))
+
+
+def markdown() -> str:
+    rows = ["# Environment variables", "",
+            "Generated from `mkernel/env.py` by `python -m mkernel env --markdown`; every timeout "
+            "and knob mkernel reads is here.", "",
+            "| variable | default | meaning |", "| --- | --- | --- |"]
+    for v in VARS.values():
+        default = "`~/.cache/mkernel`" if v.name == "MKERNEL_CACHE_DIR" else (f"`{v.default}`" if v.default else "(unset)")
+        rows.append(f"| `{v.name}` | {default} | {v.doc} |")
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,49 @@
+"""The exceptions mkernel raises. Every one derives from :class:`MKernelError`."""
+
+import builtins
+
+
+class MKernelError(Exception):
+    """Base of every error mkernel raises on purpose."""
+
+
+class ArgumentError(MKernelError, ValueError):
+    """An argument has the wrong dtype, shape, layout or device, or disagrees across ranks.
+
+    Raised before anything is launched."""
+
+
+class CompileError(MKernelError):
+    """A CUDA source failed to compile with NVRTC; the message holds the compiler log."""
+
+
+class NoGPUError(MKernelError):
+    """No usable CUDA GPU (or not one of compute capability 9.0) is visible to this process."""
+
+
+class NoRDMADeviceError(MKernelError):
+    """The verbs transport was asked for, but no active RDMA port (or no libibverbs) exists here."""
+
+
+class PeerError(MKernelError):
+    """A peer rank failed, disconnected or stopped answering; names the op, rank and peer."""
+
+
+class TimeoutError(MKernelError, builtins.TimeoutError):
+    """A device spin-wait or a proxy wait ran past its limit; names the op, rank and peer."""
+
+
+class ClosedError(MKernelError):
+    """The communicator (or memory it owned) was used after ``close()``."""
+
+
+__all__ = [
+    "MKernelError",
+    "ArgumentError",
+    "CompileError",
+    "NoGPUError",
+    "NoRDMADeviceError",
+    "PeerError",
+    "TimeoutError",
+    "ClosedError",
+]
