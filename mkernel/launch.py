@@ -1,0 +1,36 @@
+"""Launching a compiled kernel with one argument struct.
+
+A kernel takes a single ``const __grid_constant__`` struct (declared in an ``*_args.cuh`` header)
+that a :class:`ctypes.Structure` on the Python side mirrors field for field; the CPU tests compare
+the two layouts. Launch goes straight to ``cuLaunchKernel`` through CuPy's driver binding.
+"""
+
+import ctypes
+
+# cuFuncSetAttribute attribute ids (cuda.h); CuPy does not export every name.
+FUNC_ATTR_MAX_DYNAMIC_SHARED = 8
+
+
+def launch(fn, grid, block, args: ctypes.Structure, *, smem: int = 0, stream=None, cooperative: bool = False):
+    from cupy.cuda import driver
+    import cupy
+
+    stream_ptr = (stream if stream is not None else cupy.cuda.get_current_stream()).ptr
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    block = tuple(block) + (1,) * (3 - len(block))
+    if smem > 48 * 1024:
+        driver.funcSetAttribute(fn.ptr, FUNC_ATTR_MAX_DYNAMIC_SHARED, smem)
+    params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
+    if cooperative:
+        driver.launchCooperativeKernel(fn.ptr, *grid, *block, smem, stream_ptr, ctypes.addressof(params))
+    else:
+        driver.launchKernel(fn.ptr, *grid, *block, smem, stream_ptr, ctypes.addressof(params), 0)
+
+
+def max_resident_blocks(fn, block_threads: int, smem: int) -> int:
+    """Blocks of this kernel that fit on one SM at once (persistent kernels launch at most this x SMs)."""
+    from cupy.cuda import driver
+
+    if smem > 48 * 1024:
+        driver.funcSetAttribute(fn.ptr, FUNC_ATTR_MAX_DYNAMIC_SHARED, smem)
+    return driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, block_threads, smem)
