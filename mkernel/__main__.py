@@ -1,0 +1,69 @@
+"""Command line: ``python -m mkernel [run|info|precompile|env]``.
+
+``run`` (the default) runs every fused kernel that exists on all visible GPUs, checks it against a
+reference and prints its time against cuBLAS+NCCL; start it under ``mpirun -n <gpus>``. Without a
+GPU it says so in one line and exits with status 2.
+"""
+
+import argparse
+import sys
+
+EXIT_NO_GPU = 2
+
+
+def _cmd_info(args):
+    from . import info
+    print("\n".join(info.collect()))
+    return 0
+
+
+def _cmd_precompile(args):
+    import time
+    import mkernel  # noqa: F401  (registers every kernel)
+    from . import compile as kcompile
+    names = args.kernels or sorted(kcompile.REGISTRY)
+    for name in names:
+        t = time.perf_counter()
+        c = kcompile.compile_spec(kcompile.REGISTRY[name])
+        print(f"{name:32s} {c.spec.source:24s} {time.perf_counter() - t:6.2f} s  key {c.key[:16]}")
+    print(f"cache: {kcompile.cache_dir()}")
+    return 0
+
+
+def _cmd_env(args):
+    from . import env
+    if args.markdown:
+        sys.stdout.write(env.markdown())
+    else:
+        for v in env.VARS.values():
+            print(f"{v.name}={v.raw()}")
+    return 0
+
+
+def _cmd_run(args):
+    from . import gpu
+    if gpu.device_count() == 0:
+        print(f"mkernel: no GPU: {gpu.describe_missing()}; nothing to run.", file=sys.stderr)
+        return EXIT_NO_GPU
+    from . import main_job
+    return main_job.run(quick=args.quick)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m mkernel", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd")
+    r = sub.add_parser("run", help="run, check and time every fused kernel (default)")
+    r.add_argument("--quick", action="store_true", help="one small shape per op")
+    sub.add_parser("info", help="versions, GPUs, links, MPI, transports, cache")
+    pc = sub.add_parser("precompile", help="compile every kernel into the cache (no GPU needed)")
+    pc.add_argument("kernels", nargs="*")
+    e = sub.add_parser("env", help="the MKERNEL_* variables and their values")
+    e.add_argument("--markdown", action="store_true")
+    args = p.parse_args(argv)
+    if args.cmd is None:
+        args = p.parse_args(["run"] + list(argv or sys.argv[1:]))
+    return {"run": _cmd_run, "info": _cmd_info, "precompile": _cmd_precompile, "env": _cmd_env}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

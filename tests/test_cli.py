@@ -1,0 +1,49 @@
+"""The command line: the main job's no-GPU exit, info, env, and the one table of MKERNEL_* variables."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mkernel import env, gpu
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "-m", "mkernel", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.skipif(gpu.device_count() > 0, reason="a GPU is visible: the main job would run")
+def test_main_job_without_gpu_says_so_in_one_line_and_exits_2():
+    r = _run()
+    assert r.returncode == 2
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "no GPU" in lines[0]
+
+
+def test_info_runs_and_reports_versions_and_cache():
+    r = _run("info")
+    assert r.returncode == 0, r.stderr
+    for word in ("mkernel 0.", "NVRTC", "MPI", "GPUs:", "kernel cache:", "transports"):
+        assert word in r.stdout, f"info lacks {word!r}:\n{r.stdout}"
+
+
+def test_environment_doc_is_generated_from_the_table():
+    assert (ROOT / "docs" / "ENVIRONMENT.md").read_text() == env.markdown(), \
+        "docs/ENVIRONMENT.md is stale: python -m mkernel env --markdown > docs/ENVIRONMENT.md"
+
+
+def test_every_mkernel_variable_in_the_sources_is_registered():
+    used = set()
+    for path in list((ROOT / "mkernel").rglob("*.py")) + list((ROOT / "mkernel").rglob("*.c")) + \
+            list((ROOT / "bench").rglob("*.py")):
+        used |= set(re.findall(r"\bMKERNEL_[A-Z0-9_]+", path.read_text()))
+    assert used <= set(env.VARS), f"unregistered: {sorted(used - set(env.VARS))}"
+
+
+def test_version_is_exported():
+    import mkernel
+    assert re.fullmatch(r"\d+\.\d+\.\d+", mkernel.__version__)
