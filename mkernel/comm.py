@@ -1,0 +1,273 @@
+"""The communicator: MPI bootstrap, topology, symmetric workspace, epochs and errors, NCCL.
+
+Rules every rank follows (ops on a communicator are collective):
+
+- All ranks of a communicator issue the same ops, with agreeing shapes, in the same order, and the
+  ops of one communicator are ordered (one stream, or streams the caller orders). The epochs that
+  keep flags from going stale advance once per launch on every rank, so this order is the protocol.
+- Every decision that changes what crosses the wire (fused or fallback, SM split, chunk size) is a
+  function of the shapes, agreed by one collective the first time its key is seen (:meth:`agree`),
+  never of per-rank timing. Later calls with the same key cost no communication.
+- One thread uses a communicator at a time.
+- After a :class:`mkernel.TimeoutError` or :class:`mkernel.PeerError` the communicator is unusable:
+  close it (and, usually, the job).
+"""
+
+import atexit
+import hashlib
+import time
+import weakref
+
+from . import env, topology
+from .errors import ArgumentError, ClosedError, PeerError
+from .log import get_logger, set_rank
+
+log = get_logger("comm")
+
+TRANSPORTS = ("auto", "verbs", "host", "tcp")
+_live = weakref.WeakSet()
+_atexit_registered = False
+
+
+def init(mpi_comm=None, gpus_per_node=None, transport="auto", workspace_bytes=None) -> "Communicator":
+    """Create a communicator over ``mpi_comm`` (default ``MPI.COMM_WORLD``). Collective.
+
+    ``gpus_per_node`` cuts each host into nodes of that many ranks (emulating several nodes on one
+    host); ``transport`` picks the inter-node transport; ``workspace_bytes`` sizes the symmetric
+    workspace (default ``MKERNEL_WORKSPACE_BYTES``)."""
+    from mpi4py import MPI
+
+    return Communicator(mpi_comm if mpi_comm is not None else MPI.COMM_WORLD, gpus_per_node=gpus_per_node,
+                        transport=transport, workspace_bytes=workspace_bytes)
+
+
+def _check_transport(transport):
+    transport = env.get("MKERNEL_TRANSPORT") if transport is None else transport
+    if transport not in TRANSPORTS:
+        raise ArgumentError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    return transport
+
+
+class Communicator:
+    """A group of ranks, one GPU each (several ranks may share one GPU).
+
+    Attributes: ``rank``, ``size``, ``node``, ``num_nodes``, ``local_rank`` and ``local_size``
+    (inside the node), ``device_id``, ``topology``, ``mpi`` (the mpi4py communicator)."""
+
+    def __init__(self, mpi_comm, *, gpus_per_node=None, transport="auto", workspace_bytes=None,
+                 _parent_node_of=None):
+        self.transport = _check_transport(transport)
+        if workspace_bytes is None:
+            workspace_bytes = env.get_int("MKERNEL_WORKSPACE_BYTES")
+        if not isinstance(workspace_bytes, int) or workspace_bytes <= 0:
+            raise ArgumentError(f"workspace_bytes must be a positive integer, got {workspace_bytes!r}")
+        self.mpi = mpi_comm.Dup()
+        self.topology = topology.discover(self.mpi, gpus_per_node, _parent_node_of)
+        t = self.topology
+        self.rank, self.size, self.node, self.num_nodes = t.rank, t.size, t.node, t.num_nodes
+        self.local_rank, self.local_size = t.node_rank, t.node_size
+        self.node_mpi = self.mpi.Split(t.node, t.node_rank)
+        if mpi_comm is _world():
+            set_rank(self.rank)
+        self._agreed = {}
+        self._closed = False
+        self._nccl = None
+        self._gpus_per_node = gpus_per_node
+        self._workspace_bytes = workspace_bytes
+        global _atexit_registered
+        if not _atexit_registered:  # registered after mpi4py's finalizer, so it runs before MPI_Finalize
+            atexit.register(_close_all)
+            _atexit_registered = True
+        self._init_gpu()
+        _live.add(self)
+
+    # --- GPU state -------------------------------------------------------------------------------
+    def _init_gpu(self):
+        from . import gpu
+        from .symmetric import SymmetricHeap
+        from .sync import SyncState
+        from .trace import Trace
+
+        gpu.require_hopper()
+        self.device_id = self.topology.host_rank % gpu.device_count()
+        gpu.require_hopper(self.device_id)
+        import cupy
+
+        self.device = cupy.cuda.Device(self.device_id)
+        self.device.use()
+        # Agree on the size first: a workspace of different sizes would break symmetric offsets.
+        self.agree(("workspace", "bytes"), self._workspace_bytes)
+        self.heap = SymmetricHeap(self.node_mpi, self._workspace_bytes, self.device_id)
+        self.sync = SyncState(self.rank)
+        self.trace = Trace(self.rank)
+        log.debug("rank %d: node %d/%d, local rank %d/%d, GPU %d, workspace %d bytes", self.rank, self.node,
+                  self.num_nodes, self.local_rank, self.local_size, self.device_id, self.heap.nbytes)
+
+    def sync_args(self, op: str, timeout_s: float = None):
+        """The MkSync struct of a launch of ``op`` on this communicator (raises a pending error first)."""
+        self._check_open()
+        self.sync.check()
+        s = self.sync.args(op, timeout_s)
+        s.trace_events, s.trace_count, s.trace_capacity = self.trace.pointers()
+        return s
+
+    @property
+    def peer_table(self):
+        """Device array (uint64, [local_size]) of every node peer's workspace base; own at local_rank."""
+        self._check_open()
+        return self.heap.peer_table
+
+    # --- user-facing -----------------------------------------------------------------------------
+    def empty(self, shape, dtype):
+        """A CuPy array in symmetric memory: rank p's copy lies at the same offset of p's workspace.
+
+        Collective over the communicator: every rank allocates the same shapes in the same order."""
+        import numpy
+
+        self._check_open()
+        shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
+        dtype = numpy.dtype(dtype)
+        nbytes = int(numpy.prod(shape, dtype=numpy.int64)) * dtype.itemsize
+        rng = self.heap.alloc(nbytes)
+        self.agree(("empty", rng.offset), (shape, dtype.str), cache=False)
+        return self.heap.array(rng, shape, dtype)
+
+    def offset_of(self, arr) -> int:
+        """The symmetric offset of an array from :meth:`empty` (raises if it is not one, or is closed)."""
+        from .symmetric import check_owner
+        return check_owner(self.heap, arr)
+
+    def split(self, color: int, key: int = 0) -> "Communicator":
+        """Sub-communicators, as ``MPI_Comm_split``; they keep this communicator's node boundaries.
+        Collective. Each sub-communicator has its own workspace and epochs."""
+        self._check_open()
+        from mpi4py import MPI
+
+        sub = self.mpi.Split(MPI.UNDEFINED if color is None else color, key)
+        if sub == MPI.COMM_NULL:
+            return None
+        node_of = sub.allgather(self.node)
+        try:
+            return Communicator(sub, transport=self.transport, workspace_bytes=self._workspace_bytes,
+                                _parent_node_of=node_of)
+        finally:
+            sub.Free()
+
+    def agree(self, key, value, cache: bool = True):
+        """Check that every rank passes the same ``value`` for ``key``; collective the first time a key
+        is seen, free afterwards. Raises ArgumentError on every rank when they disagree."""
+        if cache and key in self._agreed:
+            if self._agreed[key] != value:
+                raise ArgumentError(f"{key}: value changed from {self._agreed[key]!r} to {value!r}; ranks "
+                                    f"agreed on it once and must keep it")
+            return value
+        digest = hashlib.sha256(repr(value).encode()).digest()
+        digests = self._allgather_bytes(digest, what=f"agreeing on {key!r}")
+        if len(set(digests)) != 1:
+            values = self.mpi.allgather(repr(value))
+            raise ArgumentError(f"ranks disagree on {key!r}: " + ", ".join(f"rank {r}: {v}" for r, v in
+                                                                            enumerate(values)))
+        if cache:
+            self._agreed[key] = value
+        return value
+
+    def _allgather_bytes(self, data: bytes, what: str):
+        """Allgather of equal-size byte strings that gives up after MKERNEL_TIMEOUT_S (a dead peer)."""
+        import numpy
+        from mpi4py import MPI
+
+        send = numpy.frombuffer(data, dtype=numpy.uint8)
+        recv = numpy.empty(len(data) * self.size, dtype=numpy.uint8)
+        req = self.mpi.Iallgather(send, recv)
+        deadline = time.monotonic() + env.get_float("MKERNEL_TIMEOUT_S")
+        while not req.Test():
+            if time.monotonic() > deadline:
+                raise PeerError(f"rank {self.rank}: not every peer answered while {what} within "
+                                f"{env.get('MKERNEL_TIMEOUT_S')} s; a peer died or issues ops in another order")
+            time.sleep(1e-4)
+        _ = MPI  # keep the import explicit for readers: Iallgather is MPI-3
+        return [recv[i * len(data):(i + 1) * len(data)].tobytes() for i in range(self.size)]
+
+    @property
+    def nccl(self):
+        """An NCCL communicator over the same ranks, for fallbacks and benchmarks (created on first
+        use; collective). NCCL needs one GPU per rank."""
+        self._check_open()
+        if self._nccl is None:
+            from cupy.cuda import nccl
+
+            devices = self.mpi.allgather((self.topology.host, self.device_id))
+            if len(set(devices)) != len(devices):
+                raise ArgumentError("NCCL needs one GPU per rank, and ranks of this communicator share a GPU")
+            uid = self.mpi.bcast(nccl.get_unique_id() if self.rank == 0 else None)
+            with self.device:
+                self._nccl = nccl.NcclCommunicator(self.size, uid, self.rank)
+        return self._nccl
+
+    def check(self):
+        """Raise the first error any kernel of this communicator recorded. Does not synchronise."""
+        self._check_open()
+        self.sync.check()
+
+    def stats(self) -> dict:
+        """Bytes this rank sent across the network, per peer (the proxy's counters)."""
+        return {}
+
+    def _check_open(self):
+        if self._closed:
+            raise ClosedError("this communicator is closed")
+
+    def close(self):
+        """Release everything. Idempotent; runs at interpreter exit before MPI finalizes."""
+        if self._closed:
+            return
+        self._closed = True
+        _live.discard(self)
+        failed = bool(getattr(self, "sync", None) and self.sync.host_status and self.sync.host_status.code)
+        try:
+            if hasattr(self, "heap"):
+                import cupy
+                cupy.cuda.runtime.deviceSynchronize()
+                self.trace.write()
+                self.heap.unmap_peers()
+                if not failed:  # the peers must have unmapped our workspace before we free it
+                    try:
+                        self._allgather_bytes(b"\0", "closing")
+                    except PeerError:
+                        failed = True
+                if not failed:
+                    self.heap.close()
+                self.sync.close()
+            if self._nccl is not None:
+                self._nccl.destroy()
+                self._nccl = None
+        finally:
+            for c in (self.node_mpi, self.mpi):
+                try:
+                    c.Free()
+                except Exception:  # MPI may already be finalizing
+                    pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        state = "closed" if self._closed else f"GPU {getattr(self, 'device_id', '?')}"
+        return (f"<mkernel.Communicator rank {self.rank}/{self.size}, node {self.node}/{self.num_nodes}, "
+                f"local {self.local_rank}/{self.local_size}, {state}>")
+
+
+def _world():
+    from mpi4py import MPI
+    return MPI.COMM_WORLD
+
+
+def _close_all():
+    for c in list(_live):
+        try:
+            c.close()
+        except Exception as e:  # at exit, report instead of raising
+            log.warning("closing %r at exit failed: %s", c, e)

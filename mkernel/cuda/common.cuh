@@ -1,0 +1,61 @@
+#pragma once
+// Types and small device helpers shared by every mkernel source. Only mkernel's own headers are
+// included (no system headers): NVRTC receives exactly the files the kernel cache hashes.
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef int i32;
+typedef long long i64;
+
+#define MK_DEV __device__ __forceinline__
+#define MK_STATIC_ASSERT(cond, msg) static_assert(cond, msg)
+
+MK_DEV u64 globaltimer_ns() {
+  u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+MK_DEV u32 sm_id() {
+  u32 id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
+
+// Memory-model primitives. System scope reaches peer GPUs over NVLink and mapped host memory.
+MK_DEV u32 ld_acquire_sys(const u32* p) {
+  u32 v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+MK_DEV u64 ld_acquire_sys64(const u64* p) {
+  u64 v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+MK_DEV u32 ld_relaxed_sys(const u32* p) {
+  u32 v;
+  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+MK_DEV void st_release_sys(u32* p, u32 v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+MK_DEV void st_release_sys64(u64* p, u64 v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+MK_DEV void st_relaxed_sys(u32* p, u32 v) {
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+MK_DEV u32 atom_add_release_sys(u32* p, u32 v) {
+  u32 old;
+  asm volatile("atom.add.release.sys.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+MK_DEV void fence_sys() { asm volatile("fence.sc.sys;" ::: "memory"); }
+MK_DEV void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
+// Wrap-safe comparison of 32-bit epochs: true when a is at or after b.
+MK_DEV bool epoch_reached(u32 a, u32 b) { return (i32)(a - b) >= 0; }

@@ -1,0 +1,23 @@
+#pragma once
+// Trace mode: blocks append spans (role, id, start, end on %globaltimer) to a device buffer that
+// mkernel/trace.py turns into Chrome trace JSON, one track per SM. Off, it costs one uniform branch.
+#include "common.cuh"
+#include "sync_args.cuh"
+
+constexpr u32 MK_TRACE_WORDS = 4;  // start ns, end ns, sm << 32 | block, role << 32 | id
+
+enum : u32 { MK_ROLE_COMPUTE = 0, MK_ROLE_INTRA = 1, MK_ROLE_SEND = 2, MK_ROLE_RECV = 3, MK_ROLE_WAIT = 4,
+             MK_ROLE_CONTROL = 5 };
+
+MK_DEV void trace_span(const MkSync& s, u32 role, u32 id, u64 start_ns) {
+  if (s.trace_events == nullptr) return;
+  const u64 end_ns = globaltimer_ns();
+  const u32 slot = atomicAdd(s.trace_count, 1u);
+  if (slot >= s.trace_capacity) return;  // full: later spans are dropped, and the count says how many
+  u64* e = s.trace_events + (u64)slot * MK_TRACE_WORDS;
+  const u32 block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  e[0] = start_ns;
+  e[1] = end_ns;
+  e[2] = ((u64)sm_id() << 32) | block;
+  e[3] = ((u64)role << 32) | id;
+}
