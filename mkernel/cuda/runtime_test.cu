@@ -51,7 +51,13 @@ MK_DEV bool exchange_body(const RuntimeTestArgs& a, u32 E) {
     if (threadIdx.x == 0) set_flag(flags_of(a, p) + ARRIVED + me, E);
   }
   for (u32 p = 0; p < a.local_size; ++p) {
-    if (!block_wait([&] { return wait_epoch(a.sync, mine + ARRIVED + p, E, (i32)p, ARRIVED + p); })) return false;
+    // Without credits a sender may already be an epoch ahead: wait for "at least" so that the
+    // negative control shows overwritten data instead of timing out.
+    const bool arrived = block_wait([&] {
+      return a.skip_credit ? wait_at_least(a.sync, mine + ARRIVED + p, E, (i32)p, ARRIVED + p)
+                           : wait_epoch(a.sync, mine + ARRIVED + p, E, (i32)p, ARRIVED + p);
+    });
+    if (!arrived) return false;
     if (a.consume_delay_ns && threadIdx.x == 0) spin_ns(a.consume_delay_ns);
     __syncthreads();
     const u32* src = slot_of(a, me, p);

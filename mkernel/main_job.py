@@ -1,0 +1,68 @@
+"""``python -m mkernel``: every kernel that exists, on all visible GPUs (one MPI rank each), checked
+against a reference and timed against its baseline, printed as one table by rank 0."""
+
+import numpy as np
+
+from .log import get_logger
+
+log = get_logger("main")
+
+
+def _time_ms(fn, reps=20, warmup=3):
+    import cupy
+    for _ in range(warmup):
+        fn()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return float(np.median(times))
+
+
+def check_runtime(comm, quick):
+    """The protocol every fused op relies on: peers' slots written through the pointer table."""
+    from .selftest import Protocol
+    import cupy
+
+    words = 1 << 16
+    proto = Protocol(comm, words)
+    launches = 100 if quick else 1000
+    for _ in range(launches):
+        proto.run("exchange")
+    cupy.cuda.get_current_stream().synchronize()
+    comm.check()
+    ok = proto.mismatch_count() == 0
+    ms = _time_ms(lambda: proto.run("exchange"))
+    return {"op": "runtime exchange", "shape": f"{comm.local_size} x {words * 4} B", "ok": ok,
+            "mkernel_ms": ms, "baseline_ms": None, "note": f"{launches} checked launches"}
+
+
+CHECKS = [check_runtime]
+
+
+def run(quick=False) -> int:
+    import mkernel
+    comm = mkernel.init()
+    rows = []
+    for check in CHECKS:
+        try:
+            rows.append(check(comm, quick))
+        except mkernel.MKernelError as e:
+            rows.append({"op": check.__name__, "ok": False, "note": f"{type(e).__name__}: {e}"})
+    all_rows = comm.mpi.gather(rows)
+    failed = comm.mpi.allreduce(sum(not r["ok"] for r in rows))
+    if comm.rank == 0:
+        print(f"mkernel {mkernel.__version__}: {comm.size} rank(s), {comm.num_nodes} node(s)")
+        print(f"{'op':28s} {'shape':28s} {'check':6s} {'mkernel ms':>11s} {'baseline ms':>12s} {'speedup':>8s}")
+        for r in all_rows[0]:
+            base = r.get("baseline_ms")
+            speed = f"{base / r['mkernel_ms']:7.2f}x" if base and r.get("mkernel_ms") else "       -"
+            print(f"{r['op']:28s} {str(r.get('shape', '')):28s} {'ok' if r['ok'] else 'FAIL':6s} "
+                  f"{r.get('mkernel_ms', float('nan')):11.3f} {base if base else float('nan'):12.3f} {speed}"
+                  + (f"  ({r['note']})" if r.get("note") else ""))
+    comm.close()
+    return 1 if failed else 0

@@ -1,0 +1,175 @@
+"""The runtime on real GPUs: symmetric memory, epoch flags, credits, host-memory litmus, graphs,
+timeouts and a dead peer. Run at 1 rank and under ``mpirun -n 2`` (2 GPUs, or 2 ranks sharing one)."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mkernel
+from mkernel.selftest import Protocol
+from conftest import UNDER_MPIEXEC, all_ranks
+
+pytestmark = pytest.mark.gpu
+WORDS = 4096
+
+
+@pytest.fixture(scope="module")
+def comm():
+    c = mkernel.init()
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def proto(comm):
+    return Protocol(comm, WORDS)
+
+
+def expected_pattern(epoch, sender, words):
+    i = np.arange(words, dtype=np.uint32)
+    return (np.uint32((epoch * 2654435761) & 0xFFFFFFFF) ^ np.uint32(sender << 24) ^ i).astype(np.uint32)
+
+
+def _sync():
+    import cupy
+    cupy.cuda.get_current_stream().synchronize()
+
+
+def test_each_rank_writes_every_peer_through_the_pointer_table(comm, proto):
+    proto.slots.fill(0xDEADBEEF)  # poison
+    comm.mpi.Barrier()
+    e0 = comm.sync.epoch()
+    proto.run("exchange")
+    _sync()
+    comm.check()
+    got = proto.slots.get()
+    ok = comm.sync.epoch() == e0 + 1 and proto.mismatch_count() == 0
+    for p in range(comm.local_size):
+        ok &= np.array_equal(got[p], expected_pattern(e0 + 1, p, WORDS))
+    assert all_ranks(comm.mpi, ok)
+
+
+def test_two_thousand_launches_never_see_a_flag_without_its_data(comm, proto):
+    e0 = comm.sync.epoch()
+    for _ in range(2000):
+        proto.run("exchange")
+    _sync()
+    comm.check()
+    assert all_ranks(comm.mpi, proto.mismatch_count() == 0 and comm.sync.epoch() == e0 + 2000)
+
+
+@pytest.mark.multi_gpu
+def test_a_delayed_receiver_is_never_overwritten(comm, proto):
+    if comm.local_size < 2:
+        pytest.skip("needs 2 ranks in a node")
+    delay = 10_000_000 if comm.local_rank == 1 else 0  # 10 ms: longer than a time slice
+    before = proto.mismatch_count()
+    for _ in range(10):
+        proto.run("exchange", consume_delay_ns=delay)
+    _sync()
+    comm.check()
+    clean = proto.mismatch_count() == before
+    # Negative control: without credits the fast sender overwrites the slow receiver's slot.
+    for _ in range(10):
+        proto.run("exchange", consume_delay_ns=delay, skip_credit=True)
+    _sync()
+    overwritten = comm.mpi.allreduce(proto.mismatch_count() - before)
+    proto.mismatches.fill(0)
+    for _ in range(2):  # leave the slots in a state the credit protocol accepts again
+        proto.run("exchange")
+    _sync()
+    assert all_ranks(comm.mpi, clean), "a credited slot was overwritten"
+    assert overwritten > 0, "the negative control saw no overwrite: the test cannot tell credits from luck"
+
+
+@pytest.mark.multi_gpu
+def test_ping_pong_progresses_between_ranks_sharing_or_not_a_gpu(comm, proto):
+    if comm.local_size < 2:
+        pytest.skip("needs 2 ranks in a node")
+    e0 = comm.sync.epoch()
+    t = time.perf_counter()
+    for _ in range(3):
+        proto.run("pingpong", rounds=100)
+    _sync()
+    comm.check()
+    elapsed = time.perf_counter() - t
+    assert all_ranks(comm.mpi, comm.sync.epoch() == e0 + 3), elapsed
+
+
+def test_message_passing_through_mapped_host_memory(comm, proto):
+    import cupy
+    nbytes = (WORDS + 2) * 4
+    host = cupy.cuda.runtime.hostAlloc(nbytes, 2)
+    try:
+        import ctypes
+        ctypes.memset(host, 0, nbytes)
+        before = proto.mismatch_count()
+        proto.run("litmus_host", grid=2, rounds=2000, host_area=host)
+        _sync()
+        comm.check()
+        assert proto.mismatch_count() == before
+    finally:
+        cupy.cuda.runtime.freeHost(host)
+
+
+def test_captured_graph_replays_a_thousand_times(comm, proto):
+    import cupy
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        proto.run("exchange", stream=stream)
+        graph = stream.end_capture()
+    e0 = comm.sync.epoch()
+    before = proto.mismatch_count()
+    for _ in range(1000):
+        graph.launch(stream)
+    stream.synchronize()
+    comm.check()
+    ok = comm.sync.epoch() == e0 + 1000 and proto.mismatch_count() == before
+    got = proto.slots.get()
+    for p in range(comm.local_size):
+        ok &= np.array_equal(got[p], expected_pattern(e0 + 1000, p, WORDS))
+    assert all_ranks(comm.mpi, ok)
+
+
+def test_a_timed_out_wait_raises_timeout_error_naming_op_rank_and_peer(comm):
+    from mpi4py import MPI
+    solo = mkernel.init(MPI.COMM_SELF, workspace_bytes=4 << 20)
+    try:
+        p = Protocol(solo, 64)
+        t = time.perf_counter()
+        p.run("stuck_wait", timeout_s=0.2)
+        _sync()
+        elapsed = time.perf_counter() - t
+        with pytest.raises(mkernel.TimeoutError, match=r"test on rank 0 timed out waiting for peer 0"):
+            solo.check()
+        with pytest.raises(mkernel.TimeoutError):  # and the next launch refuses to start
+            p.run("exchange")
+        assert elapsed < 5
+    finally:
+        solo.close()
+
+
+@pytest.mark.skipif(UNDER_MPIEXEC, reason="starts its own mpirun; run from the 1-rank pass")
+@pytest.mark.slow
+def test_a_dead_rank_makes_the_survivor_raise_within_30_s():
+    script = Path(__file__).parent / "scripts" / "dead_peer.py"
+    mca = ["--mca", "orte_abort_on_non_zero_status", "0"]  # Open MPI 4: keep the survivor running
+    ver = subprocess.run(["mpirun", "--version"], capture_output=True, text=True).stdout
+    if "Open MPI) 5" in ver or "v5." in ver:
+        mca = ["--mca", "prte_abort_on_non_zero_status", "0"]
+    env = dict(os.environ, MKERNEL_TIMEOUT_S="10")
+    cmd = ["mpirun", "-n", "2", "--oversubscribe", *mca, "-x", "MKERNEL_TIMEOUT_S", "-x", "NCCL_NVLS_ENABLE",
+           sys.executable, str(script)]
+    t = time.monotonic()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    elapsed = time.monotonic() - t
+    assert "survivor detected" in r.stdout, r.stdout + r.stderr
+    detected_after = float(r.stdout.split("survivor detected after")[1].split()[0])
+    assert detected_after < 30 and "peer 1" in r.stdout, r.stdout
+    assert elapsed < 90
