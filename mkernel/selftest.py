@@ -14,8 +14,7 @@ from .sync import MkSync
 SPEC = kcompile.register("runtime_test", "runtime_test.cu", ("exchange", "pingpong", "litmus_host", "stuck_wait"),
                          hot=False)
 BLOCK = 256
-MAX_LOCAL = 64
-FLAG_WORDS = 4 * MAX_LOCAL
+FLAG_WORDS = 2 * 64  # ARRIVED[MK_MAX_LOCAL], PING, PONG (runtime_test.cu)
 
 
 class RuntimeTestArgs(ctypes.Structure):

@@ -12,7 +12,8 @@ import weakref
 from .errors import ArgumentError, ClosedError, MKernelError
 
 ALIGN = 1024  # TMA with 128-byte swizzle wants 1024-byte aligned shared tiles; keep global buffers so too
-CONTROL_BYTES = 1 << 20  # at offset 0: the runtime's flags (credits, per-op flags)
+CONTROL_BYTES = 1 << 20  # at offset 0: the runtime's flags; words [0, MAX_LOCAL) are credits (peers.cuh)
+MAX_LOCAL = 64  # MK_MAX_LOCAL: ranks per node the control area has room for
 
 
 class _Range:
@@ -31,6 +32,8 @@ class SymmetricHeap:
         self.device_id = device_id
         self.nbytes = _round_up(max(nbytes, 2 * CONTROL_BYTES), ALIGN)
         self.local_rank, self.local_size = node_mpi.rank, node_mpi.size
+        if self.local_size > MAX_LOCAL:
+            raise ArgumentError(f"{self.local_size} ranks in one node; mkernel supports at most {MAX_LOCAL}")
         self.base = rt.malloc(self.nbytes)  # a whole allocation of its own: IPC exports allocation bases
         rt.memset(self.base, 0, self.nbytes)
         rt.deviceSynchronize()

@@ -1,21 +1,18 @@
 // Kernels that exercise the runtime's protocol between ranks: writes into peers' symmetric memory
 // through the pointer table, epoch flags, credits (a slow receiver is never overwritten), timeouts.
+#include "peers.cuh"
 #include "runtime_test_args.cuh"
-#include "signals.cuh"
 
-constexpr u32 MAX_LOCAL = 64;
-// Word offsets in the flag area of every workspace.
-constexpr u32 CREDIT = 0;               // [sender]: sender has entered epoch E, so may be written in E
-constexpr u32 ARRIVED = MAX_LOCAL;      // [sender]: sender's slot data of epoch E is complete
-constexpr u32 PING = 2 * MAX_LOCAL;
-constexpr u32 PONG = 2 * MAX_LOCAL + 1;
+// Word offsets in this test's flag area of every workspace.
+constexpr u32 ARRIVED = 0;                  // [sender]: sender's slot data of epoch E is complete
+constexpr u32 PING = MK_MAX_LOCAL;
+constexpr u32 PONG = MK_MAX_LOCAL + 1;
 
-MK_DEV u32* flags_of(const RuntimeTestArgs& a, u32 rank) {
-  return reinterpret_cast<u32*>(a.peers[rank] + a.flags_off);
-}
+MK_DEV MkPeers peers_of(const RuntimeTestArgs& a) { return MkPeers{a.peers, a.local_size, a.local_rank}; }
+MK_DEV u32* flags_of(const RuntimeTestArgs& a, u32 rank) { return peer_ptr<u32>(peers_of(a), rank, a.flags_off); }
 // Slot in `owner`'s workspace that `sender` writes.
 MK_DEV u32* slot_of(const RuntimeTestArgs& a, u32 owner, u32 sender) {
-  return reinterpret_cast<u32*>(a.peers[owner] + a.slots_off) + (u64)sender * a.words;
+  return peer_ptr<u32>(peers_of(a), owner, a.slots_off) + (u64)sender * a.words;
 }
 MK_DEV u32 pattern(u32 epoch, u32 sender, u32 i) { return (epoch * 2654435761u) ^ (sender << 24) ^ i; }
 
@@ -37,13 +34,11 @@ MK_DEV bool block_wait(Wait wait) {
 // Every rank writes a fresh pattern into its slot of every peer, then checks what it received.
 MK_DEV bool exchange_body(const RuntimeTestArgs& a, u32 E) {
   const u32 me = a.local_rank;
+  const MkPeers peers = peers_of(a);
   u32* mine = flags_of(a, me);
-  if (threadIdx.x == 0)
-    for (u32 p = 0; p < a.local_size; ++p) set_flag(flags_of(a, p) + CREDIT + me, E);
+  if (threadIdx.x == 0) credits_announce(peers, E);
   for (u32 p = 0; p < a.local_size; ++p) {
-    if (!a.skip_credit &&
-        !block_wait([&] { return wait_at_least(a.sync, mine + CREDIT + p, E, (i32)p, CREDIT + p); }))
-      return false;
+    if (!a.skip_credit && !block_wait([&] { return credits_wait(a.sync, peers, p, E); })) return false;
     u32* dst = slot_of(a, p, me);
     for (u32 i = threadIdx.x; i < a.words; i += blockDim.x) dst[i] = pattern(E, me, i);
     __threadfence_system();  // each writer's data before the flag (cumulative with the barrier)

@@ -5,7 +5,7 @@
 struct RuntimeTestArgs {
   MkSync sync;
   const unsigned long long* peers;  // workspace base of every rank of the node (device table)
-  unsigned long long flags_off;     // offset of the flag area in every workspace
+  unsigned long long flags_off;     // offset of this test's flag area in every workspace
   unsigned long long slots_off;     // offset of the slots: [local_size senders][words] u32
   unsigned int* mismatches;         // device counter of words that arrived wrong
   unsigned int* host_area;          // litmus over mapped host memory: [words] data, then flag, ack

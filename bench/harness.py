@@ -1,0 +1,103 @@
+"""What every benchmark shares: CUDA-event timing, statistics, the bound, and the results file.
+
+Results go to ``bench/results/<op>-<gpus>gpu[-<nodes>node].json`` as
+``{"op", "device", "gpus", "nodes", "transport", "date", "commit", "rows": [...]}``; each row has at
+least ``shape``, ``mkernel_ms``, ``baseline_ms``, ``speedup`` (baseline / mkernel) and ``bound_ms``.
+"""
+
+import datetime
+import json
+import math
+import statistics
+import subprocess
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+REPS = 30
+WARMUP = 5
+
+
+def time_ms(fn, reps=REPS, warmup=WARMUP, stream=None):
+    """CUDA-event timings (ms) of ``fn()`` on ``stream`` (default: the current stream)."""
+    import cupy
+
+    stream = stream or cupy.cuda.get_current_stream()
+    for _ in range(warmup):
+        fn()
+    stream.synchronize()
+    out = []
+    for _ in range(reps):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        fn()
+        stop.record(stream)
+        stop.synchronize()
+        out.append(cupy.cuda.get_elapsed_time(start, stop))
+    return out
+
+
+def median(xs):
+    return float(statistics.median(xs))
+
+
+def ci95(xs):
+    """95% confidence interval of the median (order statistics; distribution-free)."""
+    s = sorted(xs)
+    n = len(s)
+    half = 1.96 * math.sqrt(n) / 2
+    lo, hi = max(0, int(math.floor(n / 2 - half))), min(n - 1, int(math.ceil(n / 2 + half)))
+    return [float(s[lo]), float(s[hi])]
+
+
+def device_name():
+    try:
+        import cupy
+        p = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
+        return p["name"].decode() if isinstance(p["name"], bytes) else p["name"]
+    except Exception:
+        return "unknown"
+
+
+def commit():
+    try:
+        root = Path(__file__).resolve().parents[1]
+        rev = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True).stdout.strip()
+        return rev + ("-dirty" if dirty else "")
+    except Exception:
+        return "unknown"
+
+
+def row(shape, mkernel_ms, baseline_ms, bound_ms, **extra):
+    r = {"shape": list(shape), "mkernel_ms": mkernel_ms, "baseline_ms": baseline_ms,
+         "speedup": baseline_ms / mkernel_ms if mkernel_ms else None, "bound_ms": bound_ms,
+         "fraction_of_bound": bound_ms / mkernel_ms if mkernel_ms and bound_ms else None}
+    r.update(extra)
+    return r
+
+
+def write(op, rows, *, gpus, nodes=1, transport="none", out_dir=None, **extra):
+    name = f"{op}-{gpus}gpu" + (f"-{nodes}node" if nodes > 1 else "") + ".json"
+    doc = {"op": op, "device": device_name(), "gpus": gpus, "nodes": nodes, "transport": transport,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "commit": commit(), "rows": rows}
+    doc.update(extra)
+    path = Path(out_dir or RESULTS) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return path
+
+
+def table(rows, cols):
+    """A fixed-width text table of ``rows`` (dicts) with ``cols`` [(key, header, format)]."""
+    head = "  ".join(f"{h:>{max(len(h), 10)}s}" for _, h, _ in cols)
+    lines = [head]
+    for r in rows:
+        cells = []
+        for key, h, fmt in cols:
+            v = r.get(key)
+            cells.append(f"{(format(v, fmt) if v is not None and fmt else str(v)):>{max(len(h), 10)}s}")
+        lines.append("  ".join(cells))
+    return "\n".join(lines)
