@@ -42,34 +42,21 @@ class SymmetricHeap:
                           for p, h in enumerate(handles)]
         self.peer_table = cupy.array(self.peer_base, dtype=cupy.uint64)
         self._lock = threading.Lock()
-        self._free_list = [(CONTROL_BYTES, self.nbytes - CONTROL_BYTES)]  # (offset, size), sorted
+        self._ranges = FreeList(CONTROL_BYTES, self.nbytes - CONTROL_BYTES)
         self.live = 0
         self.closed = False
 
     def alloc(self, nbytes: int) -> _Range:
         if self.closed:
             raise ClosedError("the communicator's workspace was closed")
-        size = _round_up(max(nbytes, 1), ALIGN)
         with self._lock:
-            for i, (off, avail) in enumerate(self._free_list):
-                if avail >= size:
-                    self._free_list[i:i + 1] = [(off + size, avail - size)] if avail > size else []
-                    self.live += 1
-                    return _Range(self, off, size)
-        raise MKernelError(f"symmetric workspace exhausted: {nbytes} bytes wanted, {self.nbytes} in all; "
-                           f"pass a larger workspace_bytes to mkernel.init (or MKERNEL_WORKSPACE_BYTES)")
+            offset, size = self._ranges.take(nbytes)
+            self.live += 1
+        return _Range(self, offset, size)
 
     def _free(self, offset, size):
         with self._lock:
-            self._free_list.append((offset, size))
-            self._free_list.sort()
-            merged = []
-            for off, sz in self._free_list:
-                if merged and merged[-1][0] + merged[-1][1] == off:
-                    merged[-1] = (merged[-1][0], merged[-1][1] + sz)
-                else:
-                    merged.append((off, sz))
-            self._free_list = merged
+            self._ranges.give(offset, size)
             self.live -= 1
             if self.closed and self.live == 0:
                 self._release_base()
@@ -106,6 +93,33 @@ class SymmetricHeap:
             import cupy
             cupy.cuda.runtime.free(self.base)
             self.base = 0
+
+
+class FreeList:
+    """First-fit ranges of one workspace. Deterministic: the same calls give the same offsets on
+    every rank, which is what makes offsets symmetric."""
+
+    def __init__(self, start: int, size: int):
+        self.total = size
+        self.free = [(start, size)]  # (offset, size), sorted, never adjacent
+
+    def take(self, nbytes: int):
+        size = _round_up(max(nbytes, 1), ALIGN)
+        for i, (off, avail) in enumerate(self.free):
+            if avail >= size:
+                self.free[i:i + 1] = [(off + size, avail - size)] if avail > size else []
+                return off, size
+        raise MKernelError(f"symmetric workspace exhausted: {nbytes} bytes wanted, {self.total} in all; "
+                           f"pass a larger workspace_bytes to mkernel.init (or MKERNEL_WORKSPACE_BYTES)")
+
+    def give(self, offset: int, size: int):
+        merged = []
+        for off, sz in sorted(self.free + [(offset, size)]):
+            if merged and merged[-1][0] + merged[-1][1] == off:
+                merged[-1] = (merged[-1][0], merged[-1][1] + sz)
+            else:
+                merged.append((off, sz))
+        self.free = merged
 
 
 def _round_up(n, a):
