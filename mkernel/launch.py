@@ -34,3 +34,26 @@ def max_resident_blocks(fn, block_threads: int, smem: int) -> int:
     if smem > 48 * 1024:
         driver.funcSetAttribute(fn.ptr, FUNC_ATTR_MAX_DYNAMIC_SHARED, smem)
     return driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, block_threads, smem)
+
+
+def sm_count() -> int:
+    import cupy
+    return cupy.cuda.Device().attributes["MultiProcessorCount"]
+
+
+def persistent_grid(fn, block_threads: int, smem: int, blocks: int = None, what: str = "kernel") -> int:
+    """The grid of a persistent kernel: ``blocks`` (default: as many as fit), checked to be resident
+    all at once, since its blocks wait on each other. Launch it with ``cooperative=True`` where other
+    kernels (NCCL's) may hold SMs: a cooperative launch fails instead of deadlocking."""
+    from .errors import ArgumentError, MKernelError
+
+    per_sm = max_resident_blocks(fn, block_threads, smem)
+    if per_sm == 0:
+        raise MKernelError(f"{what}: a block of {block_threads} threads with {smem} bytes of shared memory "
+                           f"does not fit on one SM")
+    limit = per_sm * sm_count()
+    blocks = limit if blocks is None else blocks
+    if not 0 < blocks <= limit:
+        raise ArgumentError(f"{what}: {blocks} persistent blocks requested, but only {limit} can be resident "
+                            f"at once ({per_sm} per SM)")
+    return blocks

@@ -10,6 +10,8 @@ import os
 
 import pytest
 
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX beside CuPy: don't take 75% of the GPU
+
 from mkernel import gpu
 
 _SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")

@@ -173,3 +173,44 @@ def test_a_dead_rank_makes_the_survivor_raise_within_30_s():
     detected_after = float(r.stdout.split("survivor detected after")[1].split()[0])
     assert detected_after < 30 and "peer 1" in r.stdout, r.stdout
     assert elapsed < 90
+
+
+def test_trace_mode_writes_chrome_json_with_one_span_per_launch(tmp_path, monkeypatch):
+    import json
+    from mpi4py import MPI
+    monkeypatch.setenv("MKERNEL_TRACE", str(tmp_path / "trace-{rank}.json"))
+    solo = mkernel.init(MPI.COMM_SELF, workspace_bytes=4 << 20)
+    p = Protocol(solo, 256)
+    for _ in range(5):
+        p.run("exchange")
+    _sync()
+    solo.close()
+    events = json.loads((tmp_path / "trace-0.json").read_text())["traceEvents"]
+    assert len(events) == 5 and all(e["ph"] == "X" and e["cat"] == "intra-node" and e["dur"] > 0 for e in events)
+    assert sorted(e["args"]["id"] for e in events) == list(range(events[0]["args"]["id"],
+                                                                 events[0]["args"]["id"] + 5))
+
+
+def test_jax_arrays_come_in_through_dlpack():
+    jax = pytest.importorskip("jax")
+    import cupy
+    from mkernel.arrays import as_cupy
+    x = jax.numpy.arange(12, dtype=jax.numpy.float32).reshape(3, 4) * 2
+    y = as_cupy(x, "x")
+    assert isinstance(y, cupy.ndarray) and y.shape == (3, 4)
+    assert np.array_equal(y.get(), np.arange(12, dtype=np.float32).reshape(3, 4) * 2)
+
+
+def test_host_arrays_are_refused_with_a_clear_message():
+    from mkernel.arrays import as_cupy
+    with pytest.raises(mkernel.ArgumentError, match="host memory"):
+        as_cupy(np.zeros(4), "x")
+
+
+def test_persistent_grid_refuses_more_blocks_than_can_be_resident(proto):
+    from mkernel import launch
+    fn = proto.module.function("exchange")
+    fit = launch.persistent_grid(fn, 256, 0, what="exchange")
+    assert fit >= launch.sm_count()
+    with pytest.raises(mkernel.ArgumentError, match="resident"):
+        launch.persistent_grid(fn, 256, 0, blocks=fit + 1, what="exchange")

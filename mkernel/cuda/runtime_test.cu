@@ -2,6 +2,7 @@
 // through the pointer table, epoch flags, credits (a slow receiver is never overwritten), timeouts.
 #include "peers.cuh"
 #include "runtime_test_args.cuh"
+#include "trace.cuh"
 
 // Word offsets in this test's flag area of every workspace.
 constexpr u32 ARRIVED = 0;                  // [sender]: sender's slot data of epoch E is complete
@@ -65,7 +66,9 @@ MK_DEV bool exchange_body(const RuntimeTestArgs& a, u32 E) {
 
 extern "C" __global__ void __launch_bounds__(256, 1) exchange(const __grid_constant__ RuntimeTestArgs a) {
   const u32 E = launch_epoch(a.sync);
+  const u64 t0 = globaltimer_ns();
   exchange_body(a, E);
+  if (threadIdx.x == 0) trace_span(a.sync, MK_ROLE_INTRA, E, t0);
   launch_exit(a.sync, E);
 }
 
