@@ -161,10 +161,10 @@ class Communicator:
                 raise ArgumentError(f"{key}: value changed from {self._agreed[key]!r} to {value!r}; ranks "
                                     f"agreed on it once and must keep it")
             return value
-        digest = hashlib.sha256(repr(value).encode()).digest()
+        digest = hashlib.sha256(repr((key, value)).encode()).digest()
         digests = self._allgather_bytes(digest, what=f"agreeing on {key!r}")
         if len(set(digests)) != 1:
-            values = self.mpi.allgather(repr(value))
+            values = self.mpi.allgather(repr((key, value)))
             raise ArgumentError(f"ranks disagree on {key!r}: " + ", ".join(f"rank {r}: {v}" for r, v in
                                                                             enumerate(values)))
         if cache:
