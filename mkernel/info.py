@@ -2,6 +2,7 @@
 
 import platform
 import sys
+import warnings
 
 from . import compile as kcompile
 from . import gpu
@@ -10,9 +11,11 @@ from ._version import __version__
 
 def _try(fn):
     try:
-        return fn()
+        with warnings.catch_warnings():  # CuPy warns at length when NCCL is missing; we say it in one line
+            warnings.simplefilter("ignore")
+            return fn()
     except Exception as e:  # info reports what is missing instead of failing
-        return f"unavailable ({type(e).__name__}: {e})"
+        return f"unavailable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
 
 
 def _cuda_version(v: int) -> str:
@@ -32,7 +35,22 @@ def _gpus():
     for i in range(n):
         peers = [str(j) for j in range(n) if j != i and rt.deviceCanAccessPeer(i, j)]
         rows.append(f"  GPU {i} peer access to: {', '.join(peers) or 'none'}")
+    if n > 1:
+        rows.extend("  " + line for line in _nvidia_smi_topology())
     return rows
+
+
+def _nvidia_smi_topology():
+    """The link matrix (NV18 = 18 NVLinks, PIX/SYS = PCIe), when nvidia-smi is there."""
+    import shutil
+    import subprocess
+    if not shutil.which("nvidia-smi"):
+        return ["links: nvidia-smi not found"]
+    try:
+        out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return [f"links: nvidia-smi topo failed ({e})"]
+    return [line.rstrip() for line in out.splitlines() if line.startswith(("\t", "GPU")) or "GPU0" in line][:10]
 
 
 def _transports():
@@ -47,7 +65,7 @@ def collect() -> list:
     lines.append("cupy " + _try(lambda: __import__("cupy").__version__))
     lines.append("NVRTC " + _try(lambda: "%d.%d" % kcompile.nvrtc.version() + f" at {kcompile.nvrtc.location()}"))
     lines.append("CUDA driver " + _try(lambda: _cuda_version(__import__("cupy").cuda.runtime.driverGetVersion())))
-    lines.append("NCCL " + _try(lambda: str(__import__("cupy.cuda.nccl", fromlist=["nccl"]).get_version())))
+    lines.append("NCCL " + _try(_nccl_version))
     lines.append("MPI " + _try(lambda: __import__("mpi4py.MPI", fromlist=["MPI"]).Get_library_version().splitlines()[0].strip()))
     count = gpu.device_count()
     lines.append(f"GPUs: {count}" + ("" if count else f" ({gpu.describe_missing()})"))
@@ -59,3 +77,8 @@ def collect() -> list:
     lines.append(f"kernel cache: {kcompile.cache_dir()}")
     lines.append(f"kernels registered: {len(kcompile.REGISTRY)} ({', '.join(sorted(kcompile.REGISTRY)) or 'none'})")
     return lines
+
+
+def _nccl_version():
+    from cupy.cuda import nccl
+    return str(nccl.get_version() if hasattr(nccl, "get_version") else nccl.get_build_version())
