@@ -13,9 +13,10 @@ from .errors import (ArgumentError, ClosedError, CompileError, MKernelError, NoG
 from . import compile  # noqa: F401  (the kernel registry; the modules below register into it)
 from .comm import Communicator, init
 from . import selftest  # noqa: F401
+from .gemm import gemm, grouped_gemm
 
 __all__ = [
-    "__version__", "init", "Communicator",
+    "__version__", "init", "Communicator", "gemm", "grouped_gemm",
     "MKernelError", "ArgumentError", "ClosedError", "CompileError", "NoGPUError",
     "NoRDMADeviceError", "PeerError", "TimeoutError",
 ]

@@ -1,0 +1,289 @@
+#!/usr/bin/env python3
+"""GEMM benchmark: mkernel.gemm against cupy.matmul (cuBLAS), one GPU, one process.
+
+Rows: the issue's shapes (M, N, K), B as [K, N] (the layout cupy.matmul takes) and as the
+transposed view of a row-major [N, K] weight (w.T, both libraries read it in place); time against
+the number of SMs given to the GEMM (132 down to 66); the cost of per-tile flags; grouped mode
+(32 groups of ~1024 rows, H 7168 / F 2048) against one cupy.matmul per group. Median of 30
+CUDA-event timings after warm-up. Writes bench/results/gemm-1gpu.json; prints a table, and a
+compact summary last. Every mkernel result is checked against cuBLAS's before it is timed.
+
+    python3 bench/gemm.py [--quick]
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import numpy as np  # noqa: E402
+
+import harness  # noqa: E402
+
+PEAK_TFLOPS = 989.4  # H100/H200 SXM dense bf16/fp16 tensor core peak
+PEAK_TBS = 4.8       # H200 HBM3e
+MAIN_SHAPES = [(4096, 8192, 4096), (8192, 8192, 4096), (8192, 8192, 14336), (16384, 8192, 14336),
+               (8192, 14336, 8192), (16384, 16384, 1024)]
+EXTRA_SHAPES = [(2048, 2048, 2048), (4000, 7000, 3000)]  # the second is off the tile grid
+SWEEP_SHAPE = (8192, 8192, 4096)
+SWEEP_SMS = list(range(132, 65, -6))
+GROUPS, GROUP_ROWS_MEAN = 32, 1024
+GROUPED_SHAPES = [(2048, 7168, "up: N=F=2048, K=H=7168"), (7168, 2048, "down: N=H=7168, K=F=2048")]
+
+
+def bound_ms(M, N, K, G=1):
+    flops = 2.0 * M * N * K
+    bytes_ = 2.0 * (M * K + G * K * N + M * N)
+    return max(flops / (PEAK_TFLOPS * 1e12), bytes_ / (PEAK_TBS * 1e12)) * 1e3
+
+
+def bf16(x):
+    """float32 cupy array -> bfloat16 (round to nearest even), on the device."""
+    import cupy
+    import ml_dtypes
+
+    dt = np.dtype(ml_dtypes.bfloat16)
+    try:
+        return x.astype(dt)
+    except Exception:  # noqa: BLE001  (a CuPy without bfloat16 casts: do it on the bits)
+        u = x.view(cupy.uint32)
+        r = (u + cupy.uint32(0x7FFF) + ((u >> 16) & cupy.uint32(1))) >> 16
+        return r.astype(cupy.uint16).view(dt)
+
+
+def rand(shape, seed):
+    import cupy
+
+    return bf16(cupy.random.default_rng(seed).standard_normal(shape, dtype=cupy.float32))
+
+
+def wait(what, timeout_s=60.0):
+    """Synchronise, or report the hang and exit (a hung kernel cannot be interrupted)."""
+    import cupy
+
+    ev = cupy.cuda.Event()
+    ev.record()
+    t0 = time.time()
+    while not ev.done:
+        if time.time() - t0 > timeout_s:
+            print(f"HANG: {what} did not finish in {timeout_s} s", flush=True)
+            os._exit(3)
+        time.sleep(0.0005)
+
+
+_spin = None
+
+
+def spin(ns):
+    """Keeps the stream busy for ns nanoseconds (one thread on one SM)."""
+    global _spin
+    import cupy
+
+    if _spin is None:
+        _spin = cupy.RawKernel(r"""
+extern "C" __global__ void mk_bench_spin(unsigned long long ns) {
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}""", "mk_bench_spin")
+    _spin((1,), (1,), (np.uint64(ns),))
+
+
+def gpu_time_ms(fn, reps, warmup=harness.WARMUP):
+    """Median CUDA-event time of fn() with the host's launch overhead hidden: each timed call is
+    queued behind a spin kernel long enough for the host to enqueue it, so the start event fires
+    when the work is already in the stream. Returns (median, all timings)."""
+    import cupy
+
+    for _ in range(warmup):
+        fn()
+    cupy.cuda.get_current_stream().synchronize()
+    t0 = time.perf_counter()
+    fn()
+    host_ns = (time.perf_counter() - t0) * 1e9
+    cupy.cuda.get_current_stream().synchronize()
+    pre = int(max(100e3, 3 * host_ns))
+    evs = []
+    for _ in range(reps):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        spin(pre)
+        start.record()
+        fn()
+        stop.record()
+        evs.append((start, stop))
+    wait("timed loop", timeout_s=120)
+    ts = [cupy.cuda.get_elapsed_time(a, b) for a, b in evs]
+    return harness.median(ts), ts
+
+
+def rel_err(x, ref):
+    import cupy
+
+    x32, r32 = x.astype(cupy.float32), ref.astype(cupy.float32)
+    return float(cupy.linalg.norm(x32 - r32) / (cupy.linalg.norm(r32) + 1e-30))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer shapes and reps (smoke run)")
+    ap.add_argument("--reps", type=int, default=harness.REPS)
+    opts = ap.parse_args()
+
+    import cupy
+
+    import importlib
+
+    mg = importlib.import_module("mkernel.gemm")  # the module (mkernel.gemm is also the function)
+
+    reps = 5 if opts.quick else opts.reps
+    t_start = time.time()
+    nsm = mg._num_sms()
+    # Compile / load once, and prove the kernel finishes before anything is timed.
+    a0, b0 = rand((256, 256), 1), rand((256, 256), 2)
+    mg.gemm(a0, b0)
+    wait("first launch")
+    print(f"# device {harness.device_name()} ({nsm} SMs), setup {time.time() - t_start:.1f} s", flush=True)
+
+    errors = {}
+
+    def section(name, fn):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001  (report it, keep the other sections)
+            errors[name] = f"{type(e).__name__}: {e}"[:500]
+            print(f"ERROR in {name}: {errors[name]}", flush=True)
+            return None
+
+    rows = []
+
+    def shape_rows(M, N, K):
+        a, b = rand((M, K), 10), rand((K, N), 11)
+        w = cupy.ascontiguousarray(b.T)  # [N, K] row-major: the weights layout
+        out = cupy.empty((M, N), dtype=a.dtype)
+        flops = 2.0 * M * N * K
+        for layout, bb in (("kn", b), ("nk", w.T)):
+            mg.gemm(a, bb, out=out)
+            wait(f"gemm {M}x{N}x{K} {layout}")
+            try:  # cuBLAS's result and time (if this CuPy cannot multiply bfloat16, mkernel is still timed)
+                ref = cupy.matmul(a, bb)
+                err = rel_err(out, ref)
+                del ref
+                t_cb = gpu_time_ms(lambda: cupy.matmul(a, bb, out=out), reps=reps)[0]
+            except Exception as e:  # noqa: BLE001
+                errors[f"cupy.matmul {M}x{N}x{K} {layout}"] = f"{type(e).__name__}: {e}"[:300]
+                err, t_cb = None, None
+            t_mk = gpu_time_ms(lambda: mg.gemm(a, bb, out=out), reps=reps)[0]
+            r = harness.row([M, N, K], t_mk, t_cb or 0.0, bound_ms(M, N, K), layout=layout,
+                            tflops=flops / t_mk * 1e-9, cublas_tflops=flops / t_cb * 1e-9 if t_cb else None,
+                            rel_err=err, main=(M, N, K) in MAIN_SHAPES, dtype="bfloat16")
+            if t_cb is None:
+                r["speedup"] = r["baseline_ms"] = None
+            rows.append(r)
+            sp = f"{r['speedup']:.3f}" if r["speedup"] else "n/a"
+            cb = f"{t_cb:8.3f} ms {r['cublas_tflops']:6.1f} TF/s" if t_cb else "n/a"
+            print(f"{M:6d} {N:6d} {K:6d} {layout}  mkernel {t_mk:8.3f} ms {r['tflops']:6.1f} TF/s  cublas {cb}  "
+                  f"speedup {sp}  err {err if err is None else format(err, '.1e')}", flush=True)
+
+    for shape in (MAIN_SHAPES[:2] if opts.quick else MAIN_SHAPES + EXTRA_SHAPES):
+        section(f"shape {shape}", lambda: shape_rows(*shape))
+
+    sweep, tuning, flags_cost = [], [], {}
+
+    def sweep_and_knobs():
+        # Time against the number of SMs given to the GEMM.
+        M, N, K = SWEEP_SHAPE
+        a, b = rand((M, K), 20), rand((K, N), 21)
+        out = cupy.empty((M, N), dtype=a.dtype)
+        for s in (SWEEP_SMS[:3] if opts.quick else SWEEP_SMS):
+            s = min(s, nsm)
+            t = gpu_time_ms(lambda: mg.gemm(a, b, out=out, sms=s), reps=reps)[0]
+            sweep.append({"sms": s, "mkernel_ms": t, "tflops": 2.0 * M * N * K / t * 1e-9})
+            print(f"sms {s:4d}  {t:8.3f} ms  {sweep[-1]['tflops']:6.1f} TF/s", flush=True)
+        # Knobs, for the next version: L2 grouping of the built-in order, all SMs vs the default CTAs.
+        for kw in ({"group_m": 4}, {"group_m": 8}, {"group_m": 16}, {"group_m": 32}, {"sms": nsm}):
+            t = gpu_time_ms(lambda: mg.gemm(a, b, out=out, **kw), reps=reps)[0]
+            tuning.append({**kw, "mkernel_ms": t, "tflops": 2.0 * M * N * K / t * 1e-9})
+            print(f"tuning {kw}: {t:.3f} ms {tuning[-1]['tflops']:.1f} TF/s", flush=True)
+        # Cost of publishing per-tile flags (store completion + release store after every tile).
+        flags = cupy.zeros(mg.tiles(M, N), dtype=cupy.uint32)
+        t_plain = gpu_time_ms(lambda: mg.gemm(a, b, out=out), reps=reps)[0]
+        t_flags = gpu_time_ms(lambda: mg.gemm(a, b, out=out, tile_flags=flags), reps=reps)[0]
+        flags_cost.update(shape=[M, N, K], plain_ms=t_plain, flags_ms=t_flags, overhead=t_flags / t_plain - 1)
+        print(f"flags: {t_plain:.3f} ms -> {t_flags:.3f} ms ({flags_cost['overhead'] * 100:+.1f}%)", flush=True)
+
+    section("sm sweep / knobs / flags", sweep_and_knobs)
+
+    # Grouped mode: 32 groups, rows drawn around 1024.
+    grouped = []
+    rng = np.random.default_rng(7)
+    counts = np.clip(rng.normal(GROUP_ROWS_MEAN, GROUP_ROWS_MEAN / 4, size=GROUPS).round(), 0,
+                     2 * GROUP_ROWS_MEAN).astype(np.int32)
+    total = int(counts.sum())
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+
+    def grouped_row(N, K, name):
+        G = len(counts)
+        a, bs = rand((total, K), 30), rand((G, K, N), 31)
+        out = cupy.empty((total, N), dtype=a.dtype)
+        ref = cupy.empty_like(out)
+        d_counts = cupy.asarray(counts)
+
+        def per_group():
+            for g in range(G):
+                s, r = int(starts[g]), int(counts[g])
+                if r:
+                    cupy.matmul(a[s:s + r], bs[g], out=ref[s:s + r])
+
+        per_group()
+        mg.grouped_gemm(a, bs, d_counts, out=out)
+        wait(f"grouped {name}")
+        err = rel_err(out, ref)
+        t_mk = gpu_time_ms(lambda: mg.grouped_gemm(a, bs, d_counts, out=out), reps=reps)[0]
+        t_cb = gpu_time_ms(per_group, reps=reps)[0]
+        flops = 2.0 * total * N * K
+        r = harness.row([total, N, K], t_mk, t_cb, bound_ms(total, N, K, G), groups=G, name=name,
+                        tflops=flops / t_mk * 1e-9, cublas_tflops=flops / t_cb * 1e-9, rel_err=err)
+        grouped.append(r)
+        print(f"grouped {name}: mkernel {t_mk:.3f} ms ({r['tflops']:.1f} TF/s), {G} x cupy.matmul {t_cb:.3f} ms "
+              f"({r['cublas_tflops']:.1f} TF/s), speedup {r['speedup']:.2f}, err {err:.1e}", flush=True)
+
+    for (N, K, name) in GROUPED_SHAPES:
+        section(f"grouped {name}", lambda: grouped_row(N, K, name))
+
+    path = harness.write("gemm", rows, gpus=1, sm_sweep={"shape": list(SWEEP_SHAPE), "rows": sweep},
+                         flags_cost=flags_cost, tuning=tuning, grouped=grouped, group_rows=counts.tolist(),
+                         reps=reps, errors=errors)
+
+    print()
+    print(harness.table(rows, [("shape", "shape", None), ("layout", "B", None), ("mkernel_ms", "mkernel ms", ".3f"),
+                               ("baseline_ms", "cublas ms", ".3f"), ("tflops", "TF/s", ".1f"),
+                               ("cublas_tflops", "cublas TF/s", ".1f"), ("speedup", "speedup", ".3f"),
+                               ("fraction_of_bound", "of bound", ".2f"), ("rel_err", "rel err", ".1e")]))
+    main_kn = [r for r in rows if r["main"] and r["layout"] == "kn" and r["speedup"]]
+    worst = min(main_kn, key=lambda r: r["speedup"]) if main_kn else None
+    ok = all(r["rel_err"] is not None and r["rel_err"] < 1e-2 for r in rows + grouped)
+    parts = [f"{len(main_kn)} main shapes"]
+    if worst:
+        parts.append(f"speedup vs cuBLAS min {worst['speedup']:.3f} at {worst['shape']} (goal 0.95 "
+                     f"{'met' if worst['speedup'] >= 0.95 else 'NOT met'})")
+    if sweep:
+        parts.append(f"sms {sweep[0]['sms']}->{sweep[-1]['sms']}: {sweep[0]['mkernel_ms']:.3f}->"
+                     f"{sweep[-1]['mkernel_ms']:.3f} ms")
+    if flags_cost:
+        parts.append(f"flags {flags_cost['overhead'] * 100:+.1f}%")
+    if grouped:
+        parts.append("grouped speedup " + ", ".join(format(g["speedup"], ".2f") for g in grouped))
+    parts.append("results " + ("correct" if ok else "WRONG"))
+    if errors:
+        parts.append(f"{len(errors)} sections FAILED: {', '.join(errors)}")
+    parts.append(f"{os.path.relpath(path, ROOT)}, {time.time() - t_start:.0f} s")
+    print("\nSUMMARY gemm: " + "; ".join(parts), flush=True)
+
+
+if __name__ == "__main__":
+    main()

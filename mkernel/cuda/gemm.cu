@@ -1,0 +1,39 @@
+// The standalone and grouped GEMM kernels: persistent, warp-specialized (1 TMA producer
+// warpgroup + 2 wgmma consumer warpgroups), 128 x 256 x 64 tiles, 4 stages. See docs/GEMM.md.
+//
+// Template parameters: DT (MK_DT_BF16 / MK_DT_F16), BL (MK_B_NK: B is [N, K]; MK_B_KN: B is
+// [K, N]), OUT (MK_OUT_BF16 / MK_OUT_F16 / MK_OUT_F32), GROUPED (per-group row counts on device).
+#include "common.cuh"
+#include "signals.cuh"
+#include "gemm_args.cuh"
+#include "gemm_mainloop.cuh"
+#include "gemm_epilogue.cuh"
+
+template <int DT, int BL, int OUT, bool GROUPED>
+__global__ void __launch_bounds__(384, 1) mk_gemm_kernel(const __grid_constant__ MkGemmArgs args) {
+  using Cfg = GemmCfg<DT, BL>;
+  extern __shared__ __align__(1024) u8 mk_smem[];
+  const GemmSmem<Cfg> sm = gemm_smem_carve<Cfg, GROUPED>(mk_smem);
+  const MkTileSpace<Cfg::BM> space = gemm_setup<Cfg, GROUPED>(args, sm);
+  const u32 epoch = sm.bars->epoch;
+  if (threadIdx.x < 128) {
+    setmaxnreg_dec<Cfg::PRODUCER_REGS>();
+    if (threadIdx.x == 0) {
+      gemm_producer<Cfg, GROUPED>(args, sm, space);
+      sched_finish(args.sched);
+    }
+  } else {
+    setmaxnreg_inc<Cfg::CONSUMER_REGS>();
+    MkTmaEpilogue<OUT, Cfg, GROUPED> epi{args, sm, epoch};
+    gemm_consumer<Cfg>(args, sm, (int)(threadIdx.x / 128) - 1, epi);
+    epi.finish();
+  }
+  launch_exit(args.sync, epoch);
+}
+
+// mkernel/gemm.py launches with these dynamic shared memory sizes (SMEM_PLAIN, SMEM_GROUPED).
+static_assert(sizeof(GemmBars<GemmCfg<0, 0> >) == 336, "GemmBars size changed: update mkernel/gemm.py");
+static_assert(gemm_smem_bytes<GemmCfg<0, 0>, false>() == 230736, "update SMEM_PLAIN in mkernel/gemm.py");
+static_assert(gemm_smem_bytes<GemmCfg<0, 0>, true>() == 231768, "update SMEM_GROUPED in mkernel/gemm.py");
+static_assert(gemm_smem_bytes<GemmCfg<0, 0>, true>() <= 232448, "more than 227 KiB of shared memory");
+static_assert(sizeof(MkGemmArgs) == 576, "MkGemmArgs layout changed: update mkernel/gemm.py");

@@ -1,0 +1,184 @@
+#pragma once
+// GEMM epilogues: fp32 accumulators -> output dtype -> shared memory -> TMA store (or TMA
+// reduce-add) into whatever the output tensor map points at (local output, a peer's symmetric
+// buffer, a reduction buffer), then the per-tile flag.
+//
+// Staging, warp by warp. Each consumer warp owns 16 rows of the tile and two 2 KiB chunk
+// buffers (16 rows x 128 B, 128B-swizzled exactly as the TMA store box {128 B, 16 rows} expects:
+// 16-byte unit u of row r lives at unit u ^ (r % 8)). Its 16 x 256 slice leaves in 4 chunks of 64
+// columns (16-bit output) or 8 chunks of 32 columns (fp32): the lanes write a chunk, fence the
+// async proxy, __syncwarp, and lane 0 issues the TMA store of that box; chunk q reuses buffer q % 2
+// once lane 0's store of chunk q - 2 has finished reading it (cp.async.bulk.wait_group.read 1).
+// No barrier spans more than one warp. The swizzle makes the fragment writes conflict-free: the 8
+// rows a warp writes at once land in 8 different 16-byte bank groups.
+//
+// Tiles cut by a group boundary (grouped mode) are written with plain predicated global stores
+// (or red.add) from registers, since a TMA store cannot stop at a group's last row.
+//
+// Flags. When tile_flags is set, lane 0 of each consumer warp remembers the tile whose stores it
+// just issued, and completes it later, inside the next tile's mainloop (after_issue) or at the
+// end (finish): cp.async.bulk.wait_group 0 (the writes are performed, not just the smem read),
+// fence.proxy.async.global, fence.sc.sys, then it counts its part in the tile's join slot; the
+// last of the 8 parts publishes flag[tile] = epoch with a system-scope release store. So a flag
+// trails its tile by about two k-blocks, and the MMA pipe never waits for a store.
+#include "common.cuh"
+#include "signals.cuh"
+#include "tma.cuh"
+#include "gemm_mainloop.cuh"
+
+// Output kinds.
+enum { MK_OUT_BF16 = 0, MK_OUT_F16 = 1, MK_OUT_F32 = 2 };
+
+MK_DEV u32 pack2_out(int out, float lo, float hi) {
+  u32 r;
+  if (out == MK_OUT_BF16)
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+MK_DEV void st_shared_u32(u32 addr, u32 v) { asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory"); }
+MK_DEV void st_shared_v2f32(u32 addr, float a, float b) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(a), "f"(b) : "memory");
+}
+
+// Stores (or adds) two adjacent output elements at p, straight from registers.
+template <int OUT>
+MK_DEV void store2_global(void* p, float a, float b, u32 op) {
+  if (OUT == MK_OUT_F32) {
+    float* f = reinterpret_cast<float*>(p);
+    if (op == MK_EPI_ADD) {
+      asm volatile("red.global.add.f32 [%0], %1;" ::"l"(f), "f"(a) : "memory");
+      asm volatile("red.global.add.f32 [%0], %1;" ::"l"(f + 1), "f"(b) : "memory");
+    } else {
+      asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(f), "f"(a), "f"(b) : "memory");
+    }
+  } else {
+    const u32 v = pack2_out(OUT, a, b);
+    if (op == MK_EPI_ADD) {
+      if (OUT == MK_OUT_BF16)
+        asm volatile("red.global.add.noftz.bf16x2 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+      else
+        asm volatile("red.global.add.noftz.f16x2 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+    } else {
+      asm volatile("st.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+    }
+  }
+}
+
+template <int OUT, class Cfg, bool GROUPED>
+struct MkTmaEpilogue {
+  static constexpr int ESIZE = OUT == MK_OUT_F32 ? 4 : 2;
+  static constexpr int CW = 128 / ESIZE;          // columns per chunk
+  static constexpr int NCHUNK = Cfg::BN / CW;     // chunks per 16 x 256 warp slice
+  static constexpr int JPC = CW / 8;              // accumulator column groups (8 wide) per chunk
+
+  const MkGemmArgs& args;
+  GemmSmem<Cfg> sm;
+  u32 epoch;
+  u32 pending_id = MK_TILE_DONE;  // leader: the tile whose stores are issued but not yet published
+  u32 pending_seq = 0;
+
+  static constexpr u32 PARTS = Cfg::CONSUMERS * 4;  // one per consumer warp
+
+  // Lane 0: count this warp's part of tile (id, seq); the last part publishes the flag.
+  MK_DEV void publish(u32 id, u32 seq) {
+    fence_sys();
+    u32* slot = &sm.bars->join[seq % MK_JOIN_SLOTS];
+    if (atomicAdd(slot, 1u) == PARTS - 1) {
+      atomicExch(slot, 0u);
+      fence_sys();
+      set_flag(&args.tile_flags[id], epoch);
+      if (args.tile_counts) atomicAdd(&args.tile_counts[id], 1u);
+    }
+  }
+  // Lane 0: complete the pending tile's stores and publish it.
+  MK_DEV void flush() {
+    if (pending_id != MK_TILE_DONE) {
+      bulk_wait<0>();
+      fence_proxy_async_global();
+      publish(pending_id, pending_seq);
+      pending_id = MK_TILE_DONE;
+    }
+  }
+  MK_DEV void after_issue() {
+    if (args.tile_flags && (threadIdx.x & 31) == 0) flush();
+  }
+
+  MK_DEV void operator()(float (&acc)[128], const MkTile& t, int wg) {
+    const u32 tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31;
+    const bool leader = lane == 0;
+    const i32 wrow = 64 * wg + 16 * warp;  // this warp's first row, inside the tile
+    if (!(GROUPED && t.rows < Cfg::BM)) {
+      if (wrow < t.rows) {
+        const u32 r0 = lane >> 2;  // this thread's rows in the warp's box: r0 and r0 + 8 (same r % 8)
+        const u32 x = r0;          // the swizzle of both rows
+        if (leader) bulk_wait_read<0>();  // the previous tile's stores of this warp have read smem
+#pragma unroll
+        for (int q = 0; q < NCHUNK; ++q) {
+          const u32 buf = sm.c(wg, warp, q & 1);
+          if (q >= 2 && leader) bulk_wait_read<1>();
+          __syncwarp();
+#pragma unroll
+          for (int jj = 0; jj < JPC; ++jj) {
+            const int j = q * JPC + jj;
+            if (OUT == MK_OUT_F32) {
+              const u32 unit = (2 * jj + ((lane & 3) >> 1)) ^ x;
+              const u32 a0 = buf + r0 * 128 + (unit << 4) + (lane & 1) * 8;
+              st_shared_v2f32(a0, acc[4 * j + 0], acc[4 * j + 1]);
+              st_shared_v2f32(a0 + 8 * 128, acc[4 * j + 2], acc[4 * j + 3]);
+            } else {
+              const u32 unit = jj ^ x;
+              const u32 a0 = buf + r0 * 128 + (unit << 4) + (lane & 3) * 4;
+              st_shared_u32(a0, pack2_out(OUT, acc[4 * j + 0], acc[4 * j + 1]));
+              st_shared_u32(a0 + 8 * 128, pack2_out(OUT, acc[4 * j + 2], acc[4 * j + 3]));
+            }
+          }
+          fence_proxy_async_smem();
+          __syncwarp();
+          if (leader) {
+            if (args.epi_op == MK_EPI_ADD)
+              tma_add_2d(&args.c, buf, t.n0 + q * CW, t.m0 + wrow);
+            else
+              tma_store_2d(&args.c, buf, t.n0 + q * CW, t.m0 + wrow);
+            bulk_commit();
+          }
+        }
+        if (args.tile_flags && leader) {
+          pending_id = t.id;  // completed and published by after_issue() / finish()
+          pending_seq = t.seq;
+        }
+      } else if (args.tile_flags && leader) {
+        publish(t.id, t.seq);  // no row of this warp is in range: count it at once
+      }
+    } else {
+      // A tile cut by its group's end: predicated stores from registers.
+      char* base = reinterpret_cast<char*>(args.c_ptr);
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const i32 col = t.n0 + 8 * j + 2 * (lane & 3);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const i32 lr = wrow + (lane >> 2) + 8 * h;
+          if (col < args.n && lr < t.rows) {
+            const i64 off = ((i64)(t.m0 + lr) * args.ldc + col) * ESIZE;
+            store2_global<OUT>(base + off, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1], args.epi_op);
+          }
+        }
+      }
+      if (args.tile_flags) {
+        __syncwarp();  // lane 0's fence and release cover the warp's stores
+        if (leader) publish(t.id, t.seq);
+      }
+    }
+  }
+
+  // After the last tile: publish what is pending; the CTA may not exit while a TMA store still
+  // reads its shared memory.
+  MK_DEV void finish() {
+    if ((threadIdx.x & 31) == 0) {
+      if (args.tile_flags) flush();
+      bulk_wait<0>();
+    }
+  }
+};

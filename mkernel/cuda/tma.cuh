@@ -1,0 +1,107 @@
+#pragma once
+// TMA (cp.async.bulk.tensor) loads, stores and reductions, and the mbarrier primitives that pace
+// them. sm_90a PTX only; every function is a thin wrapper of one or two instructions.
+#include "common.cuh"
+
+MK_DEV u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// ---------------------------------------------------------------------------------- mbarriers
+MK_DEV void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+// Makes barrier initialisation visible to the async proxy (TMA) and to other threads; follow it
+// with a CTA barrier before any thread or TMA touches the barriers.
+MK_DEV void mbar_fence_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+
+MK_DEV void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+MK_DEV void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+MK_DEV bool mbar_try_wait(u32 bar, u32 parity) {
+  u32 ok;
+  asm volatile(
+      "{\n .reg .pred p;\n"
+      " mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
+      " selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(ok)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return ok != 0;
+}
+// Waits for the completion of the phase with the given parity. A freshly initialised barrier is in
+// phase 0, so waiting for parity 1 returns at once (the producer's first pass over 'empty').
+MK_DEV void mbar_wait(u32 bar, u32 parity) {
+  while (!mbar_try_wait(bar, parity)) {
+  }
+}
+
+// ------------------------------------------------------------------------------------- proxies
+// Generic-proxy writes to shared memory become visible to the async proxy (TMA store source).
+MK_DEV void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// Orders async-proxy global accesses (completed TMA stores) with later generic accesses.
+MK_DEV void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
+MK_DEV void tma_prefetch_desc(const void* desc) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"((u64)desc) : "memory");
+}
+
+// ---------------------------------------------------------------------------------- TMA loads
+// Coordinates are element indices, innermost dimension first. Out-of-bounds elements are zero
+// filled and still count towards the transaction bytes of the barrier.
+MK_DEV void tma_load_2d(u32 dst, const void* desc, u32 bar, i32 c0, i32 c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4}], [%2];" ::"r"(dst), "l"((u64)desc), "r"(bar), "r"(c0), "r"(c1)
+      : "memory");
+}
+MK_DEV void tma_load_3d(u32 dst, const void* desc, u32 bar, i32 c0, i32 c1, i32 c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(dst), "l"((u64)desc), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
+// --------------------------------------------------------------------- TMA stores / reductions
+// Out-of-bounds elements of the box are not written.
+MK_DEV void tma_store_2d(const void* desc, u32 src, i32 c0, i32 c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"((u64)desc),
+               "r"(src), "r"(c0), "r"(c1)
+               : "memory");
+}
+// Element-wise add of the box into global memory (type from the tensor map: bf16, f16 or f32).
+MK_DEV void tma_add_2d(const void* desc, u32 src, i32 c0, i32 c1) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
+          (u64)desc),
+      "r"(src), "r"(c0), "r"(c1)
+      : "memory");
+}
+MK_DEV void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// At most N committed groups still read their shared-memory source.
+template <int N>
+MK_DEV void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+// At most N committed groups not complete (their global writes performed).
+template <int N>
+MK_DEV void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// ------------------------------------------------------------------------------ named barriers
+MK_DEV void named_bar_sync(u32 id, u32 threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// --------------------------------------------------------------------- register reallocation
+template <u32 N>
+MK_DEV void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
+}
+template <u32 N>
+MK_DEV void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
+}

@@ -1,0 +1,538 @@
+"""Tests of mkernel.gemm / mkernel.grouped_gemm.
+
+CPU: the argument struct's layout (host g++ against ctypes), TMA rules, registration, layout
+inference and host-side checks.
+GPU (sm_90, CuPy): a smoke matrix of every kernel variant (a table of per-case errors is printed
+before anything is asserted), then flags / epochs, tile order, role words, SM counts,
+accumulation, grouped mode and argument validation.
+
+Every GPU check runs in a child process (python3 tests/test_gemm.py --child CASE...), so a hang
+(killed after 30 s with a HANG line) or a sticky CUDA error in one check cannot take the others
+down; run without -x to see every part in one go.
+
+Run on a GPU machine: python3 -m pytest tests/test_gemm.py -q -s   (-s shows the tables)
+Manual: python3 tests/test_gemm.py --child all   |   --child feature:grouped
+"""
+
+import os
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import importlib  # noqa: E402
+
+# The module, not the function: mkernel re-exports gemm() under the same name.
+mg = importlib.import_module("mkernel.gemm")
+from mkernel import tma  # noqa: E402
+from mkernel.errors import ArgumentError  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = {"bf16": BF16, "fp16": np.dtype(np.float16)}
+NAN_BITS = {"bf16": (np.uint16, 0x7FC0), "fp16": (np.uint16, 0x7E00), "f32": (np.uint32, 0x7FC00000)}
+
+
+# ======================================================================================== CPU
+@pytest.mark.parametrize("cls", ["MkGemmSched", "MkGemmArgs"])
+def test_args_layout_matches_host_compiler(cls, tmp_path):
+    from c_layout import c_offsets, py_offsets
+
+    mirror = getattr(mg, cls)
+    c = c_offsets("gemm_args.cuh", cls, [name for name, *_ in mirror._fields_], tmp_path)
+    py = py_offsets(mirror)
+    assert c.pop("alignof") == (64 if cls == "MkGemmArgs" else 8)  # ctypes cannot express alignas(64)
+    py.pop("alignof")
+    assert c == py
+
+
+def test_tma_rules():
+    ok = dict(dtype=tma.DTYPE_BFLOAT16, ptr=0x1000, dims=(64, 128), strides=(128,), box=(64, 128), swizzle=3)
+    tma.check_tiled(**ok)
+    for bad in (dict(ptr=0x1008), dict(strides=(120,)), dict(box=(64, 512)), dict(box=(128, 64)),
+                dict(dims=(0, 128))):
+        with pytest.raises(ArgumentError):
+            tma.check_tiled(**{**ok, **bad})
+
+
+def test_registration():
+    from mkernel import compile as mkc
+
+    assert mkc.REGISTRY["gemm"] is mg.SPEC
+    assert len(mg.EXPRESSIONS) == 16
+    assert mg.tiles(129, 257) == 4 and mg.tiles(128, 256) == 1
+
+
+class _Fake:
+    """Enough of a cupy.ndarray (shape, strides, itemsize, dtype, data.ptr) for the host-side checks."""
+
+    class _Data:
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+    def __init__(self, shape, dtype=BF16, strides=None, ptr=0x10000):
+        self.shape, self.dtype, self.itemsize, self.ndim = tuple(shape), np.dtype(dtype), np.dtype(dtype).itemsize, len(shape)
+        if strides is None:
+            strides, acc = [], self.itemsize
+            for d in reversed(shape):
+                strides.insert(0, acc)
+                acc *= d
+        self.strides = tuple(strides)
+        self.data = self._Data(ptr)
+
+    @property
+    def T(self):
+        return _Fake(self.shape[::-1], self.dtype, self.strides[::-1], self.data.ptr)
+
+
+def test_b_layout_inference_and_host_checks():
+    K, N = 64, 96
+    lay, arr, n = mg._resolve_b_2d(_Fake((K, N)), K, None)
+    assert (lay, n, arr.shape) == (mg.B_KN, N, (K, N))
+    w = _Fake((N, K))
+    lay, arr, n = mg._resolve_b_2d(w.T, K, None)  # the transpose of a row-major [N, K]: weights layout
+    assert (lay, n, arr.shape, arr.strides) == (mg.B_NK, N, (N, K), w.strides)
+    lay, arr, n = mg._resolve_b_2d(w, K, "nk")
+    assert (lay, n) == (mg.B_NK, N)
+    for bad in ((_Fake((K + 8, N)), None), (_Fake((N, K + 8)), "nk"), (_Fake((K, N)), "xx"), (_Fake((K,)), None)):
+        with pytest.raises(ArgumentError):
+            mg._resolve_b_2d(bad[0], K, bad[1])
+    mg._check_2d_rowmajor(_Fake((5, 64)), "a")
+    for bad in (_Fake((5, 64), ptr=0x10002), _Fake((5, 64), strides=(130, 2)), _Fake((5, 64), strides=(256, 4))):
+        with pytest.raises(ArgumentError):
+            mg._check_2d_rowmajor(bad, "a")
+    with pytest.raises(ArgumentError):
+        mg._check_inputs(_Fake((4, 60)), None, 60, 64)
+    with pytest.raises(ArgumentError):
+        mg._check_inputs(_Fake((4, 64)), None, 64, 60)
+    with pytest.raises(ArgumentError):
+        mg._check_inputs(_Fake((4, 64), dtype=np.float32), None, 64, 64)
+    assert mg._out_code("bfloat16", "float32") == mg.OUT_F32 and mg._out_code("float16", "float16") == mg.OUT_F16
+    with pytest.raises(ArgumentError):
+        mg._out_code("bfloat16", "float16")
+    assert mg.default_ctas(2048, 132) == 128 and mg.default_ctas(45, 132) == 45 and mg.default_ctas(133, 132) == 67
+    assert mg.grouped_tiles_bound(1000, 520, 8) == (8 + 8) * 3
+
+
+# ================================================================================ GPU helpers
+def _dev(x):
+    import cupy
+
+    try:
+        return cupy.asarray(x)
+    except Exception:  # noqa: BLE001  (a CuPy without bfloat16 transfers)
+        return cupy.asarray(x.view(np.uint16)).view(x.dtype)
+
+
+def _host(x):
+    import cupy
+
+    try:
+        return cupy.asnumpy(x)
+    except Exception:  # noqa: BLE001
+        return cupy.asnumpy(x.view(cupy.uint16)).view(x.dtype)
+
+
+def _poisoned(shape, kind):
+    import cupy
+
+    word, bits = NAN_BITS[kind]
+    dt = {"bf16": BF16, "fp16": np.float16, "f32": np.float32}[kind]
+    out = cupy.empty(shape, dtype=dt)
+    out.view(word).fill(bits)
+    return out
+
+
+def _sync(what, timeout_s=30.0):
+    """Synchronises, or, after timeout_s, reports the hung case and kills the process."""
+    import cupy
+
+    ev = cupy.cuda.Event()
+    ev.record()
+    t0 = time.time()
+    while not ev.done:
+        if time.time() - t0 > timeout_s:
+            print(f"\nHANG: {what} did not finish in {timeout_s} s; exiting", flush=True)
+            os._exit(3)
+        time.sleep(0.0005)
+    cupy.cuda.get_current_stream().synchronize()
+
+
+def _inputs(rng, M, N, K, dt, integer):
+    if integer:
+        a = rng.integers(-3, 4, size=(M, K)).astype(np.float64)
+        b = rng.integers(-3, 4, size=(K, N)).astype(np.float64)
+    else:
+        a = rng.standard_normal((M, K))
+        b = rng.standard_normal((K, N))
+    a_q, b_q = a.astype(dt), b.astype(dt)
+    return a_q, b_q, a_q.astype(np.float64) @ b_q.astype(np.float64)
+
+
+def _errors(c, ref):
+    c = c.astype(np.float64)
+    if not np.isfinite(c).all():
+        return float("inf"), float("inf"), int((~np.isfinite(c)).sum())
+    nref = np.linalg.norm(ref) or 1.0
+    mref = np.abs(ref).max() or 1.0
+    return float(np.linalg.norm(c - ref) / nref), float(np.abs(c - ref).max() / mref), 0
+
+
+# ================================================================================ smoke matrix
+SMOKE_SHAPES = [(128, 256, 64), (256, 512, 256), (129, 264, 72), (1, 8, 8), (300, 776, 1032), (1000, 1000, 1000)]
+
+
+def smoke_cases():
+    cases = []
+    for dt in ("bf16", "fp16"):
+        for lay in ("nk", "kn", "wT"):
+            for (M, N, K) in SMOKE_SHAPES:
+                cases.append(f"{dt}:{lay}:same:rand:{M},{N},{K}")
+            cases.append(f"{dt}:{lay}:same:int:300,776,1032")
+            cases.append(f"{dt}:{lay}:f32:int:300,776,1032")
+            cases.append(f"{dt}:{lay}:f32:rand:129,264,72")
+    cases += ["bf16:kn:same:rand:2048,2048,2048", "bf16:nk:same:rand:2048,2048,2048"]
+    return cases
+
+
+def run_case(case):
+    """One smoke case; returns (ok, message). 'feature:NAME' runs feature_NAME() (asserts inside)."""
+    if case.startswith("feature:"):
+        globals()["feature_" + case.split(":", 1)[1]]()
+        return True, "all checks passed"
+    dtn, lay, outk, data, shape = case.split(":")
+    M, N, K = map(int, shape.split(","))
+    dt = DTYPES[dtn]
+    rng = np.random.default_rng(zlib.crc32(case.encode()))
+    a, b, ref = _inputs(rng, M, N, K, dt, data == "int")
+    da = _dev(a)
+    if lay == "kn":
+        db, kw = _dev(np.ascontiguousarray(b)), {}
+    elif lay == "nk":
+        db, kw = _dev(np.ascontiguousarray(b.T)), {"b_layout": "nk"}
+    else:  # the transposed view of a row-major [N, K]: inferred as the weights layout
+        db, kw = _dev(np.ascontiguousarray(b.T)).T, {}
+    kind = dtn if outk == "same" else "f32"
+    out = _poisoned((M, N), kind)
+    mg.gemm(da, db, out=out, **kw)
+    _sync(case)
+    c = _host(out)
+    rel, mx, nonfinite = _errors(c, ref)
+    if data == "int":
+        expect = ref.astype(c.dtype).astype(np.float64)  # round to nearest even, like cvt.rn
+        bad = int((c.astype(np.float64) != expect).sum())
+        return bad == 0, f"exact-mismatches={bad} rel={rel:.2e} max={mx:.2e} nonfinite={nonfinite}"
+    return rel < 1e-2 and mx < 3e-2, f"rel={rel:.2e} max={mx:.2e} nonfinite={nonfinite}"
+
+
+def _child(cases):
+    for case in cases:
+        print(f"START {case}", flush=True)
+        try:
+            ok, msg = run_case(case)
+        except Exception as e:  # noqa: BLE001
+            ok, msg = False, f"{type(e).__name__}: {str(e)[:600]}".replace("\n", " ")
+        print(f"RESULT {case} {'OK' if ok else 'FAIL'} {msg}", flush=True)
+
+
+def run_smoke(cases, per_process_timeout=240):
+    """Runs the cases in child processes; a case that kills its process is reported as CRASH and
+    the rest continue in a fresh process. Returns {case: (status, message)}."""
+    results, remaining, details = {}, list(cases), {}
+    while remaining:
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--child", *remaining], capture_output=True,
+                                  text=True, timeout=per_process_timeout, cwd=str(ROOT))
+            stdout, stderr, rc = proc.stdout, proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            def text(x):
+                return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+            stdout, stderr, rc = text(e.stdout), text(e.stderr), "timeout"
+        started = None
+        for line in stdout.splitlines():
+            if line.startswith("START "):
+                started = line.split()[1]
+            elif line.startswith("RESULT "):
+                _, case, status, *msg = line.split(" ")
+                results[case] = (status, " ".join(msg))
+                started = None
+            elif started is not None:
+                details.setdefault(started, []).append(line)
+        if started is not None or rc != 0:
+            victim = started or next((c for c in remaining if c not in results), None)
+            tail = (stdout + stderr).strip().splitlines()[-3:]
+            if victim is not None and victim not in results:
+                results[victim] = ("CRASH", f"rc={rc} " + " | ".join(tail)[:400])
+        remaining = [c for c in remaining if c not in results]
+    run_smoke.details = details
+    return results
+
+
+def run_feature(name):
+    """Runs feature_NAME in a child process (a crash or hang there cannot poison this process or
+    the other tests) and prints what it printed."""
+    case = f"feature:{name}"
+    status, msg = run_smoke([case])[case]
+    print(f"\n==== {name}: {status} {msg}")
+    for line in getattr(run_smoke, "details", {}).get(case, []):
+        print("   ", line)
+    assert status == "OK", f"{name}: {status} {msg}"
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_smoke_matrix():
+    cases = smoke_cases()
+    results = run_smoke(cases)
+    print("\n==== gemm smoke matrix (dtype:B layout:out:data:M,N,K) ====")
+    for c in cases:
+        print(f"{results[c][0]:5s} {c:40s} {results[c][1]}")
+    bad = [c for c in cases if results[c][0] != "OK"]
+    print(f"==== {len(cases) - len(bad)}/{len(cases)} OK ====", flush=True)
+    assert not bad, f"{len(bad)} failing cases, first: {bad[0]} {results[bad[0]]}"
+
+
+# ========================================================= feature checks (run in child processes)
+def _simple(M, N, K, dt=BF16, integer=True, seed=0):
+    rng = np.random.default_rng(seed)
+    a, b, ref = _inputs(rng, M, N, K, dt, integer)
+    return _dev(a), _dev(np.ascontiguousarray(b)), ref
+
+
+def feature_flags():
+    import cupy
+
+    M, N, K = 1000, 1288, 256
+    T = mg.tiles(M, N)
+    a, b, ref = _simple(M, N, K)
+    flags = cupy.full(T + 5, 0xDEADBEEF, dtype=cupy.uint32)
+    counts = cupy.zeros(T + 5, dtype=cupy.uint32)
+    ws = mg.workspace()
+    e0 = ws.epoch()
+    out = _poisoned((M, N), "f32")
+    mg.gemm(a, b, out=out, tile_flags=flags, tile_counts=counts)
+    _sync("flags launch 1")
+    f, n = cupy.asnumpy(flags), cupy.asnumpy(counts)
+    print(f"epoch {e0} -> {ws.epoch()}, flags {np.unique(f[:T])}, counts {np.unique(n[:T])}")
+    assert ws.epoch() == e0 + 1
+    assert (f[:T] == e0 + 1).all() and (n[:T] == 1).all()
+    assert (f[T:] == 0xDEADBEEF).all() and (n[T:] == 0).all()
+    assert (_host(out) == ref).all()
+    mg.gemm(a, b, out=out, tile_flags=flags, tile_counts=counts)
+    _sync("flags launch 2")
+    assert ws.epoch() == e0 + 2
+    assert (cupy.asnumpy(flags)[:T] == e0 + 2).all() and (cupy.asnumpy(counts)[:T] == 2).all()
+
+
+def feature_order_roles_sms():
+    import cupy
+
+    M, N, K = 1100, 1032, 320
+    T = mg.tiles(M, N)
+    a, b, ref = _simple(M, N, K, seed=1)
+    rng = np.random.default_rng(5)
+    nsm = mg._num_sms()
+    runs = {
+        "reverse order": dict(tile_order=cupy.asarray(np.arange(T)[::-1].astype(np.uint32))),
+        "random order": dict(tile_order=cupy.asarray(rng.permutation(T).astype(np.uint32))),
+        "sms=1": dict(sms=1),
+        "sms=3": dict(sms=3),
+        "sms=66": dict(sms=66),
+        "roles alternate": dict(roles=cupy.asarray((np.arange(nsm) % 2).astype(np.uint32))),
+        "roles one CTA": dict(roles=cupy.asarray((np.arange(nsm) == 7).astype(np.uint32))),
+        "group_m=1": dict(group_m=1),
+        "group_m=3": dict(group_m=3),
+    }
+    failures = []
+    for name, kw in runs.items():
+        flags = cupy.zeros(T, dtype=cupy.uint32)
+        counts = cupy.zeros(T, dtype=cupy.uint32)
+        e0 = mg.workspace().epoch()
+        out = _poisoned((M, N), "f32")
+        mg.gemm(a, b, out=out, tile_flags=flags, tile_counts=counts, **kw)
+        _sync(name)
+        mg.check()
+        c = _host(out)
+        ok_data = bool((c == ref).all())
+        ok_flags = bool((cupy.asnumpy(flags) == e0 + 1).all() and (cupy.asnumpy(counts) == 1).all())
+        print(f"{name:16s} data {'OK' if ok_data else 'BAD'} flags {'OK' if ok_flags else 'BAD'}")
+        if not (ok_data and ok_flags):
+            failures.append(name)
+    assert not failures, failures
+
+
+def feature_accumulate():
+    M, N, K = 257, 520, 136
+    a, b, ref = _simple(M, N, K, seed=2)
+    rng = np.random.default_rng(9)
+    c0 = rng.integers(-50, 50, size=(M, N)).astype(np.float32)
+    out = _dev(c0)
+    mg.gemm(a, b, out=out, accumulate=True)
+    _sync("accumulate f32")
+    assert (_host(out) == c0 + ref).all()
+    c0b = c0.astype(BF16)
+    outb = _dev(c0b)
+    mg.gemm(a, b, out=outb, accumulate=True)
+    _sync("accumulate bf16")
+    rel, mx, _ = _errors(_host(outb), c0b.astype(np.float64) + ref)
+    print(f"accumulate bf16: rel {rel:.2e} max {mx:.2e}")
+    assert rel < 1e-2
+
+
+def _grouped_case(dtn, lay, outk, integer, rows, M_cap, N, K, accumulate=False, seed=3):
+    import cupy
+
+    dt = DTYPES[dtn]
+    G = len(rows)
+    rng = np.random.default_rng(seed)
+    if integer:
+        a = rng.integers(-3, 4, size=(M_cap, K)).astype(dt)
+        bs = rng.integers(-3, 4, size=(G, K, N)).astype(dt)
+    else:
+        a = rng.standard_normal((M_cap, K)).astype(dt)
+        bs = rng.standard_normal((G, K, N)).astype(dt)
+    kind = dtn if outk == "same" else "f32"
+    if accumulate:
+        c0 = rng.integers(-20, 20, size=(M_cap, N)).astype(np.float32 if kind == "f32" else dt)
+        out = _dev(c0)
+    else:
+        out = _poisoned((M_cap, N), kind)
+    db = _dev(np.ascontiguousarray(bs)) if lay == "kn" else _dev(np.ascontiguousarray(bs.transpose(0, 2, 1)))
+    kw = {"b_layout": "nk"} if lay == "nk" else {}
+    T_bound = mg.grouped_tiles_bound(M_cap, N, G)
+    flags = cupy.full(T_bound, 0xDEADBEEF, dtype=cupy.uint32)
+    counts = cupy.zeros(T_bound, dtype=cupy.uint32)
+    e0 = mg.workspace().epoch()
+    mg.grouped_gemm(_dev(a), db, cupy.asarray(np.array(rows, dtype=np.int32)), out=out, tile_flags=flags,
+                    tile_counts=counts, accumulate=accumulate, **kw)
+    _sync(f"grouped {dtn} {lay} {outk}")
+    c = _host(out).astype(np.float64)
+    # expected
+    clamped, start = [], 0
+    for r in rows:
+        r = max(0, min(r, M_cap - start))
+        clamped.append((start, r))
+        start += r
+    msgs, ok = [], True
+    for g, (s, r) in enumerate(clamped):
+        if r == 0:
+            continue
+        ref = a[s:s + r].astype(np.float64) @ bs[g].astype(np.float64)
+        if accumulate:
+            ref = ref + c0[s:s + r].astype(np.float64)
+        got = c[s:s + r]
+        if integer:
+            bad = int((got != ref.astype(_host(out).dtype).astype(np.float64)).sum())
+            if bad:
+                ok = False
+                msgs.append(f"group {g} rows {s}+{r}: {bad} mismatches")
+        else:
+            rel, mx, nf = _errors(got, ref)
+            if not rel < 1e-2:
+                ok = False
+                msgs.append(f"group {g} rows {s}+{r}: rel {rel:.2e} nonfinite {nf}")
+    if not accumulate and start < M_cap and np.isfinite(c[start:]).any():
+        ok = False
+        msgs.append(f"rows {start}..{M_cap} past the groups were written")
+    tiles_n = -(-N // 256)
+    T = sum(-(-r // 128) for _, r in clamped) * tiles_n
+    f, n = cupy.asnumpy(flags), cupy.asnumpy(counts)
+    if not ((f[:T] == e0 + 1).all() and (n[:T] == 1).all() and (f[T:] == 0xDEADBEEF).all() and (n[T:] == 0).all()):
+        ok = False
+        msgs.append(f"flags: {np.unique(f[:T])} counts {np.unique(n[:T])} (T={T})")
+    return ok, "; ".join(msgs) or "OK"
+
+
+def feature_grouped():
+    rows = [0, 1, 127, 128, 129, 300, 64, 200]
+    cases = []
+    for dtn in ("bf16", "fp16"):
+        for lay in ("kn", "nk"):
+            cases.append((dtn, lay, "same", False, rows, 1100, 520, 200, False))
+            cases.append((dtn, lay, "f32", True, rows, 1100, 520, 200, False))
+    cases.append(("bf16", "kn", "f32", True, rows, 1100, 520, 200, True))  # red.add / TMA add paths
+    cases.append(("bf16", "kn", "same", True, [500, 700, 300], 1000, 264, 72, False))  # clamped counts
+    cases.append(("bf16", "nk", "same", False, [1024] * 32, 32 * 1024, 512, 256, False))
+    failures = []
+    for case in cases:
+        ok, msg = _grouped_case(*case)
+        print(f"{'OK ' if ok else 'BAD'} grouped {case[:4]} rows={case[4][:6]} M={case[5]} N={case[6]} K={case[7]} "
+              f"acc={case[8]}: {msg}")
+        if not ok:
+            failures.append((case[:4], msg))
+    assert not failures, failures
+
+
+def feature_argument_errors():
+    import cupy
+
+    a = cupy.zeros((64, 64), dtype=BF16)
+    b = cupy.zeros((64, 64), dtype=BF16)
+    bad = {
+        "K % 8": lambda: mg.gemm(cupy.zeros((64, 60), dtype=BF16), cupy.zeros((60, 64), dtype=BF16)),
+        "N % 8": lambda: mg.gemm(a, cupy.zeros((64, 60), dtype=BF16)),
+        "dtype mismatch": lambda: mg.gemm(a, cupy.zeros((64, 64), dtype=cupy.float16)),
+        "float32 inputs": lambda: mg.gemm(a.astype(cupy.float32), b.astype(cupy.float32)),
+        "out shape": lambda: mg.gemm(a, b, out=cupy.zeros((64, 65), dtype=BF16)),
+        "out dtype": lambda: mg.gemm(a, b, out=cupy.zeros((64, 64), dtype=cupy.float16)),
+        "misaligned a": lambda: mg.gemm(cupy.zeros(64 * 64 + 8, dtype=BF16)[1:64 * 64 + 1].reshape(64, 64), b),
+        "strided rows": lambda: mg.gemm(cupy.zeros((64, 128), dtype=BF16)[:, ::2], b),
+        "b_layout": lambda: mg.gemm(a, b, b_layout="xx"),
+        "K disagrees": lambda: mg.gemm(a, cupy.zeros((32, 64), dtype=BF16)),
+        "sms": lambda: mg.gemm(a, b, sms=100000),
+        "tile_flags short": lambda: mg.gemm(a, b, tile_flags=cupy.zeros(0, dtype=cupy.uint32)),
+        "grouped G": lambda: mg.grouped_gemm(a, cupy.zeros((129, 64, 64), dtype=BF16),
+                                             cupy.zeros(129, dtype=cupy.int32)),
+        "grouped rows dtype": lambda: mg.grouped_gemm(a, cupy.zeros((2, 64, 64), dtype=BF16),
+                                                      cupy.zeros(2, dtype=cupy.int64)),
+    }
+    missed = []
+    for name, fn in bad.items():
+        try:
+            fn()
+            missed.append(name)
+        except ArgumentError:
+            pass
+    _sync("argument errors")
+    assert not missed, f"no ArgumentError for: {missed}"
+
+
+@pytest.mark.gpu
+def test_flags_and_epochs():
+    run_feature("flags")
+
+
+@pytest.mark.gpu
+def test_tile_order_roles_and_sms():
+    run_feature("order_roles_sms")
+
+
+@pytest.mark.gpu
+def test_accumulate():
+    run_feature("accumulate")
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_grouped():
+    run_feature("grouped")
+
+
+@pytest.mark.gpu
+def test_argument_errors():
+    run_feature("argument_errors")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 2 and sys.argv[1] == "--child":
+        cases = sys.argv[2:]
+        _child(smoke_cases() if cases == ["all"] else cases)
+    else:
+        print(__doc__)
