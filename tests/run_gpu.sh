@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU suite, on a machine with one or two H200s (mkernel installed, e.g. by .whl/prepare.sh):
-# every gpu-marked test at one rank, then at two ranks (one GPU each, or sharing GPU 0).
+# every gpu-marked test at one rank, then the ones meaningful at several ranks (marked mpi) at two
+# ranks (one GPU each, or sharing GPU 0).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -9,5 +10,5 @@ export MKERNEL_CACHE_DIR=${MKERNEL_CACHE_DIR:-$HOME/.cache/mkernel} PYTHONPATH=$
 rc=0
 "$PY" -m pytest -q -m gpu tests "$@" || rc=$?
 mpirun -n 2 --oversubscribe -x NCCL_NVLS_ENABLE -x PYTHONPATH -x MKERNEL_CACHE_DIR \
-  "$PY" -m pytest -q -m "gpu and not slow" tests "$@" || rc=$?
+  "$PY" -m pytest -q -m "gpu and mpi and not slow" tests "$@" || rc=$?
 exit $rc

@@ -14,7 +14,7 @@ import mkernel
 from mkernel.selftest import Protocol
 from conftest import UNDER_MPIEXEC, all_ranks
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 WORDS = 4096
 
 
