@@ -25,10 +25,11 @@ for s in $steps; do
     suite) step suite 420 bash tests/run_gpu.sh ;;
     main) step main 120 mpirun -n 2 --oversubscribe -x MKERNEL_CACHE_DIR -x NCCL_NVLS_ENABLE python3 -m mkernel --quick ;;
     sanitizer) step sanitizer 240 bash tools/sanitize.sh ;;
-    gemm) step gemm 240 python3 bench/gemm.py --out "$OUT" ;;
-    transport) step transport 180 mpirun -n 2 --oversubscribe -x MKERNEL_CACHE_DIR -x NCCL_NVLS_ENABLE python3 bench/transport.py --out "$OUT" ;;
+    gemm) step gemm 240 python3 bench/gemm.py ;;
+    transport) step transport 180 mpirun -n 2 --oversubscribe -x MKERNEL_CACHE_DIR -x NCCL_NVLS_ENABLE python3 bench/transport.py ;;
   esac
 done
 grep -h "compiling " "$LOGS"/*.log | sort | uniq -c > "$LOGS/compiles.txt" || true
+cp bench/results/*.json "$OUT"/ 2>/dev/null
 tar -C "$(dirname "$LOGS")" -czf "$OUT/logs.tar.gz" logs
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
