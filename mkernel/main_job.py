@@ -41,7 +41,27 @@ def check_runtime(comm, quick):
             "mkernel_ms": ms, "baseline_ms": None, "note": f"{launches} checked launches"}
 
 
-CHECKS = [check_runtime]
+def check_gemm(comm, quick):
+    """The GEMM engine on this rank's GPU against cupy.matmul (cuBLAS), random bf16 inputs."""
+    import cupy
+    import mkernel
+    from .arrays import BFLOAT16
+
+    m, n, k = (2048, 2048, 2048) if quick else (8192, 8192, 4096)
+    rng = cupy.random.default_rng(comm.rank)
+    a = (rng.standard_normal((m, k), dtype=cupy.float32)).astype(BFLOAT16)
+    b = (rng.standard_normal((k, n), dtype=cupy.float32)).astype(BFLOAT16)
+    out = cupy.full((m, n), float("nan"), dtype=BFLOAT16)
+    mkernel.gemm(a, b, out=out)
+    ref = cupy.matmul(a.astype(cupy.float32), b.astype(cupy.float32))
+    err = float(cupy.linalg.norm(out.astype(cupy.float32) - ref) / cupy.linalg.norm(ref))
+    ms = _time_ms(lambda: mkernel.gemm(a, b, out=out))
+    base = _time_ms(lambda: cupy.matmul(a, b, out=out))
+    return {"op": "gemm (engine)", "shape": f"{m}x{n}x{k}", "ok": err < 1e-2, "mkernel_ms": ms,
+            "baseline_ms": base, "note": f"rel err {err:.1e}; baseline cupy.matmul"}
+
+
+CHECKS = [check_runtime, check_gemm]
 
 
 def run(quick=False) -> int:
