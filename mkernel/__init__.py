@@ -14,6 +14,7 @@ from . import compile  # noqa: F401  (the kernel registry; the modules below reg
 from .comm import Communicator, init
 from . import selftest  # noqa: F401
 from .gemm import gemm, grouped_gemm
+from . import proxy  # noqa: F401  (registers the command-queue test kernels)
 
 __all__ = [
     "__version__", "init", "Communicator", "gemm", "grouped_gemm",

@@ -44,6 +44,19 @@ VARS = {
             "the host raises as mkernel.TimeoutError (naming op, rank and peer)."),
         Var("MKERNEL_WORKSPACE_BYTES", str(256 << 20),
             "Default size of the symmetric workspace allocated on every rank."),
+        Var("MKERNEL_TCP_CONNECTIONS", "4",
+            "TCP transport: connections per peer (1 to 16); frames of one peer are spread over them."),
+        Var("MKERNEL_TCP_ADDR", "",
+            "Address the TCP listener binds to. Unset: loopback when every rank is on one host, else the "
+            "interface that routes to rank 0's host. It never binds to all interfaces."),
+        Var("MKERNEL_VERBS_DEVICE", "",
+            "RDMA device name (as in ibv_devices). Unset: the first device with an active port."),
+        Var("MKERNEL_VERBS_PORT", "1", "RDMA port number on that device."),
+        Var("MKERNEL_VERBS_GID_INDEX", "-1",
+            "RoCE GID index; -1 picks the first non-zero GID of the port."),
+        Var("MKERNEL_BUILD_VERBS", "auto",
+            "Build time: 0 builds the proxy extension without the verbs transport even where the "
+            "rdma-core headers exist; auto builds it when they exist."),
         Var("MKERNEL_TRACE", "",
             "When set to a path, fused kernels record per-block spans that are written there as "
             "Chrome trace JSON (one track per SM). Free when unset."),

@@ -2,7 +2,6 @@
 rank 1, instead of hanging. Run under mpirun -n 2 with the launcher told not to kill the survivor."""
 
 import os
-import sys
 import time
 
 import cupy

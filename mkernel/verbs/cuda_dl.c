@@ -1,0 +1,151 @@
+/* libcuda, loaded with dlopen on first use, so that the extension builds and imports on machines
+ * without CUDA. Only the handful of driver calls the proxy needs, declared by hand. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "proxy.h"
+
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+typedef void* CUcontext;
+typedef void* CUstream;
+typedef void* CUevent;
+#define CUDA_ERROR_NOT_READY 600
+#define CU_EVENT_DISABLE_TIMING 2
+#define CU_STREAM_NON_BLOCKING 1
+#define CU_MEMHOSTREGISTER_PORTABLE 1
+#define CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD 1
+
+static struct {
+  void* lib;
+  CUresult (*init)(unsigned);
+  CUresult (*primary_ctx_retain)(CUcontext*, int);
+  CUresult (*ctx_set_current)(CUcontext);
+  CUresult (*stream_create)(CUstream*, unsigned);
+  CUresult (*memcpy_async)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+  CUresult (*stream_synchronize)(CUstream);
+  CUresult (*host_register)(void*, size_t, unsigned);
+  CUresult (*get_handle)(void*, CUdeviceptr, size_t, int, unsigned long long);
+  CUresult (*error_string)(CUresult, const char**);
+  CUresult (*event_create)(CUevent*, unsigned);
+  CUresult (*event_record)(CUevent, CUstream);
+  CUresult (*event_query)(CUevent);
+  CUresult (*event_destroy)(CUevent);
+} cu;
+
+static pthread_once_t cu_once = PTHREAD_ONCE_INIT;
+static char cu_error[MKP_MESSAGE_BYTES];
+
+static void cu_load(void) {
+  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (!lib) {
+    snprintf(cu_error, sizeof cu_error, "libcuda.so.1 could not be loaded (%s): CUDA regions need the NVIDIA driver", dlerror());
+    return;
+  }
+  struct { void** fn; const char* name; } syms[] = {
+      {(void**)&cu.init, "cuInit"},
+      {(void**)&cu.primary_ctx_retain, "cuDevicePrimaryCtxRetain"},
+      {(void**)&cu.ctx_set_current, "cuCtxSetCurrent"},
+      {(void**)&cu.stream_create, "cuStreamCreate"},
+      {(void**)&cu.memcpy_async, "cuMemcpyAsync"},
+      {(void**)&cu.stream_synchronize, "cuStreamSynchronize"},
+      {(void**)&cu.host_register, "cuMemHostRegister_v2"},
+      {(void**)&cu.get_handle, "cuMemGetHandleForAddressRange"},
+      {(void**)&cu.error_string, "cuGetErrorString"},
+      {(void**)&cu.event_create, "cuEventCreate"},
+      {(void**)&cu.event_record, "cuEventRecord"},
+      {(void**)&cu.event_query, "cuEventQuery"},
+      {(void**)&cu.event_destroy, "cuEventDestroy_v2"},
+  };
+  for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++) {
+    *syms[i].fn = dlsym(lib, syms[i].name);
+    if (!*syms[i].fn && syms[i].fn != (void**)&cu.get_handle) { /* dma-buf export is optional (CUDA >= 11.7) */
+      snprintf(cu_error, sizeof cu_error, "libcuda.so.1 lacks %s", syms[i].name);
+      return;
+    }
+  }
+  CUresult r = cu.init(0);
+  if (r) {
+    snprintf(cu_error, sizeof cu_error, "cuInit failed with CUresult %d", r);
+    return;
+  }
+  cu.lib = lib;
+}
+
+int mk_cuda_load(char* why, int cap) {
+  pthread_once(&cu_once, cu_load);
+  if (cu.lib) return 0;
+  snprintf(why, (size_t)cap, "%s", cu_error);
+  return -1;
+}
+
+static void describe(CUresult r, const char* call, char* why, int cap) {
+  const char* text = "unknown error";
+  if (cu.error_string) cu.error_string(r, &text);
+  snprintf(why, (size_t)cap, "%s: %s (CUresult %d)", call, text, r);
+}
+
+/* The proxy thread works in the device's primary context (the one CuPy uses), on its own
+ * non-blocking streams (one per direction, so that its D2H and H2D copies overlap), so that its
+ * copies never wait for a persistent kernel on the default stream. */
+int mk_cuda_thread_init(mk_proxy* p) {
+  char why[MKP_MESSAGE_BYTES];
+  CUcontext ctx;
+  CUresult r;
+  if (mk_cuda_load(why, sizeof why)) goto fail;
+  if ((r = cu.primary_ctx_retain(&ctx, p->cuda_device))) { describe(r, "cuDevicePrimaryCtxRetain", why, sizeof why); goto fail; }
+  if ((r = cu.ctx_set_current(ctx))) { describe(r, "cuCtxSetCurrent", why, sizeof why); goto fail; }
+  for (int i = 0; i < 2; i++)
+    if ((r = cu.stream_create((CUstream*)&p->cuda_streams[i], CU_STREAM_NON_BLOCKING))) { describe(r, "cuStreamCreate", why, sizeof why); goto fail; }
+  return 0;
+fail:
+  mk_fail(p, MKP_ERR_LOCAL, -1, 0, "proxy thread could not use CUDA device %d: %s", p->cuda_device, why);
+  return -1;
+}
+
+/* Unified addressing: the driver tells host from device pointers itself. */
+int mk_cuda_copy(mk_proxy* p, void* dst, const void* src, size_t bytes, char* why, int cap) {
+  CUresult r = cu.memcpy_async((CUdeviceptr)(uintptr_t)dst, (CUdeviceptr)(uintptr_t)src, bytes, p->cuda_streams[0]);
+  if (!r) r = cu.stream_synchronize(p->cuda_streams[0]);
+  if (r) describe(r, "cuMemcpyAsync", why, cap);
+  return r ? -1 : 0;
+}
+
+int mk_cuda_copy_start(mk_proxy* p, int lane, void* dst, const void* src, size_t bytes, void** event, char* why, int cap) {
+  CUevent ev = NULL;
+  CUresult r = cu.memcpy_async((CUdeviceptr)(uintptr_t)dst, (CUdeviceptr)(uintptr_t)src, bytes, p->cuda_streams[lane]);
+  if (r) { describe(r, "cuMemcpyAsync", why, cap); return -1; }
+  if ((r = cu.event_create(&ev, CU_EVENT_DISABLE_TIMING)) || (r = cu.event_record(ev, p->cuda_streams[lane]))) {
+    if (ev) cu.event_destroy(ev);
+    describe(r, "cuEventRecord", why, cap);
+    return -1;
+  }
+  *event = ev;
+  return 0;
+}
+
+int mk_cuda_event_poll(void* event, char* why, int cap) {
+  CUresult r = cu.event_query(event);
+  if (r == CUDA_ERROR_NOT_READY) return 0;
+  cu.event_destroy(event);
+  if (r) { describe(r, "cuEventQuery", why, cap); return -1; }
+  return 1;
+}
+
+int mk_cuda_host_register(void* ptr, size_t bytes) {
+  return cu.lib && !cu.host_register(ptr, bytes, CU_MEMHOSTREGISTER_PORTABLE) ? 0 : -1;
+}
+
+/* A dma-buf file descriptor for GPU memory (for ibv_reg_dmabuf_mr); -1 where unsupported. The range
+ * must be page aligned: *offset says where ptr lies inside it. */
+int mk_cuda_dmabuf_fd(void* ptr, size_t bytes, uint64_t* offset) {
+  if (!cu.lib || !cu.get_handle) return -1;
+  uintptr_t page = 65536, start = (uintptr_t)ptr & ~(page - 1);
+  size_t len = ((uintptr_t)ptr + bytes - start + page - 1) & ~(page - 1);
+  int fd = -1;
+  if (cu.get_handle(&fd, (CUdeviceptr)start, len, CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0)) return -1;
+  *offset = (uintptr_t)ptr - start;
+  return fd;
+}

@@ -1,0 +1,250 @@
+"""Transports end to end on the CPU: every rank writes payloads of 1 byte to 64 MiB to every other rank
+through its proxy, and checks each incoming write's bytes the moment its flag appears (a flag seen
+before its data fails the check); then FLUSH and SIGNAL-add complete. Also: a rank killed
+mid-transfer makes the others raise within 30 s.
+
+At one rank each test relaunches itself under ``mpiexec -n 2``; under mpiexec it runs in place.
+Run directly (``python tests/test_transport.py kill tcp``) it is the killed-rank worker.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mkernel.errors import PeerError, TimeoutError
+from mkernel.proxy import FLAG_ADD, FLAG_SET, FLUSH, SIGNAL, WRITE, CommandQueue, Proxy
+
+WORLD = MPI.COMM_WORLD
+SIZES = [1, 2, 3, 1000, 4096 + 3, (1 << 19) + 1, (1 << 20) + 7, 3 << 20, 64 << 20]  # one WRITE each, per peer
+SRC_SKEW = 4096  # source offsets are unaligned, inside this
+MPI_ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1")
+
+
+def _mpiexec(n, args, timeout, extra=()):
+    cmd = ["mpiexec", "-n", str(n), "--oversubscribe", *extra, sys.executable, *args]
+    return subprocess.run(cmd, env=MPI_ENV, capture_output=True, text=True, timeout=timeout,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _relaunch(request, n=2):
+    """At one rank, run this very test under mpiexec -n 2 (its own job); returns True if it did."""
+    if WORLD.Get_size() > 1:
+        return False
+    r = _mpiexec(n, ["-m", "pytest", request.node.nodeid, "-q", "-x", "-p", "no:cacheprovider"], timeout=240)
+    assert r.returncode == 0, f"under mpiexec -n {n}:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+    return True
+
+
+def _collectively(fn, *args):
+    """Runs fn on every rank; fails on all of them if it failed on any, so no rank is left waiting in a collective."""
+    err = None
+    try:
+        fn(*args)
+    except Exception as e:  # re-raised below, after every rank has reported
+        err = e
+    ok = WORLD.allreduce(err is None, op=MPI.LAND)
+    if err is not None:
+        raise err
+    assert ok, "another rank failed (see its output)"
+
+
+def _source(rank):
+    return np.random.default_rng(rank).integers(0, 256, max(SIZES) + SRC_SKEW, dtype=np.uint8)
+
+
+def _layout():
+    src_off = [(k * 977) % SRC_SKEW for k in range(len(SIZES))]
+    dst_off = np.concatenate([[0], np.cumsum(SIZES)[:-1]]).tolist()
+    return src_off, dst_off, sum(SIZES)
+
+
+def _exchange(transport, shuffle_seed=None, tcp_connections=None):
+    rank, n = WORLD.Get_rank(), WORLD.Get_size()
+    peers = [r for r in range(n) if r != rank]
+    K = len(SIZES)
+    src_off, dst_off, slice_bytes = _layout()
+    src = _source(rank)
+    dst = np.zeros(n * slice_bytes, dtype=np.uint8)
+    write_flag = lambda s, k: s * K + k
+    flush_flag = lambda q: n * K + q
+    counter = n * K + n
+    flags = np.zeros(counter + 1, dtype=np.uint32)
+    queue = CommandQueue(64)  # smaller than the commands issued: wraps around
+    with Proxy(WORLD, transport=transport, bind_address="127.0.0.1", shuffle_seed=shuffle_seed,
+               tcp_connections=tcp_connections) as proxy:
+        proxy.register(0, src.ctypes.data, src.nbytes)
+        proxy.register(1, dst.ctypes.data, dst.nbytes)
+        proxy.register_flags(2, flags.ctypes.data, flags.size)
+        proxy.attach_queue(queue)
+        proxy.connect()
+        proxy.start()
+        for k, nbytes in enumerate(SIZES):
+            for q in peers:
+                queue.push(WRITE, q, nbytes, src=(0, src_off[k]), dst=(1, rank * slice_bytes + dst_off[k]),
+                           flag=(write_flag(rank, k), 1000 + k, FLAG_SET))
+        for q in peers:
+            queue.push(FLUSH, q, flag=(flush_flag(q), 7, FLAG_SET))
+
+        sources = {s: _source(s) for s in peers}
+        pending = {(s, k) for s in peers for k in range(K)}
+        deadline = time.monotonic() + 60
+        while pending:
+            proxy.check()
+            assert time.monotonic() < deadline, f"writes {sorted(pending)} never arrived"
+            for s, k in sorted(pending):
+                v = int(flags[write_flag(s, k)])
+                if v == 0:
+                    continue
+                assert v == 1000 + k
+                lo = s * slice_bytes + dst_off[k]
+                got, want = dst[lo:lo + SIZES[k]], sources[s][src_off[k]:src_off[k] + SIZES[k]]
+                assert np.array_equal(got, want), f"flag of write {k} ({SIZES[k]} B) from rank {s} was seen before its data"
+                pending.discard((s, k))
+        for q in peers:  # FLUSH: every earlier command to q is applied there
+            proxy.wait_flag(flags, flush_flag(q), 7)
+        for q in peers:
+            queue.push(SIGNAL, q, flag=(counter, 1, FLAG_ADD))
+        proxy.wait_flag(flags, counter, len(peers))
+
+        untouched = np.ones(dst.size, dtype=bool)  # nothing outside the writes was touched
+        for s in peers:
+            untouched[s * slice_bytes:(s + 1) * slice_bytes] = False
+        assert not dst[untouched].any()
+        stats = proxy.stats()
+        assert stats["frames_rejected"] == 0
+        for q in peers:
+            assert stats["peers"][q]["bytes_sent"] == sum(SIZES)
+            assert stats["peers"][q]["bytes_received"] == sum(SIZES)
+            assert stats["peers"][q]["writes"] == K
+        proxy.check()
+        # Closing needs no barrier: every peer's FLUSH to us completed before it sent the SIGNAL we waited for.
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("transport, shuffle, conns", [("tcp", None, 4), ("tcp", 12345, 3), ("host", None, None)],
+                         ids=["tcp", "tcp-shuffle", "host"])
+def test_payloads_and_flags(request, transport, shuffle, conns):
+    if not _relaunch(request):
+        _collectively(_exchange, transport, shuffle, conns)
+
+
+def _killed_worker(transport):
+    """Rank 1 dies (SIGKILL) right after enqueueing a 64 MiB write; the others wait for its flags."""
+    rank, n = WORLD.Get_rank(), WORLD.Get_size()
+    big = 64 << 20
+    src = np.ones(big, dtype=np.uint8)
+    dst = np.zeros(n * big, dtype=np.uint8)
+    flags = np.zeros(n, dtype=np.uint32)
+    queue = CommandQueue(64)
+    proxy = Proxy(WORLD, transport=transport, bind_address="127.0.0.1", timeout_s=120)
+    proxy.register(0, src.ctypes.data, big)
+    proxy.register(1, dst.ctypes.data, dst.nbytes)
+    proxy.register_flags(2, flags.ctypes.data, n)
+    proxy.attach_queue(queue)
+    proxy.connect()
+    proxy.start()
+    WORLD.Barrier()
+    start = time.monotonic()
+    if rank == 1:
+        for q in range(n):
+            if q != rank:
+                queue.push(WRITE, q, big, dst=(1, rank * big), flag=(rank, 1, FLAG_SET))
+        os.kill(os.getpid(), signal.SIGKILL)
+    for q in range(n):
+        if q != rank:
+            queue.push(WRITE, q, big, dst=(1, rank * big), flag=(rank, 1, FLAG_SET))
+    try:
+        while True:  # the flag of rank 1 never comes (or comes, and the next check still sees it die)
+            proxy.wait_flag(flags, 1, 2, timeout_s=100)
+    except (PeerError, TimeoutError) as e:
+        print(f"SURVIVOR {rank} raised {type(e).__name__} after {time.monotonic() - start:.2f} s: {e}", flush=True)
+    time.sleep(1)  # stay up, so that the other survivor sees rank 1's death and not our exit
+    os._exit(0)  # MPI cannot finalize with a dead rank
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["tcp", "host"])
+def test_killed_rank_makes_others_raise(transport):
+    if WORLD.Get_size() > 1:
+        pytest.skip("launches its own mpiexec job, so it runs from the one-rank pass")
+    r = _mpiexec(3, [os.path.abspath(__file__), "kill", transport], timeout=90, extra=["--with-ft", "ulfm"])
+    lines = re.findall(r"SURVIVOR (\d) raised (\w+) after ([\d.]+) s: (.*)", r.stdout)
+    assert sorted(int(l[0]) for l in lines) == [0, 2], f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    for _, kind, seconds, msg in lines:
+        assert kind == "PeerError" and float(seconds) < 30, (kind, seconds, msg)
+        assert "rank 1" in msg and "peer 1" in msg
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["kill"]:
+    _killed_worker(sys.argv[2])
+
+
+def test_tcp_listener_admits_only_the_job_secret():
+    """The acceptor drops a stranger (wrong secret) and logs it, admits the peer, and proves the secret back."""
+    import hashlib
+    import hmac
+    import socket as so
+    import threading
+
+    from mkernel.proxy import _ACK, _HELLO, _MAGIC_HELLO
+
+    secret = os.urandom(32)
+    proxy = Proxy(MPI.COMM_SELF, transport="tcp")
+    proxy.rank, proxy.peers = 1, [0]  # this end plays rank 1, expecting one connection from rank 0
+    listener = so.create_server(("127.0.0.1", 0))
+    addr = listener.getsockname()
+    got = {}
+
+    def dial(name, key, nonce, sent):
+        s = so.create_connection(addr, timeout=10)
+        s.sendall(_HELLO.pack(_MAGIC_HELLO, key, nonce, 0, 0))
+        sent.set()
+        got[name] = s.recv(_ACK.size)
+        s.close()
+
+    dialers = []
+    for name, key, nonce in (("stranger", os.urandom(32), b"s" * 16), ("peer", secret, b"n" * 16)):
+        sent = threading.Event()  # the stranger is queued first: it must not take the peer's place
+        dialers.append(threading.Thread(target=dial, args=(name, key, nonce, sent)))
+        dialers[-1].start()
+        assert sent.wait(10)
+    admitted = proxy._tcp_accept(listener, secret, 1, time.monotonic() + 10)
+    for d in dialers:
+        d.join()
+    listener.close()
+    assert [r for r, _ in admitted] == [0]
+    for _, s in admitted:
+        s.close()
+    assert got["stranger"] == b""  # closed without an answer
+    magic, proof, rank = _ACK.unpack(got["peer"])
+    assert rank == 1 and hmac.compare_digest(proof, hmac.new(secret, b"n" * 16, hashlib.sha256).digest())
+    proxy.close()
+
+
+def test_host_segments_are_owner_only_unlinked_and_refused_otherwise():
+    from mkernel.verbs import ffi, lib
+
+    name = f"/mkernel-test-{os.getpid()}".encode()
+    path = "/dev/shm" + name.decode()
+    why = ffi.new("char[]", 256)
+    addr = lib.mk_host_segment_create(name, why, 256)
+    assert addr, ffi.string(why)
+    try:
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        assert not lib.mk_host_segment_create(name, why, 256)  # exclusive: nobody can pre-create ours
+        os.chmod(path, 0o644)
+        assert not lib.mk_host_segment_open(name, why, 256) and b"owner-only" in ffi.string(why)
+        os.chmod(path, 0o600)
+        assert lib.mk_host_segment_open(name, why, 256), ffi.string(why)
+    finally:
+        lib.mk_host_segment_unlink(name)
+    assert not os.path.exists(path)
