@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 export NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export MKERNEL_CACHE_DIR=${MKERNEL_CACHE_DIR:-$HOME/.cache/mkernel} PYTHONPATH=${PYTHONPATH:-}
 rc=0
-"$PY" -m pytest -q -m gpu tests "$@" || rc=$?
+"$PY" -m pytest -q -m "gpu and not (mpi and multi_gpu)" tests "$@" || rc=$?  # 2-rank tests: next pass
 mpirun -n 2 --oversubscribe -x NCCL_NVLS_ENABLE -x PYTHONPATH -x MKERNEL_CACHE_DIR \
   "$PY" -m pytest -q -m "gpu and mpi and not slow" tests "$@" || rc=$?
 exit $rc
