@@ -2,7 +2,7 @@
 # One device call that does everything a session needs on the GPU machine (build, suite, sanitizer,
 # benchmarks), logs under $OUT, then a summary last. Usage on the device:
 #   source .whl/prepare.sh || exit 1; bash tools/device_session.sh [steps...]
-# Steps (default: all): info suite main sanitizer gemm transport
+# Steps (default: info suite main sanitizer gemm transport); finer ones: runtime queue mpi2 gemmtest tp
 # A kernel cache built on a CPU machine (python -m mkernel precompile) is used when carried as .kcache.
 set -u
 OUT=${OUT:-/tmp/mkernel-out}
@@ -16,20 +16,32 @@ summary=()
 step() {  # step NAME TIMEOUT CMD...
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS rc=0
-  timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1 || rc=$?
+  timeout -k 5 "$limit" "$@" >"$LOGS/$name.log" 2>&1 || rc=$?
   summary+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - t0)) "$(tail -1 "$LOGS/$name.log" | cut -c1-150)")")
+  echo "${summary[-1]}"
 }
+MPI2="mpirun -n 2 --oversubscribe -x MKERNEL_CACHE_DIR -x NCCL_NVLS_ENABLE -x PYTHONPATH"
+PYT="python3 -m pytest -q -p no:cacheprovider"
 for s in $steps; do
   case $s in
-    info) step info 60 python3 -m mkernel info ;;
+    info) step info 30 python3 -m mkernel info ;;
     suite) step suite 420 bash tests/run_gpu.sh ;;
-    main) step main 120 mpirun -n 2 --oversubscribe -x MKERNEL_CACHE_DIR -x NCCL_NVLS_ENABLE python3 -m mkernel --quick ;;
-    sanitizer) step sanitizer 240 bash tools/sanitize.sh ;;
-    gemm) step gemm 240 python3 bench/gemm.py ;;
-    transport) step transport 180 mpirun -n 2 --oversubscribe -x MKERNEL_CACHE_DIR -x NCCL_NVLS_ENABLE python3 bench/transport.py ;;
+    runtime) step runtime 90 $PYT -m gpu tests/test_comm_gpu.py ;;
+    queue) step queue 60 $PYT -m "gpu and not (mpi and multi_gpu)" tests/test_queue_gpu.py ;;
+    runtime2) step runtime2 90 $MPI2 $PYT -m "gpu and mpi and not slow" tests/test_comm_gpu.py ;;
+    mpi2) step mpi2 150 $MPI2 $PYT -m "gpu and mpi and not slow" tests/test_comm_gpu.py tests/test_queue_gpu.py ;;
+    gemmtest) step gemmtest 150 $PYT -s tests/test_gemm.py tests/test_gemm_compile.py ;;
+    tp) step tp 150 bash -c "$PYT -m 'gpu and not (mpi and multi_gpu)' tests/test_tp_gpu.py; $MPI2 $PYT -m 'gpu and mpi' tests/test_tp_gpu.py" ;;
+    main) step main 60 $MPI2 python3 -m mkernel --quick ;;
+    sanitizer) step sanitizer 120 bash tools/sanitize.sh ;;
+    gemm) step gemm 120 python3 bench/gemm.py ;;
+    transport) step transport 90 $MPI2 python3 bench/transport.py ;;
+    *) summary+=("unknown step $s") ;;
   esac
+  tar -C "$(dirname "$LOGS")" -czf "$OUT/logs.tar.gz" logs  # after every step: a cut-off run still reports
 done
 grep -h "compiling " "$LOGS"/*.log | sort | uniq -c > "$LOGS/compiles.txt" || true
 cp bench/results/*.json "$OUT"/ 2>/dev/null
 tar -C "$(dirname "$LOGS")" -czf "$OUT/logs.tar.gz" logs
+echo "== summary =="
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
