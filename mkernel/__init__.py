@@ -15,9 +15,13 @@ from .comm import Communicator, init
 from . import selftest  # noqa: F401
 from .gemm import gemm, grouped_gemm
 from . import proxy  # noqa: F401  (registers the command-queue test kernels)
+from .gemm_reduce_scatter import gemm_reduce_scatter
+from .gemm_allreduce import gemm_allreduce
+from .allgather_gemm import allgather_gemm
 
 __all__ = [
     "__version__", "init", "Communicator", "gemm", "grouped_gemm",
+    "gemm_reduce_scatter", "gemm_allreduce", "allgather_gemm",
     "MKernelError", "ArgumentError", "ClosedError", "CompileError", "NoGPUError",
     "NoRDMADeviceError", "PeerError", "TimeoutError",
 ]

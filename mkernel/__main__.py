@@ -59,9 +59,10 @@ def main(argv=None):
     pc.add_argument("kernels", nargs="*")
     e = sub.add_parser("env", help="the MKERNEL_* variables and their values")
     e.add_argument("--markdown", action="store_true")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in sub.choices and argv[0] not in ("-h", "--help"):
+        argv = ["run"] + argv  # `python -m mkernel [--quick]` is the main job
     args = p.parse_args(argv)
-    if args.cmd is None:
-        args = p.parse_args(["run"] + list(argv or sys.argv[1:]))
     return {"run": _cmd_run, "info": _cmd_info, "precompile": _cmd_precompile, "env": _cmd_env}[args.cmd](args)
 
 

@@ -61,14 +61,16 @@ def check_gemm(comm, quick):
             "baseline_ms": base, "note": f"rel err {err:.1e}; baseline cupy.matmul"}
 
 
-CHECKS = [check_runtime, check_gemm]
+def checks():
+    from .tp import main_job_checks
+    return [check_runtime, check_gemm] + main_job_checks()
 
 
 def run(quick=False) -> int:
     import mkernel
     comm = mkernel.init()
     rows = []
-    for check in CHECKS:
+    for check in checks():
         try:
             rows.append(check(comm, quick))
         except mkernel.MKernelError as e:

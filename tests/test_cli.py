@@ -17,9 +17,10 @@ def _run(*args):
 
 
 @pytest.mark.skipif(gpu.device_count() > 0, reason="a GPU is visible: the main job would run")
-def test_main_job_without_gpu_says_so_in_one_line_and_exits_2():
-    r = _run()
-    assert r.returncode == 2
+@pytest.mark.parametrize("args", [(), ("--quick",), ("run",)])
+def test_main_job_without_gpu_says_so_in_one_line_and_exits_2(args):
+    r = _run(*args)
+    assert r.returncode == 2, r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "no GPU" in lines[0]
 

@@ -74,16 +74,18 @@ def test_a_delayed_receiver_is_never_overwritten(comm, proto):
     _sync()
     comm.check()
     clean = proto.mismatch_count() == before
+    detail = proto.first_mismatch()
     # Negative control: without credits the fast sender overwrites the slow receiver's slot.
     for _ in range(10):
         proto.run("exchange", consume_delay_ns=delay, skip_credit=True)
     _sync()
     overwritten = comm.mpi.allreduce(proto.mismatch_count() - before)
     proto.mismatches.fill(0)
+    proto.first.fill(0)
     for _ in range(2):  # leave the slots in a state the credit protocol accepts again
         proto.run("exchange")
     _sync()
-    assert all_ranks(comm.mpi, clean), "a credited slot was overwritten"
+    assert all_ranks(comm.mpi, clean), f"a credited slot was overwritten: rank {comm.rank}: {detail}"
     assert overwritten > 0, "the negative control saw no overwrite: the test cannot tell credits from luck"
 
 

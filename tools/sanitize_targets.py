@@ -24,7 +24,8 @@ def protocol():
 
 TARGETS = [protocol]
 # Modules that provide their own small-shape target: sanitize_target() -> None (raises on a wrong result).
-for name in ("mkernel.gemm", "mkernel.proxy"):
+for name in ("mkernel.gemm", "mkernel.proxy", "mkernel.gemm_reduce_scatter", "mkernel.gemm_allreduce",
+             "mkernel.allgather_gemm"):
     try:
         mod = importlib.import_module(name)
     except ImportError:

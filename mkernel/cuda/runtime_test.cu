@@ -58,7 +58,14 @@ MK_DEV bool exchange_body(const RuntimeTestArgs& a, u32 E) {
     __syncthreads();
     const u32* src = slot_of(a, me, p);
     u32 bad = 0;
-    for (u32 i = threadIdx.x; i < a.words; i += blockDim.x) bad += src[i] != pattern(E, p, i);
+    for (u32 i = threadIdx.x; i < a.words; i += blockDim.x) {
+      const u32 v = src[i];
+      if (v != pattern(E, p, i)) {
+        if (bad++ == 0 && atomicCAS(a.first_mismatch, 0u, 1u) == 0u) {
+          a.first_mismatch[1] = E; a.first_mismatch[2] = p; a.first_mismatch[3] = i; a.first_mismatch[4] = v;
+        }
+      }
+    }
     if (bad) atomicAdd(a.mismatches, bad);
   }
   return true;

@@ -8,6 +8,7 @@ struct RuntimeTestArgs {
   unsigned long long flags_off;     // offset of this test's flag area in every workspace
   unsigned long long slots_off;     // offset of the slots: [local_size senders][words] u32
   unsigned int* mismatches;         // device counter of words that arrived wrong
+  unsigned int* first_mismatch;     // device [5]: set, epoch, sender, index, value seen (the first one)
   unsigned int* host_area;          // litmus over mapped host memory: [words] data, then flag, ack
   unsigned int local_size;
   unsigned int local_rank;

@@ -1,0 +1,101 @@
+"""``allgather_gemm(a, b, *, comm)``: (every rank's row shard of A, stacked in rank order) ``@ b``, by
+one fused kernel whose communication CTAs push this rank's shard to every peer in chunks of 128
+rows while the GEMM runs on the chunks that have arrived (design: docs/TP.md). Importable
+without CuPy; the kernels are registered at import.
+"""
+
+from . import tp
+from .errors import ArgumentError
+
+OP = "allgather_gemm"
+KERNEL = "mk_allgather_gemm_kernel"
+SPEC = tp.register(OP, "allgather_gemm.cu", KERNEL)
+
+
+def allgather_gemm(a, b, *, comm, out=None, stream=None, return_gathered=False, b_layout=None, comm_sms=None,
+                   path=None):
+    """``[M, N_r]`` = (the shards of all ranks stacked in rank order) ``@ b``.
+
+    a: this rank's row shard ``[M / world, K]`` (the same shape on every rank: uneven shards
+    raise ArgumentError); b: ``[K, N_r]`` or ``[N_r, K]`` (``b_layout='nk'`` or a ``w.T`` view);
+    bfloat16 or float16, K and N_r multiples of 8. ``return_gathered=True`` also returns the
+    gathered A ``[M, K]`` (a fresh array). ``comm_sms``: CTAs that push A (default 8). ``path``:
+    as :func:`mkernel.gemm_reduce_scatter`.
+    """
+    cupy = tp.cupy_mod()
+    tp.check_comm(OP, comm)
+    a, layout, b_arr, N = tp.check_inputs(OP, a, b, b_layout, stream)
+    mb, K = a.shape
+    W = comm.size
+    M = mb * W
+    comm_sms = tp.check_comm_sms(OP, comm_sms)
+    if not isinstance(return_gathered, bool):
+        raise ArgumentError(f"{OP}: return_gathered must be True or False")
+    out = tp.prepare_out(OP, out, (M, N), a.dtype, comm)
+    chosen, reason = tp.choose_path(OP, comm, path, rows=M, N=N, K=K)
+    key = (OP, mb, N, K, a.dtype.name, layout, comm_sms, chosen)  # same shard shape on every rank
+    tp.agree_call(OP, comm, key, reason)
+
+    if chosen == "gemm":
+        tp._gemm_module().gemm(a, b_arr, out=out, stream=stream, b_layout="kn" if layout == tp.B_KN else "nk")
+        return (out, a) if return_gathered else out
+    if chosen == "fallback":
+        with tp.on_stream(stream):
+            if W == 1:
+                gathered = a
+            else:
+                src = a if a.flags.c_contiguous else cupy.ascontiguousarray(a)
+                gathered = cupy.empty((M, K), dtype=a.dtype)
+                comm.nccl.allGather(src.data.ptr, gathered.data.ptr, mb * K, tp.nccl_dtype(a.dtype),
+                                    tp.stream_ptr(stream))
+            out[...] = tp.matmul(gathered, b_arr, layout)
+        return (out, gathered) if return_gathered else out
+
+    tiles_mb = -(-mb // tp.BM)
+    sizes = [("ga", (M, K), a.dtype), ("aflag", (W * tiles_mb,), "uint32")]
+    plan = tp.plan_buffers(OP, comm, ("buffers", OP, mb, K, a.dtype.name), sizes)  # shared by N, layouts
+    args = tp.TpArgs()
+    esize = a.dtype.itemsize
+    tiles_blk = tp.fill_common(args, comm, OP, a_ptr=plan["ga"].data.ptr, a_rows=M, a_row_bytes=K * esize,
+                               dtype=a.dtype, b_arr=b_arr, layout=layout, K=K, N=N, mb=mb,
+                               counters=plan["counters"])
+    args.ga_off = comm.offset_of(plan["ga"])
+    args.aflag_off = comm.offset_of(plan["aflag"])
+    args.a_local = a.data.ptr
+    args.lda = tp._row_stride(a) // esize
+    ldo_bytes = tp._row_stride(out)
+    for o in range(W):
+        args.dst[o] = tp.out_map(a.dtype, out.data.ptr + o * mb * ldo_bytes, mb, N, ldo_bytes)
+    args.out = out.data.ptr
+    args.ldo = ldo_bytes // esize
+    gemm_ctas, comm_ctas = tp.grid_split(OP, comm_sms, W * tiles_blk, W * tiles_mb, tp.sm_count())
+    args.gemm_ctas = gemm_ctas
+    tp.launch_fused(comm, OP, SPEC, KERNEL, args, a.dtype, layout, gemm_ctas + comm_ctas, stream)
+    if return_gathered:
+        with tp.on_stream(stream):
+            return out, plan["ga"].copy()
+    return out
+
+
+def sanitize_target():
+    """The fused kernel once at a small shape at world 1; raises on a wrong result."""
+    import cupy
+    import numpy as np
+    from mpi4py import MPI
+
+    import mkernel
+
+    comm = mkernel.init(MPI.COMM_SELF, workspace_bytes=16 << 20)
+    try:
+        rng = np.random.default_rng(0)
+        M, K, N = 200, 136, 264
+        a = rng.integers(-2, 3, size=(M, K)).astype(np.float16)
+        b = rng.integers(-2, 3, size=(K, N)).astype(np.float16)
+        out, gathered = allgather_gemm(cupy.asarray(a), cupy.asarray(b), comm=comm, path="fused",
+                                       return_gathered=True)
+        cupy.cuda.runtime.deviceSynchronize()
+        comm.check()
+        tp.check_result(out, a.astype(np.float64) @ b.astype(np.float64), "allgather_gemm", 0.0)
+        tp.check_result(gathered, a.astype(np.float64), "allgather_gemm gathered A", 0.0)
+    finally:
+        comm.close()

@@ -1,0 +1,304 @@
+#pragma once
+// The GEMM side of the fused tensor-parallel kernels: the tile space cut into row blocks, the tile
+// order (what a peer needs first), a producer variant (the engine's producer loop with that order
+// and, for AllGather+GEMM, a wait on the A chunk's arrival flag before its TMA loads), and an
+// epilogue functor that stores each tile through the tensor map of its row block's destination
+// (a peer's receive slot, or a block of the local output) and publishes a per-tile flag there.
+//
+// Engine internals this header relies on (mkernel/cuda/gemm_mainloop.cuh, gemm_epilogue.cuh): the
+// GemmBars ring protocol (tfull / tempty / full / empty barriers and their parities, MkTile in
+// bars->ring), the join slots bars->join[seq % MK_JOIN_SLOTS], GemmSmem::a/b/c addresses, the
+// 128B-swizzled epilogue chunk layout of MkTmaEpilogue (16-bit output), gemm_consumer's functor
+// interface (operator(), after_issue()), gemm_setup() and pack2_out(). See docs/TP.md.
+//
+// Tile space. Rows of the GEMM are W row blocks of mb rows (block o = rows [o*mb, (o+1)*mb)).
+// Tiles never straddle blocks: block o has tiles_mb = ceil(mb / 128) M-tiles; a tile's block-local
+// id is tl = mt * tiles_n + nt (the index of its flags). The last M-tile of a block may load rows of
+// the next block (or past M: zeros); those rows are outside the destination map and never stored.
+#include "common.cuh"
+#include "signals.cuh"
+#include "peers.cuh"
+#include "tma.cuh"
+#include "gemm_mainloop.cuh"
+#include "gemm_epilogue.cuh"
+#include "tp_args.cuh"
+
+constexpr u32 TP_GROUP_M = 16;  // inside a block, tiles run in groups of 16 M-tiles (L2 reuse)
+
+MK_DEV MkPeers tp_peers(const TpArgs& a) { return MkPeers{a.peer_base, (u32)a.world, (u32)a.me}; }
+MK_DEV u32 tp_tiles_blk(const TpArgs& a) { return (u32)a.tiles_mb * (u32)a.tiles_n; }
+
+// Position r inside one block -> block-local tile id (groups of TP_GROUP_M M-tiles, N inside).
+MK_DEV u32 tp_block_tile(u32 r, u32 tiles_mb, u32 tiles_n) {
+  const u32 span = TP_GROUP_M * tiles_n;
+  const u32 g = r / span, rr = r - g * span;
+  const u32 first = g * TP_GROUP_M;
+  const u32 gs = min(TP_GROUP_M, tiles_mb - first);
+  const u32 mt = first + rr % gs, nt = rr / gs;
+  return mt * tiles_n + nt;
+}
+
+// The block the i-th group of GEMM tiles belongs to. RS / AR: peers' blocks first (me+1, me+2,
+// ..., own block last), so that partials leave while the rest is computed. AG: own shard first
+// (it is local), then me-1, me-2, ... (rank p pushes to p+1 first, so that is the arrival order).
+template <int OP>
+MK_DEV u32 tp_block_order(u32 i, u32 world, u32 me) {
+  return OP == TP_OP_AG ? (me + world - i) % world : (me + 1 + i) % world;
+}
+
+// GEMM position -> tile (group = row block, id = block-local tile id).
+template <int OP, int BM, int BN>
+MK_DEV MkTile tp_decode(const TpArgs& a, u32 pos) {
+  const u32 tb = tp_tiles_blk(a);
+  const u32 i = pos / tb;
+  const u32 o = tp_block_order<OP>(i, (u32)a.world, (u32)a.me);
+  const u32 tl = tp_block_tile(pos - i * tb, (u32)a.tiles_mb, (u32)a.tiles_n);
+  const u32 mt = tl / (u32)a.tiles_n, nt = tl - mt * (u32)a.tiles_n;
+  MkTile t;
+  t.m0 = (i32)(o * (u32)a.mb + mt * BM);
+  t.n0 = (i32)(nt * BN);
+  t.rows = min(BM, a.mb - (i32)(mt * BM));
+  t.group = (i32)o;
+  t.id = tl;
+  t.seq = 0;
+  t.pad[0] = t.pad[1] = 0;
+  return t;
+}
+
+// The engine's producer loop (gemm_producer) with the TP tile order, tiles claimed from
+// counters[TP_CNT_TILE], and for AG the arrival wait on A chunk (block o, M-tile mt) before its
+// loads. One thread (warpgroup 0, thread 0).
+template <class Cfg, int OP>
+MK_DEV void tp_producer(const TpArgs& args, const GemmSmem<Cfg>& sm, u32 epoch) {
+  GemmBars<Cfg>* bars = sm.bars;
+  const MkGemmArgs& g = args.g;
+  const int kblocks = (g.k + Cfg::BK - 1) / Cfg::BK;
+  const u32 total = (u32)args.world * tp_tiles_blk(args);
+  const MkPeers peers = tp_peers(args);
+  u32 it = 0, tile_it = 0;
+  for (;;) {
+    const u32 pos = atomicAdd(&args.counters[TP_CNT_TILE], 1u);
+    const bool done = pos >= total;
+    const u32 r = tile_it % Cfg::RING;
+    mbar_wait(smem_u32(&bars->tempty[r]), ((tile_it / Cfg::RING) & 1) ^ 1);
+    MkTile t;
+    if (done) {
+      t.m0 = t.n0 = t.rows = t.group = 0;
+      t.id = MK_TILE_DONE;
+      t.pad[0] = t.pad[1] = 0;
+    } else {
+      t = tp_decode<OP, Cfg::BM, Cfg::BN>(args, pos);
+    }
+    t.seq = tile_it;
+    if (OP == TP_OP_AG && !done) {
+      // A rows of this tile = chunk mt of sender t.group's shard: wait for its flag, then order
+      // the generic-proxy arrival before the TMA (async proxy) loads.
+      const u32 mt = t.id / (u32)args.tiles_n;
+      const u32* flag = peer_ptr<u32>(peers, (u32)args.me, args.aflag_off) + (u32)t.group * (u32)args.tiles_mb + mt;
+      wait_epoch(g.sync, flag, epoch, t.group, mt);  // on a timeout the error is recorded; go on
+      fence_proxy_async_global();
+    }
+    bars->ring[r] = t;
+    mbar_arrive(smem_u32(&bars->tfull[r]));
+    ++tile_it;
+    if (done) break;
+    for (int kb = 0; kb < kblocks; ++kb, ++it) {
+      const int s = it % Cfg::STAGES;
+      const u32 full = smem_u32(&bars->full[s]);
+      mbar_wait(smem_u32(&bars->empty[s]), ((it / Cfg::STAGES) & 1) ^ 1);
+      mbar_arrive_expect_tx(full, Cfg::STAGE_BYTES);
+      const i32 k0 = kb * Cfg::BK;
+      tma_load_2d(sm.a(s), &g.a, full, k0, t.m0);
+      if (Cfg::BL == MK_B_NK) {
+        tma_load_3d(sm.b(s), &g.b, full, k0, t.n0, 0);
+      } else {
+#pragma unroll
+        for (int j = 0; j < Cfg::BN / 64; ++j)
+          tma_load_3d(sm.b(s) + j * (64 * Cfg::BK * 2), &g.b, full, t.n0 + 64 * j, k0, 0);
+      }
+    }
+  }
+}
+
+// Epilogue functor (16-bit output = the input dtype): the MkTmaEpilogue staging (per warp, 4
+// chunks of 16 rows x 64 columns through 128B-swizzled shared memory, TMA store per chunk), but the
+// tensor map is the tile's row block's destination (args.dst[t.group]) at block-local rows, and
+// (RS / AR) the tile's flag lives in the destination rank's workspace: rflag[me][tl] of rank
+// t.group. Before the first store into rank o in this launch, the warp leader waits o's credit.
+template <class Cfg, int OP>
+struct TpEpilogue {
+  static constexpr int CW = 64;                 // columns per chunk (128 bytes of 16-bit data)
+  static constexpr int NCHUNK = Cfg::BN / CW;   // 4
+  static constexpr int JPC = CW / 8;            // 8 accumulator column groups per chunk
+  static constexpr u32 PARTS = Cfg::CONSUMERS * 4;
+
+  const TpArgs& args;
+  GemmSmem<Cfg> sm;
+  u32 epoch;
+  u32* pending_flag = nullptr;  // leader: flag of the tile whose stores are issued, not yet published
+  u32 pending_seq = 0;
+  u32 credited = 0;             // leader: bit o set once rank o's credit for this epoch was seen
+
+  MK_DEV u32* flag_of(const MkTile& t) const {
+    if (OP == TP_OP_AG) return nullptr;
+    return peer_ptr<u32>(tp_peers(args), (u32)t.group, args.rflag_off) + (u32)args.me * tp_tiles_blk(args) + t.id;
+  }
+  MK_DEV void publish(u32* flag, u32 seq) {
+    fence_sys();
+    u32* slot = &sm.bars->join[seq % MK_JOIN_SLOTS];
+    if (atomicAdd(slot, 1u) == PARTS - 1) {
+      atomicExch(slot, 0u);
+      fence_sys();
+      set_flag(flag, epoch);
+    }
+  }
+  MK_DEV void flush() {
+    if (pending_flag != nullptr) {
+      bulk_wait<0>();
+      fence_proxy_async_global();
+      publish(pending_flag, pending_seq);
+      pending_flag = nullptr;
+    }
+  }
+  MK_DEV void after_issue() {
+    if (OP != TP_OP_AG && (threadIdx.x & 31) == 0) flush();
+  }
+
+  MK_DEV void operator()(float (&acc)[128], const MkTile& t, int wg) {
+    const u32 tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31;
+    const bool leader = lane == 0;
+    const i32 wrow = 64 * wg + 16 * warp;
+    const i32 lrow = t.m0 - t.group * args.mb + wrow;  // block-local row of this warp's box
+    const TmaDesc* map = &args.dst[t.group];
+    u32* flag = flag_of(t);
+    if (wrow < t.rows) {
+      if (OP != TP_OP_AG && leader && !((credited >> t.group) & 1u)) {
+        credits_wait(args.g.sync, tp_peers(args), (u32)t.group, epoch);
+        fence_proxy_async_global();
+        credited |= 1u << t.group;
+      }
+      const u32 r0 = lane >> 2, x = r0;
+      if (leader) bulk_wait_read<0>();
+#pragma unroll
+      for (int q = 0; q < NCHUNK; ++q) {
+        const u32 buf = sm.c(wg, warp, q & 1);
+        if (q >= 2 && leader) bulk_wait_read<1>();
+        __syncwarp();
+#pragma unroll
+        for (int jj = 0; jj < JPC; ++jj) {
+          const int j = q * JPC + jj;
+          const u32 unit = jj ^ x;
+          const u32 a0 = buf + r0 * 128 + (unit << 4) + (lane & 3) * 4;
+          st_shared_u32(a0, pack2_out(Cfg::DT, acc[4 * j + 0], acc[4 * j + 1]));
+          st_shared_u32(a0 + 8 * 128, pack2_out(Cfg::DT, acc[4 * j + 2], acc[4 * j + 3]));
+        }
+        fence_proxy_async_smem();
+        __syncwarp();
+        if (leader) {
+          tma_store_2d(map, buf, t.n0 + q * CW, lrow);
+          bulk_commit();
+        }
+      }
+      if (flag != nullptr && leader) {
+        pending_flag = flag;
+        pending_seq = t.seq;
+      }
+    } else if (flag != nullptr && leader) {
+      publish(flag, t.seq);  // no row of this warp is in the block: count its part at once
+    }
+  }
+
+  MK_DEV void finish() {
+    if ((threadIdx.x & 31) == 0) {
+      flush();
+      bulk_wait<0>();
+    }
+  }
+};
+
+// ------------------------------------------------------------------------------ communication
+// 16-byte global accesses. Data that peers wrote is read through L2 (.cg), never a stale L1 line.
+MK_DEV uint4 ld_cg_v4(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p)
+               : "memory");
+  return v;
+}
+MK_DEV void st_v4(void* p, uint4 v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+// Two 16-bit values (low, high) of the input dtype -> fp32.
+template <int DT>
+MK_DEV void unpack2(u32 w, float& lo, float& hi) {
+  if (DT == MK_DT_BF16) {
+    lo = __uint_as_float(w << 16);
+    hi = __uint_as_float(w & 0xFFFF0000u);
+  } else {
+    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}\n"
+        : "=f"(lo), "=f"(hi)
+        : "r"(w));
+  }
+}
+
+// Every CTA, thread 0, after its last claim: the last CTA resets the plan's counters.
+MK_DEV void tp_counters_done(const TpArgs& a) {
+  __threadfence();
+  const u32 n = gridDim.x * gridDim.y * gridDim.z;
+  if (atomicAdd(&a.counters[TP_CNT_DONE], 1u) == n - 1) {
+    for (int i = 0; i < TP_CNT_WORDS; ++i) atomicExch(&a.counters[i], 0u);
+    __threadfence();
+  }
+}
+
+// Claim of the next item of a counter by a group of threads (the CTA, or the 256 consumer
+// threads of a GEMM CTA): every thread of the group gets the same value.
+template <class Bar>
+MK_DEV u32 tp_claim(unsigned int* counter, u32* s_item, u32 tid, Bar bar) {
+  bar();
+  if (tid == 0) *s_item = atomicAdd(counter, 1u);
+  bar();
+  return *s_item;
+}
+
+// Barrier of a whole CTA, and of the two consumer warpgroups of a GEMM CTA (named barrier 1; the
+// GEMM engine uses no named barrier).
+struct TpBarCta {
+  MK_DEV void operator()() const { __syncthreads(); }
+};
+struct TpBarConsumers {
+  MK_DEV void operator()() const { named_bar_sync(1, 256); }
+};
+
+struct TpNoJoin {
+  MK_DEV void operator()(const TpArgs&, u32) const {}
+};
+
+// A GEMM CTA of a fused kernel: the engine's setup and consumers, the TP producer and epilogue.
+// After their last tile, the consumer threads (256) run join(args, epoch) (RS / AR: they join the
+// reduction). The CTA's counter bookkeeping is its last act before launch_exit.
+template <class Cfg, int OP, class Join = TpNoJoin>
+MK_DEV void tp_gemm_cta(const TpArgs& args, Join join = Join()) {
+  extern __shared__ __align__(1024) u8 mk_smem[];
+  const GemmSmem<Cfg> sm = gemm_smem_carve<Cfg, false>(mk_smem);
+  gemm_setup<Cfg, false>(args.g, sm);  // barriers, epoch; its tile space is not used
+  const u32 epoch = sm.bars->epoch;
+  if (threadIdx.x < 128) {
+    setmaxnreg_dec<Cfg::PRODUCER_REGS>();
+    if (threadIdx.x == 0) tp_producer<Cfg, OP>(args, sm, epoch);
+  } else {
+    setmaxnreg_inc<Cfg::CONSUMER_REGS>();
+    TpEpilogue<Cfg, OP> epi{args, sm, epoch};
+    gemm_consumer<Cfg>(args.g, sm, (int)(threadIdx.x / 128) - 1, epi);
+    epi.finish();  // this CTA's flags are published before it waits for anybody's
+    __syncwarp();
+    join(args, epoch);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) tp_counters_done(args);
+  launch_exit(args.g.sync, epoch);
+}
+
+// Shared memory the fused kernels launch with (the engine's plain GEMM layout).
+#define TP_SMEM_BYTES (gemm_smem_bytes<GemmCfg<0, 0>, false>())

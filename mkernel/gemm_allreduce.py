@@ -1,0 +1,31 @@
+"""``gemm_allreduce(a, b, *, comm)``: the full sum over ranks of ``a_r @ b_r`` on every rank, by one
+fused kernel: the ReduceScatter mechanism of gemm_reduce_scatter (each rank reduces its row
+block tile by tile), then an AllGather phase of the reduced tiles inside the same kernel
+(design: docs/TP.md). Importable without CuPy; the kernels are registered at import.
+"""
+
+from . import tp
+from .gemm_reduce_scatter import _sanitize, gemm_reduce
+
+OP = "gemm_allreduce"
+KERNEL = "mk_gemm_ar_kernel"
+SPEC = tp.register(OP, "gemm_allreduce.cu", KERNEL)
+
+
+def gemm_allreduce(a, b, *, comm, out=None, stream=None, b_layout=None, comm_sms=None, deterministic=True,
+                   path=None, join=None):
+    """Sum over ranks of ``a_r @ b_r``: returns ``[M, N]``, the same bits on every rank.
+
+    Arguments as :func:`mkernel.gemm_reduce_scatter` (M a multiple of the world size); ``out`` is
+    ``[M, N]``. Each row block is reduced once, by its owner (fp32 sum in rank order, rounded
+    once), and copied to every rank, so all ranks hold identical bits. ``comm_sms``: CTAs that
+    reduce and gather (default 16); ``join``: the GEMM CTAs also reduce and gather once their
+    tiles are done (default ``mkernel.tp.JOIN_REDUCE``).
+    """
+    return gemm_reduce(OP, SPEC, KERNEL, True, a, b, comm=comm, out=out, stream=stream, b_layout=b_layout,
+                       comm_sms=comm_sms, deterministic=deterministic, path=path, join=join)
+
+
+def sanitize_target():
+    """The fused kernel once at a small shape at world 1; raises on a wrong result."""
+    _sanitize(gemm_allreduce)

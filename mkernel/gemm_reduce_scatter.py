@@ -1,0 +1,130 @@
+"""``gemm_reduce_scatter(a, b, *, comm)``: rank r's row block of the sum over ranks of ``a_r @ b_r``,
+computed by one fused kernel that reduces every output tile as soon as all its partials arrived
+(design: docs/TP.md). Also the shared driver of ``gemm_allreduce`` (one mechanism, two ops).
+
+Importable without CuPy; the kernels are registered with mkernel.compile at import.
+"""
+
+from . import tp
+from .errors import ArgumentError
+
+OP = "gemm_reduce_scatter"
+KERNEL = "mk_gemm_rs_kernel"
+SPEC = tp.register(OP, "gemm_reduce_scatter.cu", KERNEL)
+
+
+def gemm_reduce_scatter(a, b, *, comm, out=None, stream=None, b_layout=None, comm_sms=None, deterministic=True,
+                        path=None, join=None):
+    """Sum over ranks of ``a_r @ b_r``, scattered by rows: returns ``[M / world, N]``, rank r's block.
+
+    a: ``[M, K_r]`` (K sharded over ranks), b: ``[K_r, N]`` or ``[N, K_r]`` (``b_layout='nk'``, or the
+    transposed view ``w.T`` of a row-major ``[N, K_r]``), bfloat16 or float16, rows contiguous;
+    K_r and N multiples of 8; M a multiple of the world size (uneven M raises ArgumentError).
+    Partials travel in the input dtype; each output element is the fp32 sum of the W partials in
+    rank order, rounded once: bitwise reproducible run to run. ``deterministic=False`` is accepted
+    and currently takes the same (deterministic) path. ``comm_sms``: CTAs that reduce (default 8).
+    ``path``: None (automatic: fused, or cupy.matmul + NCCL for small shapes on distinct GPUs,
+    or a plain GEMM at world 1), 'fused', 'fallback' or 'gemm' (world 1). ``out``: optional
+    ``[M / world, N]`` of the input dtype, outside the symmetric workspace. ``join``: the GEMM
+    CTAs also reduce once their tiles are done (default ``mkernel.tp.JOIN_REDUCE``).
+    """
+    return gemm_reduce(OP, SPEC, KERNEL, False, a, b, comm=comm, out=out, stream=stream, b_layout=b_layout,
+                       comm_sms=comm_sms, deterministic=deterministic, path=path, join=join)
+
+
+def gemm_reduce(op, spec, kernel, allreduce, a, b, *, comm, out, stream, b_layout, comm_sms, deterministic, path,
+                join=None):
+    cupy = tp.cupy_mod()
+    tp.check_comm(op, comm)
+    a, layout, b_arr, N = tp.check_inputs(op, a, b, b_layout, stream)
+    M, K = a.shape
+    W = comm.size
+    if M % W:
+        raise ArgumentError(f"{op}: M = {M} rows must split evenly over {W} ranks (uneven M is not supported: "
+                            f"pad A to a multiple of {W} rows)")
+    if not isinstance(deterministic, bool):
+        raise ArgumentError(f"{op}: deterministic must be True or False")
+    join = tp.JOIN_REDUCE if join is None else join
+    if not isinstance(join, bool):
+        raise ArgumentError(f"{op}: join must be None, True or False")
+    mb = M // W
+    comm_sms = tp.check_comm_sms(op, comm_sms)
+    out = tp.prepare_out(op, out, (M, N) if allreduce else (mb, N), a.dtype, comm)
+    chosen, reason = tp.choose_path(op, comm, path, rows=M, N=N, K=K)
+    key = (op, M, N, K, a.dtype.name, layout, comm_sms, join, chosen)
+    tp.agree_call(op, comm, key, reason)
+
+    if chosen == "gemm":
+        tp._gemm_module().gemm(a, b_arr, out=out, stream=stream, b_layout="kn" if layout == tp.B_KN else "nk")
+        return out
+    if chosen == "fallback":
+        with tp.on_stream(stream):
+            partial = tp.matmul(a, b_arr, layout)
+            if W == 1:
+                out[...] = partial
+                return out
+            dst = out if out.flags.c_contiguous else cupy.empty(out.shape, out.dtype)
+            from cupy.cuda import nccl
+            if allreduce:
+                comm.nccl.allReduce(partial.data.ptr, dst.data.ptr, M * N, tp.nccl_dtype(a.dtype), nccl.NCCL_SUM,
+                                    tp.stream_ptr(stream))
+            else:
+                comm.nccl.reduceScatter(partial.data.ptr, dst.data.ptr, mb * N, tp.nccl_dtype(a.dtype),
+                                        nccl.NCCL_SUM, tp.stream_ptr(stream))
+            if dst is not out:
+                out[...] = dst
+        return out
+
+    tiles_blk = (-(-mb // tp.BM)) * (-(-N // tp.BN))
+    sizes = [("recv", (W, mb, N), a.dtype), ("rflag", (W * tiles_blk,), "uint32")]
+    if allreduce:
+        sizes += [("gath", (W, mb, N), a.dtype), ("gflag", (W * tiles_blk,), "uint32")]
+    plan = tp.plan_buffers(op, comm, ("buffers", op, M, N, a.dtype.name), sizes)  # shared by layouts
+    args = tp.TpArgs()
+    tp.fill_common(args, comm, op, a_ptr=a.data.ptr, a_rows=M, a_row_bytes=tp._row_stride(a), dtype=a.dtype,
+                   b_arr=b_arr, layout=layout, K=K, N=N, mb=mb, counters=plan["counters"])
+    esize = a.dtype.itemsize
+    args.recv_off = comm.offset_of(plan["recv"])
+    args.rflag_off = comm.offset_of(plan["rflag"])
+    if allreduce:
+        args.gath_off = comm.offset_of(plan["gath"])
+        args.gflag_off = comm.offset_of(plan["gflag"])
+    me = comm.local_rank
+    for o in range(W):
+        slot = comm.heap.peer_base[o] + args.recv_off + me * mb * N * esize
+        args.dst[o] = tp.out_map(a.dtype, slot, mb, N, N * esize)
+    args.out = out.data.ptr
+    args.ldo = tp._row_stride(out) // esize
+    gemm_ctas, comm_ctas = tp.grid_split(op, comm_sms, W * tiles_blk, tiles_blk, tp.sm_count())
+    args.gemm_ctas = gemm_ctas
+    args.join = int(join)
+    tp.launch_fused(comm, op, spec, kernel, args, a.dtype, layout, gemm_ctas + comm_ctas, stream)
+    return out
+
+
+def sanitize_target():
+    """The fused kernel once at a small shape at world 1 (tools/sanitize_targets.py); raises on a
+    wrong result."""
+    _sanitize(gemm_reduce_scatter)
+
+
+def _sanitize(op_fn):
+    import cupy
+    import numpy as np
+    from mpi4py import MPI
+
+    import mkernel
+
+    comm = mkernel.init(MPI.COMM_SELF, workspace_bytes=16 << 20)
+    try:
+        rng = np.random.default_rng(0)
+        M, K, N = 200, 136, 264  # off-grid in every dimension
+        a = rng.integers(-2, 3, size=(M, K)).astype(np.float16)
+        b = rng.integers(-2, 3, size=(K, N)).astype(np.float16)
+        for join in (False, True):  # dedicated reducers only; the GEMM CTAs joining them
+            out = op_fn(cupy.asarray(a), cupy.asarray(b), comm=comm, path="fused", join=join)
+            cupy.cuda.runtime.deviceSynchronize()
+            comm.check()
+            tp.check_result(out, a.astype(np.float64) @ b.astype(np.float64), f"{op_fn.__name__} join={join}", 0.0)
+    finally:
+        comm.close()

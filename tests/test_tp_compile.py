@@ -1,0 +1,331 @@
+"""CPU: the fused tensor-parallel kernels (GEMM+RS, GEMM+AR, AG+GEMM) compile with NVRTC for sm_90a
+in every instantiation without spills, stack or ptxas warnings; the ctypes mirror of TpArgs matches
+g++'s layout; the host-side planning rules (tile order, grid split, path choice) hold."""
+
+import ctypes
+import re
+import shutil
+import subprocess
+import tempfile
+
+import pytest
+
+from mkernel import compile as mkc
+from mkernel import tp
+import importlib
+
+# The modules (the package exports functions of the same names).
+ag = importlib.import_module("mkernel.allgather_gemm")
+ar = importlib.import_module("mkernel.gemm_allreduce")
+rs = importlib.import_module("mkernel.gemm_reduce_scatter")
+from mkernel.errors import ArgumentError
+
+MODULES = {"gemm_reduce_scatter": rs, "gemm_allreduce": ar, "allgather_gemm": ag}
+
+
+def test_args_layout_matches_host_compiler(tmp_path):
+    from c_layout import c_offsets, py_offsets
+
+    c = c_offsets("tp_args.cuh", "TpArgs", [name for name, *_ in tp.TpArgs._fields_], tmp_path)
+    py = py_offsets(tp.TpArgs)
+    assert c.pop("alignof") == 64  # TmaDesc is alignas(64); ctypes cannot say so (passed by copy)
+    py.pop("alignof")
+    assert c == py
+    assert ctypes.sizeof(tp.TpArgs) % 64 == 0
+
+
+@pytest.fixture(scope="module", params=sorted(MODULES))
+def compiled(request):
+    mod = MODULES[request.param]
+    return mod, mkc.compile_spec(mod.SPEC, use_cache=False)
+
+
+def test_every_instantiation_compiles_clean(compiled):
+    mod, c = compiled
+    assert set(c.lowered) == set(mod.SPEC.name_expressions)
+    funcs = c.resources["functions"]
+    assert len(funcs) == 4, funcs
+    for name, res in sorted(funcs.items()):
+        print(f"{name}: {res}")
+        assert res.get("stack", 0) == 0, (name, res)
+        assert res.get("spill_stores", 0) == 0 and res.get("spill_loads", 0) == 0, (name, res)
+        assert res.get("registers", 0) <= 168, (name, res)  # 384 threads, 1 CTA per SM; setmaxnreg inside
+    assert not c.resources["warnings"], c.resources["warnings"]
+    assert mod.SPEC.hot
+
+
+def _cuobjdump():
+    import os
+    for cand in (os.environ.get("CUOBJDUMP"), shutil.which("cuobjdump"), "/usr/local/cuda/bin/cuobjdump"):
+        if cand and os.path.exists(cand):
+            return cand
+    try:  # the nvidia-cuda-cuobjdump wheel
+        import nvidia
+        for root in nvidia.__path__:
+            for sub in ("cu13/bin/cuobjdump", "cuda_cuobjdump/bin/cuobjdump"):
+                if os.path.exists(os.path.join(root, sub)):
+                    return os.path.join(root, sub)
+    except ImportError:
+        pass
+    return None
+
+
+def test_sass_has_hgmma_and_no_local_memory(compiled):
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump")
+    _, c = compiled
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(c.cubin)
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], check=True, capture_output=True, text=True).stdout
+    kernels = re.split(r"\n\s*Function : ", sass)[1:]
+    assert len(kernels) == 4
+    for k in kernels:
+        name = k.split("\n", 1)[0].strip()
+        assert "HGMMA.64x256x16.F32" in k, name
+        assert not re.search(r"\b(LDL|STL)\b", k), f"local memory in {name}"
+
+
+def _block_tile(r, tiles_mb, tiles_n, gm=16):  # mirror of tp_block_tile (tp_epilogue.cuh)
+    span = gm * tiles_n
+    g, rr = divmod(r, span)
+    first = g * gm
+    gs = min(gm, tiles_mb - first)
+    return (first + rr % gs) * tiles_n + rr // gs
+
+
+@pytest.mark.parametrize("tiles_mb,tiles_n", [(1, 1), (3, 2), (17, 5), (40, 3)])
+def test_block_tile_order_is_a_permutation(tiles_mb, tiles_n):
+    n = tiles_mb * tiles_n
+    assert sorted(_block_tile(r, tiles_mb, tiles_n) for r in range(n)) == list(range(n))
+
+
+def test_grid_split():
+    assert tp.grid_split("gemm_reduce_scatter", 8, 1000, 500, 132) == (124, 8)
+    assert tp.grid_split("gemm_reduce_scatter", 8, 6, 3, 132) == (6, 3)  # no idle CTAs
+    with pytest.raises(ArgumentError):
+        tp.grid_split("gemm_reduce_scatter", 132, 10, 10, 132)
+    assert tp.check_comm_sms("allgather_gemm", None) == tp.DEFAULT_COMM_SMS["allgather_gemm"]
+    for bad in (0, -1, 2.5, "8"):
+        with pytest.raises(ArgumentError):
+            tp.check_comm_sms("allgather_gemm", bad)
+
+
+class _FakeComm:
+    def __init__(self, size, distinct=True):
+        self.size = size
+        self._op_buffers = {"_distinct": distinct}
+
+
+def test_path_choice_is_a_function_of_shapes_and_topology():
+    op = "gemm_allreduce"
+    assert tp.choose_path(op, _FakeComm(1), None, rows=64, N=64, K=64)[0] == "gemm"
+    assert tp.choose_path(op, _FakeComm(2, distinct=False), None, rows=64, N=64, K=64)[0] == "fused"
+    assert tp.choose_path(op, _FakeComm(2), None, rows=64, N=64, K=64)[0] == "fallback"
+    assert tp.choose_path(op, _FakeComm(2), None, rows=8192, N=8192, K=4096)[0] == "fused"
+    assert tp.choose_path(op, _FakeComm(2), "fused", rows=64, N=64, K=64)[0] == "fused"
+    with pytest.raises(ArgumentError):
+        tp.choose_path(op, _FakeComm(2), "gemm", rows=64, N=64, K=64)
+    with pytest.raises(ArgumentError):
+        tp.choose_path(op, _FakeComm(2), "nccl", rows=64, N=64, K=64)
+
+
+def test_modules_register_without_cupy_at_import():
+    for name, mod in MODULES.items():
+        assert mkc.REGISTRY[name] is mod.SPEC
+        assert callable(getattr(mod, name)) and callable(mod.sanitize_target)
+
+
+_INS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
+
+
+def _reachable_max_register(func_sass: str, start_marker: str) -> int:
+    """Highest Rn used by the instructions reachable from the first `start_marker` instruction
+    (branches and fall-through): the code a warpgroup runs after its setmaxnreg (as in
+    tests/test_gemm_compile.py)."""
+    ins, order = {}, []
+    for m in _INS.finditer(func_sass):
+        a = int(m.group(1), 16)
+        ins[a] = m.group(2).strip()
+        order.append(a)
+    nxt = dict(zip(order, order[1:]))
+    start = next(a for a in order if start_marker in ins[a])
+    seen, todo = set(), [start]
+    while todo:
+        a = todo.pop()
+        if a in seen or a not in ins:
+            continue
+        seen.add(a)
+        t = ins[a]
+        m = re.search(r"\bBRA(?:\.[A-Z.]+)?\s+0x([0-9a-f]+)", t)
+        if m:
+            todo.append(int(m.group(1), 16))
+        if (m or t.startswith("EXIT")) and not t.startswith("@"):
+            continue
+        if a in nxt:
+            todo.append(nxt[a])
+    return max((int(r) for a in seen for r in re.findall(r"\bR(\d+)\b", ins[a])), default=0)
+
+
+def test_setmaxnreg_regions_fit(compiled):
+    """The TP producer (with the AG arrival wait) must stay below its 40 registers and the
+    consumers (with the TP epilogue) below 232."""
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump")
+    _, c = compiled
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(c.cubin)
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], check=True, capture_output=True, text=True).stdout
+    for k in re.split(r"\n\s*Function : ", sass)[1:]:
+        name = k.split("\n", 1)[0].strip()
+        prod = _reachable_max_register(k, "USETMAXREG.DEALLOC")
+        cons = _reachable_max_register(k, "USETMAXREG.TRY_ALLOC")
+        print(f"{name}: producer max R{prod}, consumer max R{cons}")
+        assert prod < 40, (name, prod)
+        assert cons < 232, (name, cons)
+
+
+# ------------------------------------------------- launch arguments, with a fake communicator
+class _Ptr:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+class _Arr:
+    """Just enough of a cupy.ndarray for the argument checks: shape, strides, dtype, pointer."""
+
+    def __init__(self, shape, dtype, ptr, strides=None):
+        import numpy as np
+        self.dtype = np.dtype(dtype)
+        self.shape = tuple(shape)
+        self.ndim = len(shape)
+        self.itemsize = self.dtype.itemsize
+        self.strides = strides or (shape[1] * self.itemsize, self.itemsize)
+        self.data = _Ptr(ptr)
+
+    @property
+    def T(self):
+        return _Arr(self.shape[::-1], self.dtype, self.data.ptr, self.strides[::-1])
+
+
+class _Heap:
+    def __init__(self, bases):
+        self.peer_base = bases
+        self.base = bases[0]
+        self.nbytes = 1 << 28
+
+
+class _Comm:
+    def __init__(self, size, rank):
+        import types
+        self.size, self.rank, self.local_rank, self.local_size, self.num_nodes = size, rank, rank, size, 1
+        self.heap = _Heap([(1 << 40) * (p + 1) for p in range(size)])
+        self.heap.base = self.heap.peer_base[rank]
+        self.peer_table = types.SimpleNamespace(data=_Ptr(0xABC000))
+        self._agreed = {}
+        self._op_buffers = {"_distinct": False}
+        self.agreed = []
+
+    def agree(self, key, value):
+        self.agreed.append(key)
+        self._agreed[key] = value
+        return value
+
+    def sync_args(self, op):
+        from mkernel.sync import MkSync
+        return MkSync()
+
+    def offset_of(self, arr):
+        return arr.data.ptr - self.heap.base
+
+
+@pytest.fixture
+def fake_launch(monkeypatch):
+    import mkernel.arrays
+
+    calls = {"maps": [], "launch": None}
+    monkeypatch.setattr(mkernel.arrays, "as_cupy", lambda x, name, stream=None: x)
+    monkeypatch.setattr(tp, "prepare_out", lambda op, out, shape, dtype, comm: (out, calls.setdefault("out_shape", shape))[0])
+
+    def encode(dtype, ptr, dims, strides, box, swizzle=3, l2=3):
+        _tma.check_tiled(dtype, ptr, dims, strides, box, swizzle)
+        calls["maps"].append((ptr, tuple(dims), tuple(strides), tuple(box)))
+        m = _tma.TensorMap()
+        m.v[0] = ptr
+        return m
+
+    from mkernel import tma as _tma
+    monkeypatch.setattr(tp._tma, "encode_tiled", encode)
+
+    def plan_buffers(op, comm, key, sizes):
+        plan, off = {}, 1 << 20
+        for name, shape, dt in sizes:
+            plan[name] = _Arr(shape if len(shape) == 2 else (shape[0], 1) if len(shape) == 1 else
+                              (shape[0] * shape[1], shape[2]), dt, comm.heap.base + off)
+            plan[name].size_bytes = tp._nbytes(shape, dt)
+            off += -(-plan[name].size_bytes // 1024) * 1024
+        plan["counters"] = _Arr((8, 1), "uint32", 0x5000)
+        calls["plan"] = plan
+        return plan
+
+    monkeypatch.setattr(tp, "plan_buffers", plan_buffers)
+    monkeypatch.setattr(tp, "sm_count", lambda: 132)
+
+    def launch_fused(comm, op, spec, kernel, args, dtype, layout, grid, stream):
+        calls["launch"] = dict(op=op, kernel=kernel, args=args, layout=layout, grid=grid)
+
+    monkeypatch.setattr(tp, "launch_fused", launch_fused)
+    return calls
+
+
+@pytest.mark.parametrize("world,rank", [(1, 0), (2, 1), (4, 2)])
+def test_reduce_scatter_and_allreduce_launch_arguments(fake_launch, world, rank):
+    M, K, N = 200 * world, 136, 264
+    for fn, allreduce in ((rs.gemm_reduce_scatter, False), (ar.gemm_allreduce, True)):
+        comm = _Comm(world, rank)
+        a = _Arr((M, K), "float16", 0x100000)
+        b = _Arr((K, N), "float16", 0x200000)
+        out = _Arr((M, N) if allreduce else (M // world, N), "float16", 0x300000)
+        assert fn(a, b, comm=comm, out=out, path="fused") is out
+        L = fake_launch["launch"]
+        args, plan = L["args"], fake_launch["plan"]
+        mb = M // world
+        assert L["layout"] == tp.B_KN and args.world == world and args.me == rank and args.mb == mb
+        assert args.tiles_mb == 2 and args.tiles_n == 2 and args.g.k == K and args.g.n == N and args.g.m == M
+        tiles = world * 4
+        assert args.gemm_ctas == tiles and L["grid"] == tiles + min(tp.DEFAULT_COMM_SMS[L["op"]], 4)
+        assert args.recv_off == comm.offset_of(plan["recv"]) and args.rflag_off == comm.offset_of(plan["rflag"])
+        if allreduce:
+            assert args.gath_off == comm.offset_of(plan["gath"]) and args.gflag_off == comm.offset_of(plan["gflag"])
+        for o in range(world):  # tile of block o -> rank o's slot for this sender
+            assert args.dst[o].v[0] == comm.heap.peer_base[o] + args.recv_off + rank * mb * N * 2
+        assert args.out == out.data.ptr and args.ldo == N and args.g.a.v[0] == a.data.ptr
+        assert comm.agreed and comm.agreed[-1][-1] == "fused"
+
+
+def test_allgather_gemm_launch_arguments_and_nk_layout(fake_launch):
+    world, rank, mb, K, N = 2, 1, 200, 136, 264
+    comm = _Comm(world, rank)
+    a = _Arr((mb, K), "float16", 0x100000)
+    b = _Arr((N, K), "float16", 0x200000)
+    out = _Arr((world * mb, N), "float16", 0x300000)
+    ag.allgather_gemm(a, b, comm=comm, out=out, b_layout="nk", path="fused")
+    L = fake_launch["launch"]
+    args, plan = L["args"], fake_launch["plan"]
+    assert L["layout"] == tp.B_NK and args.g.a.v[0] == plan["ga"].data.ptr and args.a_local == a.data.ptr
+    assert args.lda == K and args.ga_off == comm.offset_of(plan["ga"])
+    for o in range(world):
+        assert args.dst[o].v[0] == out.data.ptr + o * mb * N * 2
+    # the transposed view of a row-major [N, K] is read as [N, K]
+    ag.allgather_gemm(a, b.T, comm=_Comm(world, rank), out=out, path="fused")
+    assert fake_launch["launch"]["layout"] == tp.B_NK
+
+
+def test_uneven_rows_raise(fake_launch):
+    comm = _Comm(2, 0)
+    with pytest.raises(ArgumentError, match="split evenly"):
+        rs.gemm_reduce_scatter(_Arr((201, 64), "float16", 0x1000), _Arr((64, 64), "float16", 0x2000), comm=comm,
+                               out=_Arr((100, 64), "float16", 0x3000))
