@@ -2,7 +2,8 @@
 # One device call that does everything a session needs on the GPU machine (build, suite, sanitizer,
 # benchmarks), logs under $OUT, then a summary last. Usage on the device:
 #   source .whl/prepare.sh || exit 1; bash tools/device_session.sh [steps...]
-# Steps (default: info suite main sanitizer gemm transport); finer ones: runtime queue mpi2 gemmtest tp
+# Steps (default: info suite main sanitizer gemm transport); finer ones: runtime runtime2 queue queue2
+# mpi2 gemmtest tp
 # A kernel cache built on a CPU machine (python -m mkernel precompile) is used when carried as .kcache.
 set -u
 OUT=${OUT:-/tmp/mkernel-out}
@@ -29,11 +30,12 @@ for s in $steps; do
     runtime) step runtime 90 $PYT -m gpu tests/test_comm_gpu.py ;;
     queue) step queue 60 $PYT -m "gpu and not (mpi and multi_gpu)" tests/test_queue_gpu.py ;;
     runtime2) step runtime2 90 $MPI2 $PYT -m "gpu and mpi and not slow" tests/test_comm_gpu.py ;;
+    queue2) step queue2 90 $MPI2 $PYT -m "gpu and mpi" tests/test_queue_gpu.py ;;
     mpi2) step mpi2 150 $MPI2 $PYT -m "gpu and mpi and not slow" tests/test_comm_gpu.py tests/test_queue_gpu.py ;;
     gemmtest) step gemmtest 150 $PYT -s tests/test_gemm.py tests/test_gemm_compile.py ;;
     tp) step tp 150 bash -c "$PYT -m 'gpu and not (mpi and multi_gpu)' tests/test_tp_gpu.py; $MPI2 $PYT -m 'gpu and mpi' tests/test_tp_gpu.py" ;;
     main) step main 60 $MPI2 python3 -m mkernel --quick ;;
-    sanitizer) step sanitizer 120 bash tools/sanitize.sh ;;
+    sanitizer) step sanitizer 100 bash tools/sanitize.sh ;;
     gemm) step gemm 120 python3 bench/gemm.py ;;
     transport) step transport 90 $MPI2 python3 bench/transport.py ;;
     *) summary+=("unknown step $s") ;;
