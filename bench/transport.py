@@ -118,7 +118,8 @@ def exchange_times(proxy, queue, flags, nbytes, reps, src_region=0, dst_region=1
     return out
 
 
-def transport_rows(transport, sizes, reps, memory, limit, peer_gbps, goal, **extra):
+def transport_rows(transport, sizes, reps, memory, limit, peer_gbps, goal, ranks_per_gpu=1, **extra):
+    """extra: Proxy options (tcp_connections), also recorded in every row."""
     import cupy
 
     from mkernel.proxy import CommandQueue, Proxy, barrier
@@ -152,7 +153,8 @@ def transport_rows(transport, sizes, reps, memory, limit, peer_gbps, goal, **ext
             rows.append({"transport": transport, "bytes": nbytes, "GBps": gbps, "limit_GBps": lim, "peer_GBps": peer_gbps,
                          "fraction_of_limit": gbps / lim if lim else None, "memory": memory, "directions": 2,
                          "goal": f">= {goal:.0%} of limit_GBps and > peer_GBps",
-                         "meets_goal": bool(lim and gbps >= goal * lim and gbps > peer_gbps), **extra})
+                         "meets_goal": bool(lim and gbps >= goal * lim and gbps > peer_gbps), "ranks_per_gpu": ranks_per_gpu,
+                         **extra})
             if rank == 0:
                 print(f"{transport:5s} {memory:4s} {nbytes / MiB:7.0f} MiB  {gbps:7.2f} GB/s  limit {lim:7.2f}  "
                       f"NCCL {peer_gbps:5.2f}", flush=True)

@@ -75,6 +75,7 @@ def test_a_delayed_receiver_is_never_overwritten(comm, proto):
     comm.check()
     clean = proto.mismatch_count() == before
     detail = proto.first_mismatch()
+    comm.mpi.Barrier()  # the negative control must not start while the receiver still consumes
     # Negative control: without credits the fast sender overwrites the slow receiver's slot.
     for _ in range(10):
         proto.run("exchange", consume_delay_ns=delay, skip_credit=True)

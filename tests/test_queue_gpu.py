@@ -182,6 +182,7 @@ def _exchange_tiles(transport):
                 sync.check()
                 assert int(mismatches.get()[0]) == 0, f"epoch {epoch}: tile words differ from the peer's pattern"
                 assert (flags == epoch).all(), f"epoch {epoch}: flags {flags}"
+                barrier(WORLD)  # the peer's next epoch may overwrite flags and tiles only after this check
             stats = proxy.stats()
             assert stats["peers"][1 - rank]["bytes_sent"] == epochs * tiles * tile_bytes
             assert stats["peers"][1 - rank]["bytes_received"] == epochs * tiles * tile_bytes

@@ -34,6 +34,7 @@ for s in $steps; do
     mpi2) step mpi2 150 $MPI2 $PYT -m "gpu and mpi and not slow" tests/test_comm_gpu.py tests/test_queue_gpu.py ;;
     gemmtest) step gemmtest 150 $PYT -s tests/test_gemm.py tests/test_gemm_compile.py ;;
     tp) step tp 150 bash -c "$PYT -m 'gpu and not (mpi and multi_gpu)' tests/test_tp_gpu.py; $MPI2 $PYT -m 'gpu and mpi' tests/test_tp_gpu.py" ;;
+    tpdiag) step tpdiag 60 python3 tools/tp_diag.py ;;
     main) step main 60 $MPI2 python3 -m mkernel --quick ;;
     sanitizer) step sanitizer 100 bash tools/sanitize.sh ;;
     gemm) step gemm 120 python3 bench/gemm.py ;;
