@@ -59,6 +59,11 @@ def device_name():
 
 
 def commit():
+    """The commit measured: git's, or BENCH_COMMIT where the tree has no .git (the device machine
+    receives a copy of the working tree without it)."""
+    import os
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     try:
         root = Path(__file__).resolve().parents[1]
         rev = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,

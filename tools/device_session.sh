@@ -5,6 +5,8 @@
 # Steps (default: info suite main sanitizer gemm transport); finer ones: runtime runtime2 queue queue2
 # mpi2 gemmtest tp
 # A kernel cache built on a CPU machine (python -m mkernel precompile) is used when carried as .kcache.
+# The copy on the device has no .git: pass BENCH_COMMIT=$(git rev-parse --short HEAD) in the command
+# so that results JSON name the commit that ran.
 set -u
 OUT=${OUT:-/tmp/mkernel-out}
 LOGS=$(mktemp -d)/logs  # only the tarball, the summary and results JSON go to $OUT (8 files come back)
