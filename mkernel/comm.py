@@ -209,10 +209,6 @@ class Communicator:
         self._check_open()
         self.sync.check()
 
-    def stats(self) -> dict:
-        """Bytes this rank sent across the network, per peer (the proxy's counters)."""
-        return {}
-
     def _check_open(self):
         if self._closed:
             raise ClosedError("this communicator is closed")

@@ -3,22 +3,20 @@ in every instantiation without spills, stack or ptxas warnings; the ctypes mirro
 g++'s layout; the host-side planning rules (tile order, grid split, path choice) hold."""
 
 import ctypes
-import re
-import shutil
-import subprocess
-import tempfile
+import importlib
 
 import pytest
 
+import sass
+
 from mkernel import compile as mkc
 from mkernel import tp
-import importlib
+from mkernel.errors import ArgumentError
 
 # The modules (the package exports functions of the same names).
 ag = importlib.import_module("mkernel.allgather_gemm")
 ar = importlib.import_module("mkernel.gemm_allreduce")
 rs = importlib.import_module("mkernel.gemm_reduce_scatter")
-from mkernel.errors import ArgumentError
 
 MODULES = {"gemm_reduce_scatter": rs, "gemm_allreduce": ar, "allgather_gemm": ag}
 
@@ -54,38 +52,11 @@ def test_every_instantiation_compiles_clean(compiled):
     assert mod.SPEC.hot
 
 
-def _cuobjdump():
-    import os
-    for cand in (os.environ.get("CUOBJDUMP"), shutil.which("cuobjdump"), "/usr/local/cuda/bin/cuobjdump"):
-        if cand and os.path.exists(cand):
-            return cand
-    try:  # the nvidia-cuda-cuobjdump wheel
-        import nvidia
-        for root in nvidia.__path__:
-            for sub in ("cu13/bin/cuobjdump", "cuda_cuobjdump/bin/cuobjdump"):
-                if os.path.exists(os.path.join(root, sub)):
-                    return os.path.join(root, sub)
-    except ImportError:
-        pass
-    return None
-
-
-def test_sass_has_hgmma_and_no_local_memory(compiled):
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("no cuobjdump")
+def test_sass_is_warp_specialized_hgmma_without_local_memory(compiled):
+    """The TP producer (with the AG arrival wait) within its 40 registers, the consumers (with the
+    TP epilogue) within 232, HGMMA and no local memory."""
     _, c = compiled
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(c.cubin)
-        f.flush()
-        sass = subprocess.run([tool, "-sass", f.name], check=True, capture_output=True, text=True).stdout
-    kernels = re.split(r"\n\s*Function : ", sass)[1:]
-    assert len(kernels) == 4
-    for k in kernels:
-        name = k.split("\n", 1)[0].strip()
-        assert "HGMMA.64x256x16.F32" in k, name
-        assert not re.search(r"\b(LDL|STL)\b", k), f"local memory in {name}"
-
+    sass.check_warp_specialized(c.cubin, 4)
 
 def _block_tile(r, tiles_mb, tiles_n, gm=16):  # mirror of tp_block_tile (tp_epilogue.cuh)
     span = gm * tiles_n
@@ -135,57 +106,6 @@ def test_modules_register_without_cupy_at_import():
     for name, mod in MODULES.items():
         assert mkc.REGISTRY[name] is mod.SPEC
         assert callable(getattr(mod, name)) and callable(mod.sanitize_target)
-
-
-_INS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
-
-
-def _reachable_max_register(func_sass: str, start_marker: str) -> int:
-    """Highest Rn used by the instructions reachable from the first `start_marker` instruction
-    (branches and fall-through): the code a warpgroup runs after its setmaxnreg (as in
-    tests/test_gemm_compile.py)."""
-    ins, order = {}, []
-    for m in _INS.finditer(func_sass):
-        a = int(m.group(1), 16)
-        ins[a] = m.group(2).strip()
-        order.append(a)
-    nxt = dict(zip(order, order[1:]))
-    start = next(a for a in order if start_marker in ins[a])
-    seen, todo = set(), [start]
-    while todo:
-        a = todo.pop()
-        if a in seen or a not in ins:
-            continue
-        seen.add(a)
-        t = ins[a]
-        m = re.search(r"\bBRA(?:\.[A-Z.]+)?\s+0x([0-9a-f]+)", t)
-        if m:
-            todo.append(int(m.group(1), 16))
-        if (m or t.startswith("EXIT")) and not t.startswith("@"):
-            continue
-        if a in nxt:
-            todo.append(nxt[a])
-    return max((int(r) for a in seen for r in re.findall(r"\bR(\d+)\b", ins[a])), default=0)
-
-
-def test_setmaxnreg_regions_fit(compiled):
-    """The TP producer (with the AG arrival wait) must stay below its 40 registers and the
-    consumers (with the TP epilogue) below 232."""
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("no cuobjdump")
-    _, c = compiled
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(c.cubin)
-        f.flush()
-        sass = subprocess.run([tool, "-sass", f.name], check=True, capture_output=True, text=True).stdout
-    for k in re.split(r"\n\s*Function : ", sass)[1:]:
-        name = k.split("\n", 1)[0].strip()
-        prod = _reachable_max_register(k, "USETMAXREG.DEALLOC")
-        cons = _reachable_max_register(k, "USETMAXREG.TRY_ALLOC")
-        print(f"{name}: producer max R{prod}, consumer max R{cons}")
-        assert prod < 40, (name, prod)
-        assert cons < 232, (name, cons)
 
 
 # ------------------------------------------------- launch arguments, with a fake communicator
