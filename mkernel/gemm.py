@@ -438,3 +438,22 @@ def grouped_gemm(a, b, group_rows, *, out=None, stream=None, b_layout=None, out_
                    group_m=group_m, num_tiles_host=None, max_tiles=grouped_tiles_bound(M, N, G) if
                    (tile_order is not None or tile_flags is not None or tile_counts is not None) else 0)
     return out
+
+
+def sanitize_target():
+    """The engine once at a shape off the tile grid in every dimension, both B layouts, integer
+    inputs (exact); raises on a wrong result. tools/sanitize.sh runs it under compute-sanitizer."""
+    import numpy as np
+
+    cupy = _cupy()
+    rng = np.random.default_rng(0)
+    M, K, N = 200, 136, 264
+    a = rng.integers(-2, 3, size=(M, K)).astype(np.float16)
+    b = rng.integers(-2, 3, size=(K, N)).astype(np.float16)
+    want = (a.astype(np.float64) @ b.astype(np.float64)).astype(np.float16)
+    for name, b_dev, layout in (("kn", cupy.asarray(b), None), ("nk", cupy.asarray(np.ascontiguousarray(b.T)), "nk")):
+        out = cupy.full((M, N), np.nan, dtype=np.float16)
+        gemm(cupy.asarray(a), b_dev, out=out, b_layout=layout)
+        got = out.get()
+        if not np.array_equal(got, want):
+            raise AssertionError(f"gemm {name}: {int((got != want).sum())} of {got.size} elements wrong")
