@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import numpy as np  # noqa: E402
 
 import harness  # noqa: E402
+from mkernel.testing import sync_or_exit  # noqa: E402
 
 PEAK_TFLOPS = 989.4  # H100/H200 SXM dense bf16/fp16 tensor core peak
 PEAK_TBS = 4.8       # H200 HBM3e
@@ -66,17 +67,7 @@ def rand(shape, seed):
 
 
 def wait(what, timeout_s=60.0):
-    """Synchronise, or report the hang and exit (a hung kernel cannot be interrupted)."""
-    import cupy
-
-    ev = cupy.cuda.Event()
-    ev.record()
-    t0 = time.time()
-    while not ev.done:
-        if time.time() - t0 > timeout_s:
-            print(f"HANG: {what} did not finish in {timeout_s} s", flush=True)
-            os._exit(3)
-        time.sleep(0.0005)
+    sync_or_exit(what, timeout_s)
 
 
 _spin = None

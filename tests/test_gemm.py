@@ -14,10 +14,8 @@ Run on a GPU machine: python3 -m pytest tests/test_gemm.py -q -s   (-s shows the
 Manual: python3 tests/test_gemm.py --child all   |   --child feature:grouped
 """
 
-import os
 import subprocess
 import sys
-import time
 import zlib
 from pathlib import Path
 
@@ -34,6 +32,7 @@ import importlib  # noqa: E402
 mg = importlib.import_module("mkernel.gemm")
 from mkernel import tma  # noqa: E402
 from mkernel.errors import ArgumentError  # noqa: E402
+from mkernel.testing import sync_or_exit  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = {"bf16": BF16, "fp16": np.dtype(np.float16)}
@@ -151,18 +150,7 @@ def _poisoned(shape, kind):
 
 
 def _sync(what, timeout_s=30.0):
-    """Synchronises, or, after timeout_s, reports the hung case and kills the process."""
-    import cupy
-
-    ev = cupy.cuda.Event()
-    ev.record()
-    t0 = time.time()
-    while not ev.done:
-        if time.time() - t0 > timeout_s:
-            print(f"\nHANG: {what} did not finish in {timeout_s} s; exiting", flush=True)
-            os._exit(3)
-        time.sleep(0.0005)
-    cupy.cuda.get_current_stream().synchronize()
+    sync_or_exit(what, timeout_s)
 
 
 def _inputs(rng, M, N, K, dt, integer):

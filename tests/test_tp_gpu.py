@@ -23,8 +23,6 @@ Every output starts poisoned with NaN, so an element nobody wrote fails. Checks:
 """
 
 import hashlib
-import os
-import time
 
 import numpy as np
 import pytest
@@ -34,6 +32,7 @@ from mkernel.allgather_gemm import allgather_gemm
 from mkernel.gemm_allreduce import gemm_allreduce
 from mkernel.gemm_reduce_scatter import gemm_reduce_scatter
 from conftest import all_ranks
+from mkernel.testing import sync_or_exit
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]  # 1-rank pass, and the 2-rank pass (tests/run_gpu.sh)
 
@@ -74,16 +73,7 @@ def _poisoned(shape, kind):
 
 
 def _sync(what):
-    """Synchronises, or reports a hang and ends the process (under mpirun: the job) after HANG_S."""
-    import cupy
-    ev = cupy.cuda.Event()
-    ev.record()
-    t0 = time.time()
-    while not ev.done:
-        if time.time() - t0 > HANG_S:
-            print(f"\nHANG: {what} did not finish in {HANG_S} s; exiting", flush=True)
-            os._exit(3)
-        time.sleep(0.0005)
+    sync_or_exit(what, HANG_S)
 
 
 def _collective(comm, body):
