@@ -81,4 +81,5 @@ def collect() -> list:
 
 def _nccl_version():
     from cupy.cuda import nccl
-    return str(nccl.get_version() if hasattr(nccl, "get_version") else nccl.get_build_version())
+    v = int(nccl.get_version() if hasattr(nccl, "get_version") else nccl.get_build_version())
+    return f"{v // 10000}.{v // 100 % 100}.{v % 100}"  # NCCL_VERSION_CODE: 22809 is 2.28.9
