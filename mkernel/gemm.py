@@ -33,6 +33,9 @@ B_NK, B_KN = 0, 1
 OUT_BF16, OUT_F16, OUT_F32 = 0, 1, 2
 EPI_STORE, EPI_ADD = 0, 1
 SCHED_LEAVE, SCHED_GEMM = 0, 1  # role words (MK_SCHED_*)
+# Built-in tile order: M-tiles per group. 8 beat 16 by 7% at 8192 x 14336 x 8192 ([K, N]) and by 2%
+# at 8192^2 x 4096, and lost 1% at 16384 x 8192 x 14336, in one run (bench/NOTES.md, 2026-12-01).
+DEFAULT_GROUP_M = 8
 
 # Shared memory (must equal gemm_smem_bytes<> in gemm_mainloop.cuh; gemm.cu static_asserts it).
 _OFF_BAR = STAGES * (BM * BK * 2) + STAGES * (BN * BK * 2) + 2 * 4 * 2 * 2048
@@ -306,7 +309,7 @@ def tiles(M: int, N: int) -> int:
 
 
 def gemm(a, b, *, out=None, stream=None, b_layout=None, out_dtype=None, accumulate=False, sms=None,
-         tile_order=None, roles=None, tile_flags=None, tile_counts=None, group_m=16):
+         tile_order=None, roles=None, tile_flags=None, tile_counts=None, group_m=DEFAULT_GROUP_M):
     """``out = a @ b`` (or ``out += a @ b`` with accumulate=True) on an H100/H200.
 
     a: [M, K] bfloat16 or float16 with contiguous rows. b: by default [K, N] (``a @ b``); a
@@ -375,7 +378,7 @@ def grouped_tiles_bound(M: int, N: int, G: int) -> int:
 
 
 def grouped_gemm(a, b, group_rows, *, out=None, stream=None, b_layout=None, out_dtype=None, accumulate=False,
-                 sms=None, tile_order=None, roles=None, tile_flags=None, tile_counts=None, group_m=16):
+                 sms=None, tile_order=None, roles=None, tile_flags=None, tile_counts=None, group_m=DEFAULT_GROUP_M):
     """Grouped GEMM: ``out[rows of g] = a[rows of g] @ B[g]`` for G groups sharing K and N.
 
     a: [M, K], the groups' rows concatenated (group g has group_rows[g] rows, starting after those
