@@ -15,10 +15,9 @@ Rules every rank follows (ops on a communicator are collective):
 
 import atexit
 import hashlib
-import time
 import weakref
 
-from . import env, topology
+from . import collectives, env, topology
 from .errors import ArgumentError, ClosedError, PeerError
 from .log import get_logger, set_rank
 
@@ -172,21 +171,7 @@ class Communicator:
         return value
 
     def _allgather_bytes(self, data: bytes, what: str):
-        """Allgather of equal-size byte strings that gives up after MKERNEL_TIMEOUT_S (a dead peer)."""
-        import numpy
-        from mpi4py import MPI
-
-        send = numpy.frombuffer(data, dtype=numpy.uint8)
-        recv = numpy.empty(len(data) * self.size, dtype=numpy.uint8)
-        req = self.mpi.Iallgather(send, recv)
-        deadline = time.monotonic() + env.get_float("MKERNEL_TIMEOUT_S")
-        while not req.Test():
-            if time.monotonic() > deadline:
-                raise PeerError(f"rank {self.rank}: not every peer answered while {what} within "
-                                f"{env.get('MKERNEL_TIMEOUT_S')} s; a peer died or issues ops in another order")
-            time.sleep(1e-4)
-        _ = MPI  # keep the import explicit for readers: Iallgather is MPI-3
-        return [recv[i * len(data):(i + 1) * len(data)].tobytes() for i in range(self.size)]
+        return collectives.allgather_bytes(self.mpi, data, what)
 
     @property
     def nccl(self):

@@ -26,6 +26,7 @@ import time
 
 import numpy as np
 
+from . import collectives
 from . import compile as _compile
 from . import env
 from .errors import ArgumentError, MKernelError, NoRDMADeviceError, PeerError, TimeoutError
@@ -172,14 +173,7 @@ def select_transport(requested: str, comm, node_ids) -> str:
 
 def barrier(comm, timeout_s=None):
     """An MPI barrier that raises PeerError instead of hanging when a rank never arrives (it failed)."""
-    req = comm.Ibarrier()
-    deadline = time.monotonic() + _timeout_s(timeout_s)
-    while not req.Test():
-        if time.monotonic() > deadline:
-            raise PeerError(f"rank {comm.Get_rank()}: not every rank reached the barrier within "
-                            f"{_timeout_s(timeout_s):.0f} s (a rank failed or died)")
-        time.sleep(1e-4)
-
+    collectives.barrier(comm, _timeout_s(timeout_s))
 
 def _agree(comm, error):
     """Raises on every rank if set-up failed on any (so that no rank waits for a peer that gave up)."""

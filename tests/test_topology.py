@@ -68,3 +68,16 @@ def test_init_checks_arguments_before_touching_a_gpu():
 def test_init_without_gpu_raises_no_gpu_error(mpi_comm):
     with pytest.raises(mkernel.NoGPUError, match="Hopper"):
         mkernel.init(mpi_comm)
+
+
+def test_timed_collectives_agree_and_give_up(mpi_comm):
+    from mkernel import collectives
+    got = collectives.allgather_bytes(mpi_comm, bytes([mpi_comm.rank]) * 4, "testing")
+    assert got == [bytes([r]) * 4 for r in range(mpi_comm.size)]
+    collectives.barrier(mpi_comm, 30)
+
+    class NeverDone:  # a request whose peer never arrives
+        def Test(self):
+            return False
+    with pytest.raises(mkernel.PeerError, match=r"rank \d+: .* within 0.05 s"):
+        collectives.wait(NeverDone(), "waiting for a dead peer", mpi_comm.rank, timeout_s=0.05)
