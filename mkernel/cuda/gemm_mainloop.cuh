@@ -129,30 +129,40 @@ MK_DEV MkTileSpace<Cfg::BM> gemm_setup(const MkGemmArgs& args, const GemmSmem<Cf
   return space;
 }
 
-// Warpgroup 0, one thread: claims tiles, publishes them in the tile ring and streams their
-// k-blocks. Publishes MK_TILE_DONE last.
-template <class Cfg, bool GROUPED>
-MK_DEV void gemm_producer(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, const MkTileSpace<Cfg::BM>& space) {
+// Warpgroup 0, one thread: takes tiles from a tile source, publishes them in the tile ring and
+// streams their k-blocks. Publishes MK_TILE_DONE last. A source (the engine's scheduler below, or a
+// fused op's own order) provides:
+//   u32 claim()                         the next claim (a position or a tile id)
+//   bool done(u32 claim)                no tiles are left
+//   MkTile decode(u32 claim)            the claim's tile
+//   void before_loads(const MkTile&)    runs before the tile reaches the consumers and its loads
+//                                       are issued (a fused op waits there for the tile's inputs)
+//   i32 b_index(const MkTile&)          which B matrix the tile multiplies (grouped mode's group)
+template <class Cfg, class Source>
+MK_DEV void gemm_producer_loop(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, Source& src) {
   GemmBars<Cfg>* bars = sm.bars;
   const int kblocks = (args.k + Cfg::BK - 1) / Cfg::BK;
   u32 it = 0, tile_it = 0;
   for (;;) {
-    const u32 id = sched_next<Cfg::BM>(args.sched, space, args.sync);
+    const u32 claim = src.claim();
+    const bool done = src.done(claim);
     const u32 r = tile_it % Cfg::RING;
     mbar_wait(smem_u32(&bars->tempty[r]), ((tile_it / Cfg::RING) & 1) ^ 1);
     MkTile t;
-    if (id == MK_TILE_DONE) {
+    if (done) {
       t.m0 = t.n0 = t.rows = t.group = 0;
       t.id = MK_TILE_DONE;
       t.pad[0] = t.pad[1] = 0;
     } else {
-      t = space.template decode<Cfg::BN>(id);
+      t = src.decode(claim);
     }
     t.seq = tile_it;
+    if (!done) src.before_loads(t);
     bars->ring[r] = t;
     mbar_arrive(smem_u32(&bars->tfull[r]));
     ++tile_it;
-    if (id == MK_TILE_DONE) break;
+    if (done) break;
+    const i32 bi = src.b_index(t);
     for (int kb = 0; kb < kblocks; ++kb, ++it) {
       const int s = it % Cfg::STAGES;
       const u32 full = smem_u32(&bars->full[s]);
@@ -161,14 +171,32 @@ MK_DEV void gemm_producer(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, const
       const i32 k0 = kb * Cfg::BK;
       tma_load_2d(sm.a(s), &args.a, full, k0, t.m0);
       if (Cfg::BL == MK_B_NK) {
-        tma_load_3d(sm.b(s), &args.b, full, k0, t.n0, t.group);
+        tma_load_3d(sm.b(s), &args.b, full, k0, t.n0, bi);
       } else {
 #pragma unroll
         for (int j = 0; j < Cfg::BN / 64; ++j)
-          tma_load_3d(sm.b(s) + j * (64 * Cfg::BK * 2), &args.b, full, t.n0 + 64 * j, k0, t.group);
+          tma_load_3d(sm.b(s) + j * (64 * Cfg::BK * 2), &args.b, full, t.n0 + 64 * j, k0, bi);
       }
     }
   }
+}
+
+// The engine's tile source: the persistent scheduler (tile order, role words), group = B index.
+template <class Cfg>
+struct MkSchedTiles {
+  const MkGemmArgs& args;
+  const MkTileSpace<Cfg::BM>& space;
+  MK_DEV u32 claim() const { return sched_next<Cfg::BM>(args.sched, space, args.sync); }
+  MK_DEV bool done(u32 id) const { return id == MK_TILE_DONE; }
+  MK_DEV MkTile decode(u32 id) const { return space.template decode<Cfg::BN>(id); }
+  MK_DEV void before_loads(const MkTile&) const {}
+  MK_DEV i32 b_index(const MkTile& t) const { return t.group; }
+};
+
+template <class Cfg, bool GROUPED>
+MK_DEV void gemm_producer(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, const MkTileSpace<Cfg::BM>& space) {
+  MkSchedTiles<Cfg> src{args, space};
+  gemm_producer_loop<Cfg>(args, sm, src);
 }
 
 // Descriptors of k-step kk (16 elements of K) of stage s for consumer warpgroup wg.

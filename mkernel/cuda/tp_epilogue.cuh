@@ -1,7 +1,7 @@
 #pragma once
 // The GEMM side of the fused tensor-parallel kernels: the tile space cut into row blocks, the tile
-// order (what a peer needs first), a producer variant (the engine's producer loop with that order
-// and, for AllGather+GEMM, a wait on the A chunk's arrival flag before its TMA loads), and an
+// order (what a peer needs first), a tile source for the engine's producer loop (that order and, for
+// AllGather+GEMM, a wait on the A chunk's arrival flag before its TMA loads), and an
 // epilogue functor that stores each tile through the tensor map of its row block's destination
 // (a peer's receive slot, or a block of the local output) and publishes a per-tile flag there.
 //
@@ -65,60 +65,26 @@ MK_DEV MkTile tp_decode(const TpArgs& a, u32 pos) {
   return t;
 }
 
-// The engine's producer loop (gemm_producer) with the TP tile order, tiles claimed from
-// counters[TP_CNT_TILE], and for AG the arrival wait on A chunk (block o, M-tile mt) before its
-// loads. One thread (warpgroup 0, thread 0).
+// The tile source of the fused kernels for the engine's producer loop: tiles claimed from
+// counters[TP_CNT_TILE] in the TP order; for AG, before a tile's loads, the wait on the arrival flag
+// of its A chunk (block o, M-tile mt), then a proxy fence so the TMA (async proxy) sees the rows
+// that peers stored (generic proxy). B is a single matrix.
 template <class Cfg, int OP>
-MK_DEV void tp_producer(const TpArgs& args, const GemmSmem<Cfg>& sm, u32 epoch) {
-  GemmBars<Cfg>* bars = sm.bars;
-  const MkGemmArgs& g = args.g;
-  const int kblocks = (g.k + Cfg::BK - 1) / Cfg::BK;
-  const u32 total = (u32)args.world * tp_tiles_blk(args);
-  const MkPeers peers = tp_peers(args);
-  u32 it = 0, tile_it = 0;
-  for (;;) {
-    const u32 pos = atomicAdd(&args.counters[TP_CNT_TILE], 1u);
-    const bool done = pos >= total;
-    const u32 r = tile_it % Cfg::RING;
-    mbar_wait(smem_u32(&bars->tempty[r]), ((tile_it / Cfg::RING) & 1) ^ 1);
-    MkTile t;
-    if (done) {
-      t.m0 = t.n0 = t.rows = t.group = 0;
-      t.id = MK_TILE_DONE;
-      t.pad[0] = t.pad[1] = 0;
-    } else {
-      t = tp_decode<OP, Cfg::BM, Cfg::BN>(args, pos);
-    }
-    t.seq = tile_it;
-    if (OP == TP_OP_AG && !done) {
-      // A rows of this tile = chunk mt of sender t.group's shard: wait for its flag, then order
-      // the generic-proxy arrival before the TMA (async proxy) loads.
-      const u32 mt = t.id / (u32)args.tiles_n;
-      const u32* flag = peer_ptr<u32>(peers, (u32)args.me, args.aflag_off) + (u32)t.group * (u32)args.tiles_mb + mt;
-      wait_epoch(g.sync, flag, epoch, t.group, mt);  // on a timeout the error is recorded; go on
-      fence_proxy_async_global();
-    }
-    bars->ring[r] = t;
-    mbar_arrive(smem_u32(&bars->tfull[r]));
-    ++tile_it;
-    if (done) break;
-    for (int kb = 0; kb < kblocks; ++kb, ++it) {
-      const int s = it % Cfg::STAGES;
-      const u32 full = smem_u32(&bars->full[s]);
-      mbar_wait(smem_u32(&bars->empty[s]), ((it / Cfg::STAGES) & 1) ^ 1);
-      mbar_arrive_expect_tx(full, Cfg::STAGE_BYTES);
-      const i32 k0 = kb * Cfg::BK;
-      tma_load_2d(sm.a(s), &g.a, full, k0, t.m0);
-      if (Cfg::BL == MK_B_NK) {
-        tma_load_3d(sm.b(s), &g.b, full, k0, t.n0, 0);
-      } else {
-#pragma unroll
-        for (int j = 0; j < Cfg::BN / 64; ++j)
-          tma_load_3d(sm.b(s) + j * (64 * Cfg::BK * 2), &g.b, full, t.n0 + 64 * j, k0, 0);
-      }
-    }
+struct TpTiles {
+  const TpArgs& args;
+  u32 epoch;
+  MK_DEV u32 claim() const { return atomicAdd(&args.counters[TP_CNT_TILE], 1u); }
+  MK_DEV bool done(u32 pos) const { return pos >= (u32)args.world * tp_tiles_blk(args); }
+  MK_DEV MkTile decode(u32 pos) const { return tp_decode<OP, Cfg::BM, Cfg::BN>(args, pos); }
+  MK_DEV void before_loads(const MkTile& t) const {
+    if (OP != TP_OP_AG) return;
+    const u32 mt = t.id / (u32)args.tiles_n;
+    const u32* flag = peer_ptr<u32>(tp_peers(args), (u32)args.me, args.aflag_off) + (u32)t.group * (u32)args.tiles_mb + mt;
+    wait_epoch(args.g.sync, flag, epoch, t.group, mt);  // on a timeout the error is recorded; go on
+    fence_proxy_async_global();
   }
-}
+  MK_DEV i32 b_index(const MkTile&) const { return 0; }
+};
 
 // Epilogue functor (16-bit output = the input dtype): the MkTmaEpilogue staging (per warp, 4
 // chunks of 16 rows x 64 columns through 128B-swizzled shared memory, TMA store per chunk), but the
@@ -286,7 +252,10 @@ MK_DEV void tp_gemm_cta(const TpArgs& args, Join join = Join()) {
   const u32 epoch = sm.bars->epoch;
   if (threadIdx.x < 128) {
     setmaxnreg_dec<Cfg::PRODUCER_REGS>();
-    if (threadIdx.x == 0) tp_producer<Cfg, OP>(args, sm, epoch);
+    if (threadIdx.x == 0) {
+      TpTiles<Cfg, OP> src{args, epoch};
+      gemm_producer_loop<Cfg>(args.g, sm, src);
+    }
   } else {
     setmaxnreg_inc<Cfg::CONSUMER_REGS>();
     TpEpilogue<Cfg, OP> epi{args, sm, epoch};
