@@ -24,7 +24,7 @@ __global__ void __launch_bounds__(384, 1) mk_gemm_kernel(const __grid_constant__
     }
   } else {
     setmaxnreg_inc<Cfg::CONSUMER_REGS>();
-    MkTmaEpilogue<OUT, Cfg, GROUPED> epi{args, sm, epoch};
+    MkTmaEpilogue<OUT, Cfg, GROUPED> epi{args, sm, epoch, MkGemmDest{args}};
     gemm_consumer<Cfg>(args, sm, (int)(threadIdx.x / 128) - 1, epi);
     epi.finish();
   }

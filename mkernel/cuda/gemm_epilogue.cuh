@@ -66,51 +66,66 @@ MK_DEV void store2_global(void* p, float a, float b, u32 op) {
   }
 }
 
-template <int OUT, class Cfg, bool GROUPED>
-struct MkTmaEpilogue {
+// Where the epilogue puts a tile, and what it does around the stores. The engine's own
+// destination is MkGemmDest (below); a fused op passes its own (a peer's receive slot, say, with a
+// credit wait before the first store into that peer). A destination provides:
+//   const TmaDesc* map(const MkTile&)   the tensor map the tile is stored (or added) through
+//   i32 row(const MkTile&)              the map's row of the tile's first row
+//   u32* flag(const MkTile&)            where the tile's flag goes (nullptr: no flag)
+//   bool flags()                        whether tiles have flags at all
+//   bool add()                          reduce-add into the destination instead of storing
+//   void before_store(const MkTile&)    lane 0 of a warp with rows in the tile, before its stores
+//   void published(u32 id)              after the tile's flag was set (tests count them)
+template <int OUT, class Cfg, bool GROUPED, class Dest>
+struct MkTileEpilogue {
   static constexpr int ESIZE = OUT == MK_OUT_F32 ? 4 : 2;
   static constexpr int CW = 128 / ESIZE;          // columns per chunk
   static constexpr int NCHUNK = Cfg::BN / CW;     // chunks per 16 x 256 warp slice
   static constexpr int JPC = CW / 8;              // accumulator column groups (8 wide) per chunk
+  static constexpr u32 PARTS = Cfg::CONSUMERS * 4;  // one per consumer warp
 
   const MkGemmArgs& args;
   GemmSmem<Cfg> sm;
   u32 epoch;
-  u32 pending_id = MK_TILE_DONE;  // leader: the tile whose stores are issued but not yet published
+  Dest dest;
+  u32* pending_flag = nullptr;  // leader: flag of the tile whose stores are issued, not yet published
+  u32 pending_id = 0;
   u32 pending_seq = 0;
 
-  static constexpr u32 PARTS = Cfg::CONSUMERS * 4;  // one per consumer warp
-
   // Lane 0: count this warp's part of tile (id, seq); the last part publishes the flag.
-  MK_DEV void publish(u32 id, u32 seq) {
+  MK_DEV void publish(u32* flag, u32 id, u32 seq) {
     fence_sys();
     u32* slot = &sm.bars->join[seq % MK_JOIN_SLOTS];
     if (atomicAdd(slot, 1u) == PARTS - 1) {
       atomicExch(slot, 0u);
       fence_sys();
-      set_flag(&args.tile_flags[id], epoch);
-      if (args.tile_counts) atomicAdd(&args.tile_counts[id], 1u);
+      set_flag(flag, epoch);
+      dest.published(id);
     }
   }
   // Lane 0: complete the pending tile's stores and publish it.
   MK_DEV void flush() {
-    if (pending_id != MK_TILE_DONE) {
+    if (pending_flag != nullptr) {
       bulk_wait<0>();
       fence_proxy_async_global();
-      publish(pending_id, pending_seq);
-      pending_id = MK_TILE_DONE;
+      publish(pending_flag, pending_id, pending_seq);
+      pending_flag = nullptr;
     }
   }
   MK_DEV void after_issue() {
-    if (args.tile_flags && (threadIdx.x & 31) == 0) flush();
+    if (dest.flags() && (threadIdx.x & 31) == 0) flush();
   }
 
   MK_DEV void operator()(float (&acc)[128], const MkTile& t, int wg) {
     const u32 tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31;
     const bool leader = lane == 0;
     const i32 wrow = 64 * wg + 16 * warp;  // this warp's first row, inside the tile
+    u32* flag = dest.flag(t);
     if (!(GROUPED && t.rows < Cfg::BM)) {
       if (wrow < t.rows) {
+        if (leader) dest.before_store(t);
+        const TmaDesc* map = dest.map(t);
+        const i32 row = dest.row(t) + wrow;
         const u32 r0 = lane >> 2;  // this thread's rows in the warp's box: r0 and r0 + 8 (same r % 8)
         const u32 x = r0;          // the swizzle of both rows
         if (leader) bulk_wait_read<0>();  // the previous tile's stores of this warp have read smem
@@ -137,22 +152,23 @@ struct MkTmaEpilogue {
           fence_proxy_async_smem();
           __syncwarp();
           if (leader) {
-            if (args.epi_op == MK_EPI_ADD)
-              tma_add_2d(&args.c, buf, t.n0 + q * CW, t.m0 + wrow);
+            if (dest.add())
+              tma_add_2d(map, buf, t.n0 + q * CW, row);
             else
-              tma_store_2d(&args.c, buf, t.n0 + q * CW, t.m0 + wrow);
+              tma_store_2d(map, buf, t.n0 + q * CW, row);
             bulk_commit();
           }
         }
-        if (args.tile_flags && leader) {
-          pending_id = t.id;  // completed and published by after_issue() / finish()
+        if (flag != nullptr && leader) {  // completed and published by after_issue() / finish()
+          pending_flag = flag;
+          pending_id = t.id;
           pending_seq = t.seq;
         }
-      } else if (args.tile_flags && leader) {
-        publish(t.id, t.seq);  // no row of this warp is in range: count it at once
+      } else if (flag != nullptr && leader) {
+        publish(flag, t.id, t.seq);  // no row of this warp is in range: count it at once
       }
     } else {
-      // A tile cut by its group's end: predicated stores from registers.
+      // A tile cut by its group's end: predicated stores from registers (the engine's own output).
       char* base = reinterpret_cast<char*>(args.c_ptr);
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
@@ -166,9 +182,9 @@ struct MkTmaEpilogue {
           }
         }
       }
-      if (args.tile_flags) {
+      if (flag != nullptr) {
         __syncwarp();  // lane 0's fence and release cover the warp's stores
-        if (leader) publish(t.id, t.seq);
+        if (leader) publish(flag, t.id, t.seq);
       }
     }
   }
@@ -177,8 +193,25 @@ struct MkTmaEpilogue {
   // reads its shared memory.
   MK_DEV void finish() {
     if ((threadIdx.x & 31) == 0) {
-      if (args.tile_flags) flush();
+      flush();
       bulk_wait<0>();
     }
   }
 };
+
+// The engine's destination: the output map args.c at the tile's own rows, flags in args.tile_flags.
+struct MkGemmDest {
+  const MkGemmArgs& args;
+  MK_DEV const TmaDesc* map(const MkTile&) const { return &args.c; }
+  MK_DEV i32 row(const MkTile& t) const { return t.m0; }
+  MK_DEV u32* flag(const MkTile& t) const { return args.tile_flags ? args.tile_flags + t.id : nullptr; }
+  MK_DEV bool flags() const { return args.tile_flags != nullptr; }
+  MK_DEV bool add() const { return args.epi_op == MK_EPI_ADD; }
+  MK_DEV void before_store(const MkTile&) const {}
+  MK_DEV void published(u32 id) const {
+    if (args.tile_counts) atomicAdd(&args.tile_counts[id], 1u);
+  }
+};
+
+template <int OUT, class Cfg, bool GROUPED>
+using MkTmaEpilogue = MkTileEpilogue<OUT, Cfg, GROUPED, MkGemmDest>;

@@ -1,14 +1,14 @@
 #pragma once
 // The GEMM side of the fused tensor-parallel kernels: the tile space cut into row blocks, the tile
 // order (what a peer needs first), a tile source for the engine's producer loop (that order and, for
-// AllGather+GEMM, a wait on the A chunk's arrival flag before its TMA loads), and an
-// epilogue functor that stores each tile through the tensor map of its row block's destination
-// (a peer's receive slot, or a block of the local output) and publishes a per-tile flag there.
+// AllGather+GEMM, a wait on the A chunk's arrival flag before its TMA loads), and a destination for
+// the engine's epilogue: each tile goes through the tensor map of its row block's destination (a
+// peer's receive slot, or a block of the local output) and its flag is published there.
 //
 // Engine internals this header relies on (mkernel/cuda/gemm_mainloop.cuh, gemm_epilogue.cuh): the
 // GemmBars ring protocol (tfull / tempty / full / empty barriers and their parities, MkTile in
 // bars->ring), the join slots bars->join[seq % MK_JOIN_SLOTS], GemmSmem::a/b/c addresses, the
-// 128B-swizzled epilogue chunk layout of MkTmaEpilogue (16-bit output), gemm_consumer's functor
+// 128B-swizzled epilogue chunk layout of MkTileEpilogue (16-bit output), gemm_consumer's functor
 // interface (operator(), after_issue()), gemm_setup() and pack2_out(). See docs/TP.md.
 //
 // Tile space. Rows of the GEMM are W row blocks of mb rows (block o = rows [o*mb, (o+1)*mb)).
@@ -86,101 +86,36 @@ struct TpTiles {
   MK_DEV i32 b_index(const MkTile&) const { return 0; }
 };
 
-// Epilogue functor (16-bit output = the input dtype): the MkTmaEpilogue staging (per warp, 4
-// chunks of 16 rows x 64 columns through 128B-swizzled shared memory, TMA store per chunk), but the
-// tensor map is the tile's row block's destination (args.dst[t.group]) at block-local rows, and
-// (RS / AR) the tile's flag lives in the destination rank's workspace: rflag[me][tl] of rank
-// t.group. Before the first store into rank o in this launch, the warp leader waits o's credit.
-template <class Cfg, int OP>
-struct TpEpilogue {
-  static constexpr int CW = 64;                 // columns per chunk (128 bytes of 16-bit data)
-  static constexpr int NCHUNK = Cfg::BN / CW;   // 4
-  static constexpr int JPC = CW / 8;            // 8 accumulator column groups per chunk
-  static constexpr u32 PARTS = Cfg::CONSUMERS * 4;
-
+// The fused kernels' epilogue destination: the tensor map of the tile's row block (args.dst[o]: a
+// peer's receive slot for RS / AR, a block of the local output for AG) at block-local rows, and
+// (RS / AR) the tile's flag in the destination rank's workspace, rflag[me][tl] of rank o. Before
+// the first store into rank o in this launch, a warp's leader waits for o's credit.
+template <int OP>
+struct TpDest {
   const TpArgs& args;
-  GemmSmem<Cfg> sm;
   u32 epoch;
-  u32* pending_flag = nullptr;  // leader: flag of the tile whose stores are issued, not yet published
-  u32 pending_seq = 0;
-  u32 credited = 0;             // leader: bit o set once rank o's credit for this epoch was seen
+  u32 credited = 0;  // leader: bit o set once rank o's credit for this epoch was seen
 
-  MK_DEV u32* flag_of(const MkTile& t) const {
+  MK_DEV const TmaDesc* map(const MkTile& t) const { return &args.dst[t.group]; }
+  MK_DEV i32 row(const MkTile& t) const { return t.m0 - t.group * args.mb; }
+  MK_DEV u32* flag(const MkTile& t) const {
     if (OP == TP_OP_AG) return nullptr;
     return peer_ptr<u32>(tp_peers(args), (u32)t.group, args.rflag_off) + (u32)args.me * tp_tiles_blk(args) + t.id;
   }
-  MK_DEV void publish(u32* flag, u32 seq) {
-    fence_sys();
-    u32* slot = &sm.bars->join[seq % MK_JOIN_SLOTS];
-    if (atomicAdd(slot, 1u) == PARTS - 1) {
-      atomicExch(slot, 0u);
-      fence_sys();
-      set_flag(flag, epoch);
-    }
+  MK_DEV bool flags() const { return OP != TP_OP_AG; }
+  MK_DEV bool add() const { return false; }
+  MK_DEV void before_store(const MkTile& t) {
+    if (OP == TP_OP_AG || ((credited >> t.group) & 1u)) return;
+    credits_wait(args.g.sync, tp_peers(args), (u32)t.group, epoch);
+    fence_proxy_async_global();
+    credited |= 1u << t.group;
   }
-  MK_DEV void flush() {
-    if (pending_flag != nullptr) {
-      bulk_wait<0>();
-      fence_proxy_async_global();
-      publish(pending_flag, pending_seq);
-      pending_flag = nullptr;
-    }
-  }
-  MK_DEV void after_issue() {
-    if (OP != TP_OP_AG && (threadIdx.x & 31) == 0) flush();
-  }
-
-  MK_DEV void operator()(float (&acc)[128], const MkTile& t, int wg) {
-    const u32 tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31;
-    const bool leader = lane == 0;
-    const i32 wrow = 64 * wg + 16 * warp;
-    const i32 lrow = t.m0 - t.group * args.mb + wrow;  // block-local row of this warp's box
-    const TmaDesc* map = &args.dst[t.group];
-    u32* flag = flag_of(t);
-    if (wrow < t.rows) {
-      if (OP != TP_OP_AG && leader && !((credited >> t.group) & 1u)) {
-        credits_wait(args.g.sync, tp_peers(args), (u32)t.group, epoch);
-        fence_proxy_async_global();
-        credited |= 1u << t.group;
-      }
-      const u32 r0 = lane >> 2, x = r0;
-      if (leader) bulk_wait_read<0>();
-#pragma unroll
-      for (int q = 0; q < NCHUNK; ++q) {
-        const u32 buf = sm.c(wg, warp, q & 1);
-        if (q >= 2 && leader) bulk_wait_read<1>();
-        __syncwarp();
-#pragma unroll
-        for (int jj = 0; jj < JPC; ++jj) {
-          const int j = q * JPC + jj;
-          const u32 unit = jj ^ x;
-          const u32 a0 = buf + r0 * 128 + (unit << 4) + (lane & 3) * 4;
-          st_shared_u32(a0, pack2_out(Cfg::DT, acc[4 * j + 0], acc[4 * j + 1]));
-          st_shared_u32(a0 + 8 * 128, pack2_out(Cfg::DT, acc[4 * j + 2], acc[4 * j + 3]));
-        }
-        fence_proxy_async_smem();
-        __syncwarp();
-        if (leader) {
-          tma_store_2d(map, buf, t.n0 + q * CW, lrow);
-          bulk_commit();
-        }
-      }
-      if (flag != nullptr && leader) {
-        pending_flag = flag;
-        pending_seq = t.seq;
-      }
-    } else if (flag != nullptr && leader) {
-      publish(flag, t.seq);  // no row of this warp is in the block: count its part at once
-    }
-  }
-
-  MK_DEV void finish() {
-    if ((threadIdx.x & 31) == 0) {
-      flush();
-      bulk_wait<0>();
-    }
-  }
+  MK_DEV void published(u32) const {}
 };
+
+// Outputs are in the input dtype (MK_OUT_BF16 / MK_OUT_F16 have the MK_DT_* values).
+template <class Cfg, int OP>
+using TpEpilogue = MkTileEpilogue<Cfg::DT, Cfg, false, TpDest<OP> >;
 
 // ------------------------------------------------------------------------------ communication
 // 16-byte global accesses. Data that peers wrote is read through L2 (.cg), never a stale L1 line.
@@ -258,7 +193,7 @@ MK_DEV void tp_gemm_cta(const TpArgs& args, Join join = Join()) {
     }
   } else {
     setmaxnreg_inc<Cfg::CONSUMER_REGS>();
-    TpEpilogue<Cfg, OP> epi{args, sm, epoch};
+    TpEpilogue<Cfg, OP> epi{args.g, sm, epoch, TpDest<OP>{args, epoch}};
     gemm_consumer<Cfg>(args.g, sm, (int)(threadIdx.x / 128) - 1, epi);
     epi.finish();  // this CTA's flags are published before it waits for anybody's
     __syncwarp();
