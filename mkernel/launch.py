@@ -9,6 +9,15 @@ import ctypes
 
 # cuFuncSetAttribute attribute ids (cuda.h); CuPy does not export every name.
 FUNC_ATTR_MAX_DYNAMIC_SHARED = 8
+_smem_set = {}  # function pointer -> the dynamic shared memory limit already raised for it
+
+
+def _allow_smem(fn, smem: int) -> None:
+    """Raise the function's dynamic shared-memory limit once, not on every launch (a driver call)."""
+    if smem > 48 * 1024 and _smem_set.get(fn.ptr, 0) < smem:
+        from cupy.cuda import driver
+        driver.funcSetAttribute(fn.ptr, FUNC_ATTR_MAX_DYNAMIC_SHARED, smem)
+        _smem_set[fn.ptr] = smem
 
 
 def launch(fn, grid, block, args: ctypes.Structure, *, smem: int = 0, stream=None, cooperative: bool = False):
@@ -18,8 +27,7 @@ def launch(fn, grid, block, args: ctypes.Structure, *, smem: int = 0, stream=Non
     stream_ptr = (stream if stream is not None else cupy.cuda.get_current_stream()).ptr
     grid = tuple(grid) + (1,) * (3 - len(grid))
     block = tuple(block) + (1,) * (3 - len(block))
-    if smem > 48 * 1024:
-        driver.funcSetAttribute(fn.ptr, FUNC_ATTR_MAX_DYNAMIC_SHARED, smem)
+    _allow_smem(fn, smem)
     params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
     if cooperative:
         driver.launchCooperativeKernel(fn.ptr, *grid, *block, smem, stream_ptr, ctypes.addressof(params))
@@ -31,8 +39,7 @@ def max_resident_blocks(fn, block_threads: int, smem: int) -> int:
     """Blocks of this kernel that fit on one SM at once (persistent kernels launch at most this x SMs)."""
     from cupy.cuda import driver
 
-    if smem > 48 * 1024:
-        driver.funcSetAttribute(fn.ptr, FUNC_ATTR_MAX_DYNAMIC_SHARED, smem)
+    _allow_smem(fn, smem)
     return driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, block_threads, smem)
 
 
