@@ -217,10 +217,21 @@ def default_ctas(num_tiles: int, num_sms: int) -> int:
     return -(-num_tiles // waves)
 
 
+_hopper_devices = set()
+
+
 def _check_device(cupy):
-    dev = cupy.cuda.Device()
-    if dev.compute_capability != "90":
-        raise NoGPUError(f"mkernel.gemm needs an sm_90 GPU (H100/H200); this device is sm_{dev.compute_capability}")
+    """NoGPUError unless the current device is an sm_90 GPU (checked once per device)."""
+    try:
+        dev = cupy.cuda.runtime.getDevice()
+    except Exception:  # noqa: BLE001  (no driver or no device: require_hopper says which)
+        dev = None
+    if dev is not None and dev in _hopper_devices:
+        return
+    from .gpu import require_hopper
+
+    require_hopper()
+    _hopper_devices.add(dev)
 
 
 def _u32_array(cupy, x, n, what):

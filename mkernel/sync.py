@@ -14,7 +14,7 @@ from .errors import PeerError, TimeoutError
 ERR_NONE, ERR_TIMEOUT, ERR_PEER, ERR_ABORTED = 0, 1, 2, 3
 # MK_OP_* : one id per op, named in error messages.
 OPS = ["test", "gemm", "gemm_reduce_scatter", "gemm_allreduce", "allgather_gemm", "ring_attention",
-       "moe_dispatch_gemm", "moe_gemm_combine", "queue"]
+       "moe_dispatch_gemm", "moe_gemm_combine", "queue", "attention"]
 OP_ID = {name: i for i, name in enumerate(OPS)}
 
 

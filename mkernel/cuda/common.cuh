@@ -12,6 +12,11 @@ typedef long long i64;
 #define MK_DEV __device__ __forceinline__
 #define MK_STATIC_ASSERT(cond, msg) static_assert(cond, msg)
 
+// Registers a CTA of `threads` threads (launch bounds (threads, 1)) owns: ptxas gives every thread
+// floor(65536 / threads) rounded down to a multiple of 8, and setmaxnreg can only redistribute that
+// pool. Warpgroup budgets that add up to more make setmaxnreg.inc wait forever.
+__host__ __device__ constexpr int mk_cta_register_pool(int threads) { return ((65536 / threads) & ~7) * threads; }
+
 MK_DEV u64 globaltimer_ns() {
   u64 t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

@@ -45,7 +45,7 @@ struct GemmCfg {
   static constexpr u32 OFF_BAR = OFF_C + CONSUMERS * 4 * C_BUFS * C_CHUNK_BYTES;
   static constexpr int PRODUCER_REGS = 40;
   static constexpr int CONSUMER_REGS = 232;
-  MK_STATIC_ASSERT(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * CONSUMERS <= 65536, "register budget");
+  MK_STATIC_ASSERT(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * CONSUMERS <= mk_cta_register_pool(THREADS), "register budget");
 };
 
 template <class Cfg>
@@ -186,7 +186,7 @@ template <class Cfg>
 struct MkSchedTiles {
   const MkGemmArgs& args;
   const MkTileSpace<Cfg::BM>& space;
-  MK_DEV u32 claim() const { return sched_next<Cfg::BM>(args.sched, space, args.sync); }
+  MK_DEV u32 claim() const { return sched_next(args.sched, space, args.sync); }
   MK_DEV bool done(u32 id) const { return id == MK_TILE_DONE; }
   MK_DEV MkTile decode(u32 id) const { return space.template decode<Cfg::BN>(id); }
   MK_DEV void before_loads(const MkTile&) const {}

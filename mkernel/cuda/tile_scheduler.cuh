@@ -122,8 +122,9 @@ MK_DEV void build_group_table(MkGroupTable* tab, const int* group_rows, u32 num_
 
 // Claims the next position for this CTA. Returns the tile id, MK_TILE_DONE when every tile is
 // claimed, or MK_TILE_YIELD when this CTA's role word is not MK_SCHED_GEMM. One thread calls it.
-template <int BM>
-MK_DEV u32 sched_try_next(const MkGemmSched& s, const MkTileSpace<BM>& space) {
+// Space: any tile space with num_tiles and builtin_id(pos) (the GEMM's MkTileSpace, attention's).
+template <class Space>
+MK_DEV u32 sched_try_next(const MkGemmSched& s, const Space& space) {
   if (s.roles && ld_acquire_sys(&s.roles[blockIdx.x]) != (u32)MK_SCHED_GEMM) {
     return ld_relaxed_sys(s.tile_counter) >= space.num_tiles ? MK_TILE_DONE : MK_TILE_YIELD;
   }
@@ -134,14 +135,14 @@ MK_DEV u32 sched_try_next(const MkGemmSched& s, const MkTileSpace<BM>& space) {
 
 // As sched_try_next, but a CTA told to leave waits (time-bounded) until it is given GEMM work
 // again or no tile is left. For kernels with nothing else to do (the standalone GEMM).
-template <int BM>
-MK_DEV u32 sched_next(const MkGemmSched& s, const MkTileSpace<BM>& space, const MkSync& sync) {
-  u32 t = sched_try_next<BM>(s, space);
+template <class Space>
+MK_DEV u32 sched_next(const MkGemmSched& s, const Space& space, const MkSync& sync) {
+  u32 t = sched_try_next(s, space);
   if (t != MK_TILE_YIELD) return t;
   const u64 start = globaltimer_ns();
   for (;;) {
     __nanosleep(256);
-    t = sched_try_next<BM>(s, space);
+    t = sched_try_next(s, space);
     if (t != MK_TILE_YIELD) return t;
     if (error_recorded(sync)) return MK_TILE_DONE;
     const u64 waited = globaltimer_ns() - start;

@@ -64,11 +64,25 @@ MK_DEV void tma_load_3d(u32 dst, const void* desc, u32 bar, i32 c0, i32 c1, i32 
       : "memory");
 }
 
+MK_DEV void tma_load_4d(u32 dst, const void* desc, u32 bar, i32 c0, i32 c1, i32 c2, i32 c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5, %6}], [%2];" ::"r"(dst), "l"((u64)desc), "r"(bar), "r"(c0), "r"(c1), "r"(c2),
+      "r"(c3)
+      : "memory");
+}
+
 // --------------------------------------------------------------------- TMA stores / reductions
 // Out-of-bounds elements of the box are not written.
 MK_DEV void tma_store_2d(const void* desc, u32 src, i32 c0, i32 c1) {
   asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"((u64)desc),
                "r"(src), "r"(c0), "r"(c1)
+               : "memory");
+}
+MK_DEV void tma_store_4d(const void* desc, u32 src, i32 c0, i32 c1, i32 c2, i32 c3) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];" ::"l"(
+                   (u64)desc),
+               "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
                : "memory");
 }
 // Element-wise add of the box into global memory (type from the tensor map: bf16, f16 or f32).
@@ -94,6 +108,10 @@ MK_DEV void bulk_wait() {
 // ------------------------------------------------------------------------------ named barriers
 MK_DEV void named_bar_sync(u32 id, u32 threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+// Counts towards the barrier without waiting (the producer side of a hand-off between warpgroups).
+MK_DEV void named_bar_arrive(u32 id, u32 threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 // --------------------------------------------------------------------- register reallocation
