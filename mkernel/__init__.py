@@ -18,11 +18,12 @@ from . import proxy  # noqa: F401  (registers the command-queue test kernels)
 from .gemm_reduce_scatter import gemm_reduce_scatter
 from .gemm_allreduce import gemm_allreduce
 from .allgather_gemm import allgather_gemm
+from .attention import attention
 from . import split  # noqa: F401  (the SM-split policy; registers its compile-check kernel)
 
 __all__ = [
     "__version__", "init", "Communicator", "gemm", "grouped_gemm",
-    "gemm_reduce_scatter", "gemm_allreduce", "allgather_gemm",
+    "gemm_reduce_scatter", "gemm_allreduce", "allgather_gemm", "attention",
     "MKernelError", "ArgumentError", "ClosedError", "CompileError", "NoGPUError",
     "NoRDMADeviceError", "PeerError", "TimeoutError",
 ]

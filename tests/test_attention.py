@@ -1,0 +1,835 @@
+"""Tests of mkernel.attention (fused multi-head / grouped-query attention, forward).
+
+CPU: the argument struct's layout (host g++ against ctypes), registration and export, the generated
+wgmma header being current, NoGPUError without a GPU.
+GPU (sm_90, CuPy): a matrix of cases (bf16 / fp16, D 64 / 128, causal or not, GQA / MQA / MHA,
+ragged and unequal lengths, batch 1 and 2, 3-D inputs, custom softmax_scale, explicit
+causal_offset, rows that see no key) against a float64 NumPy reference (small) or a float32 CuPy
+reference (large), by relative Frobenius error of the whole output and of every (batch, head,
+128-row tile), with the log-sum-exp checked too (a table of per-case errors is printed before
+anything is asserted); then an exact case (bitwise-exact expected output, mismatching tiles
+named), repeated launches, back-to-back launches of different shapes (a stale tile counter is the
+classic bug of a persistent kernel), SM counts, strided views, streams and argument validation.
+Every output starts poisoned with NaN, so an element nobody wrote fails.
+
+Every GPU check runs in a child process (python3 tests/test_attention.py --child CASE...), so a
+hang (killed after 30 s with a HANG line) or a sticky CUDA error in one check cannot take the
+others down; run without -x to see every part in one go.
+
+Run on a GPU machine: python3 -m pytest tests/test_attention.py -q -s   (-s shows the tables)
+Manual: python3 tests/test_attention.py --child all   |   --child feature:exact
+"""
+
+import importlib
+import importlib.util
+import math
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mkernel.errors import ArgumentError, NoGPUError  # noqa: E402
+from mkernel.testing import sync_or_exit  # noqa: E402
+
+# The module, not the function: mkernel re-exports attention() under the same name. Imported
+# tolerantly so that the tests that do not need it (the wgmma header) still run while it is missing.
+try:
+    ma = importlib.import_module("mkernel.attention")
+    _IMPORT_ERROR = None
+except ImportError as _e:  # pragma: no cover - only while the module is being written
+    ma, _IMPORT_ERROR = None, _e
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = {"bf16": BF16, "fp16": np.dtype(np.float16)}
+NAN_BITS = {"bf16": (np.uint16, 0x7FC0), "fp16": (np.uint16, 0x7E00), "f32": (np.uint32, 0x7FC00000)}
+TILE = 128          # query rows per tile (the kernel's tiles are (batch, head, 128-row block))
+REL_TOL = 1e-2      # relative Frobenius error, whole output and per tile
+MAX_TOL = 3e-2      # max |error| / max |reference|
+LSE_TOL = 1e-3      # |lse - ref| / (1 + |ref|)
+NUMPY_REF_MAX = 4_000_000  # B * H_q * S_q * S_kv up to which the reference is float64 NumPy
+
+
+def _module():
+    if ma is None:
+        pytest.fail(f"mkernel.attention does not import (not written yet?): {_IMPORT_ERROR!r}")
+    return ma
+
+
+# ======================================================================================== CPU
+def test_args_layout_matches_host_compiler(tmp_path):
+    # assert_same_layout() compares alignof too; the C struct is alignas(64) through TmaDesc, which
+    # ctypes cannot express (as for MkGemmArgs), so alignof is checked separately.
+    from c_layout import c_offsets, py_offsets
+
+    mirror = _module().MkAttnArgs
+    c = c_offsets("attn_args.cuh", "MkAttnArgs", [name for name, *_ in mirror._fields_], tmp_path)
+    py = py_offsets(mirror)
+    assert c.pop("alignof") == 64
+    py.pop("alignof")
+    assert c == py, "MkAttnArgs mirror differs from attn_args.cuh"
+    assert c["sizeof"] % 64 == 0
+
+
+def test_registration_and_export():
+    import mkernel
+    from mkernel import compile as mkc
+
+    m = _module()
+    assert mkc.REGISTRY["attention"] is m.SPEC
+    assert m.SPEC.name == "attention" and m.SPEC.name_expressions
+    assert (mkc.CUDA_DIR / m.SPEC.source).is_file()
+    assert "attn_args.cuh" in mkc.include_closure(m.SPEC.source), "the kernel does not include attn_args.cuh"
+    assert callable(m.attention)
+    assert mkernel.attention is m.attention, "mkernel.attention is not the function (not exported in __init__?)"
+    assert "attention" in mkernel.__all__
+
+
+def test_wgmma_header_is_generated():
+    spec = importlib.util.spec_from_file_location("gen_wgmma", ROOT / "tools" / "gen_wgmma.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    current = (ROOT / "mkernel" / "cuda" / "wgmma_ops.cuh").read_text()
+    assert current == gen.header(), "mkernel/cuda/wgmma_ops.cuh is stale: run python3 tools/gen_wgmma.py"
+
+
+def test_no_gpu_error_without_a_gpu():
+    from mkernel import gpu
+
+    if gpu.device_count() > 0:
+        pytest.skip("a GPU is visible: the GPU tests cover the real calls")
+    m = _module()
+    q = np.zeros((1, 128, 4, 64), dtype=BF16)
+    k = np.zeros((1, 128, 2, 64), dtype=BF16)
+    try:
+        m.attention(q, k, k)
+    except NoGPUError:
+        return
+    except Exception as e:  # noqa: BLE001
+        pytest.fail(f"without a usable GPU, attention raised {type(e).__name__} ({str(e)[:200]}), not "
+                    "mkernel.NoGPUError")
+    pytest.fail("attention returned without a GPU")
+
+
+# ================================================================================ GPU helpers
+def _dev(x):
+    import cupy
+
+    x = np.ascontiguousarray(x)
+    try:
+        return cupy.asarray(x)
+    except Exception:  # noqa: BLE001  (a CuPy without bfloat16 transfers)
+        return cupy.asarray(x.view(np.uint16)).view(x.dtype)
+
+
+def _host(x):
+    import cupy
+
+    try:
+        return cupy.asnumpy(x)
+    except Exception:  # noqa: BLE001
+        return cupy.asnumpy(x.view(cupy.uint16)).view(x.dtype)
+
+
+def _bits(x):
+    """The raw bits of a device array, on the host (uint16 for 16-bit data, uint32 for float32)."""
+    import cupy
+
+    return cupy.asnumpy(x.view(cupy.uint16 if x.dtype.itemsize == 2 else cupy.uint32))
+
+
+def _f32(x):
+    """A device bf16 / fp16 array as float32 (on the device)."""
+    import cupy
+
+    if x.dtype == np.float16:
+        return x.astype(cupy.float32)
+    try:
+        return x.astype(cupy.float32)
+    except Exception:  # noqa: BLE001  (a CuPy without bfloat16 casts: do it on the bits)
+        return (x.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32)
+
+
+def _poisoned(shape, kind):
+    import cupy
+
+    word, bits = NAN_BITS[kind]
+    dt = {"bf16": BF16, "fp16": np.float16, "f32": np.float32}[kind]
+    out = cupy.empty(shape, dtype=dt)
+    out.view(word).fill(bits)
+    return out
+
+
+def _poison(x):
+    """Fills a device bf16 / fp16 / float32 array (a view too) with NaN."""
+    word, bits = NAN_BITS["bf16" if x.dtype == BF16 else "fp16" if x.dtype == np.float16 else "f32"]
+    x.view(word).fill(bits)
+
+
+def _kind(dt):
+    return "bf16" if np.dtype(dt) == BF16 else "fp16"
+
+
+def _sync(what, timeout_s=30.0):
+    sync_or_exit(what, timeout_s)
+
+
+def _reference(xp, q, k, v, causal, scale, offset):
+    """Attention in the precision of q (float64 NumPy or float32 CuPy). q [B, S_q, H_q, D],
+    k / v [B, S_kv, H_kv, D]. Returns (out [B, S_q, H_q, D], lse [B, H_q, S_q]); a row that sees
+    no key gives 0 and -inf."""
+    Sq, Hq = q.shape[1], q.shape[2]
+    Skv, Hkv = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    qh = q.transpose(0, 2, 1, 3)
+    kh = xp.repeat(k.transpose(0, 2, 1, 3), g, axis=1)  # query head h reads kv head h // g
+    vh = xp.repeat(v.transpose(0, 2, 1, 3), g, axis=1)
+    s = (qh @ kh.transpose(0, 1, 3, 2)) * scale
+    if causal:
+        i = xp.arange(Sq)[:, None]
+        j = xp.arange(Skv)[None, :]
+        s = xp.where(j <= i + offset, s, -xp.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m = xp.where(xp.isfinite(m), m, 0)
+    p = xp.exp(s - m)
+    l_ = p.sum(axis=-1, keepdims=True)
+    seen = l_ > 0
+    o = (p @ vh) / xp.where(seen, l_, 1)
+    lse = xp.where(seen[..., 0], m[..., 0] + xp.log(xp.where(seen, l_, 1)[..., 0]), -xp.inf)
+    return o.transpose(0, 2, 1, 3), lse
+
+
+def _reference_for(q, k, v, causal, scale, offset):
+    """(out [B, S_q, H_q, D], lse [B, H_q, S_q]) as float64 host arrays (3-D inputs get B = 1).
+    q, k, v: float64 host arrays (computed in float64 with NumPy) or device bf16 / fp16 arrays
+    (computed in float32 with CuPy)."""
+    import cupy
+
+    q4, k4, v4 = (x if x.ndim == 4 else x[None] for x in (q, k, v))
+    if isinstance(q4, np.ndarray):
+        return _reference(np, q4.astype(np.float64), k4.astype(np.float64), v4.astype(np.float64), causal, scale,
+                          offset)
+    o, lse = _reference(cupy, _f32(q4), _f32(k4), _f32(v4), causal, np.float32(scale), offset)
+    return cupy.asnumpy(o).astype(np.float64), cupy.asnumpy(lse).astype(np.float64)
+
+
+def _empty_rows(Sq, causal, offset):
+    """Query rows that see no key: i + offset < 0."""
+    return max(0, min(Sq, -offset)) if causal else 0
+
+
+def _compare(out, ref, lse=None, ref_lse=None, n_empty=0):
+    """(ok, message) of a host output [B, S_q, H_q, D] (float64) against the reference; lse [B, H_q, S_q]."""
+    msgs, ok = [], True
+    if not np.isfinite(out).all():
+        bad = ~np.isfinite(out)
+        rows = np.unique(np.nonzero(bad)[1])
+        return False, f"nonfinite={int(bad.sum())} in rows {rows[:8].tolist()}{'...' if len(rows) > 8 else ''}"
+    B, Sq, Hq, _ = ref.shape
+    nref = np.linalg.norm(ref)
+    if nref == 0:
+        rel = 0.0 if not out.any() else float("inf")
+        mx = float(np.abs(out).max())
+    else:
+        rel = float(np.linalg.norm(out - ref) / nref)
+        mx = float(np.abs(out - ref).max() / np.abs(ref).max())
+    msgs.append(f"rel={rel:.2e} max={mx:.2e}")
+    ok &= rel < REL_TOL and (mx < MAX_TOL if nref else mx == 0)
+    worst, bad_tiles = (0.0, None), []
+    for t0 in range(0, Sq, TILE):
+        d = out[:, t0:t0 + TILE] - ref[:, t0:t0 + TILE]
+        num = np.sqrt((d * d).sum(axis=(1, 3)))
+        den = np.sqrt((ref[:, t0:t0 + TILE] ** 2).sum(axis=(1, 3)))
+        trel = np.where(den > 0, num / np.where(den > 0, den, 1), np.where(num > 0, np.inf, 0.0))
+        for b in range(B):
+            for h in range(Hq):
+                if trel[b, h] > worst[0]:
+                    worst = (float(trel[b, h]), (b, h, t0 // TILE))
+                if not trel[b, h] < REL_TOL:
+                    bad_tiles.append((b, h, t0 // TILE))
+    msgs.append(f"worst-tile(b,h,t)={worst[1]}:{worst[0]:.2e}")
+    if bad_tiles:
+        ok = False
+        msgs.append(f"bad-tiles={len(bad_tiles)}:{bad_tiles[:6]}")
+    if n_empty:
+        nz = int((out[:, :n_empty] != 0).sum())
+        if nz:
+            ok = False
+            msgs.append(f"empty-rows-nonzero={nz}")
+    if lse is not None:
+        if lse.shape != ref_lse.shape:
+            return False, f"lse shape {lse.shape}, expected {ref_lse.shape}"
+        if n_empty and not np.isneginf(lse[..., :n_empty]).all():
+            ok = False
+            msgs.append(f"empty-rows-lse-not-minus-inf={int((~np.isneginf(lse[..., :n_empty])).sum())}")
+        seen_l, seen_r = lse[..., n_empty:], ref_lse[..., n_empty:]
+        if seen_l.size:
+            if not np.isfinite(seen_l).all():
+                ok = False
+                msgs.append(f"lse-nonfinite={int((~np.isfinite(seen_l)).sum())}")
+            else:
+                e = float((np.abs(seen_l - seen_r) / (1 + np.abs(seen_r))).max())
+                msgs.append(f"lse={e:.1e}")
+                ok &= e < LSE_TOL
+        if n_empty:
+            msgs.append(f"empty-rows={n_empty}")
+    return bool(ok), " ".join(msgs)
+
+
+# ============================================================================= the case matrix
+# A case: dtype:dD:hHq/Hkv:batch:sSq/Skv:mask[:scale=X][:off=N]; batch is b1 / b2 (4-D inputs) or
+# 3d (3-D inputs); mask is full or causal; off is causal_offset (default: S_kv - S_q).
+def matrix_cases():
+    cases = []
+    for dtn in ("bf16", "fp16"):
+        for D in (64, 128):
+            for mask in ("full", "causal"):
+                cases.append(f"{dtn}:d{D}:h8/2:b1:s333/333:{mask}")   # GQA, 4-D
+                cases.append(f"{dtn}:d{D}:h4/4:3d:s200/200:{mask}")   # MHA, 3-D
+    cases += [
+        # longer, ragged
+        "bf16:d128:h8/2:b1:s1000/1000:causal", "bf16:d64:h4/4:3d:s1000/1000:full",
+        "fp16:d128:h4/4:b1:s1000/1000:causal",
+        # S_q < S_kv (causal aligned bottom-right)
+        "bf16:d128:h8/2:b1:s130/517:full", "bf16:d128:h8/2:b1:s130/517:causal",
+        "fp16:d64:h4/4:3d:s130/517:causal", "fp16:d64:h8/2:b1:s130/517:full",
+        # S_q > S_kv: under causal the first S_q - S_kv rows see no key (0 and -inf)
+        "bf16:d128:h8/2:b1:s517/130:causal", "fp16:d64:h4/4:3d:s517/130:causal", "bf16:d64:h4/4:b1:s517/130:full",
+        # batch 2
+        "bf16:d128:h8/2:b2:s333/333:causal", "fp16:d64:h4/4:b2:s200/517:full", "bf16:d64:h8/8:b2:s130/517:causal",
+        # multi-query (one kv head)
+        "bf16:d128:h8/1:b1:s256/256:causal",
+        # tiny and tile edges
+        "bf16:d128:h2/2:3d:s1/1:full", "bf16:d64:h2/1:3d:s1/300:causal", "fp16:d128:h4/2:b1:s7/1:full",
+        "bf16:d128:h4/2:b1:s129/129:causal", "fp16:d64:h4/4:b1:s128/384:full", "bf16:d64:h2/2:b1:s127/255:causal",
+        # custom softmax_scale (large ones make rows peaky: the running max moves between blocks)
+        "bf16:d64:h4/4:3d:s333/333:full:scale=0.5", "fp16:d128:h8/2:b1:s200/200:causal:scale=0.25",
+        "bf16:d64:h8/2:b1:s1000/1000:causal:scale=1.0", "fp16:d64:h4/4:b1:s256/256:full:scale=0.01",
+        # explicit causal_offset: 0 = the default for S_q == S_kv (also compared bitwise with the
+        # default), negative (first rows see nothing), positive, top-left alignment for S_q < S_kv,
+        # every row empty, and every key visible
+        "bf16:d128:h8/2:b1:s256/256:causal:off=0", "bf16:d128:h8/2:b1:s256/256:causal:off=-37",
+        "fp16:d64:h4/4:3d:s256/256:causal:off=50", "bf16:d64:h4/2:b1:s130/517:causal:off=0",
+        "bf16:d128:h4/4:b1:s200/200:causal:off=-300", "fp16:d128:h4/2:b1:s200/300:causal:off=1000",
+    ]
+    return cases
+
+
+def _parse(case):
+    dtn, d, h, b, s, mask, *opts = case.split(":")
+    Hq, Hkv = map(int, h[1:].split("/"))
+    Sq, Skv = map(int, s[1:].split("/"))
+    opts = dict(o.split("=", 1) for o in opts)
+    return dict(dtn=dtn, D=int(d[1:]), Hq=Hq, Hkv=Hkv, B=None if b == "3d" else int(b[1:]), Sq=Sq, Skv=Skv,
+                causal=mask == "causal", scale=float(opts["scale"]) if "scale" in opts else None,
+                offset=int(opts["off"]) if "off" in opts else None)
+
+
+def _random_inputs(rng, dt, B, Sq, Skv, Hq, Hkv, D):
+    """Host (q, k, v) of dtype dt, [B, S, H, D] (B None: 3-D), standard normal."""
+    lead = () if B is None else (B,)
+    q = rng.standard_normal(lead + (Sq, Hq, D)).astype(dt)
+    k = rng.standard_normal(lead + (Skv, Hkv, D)).astype(dt)
+    v = rng.standard_normal(lead + (Skv, Hkv, D)).astype(dt)
+    return q, k, v
+
+
+def run_case(case):
+    """One matrix case; returns (ok, message). 'feature:NAME' runs feature_NAME() (asserts inside)."""
+    if case.startswith("feature:"):
+        globals()["feature_" + case.split(":", 1)[1]]()
+        return True, "all checks passed"
+    m = _module()
+    c = _parse(case)
+    dtn, D, Hq, Hkv, B, Sq, Skv, causal = (c[x] for x in ("dtn", "D", "Hq", "Hkv", "B", "Sq", "Skv", "causal"))
+    dt = DTYPES[dtn]
+    rng = np.random.default_rng(zlib.crc32(case.encode()))
+    q, k, v = _random_inputs(rng, dt, B, Sq, Skv, Hq, Hkv, D)
+    dq, dk, dv = _dev(q), _dev(k), _dev(v)
+    scale = c["scale"] if c["scale"] is not None else 1.0 / math.sqrt(D)
+    offset = c["offset"] if c["offset"] is not None else Skv - Sq
+    kw = dict(causal=causal, softmax_scale=c["scale"], causal_offset=c["offset"])
+
+    out = _poisoned(q.shape, dtn)
+    res = m.attention(dq, dk, dv, return_lse=True, out=out, **kw)
+    if not (isinstance(res, tuple) and len(res) == 2 and res[0] is out):
+        return False, f"return_lse=True returned {type(res).__name__}, not (out, lse) with the given out"
+    lse = res[1]
+    _sync(case)
+    lse_shape = (Hq, Sq) if B is None else (B, Hq, Sq)
+    if lse.dtype != np.float32 or tuple(lse.shape) != lse_shape:
+        return False, f"lse is {lse.dtype} {lse.shape}, expected float32 {lse_shape}"
+
+    if (B or 1) * Hq * Sq * Skv <= NUMPY_REF_MAX:
+        ref_o, ref_lse = _reference_for(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+                                        causal, scale, offset)
+    else:
+        ref_o, ref_lse = _reference_for(dq, dk, dv, causal, scale, offset)
+    got = _host(out).astype(np.float64)
+    got_lse = np.asarray(lse.get(), dtype=np.float64)
+    if B is None:
+        got, got_lse = got[None], got_lse[None]
+    ok, msg = _compare(got, ref_o, got_lse, ref_lse, _empty_rows(Sq, causal, offset))
+
+    # Without lse: the same output (checked against the reference; the bits are reported).
+    out2 = _poisoned(q.shape, dtn)
+    res2 = m.attention(dq, dk, dv, out=out2, **kw)
+    _sync(case + " (no lse)")
+    if res2 is not out2:
+        return False, f"return_lse=False returned {type(res2).__name__}, not the given out; " + msg
+    same = bool((_bits(out2) == _bits(out)).all())
+    g2 = _host(out2).astype(np.float64)
+    ok2, msg2 = _compare(g2 if B is not None else g2[None], ref_o, n_empty=_empty_rows(Sq, causal, offset))
+    msg += f" nolse-bits={'same' if same else 'DIFFER'}"
+    if not ok2:
+        ok, msg = False, msg + f" nolse: {msg2}"
+
+    # An explicit causal_offset equal to the default must give the default's bits.
+    if causal and c["offset"] is not None and c["offset"] == Skv - Sq:
+        out3 = _poisoned(q.shape, dtn)
+        m.attention(dq, dk, dv, causal=True, softmax_scale=c["scale"], out=out3)
+        _sync(case + " (default offset)")
+        if not (_bits(out3) == _bits(out)).all():
+            ok, msg = False, msg + " default-offset-bits-DIFFER"
+        else:
+            msg += " =default"
+    return ok, msg
+
+
+def _child(cases):
+    for case in cases:
+        print(f"START {case}", flush=True)
+        try:
+            ok, msg = run_case(case)
+        except Exception as e:  # noqa: BLE001
+            ok, msg = False, f"{type(e).__name__}: {str(e)[:600]}".replace("\n", " ")
+        print(f"RESULT {case} {'OK' if ok else 'FAIL'} {msg}", flush=True)
+
+
+def run_matrix(cases, per_process_timeout=240):
+    """Runs the cases in child processes; a case that kills its process is reported as CRASH and
+    the rest continue in a fresh process. Returns {case: (status, message)}."""
+    results, remaining, details = {}, list(cases), {}
+    while remaining:
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--child", *remaining], capture_output=True,
+                                  text=True, timeout=per_process_timeout, cwd=str(ROOT))
+            stdout, stderr, rc = proc.stdout, proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            def text(x):
+                return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+            stdout, stderr, rc = text(e.stdout), text(e.stderr), "timeout"
+        started = None
+        for line in stdout.splitlines():
+            if line.startswith("START "):
+                started = line.split()[1]
+            elif line.startswith("RESULT "):
+                _, case, status, *msg = line.split(" ")
+                results[case] = (status, " ".join(msg))
+                started = None
+            elif started is not None:
+                details.setdefault(started, []).append(line)
+        if started is not None or rc != 0:
+            victim = started or next((c for c in remaining if c not in results), None)
+            tail = (stdout + stderr).strip().splitlines()[-3:]
+            if victim is not None and victim not in results:
+                results[victim] = ("CRASH", f"rc={rc} " + " | ".join(tail)[:400])
+        remaining = [c for c in remaining if c not in results]
+    run_matrix.details = details
+    return results
+
+
+def run_feature(name):
+    """Runs feature_NAME in a child process (a crash or hang there cannot poison this process or
+    the other tests) and prints what it printed."""
+    case = f"feature:{name}"
+    status, msg = run_matrix([case])[case]
+    print(f"\n==== {name}: {status} {msg}")
+    for line in getattr(run_matrix, "details", {}).get(case, []):
+        print("   ", line)
+    assert status == "OK", f"{name}: {status} {msg}"
+
+
+@pytest.mark.gpu
+def test_matrix():
+    cases = matrix_cases()
+    results = run_matrix(cases)
+    print("\n==== attention matrix (dtype:D:Hq/Hkv:batch:Sq/Skv:mask[:options]) ====")
+    for c in cases:
+        print(f"{results[c][0]:5s} {c:44s} {results[c][1]}")
+    bad = [c for c in cases if results[c][0] != "OK"]
+    print(f"==== {len(cases) - len(bad)}/{len(cases)} OK ====", flush=True)
+    assert not bad, f"{len(bad)} failing cases, first: {bad[0]} {results[bad[0]]}"
+
+
+# ========================================================= feature checks (run in child processes)
+def _rand_dev(shape, dt, seed):
+    """Standard normal device array of dtype dt (generated on the host: exact across runs)."""
+    return _dev(np.random.default_rng(seed).standard_normal(shape).astype(dt))
+
+
+def _check_against_reference(what, out, q, k, v, causal=False, scale=None, offset=None, lse=None):
+    D, Sq, Skv = q.shape[-1], q.shape[-3], k.shape[-3]
+    sc = scale if scale is not None else 1.0 / math.sqrt(D)
+    off = offset if offset is not None else Skv - Sq
+    ref_o, ref_lse = _reference_for(q, k, v, causal, sc, off)
+    got = _host(out).astype(np.float64)
+    got_lse = None if lse is None else np.asarray(lse.get(), dtype=np.float64)
+    if q.ndim == 3:
+        got = got[None]
+        got_lse = None if got_lse is None else got_lse[None]
+    ok, msg = _compare(got, ref_o, got_lse, ref_lse if lse is not None else None, _empty_rows(Sq, causal, off))
+    print(f"{'OK ' if ok else 'BAD'} {what}: {msg}")
+    return ok
+
+
+def feature_exact():
+    """Keys identical within each (batch, kv head): every score of a row is the same, so the softmax
+    is exactly uniform (p = 1 after subtracting the max, l = S_kv). Values are small integers
+    paired so that every column sums to S_kv * c with c a half-integer: the output is c exactly in
+    bf16 and fp16 (the fp32 sum is exact, and any rounding of 1 / l is far below half an ulp of c).
+    Queries are random. Non-causal only (with a mask the visible count varies per row)."""
+    m = _module()
+    configs = [("bf16", 128, 8, 2, 2, 300, 512),    # GQA, batch 2, ragged S_q
+               ("fp16", 64, 4, 4, None, 1000, 256),  # 3-D
+               ("bf16", 64, 8, 1, 1, 128, 384),     # MQA, S_kv not a power of two
+               ("fp16", 128, 8, 2, 1, 77, 1024),
+               ("bf16", 128, 4, 4, 1, 200, 320)]    # S_kv off the key-block grid: padding must be masked
+    failures = []
+    for i, (dtn, D, Hq, Hkv, B, Sq, Skv) in enumerate(configs):
+        dt = DTYPES[dtn]
+        rng = np.random.default_rng(100 + i)
+        Bn = B or 1
+        g = Hq // Hkv
+        q = rng.standard_normal((Bn, Sq, Hq, D)).astype(dt)
+        kvec = rng.standard_normal((Bn, 1, Hkv, D))
+        k = np.ascontiguousarray(np.broadcast_to(kvec, (Bn, Skv, Hkv, D))).astype(dt)
+        c = rng.integers(-6, 7, size=(Bn, 1, Hkv, D)) / 2.0
+        v1 = rng.integers(-4, 5, size=(Bn, Skv // 2, Hkv, D)).astype(np.float64)
+        v = np.concatenate([v1, 2 * c - v1], axis=1)[:, rng.permutation(Skv)].astype(dt)
+        assert (v.astype(np.float64).sum(axis=1, keepdims=True) == Skv * c).all()
+        expect = np.repeat(c, g, axis=2)[:, 0]  # [B, H_q, D]: query head h reads kv head h // g
+        if B is None:
+            q, k, v = q[0], k[0], v[0]
+        out = _poisoned(q.shape, dtn)
+        _, lse = m.attention(_dev(q), _dev(k), _dev(v), out=out, return_lse=True)
+        _sync(f"exact {i}")
+        got = _host(out).astype(np.float64)
+        got = got if B is not None else got[None]
+        bad = got != expect[:, None, :, :]                       # [B, S_q, H_q, D]
+        tiles = sorted({(int(b), int(h), int(s) // TILE) for b, s, h, _ in zip(*np.nonzero(bad))})
+        # lse = scale * q . kvec + ln(S_kv), exactly uniform rows
+        q64 = (q if B is not None else q[None]).astype(np.float64)
+        kv64 = np.repeat(kvec.astype(dt).astype(np.float64), g, axis=2)[:, 0]  # [B, H_q, D]
+        ref_lse = np.einsum("bshd,bhd->bhs", q64, kv64) / math.sqrt(D) + math.log(Skv)
+        got_lse = np.asarray(lse.get(), dtype=np.float64)
+        got_lse = got_lse if B is not None else got_lse[None]
+        lse_err = float((np.abs(got_lse - ref_lse) / (1 + np.abs(ref_lse))).max()) if np.isfinite(got_lse).all() \
+            else float("inf")
+        ok = not tiles and lse_err < LSE_TOL
+        print(f"{'OK ' if ok else 'BAD'} exact {dtn} D={D} H={Hq}/{Hkv} B={B} S={Sq}/{Skv}: "
+              f"{int(bad.sum())} mismatching elements in {len(tiles)} (b, h, tile)s {tiles[:8]}; lse err {lse_err:.1e}")
+        if not ok:
+            failures.append((dtn, D, Hq, Hkv, B, Sq, Skv))
+    assert not failures, failures
+
+
+def feature_repeat():
+    """Ten launches in a row on the same buffers (the output poisoned before each, a copy of its bits
+    taken after, nothing synchronised in between): every result identical bitwise, and right. The
+    first five return lse; the last five do not (calls with out= and no lse may reuse a cached
+    launch plan)."""
+    import cupy
+
+    m = _module()
+    B, Sq, Skv, Hq, Hkv, D = 1, 1000, 1000, 8, 2, 128
+    q, k, v = (_rand_dev((B, S, H, D), BF16, seed) for (S, H, seed) in ((Sq, Hq, 1), (Skv, Hkv, 2), (Skv, Hkv, 3)))
+    out = cupy.empty(q.shape, dtype=BF16)
+    snaps, lses = [], []
+    for i in range(10):
+        _poison(out)
+        if i < 5:
+            res = m.attention(q, k, v, causal=True, out=out, return_lse=True)
+            lses.append(res[1])
+        else:
+            res = m.attention(q, k, v, causal=True, out=out)
+        snaps.append(out.view(cupy.uint16).copy())
+    _sync("10 repeated launches")
+    assert res is out
+    assert _check_against_reference("repeat, launch 10", out, q, k, v, causal=True)
+    assert _check_against_reference("repeat, launch 5 (lse)", snaps[4].view(BF16), q, k, v, causal=True, lse=lses[-1])
+    first, first_lse = cupy.asnumpy(snaps[0]), _bits(lses[0])
+    differ = [i for i in range(10) if not (cupy.asnumpy(snaps[i]) == first).all()]
+    differ += [f"lse {i}" for i in range(5) if not (_bits(lses[i]) == first_lse).all()]
+    print(f"repeat: launches differing from the first: {differ}")
+    assert not differ, f"launches {differ} differ from the first"
+
+
+def _b2b_configs():
+    # (name, dtype, D, H_q, H_kv, B (None: 3-D), S_q, S_kv, causal, sms): tile counts 64, 8, 2, 192, 64, 16
+    return [("A", "bf16", 128, 8, 2, 1, 1000, 1000, True, None),
+            ("B", "fp16", 64, 4, 4, None, 200, 200, False, None),
+            ("C", "bf16", 64, 2, 1, None, 1, 300, True, None),
+            ("D", "bf16", 128, 16, 16, 2, 700, 700, False, None),  # more tiles than SMs
+            ("E", "bf16", 128, 8, 2, 1, 1000, 1000, True, None),   # A again, other buffers
+            ("F", "fp16", 128, 8, 2, 1, 130, 517, True, 7)]
+
+
+def feature_back_to_back():
+    """Different shapes (and a GEMM) launched back to back without synchronising: each result must
+    equal bitwise the one the same call gave alone (a tile counter left stale by one launch skips or
+    repeats tiles of the next)."""
+    m = _module()
+    mg = importlib.import_module("mkernel.gemm")
+    runs = []
+    for i, (name, dtn, D, Hq, Hkv, B, Sq, Skv, causal, sms) in enumerate(_b2b_configs()):
+        lead = () if B is None else (B,)
+        dt = DTYPES[dtn]
+        q = _rand_dev(lead + (Sq, Hq, D), dt, 10 * i + 1)
+        k = _rand_dev(lead + (Skv, Hkv, D), dt, 10 * i + 2)
+        v = _rand_dev(lead + (Skv, Hkv, D), dt, 10 * i + 3)
+        runs.append((name, q, k, v, dict(causal=causal, sms=sms)))
+    ga = _dev(np.random.default_rng(7).integers(-3, 4, size=(520, 264)).astype(BF16))
+    gb = _dev(np.random.default_rng(8).integers(-3, 4, size=(264, 776)).astype(BF16))
+
+    def launch_all(order, with_lse=True):
+        """Queues the named launches (no synchronisation); [(name, out, lse)] (lse None for the GEMM
+        and without with_lse)."""
+        outs = []
+        for name in order:
+            if name == "gemm":
+                c = _poisoned((520, 776), "f32")
+                mg.gemm(ga, gb, out=c)
+                outs.append((name, c, None))
+                continue
+            _, q, k, v, kw = next(r for r in runs if r[0] == name)
+            o = _poisoned(q.shape, _kind(q.dtype))
+            if with_lse:
+                outs.append((name, o, m.attention(q, k, v, out=o, return_lse=True, **kw)[1]))
+            else:
+                outs.append((name, m.attention(q, k, v, out=o, **kw), None))
+        return outs
+
+    # Alone, each synchronised and checked against the reference.
+    solo, ok = {}, True
+    for name, q, k, v, kw in runs:
+        solo[name] = launch_all([name])[0][1:]
+        _sync(f"solo {name}")
+        ok &= _check_against_reference(f"solo {name} {tuple(q.shape)} kv {tuple(k.shape)} {kw}", solo[name][0],
+                                       q, k, v, causal=kw["causal"], lse=solo[name][1])
+    solo["gemm"] = launch_all(["gemm"])[0][1:]
+    _sync("solo gemm")
+    exact = _host(ga).astype(np.float64) @ _host(gb).astype(np.float64)
+    ok &= bool((_host(solo["gemm"][0]) == exact).all())  # small integers: exact in float32
+    assert ok, "a solo run is wrong (see above)"
+    names = [r[0] for r in runs]
+    failures = []
+    for label, order, with_lse in (("forward", names[:3] + ["gemm"] + names[3:], True),
+                                   ("reverse", ["gemm"] + names[::-1], True),
+                                   ("no lse, twice", names + ["gemm"] + names, False)):
+        outs = launch_all(order, with_lse)
+        _sync(f"back to back {label}")
+        for pos, (name, o, lse) in enumerate(outs):
+            so, slse = solo[name]
+            same = (_bits(o) == _bits(so)).all() and (lse is None or (_bits(lse) == _bits(slse)).all())
+            if not same:
+                failures.append((label, pos, name))
+        print(f"back to back {label} {order}: {'OK' if not any(f[0] == label for f in failures) else 'BAD'}")
+    assert not failures, f"differ from the solo run: {failures}"
+
+
+def feature_sms_strides_stream():
+    """sms= gives the default's bits; strided views of inputs and output give the contiguous bits;
+    stream= gives the same bits on another stream."""
+    import cupy
+
+    m = _module()
+    nsm = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    failures = []
+
+    # --- SM counts: 2 * 8 * 8 = 128 tiles
+    B, S, Hq, Hkv, D = 2, 1000, 8, 2, 128
+    qs, ks, vs = (_rand_dev((B, S, H, D), BF16, seed) for H, seed in ((Hq, 21), (Hkv, 22), (Hkv, 23)))
+    base = _poisoned(qs.shape, "bf16")
+    _, base_lse = m.attention(qs, ks, vs, causal=True, out=base, return_lse=True)
+    _sync("sms default")
+    if not _check_against_reference("sms default", base, qs, ks, vs, causal=True, lse=base_lse):
+        failures.append("default run")
+    for sms in (1, 7, 66, nsm - 1, nsm):
+        out = _poisoned(qs.shape, "bf16")
+        _, lse = m.attention(qs, ks, vs, causal=True, out=out, return_lse=True, sms=sms)
+        _sync(f"sms={sms}")
+        same = (_bits(out) == _bits(base)).all() and (_bits(lse) == _bits(base_lse)).all()
+        print(f"sms={sms}: {'same bits' if same else 'DIFFER'}")
+        if not same:
+            failures.append(f"sms={sms}")
+
+    def same_as_contiguous(what, qv, kv, vv, out_buf=None, out_index=None, **kw):
+        """The strided views qv, kv, vv (and out_buf[out_index] as out, if given) give the bits of
+        their contiguous copies; nothing of out_buf outside the view is written."""
+        ref = _poisoned(qv.shape, _kind(qv.dtype))
+        _, ref_lse = m.attention(cupy.ascontiguousarray(qv), cupy.ascontiguousarray(kv), cupy.ascontiguousarray(vv),
+                                 out=ref, return_lse=True, **kw)
+        out_view = _poisoned(qv.shape, _kind(qv.dtype)) if out_buf is None else out_buf[out_index]
+        before = None if out_buf is None else _bits(out_buf)
+        res = m.attention(qv, kv, vv, out=out_view, return_lse=True, **kw)
+        _sync(what)
+        ok = res[0] is out_view and (_bits(out_view) == _bits(ref)).all() and (_bits(res[1]) == _bits(ref_lse)).all()
+        ok = ok and _check_against_reference(f"{what} (contiguous copy)", ref, qv, kv, vv, causal=kw.get("causal", False),
+                                             lse=ref_lse)
+        if out_buf is not None:  # what lies around the output view must be untouched
+            after = _bits(out_buf)
+            mask = np.ones(out_buf.shape, dtype=bool)
+            mask[out_index] = False
+            if not (after[mask] == before[mask]).all():
+                print(f"BAD {what}: wrote outside the output view")
+                ok = False
+        print(f"{what}: {'same bits as contiguous' if ok else 'DIFFER'}")
+        if not ok:
+            failures.append(what)
+
+    # --- packed [B, S, 3, H, D] (MHA): q, k, v strided views
+    B, S, H, D = 2, 333, 4, 128
+    packed = _rand_dev((B, S, 3, H, D), BF16, 31)
+    same_as_contiguous("packed [B,S,3,H,D]", packed[:, :, 0], packed[:, :, 1], packed[:, :, 2], causal=True)
+    p3 = _rand_dev((517, 3, 4, 64), DTYPES["fp16"], 32)
+    same_as_contiguous("packed [S,3,H,D] 3-D fp16", p3[:, 0], p3[:, 1], p3[:, 2])
+    # --- packed along heads [S, H_q + 2 H_kv, D] (GQA), 3-D
+    Hq, Hkv = 8, 2
+    ph = _rand_dev((300, Hq + 2 * Hkv, 128), BF16, 33)
+    same_as_contiguous("packed heads [S,Hq+2Hkv,D]", ph[:, :Hq], ph[:, Hq:Hq + Hkv], ph[:, Hq + Hkv:], causal=True)
+    # --- rows padded past D (head stride 192 elements), batch stride doubled
+    big = _rand_dev((4, 256, 4, 192), BF16, 34)
+    kb, vb = _rand_dev((2, 400, 2, 128), BF16, 35), _rand_dev((2, 400, 2, 128), BF16, 36)
+    same_as_contiguous("q padded rows + every other batch", big[::2, :, :, :128], kb, vb, causal=True)
+    # --- a strided output: the upper half of the heads of a [B, S, 2H, D] buffer
+    q2, k2, v2 = _rand_dev((2, 200, 4, 64), BF16, 37), _rand_dev((2, 300, 4, 64), BF16, 38), _rand_dev((2, 300, 4, 64), BF16, 39)
+    buf = _poisoned((2, 200, 8, 64), "bf16")
+    same_as_contiguous("strided out [B,S,2H,D][:,:,H:]", q2, k2, v2, out_buf=buf,
+                       out_index=(slice(None), slice(None), slice(4, 8)), causal=True)
+
+    # --- another stream
+    s = cupy.cuda.Stream(non_blocking=True)
+    out = _poisoned(qs.shape, "bf16")
+    cupy.cuda.get_current_stream().synchronize()  # the poison is written before the other stream reads
+    _, lse = m.attention(qs, ks, vs, causal=True, out=out, return_lse=True, stream=s)
+    sync_or_exit("stream=", 30.0, stream=s)
+    same = (_bits(out) == _bits(base)).all() and (_bits(lse) == _bits(base_lse)).all()
+    print(f"stream=: {'same bits' if same else 'DIFFER'}")
+    if not same:
+        failures.append("stream=")
+    assert not failures, failures
+
+
+def feature_argument_errors():
+    import cupy
+
+    m = _module()
+    nsm = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    F16 = DTYPES["fp16"]
+
+    def z(shape, dt=BF16):
+        return cupy.zeros(shape, dtype=dt)
+
+    q, k, v = z((1, 256, 4, 128)), z((1, 256, 2, 128)), z((1, 256, 2, 128))
+    flat = z(1 * 256 * 4 * 128 + 8)
+    strided = cupy.lib.stride_tricks.as_strided
+    bad = {
+        "float32 inputs": lambda: m.attention(z(q.shape, np.float32), z(k.shape, np.float32), z(v.shape, np.float32)),
+        "q bf16, k/v fp16": lambda: m.attention(q, z(k.shape, F16), z(v.shape, F16)),
+        "v dtype differs": lambda: m.attention(q, k, z(v.shape, F16)),
+        "D = 96": lambda: m.attention(z((1, 256, 4, 96)), z((1, 256, 2, 96)), z((1, 256, 2, 96))),
+        "D = 256": lambda: m.attention(z((1, 256, 4, 256)), z((1, 256, 2, 256)), z((1, 256, 2, 256))),
+        "D = 32": lambda: m.attention(z((1, 256, 4, 32)), z((1, 256, 2, 32)), z((1, 256, 2, 32))),
+        "q D != k D": lambda: m.attention(q, z((1, 256, 2, 64)), z((1, 256, 2, 64))),
+        "v D != k D": lambda: m.attention(q, k, z((1, 256, 2, 64))),
+        "H_q % H_kv": lambda: m.attention(z((1, 256, 6, 128)), z((1, 256, 4, 128)), z((1, 256, 4, 128))),
+        "H_kv > H_q": lambda: m.attention(z((1, 256, 2, 128)), z((1, 256, 4, 128)), z((1, 256, 4, 128))),
+        "rank 2": lambda: m.attention(z((256, 128)), z((256, 128)), z((256, 128))),
+        "rank 5": lambda: m.attention(z((1, 1, 256, 4, 128)), z((1, 1, 256, 2, 128)), z((1, 1, 256, 2, 128))),
+        "q 4-D, k/v 3-D": lambda: m.attention(q, k[0], v[0]),
+        "q 3-D, k/v 4-D": lambda: m.attention(q[0], k, v),
+        "batch mismatch": lambda: m.attention(z((2, 256, 4, 128)), k, v),
+        "k/v S_kv differ": lambda: m.attention(q, k, z((1, 255, 2, 128))),
+        "k/v H_kv differ": lambda: m.attention(z((1, 256, 8, 128)), z((1, 256, 2, 128)), z((1, 256, 4, 128))),
+        "k/v batch differ": lambda: m.attention(z((2, 256, 4, 128)), z((2, 256, 2, 128)), z((1, 256, 2, 128))),
+        "S_kv = 0": lambda: m.attention(q, z((1, 0, 2, 128)), z((1, 0, 2, 128))),
+        "S_q = 0": lambda: m.attention(z((1, 0, 4, 128)), k, v),
+        "S_kv = 0, 3-D": lambda: m.attention(q[0], z((0, 2, 128)), z((0, 2, 128))),
+        "last dim strided": lambda: m.attention(z((1, 256, 4, 256))[..., ::2], k, v),
+        "k last dim strided": lambda: m.attention(q, z((1, 256, 2, 256))[..., ::2], v),
+        "head stride % 16 B": lambda: m.attention(z((1, 256, 4, 132))[..., :128], k, v),
+        "seq stride % 16 B": lambda: m.attention(strided(z((1, 256, 516)), shape=(1, 256, 4, 128),
+                                                         strides=(256 * 516 * 2, 516 * 2, 256, 2)), k, v),
+        "misaligned base": lambda: m.attention(flat[1:1 + q.size].reshape(q.shape), k, v),
+        "misaligned v base": lambda: m.attention(q, k, z(v.size + 8)[1:1 + v.size].reshape(v.shape)),
+        "negative seq stride": lambda: m.attention(q[:, ::-1], k, v),
+        "q is a numpy array": lambda: m.attention(np.zeros((1, 256, 4, 128), dtype=BF16), k, v),
+        "out shape": lambda: m.attention(q, k, v, out=z((1, 256, 4, 64))),
+        "out shape (3-D for 4-D q)": lambda: m.attention(q, k, v, out=z((256, 4, 128))),
+        "out dtype fp16": lambda: m.attention(q, k, v, out=z(q.shape, F16)),
+        "out float32": lambda: m.attention(q, k, v, out=z(q.shape, np.float32)),
+        "out last dim strided": lambda: m.attention(q, k, v, out=z((1, 256, 4, 256))[..., ::2]),
+        "out misaligned": lambda: m.attention(q, k, v, out=z(q.size + 8)[1:1 + q.size].reshape(q.shape)),
+        "out numpy": lambda: m.attention(q, k, v, out=np.zeros(q.shape, dtype=BF16)),
+        "sms = 0": lambda: m.attention(q, k, v, sms=0),
+        f"sms = {nsm + 1}": lambda: m.attention(q, k, v, sms=nsm + 1),
+    }
+    missed, wrong = [], []
+    for name, fn in bad.items():
+        try:
+            fn()
+            missed.append(name)
+        except ArgumentError:
+            pass
+        except Exception as e:  # noqa: BLE001
+            wrong.append(f"{name}: {type(e).__name__}: {str(e)[:120]}")
+    _sync("argument errors")
+    # Nothing was left broken: a valid call still works.
+    out = _poisoned(q.shape, "bf16")
+    qq, kk, vv = _rand_dev(q.shape, BF16, 41), _rand_dev(k.shape, BF16, 42), _rand_dev(v.shape, BF16, 43)
+    m.attention(qq, kk, vv, out=out)
+    _sync("valid call after the errors")
+    valid_ok = _check_against_reference("valid call after the errors", out, qq, kk, vv)
+    print(f"missed (no error): {missed}")
+    print(f"wrong exception type: {wrong}")
+    assert not missed and not wrong and valid_ok, f"no ArgumentError for: {missed}; other exceptions: {wrong}"
+
+
+@pytest.mark.gpu
+def test_exact():
+    run_feature("exact")
+
+
+@pytest.mark.gpu
+def test_repeated_launches():
+    run_feature("repeat")
+
+
+@pytest.mark.gpu
+def test_back_to_back_shapes():
+    run_feature("back_to_back")
+
+
+@pytest.mark.gpu
+def test_sms_strides_and_streams():
+    run_feature("sms_strides_stream")
+
+
+@pytest.mark.gpu
+def test_argument_errors():
+    run_feature("argument_errors")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 2 and sys.argv[1] == "--child":
+        cases = sys.argv[2:]
+        _child(matrix_cases() if cases == ["all"] else cases)
+    else:
+        print(__doc__)
