@@ -93,9 +93,6 @@ def _tensor_map(x, rows_box):
 
 
 def _check(cupy, q, k, v, out, causal_offset, sms):
-    for x, name in ((q, "q"), (k, "k"), (v, "v")):
-        if not isinstance(x, cupy.ndarray):
-            raise ArgumentError(f"{name} must be a cupy.ndarray; got {type(x).__name__}")
     if q.ndim != k.ndim or k.ndim != v.ndim:
         raise ArgumentError(f"q, k, v must have the same rank; got shapes {q.shape}, {k.shape}, {v.shape}")
     if q.dtype != k.dtype or k.dtype != v.dtype:
@@ -122,8 +119,6 @@ def _check(cupy, q, k, v, out, causal_offset, sms):
     for x, name in ((q4, "q"), (k4, "k"), (v4, "v")):
         _check_tma_layout(x, name)
     if out is not None:
-        if not isinstance(out, cupy.ndarray):
-            raise ArgumentError("out must be a cupy.ndarray")
         if out.shape != q.shape or out.dtype != q.dtype:
             raise ArgumentError(f"out must have q's shape {q.shape} and dtype {q.dtype}; got {out.shape} {out.dtype}")
         _check_tma_layout(_as4d(out, "out"), "out")
@@ -143,8 +138,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
               causal_offset=None, sms=None):
     """Softmax attention forward: ``out[b, i, h] = sum_j softmax_j(scale * q[b, i, h] . k[b, j, hk]) v[b, j, hk]``.
 
-    q: ``[S_q, H_q, D]`` or ``[B, S_q, H_q, D]``; k, v: ``[S_kv, H_kv, D]`` or ``[B, S_kv, H_kv, D]``;
-    bfloat16 or float16; D in (64, 128); H_q % H_kv == 0 (hk = h // (H_q // H_kv)).
+    q: ``[S_q, H_q, D]`` or ``[B, S_q, H_q, D]``; k, v: ``[S_kv, H_kv, D]`` or ``[B, S_kv, H_kv, D]``
+    (CuPy arrays, or any GPU array with ``__dlpack__`` / ``__cuda_array_interface__``); bfloat16 or float16; D in (64, 128); H_q % H_kv == 0 (hk = h // (H_q // H_kv)).
     causal: query i sees key j iff ``j <= i + causal_offset`` (default ``S_kv - S_q``).
     softmax_scale: default ``1 / sqrt(D)``. out: optional, q's shape and dtype.
     sms: CTAs of the persistent kernel (default: all SMs, at most one per tile).
@@ -165,6 +160,11 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
             _plans.move_to_end(key)
             launch(*plan[:4], smem=plan[4], stream=stream)
             return out
+    from .arrays import as_cupy
+
+    q, k, v = (as_cupy(x, name, stream=stream) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    if out is not None:
+        out = as_cupy(out, "out", stream=stream)
     q4, k4, v4 = _check(cupy, q, k, v, out, causal_offset, sms)
     B, Sq, Hq, D = q4.shape
     _, Skv, Hkv, _ = k4.shape

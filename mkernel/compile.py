@@ -88,7 +88,9 @@ def cache_dir() -> Path:
 _RES_FN = re.compile(r"Function properties for (\S+)")
 _RES_STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _RES_REGS = re.compile(r"Compiling entry function '(\S+)'|Used (\d+) registers")
-_WARN = re.compile(r"ptxas.*warning.*", re.I)
+# Warnings, and the "Potential Performance Loss" notes ptxas prints as info (C7520: wgmma serialised
+# by a divergent path is one of those).
+_WARN = re.compile(r"ptxas.*(?:warning|Potential Performance Loss).*", re.I)
 
 
 def parse_ptxas(log_text: str) -> dict:

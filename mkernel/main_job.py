@@ -61,9 +61,37 @@ def check_gemm(comm, quick):
             "baseline_ms": base, "note": f"rel err {err:.1e}; baseline cupy.matmul"}
 
 
+def check_attention(comm, quick):
+    """The attention engine on this rank's GPU against an fp32 CuPy reference (small) and timed at
+    32 heads x 128; no cuDNN here (torch is not a dependency: bench/attention.py compares)."""
+    import math
+
+    import cupy
+    import mkernel
+    from .arrays import BFLOAT16
+
+    rng = cupy.random.default_rng(comm.rank)
+    S_small, S, H, D = 300, (2048 if quick else 8192), 32, 128
+    q, k, v = (rng.standard_normal((S_small, 4, D), dtype=cupy.float32).astype(BFLOAT16) for _ in range(3))
+    out = cupy.full(q.shape, float("nan"), dtype=BFLOAT16)
+    mkernel.attention(q, k, v, causal=True, out=out)
+    qf, kf, vf = (x.astype(cupy.float32).transpose(1, 0, 2) for x in (q, k, v))
+    s = qf @ kf.transpose(0, 2, 1) / math.sqrt(D)
+    s = cupy.where(cupy.tri(S_small, dtype=bool)[None], s, -cupy.inf)
+    p = cupy.exp(s - s.max(-1, keepdims=True))
+    ref = ((p / p.sum(-1, keepdims=True)) @ vf).transpose(1, 0, 2)
+    err = float(cupy.linalg.norm(out.astype(cupy.float32) - ref) / cupy.linalg.norm(ref))
+    q, k, v = (rng.standard_normal((S, H, D), dtype=cupy.float32).astype(BFLOAT16) for _ in range(3))
+    out = cupy.empty_like(q)
+    ms = _time_ms(lambda: mkernel.attention(q, k, v, out=out))
+    return {"op": "attention (engine)", "shape": f"S {S} x H {H} x D {D}", "ok": err < 1e-2, "mkernel_ms": ms,
+            "baseline_ms": None, "note": f"rel err {err:.1e} (causal, S 300); {4 * S * S * H * D / ms / 1e9:.0f} "
+                                         f"TFLOP/s; cuDNN comparison: bench/attention.py"}
+
+
 def checks():
     from .tp import main_job_checks
-    return [check_runtime, check_gemm] + main_job_checks()
+    return [check_runtime, check_gemm, check_attention] + main_job_checks()
 
 
 def run(quick=False) -> int:

@@ -47,7 +47,7 @@ for s in $steps; do
   tar -C "$(dirname "$LOGS")" -czf "$OUT/logs.tar.gz" logs  # after every step: a cut-off run still reports
 done
 grep -h "compiling " "$LOGS"/*.log | sort | uniq -c > "$LOGS/compiles.txt" || true
-cp bench/results/*.json "$OUT"/ 2>/dev/null
+cp bench/results/*.json bench/results/*.png "$OUT"/ 2>/dev/null
 tar -C "$(dirname "$LOGS")" -czf "$OUT/logs.tar.gz" logs
 echo "== summary =="
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"

@@ -17,6 +17,7 @@
 // first pass over a fresh barrier does not block.
 #include "common.cuh"
 #include "tma.cuh"
+#include "mbar_wait.cuh"
 #include "wgmma.cuh"
 #include "gemm_args.cuh"
 #include "tile_scheduler.cuh"
@@ -147,7 +148,7 @@ MK_DEV void gemm_producer_loop(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, 
     const u32 claim = src.claim();
     const bool done = src.done(claim);
     const u32 r = tile_it % Cfg::RING;
-    mbar_wait(smem_u32(&bars->tempty[r]), ((tile_it / Cfg::RING) & 1) ^ 1);
+    mbar_wait_timed(smem_u32(&bars->tempty[r]), ((tile_it / Cfg::RING) & 1) ^ 1, args.sync, MK_WAIT_TILE);
     MkTile t;
     if (done) {
       t.m0 = t.n0 = t.rows = t.group = 0;
@@ -166,7 +167,7 @@ MK_DEV void gemm_producer_loop(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, 
     for (int kb = 0; kb < kblocks; ++kb, ++it) {
       const int s = it % Cfg::STAGES;
       const u32 full = smem_u32(&bars->full[s]);
-      mbar_wait(smem_u32(&bars->empty[s]), ((it / Cfg::STAGES) & 1) ^ 1);
+      mbar_wait_timed(smem_u32(&bars->empty[s]), ((it / Cfg::STAGES) & 1) ^ 1, args.sync, MK_WAIT_EMPTY);
       mbar_arrive_expect_tx(full, Cfg::STAGE_BYTES);
       const i32 k0 = kb * Cfg::BK;
       tma_load_2d(sm.a(s), &args.a, full, k0, t.m0);
@@ -228,7 +229,7 @@ MK_DEV void gemm_consumer(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, int w
   const int pub_kb = kblocks - 1 < 2 ? kblocks - 1 : 2;
   for (;;) {
     const u32 r = tile_it % Cfg::RING;
-    mbar_wait(smem_u32(&bars->tfull[r]), (tile_it / Cfg::RING) & 1);
+    mbar_wait_timed(smem_u32(&bars->tfull[r]), (tile_it / Cfg::RING) & 1, args.sync, MK_WAIT_TILE + 1);
     const MkTile t = bars->ring[r];
     mbar_arrive(smem_u32(&bars->tempty[r]));
     ++tile_it;
@@ -237,7 +238,7 @@ MK_DEV void gemm_consumer(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, int w
 
     for (int kb = 0; kb < kblocks; ++kb, ++it) {
       const int s = it % Cfg::STAGES;
-      mbar_wait(smem_u32(&bars->full[s]), (it / Cfg::STAGES) & 1);
+      mbar_wait_timed(smem_u32(&bars->full[s]), (it / Cfg::STAGES) & 1, args.sync, MK_WAIT_FULL);
 #pragma unroll
       for (int i = 0; i < 128; ++i) wgmma_fence_operand(acc[i]);
       wgmma_fence();

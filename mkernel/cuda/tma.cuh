@@ -31,12 +31,8 @@ MK_DEV bool mbar_try_wait(u32 bar, u32 parity) {
       : "memory");
   return ok != 0;
 }
-// Waits for the completion of the phase with the given parity. A freshly initialised barrier is in
+// Waits (with the protocol's deadline) are in mbar_wait.cuh. A freshly initialised barrier is in
 // phase 0, so waiting for parity 1 returns at once (the producer's first pass over 'empty').
-MK_DEV void mbar_wait(u32 bar, u32 parity) {
-  while (!mbar_try_wait(bar, parity)) {
-  }
-}
 
 // ------------------------------------------------------------------------------------- proxies
 // Generic-proxy writes to shared memory become visible to the async proxy (TMA store source).
