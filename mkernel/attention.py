@@ -34,7 +34,7 @@ THREADS = 384
 HEAD_DIMS = (64, 128)
 DT = {"bfloat16": 0, "float16": 1}
 # Dynamic shared memory per head dim (attention.cu static_asserts them).
-SMEM = {128: 197816, 64: 99512}
+SMEM = {128: 197848, 64: 99544}
 LOG2E = 1.4426950408889634
 
 
@@ -46,14 +46,28 @@ EXPRESSIONS = tuple(kernel_expr(dt, d, c) for dt in (0, 1) for d in HEAD_DIMS fo
 SPEC = _compile.register("attention", "attention.cu", EXPRESSIONS, hot=True)
 
 
+class MkAttnPos(ctypes.Structure):
+    """Global position of local index i: ``i + (off0 if i < half else off1)`` (attn_args.cuh)."""
+    _fields_ = [("half", ctypes.c_int32), ("off0", ctypes.c_int32), ("off1", ctypes.c_int32),
+                ("pad", ctypes.c_int32)]
+
+
+ONE_SEGMENT = 2 ** 31 - 1  # MkAttnPos.half of a single segment
+
+
+def positions(offset: int) -> MkAttnPos:
+    """One segment: index i sits at position i + offset."""
+    return MkAttnPos(ONE_SEGMENT, offset, offset, 0)
+
+
 class MkAttnArgs(ctypes.Structure):
-    # 64-byte aligned in C (TmaDesc); explicitly padded to a multiple of 64 here.
+    # 64-byte aligned in C (TmaDesc); 704 bytes, a multiple of 64, so no tail padding.
     _fields_ = [("q", _tma.TensorMap), ("k", _tma.TensorMap), ("v", _tma.TensorMap), ("o", _tma.TensorMap),
                 ("sync", MkSync), ("sched", MkGemmSched), ("lse", ctypes.c_void_p),
                 ("batch", ctypes.c_int32), ("heads_q", ctypes.c_int32), ("heads_kv", ctypes.c_int32),
-                ("seq_q", ctypes.c_int32), ("seq_kv", ctypes.c_int32), ("causal_offset", ctypes.c_int32),
-                ("scale_log2", ctypes.c_float), ("scale", ctypes.c_float), ("q_blocks", ctypes.c_uint32),
-                ("pad", ctypes.c_uint32 * 7)]
+                ("seq_q", ctypes.c_int32), ("seq_kv", ctypes.c_int32), ("q_blocks", ctypes.c_uint32),
+                ("scale_log2", ctypes.c_float), ("scale", ctypes.c_float),
+                ("qpos", MkAttnPos), ("kpos", MkAttnPos)]
 
 
 def _cupy():
@@ -174,6 +188,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     lse = cupy.empty((B, Hq, Sq), dtype=cupy.float32) if return_lse else None
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(D)
     offset = int(causal_offset) if causal_offset is not None else Skv - Sq
+    offset = max(-(2 ** 30), min(2 ** 30, offset))  # beyond this every or no key is visible: same result
 
     q_blocks = -(-Sq // BLOCK_M)
     num_tiles = B * Hq * q_blocks
@@ -187,7 +202,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     args.sched = MkGemmSched(None, ws.base + ws.COUNTER, ws.base + ws.DONE, None, num_tiles, 0, 0, 0)
     args.lse = lse.data.ptr if lse is not None else None
     args.batch, args.heads_q, args.heads_kv, args.seq_q, args.seq_kv = B, Hq, Hkv, Sq, Skv
-    args.causal_offset = offset
+    args.qpos, args.kpos = positions(offset), positions(0)
     args.scale, args.scale_log2 = scale, scale * LOG2E
     args.q_blocks = q_blocks
     grid = min(int(sms) if sms is not None else _num_sms(), num_tiles)

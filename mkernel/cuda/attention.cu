@@ -18,17 +18,17 @@ __global__ void __launch_bounds__(384, 1) mk_attention_kernel(const __grid_const
     setmaxnreg_dec<Cfg::PRODUCER_REGS>();
     if (threadIdx.x == 0) {
       const AttnTileSpace space{args, args.sched.num_tiles};
-      attn_producer<Cfg>(args, sm, space);
+      attn_producer<Cfg>(args, sm, AttnPlainTiles<Cfg>{args, space});
       sched_finish(args.sched);
     }
   } else {
     setmaxnreg_inc<Cfg::CONSUMER_REGS>();
-    attn_consumer<Cfg>(args, sm, (int)(threadIdx.x / 128) - 1);
+    attn_consumer<Cfg>(args, sm, (int)(threadIdx.x / 128) - 1, AttnStoreEpi<Cfg>{args, sm});
   }
   launch_exit(args.sync, sm.bars->epoch);  // read at the end: not held in a register all along
 }
 
 // mkernel/attention.py launches with these dynamic shared memory sizes (SMEM[D]).
-static_assert(attn_smem_bytes<AttnCfg<0, 128, false> >() == 197816, "update SMEM in mkernel/attention.py");
-static_assert(attn_smem_bytes<AttnCfg<0, 64, false> >() == 99512, "update SMEM in mkernel/attention.py");
+static_assert(attn_smem_bytes<AttnCfg<0, 128, false> >() == 197848, "update SMEM in mkernel/attention.py");
+static_assert(attn_smem_bytes<AttnCfg<0, 64, false> >() == 99544, "update SMEM in mkernel/attention.py");
 static_assert(sizeof(MkAttnArgs) == 704, "MkAttnArgs layout changed: update mkernel/attention.py");

@@ -5,6 +5,17 @@
 #include "sync_args.cuh"
 #include "gemm_args.cuh"  // TmaDesc, MkGemmSched (the tile counters and role words are shared)
 
+// Global position of local row / key i: i + (i < half ? off0 : off1), increasing in i. Causal
+// masking compares positions: a query sees a key iff key position <= query position. The plain
+// engine uses one segment (half = INT_MAX): queries at i + causal_offset, keys at j; ring
+// attention's zigzag layout uses two (a rank's two chunks of the global sequence).
+struct MkAttnPos {
+  int half;
+  int off0;
+  int off1;
+  int pad;
+};
+
 struct MkAttnArgs {
   TmaDesc q;  // Q [B, S_q, H_q, D] as dims {D, S_q, H_q, B}, box {64, 128, 1, 1}, 128B swizzle
   TmaDesc k;  // K [B, S_kv, H_kv, D] as dims {D, S_kv, H_kv, B}, box {64, BLOCK_N, 1, 1}
@@ -20,9 +31,10 @@ struct MkAttnArgs {
   int heads_kv;          // heads_q is a multiple of it (grouped-query attention)
   int seq_q;
   int seq_kv;
-  int causal_offset;     // causal: query i sees key j iff j <= i + causal_offset (ignored otherwise)
+  unsigned int q_blocks; // ceil(seq_q / 128)
   float scale_log2;      // softmax scale * log2(e)
   float scale;           // softmax scale
-  unsigned int q_blocks; // ceil(seq_q / 128)
-  unsigned int pad[7];   // explicit tail: sizeof is a multiple of 64 (the TmaDesc alignment)
+  MkAttnPos qpos;        // causal: positions of the queries
+  MkAttnPos kpos;        // causal: positions of the keys (ring attention: per step, in the tile)
+  // (704 bytes: a multiple of 64, the TmaDesc alignment, with no tail padding)
 };

@@ -62,8 +62,25 @@ struct AttnTile {
   i32 b, h, q0;    // batch, query head, first query row
   i32 blocks;      // key blocks to visit (0: no key visible to any row of the tile)
   u32 id;          // MK_TILE_DONE after the last tile
-  u32 pad[3];
+  u32 step;        // ring attention: which key/value block (0: the rank's own); 0 otherwise
+  u32 pad[2];
+  MkAttnPos kpos;  // causal: positions of this tile's keys
 };
+
+MK_DEV int attn_pos(const MkAttnPos& p, int i) { return i + (i < p.half ? p.off0 : p.off1); }
+
+// Key blocks a causal tile visits: positions increase with the key index, so the visible keys of
+// the tile's last row (the largest position) are a prefix of the keys.
+template <int BN>
+MK_DEV int attn_causal_blocks(const MkAttnPos& kp, int seq_kv, int last_row_pos) {
+  const int end0 = min(kp.half, seq_kv);  // keys of the first segment: [0, end0)
+  int last = min(end0 - 1, last_row_pos - kp.off0);
+  if (end0 < seq_kv) {
+    const int last1 = min(seq_kv - 1, last_row_pos - kp.off1);
+    if (last1 >= end0) last = last1;
+  }
+  return last < 0 ? 0 : last / BN + 1;
+}
 
 template <class Cfg>
 struct AttnBars {
@@ -102,30 +119,45 @@ MK_DEV AttnSmem<Cfg> attn_smem_carve(u8* dyn) {
 // The engine's tile space. Tile ids walk each (batch, head) through its query blocks, so the CTAs
 // running at one time share that head's K and V in L2; causal tiles go longest first inside a head
 // (the last query blocks see the most keys), which also balances the persistent CTAs' work.
+// decode(local id, step, key positions) is shared with ring attention (one tile space per step).
 struct AttnTileSpace {
   const MkAttnArgs& args;
   u32 num_tiles;
   MK_DEV u32 builtin_id(u32 pos) const { return pos; }
   template <class Cfg>
-  MK_DEV AttnTile decode(u32 id) const {
+  MK_DEV AttnTile decode(u32 id, u32 step, const MkAttnPos& kpos) const {
     const u32 qb_raw = id % args.q_blocks, bh = id / args.q_blocks;
     const u32 qb = Cfg::CAUSAL ? args.q_blocks - 1 - qb_raw : qb_raw;
     AttnTile t;
     t.h = (i32)(bh % (u32)args.heads_q);
     t.b = (i32)(bh / (u32)args.heads_q);
     t.q0 = (i32)(qb * Cfg::BM);
-    const int kv_blocks = (args.seq_kv + Cfg::BN - 1) / Cfg::BN;
     if (Cfg::CAUSAL) {
       const int last_row = min(t.q0 + Cfg::BM, args.seq_q) - 1;
-      const int last_key = min(args.seq_kv - 1, last_row + args.causal_offset);
-      t.blocks = last_key < 0 ? 0 : last_key / Cfg::BN + 1;
+      t.blocks = attn_causal_blocks<Cfg::BN>(kpos, args.seq_kv, attn_pos(args.qpos, last_row));
     } else {
-      t.blocks = kv_blocks;
+      t.blocks = (args.seq_kv + Cfg::BN - 1) / Cfg::BN;
     }
     t.id = id;
-    t.pad[0] = t.pad[1] = t.pad[2] = 0;
+    t.step = step;
+    t.pad[0] = t.pad[1] = 0;
+    t.kpos = kpos;
     return t;
   }
+};
+
+// The plain engine's tile source: every tile against args.k / args.v.
+//   claim() -> tile id or MK_TILE_DONE;  decode(id);  before_loads(tile) (a fused op waits there
+//   for the tile's keys and values);  kmap(tile), vmap(tile): the tensor maps to load them from.
+template <class Cfg>
+struct AttnPlainTiles {
+  const MkAttnArgs& args;
+  const AttnTileSpace& space;
+  MK_DEV u32 claim() const { return sched_next(args.sched, space, args.sync); }
+  MK_DEV AttnTile decode(u32 id) const { return space.template decode<Cfg>(id, 0, args.kpos); }
+  MK_DEV void before_loads(const AttnTile&) const {}
+  MK_DEV const TmaDesc* kmap(const AttnTile&) const { return &args.k; }
+  MK_DEV const TmaDesc* vmap(const AttnTile&) const { return &args.v; }
 };
 
 // All threads: barrier initialisation and the epoch. Ends with __syncthreads.
@@ -155,23 +187,26 @@ MK_DEV void attn_setup(const MkAttnArgs& args, const AttnSmem<Cfg>& sm) {
   __syncthreads();
 }
 
-// Warpgroup 0, one thread: claims tiles, publishes them in the tile ring, streams Q, K and V.
-template <class Cfg>
-MK_DEV void attn_producer(const MkAttnArgs& args, const AttnSmem<Cfg>& sm, const AttnTileSpace& space) {
+// Warpgroup 0, one thread: takes tiles from the source, publishes them in the tile ring, streams
+// Q, K and V.
+template <class Cfg, class Src>
+MK_DEV void attn_producer(const MkAttnArgs& args, const AttnSmem<Cfg>& sm, const Src& src) {
   AttnBars<Cfg>* bars = sm.bars;
   const int group = args.heads_q / args.heads_kv;
   u32 it = 0, tile_it = 0, q_it = 0;
   for (;;) {
-    const u32 id = sched_next(args.sched, space, args.sync);
+    const u32 id = src.claim();
     const u32 r = tile_it % Cfg::RING;
     mbar_wait_timed(smem_u32(&bars->tempty[r]), ((tile_it / Cfg::RING) & 1) ^ 1, args.sync, MK_WAIT_TILE);
     AttnTile t;
     if (id == MK_TILE_DONE) {
       t.b = t.h = t.q0 = t.blocks = 0;
       t.id = MK_TILE_DONE;
-      t.pad[0] = t.pad[1] = t.pad[2] = 0;
+      t.step = t.pad[0] = t.pad[1] = 0;
+      t.kpos = args.kpos;
     } else {
-      t = space.decode<Cfg>(id);
+      t = src.decode(id);
+      if (t.blocks > 0) src.before_loads(t);
     }
     bars->ring[r] = t;
     mbar_arrive(smem_u32(&bars->tfull[r]));
@@ -179,6 +214,8 @@ MK_DEV void attn_producer(const MkAttnArgs& args, const AttnSmem<Cfg>& sm, const
     if (id == MK_TILE_DONE) break;
     if (t.blocks == 0) continue;
     const i32 hk = t.h / group;
+    const TmaDesc* kmap = src.kmap(t);
+    const TmaDesc* vmap = src.vmap(t);
     mbar_wait_timed(smem_u32(&bars->q_empty), (q_it & 1) ^ 1, args.sync, MK_WAIT_EMPTY);
     ++q_it;
     const u32 qf = smem_u32(&bars->q_full);
@@ -193,12 +230,12 @@ MK_DEV void attn_producer(const MkAttnArgs& args, const AttnSmem<Cfg>& sm, const
       mbar_arrive_expect_tx(kf, Cfg::KV_BYTES);
 #pragma unroll
       for (int c = 0; c < Cfg::DCHUNKS; ++c)
-        tma_load_4d(sm.k(s) + c * (Cfg::BN * 128), &args.k, kf, 64 * c, j * Cfg::BN, hk, t.b);
+        tma_load_4d(sm.k(s) + c * (Cfg::BN * 128), kmap, kf, 64 * c, j * Cfg::BN, hk, t.b);
       mbar_wait_timed(smem_u32(&bars->v_empty[s]), ph, args.sync, MK_WAIT_EMPTY + 2);
       mbar_arrive_expect_tx(vf, Cfg::KV_BYTES);
 #pragma unroll
       for (int c = 0; c < Cfg::DCHUNKS; ++c)
-        tma_load_4d(sm.v(s) + c * (Cfg::BN * 128), &args.v, vf, 64 * c, j * Cfg::BN, hk, t.b);
+        tma_load_4d(sm.v(s) + c * (Cfg::BN * 128), vmap, vf, 64 * c, j * Cfg::BN, hk, t.b);
     }
   }
 }
@@ -267,9 +304,20 @@ MK_DEV void attn_epilogue(const MkAttnArgs& args, const AttnSmem<Cfg>& sm, int w
   }
 }
 
-// Warpgroups 1..2 (wg = 0, 1), every thread.
+// The plain engine's epilogue: normalise, store O (and the log-sum-exp).
 template <class Cfg>
-MK_DEV void attn_consumer(const MkAttnArgs& args, const AttnSmem<Cfg>& sm, int wg) {
+struct AttnStoreEpi {
+  const MkAttnArgs& args;
+  const AttnSmem<Cfg>& sm;
+  MK_DEV void operator()(const AttnTile& t, const AttnRows& st, const float (&o)[Cfg::D / 2], int row0, int wg) const {
+    attn_epilogue<Cfg>(args, sm, wg, t, st, o, row0);
+  }
+};
+
+// Warpgroups 1..2 (wg = 0, 1), every thread. epi(tile, rows, o, row0, wg) receives each finished
+// tile: the unnormalised O of this thread's fragment, the running maxima and partial row sums.
+template <class Cfg, class Epi>
+MK_DEV void attn_consumer(const MkAttnArgs& args, const AttnSmem<Cfg>& sm, int wg, const Epi& epi) {
   constexpr int BN = Cfg::BN, D = Cfg::D, DT = Cfg::DT;
   AttnBars<Cfg>* bars = sm.bars;
   const u32 lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3, tid = threadIdx.x & 127;
@@ -288,8 +336,8 @@ MK_DEV void attn_consumer(const MkAttnArgs& args, const AttnSmem<Cfg>& sm, int w
     ++tile_it;
     if (t.id == MK_TILE_DONE) break;
     const int row0 = t.q0 + wg * 64 + (int)(warp * 16 + lane / 4);  // this thread's rows: row0, row0 + 8
-    const int lim0 = row0 + args.causal_offset, lim1 = lim0 + 8;
-    const int first_row = t.q0 + wg * 64;
+    const int lim0 = attn_pos(args.qpos, row0), lim1 = attn_pos(args.qpos, row0 + 8);  // positions
+    const int first_pos = attn_pos(args.qpos, t.q0 + wg * 64);
     AttnRows st;
     st.m[0] = st.m[1] = MK_NEG_INF;
     st.l[0] = st.l[1] = 0.f;
@@ -321,8 +369,9 @@ MK_DEV void attn_consumer(const MkAttnArgs& args, const AttnSmem<Cfg>& sm, int w
         }
         __syncwarp();
         const int key0 = j * BN;
-        if (key0 + BN > args.seq_kv || (Cfg::CAUSAL && key0 + BN - 1 > first_row + args.causal_offset))
-          attn_mask<BN, Cfg::CAUSAL>(s, key0, args.seq_kv, lim0, lim1);
+        if (key0 + BN > args.seq_kv ||
+            (Cfg::CAUSAL && attn_pos(t.kpos, min(key0 + BN, args.seq_kv) - 1) > first_pos))
+          attn_mask<BN, Cfg::CAUSAL>(s, key0, args.seq_kv, t.kpos, lim0, lim1);
       };
       auto pv_done = [&](int j) {  // P V of block j is complete: release V
         fence_acc(o);
@@ -370,7 +419,7 @@ MK_DEV void attn_consumer(const MkAttnArgs& args, const AttnSmem<Cfg>& sm, int w
       pv_done(last);
       it += t.blocks;
     }
-    attn_epilogue<Cfg>(args, sm, wg, t, st, o, row0);
+    epi(t, st, o, row0, wg);
   }
   if (tid == 0) bulk_wait<0>();  // the last tile's stores are done before the CTA exits
 }

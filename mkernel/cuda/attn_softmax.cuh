@@ -10,6 +10,7 @@
 // keys are all masked so far has m = -inf; it is treated as m = 0 for the exponent (every p is 0)
 // and its rescale factor is 1, so no NaN appears.
 #include "common.cuh"
+#include "attn_args.cuh"
 
 #define MK_NEG_INF __int_as_float(0xff800000)
 
@@ -37,18 +38,19 @@ MK_DEV u32 pack2(float lo, float hi) {
   return r;
 }
 
-// Masks the scores of keys a row must not see with -inf. key0: the block's first key; row0 / row1:
-// this thread's two query rows (relative to the causal reference); keys >= seq_kv are always masked.
+// Masks the scores of keys a row must not see with -inf. key0: the block's first key; lim0 / lim1:
+// the positions of this thread's two query rows; a key is visible iff its position (kp) is at
+// most the row's. Keys >= seq_kv are always masked.
 template <int BN, bool CAUSAL>
-MK_DEV void attn_mask(float (&s)[BN / 2], int key0, int seq_kv, int lim0, int lim1) {
+MK_DEV void attn_mask(float (&s)[BN / 2], int key0, int seq_kv, const MkAttnPos& kp, int lim0, int lim1) {
   const int c0 = key0 + 2 * (int)(threadIdx.x & 3);
 #pragma unroll
   for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int c = c0 + 8 * j + (i & 1);
-      const int lim = (i < 2) ? lim0 : lim1;  // last visible key of the row
-      if (c >= seq_kv || (CAUSAL && c > lim)) s[4 * j + i] = MK_NEG_INF;
+      const int lim = (i < 2) ? lim0 : lim1;
+      if (c >= seq_kv || (CAUSAL && c + (c < kp.half ? kp.off0 : kp.off1) > lim)) s[4 * j + i] = MK_NEG_INF;
     }
   }
 }

@@ -62,5 +62,11 @@ MK_DEV u32 atom_add_release_sys(u32* p, u32 v) {
 MK_DEV void fence_sys() { asm volatile("fence.sc.sys;" ::: "memory"); }
 MK_DEV void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
+// A 16-byte global store (peer memory over NVLink included).
+MK_DEV void st_v4(void* p, uint4 v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
 // Wrap-safe comparison of 32-bit epochs: true when a is at or after b.
 MK_DEV bool epoch_reached(u32 a, u32 b) { return (i32)(a - b) >= 0; }

@@ -125,10 +125,6 @@ MK_DEV uint4 ld_cg_v4(const void* p) {
                : "memory");
   return v;
 }
-MK_DEV void st_v4(void* p, uint4 v) {
-  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-               : "memory");
-}
 
 // Two 16-bit values (low, high) of the input dtype -> fp32.
 template <int DT>

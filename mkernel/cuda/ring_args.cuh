@@ -1,0 +1,51 @@
+#pragma once
+// The argument struct of the ring attention kernel, shared with Python (mkernel/ring_attention.py
+// mirrors it with ctypes; tests/test_ring_attention.py compares the layouts with g++).
+#include "attn_args.cuh"
+
+#define RING_MAX_WORLD 8
+
+// Device counters of one plan (ring.counters), zero between launches (the last CTA resets them).
+enum {
+  RING_CNT_DONE = 0,               // CTAs finished
+  RING_CNT_CLAIM = 1,              // [RING_MAX_WORLD] forwarding chunks claimed, per step
+  RING_CNT_SENT = 1 + RING_MAX_WORLD,       // [RING_MAX_WORLD] forwarding chunks copied, per step
+  RING_CNT_STEP = 1 + 2 * RING_MAX_WORLD,   // [RING_MAX_WORLD] tile halves merged (+1 forward), per step
+  RING_CNT_WORDS = 1 + 3 * RING_MAX_WORLD
+};
+
+// Flags in the symmetric workspace (uint32 words at flags_off of every rank), set to the epoch.
+enum {
+  RING_FLAG_ARRIVED = 0,                  // [step]: the key/value block of this step is in my slot
+  RING_FLAG_FREE = RING_MAX_WORLD,        // [step]: the next rank is done with the slot of this step
+  RING_FLAG_WORDS = 2 * RING_MAX_WORLD
+};
+
+struct MkRingArgs {
+  MkAttnArgs a;            // the engine: q, o, this rank's own k / v (step 0), sync, sched, sizes
+  TmaDesc k_slot[2];       // receive slots (symmetric workspace, [B, S, H_kv, D]): step s uses slot s % 2
+  TmaDesc v_slot[2];
+  const unsigned long long* peer_base;  // the communicator's peer_table
+  unsigned long long kslot_off[2];      // symmetric offsets of the slots (the copy destinations)
+  unsigned long long vslot_off[2];
+  unsigned long long flags_off;         // RING_FLAG_WORDS words
+  const void* k_own;       // this rank's k / v: rows (b, s) of H_kv * D contiguous elements
+  const void* v_own;
+  long long own_stride_b;  // bytes between batches of k_own / v_own
+  long long own_stride_s;  // bytes between rows
+  float* o_acc;            // [B, S, H_q, D] fp32: merged, unnormalised O of the steps so far
+  float* m_acc;            // [B, H_q, S] fp32: merged maxima (log2 units, scaled)
+  float* l_acc;            // [B, H_q, S] fp32: merged sums
+  unsigned int* tile_flags;  // [tiles per step][2]: E * 16 + step after a half-tile's merge
+  unsigned int* counters;    // RING_CNT_WORDS
+  void* out;               // [B, S, H_q, D] of the input dtype (row-major: rows (b, s), heads, dims)
+  long long out_stride_b;  // elements
+  long long out_stride_s;  // elements
+  int world;
+  int me;
+  int attn_ctas;           // CTAs [0, attn_ctas) compute; the rest forward key/value blocks
+  int zigzag;              // causal layout: a rank holds chunks me and 2 * world - 1 - me
+  unsigned int tiles_per_step;
+  unsigned int chunk_rows; // rows (b, s) per forwarding chunk
+  unsigned int pad[6];     // explicit tail: sizeof is a multiple of 64
+};

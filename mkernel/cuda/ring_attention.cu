@@ -1,0 +1,244 @@
+// Ring attention inside a node (mkernel/ring_attention.py; design: docs/RING_ATTENTION.md).
+//
+// Each rank holds S local rows of the sequence (causal: zigzag, chunks me and 2W-1-me). Step s
+// attends the local queries to the key/value block of rank (me - s) mod W: step 0 to the rank's
+// own, step s >= 1 to receive slot s % 2 of the symmetric workspace.
+// CTAs [attn_ctas, grid) forward: at step s (0..W-2) they copy the block of step s (own, or slot
+// s % 2 once it arrived) into rank me+1's slot (s+1) % 2 and set its flag ARRIVED[s+1] = E. Before
+// writing a slot they wait until rank me+1 is done with it: for step s+1 >= 2 its flag FREE[s-1]
+// (here) is E; for step 1, its credit (it entered epoch E).
+// CTAs [0, attn_ctas) run the attention engine over tiles (step, batch, head, query block) in step
+// order; the producer waits for ARRIVED[step] before loading a step's keys. The epilogue merges
+// each half tile into fp32 accumulators (log-sum-exp rule) after the same half tile of the
+// previous step (tile_flags), and at the last step writes the normalised output and the lse.
+// When every half tile of step s has merged (and the block was forwarded), rank me tells rank
+// me-1 that slot s % 2 is free (FREE[s] there). Waits: compute on arrivals and on earlier claims,
+// forwarding on arrivals and on the next rank's earlier steps: no cycle.
+#include "common.cuh"
+#include "signals.cuh"
+#include "peers.cuh"
+#include "ring_args.cuh"
+#include "attn_mainloop.cuh"
+
+MK_DEV MkPeers ring_peers(const MkRingArgs& r) { return MkPeers{r.peer_base, (u32)r.world, (u32)r.me}; }
+MK_DEV u32* ring_flags(const MkRingArgs& r, u32 rank) { return peer_ptr<u32>(ring_peers(r), rank, r.flags_off); }
+MK_DEV u32 ring_src(const MkRingArgs& r, u32 step) { return ((u32)r.me + (u32)r.world - step) % (u32)r.world; }
+
+// Positions of rank `rank`'s rows: zigzag (chunks rank and 2W-1-rank of S/2 rows) or contiguous.
+MK_DEV MkAttnPos ring_positions(const MkRingArgs& r, u32 rank) {
+  const int S = r.a.seq_kv, W = r.world;
+  MkAttnPos p;
+  p.pad = 0;
+  if (r.zigzag) {
+    const int half = S / 2;
+    p.half = half;
+    p.off0 = (int)rank * half;
+    p.off1 = (2 * W - 1 - (int)rank) * half - half;
+  } else {
+    p.half = 0x7fffffff;
+    p.off0 = p.off1 = (int)rank * S;
+  }
+  return p;
+}
+
+// A slot step's completion: every half tile merged (2 per tile) and, for steps W-2 and before,
+// the block forwarded. The last to count tells the previous rank the slot is free, when it will
+// write that slot again (step + 2 < W).
+MK_DEV void ring_step_done(const MkRingArgs& r, u32 step, u32 E) {
+  const u32 W = (u32)r.world;
+  const u32 target = 2u * r.tiles_per_step + (step + 1 < W ? 1u : 0u);
+  if (atomicAdd(&r.counters[RING_CNT_STEP + step], 1u) + 1 == target && step >= 1 && step + 2 < W)
+    set_flag(ring_flags(r, (r.me + W - 1) % W) + RING_FLAG_FREE + step, E);
+}
+
+template <class Cfg>
+struct RingTiles {
+  const MkRingArgs& r;
+  const AttnTileSpace& space;  // num_tiles = world * tiles_per_step
+  u32 E;
+  MK_DEV u32 claim() const { return sched_next(r.a.sched, space, r.a.sync); }
+  MK_DEV AttnTile decode(u32 id) const {
+    const u32 step = id / r.tiles_per_step;
+    return space.template decode<Cfg>(id - step * r.tiles_per_step, step, ring_positions(r, ring_src(r, step)));
+  }
+  MK_DEV void before_loads(const AttnTile& t) const {
+    if (t.step > 0)
+      wait_epoch(r.a.sync, ring_flags(r, (u32)r.me) + RING_FLAG_ARRIVED + t.step, E, (i32)ring_src(r, t.step),
+                 0x5200u + t.step);
+  }
+  MK_DEV const TmaDesc* kmap(const AttnTile& t) const { return t.step == 0 ? &r.a.k : &r.k_slot[t.step % 2]; }
+  MK_DEV const TmaDesc* vmap(const AttnTile& t) const { return t.step == 0 ? &r.a.v : &r.v_slot[t.step % 2]; }
+};
+
+// Merges one half tile (64 rows of one consumer) into the accumulators, in step order.
+template <class Cfg>
+struct RingMergeEpi {
+  const MkRingArgs& r;
+  u32 E;
+  MK_DEV void operator()(const AttnTile& t, const AttnRows& st, const float (&o)[Cfg::D / 2], int row0, int wg) const {
+    constexpr int D = Cfg::D;
+    const MkAttnArgs& a = r.a;
+    const u32 tid = threadIdx.x & 127, lane = tid & 31;
+    const int S = a.seq_q, H = a.heads_q;
+    const bool first = t.step == 0, last = t.step + 1 == (u32)r.world;
+    unsigned int* flag = r.tile_flags + 2 * t.id + wg;
+    if (!first) {
+      if (tid == 0) wait_epoch(a.sync, flag, E * 16u + t.step - 1u, -1, 0x5300u + t.step);
+      named_bar_sync(MK_BAR_EPI + wg, 128);
+    }
+    const float NEG = MK_NEG_INF;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row0 + 8 * h;
+      const bool valid = row < S;
+      const float l = quad_sum(st.l[h]);
+      const float mc = l > 0.f ? st.m[h] * a.scale_log2 : NEG;  // this step (log2 units)
+      const i64 mi = ((i64)t.b * H + t.h) * S + row;
+      float mo = NEG, lo = 0.f;
+      if (!first && valid) {
+        mo = r.m_acc[mi];
+        lo = r.l_acc[mi];
+      }
+      const float mn = fmaxf(mo, mc);
+      const float ao = mo == NEG ? 0.f : ex2_approx(mo - mn);
+      const float ac = mc == NEG ? 0.f : ex2_approx(mc - mn);
+      const float ln = lo * ao + l * ac;
+      float* acc = r.o_acc + (((i64)t.b * S + row) * H + t.h) * D;
+      const float inv = ln > 0.f ? 1.f / ln : 0.f;
+      u8* out = reinterpret_cast<u8*>(r.out) + ((i64)t.b * r.out_stride_b + (i64)row * r.out_stride_s + (i64)t.h * D) * 2;
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        const int col = 8 * j + 2 * (int)(lane & 3);
+        float x0 = o[4 * j + 2 * h] * ac, x1 = o[4 * j + 2 * h + 1] * ac;
+        if (!first && valid) {
+          const float2 prev = *reinterpret_cast<const float2*>(acc + col);
+          x0 += prev.x * ao;
+          x1 += prev.y * ao;
+        }
+        if (!valid) continue;
+        if (last) *reinterpret_cast<u32*>(out + col * 2) = pack2<Cfg::DT>(x0 * inv, x1 * inv);
+        else *reinterpret_cast<float2*>(acc + col) = make_float2(x0, x1);
+      }
+      if (valid && (lane & 3) == 0) {
+        if (last) {
+          if (a.lse) a.lse[mi] = ln > 0.f ? mn * 0.69314718f + __logf(ln) : NEG;
+        } else {
+          r.m_acc[mi] = mn;
+          r.l_acc[mi] = ln;
+        }
+      }
+    }
+    __threadfence();
+    named_bar_sync(MK_BAR_EPI + wg, 128);
+    if (tid == 0) {
+      if (!last) set_flag(flag, E * 16u + t.step);
+      ring_step_done(r, t.step, E);
+    }
+  }
+};
+
+// A forwarding CTA: copies blocks to the next rank, chunk by chunk (chunk_rows rows (b, s) of
+// K and V), step by step. Rows are H_kv * D contiguous elements (16-byte vectors).
+template <int D>
+MK_DEV void ring_forward_cta(const MkRingArgs& r, u32 E) {
+  __shared__ u32 s_item;
+  __shared__ int s_ok;
+  const u32 W = (u32)r.world, me = (u32)r.me, next = (me + 1) % W;
+  const MkPeers peers = ring_peers(r);
+  const u32 S = (u32)r.a.seq_kv, rows = (u32)r.a.batch * S;
+  const u32 row_bytes = (u32)r.a.heads_kv * D * 2, vpr = row_bytes / 16;
+  const u32 chunks = (rows + r.chunk_rows - 1) / r.chunk_rows;
+  for (u32 step = 0; step + 1 < W; ++step) {
+    if (threadIdx.x == 0) {
+      bool ok = true;
+      if (step > 0)  // the block to forward is in my slot once it arrived
+        ok = wait_epoch(r.a.sync, ring_flags(r, me) + RING_FLAG_ARRIVED + step, E, (i32)ring_src(r, step), 0x5400u + step);
+      if (ok) {  // the destination slot is free at the next rank
+        ok = step >= 1 ? wait_epoch(r.a.sync, ring_flags(r, me) + RING_FLAG_FREE + (step - 1), E, (i32)next, 0x5500u + step)
+                       : credits_wait(r.a.sync, peers, next, E);
+      }
+      s_ok = ok ? 1 : 0;
+    }
+    __syncthreads();
+    if (!s_ok) return;
+    const int slot = (int)((step + 1) % 2);
+    u8* dk = peer_ptr<u8>(peers, next, r.kslot_off[slot]);
+    u8* dv = peer_ptr<u8>(peers, next, r.vslot_off[slot]);
+    const u8* sk = step == 0 ? reinterpret_cast<const u8*>(r.k_own) : peer_ptr<u8>(peers, me, r.kslot_off[step % 2]);
+    const u8* sv = step == 0 ? reinterpret_cast<const u8*>(r.v_own) : peer_ptr<u8>(peers, me, r.vslot_off[step % 2]);
+    const i64 sb = step == 0 ? r.own_stride_b : (i64)S * row_bytes;
+    const i64 ss = step == 0 ? r.own_stride_s : (i64)row_bytes;
+    for (;;) {
+      if (threadIdx.x == 0) s_item = atomicAdd(&r.counters[RING_CNT_CLAIM + step], 1u);
+      __syncthreads();
+      const u32 c = s_item;
+      __syncthreads();
+      if (c >= chunks) break;
+      const u32 r0 = c * r.chunk_rows, nr = min(r.chunk_rows, rows - r0);
+      for (u32 v = threadIdx.x; v < nr * vpr; v += blockDim.x) {
+        const u32 row = r0 + v / vpr, b = row / S, srow = row - b * S;
+        const u32 off = (v % vpr) * 16;
+        const i64 src_off = (i64)b * sb + (i64)srow * ss + off;
+        const i64 dst_off = (i64)row * row_bytes + off;
+        st_v4(dk + dst_off, *reinterpret_cast<const uint4*>(sk + src_off));
+        st_v4(dv + dst_off, *reinterpret_cast<const uint4*>(sv + src_off));
+      }
+      __threadfence_system();
+      __syncthreads();
+      if (threadIdx.x == 0 && atomicAdd(&r.counters[RING_CNT_SENT + step], 1u) + 1 == chunks) {
+        set_flag(ring_flags(r, next) + RING_FLAG_ARRIVED + step + 1, E);
+        ring_step_done(r, step, E);  // the block of this step has left: my slot may be reused
+      }
+    }
+  }
+}
+
+// One thread per CTA, last: the last CTA resets the plan's counters for the next launch.
+MK_DEV void ring_counters_done(const MkRingArgs& r) {
+  __threadfence();
+  const u32 n = gridDim.x * gridDim.y * gridDim.z;
+  if (atomicAdd(&r.counters[RING_CNT_DONE], 1u) == n - 1) {
+    for (int i = 0; i < RING_CNT_WORDS; ++i) atomicExch(&r.counters[i], 0u);
+    __threadfence();
+  }
+}
+
+template <int DT, int D, bool CAUSAL>
+__global__ void __launch_bounds__(384, 1) mk_ring_attention_kernel(const __grid_constant__ MkRingArgs r) {
+  using Cfg = AttnCfg<DT, D, CAUSAL>;
+  extern __shared__ __align__(1024) u8 mk_smem[];
+  const MkAttnArgs& a = r.a;
+  if ((int)blockIdx.x < r.attn_ctas) {
+    const AttnSmem<Cfg> sm = attn_smem_carve<Cfg>(mk_smem);
+    attn_setup<Cfg>(a, sm);
+    const u32 E = sm.bars->epoch;
+    if (blockIdx.x == 0 && threadIdx.x == 0) credits_announce(ring_peers(r), E);
+    if (threadIdx.x < 128) {
+      setmaxnreg_dec<Cfg::PRODUCER_REGS>();
+      if (threadIdx.x == 0) {
+        const AttnTileSpace space{a, a.sched.num_tiles};
+        attn_producer<Cfg>(a, sm, RingTiles<Cfg>{r, space, E});
+        sched_finish(a.sched);
+        ring_counters_done(r);
+      }
+    } else {
+      setmaxnreg_inc<Cfg::CONSUMER_REGS>();
+      attn_consumer<Cfg>(a, sm, (int)(threadIdx.x / 128) - 1, RingMergeEpi<Cfg>{r, E});
+    }
+    launch_exit(a.sync, sm.bars->epoch);
+  } else {
+    __shared__ u32 s_epoch;
+    if (threadIdx.x == 0) s_epoch = launch_epoch(a.sync);
+    __syncthreads();
+    const u32 E = s_epoch;
+    ring_forward_cta<D>(r, E);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      sched_finish(a.sched);
+      ring_counters_done(r);
+    }
+    launch_exit(a.sync, E);
+  }
+}
+
+static_assert(sizeof(MkRingArgs) == 1408, "MkRingArgs layout changed: update mkernel/ring_attention.py");
