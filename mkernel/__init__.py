@@ -20,11 +20,12 @@ from .gemm_allreduce import gemm_allreduce
 from .allgather_gemm import allgather_gemm
 from .attention import attention
 from .ring_attention import ring_attention
+from .sequence import shard_sequence, unshard_sequence
 from . import split  # noqa: F401  (the SM-split policy; registers its compile-check kernel)
 
 __all__ = [
     "__version__", "init", "Communicator", "gemm", "grouped_gemm",
-    "gemm_reduce_scatter", "gemm_allreduce", "allgather_gemm", "attention", "ring_attention",
+    "gemm_reduce_scatter", "gemm_allreduce", "allgather_gemm", "attention", "ring_attention", "shard_sequence", "unshard_sequence",
     "MKernelError", "ArgumentError", "ClosedError", "CompileError", "NoGPUError",
     "NoRDMADeviceError", "PeerError", "TimeoutError",
 ]

@@ -91,7 +91,8 @@ def check_attention(comm, quick):
 
 def checks():
     from .tp import main_job_checks
-    return [check_runtime, check_gemm, check_attention] + main_job_checks()
+    from .ring_attention import main_job_check as check_ring_attention
+    return [check_runtime, check_gemm, check_attention] + main_job_checks() + [check_ring_attention]
 
 
 def run(quick=False) -> int:

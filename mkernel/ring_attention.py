@@ -111,17 +111,21 @@ def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, return_ls
     from .arrays import as_cupy
     from .launch import launch, persistent_grid
 
-    if comm is None:
-        raise ArgumentError("ring_attention needs comm= (mkernel.init())")
+    from .comm import Communicator
+
+    if not isinstance(comm, Communicator):
+        raise ArgumentError(f"ring_attention needs comm= an mkernel Communicator (mkernel.init()); got "
+                            f"{type(comm).__name__}")
     W = comm.size
-    if W == 1:
-        return _attn.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
-                               out=out, stream=stream)
     if comm.num_nodes != 1 or comm.size != comm.local_size:
         raise ArgumentError(f"ring_attention works inside one node so far (this communicator spans "
                             f"{comm.num_nodes} nodes)")
     if W > MAX_WORLD:
         raise ArgumentError(f"ring_attention: at most {MAX_WORLD} ranks; this communicator has {W}")
+    if comm_sms is None:
+        comm_sms = DEFAULT_COMM_SMS
+    if not isinstance(comm_sms, int) or isinstance(comm_sms, bool) or comm_sms < 1:
+        raise ArgumentError(f"ring_attention: comm_sms must be a positive integer; got {comm_sms!r}")
     _attn._check_device(cupy)
     q, k, v = (as_cupy(x, n, stream=stream) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     if out is not None:
@@ -134,10 +138,9 @@ def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, return_ls
     if causal and S % 2:
         raise ArgumentError(f"ring_attention: causal attention takes the zigzag layout (two chunks per rank), so "
                             f"S_local must be even; got {S}")
-    if comm_sms is None:
-        comm_sms = DEFAULT_COMM_SMS
-    if not isinstance(comm_sms, int) or comm_sms < 1:
-        raise ArgumentError(f"ring_attention: comm_sms must be a positive integer; got {comm_sms!r}")
+    if W == 1:  # the same checks at every world size, then the engine on the one block
+        return _attn.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+                               out=out, stream=stream)
     scale = float(softmax_scale) if softmax_scale is not None else D ** -0.5
     key = ("ring_attention", B, S, Hq, Hkv, D, q.dtype.str, bool(causal), scale, comm_sms)
     comm.agree(key, key)
@@ -205,3 +208,57 @@ def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, return_ls
     if return_lse:
         return out, (lse[0] if q.ndim == 3 else lse)
     return out
+
+
+def main_job_check(comm, quick):
+    """The row ``python -m mkernel`` adds: ring attention (causal, zigzag) against the single-GPU
+    engine on the whole sequence (every rank builds the same global inputs), then timed."""
+    import cupy
+    from .arrays import BFLOAT16
+    from .main_job import _time_ms
+    from .sequence import shard_sequence
+
+    W, me = comm.size, comm.rank
+    S, H, D = (512 if quick else 2048), 8, 128
+    rng = cupy.random.default_rng(11)  # the same global inputs on every rank
+    qg, kg, vg = (rng.standard_normal((S * W, H, D), dtype=cupy.float32).astype(BFLOAT16) for _ in range(3))
+    ref = shard_sequence(_attn.attention(qg, kg, vg, causal=True), me, W, causal=True)
+    q, k, v = (cupy.ascontiguousarray(shard_sequence(x, me, W, causal=True)) for x in (qg, kg, vg))
+    out = cupy.full(q.shape, float("nan"), dtype=BFLOAT16)
+    ring_attention(q, k, v, comm=comm, causal=True, out=out)
+    cupy.cuda.get_current_stream().synchronize()
+    comm.check()
+    r = ref.astype(cupy.float32)
+    err = float(cupy.linalg.norm(out.astype(cupy.float32) - r) / cupy.linalg.norm(r))
+    ms = _time_ms(lambda: ring_attention(q, k, v, comm=comm, causal=True, out=out))
+    return {"op": "ring_attention", "shape": f"S_local {S} x H {H} x D {D}, causal", "ok": err < 1e-2,
+            "mkernel_ms": ms, "baseline_ms": None,
+            "note": f"rel err {err:.1e} vs the engine on the whole sequence; speed: bench/ring_attention.py"}
+
+
+def sanitize_target():
+    """Ring attention once per mask at a small ragged shape on MPI.COMM_WORLD (run it with 2 ranks:
+    tools/sanitize.sh does), against the single-GPU engine on the whole sequence; raises on a
+    wrong result."""
+    import cupy
+    from mpi4py import MPI
+    from .comm import init
+    from .sequence import shard_sequence
+
+    comm = init(MPI.COMM_WORLD, workspace_bytes=16 << 20)
+    W, me = comm.size, comm.rank
+    S, H, D = 130, 2, 64
+    rng = cupy.random.default_rng(5)
+    qg, kg, vg = (rng.standard_normal((S * W, H, D), dtype=cupy.float32).astype(cupy.float16) for _ in range(3))
+    for causal in (False, True):
+        ref = shard_sequence(_attn.attention(qg, kg, vg, causal=causal), me, W, causal=causal).astype(cupy.float32)
+        q, k, v = (cupy.ascontiguousarray(shard_sequence(x, me, W, causal=causal)) for x in (qg, kg, vg))
+        out = cupy.full(q.shape, float("nan"), dtype=cupy.float16)
+        for _ in range(2):
+            ring_attention(q, k, v, comm=comm, causal=causal, out=out, comm_sms=2)
+        cupy.cuda.get_current_stream().synchronize()
+        comm.check()
+        err = float(cupy.linalg.norm(out.astype(cupy.float32) - ref) / cupy.linalg.norm(ref))
+        if not err < 1e-2:
+            raise AssertionError(f"ring_attention causal={causal} rank {me}: relative error {err:.2e}")
+    comm.close()

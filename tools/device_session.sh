@@ -3,7 +3,7 @@
 # benchmarks), logs under $OUT, then a summary last. Usage on the device:
 #   source .whl/prepare.sh || exit 1; bash tools/device_session.sh [steps...]
 # Steps (default: info suite main sanitizer gemm transport); finer ones: runtime runtime2 queue queue2
-# mpi2 gemmtest tp attention
+# mpi2 gemmtest tp attention ring ringbench
 # A kernel cache built on a CPU machine (python -m mkernel precompile) is used when carried as .kcache.
 # The copy on the device has no .git: pass BENCH_COMMIT=$(git rev-parse --short HEAD) in the command
 # so that results JSON name the commit that ran.
@@ -41,6 +41,8 @@ for s in $steps; do
     sanitizer) step sanitizer 180 bash tools/sanitize.sh ;;
     gemm) step gemm 120 python3 bench/gemm.py ;;
     attention) step attention 150 python3 bench/attention.py ;;
+    ring) step ring 240 $MPI2 $PYT -m "gpu and mpi" tests/test_ring_attention.py ;;
+    ringbench) step ringbench 240 $MPI2 python3 bench/ring_attention.py ;;
     transport) step transport 90 $MPI2 python3 bench/transport.py ;;
     *) summary+=("unknown step $s") ;;
   esac

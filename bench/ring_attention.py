@@ -1,0 +1,523 @@
+#!/usr/bin/env python3
+"""Ring attention benchmark: mkernel.ring_attention against the same attention engine run block by
+block with NCCL between the blocks (no overlap), one process per rank, side by side in one run.
+
+- mkernel: ``mkernel.ring_attention(q, k, v, comm=comm, causal=c, out=out)`` (one fused kernel:
+  attention CTAs and forwarding CTAs overlapped).
+- baseline (isolates the overlap): for step s = 0 .. W-1, the partial attention of the local
+  queries against the key/value block held now (rank (me - s) mod W's) with
+  ``mkernel.attention(..., return_lse=True)``, merged into an fp32 accumulator by the log-sum-exp
+  rule (CuPy elementwise kernels), then the block sent to rank (me + 1) mod W and the next one
+  received from (me - 1) mod W with NCCL send/recv (``comm.nccl``; groupStart / groupEnd), all on
+  one stream, so nothing overlaps. Causal (zigzag layout, mkernel.sequence): the local queries are
+  global chunks i in (me, 2W-1-me), the block's keys chunks j in (src, 2W-1-src); each pair is
+  computed full if j < i, causal with offset 0 if j == i, skipped if j > i. The fp32 result is
+  rounded to the input dtype at the end (part of the timed work). NCCL needs one GPU per rank:
+  where ranks share a GPU the baseline is skipped, recorded as null, and the JSON says why.
+- bound_ms = W x the engine's time on one local block with all SMs: ``mkernel.attention(q, k, v)``
+  non-causal, ``mkernel.attention(q, k, v, causal=True)`` causal (under the zigzag every step of the
+  ring is S_local^2 / 2 of score work, two full (S_local / 2)^2 chunk pairs, which is what causal
+  attention on one S_local block does). It assumes communication fully hidden and every SM
+  computing, so fraction_of_bound = bound / mkernel <= ~1.
+
+Before timing, mkernel's output is compared with the baseline's (relative Frobenius error, the
+whole local output), and both with a float32 reference on sampled rows (the global keys and values
+regenerated from every rank's seed, masked by global position). Timing: CUDA events, warm-up, the
+median of >= 20 per rank, each repetition started behind an MPI barrier and a spin kernel (so host
+launch time is not timed), then the max over ranks.
+
+Shapes: 32 heads x 128 (H_q = H_kv), batch 1, bf16, S_local 4096 and 8192 (plus 16384 and 32768
+without --quick), causal and not. Goals: speedup (baseline / mkernel) >= 1.25 at 4096 and >= 1.10
+at 8192; fraction_of_bound >= 0.9 on every row. Rank 0 writes
+bench/results/ring_attention-<W>gpu.json (bench/harness.py), prints a table, the goals, and a
+SUMMARY line last.
+
+    mpirun -n <gpus> python3 bench/ring_attention.py [--quick] [--reps N] [--seq 4096,8192] [--comm-sms N]
+"""
+
+import argparse
+import importlib
+import math
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import numpy as np  # noqa: E402
+
+import harness  # noqa: E402
+from mkernel.sequence import global_positions  # noqa: E402
+from mkernel.testing import sync_or_exit  # noqa: E402
+
+HEADS, DIM = 32, 128
+SEQ_QUICK = (4096, 8192)
+SEQ_FULL = (4096, 8192, 16384, 32768)
+GOAL_SPEEDUP = {4096: 1.25, 8192: 1.10}
+GOAL_FRACTION = 0.90
+MAX_REL_ERR = 1e-2
+SAMPLE_ROWS = 32
+QUICK_REPS = 20
+HANG_S = 120.0
+
+
+# ------------------------------------------------------------------------------------ helpers
+def _rand(shape, seed, dt):
+    """Deterministic normal values of dtype dt (the same on every GPU for the same seed)."""
+    import cupy
+
+    x = cupy.random.RandomState(seed).standard_normal(shape, dtype=cupy.float32)
+    if dt.name != "bfloat16":
+        return x.astype(dt)
+    u = x.view(cupy.uint32)  # round to nearest even on the bits (CuPy may lack bfloat16 casts)
+    return ((u + cupy.uint32(0x7FFF) + ((u >> 16) & cupy.uint32(1))) >> 16).astype(cupy.uint16).view(dt)
+
+
+def _seed(row, rank, which):
+    """Seed of rank's q (0), k (1) or v (2) in benchmark row ``row``: any rank can regenerate them."""
+    return (row * 64 + rank) * 4 + which + 1
+
+
+def _f32(x):
+    import cupy
+
+    if x.dtype.name != "bfloat16":
+        return x.astype(cupy.float32)
+    return (x.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32)
+
+
+def _take(x, rows):
+    """x[rows] for a 16-bit dtype (indexing through the bits)."""
+    import cupy
+
+    return x.view(cupy.uint16)[rows].view(x.dtype)
+
+
+def _rel(a, b):
+    import cupy
+
+    return float(cupy.linalg.norm((a - b).ravel()) / max(float(cupy.linalg.norm(b.ravel())), 1e-30))
+
+
+def _max_op():
+    from mpi4py import MPI
+
+    return MPI.MAX
+
+
+def wait(what, timeout_s=HANG_S):
+    sync_or_exit(what, timeout_s)
+
+
+_spin = None
+
+
+def spin(ns):
+    """Keeps the stream busy for ns nanoseconds (one thread on one SM)."""
+    global _spin
+    import cupy
+
+    if _spin is None:
+        _spin = cupy.RawKernel(r"""
+extern "C" __global__ void mk_bench_spin(unsigned long long ns) {
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}""", "mk_bench_spin")
+    _spin((1,), (1,), (np.uint64(ns),))
+
+
+def timed(comm, fn, reps, warmup=harness.WARMUP):
+    """(max over ranks of the median, this rank's timings) of fn() in ms. Each repetition starts
+    behind a barrier (ranks aligned) and a spin kernel long enough for the host to enqueue fn, so
+    the start event fires when the work is already queued."""
+    import cupy
+
+    for _ in range(warmup):
+        fn()
+    wait("warm-up")
+    comm.bench_mpi.Barrier()
+    t0 = time.perf_counter()
+    fn()
+    host_ns = (time.perf_counter() - t0) * 1e9
+    wait("host timing")
+    pre = int(comm.bench_mpi.allreduce(max(100e3, 3 * host_ns), op=_max_op()))
+    ts = []
+    for _ in range(reps):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        comm.bench_mpi.Barrier()
+        spin(pre)
+        start.record()
+        fn()
+        stop.record()
+        wait("timed call")
+        ts.append(cupy.cuda.get_elapsed_time(start, stop))
+    return comm.bench_mpi.allreduce(harness.median(ts), op=_max_op()), ts
+
+
+# ----------------------------------------------------------------- the baseline's merge kernels
+_K = {}
+
+_MERGE = r"""
+    const float NEG = __int_as_float((int)0xff800000u);
+    long long t = i / D;
+    long long h = t % H;
+    long long s = t / H;
+    long long li = h * S + s;
+    float a = la[li], b = lb[li];
+    float m = fmaxf(a, b);
+    float ea = (a == NEG) ? 0.f : expf(a - m);
+    float eb = (b == NEG) ? 0.f : expf(b - m);
+    float inv = 1.f / (ea + eb);
+    acc = acc * (ea * inv) + (VALUE) * (eb * inv);
+"""
+
+
+def _kernels():
+    """CuPy elementwise kernels: the log-sum-exp merge of a partial (o [S, H, D] in bf16 / fp16,
+    lse [H, S]) into the fp32 accumulator (acc [S, H, D], lse_acc [H, S]), the lse update, and the
+    final fp32 -> bf16 rounding (to nearest even)."""
+    import cupy
+
+    if not _K:
+        _K["merge_bf16"] = cupy.ElementwiseKernel(
+            "uint16 o, raw float32 la, raw float32 lb, int64 S, int64 H, int64 D", "float32 acc",
+            _MERGE.replace("VALUE", "__uint_as_float(((unsigned int)o) << 16)"), "mk_bench_ring_merge_bf16")
+        _K["merge_fp16"] = cupy.ElementwiseKernel(
+            "float16 o, raw float32 la, raw float32 lb, int64 S, int64 H, int64 D", "float32 acc",
+            _MERGE.replace("VALUE", "(float)o"), "mk_bench_ring_merge_fp16")
+        _K["lse"] = cupy.ElementwiseKernel(
+            "float32 lb", "float32 la", r"""
+            const float NEG = __int_as_float((int)0xff800000u);
+            if (la == NEG) { la = lb; }
+            else if (lb != NEG) { float m = fmaxf(la, lb); la = m + logf(expf(la - m) + expf(lb - m)); }
+            """, "mk_bench_ring_lse")
+        _K["to_bf16"] = cupy.ElementwiseKernel(
+            "float32 x", "uint16 y", r"""
+            unsigned int u = __float_as_uint(x);
+            y = (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+            """, "mk_bench_ring_to_bf16")
+    return _K
+
+
+class Baseline:
+    """The engine block by block with NCCL send/recv between the steps, on one stream (see the
+    module docstring). __call__ writes ``out``."""
+
+    def __init__(self, comm, q, k, v, out, causal):
+        import cupy
+
+        self.attention = importlib.import_module("mkernel.attention").attention
+        self.comm, self.q, self.k, self.v, self.out, self.causal = comm, q, k, v, out, causal
+        self.W, self.me = comm.size, comm.rank
+        S, H, D = q.shape
+        self.S, self.H, self.D = S, H, D
+        self.bf16 = q.dtype.name == "bfloat16"
+        self.bufs = [(cupy.empty_like(k), cupy.empty_like(v)) for _ in range(2)] if self.W > 1 else []
+        self.acc = cupy.empty((S, H, D), dtype=cupy.float32)
+        c = S // 2
+        # (global chunk id, q rows, accumulator, lse accumulator) per query segment
+        if causal:
+            self.segments = [(self.me, q[:c], self.acc[:c], cupy.empty((H, c), cupy.float32)),
+                             (2 * self.W - 1 - self.me, q[c:], self.acc[c:], cupy.empty((H, c), cupy.float32))]
+        else:
+            self.segments = [(None, q, self.acc, cupy.empty((H, S), cupy.float32))]
+        self.k_ = _kernels()
+        self.stream = cupy.cuda.get_current_stream()
+
+    def _merge(self, acc, lse_acc, o, lse):
+        S_seg = acc.shape[0]
+        if self.bf16:
+            self.k_["merge_bf16"](o.view("uint16"), lse_acc, lse, np.int64(S_seg), np.int64(self.H), np.int64(self.D), acc)
+        else:
+            self.k_["merge_fp16"](o, lse_acc, lse, np.int64(S_seg), np.int64(self.H), np.int64(self.D), acc)
+        self.k_["lse"](lse, lse_acc)
+
+    def _exchange(self, cur_k, cur_v, nxt_k, nxt_v):
+        from cupy.cuda import nccl
+
+        nc = self.comm.nccl
+        nbytes = cur_k.nbytes
+        to, frm = (self.me + 1) % self.W, (self.me - 1) % self.W
+        s = self.stream.ptr
+        nccl.groupStart()
+        nc.send(cur_k.data.ptr, nbytes, nccl.NCCL_UINT8, to, s)
+        nc.recv(nxt_k.data.ptr, nbytes, nccl.NCCL_UINT8, frm, s)
+        nc.send(cur_v.data.ptr, nbytes, nccl.NCCL_UINT8, to, s)
+        nc.recv(nxt_v.data.ptr, nbytes, nccl.NCCL_UINT8, frm, s)
+        nccl.groupEnd()
+
+    def __call__(self):
+        self.acc.fill(0)
+        for _, _, _, lse_acc in self.segments:
+            lse_acc.fill(-np.inf)
+        cur_k, cur_v = self.k, self.v
+        W, c = self.W, self.S // 2
+        for s in range(W):
+            src = (self.me - s) % W
+            if not self.causal:
+                _, qq, acc, lse_acc = self.segments[0]
+                o, lse = self.attention(qq, cur_k, cur_v, return_lse=True)
+                self._merge(acc, lse_acc, o, lse)
+            else:
+                blocks = [(src, cur_k[:c], cur_v[:c]), (2 * W - 1 - src, cur_k[c:], cur_v[c:])]
+                for qi, qq, acc, lse_acc in self.segments:
+                    for kj, kk, vv in blocks:
+                        if kj > qi:
+                            continue
+                        diag = kj == qi
+                        o, lse = self.attention(qq, kk, vv, causal=diag, causal_offset=0 if diag else None,
+                                                return_lse=True)
+                        self._merge(acc, lse_acc, o, lse)
+            if s < W - 1:
+                nk, nv = self.bufs[s % 2]
+                self._exchange(cur_k, cur_v, nk, nv)
+                cur_k, cur_v = nk, nv
+        if self.bf16:
+            self.k_["to_bf16"](self.acc, self.out.view("uint16"))
+        else:
+            self.out[...] = self.acc
+
+
+# --------------------------------------------------------------------------- sampled reference
+def sampled_reference(comm, row, q, rows, S, Hq, Hkv, D, dt, causal):
+    """float32 attention of this rank's local query rows ``rows`` (host int array) against the
+    whole global sequence: every rank's keys and values regenerated from their seeds, one rank's
+    block at a time (online softmax), masked by global position. Returns [n, H_q, D] float32."""
+    import cupy
+
+    W, me = comm.size, comm.rank
+    g = Hq // Hkv
+    scale = 1.0 / math.sqrt(D)
+    qh = _f32(_take(q, cupy.asarray(rows))).transpose(1, 0, 2)  # [H_q, n, D]
+    n = len(rows)
+    pos_q = cupy.asarray(global_positions(me, W, S, causal=causal)[rows])
+    m = cupy.full((Hq, n), -np.inf, dtype=cupy.float32)
+    l_ = cupy.zeros((Hq, n), dtype=cupy.float32)
+    acc = cupy.zeros((Hq, n, D), dtype=cupy.float32)
+    for p in range(W):
+        kh = cupy.repeat(_f32(_rand((S, Hkv, D), _seed(row, p, 1), dt)).transpose(1, 0, 2), g, axis=0)
+        vh = cupy.repeat(_f32(_rand((S, Hkv, D), _seed(row, p, 2), dt)).transpose(1, 0, 2), g, axis=0)
+        s = cupy.matmul(qh, kh.transpose(0, 2, 1)) * np.float32(scale)  # [H_q, n, S]
+        if causal:
+            pos_k = cupy.asarray(global_positions(p, W, S, causal=True))
+            s = cupy.where(pos_k[None, None, :] <= pos_q[None, :, None], s, np.float32(-np.inf))
+        m_new = cupy.maximum(m, s.max(axis=-1))
+        safe = cupy.where(cupy.isfinite(m_new), m_new, np.float32(0))
+        corr = cupy.exp(m - safe)
+        pe = cupy.exp(s - safe[..., None])
+        l_ = l_ * corr + pe.sum(axis=-1)
+        acc = acc * corr[..., None] + cupy.matmul(pe, vh)
+        m = m_new
+        del kh, vh, s, pe
+    return (acc / l_[..., None]).transpose(1, 0, 2)
+
+
+# --------------------------------------------------------------------------------------- a row
+def bench_row(comm, ring, attention, row, S, causal, dt, reps, have_baseline, comm_sms):
+    import cupy
+
+    W, me = comm.size, comm.rank
+    H, D = HEADS, DIM
+    q = _rand((S, H, D), _seed(row, me, 0), dt)
+    k = _rand((S, H, D), _seed(row, me, 1), dt)
+    v = _rand((S, H, D), _seed(row, me, 2), dt)
+    out = cupy.empty_like(q)
+    kw = {} if comm_sms is None else {"comm_sms": comm_sms}
+
+    def mk():
+        ring(q, k, v, comm=comm, causal=causal, out=out, **kw)
+
+    mk()
+    wait(f"mkernel first call {S} causal={causal}")
+    comm.check()
+    rows = np.sort(np.random.default_rng(row).choice(S, SAMPLE_ROWS, replace=False))
+    ref = sampled_reference(comm, row, q, rows, S, H, H, D, dt, causal)
+    err_mk = _rel(_f32(_take(out, cupy.asarray(rows))), ref)
+
+    base, err_base, err_vs = None, None, None
+    if have_baseline:
+        base_out = cupy.empty_like(q)
+        base = Baseline(comm, q, k, v, base_out, causal)
+        base()
+        wait(f"baseline first call {S} causal={causal}")
+        err_base = _rel(_f32(_take(base_out, cupy.asarray(rows))), ref)
+        err_vs = _rel(_f32(out), _f32(base_out))
+    # one collective for the three errors: the max over ranks of each
+    gathered = comm.bench_mpi.allgather((err_mk, err_base, err_vs))
+    err_mk = max(g[0] for g in gathered)
+    err_base = max(g[1] for g in gathered) if have_baseline else None
+    err_vs = max(g[2] for g in gathered) if have_baseline else None
+    correct = max(err_mk, err_base or 0.0, err_vs or 0.0) < MAX_REL_ERR
+
+    t_mk, ts_mk = timed(comm, mk, reps)
+    comm.check()
+    t_base = timed(comm, base, reps)[0] if base is not None else None
+    blk = cupy.empty_like(q)
+    t_blk = timed(comm, lambda: attention(q, k, v, causal=causal, out=blk), reps)[0]
+    bound = W * t_blk
+    fl = 4.0 * S * (W * S) * H * D * (0.5 if causal else 1.0)  # per rank, FlashAttention's convention
+    goal_sp = GOAL_SPEEDUP.get(S)
+    r = harness.row([S, H, H, D, causal], t_mk, t_base or 0.0, bound, engine_block_ms=t_blk,
+                    mkernel_ms_rank_median=harness.median(ts_mk), mkernel_ms_ci95=harness.ci95(ts_mk),
+                    tflops_per_gpu=fl / t_mk * 1e-9, world=W, dtype=dt.name, comm_sms=comm_sms,
+                    rel_err_vs_baseline=err_vs, ref_rel_err_mkernel=err_mk, ref_rel_err_baseline=err_base,
+                    correct=bool(correct), goal_speedup=goal_sp, goal_fraction_of_bound=GOAL_FRACTION,
+                    name=f"{S} {H}/{H} {D} {'causal' if causal else 'full'}")
+    if t_base is None:
+        r["speedup"] = r["baseline_ms"] = None
+    r["meets_speedup_goal"] = None if goal_sp is None or r["speedup"] is None else bool(r["speedup"] >= goal_sp)
+    r["meets_fraction_goal"] = bool(r["fraction_of_bound"] is not None and r["fraction_of_bound"] >= GOAL_FRACTION)
+    return r
+
+
+TABLE = [("name", "S_local H_q/H_kv D mask", None), ("mkernel_ms", "mkernel ms", ".3f"),
+         ("baseline_ms", "baseline ms", ".3f"), ("speedup", "speedup", ".3f"), ("goal_speedup", "goal", ".2f"),
+         ("bound_ms", "bound ms", ".3f"), ("fraction_of_bound", "of bound", ".3f"),
+         ("tflops_per_gpu", "TF/s/GPU", ".1f"), ("rel_err_vs_baseline", "err vs base", ".1e"),
+         ("ref_rel_err_mkernel", "err vs ref", ".1e")]
+
+
+def summary(rows, n_rows, W, shared, baseline_note, errors, path, seconds):
+    parts = [f"{W} ranks" + (" sharing a GPU (speed not meaningful)" if shared else ""), f"{len(rows)}/{n_rows} rows"]
+    for S, goal in GOAL_SPEEDUP.items():
+        rs = [r for r in rows if r["shape"][0] == S]
+        if not rs:
+            continue
+        if any(r["speedup"] is None for r in rs):
+            parts.append(f"speedup at {S}: n/a ({baseline_note or 'no baseline'})")
+            continue
+        sp = ", ".join(f"{'causal' if r['shape'][4] else 'full'} {r['speedup']:.2f}x" for r in rs)
+        met = all(r["speedup"] >= goal for r in rs)
+        parts.append(f"speedup at {S}: {sp} (goal >= {goal:.2f}: {'met' if met else 'NOT met'})")
+    if rows:
+        worst = min(rows, key=lambda r: r["fraction_of_bound"] or 0.0)
+        below = [r for r in rows if not r["meets_fraction_goal"]]
+        parts.append(f"fraction of bound min {worst['fraction_of_bound']:.3f} at {worst['shape']} (goal >= "
+                     f"{GOAL_FRACTION:.2f} everywhere: {'met' if not below else f'NOT met on {len(below)} rows'})")
+        wrong = [r for r in rows if not r["correct"]]
+        parts.append(f"results {'correct' if not wrong else f'WRONG on {len(wrong)} rows'} (max rel err vs ref "
+                     f"{max(r['ref_rel_err_mkernel'] for r in rows):.1e}"
+                     + (f", vs baseline {max(r['rel_err_vs_baseline'] for r in rows):.1e}"
+                        if all(r["rel_err_vs_baseline"] is not None for r in rows) else "") + ")")
+    if errors:
+        parts.append(f"{len(errors)} rows FAILED: {', '.join(errors)}")
+    parts.append(f"{path}, {seconds:.0f} s")
+    return "SUMMARY ring_attention: " + "; ".join(parts)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help=f"S_local {SEQ_QUICK} only, {QUICK_REPS} reps")
+    ap.add_argument("--reps", type=int, default=harness.REPS)
+    ap.add_argument("--seq", default=None, help="comma-separated S_local values (overrides --quick's)")
+    ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    ap.add_argument("--comm-sms", type=int, default=None, help="ring_attention's comm_sms (default: the op's)")
+    ap.add_argument("--workspace-gb", type=float, default=4.0, help="symmetric workspace per rank (GiB)")
+    ap.add_argument("--out", default=None, help="results directory (default bench/results)")
+    args = ap.parse_args()
+
+    import cupy
+    import ml_dtypes
+    import mkernel
+    from mkernel import gpu, tp
+
+    if gpu.device_count() == 0:
+        print(f"bench/ring_attention.py needs a GPU: {gpu.describe_missing()}", flush=True)
+        sys.exit(2)
+    t_start = time.time()
+    comm = mkernel.init(workspace_bytes=int(args.workspace_gb * (1 << 30)))
+    # The benchmark's own collectives (barriers, reductions, status) on a duplicate, so that they can
+    # never be matched against a collective inside the op.
+    comm.bench_mpi = comm.mpi.Dup()
+    W, me = comm.size, comm.rank
+    ring = importlib.import_module("mkernel.ring_attention").ring_attention
+    attention = importlib.import_module("mkernel.attention").attention
+    dt = np.dtype(ml_dtypes.bfloat16) if args.dtype == "bfloat16" else np.dtype(np.float16)
+    reps = QUICK_REPS if args.quick else max(20, args.reps)
+    seqs = tuple(int(s) for s in args.seq.split(",")) if args.seq else (SEQ_QUICK if args.quick else SEQ_FULL)
+    shapes = [(S, c) for S in seqs for c in (False, True)]
+
+    shared = not tp.gpus_distinct(comm)
+    physical = len(set(comm.bench_mpi.allgather((comm.topology.host, comm.device_id))))
+    baseline_note = None
+    if shared:
+        baseline_note = (f"the {W} ranks share {physical} GPU(s): NCCL needs one GPU per rank, so the NCCL "
+                         "baseline was skipped (baseline_ms and speedup are null); timings of ranks sharing a GPU "
+                         "are not meaningful for speed")
+    elif W > 1:
+        try:
+            comm.nccl  # noqa: B018  (created collectively on first use)
+        except Exception as e:  # noqa: BLE001
+            baseline_note = f"NCCL is not usable ({type(e).__name__}: {e}); baseline skipped"
+    have_baseline = baseline_note is None
+    if me == 0:
+        nsm = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        print(f"# {W} ranks, {physical} GPU(s) ({harness.device_name()}, {nsm} SMs), {dt.name}, median of {reps}, "
+              f"setup {time.time() - t_start:.1f} s", flush=True)
+        print("# NO BASELINE: " + baseline_note if baseline_note else
+              "# baseline: mkernel.attention per KV block + fp32 LSE merge + NCCL send/recv, no overlap", flush=True)
+        print(f"# goals: speedup >= {GOAL_SPEEDUP[4096]} at 4096, >= {GOAL_SPEEDUP[8192]} at 8192; "
+              f"fraction_of_bound >= {GOAL_FRACTION} everywhere", flush=True)
+
+    rows, errors = [], {}
+    fatal = (mkernel.TimeoutError, mkernel.PeerError, mkernel.ClosedError)
+    for i, (S, causal) in enumerate(shapes):
+        name = f"{S} {'causal' if causal else 'full'}"
+        err, is_fatal = None, False
+        try:
+            r = bench_row(comm, ring, attention, i, S, causal, dt, reps, have_baseline, args.comm_sms)
+        except Exception as e:  # noqa: BLE001  (report it; the other rows still run if the ranks are in step)
+            r, err, is_fatal = None, f"{type(e).__name__}: {e}"[:400], isinstance(e, fatal)
+        status = comm.bench_mpi.allgather((err, is_fatal))
+        for rk, (e_, _) in enumerate(status):
+            if e_ is not None:
+                errors[f"{name} (rank {rk})"] = e_
+        if any(e_ is not None for e_, _ in status):
+            if me == 0:
+                print(f"ERROR in {name}: " + "; ".join(f"rank {rk}: {e_}" for rk, (e_, _) in enumerate(status) if e_),
+                      flush=True)
+            if any(f for _, f in status) or not all(e_ is not None for e_, _ in status):
+                if me == 0:
+                    print("# stopping: the ranks may be out of step", flush=True)
+                break
+        else:
+            rows.append(r)
+            if me == 0:
+                sp = f"{r['speedup']:.3f}x" if r["speedup"] is not None else "n/a"
+                bl = "n/a" if r["baseline_ms"] is None else f"{r['baseline_ms']:9.3f} ms"
+                print(f"{name:14s} mkernel {r['mkernel_ms']:9.3f} ms  baseline {bl}  speedup {sp}  bound {r['bound_ms']:9.3f} ms  of bound {r['fraction_of_bound']:.3f}  "
+                      f"err vs ref {r['ref_rel_err_mkernel']:.1e}", flush=True)
+        cupy.get_default_memory_pool().free_all_blocks()
+        tp.release_buffers(comm)  # every rank, same point (synchronises)
+
+    if me == 0:
+        path = harness.write("ring_attention", rows, gpus=W, out_dir=args.out, reps=reps, errors=errors,
+                             physical_gpus=physical, shared_gpu=shared, baseline_note=baseline_note,
+                             baseline="mkernel.attention per KV block (causal: zigzag chunk pairs) + fp32 "
+                                      "log-sum-exp merge (CuPy) + NCCL send/recv ring, one stream, no overlap",
+                             bound_definition="world x mkernel.attention(q, k, v, causal=causal) on the local "
+                                              "block with all SMs",
+                             goals={"speedup": {str(s): g for s, g in GOAL_SPEEDUP.items()},
+                                    "fraction_of_bound": GOAL_FRACTION},
+                             comm_sms=args.comm_sms)
+        rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+        print()
+        print(harness.table(rows, TABLE))
+        print()
+        for S, goal in GOAL_SPEEDUP.items():
+            for r in (r for r in rows if r["shape"][0] == S):
+                v = "n/a" if r["meets_speedup_goal"] is None else "met" if r["meets_speedup_goal"] else "NOT met"
+                print(f"goal speedup >= {goal:.2f} at {r['name']}: {v}")
+        for r in rows:
+            print(f"goal fraction_of_bound >= {GOAL_FRACTION:.2f} at {r['name']}: "
+                  f"{'met' if r['meets_fraction_goal'] else 'NOT met'} ({r['fraction_of_bound']:.3f})")
+        print(summary(rows, len(shapes), W, shared, baseline_note, errors, rel, time.time() - t_start), flush=True)
+    comm.bench_mpi.Free()
+    comm.close()
+
+
+if __name__ == "__main__":
+    main()
