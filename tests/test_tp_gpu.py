@@ -15,7 +15,7 @@ Every output starts poisoned with NaN, so an element nobody wrote fails. Checks:
 - bf16 and fp16, B as [K, N], as [N, K] (b_layout='nk') and as a transposed view (w.T);
 - off-grid shapes (rows per rank, N and K not multiples of the tile);
 - gemm_allreduce: identical bits on every rank; allgather_gemm: the gathered A returned bitwise;
-- 48 back-to-back launches cycling over the three ops and two shapes with distinct inputs, all
+- 48 (and, marked slow, 1000) back-to-back launches cycling over the three ops and two shapes with distinct inputs, all
   queued before one synchronisation, each output checked bitwise, the epoch advanced by 48;
 - argument errors raise mkernel.ArgumentError before launch, including shapes that disagree
   across ranks;
@@ -309,8 +309,18 @@ def test_allgather_gemm_against_float64(comm, kind):
 
 
 def test_back_to_back_launches_alternating_ops_and_shapes(comm):
-    """48 launches queued without synchronisation (about 1000 in the full suite of the issue;
-    kept to 48 here so that 2 ranks sharing one GPU finish in seconds)."""
+    """48 launches queued without synchronisation (the 1000-launch version is marked slow)."""
+    _back_to_back(comm, 48)
+
+
+@pytest.mark.slow
+def test_thousand_back_to_back_launches(comm):
+    """1000 launches queued without synchronisation, cycling over the three ops, two shapes and
+    four input scalings: every output bitwise right, the epoch advanced by exactly 1000."""
+    _back_to_back(comm, 1000)
+
+
+def _back_to_back(comm, n):
     import cupy
 
     W = comm.size
@@ -331,7 +341,7 @@ def test_back_to_back_launches_alternating_ops_and_shapes(comm):
         comm.check()
         e0 = comm.sync.epoch()
         launches = []
-        for i in range(48):
+        for i in range(n):
             p = problems[i % 2]
             op = ("rs", "ar", "ag")[(i // 2) % 3]
             s = i % 4
@@ -348,15 +358,15 @@ def test_back_to_back_launches_alternating_ops_and_shapes(comm):
                 out = allgather_gemm(p["sa"][s], p["sb"], comm=comm, out=_poisoned((M, N), kind), path="fused")
                 want = scales[s] * p["ag_ref"]
             launches.append((i, op, out, want))
-        _sync("48 back-to-back launches")
+        _sync(f"{n} back-to-back launches")
         comm.check()
         msgs = []
         for i, op, out, want in launches:
             ok, msg = _check_exact(_host(out), want, dt, f"launch {i} ({op})")
             if not ok:
                 msgs.append(msg)
-        if comm.sync.epoch() != e0 + 48:
-            msgs.append(f"epoch advanced by {comm.sync.epoch() - e0}, not 48")
+        if comm.sync.epoch() != e0 + n:
+            msgs.append(f"epoch advanced by {comm.sync.epoch() - e0}, not {n}")
         cupy.cuda.get_current_stream().synchronize()
         return not msgs, "; ".join(msgs[:6])
 
