@@ -61,7 +61,7 @@ def _rows_contiguous(x):
     return (D == 1 or x.strides[3] == x.itemsize) and (H == 1 or x.strides[2] == D * x.itemsize)
 
 
-def _plan(comm, key, q4, k4, causal):
+def _plan(comm, key, q4, k4):
     """Buffers of one shape (cached on the communicator, allocated collectively)."""
     import cupy
 
@@ -146,7 +146,7 @@ def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, return_ls
     comm.agree(key, key)
     if not (_rows_contiguous(k4) and _rows_contiguous(v4) and k4.strides == v4.strides):
         k4, v4 = cupy.ascontiguousarray(k4), cupy.ascontiguousarray(v4)  # the forwarders copy whole rows
-    plan = _plan(comm, key[:7], q4, k4, causal)
+    plan = _plan(comm, key[:7], q4, k4)
     if out is None:
         out = cupy.empty(q.shape, dtype=q.dtype)
     o4 = _attn._as4d(out, "out")

@@ -121,6 +121,23 @@ def comm():
 
 
 # ======================================================================================== CPU
+def test_args_layout_matches_host_compiler(tmp_path):
+    """MkRingArgs and MkAttnPos mirrors against ring_args.cuh / attn_args.cuh (g++); alignof of the
+    64-byte aligned struct is checked apart (ctypes cannot express alignas(64))."""
+    import importlib
+
+    from c_layout import c_offsets, py_offsets
+
+    ra = importlib.import_module("mkernel.ring_attention")
+    ma = importlib.import_module("mkernel.attention")
+    for header, cls, align in (("ring_args.cuh", ra.MkRingArgs, 64), ("attn_args.cuh", ma.MkAttnPos, 4)):
+        c = c_offsets(header, cls.__name__, [name for name, *_ in cls._fields_], tmp_path)
+        py = py_offsets(cls)
+        assert c.pop("alignof") == align
+        py.pop("alignof")
+        assert c == py, f"{cls.__name__} mirror differs from {header}"
+
+
 def test_module_and_export():
     import mkernel as mk
 
