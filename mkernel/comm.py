@@ -71,6 +71,7 @@ class Communicator:
         self._agreed = {}
         self._closed = False
         self._nccl = None
+        self._proxy = None  # (Proxy, CommandQueue, flags pointer, flags array): started by .proxy
         self._gpus_per_node = gpus_per_node
         self._workspace_bytes = workspace_bytes
         global _atexit_registered
@@ -189,10 +190,81 @@ class Communicator:
                 self._nccl = nccl.NcclCommunicator(self.size, uid, self.rank)
         return self._nccl
 
+    # Regions of the communicator's proxy: the symmetric workspace (an offset names the same buffer
+    # on every rank, so commands carry offsets), and the u32 flags peers' commands set.
+    PROXY_WORKSPACE_REGION, PROXY_FLAGS_REGION = 0, 1
+    PROXY_FLAGS = 4096
+    PROXY_QUEUE_CAPACITY = 1 << 14
+
+    @property
+    def proxy(self):
+        """The host proxy (mkernel.proxy.Proxy) that carries this communicator's traffic between nodes:
+        started on first use (collective), stopped by close(). Region PROXY_WORKSPACE_REGION is the
+        symmetric workspace (offsets into it), PROXY_FLAGS_REGION the PROXY_FLAGS u32 flags in
+        mapped host memory (``proxy_flags``: (device pointer, NumPy view)); kernels enqueue through
+        ``proxy_queue.device_args()``. On one node it has no peer and moves nothing."""
+        self._check_open()
+        if self._proxy is None:
+            import ctypes
+
+            import cupy
+            import numpy as np
+            from .proxy import CommandQueue, Proxy
+
+            node_ids = self.mpi.allgather(self.node)
+            nbytes = 4 * self.PROXY_FLAGS
+            ptr = cupy.cuda.runtime.hostAlloc(nbytes, 2)  # mapped: valid on the device as it is (UVA)
+            flags = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr)).view(np.uint32)
+            flags[:] = 0
+            queue = CommandQueue(self.PROXY_QUEUE_CAPACITY, gpu=True)
+            proxy = None
+            try:
+                proxy = Proxy(self.mpi, node_ids, transport=self.transport, cuda_device=self.device_id)
+                proxy.register(self.PROXY_WORKSPACE_REGION, self.heap.base, self.heap.nbytes, "cuda")
+                proxy.register_flags(self.PROXY_FLAGS_REGION, ptr, self.PROXY_FLAGS)
+                proxy.attach_queue(queue)
+                proxy.connect()
+                proxy.start()
+            except BaseException:
+                if proxy is not None:
+                    proxy.close()
+                queue.close()
+                cupy.cuda.runtime.freeHost(ptr)
+                raise
+            self._proxy = (proxy, queue, ptr, flags)
+            log.debug("rank %d: proxy started (%s transport, %d peers on other nodes)", self.rank,
+                      proxy.transport, len(proxy.peers))
+        return self._proxy[0]
+
+    @property
+    def proxy_queue(self):
+        """The command queue of :attr:`proxy` (starts the proxy)."""
+        self.proxy  # noqa: B018
+        return self._proxy[1]
+
+    @property
+    def proxy_flags(self):
+        """(pointer, NumPy uint32 view) of :attr:`proxy`'s flag array (starts the proxy)."""
+        self.proxy  # noqa: B018
+        return self._proxy[2], self._proxy[3]
+
+    def stats(self) -> dict:
+        """Counters of the traffic between nodes: the proxy's commands, bytes sent and received per
+        peer rank (``{"proxy": None}`` while no proxy was started). Does not synchronise."""
+        self._check_open()
+        if self._proxy is None:
+            return {"proxy": None}
+        out = self._proxy[0].stats()
+        out["proxy"] = self._proxy[0].transport
+        return out
+
     def check(self):
-        """Raise the first error any kernel of this communicator recorded. Does not synchronise."""
+        """Raise the first error any kernel of this communicator (or its proxy) recorded. Does not
+        synchronise."""
         self._check_open()
         self.sync.check()
+        if self._proxy is not None:
+            self._proxy[0].check()
 
     def _check_open(self):
         if self._closed:
@@ -210,6 +282,17 @@ class Communicator:
                 import cupy
                 cupy.cuda.runtime.deviceSynchronize()
                 self.trace.write()
+                if self._proxy is not None:  # no peer may still send to us: a timed barrier first
+                    proxy, queue, ptr, _ = self._proxy
+                    self._proxy = None
+                    if not failed:
+                        try:
+                            self._allgather_bytes(b"\0", "stopping the proxy")
+                        except PeerError:
+                            failed = True
+                    proxy.close()
+                    queue.close()
+                    cupy.cuda.runtime.freeHost(ptr)
                 self.heap.unmap_peers()
                 if not failed:  # the peers must have unmapped our workspace before we free it
                     try:

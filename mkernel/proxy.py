@@ -512,4 +512,5 @@ class QueueStressArgs(ctypes.Structure):
 class TileExchangeArgs(ctypes.Structure):
     _fields_ = [("sync", MkSync), ("queue", QueueArgs), ("send", ctypes.c_void_p), ("recv", ctypes.c_void_p),
                 ("flags", ctypes.c_void_p), ("mismatches", ctypes.c_void_p)] + [
-        (f, ctypes.c_uint32) for f in ("tiles", "tile_bytes", "flag_base", "peer", "send_region", "recv_region")]
+        (f, ctypes.c_uint32) for f in ("tiles", "tile_bytes", "flag_base", "peer", "send_region", "recv_region")] + [
+        ("send_off", ctypes.c_uint64), ("recv_off", ctypes.c_uint64)]

@@ -191,3 +191,52 @@ def _exchange_tiles(transport):
         sync.close()
         queue.close()
         cupy.cuda.runtime.freeHost(flags_ptr)
+
+
+@pytest.mark.mpi
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("transport", ["host", "tcp"])
+def test_communicator_proxy_carries_tiles_between_emulated_nodes(request, transport):
+    """The communicator's own proxy (comm.proxy, started on first use): 2 ranks as 2 nodes
+    (gpus_per_node=1) write tiles of their symmetric workspace into the peer's, with flags in the
+    communicator's flag array; comm.stats() counts the bytes; comm.close() stops the proxy."""
+    _require_gpu()
+    if _relaunch(request):
+        return
+    if WORLD.Get_size() != 2:
+        pytest.skip("this test pairs exactly two ranks")
+    _collectively(_comm_proxy_tiles, transport)
+
+
+def _comm_proxy_tiles(transport):
+    import mkernel
+
+    comm = mkernel.init(WORLD, gpus_per_node=1, transport=transport, workspace_bytes=64 << 20)
+    try:
+        assert comm.num_nodes == 2 and comm.local_size == 1
+        assert comm.stats() == {"proxy": None}
+        rank, tiles, tile_bytes, epochs = comm.rank, 32, 128 << 10, 3
+        send = comm.empty(tiles * tile_bytes // 4, np.uint32)
+        recv = comm.empty(tiles * tile_bytes // 4, np.uint32)
+        mismatches = cupy.zeros(1, dtype=cupy.uint32)
+        proxy = comm.proxy
+        fptr, flags = comm.proxy_flags
+        region = comm.PROXY_WORKSPACE_REGION
+        for epoch in range(epochs):
+            args = TileExchangeArgs(comm.sync_args("queue", 30), comm.proxy_queue.device_args(), send.data.ptr,
+                                    recv.data.ptr, fptr, mismatches.data.ptr, tiles, tile_bytes, 0, 1 - rank,
+                                    region, region, comm.offset_of(send), comm.offset_of(recv))
+            _launch("tile_exchange", (16,), (256,), args)
+            _wait_stream(proxy, 60)
+            comm.check()
+            assert int(mismatches.get()[0]) == 0, f"launch {epoch}: tile words differ from the peer's pattern"
+            e = comm.sync.epoch()
+            assert (flags[:tiles + 1] == e).all(), f"launch {epoch}: flags {flags[:tiles + 1]}, epoch {e}"
+            barrier(WORLD)  # the peer's next launch may overwrite flags and tiles only after this check
+        stats = comm.stats()
+        assert stats["proxy"] == transport
+        assert stats["peers"][1 - rank]["bytes_sent"] == epochs * tiles * tile_bytes
+        assert stats["peers"][1 - rank]["bytes_received"] == epochs * tiles * tile_bytes
+        barrier(WORLD)  # the peer's last FLUSH needs our proxy to answer it
+    finally:
+        comm.close()

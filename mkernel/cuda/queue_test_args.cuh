@@ -18,4 +18,5 @@ struct TileExchangeArgs {
   unsigned int* flags;       // mapped host memory: the proxy's flag array (tiles + 1: the last is the FLUSH's)
   unsigned int* mismatches;  // device: words that differed from the peer's pattern
   unsigned int tiles, tile_bytes, flag_base, peer, send_region, recv_region;
+  unsigned long long send_off, recv_off;  // where the tiles start inside their regions (bytes)
 };
