@@ -57,7 +57,6 @@ def bf16(x):
         return r.astype(cupy.uint16).view(dt)
 
 
-WEAK_SHAPES = [(8192, 14336, 8192), (16384, 8192, 14336)]
 
 
 def rand(shape, seed):
@@ -212,29 +211,23 @@ def main():
 
     section("sm sweep / knobs / flags", sweep_and_knobs)
 
-    def n_grouped_order(M, N, group_n):
-        """Tile ids walking group_n N-tiles at a time, M-tile by M-tile inside a group (the transpose
-        of the built-in order): CTAs running together share B columns rather than A rows."""
-        tm, tn = -(-M // mg.BM), -(-N // mg.BN)
-        ids = [mt * tn + nt for n0 in range(0, tn, group_n) for mt in range(tm)
-               for nt in range(n0, min(n0 + group_n, tn))]
-        return cupy.asarray(np.array(ids, dtype=np.uint32))
-
     def order_knobs():
-        # The shapes where B as [K, N] lagged cuBLAS in the first run: which tile order suits them.
-        for (M, N, K) in WEAK_SHAPES:
-            a, b = rand((M, K), 40), rand((K, N), 41)
+        # The built-in orders on every main shape and layout: M-grouped (the default for most) and
+        # N-grouped (gemm.default_order picks it for B [K, N] with N, K >= 8192), groups of 4-16.
+        for (M, N, K) in MAIN_SHAPES:
+            a = rand((M, K), 40)
             out = cupy.empty((M, N), dtype=a.dtype)
-            variants = [({"group_m": g}, f"group_m={g}") for g in (2, 4, 8, 16, 32, 64)]
-            variants += [({"tile_order": n_grouped_order(M, N, g)}, f"group_n={g}") for g in (4, 8, 16)]
-            for kw, name in variants:
-                t = gpu_time_ms(lambda: mg.gemm(a, b, out=out, **kw), reps=reps)[0]
-                tuning.append({"shape": [M, N, K], "layout": "kn", "variant": name, "mkernel_ms": t,
-                               "tflops": 2.0 * M * N * K / t * 1e-9})
-                print(f"order {M}x{N}x{K} kn {name}: {t:.3f} ms {tuning[-1]['tflops']:.1f} TF/s", flush=True)
+            for layout in ("kn", "nk"):
+                b = rand((K, N), 41) if layout == "kn" else rand((N, K), 41).T
+                for order, g in (("m", 8), ("m", 16), ("n", 4), ("n", 8), ("n", 16)):
+                    t = gpu_time_ms(lambda: mg.gemm(a, b, out=out, order=order, group_m=g), reps=reps)[0]
+                    tuning.append({"shape": [M, N, K], "layout": layout, "variant": f"order={order} group={g}",
+                                   "mkernel_ms": t, "tflops": 2.0 * M * N * K / t * 1e-9})
+                    print(f"order {M}x{N}x{K} {layout} {order}{g}: {t:.3f} ms {tuning[-1]['tflops']:.1f} TF/s",
+                          flush=True)
 
     if not opts.quick:
-        section("tile order for the weak shapes", order_knobs)
+        section("built-in tile orders", order_knobs)
 
     # Grouped mode: 32 groups, rows drawn around 1024.
     grouped = []

@@ -37,6 +37,13 @@ SCHED_LEAVE, SCHED_GEMM = 0, 1  # role words (MK_SCHED_*)
 # at 8192^2 x 4096, and lost 1% at 16384 x 8192 x 14336, in one run (bench/NOTES.md, 2026-12-01).
 DEFAULT_GROUP_M = 8
 
+
+def default_order(N: int, K: int, layout: int) -> str:
+    """The built-in tile order a shape gets: 'n' (blocks of N-tiles, M-tile by M-tile inside) for B
+    as [K, N] with N and K both >= 8192, where it beat every M-grouping by 3-5% in two runs
+    (bench/NOTES.md); 'm' otherwise."""
+    return "n" if layout == B_KN and N >= 8192 and K >= 8192 else "m"
+
 # Shared memory (must equal gemm_smem_bytes<> in gemm_mainloop.cuh; gemm.cu static_asserts it).
 _OFF_BAR = STAGES * (BM * BK * 2) + STAGES * (BN * BK * 2) + 2 * 4 * 2 * 2048
 _BARS_BYTES = 336
@@ -58,7 +65,7 @@ SPEC = _compile.register("gemm", "gemm.cu", EXPRESSIONS, hot=True)
 class MkGemmSched(ctypes.Structure):
     _fields_ = [("tile_order", ctypes.c_void_p), ("tile_counter", ctypes.c_void_p),
                 ("done_count", ctypes.c_void_p), ("roles", ctypes.c_void_p), ("num_tiles", ctypes.c_uint32),
-                ("tiles_n", ctypes.c_uint32), ("group_m", ctypes.c_uint32), ("pad", ctypes.c_uint32)]
+                ("tiles_n", ctypes.c_uint32), ("group_m", ctypes.c_uint32), ("group_n", ctypes.c_uint32)]
 
 
 _ARGS_FIELDS = [("a", _tma.TensorMap), ("b", _tma.TensorMap), ("c", _tma.TensorMap), ("sync", MkSync),
@@ -253,7 +260,7 @@ def _c_map(out, out_code):
 
 # ------------------------------------------------------------------------------------ launch
 def _launch(cupy, *, a, b_arr, layout, N, K, M, G, out, out_code, group_rows, epi_op, stream, sms,
-            tile_order, roles, tile_flags, tile_counts, group_m, num_tiles_host, max_tiles):
+            tile_order, roles, tile_flags, tile_counts, group_m, num_tiles_host, max_tiles, order="m"):
     from .launch import launch
 
     if sms is None:
@@ -282,7 +289,7 @@ def _launch(cupy, *, a, b_arr, layout, N, K, M, G, out, out_code, group_rows, ep
     grid = int(sms) if num_tiles_host is None else max(1, min(int(sms), num_tiles_host))
     args.sched = MkGemmSched(_u32_array(cupy, tile_order, max_tiles, "tile_order"), ws.base + ws.COUNTER,
                              ws.base + ws.DONE, _u32_array(cupy, roles, grid, "roles"),
-                             num_tiles_host or 0, tiles_n, int(group_m), 0)
+                             num_tiles_host or 0, tiles_n, int(group_m), 1 if order == "n" else 0)
     args.c_ptr = out.data.ptr
     args.group_rows = group_rows
     args.tile_flags = _u32_array(cupy, tile_flags, max_tiles, "tile_flags")
@@ -320,7 +327,7 @@ def tiles(M: int, N: int) -> int:
 
 
 def gemm(a, b, *, out=None, stream=None, b_layout=None, out_dtype=None, accumulate=False, sms=None,
-         tile_order=None, roles=None, tile_flags=None, tile_counts=None, group_m=DEFAULT_GROUP_M):
+         tile_order=None, roles=None, tile_flags=None, tile_counts=None, group_m=DEFAULT_GROUP_M, order=None):
     """``out = a @ b`` (or ``out += a @ b`` with accumulate=True) on an H100/H200.
 
     a: [M, K] bfloat16 or float16 with contiguous rows. b: by default [K, N] (``a @ b``); a
@@ -333,14 +340,15 @@ def gemm(a, b, *, out=None, stream=None, b_layout=None, out_dtype=None, accumula
     (device uint32 array: the tile ids, ``mt * ceil(N/256) + nt``, in run order), ``roles``
     (device uint32 per CTA, 1 = run tiles, 0 = leave GEMM work at the next tile boundary),
     ``tile_flags`` (device uint32 per tile, set to the launch epoch once the tile is stored),
-    ``tile_counts`` (tests: counts the flag stores), ``group_m`` (built-in order, M-tiles per group).
+    ``tile_counts`` (tests: counts the flag stores), ``group_m`` (built-in order, tiles per group),
+    ``order`` (built-in order: 'm' groups M-tiles, 'n' groups N-tiles; None: ``default_order``).
     """
     cupy = _cupy()
     key = None
     if out is not None and isinstance(a, cupy.ndarray) and isinstance(b, cupy.ndarray) \
             and isinstance(out, cupy.ndarray):
         key = _plan_key(cupy, stream, a, b, out, b_layout, out_dtype, accumulate, sms, _ptr(tile_order),
-                        _ptr(roles), _ptr(tile_flags), _ptr(tile_counts), group_m)
+                        _ptr(roles), _ptr(tile_flags), _ptr(tile_counts), group_m, order)
         plan = _plans.get(key)
         if plan is not None:
             from .launch import launch
@@ -371,11 +379,14 @@ def gemm(a, b, *, out=None, stream=None, b_layout=None, out_dtype=None, accumula
     _check_2d_rowmajor(b_arr, "b")
     if group_m < 1:
         raise ArgumentError("group_m must be >= 1")
+    if order not in (None, "m", "n"):
+        raise ArgumentError(f"order must be None, 'm' or 'n'; got {order!r}")
+    order = default_order(N, K, layout) if order is None else order
     nt = tiles(M, N)
     plan = _launch(cupy, a=a, b_arr=b_arr, layout=layout, N=N, K=K, M=M, G=1, out=out, out_code=out_code,
                    group_rows=None, epi_op=EPI_ADD if accumulate else EPI_STORE, stream=stream, sms=sms,
                    tile_order=tile_order, roles=roles, tile_flags=tile_flags, tile_counts=tile_counts,
-                   group_m=group_m, num_tiles_host=nt, max_tiles=nt)
+                   group_m=group_m, num_tiles_host=nt, max_tiles=nt, order=order)
     if key is not None:
         _plans[key] = plan
         while len(_plans) > _PLANS_MAX:

@@ -337,6 +337,9 @@ def feature_order_roles_sms():
         "roles one CTA": dict(roles=cupy.asarray((np.arange(nsm) == 7).astype(np.uint32))),
         "group_m=1": dict(group_m=1),
         "group_m=3": dict(group_m=3),
+        "order n, 2": dict(order="n", group_m=2),  # blocks of N-tiles; 1032 / 256: a ragged last block
+        "order n, 3": dict(order="n", group_m=3),
+        "order n, 8": dict(order="n", group_m=8),
     }
     failures = []
     for name, kw in runs.items():

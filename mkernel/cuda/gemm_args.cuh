@@ -27,8 +27,8 @@ struct MkGemmSched {
   const unsigned int* roles;       // nullable: one MK_SCHED_* word per CTA (null: every CTA runs tiles)
   unsigned int num_tiles;          // plain mode: tiles_m * tiles_n; grouped mode: computed on device
   unsigned int tiles_n;            // ceil(N / 256)
-  unsigned int group_m;            // built-in order: tiles grouped this many M-tiles at a time (L2)
-  unsigned int pad;
+  unsigned int group_m;            // built-in order: tiles grouped this many M-tiles (or N-tiles) at a time (L2)
+  unsigned int group_n;            // built-in order: nonzero groups N-tiles instead (group_m of them), M-tile by M-tile
 };
 
 struct MkGemmArgs {

@@ -119,6 +119,7 @@ MK_DEV MkTileSpace<Cfg::BM> gemm_setup(const MkGemmArgs& args, const GemmSmem<Cf
   space.n = args.n;
   space.tiles_n = args.sched.tiles_n;
   space.group_m = args.sched.group_m > 0 ? args.sched.group_m : 1u;
+  space.by_n = args.sched.group_n;
   space.num_groups = GROUPED ? (u32)args.num_groups : 1u;
   if (GROUPED) {
     build_group_table<Cfg::BM>(sm.table, args.group_rows, space.num_groups, args.m, space.tiles_n);

@@ -49,6 +49,7 @@ struct MkTileSpace {
   u32 num_groups;
   u32 num_tiles;
   u32 group_m;
+  u32 by_n;   // the built-in order groups N-tiles (MkGemmSched::group_n)
   i32 n;
 
   MK_DEV u32 group_of(u32 t) const {  // the group whose tile range holds t (t < num_tiles)
@@ -64,11 +65,20 @@ struct MkTileSpace {
   MK_DEV i32 row_base(u32 g) const { return table ? table->row_base[g] : 0; }
   MK_DEV i32 rows(u32 g) const { return table ? table->row_base[g + 1] - table->row_base[g] : m; }
 
-  // Position in the built-in order -> tile id.
+  // Position in the built-in order -> tile id. M-grouped: blocks of group_m M-tiles, N-tile by N-tile
+  // inside a block (CTAs running together share B columns of few A rows); N-grouped (by_n): blocks
+  // of group_m N-tiles, M-tile by M-tile inside (they share A rows of few B columns).
   MK_DEV u32 builtin_id(u32 pos) const {
     const u32 g = group_of(pos);
     const u32 b = base(g), local = pos - b;
     const u32 tm = (u32)(rows(g) + BM - 1) / BM;
+    if (by_n) {
+      const u32 span = group_m * tm;
+      const u32 blk = local / span, r = local - blk * span;
+      const u32 first = blk * group_m;
+      const u32 gs = min(group_m, tiles_n - first);
+      return b + (r / gs) * tiles_n + first + r % gs;
+    }
     const u32 span = group_m * tiles_n;
     const u32 blk = local / span, r = local - blk * span;
     const u32 first = blk * group_m;
