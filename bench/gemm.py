@@ -213,7 +213,7 @@ def main():
 
     def order_knobs():
         # The built-in orders on every main shape and layout: M-grouped (the default for most) and
-        # N-grouped (gemm.default_order picks it for B [K, N] with N, K >= 8192), groups of 4-16.
+        # N-grouped (order='n'), groups of 4-16.
         for (M, N, K) in MAIN_SHAPES:
             a = rand((M, K), 40)
             out = cupy.empty((M, N), dtype=a.dtype)

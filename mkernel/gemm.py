@@ -38,12 +38,6 @@ SCHED_LEAVE, SCHED_GEMM = 0, 1  # role words (MK_SCHED_*)
 DEFAULT_GROUP_M = 8
 
 
-def default_order(N: int, K: int, layout: int) -> str:
-    """The built-in tile order a shape gets: 'n' (blocks of N-tiles, M-tile by M-tile inside) for B
-    as [K, N] with N and K both >= 8192, where it beat every M-grouping by 3-5% in two runs
-    (bench/NOTES.md); 'm' otherwise."""
-    return "n" if layout == B_KN and N >= 8192 and K >= 8192 else "m"
-
 # Shared memory (must equal gemm_smem_bytes<> in gemm_mainloop.cuh; gemm.cu static_asserts it).
 _OFF_BAR = STAGES * (BM * BK * 2) + STAGES * (BN * BK * 2) + 2 * 4 * 2 * 2048
 _BARS_BYTES = 336
@@ -341,7 +335,8 @@ def gemm(a, b, *, out=None, stream=None, b_layout=None, out_dtype=None, accumula
     (device uint32 per CTA, 1 = run tiles, 0 = leave GEMM work at the next tile boundary),
     ``tile_flags`` (device uint32 per tile, set to the launch epoch once the tile is stored),
     ``tile_counts`` (tests: counts the flag stores), ``group_m`` (built-in order, tiles per group),
-    ``order`` (built-in order: 'm' groups M-tiles, 'n' groups N-tiles; None: ``default_order``).
+    ``order`` (built-in order: 'm' (default) groups M-tiles, 'n' groups N-tiles; bench/NOTES.md:
+    neither wins reliably at the shapes measured).
     """
     cupy = _cupy()
     key = None
@@ -381,7 +376,7 @@ def gemm(a, b, *, out=None, stream=None, b_layout=None, out_dtype=None, accumula
         raise ArgumentError("group_m must be >= 1")
     if order not in (None, "m", "n"):
         raise ArgumentError(f"order must be None, 'm' or 'n'; got {order!r}")
-    order = default_order(N, K, layout) if order is None else order
+    order = order or "m"
     nt = tiles(M, N)
     plan = _launch(cupy, a=a, b_arr=b_arr, layout=layout, N=N, K=K, M=M, G=1, out=out, out_code=out_code,
                    group_rows=None, epi_op=EPI_ADD if accumulate else EPI_STORE, stream=stream, sms=sms,
