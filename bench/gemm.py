@@ -43,75 +43,16 @@ def bound_ms(M, N, K, G=1):
     return max(flops / (PEAK_TFLOPS * 1e12), bytes_ / (PEAK_TBS * 1e12)) * 1e3
 
 
-def bf16(x):
-    """float32 cupy array -> bfloat16 (round to nearest even), on the device."""
-    import cupy
-    import ml_dtypes
-
-    dt = np.dtype(ml_dtypes.bfloat16)
-    try:
-        return x.astype(dt)
-    except Exception:  # noqa: BLE001  (a CuPy without bfloat16 casts: do it on the bits)
-        u = x.view(cupy.uint32)
-        r = (u + cupy.uint32(0x7FFF) + ((u >> 16) & cupy.uint32(1))) >> 16
-        return r.astype(cupy.uint16).view(dt)
-
-
-
-
-def rand(shape, seed):
-    import cupy
-
-    return bf16(cupy.random.default_rng(seed).standard_normal(shape, dtype=cupy.float32))
-
-
 def wait(what, timeout_s=60.0):
     sync_or_exit(what, timeout_s)
 
 
-_spin = None
+rand = harness.rand  # bfloat16
 
 
-def spin(ns):
-    """Keeps the stream busy for ns nanoseconds (one thread on one SM)."""
-    global _spin
-    import cupy
-
-    if _spin is None:
-        _spin = cupy.RawKernel(r"""
-extern "C" __global__ void mk_bench_spin(unsigned long long ns) {
-  unsigned long long t0, t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
-}""", "mk_bench_spin")
-    _spin((1,), (1,), (np.uint64(ns),))
+gpu_time_ms = harness.hidden_launch_ms
 
 
-def gpu_time_ms(fn, reps, warmup=harness.WARMUP):
-    """Median CUDA-event time of fn() with the host's launch overhead hidden: each timed call is
-    queued behind a spin kernel long enough for the host to enqueue it, so the start event fires
-    when the work is already in the stream. Returns (median, all timings)."""
-    import cupy
-
-    for _ in range(warmup):
-        fn()
-    cupy.cuda.get_current_stream().synchronize()
-    t0 = time.perf_counter()
-    fn()
-    host_ns = (time.perf_counter() - t0) * 1e9
-    cupy.cuda.get_current_stream().synchronize()
-    pre = int(max(100e3, 3 * host_ns))
-    evs = []
-    for _ in range(reps):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        spin(pre)
-        start.record()
-        fn()
-        stop.record()
-        evs.append((start, stop))
-    wait("timed loop", timeout_s=120)
-    ts = [cupy.cuda.get_elapsed_time(a, b) for a, b in evs]
-    return harness.median(ts), ts
 
 
 def rel_err(x, ref):

@@ -64,17 +64,6 @@ HANG_S = 120.0
 
 
 # ------------------------------------------------------------------------------------ helpers
-def _rand(shape, seed, dt):
-    """Deterministic normal values of dtype dt (the same on every GPU for the same seed)."""
-    import cupy
-
-    x = cupy.random.RandomState(seed).standard_normal(shape, dtype=cupy.float32)
-    if dt.name != "bfloat16":
-        return x.astype(dt)
-    u = x.view(cupy.uint32)  # round to nearest even on the bits (CuPy may lack bfloat16 casts)
-    return ((u + cupy.uint32(0x7FFF) + ((u >> 16) & cupy.uint32(1))) >> 16).astype(cupy.uint16).view(dt)
-
-
 def _seed(row, rank, which):
     """Seed of rank's q (0), k (1) or v (2) in benchmark row ``row``: any rank can regenerate them."""
     return (row * 64 + rank) * 4 + which + 1
@@ -111,24 +100,6 @@ def wait(what, timeout_s=HANG_S):
     sync_or_exit(what, timeout_s)
 
 
-_spin = None
-
-
-def spin(ns):
-    """Keeps the stream busy for ns nanoseconds (one thread on one SM)."""
-    global _spin
-    import cupy
-
-    if _spin is None:
-        _spin = cupy.RawKernel(r"""
-extern "C" __global__ void mk_bench_spin(unsigned long long ns) {
-  unsigned long long t0, t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
-}""", "mk_bench_spin")
-    _spin((1,), (1,), (np.uint64(ns),))
-
-
 def timed(comm, fn, reps, warmup=harness.WARMUP):
     """(max over ranks of the median, this rank's timings) of fn() in ms. Each repetition starts
     behind a barrier (ranks aligned) and a spin kernel long enough for the host to enqueue fn, so
@@ -139,16 +110,12 @@ def timed(comm, fn, reps, warmup=harness.WARMUP):
         fn()
     wait("warm-up")
     comm.bench_mpi.Barrier()
-    t0 = time.perf_counter()
-    fn()
-    host_ns = (time.perf_counter() - t0) * 1e9
-    wait("host timing")
-    pre = int(comm.bench_mpi.allreduce(max(100e3, 3 * host_ns), op=_max_op()))
+    pre = int(comm.bench_mpi.allreduce(harness.launch_lead_ns(fn), op=_max_op()))
     ts = []
     for _ in range(reps):
         start, stop = cupy.cuda.Event(), cupy.cuda.Event()
         comm.bench_mpi.Barrier()
-        spin(pre)
+        harness.spin(pre)
         start.record()
         fn()
         stop.record()
@@ -298,8 +265,8 @@ def sampled_reference(comm, row, q, rows, S, Hq, Hkv, D, dt, causal):
     l_ = cupy.zeros((Hq, n), dtype=cupy.float32)
     acc = cupy.zeros((Hq, n, D), dtype=cupy.float32)
     for p in range(W):
-        kh = cupy.repeat(_f32(_rand((S, Hkv, D), _seed(row, p, 1), dt)).transpose(1, 0, 2), g, axis=0)
-        vh = cupy.repeat(_f32(_rand((S, Hkv, D), _seed(row, p, 2), dt)).transpose(1, 0, 2), g, axis=0)
+        kh = cupy.repeat(_f32(harness.rand((S, Hkv, D), _seed(row, p, 1), dt)).transpose(1, 0, 2), g, axis=0)
+        vh = cupy.repeat(_f32(harness.rand((S, Hkv, D), _seed(row, p, 2), dt)).transpose(1, 0, 2), g, axis=0)
         s = cupy.matmul(qh, kh.transpose(0, 2, 1)) * np.float32(scale)  # [H_q, n, S]
         if causal:
             pos_k = cupy.asarray(global_positions(p, W, S, causal=True))
@@ -321,9 +288,9 @@ def bench_row(comm, ring, attention, row, S, causal, dt, reps, have_baseline, co
 
     W, me = comm.size, comm.rank
     H, D = HEADS, DIM
-    q = _rand((S, H, D), _seed(row, me, 0), dt)
-    k = _rand((S, H, D), _seed(row, me, 1), dt)
-    v = _rand((S, H, D), _seed(row, me, 2), dt)
+    q = harness.rand((S, H, D), _seed(row, me, 0), dt)
+    k = harness.rand((S, H, D), _seed(row, me, 1), dt)
+    v = harness.rand((S, H, D), _seed(row, me, 2), dt)
     out = cupy.empty_like(q)
     kw = {} if comm_sms is None else {"comm_sms": comm_sms}
 

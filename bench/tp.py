@@ -35,16 +35,6 @@ QUICK = [(4096, 4096, 4096), (8192, 8192, 8192)]
 SAMPLE_ROWS = 64
 
 
-def _rand(shape, seed, dt):
-    """Deterministic normal values of dtype dt (the same on every GPU for the same seed)."""
-    import cupy
-    x = cupy.random.RandomState(seed).standard_normal(shape, dtype=cupy.float32)
-    if dt.name != "bfloat16":
-        return x.astype(dt)
-    u = x.view(cupy.uint32)  # round to nearest even on the bits (CuPy may lack bfloat16 casts)
-    return ((u + cupy.uint32(0x7FFF) + ((u >> 16) & cupy.uint32(1))) >> 16).astype(cupy.uint16).view(dt)
-
-
 def _f64(x):
     import cupy
     if x.dtype.name != "bfloat16":
@@ -101,8 +91,8 @@ def setup(op, comm, M, N, K, dt):
     main = cupy.cuda.get_current_stream()
     if op == "allgather_gemm":
         mb, Nr = M // W, N // W
-        a = _rand((mb, K), 100 + r, dt)
-        b = _rand((K, Nr), 200 + r, dt)
+        a = harness.rand((mb, K), 100 + r, dt)
+        b = harness.rand((K, Nr), 200 + r, dt)
         out = cupy.empty((M, Nr), dt)
         gath = cupy.empty((M, K), dt)
         fused = lambda: mkernel.allgather_gemm(a, b, comm=comm, out=out, path="fused")  # noqa: E731
@@ -132,8 +122,8 @@ def setup(op, comm, M, N, K, dt):
         return dict(fused=fused, base=base, chunked=chunked, gemm=gemm_only, sent=sent, out=out,
                     ref=lambda rows: _ag_ref(comm, rows, M, K, Nr, dt))
     Kr = K // W
-    a = _rand((M, Kr), 300 + r, dt)
-    b = _rand((Kr, N), 400 + r, dt)
+    a = harness.rand((M, Kr), 300 + r, dt)
+    b = harness.rand((Kr, N), 400 + r, dt)
     ar = op == "gemm_allreduce"
     mb = M // W
     out = cupy.empty((M, N) if ar else (mb, N), dt)
@@ -183,16 +173,16 @@ def _rs_ref(comm, rows, M, Kr, N, dt, ar):
     g_rows = rows if ar else rows + comm.rank * mb
     acc = cupy.zeros((len(rows), N), cupy.float64)
     for p in range(comm.size):
-        a = _f64(_take(_rand((M, Kr), 300 + p, dt), g_rows))
-        acc += a @ _f64(_rand((Kr, N), 400 + p, dt))
+        a = _f64(_take(harness.rand((M, Kr), 300 + p, dt), g_rows))
+        acc += a @ _f64(harness.rand((Kr, N), 400 + p, dt))
     return acc
 
 
 def _ag_ref(comm, rows, M, K, Nr, dt):
     import cupy
     mb = M // comm.size
-    a_full = cupy.concatenate([_rand((mb, K), 100 + p, dt).view(cupy.uint16) for p in range(comm.size)]).view(dt)
-    return _f64(_take(a_full, rows)) @ _f64(_rand((K, Nr), 200 + comm.rank, dt))
+    a_full = cupy.concatenate([harness.rand((mb, K), 100 + p, dt).view(cupy.uint16) for p in range(comm.size)]).view(dt)
+    return _f64(_take(a_full, rows)) @ _f64(harness.rand((K, Nr), 200 + comm.rank, dt))
 
 
 def max_err(out, ref_fn, rows):
@@ -245,7 +235,7 @@ def main():
     dt = np.dtype(ml_dtypes.bfloat16) if args.dtype == "bfloat16" else np.dtype(np.float16)
     try:  # the baseline is cupy.matmul: fall back to float16 where CuPy has no bfloat16 matmul
         import cupy
-        cupy.matmul(_rand((16, 16), 0, dt), _rand((16, 16), 1, dt))
+        cupy.matmul(harness.rand((16, 16), 0, dt), harness.rand((16, 16), 1, dt))
     except Exception as e:  # noqa: BLE001
         if comm.rank == 0:
             print(f"cupy.matmul cannot multiply {dt} ({type(e).__name__}); benchmarking float16")

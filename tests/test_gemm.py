@@ -19,9 +19,9 @@ import sys
 import zlib
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 import pytest
+from gpu_arrays import (dev as _dev, host as _host, poisoned as _poisoned, BF16, DTYPES)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -34,9 +34,6 @@ from mkernel import tma  # noqa: E402
 from mkernel.errors import ArgumentError  # noqa: E402
 from mkernel.testing import sync_or_exit  # noqa: E402
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
-DTYPES = {"bf16": BF16, "fp16": np.dtype(np.float16)}
-NAN_BITS = {"bf16": (np.uint16, 0x7FC0), "fp16": (np.uint16, 0x7E00), "f32": (np.uint32, 0x7FC00000)}
 
 
 # ======================================================================================== CPU
@@ -121,34 +118,6 @@ def test_b_layout_inference_and_host_checks():
 
 
 # ================================================================================ GPU helpers
-def _dev(x):
-    import cupy
-
-    try:
-        return cupy.asarray(x)
-    except Exception:  # noqa: BLE001  (a CuPy without bfloat16 transfers)
-        return cupy.asarray(x.view(np.uint16)).view(x.dtype)
-
-
-def _host(x):
-    import cupy
-
-    try:
-        return cupy.asnumpy(x)
-    except Exception:  # noqa: BLE001
-        return cupy.asnumpy(x.view(cupy.uint16)).view(x.dtype)
-
-
-def _poisoned(shape, kind):
-    import cupy
-
-    word, bits = NAN_BITS[kind]
-    dt = {"bf16": BF16, "fp16": np.float16, "f32": np.float32}[kind]
-    out = cupy.empty(shape, dtype=dt)
-    out.view(word).fill(bits)
-    return out
-
-
 def _sync(what, timeout_s=30.0):
     sync_or_exit(what, timeout_s)
 

@@ -51,9 +51,11 @@ import time
 import zlib
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 import pytest
+from gpu_arrays import (  # the shared device-array helpers (tests/gpu_arrays.py)
+    dev as _dev, host as _host, bits as _bits, f32 as _f32, poisoned as _poisoned, poison as _poison,
+    BF16, DTYPES)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -72,9 +74,6 @@ try:
 except Exception as _e:  # noqa: BLE001  (pragma: no cover - only while the module is missing or broken)
     mra, _IMPORT_ERROR = None, _e
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
-DTYPES = {"bf16": BF16, "fp16": np.dtype(np.float16)}
-NAN_BITS = {"bf16": (np.uint16, 0x7FC0), "fp16": (np.uint16, 0x7E00), "f32": (np.uint32, 0x7FC00000)}
 TILE = 128           # query rows per tile of the per-tile error report
 REL_TOL = 1e-2       # relative Frobenius error, whole output and per tile
 MAX_TOL = 3e-2       # max |error| / max |reference|
@@ -149,63 +148,6 @@ def test_module_and_export():
 
 
 # ================================================================================ GPU helpers
-def _dev(x):
-    import cupy
-
-    x = np.ascontiguousarray(x)
-    try:
-        return cupy.asarray(x)
-    except Exception:  # noqa: BLE001  (a CuPy without bfloat16 transfers)
-        return cupy.asarray(x.view(np.uint16)).view(x.dtype)
-
-
-def _host(x):
-    import cupy
-
-    try:
-        return cupy.asnumpy(x)
-    except Exception:  # noqa: BLE001
-        return cupy.asnumpy(x.view(cupy.uint16)).view(x.dtype)
-
-
-def _bits(x):
-    """The raw bits of a device array, on the host (uint16 for 16-bit data, uint32 for float32)."""
-    import cupy
-
-    return cupy.asnumpy(x.view(cupy.uint16 if x.dtype.itemsize == 2 else cupy.uint32))
-
-
-def _f32(x):
-    """A device bf16 / fp16 array as float32 (on the device)."""
-    import cupy
-
-    if x.dtype == np.float16:
-        return x.astype(cupy.float32)
-    try:
-        return x.astype(cupy.float32)
-    except Exception:  # noqa: BLE001  (a CuPy without bfloat16 casts: do it on the bits)
-        return (x.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32)
-
-
-def _poisoned(shape, kind):
-    import cupy
-
-    word, bits = NAN_BITS[kind]
-    dt = {"bf16": BF16, "fp16": np.float16, "f32": np.float32}[kind]
-    out = cupy.empty(shape, dtype=dt)
-    out.view(word).fill(bits)
-    return out
-
-
-def _poison(x):
-    word, bits = NAN_BITS["bf16" if x.dtype == BF16 else "fp16" if x.dtype == np.float16 else "f32"]
-    x.view(word).fill(bits)
-
-
-def _kind(dt):
-    return "bf16" if np.dtype(dt) == BF16 else "fp16"
-
-
 def _sync(what, timeout_s=HANG_S):
     sync_or_exit(what, timeout_s)
 

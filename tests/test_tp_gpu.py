@@ -26,6 +26,7 @@ import hashlib
 
 import numpy as np
 import pytest
+from gpu_arrays import (dev as _dev, host as _host, poisoned as _poisoned)
 
 import mkernel
 from mkernel.allgather_gemm import allgather_gemm
@@ -42,7 +43,6 @@ try:
 except ImportError:  # pragma: no cover
     BF16 = None
 DTYPES = {"bf16": BF16, "fp16": np.dtype(np.float16)}
-NAN16 = {"bf16": 0x7FC0, "fp16": 0x7E00}
 TM, TN = 128, 256
 HANG_S = 45.0  # past MKERNEL_TIMEOUT_S (30): a device wait times out and is reported first
 
@@ -55,23 +55,6 @@ def comm():
 
 
 # ------------------------------------------------------------------------------ helpers
-def _dev(x):
-    import cupy
-    return cupy.asarray(np.ascontiguousarray(x).view(np.uint16)).view(x.dtype)
-
-
-def _host(x):
-    import cupy
-    return cupy.asnumpy(x.view(cupy.uint16)).view(x.dtype)
-
-
-def _poisoned(shape, kind):
-    import cupy
-    out = cupy.empty(shape, dtype=DTYPES[kind])
-    out.view(cupy.uint16).fill(NAN16[kind])
-    return out
-
-
 def _sync(what):
     sync_or_exit(what, HANG_S)
 
