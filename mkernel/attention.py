@@ -19,10 +19,10 @@ alignment, as FlashAttention >= 2.1); a row that sees no key gets 0 and a log-su
 import ctypes
 import logging
 import math
-from collections import OrderedDict
 
 from . import compile as _compile
 from . import tma as _tma
+from .launch import PlanCache
 from .errors import ArgumentError, NoGPUError
 from .gemm import MkGemmSched, workspace as _gemm_workspace, _num_sms, _check_device
 from .sync import MkSync
@@ -143,9 +143,8 @@ def _check(cupy, q, k, v, out, causal_offset, sms):
     return q4, k4, v4
 
 
-# Launch plans by everything that determines the arguments (pointers, shapes, strides, options).
-_plans = OrderedDict()
-_PLANS_MAX = 256
+# Launch plans of attention() calls that passed `out` and no lse (launch.PlanCache).
+_plans = PlanCache()
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None, stream=None,
@@ -167,12 +166,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     if out is not None and not return_lse and all(isinstance(x, cupy.ndarray) for x in (q, k, v, out)):
         key = (cupy.cuda.runtime.getDevice(), s.ptr, bool(causal), softmax_scale, causal_offset, sms) + tuple(
             (x.data.ptr, x.shape, x.strides, x.dtype.str) for x in (q, k, v, out))
-        plan = _plans.get(key)
-        if plan is not None:
-            from .launch import launch
-
-            _plans.move_to_end(key)
-            launch(*plan[:4], smem=plan[4], stream=stream)
+        if _plans.launch(key, stream):
             return out
     from .arrays import as_cupy
 
@@ -211,9 +205,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
 
     launch(fn, (grid,), (THREADS,), args, smem=SMEM[D], stream=stream)
     if key is not None:
-        _plans[key] = (fn, (grid,), (THREADS,), args, SMEM[D])
-        while len(_plans) > _PLANS_MAX:
-            _plans.popitem(last=False)
+        _plans.add(key, (fn, (grid,), (THREADS,), args, SMEM[D]))
     if return_lse:
         return out, (lse[0] if q.ndim == 3 else lse)
     return out
@@ -222,6 +214,26 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
 def check(stream=None) -> None:
     """Raises the error (mkernel.TimeoutError) an attention launch on this stream recorded, if any."""
     _gemm_workspace(stream).check()
+
+
+def reference(q, k, v, *, causal=False):
+    """Plain attention in q's precision (float64 NumPy or float32 CuPy arrays, the array module of
+    q): q ``[S_q, H_q, D]``, k / v ``[S_kv, H_kv, D]``, the engine's causal rule with the default
+    offset. For checks (the sanitizer target, the main job), not for speed."""
+    import numpy
+
+    xp = numpy if isinstance(q, numpy.ndarray) else _cupy()
+    Sq, Hq, D = q.shape
+    Skv, Hkv, _ = k.shape
+    kh = xp.repeat(k.transpose(1, 2, 0), Hq // Hkv, axis=0)  # [H_q, D, S_kv]
+    vh = xp.repeat(v.transpose(1, 0, 2), Hq // Hkv, axis=0)  # [H_q, S_kv, D]
+    s = q.transpose(1, 0, 2) @ kh / math.sqrt(D)
+    if causal:
+        s = xp.where(xp.arange(Skv)[None, None, :] <= xp.arange(Sq)[None, :, None] + Skv - Sq, s, -xp.inf)
+    m = s.max(-1, keepdims=True)
+    p = xp.exp(s - xp.where(xp.isfinite(m), m, 0))
+    l = p.sum(-1, keepdims=True)
+    return (p @ vh / xp.where(l > 0, l, 1)).transpose(1, 0, 2)
 
 
 def sanitize_target():
@@ -239,13 +251,7 @@ def sanitize_target():
             out = cupy.full(q.shape, np.nan, dtype=np.float16)
             attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), causal=causal, out=out)
             got = out.get().astype(np.float64)
-            want = np.empty_like(got)
-            for h in range(Hq):
-                s = q[:, h].astype(np.float64) @ k[:, h // (Hq // Hkv)].astype(np.float64).T / math.sqrt(D)
-                if causal:
-                    s = np.where(np.arange(Skv)[None, :] <= np.arange(Sq)[:, None] + Skv - Sq, s, -np.inf)
-                p = np.exp(s - s.max(1, keepdims=True))
-                want[:, h] = p @ v[:, h // (Hq // Hkv)].astype(np.float64) / p.sum(1, keepdims=True)
+            want = reference(*(x.astype(np.float64) for x in (q, k, v)), causal=causal)
             err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
             if not err < 1e-2:
                 raise AssertionError(f"attention D={D} causal={causal}: relative error {err:.2e}")

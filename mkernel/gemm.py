@@ -16,11 +16,11 @@ CuPy is imported lazily, so that this module (and its kernel registration) impor
 
 import ctypes
 import threading
-from collections import OrderedDict
 
 from . import compile as _compile
 from .errors import ArgumentError, NoGPUError
 from . import tma as _tma
+from .launch import PlanCache
 from .sync import MkStatus, MkSync, SyncState  # noqa: F401  (MkStatus: the layout test)
 
 # ---------------------------------------------------------------------------- kernel registry
@@ -188,15 +188,18 @@ def _out_code(a_dtype_name, out_dtype_name):
     return OUT_BF16 if a_dtype_name == "bfloat16" else OUT_F16
 
 
-def _prepare_out(cupy, out, shape, dtype, what="out"):
+def _prepare_out(cupy, out, shape, a, out_dtype):
+    """(out, its MK_OUT_* code): ``out`` checked, or a new array of out_dtype (default a's dtype)."""
+    dtype = out.dtype if out is not None else cupy.dtype(out_dtype) if out_dtype is not None else a.dtype
+    out_code = _out_code(_dtype_name(a), cupy.dtype(dtype).name)
     if out is None:
-        return cupy.empty(shape, dtype=dtype)
+        return cupy.empty(shape, dtype=dtype), out_code
     if not isinstance(out, cupy.ndarray):
-        raise ArgumentError(f"{what} must be a cupy.ndarray")
+        raise ArgumentError("out must be a cupy.ndarray")
     if tuple(out.shape) != tuple(shape):
-        raise ArgumentError(f"{what} must have shape {tuple(shape)}; got {out.shape}")
-    _check_2d_rowmajor(out, what)
-    return out
+        raise ArgumentError(f"out must have shape {tuple(shape)}; got {out.shape}")
+    _check_2d_rowmajor(out, "out")
+    return out, out_code
 
 
 _sm_counts = {}
@@ -298,11 +301,8 @@ def _launch(cupy, *, a, b_arr, layout, N, K, M, G, out, out_code, group_rows, ep
     return plan
 
 
-# Launch plans of gemm() calls that passed `out`, by everything that determines the arguments
-# (pointers, shapes, strides, dtypes, options, stream): a repeated call (benchmarks, fused ops,
-# training loops) skips validation and argument building. Bounded; least recently used goes first.
-_plans = OrderedDict()
-_PLANS_MAX = 256
+# Launch plans of gemm() calls that passed `out` (launch.PlanCache).
+_plans = PlanCache()
 
 
 def _ptr(x):
@@ -344,12 +344,7 @@ def gemm(a, b, *, out=None, stream=None, b_layout=None, out_dtype=None, accumula
             and isinstance(out, cupy.ndarray):
         key = _plan_key(cupy, stream, a, b, out, b_layout, out_dtype, accumulate, sms, _ptr(tile_order),
                         _ptr(roles), _ptr(tile_flags), _ptr(tile_counts), group_m, order)
-        plan = _plans.get(key)
-        if plan is not None:
-            from .launch import launch
-
-            _plans.move_to_end(key)
-            launch(*plan[:4], smem=plan[4], stream=stream)
+        if _plans.launch(key, stream):
             return out
     _check_device(cupy)
     if not isinstance(a, cupy.ndarray) or not isinstance(b, cupy.ndarray):
@@ -361,9 +356,7 @@ def gemm(a, b, *, out=None, stream=None, b_layout=None, out_dtype=None, accumula
     M, K = a.shape
     layout, b_arr, N = _resolve_b_2d(b, K, b_layout)
     _check_inputs(a, None, K, N)
-    dtype = out.dtype if out is not None else cupy.dtype(out_dtype) if out_dtype is not None else a.dtype
-    out_code = _out_code(_dtype_name(a), cupy.dtype(dtype).name)
-    out = _prepare_out(cupy, out, (M, N), dtype)
+    out, out_code = _prepare_out(cupy, out, (M, N), a, out_dtype)
     if M == 0 or N == 0:
         return out
     if K == 0:
@@ -383,9 +376,7 @@ def gemm(a, b, *, out=None, stream=None, b_layout=None, out_dtype=None, accumula
                    tile_order=tile_order, roles=roles, tile_flags=tile_flags, tile_counts=tile_counts,
                    group_m=group_m, num_tiles_host=nt, max_tiles=nt, order=order)
     if key is not None:
-        _plans[key] = plan
-        while len(_plans) > _PLANS_MAX:
-            _plans.popitem(last=False)
+        _plans.add(key, plan)
     return out
 
 
@@ -444,9 +435,7 @@ def grouped_gemm(a, b, group_rows, *, out=None, stream=None, b_layout=None, out_
         raise ArgumentError(f"b must have contiguous rows and 16-byte multiple strides; got {b_arr.strides}")
     if b_arr.data.ptr % 16:
         raise ArgumentError("b must start at a 16-byte aligned address")
-    dtype = out.dtype if out is not None else cupy.dtype(out_dtype) if out_dtype is not None else a.dtype
-    out_code = _out_code(_dtype_name(a), cupy.dtype(dtype).name)
-    out = _prepare_out(cupy, out, (M, N), dtype)
+    out, out_code = _prepare_out(cupy, out, (M, N), a, out_dtype)
     if M == 0 or N == 0:
         return out
     if K == 0:

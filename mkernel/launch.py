@@ -48,12 +48,18 @@ def sm_count() -> int:
     return cupy.cuda.Device().attributes["MultiProcessorCount"]
 
 
+_grids = {}
+
+
 def persistent_grid(fn, block_threads: int, smem: int, blocks: int = None, what: str = "kernel") -> int:
     """The grid of a persistent kernel: ``blocks`` (default: as many as fit), checked to be resident
     all at once, since its blocks wait on each other. Launch it with ``cooperative=True`` where other
     kernels (NCCL's) may hold SMs: a cooperative launch fails instead of deadlocking."""
     from .errors import ArgumentError, MKernelError
 
+    key = (fn.ptr, block_threads, smem, blocks)  # occupancy is a driver query: once per function
+    if key in _grids:
+        return _grids[key]
     per_sm = max_resident_blocks(fn, block_threads, smem)
     if per_sm == 0:
         raise MKernelError(f"{what}: a block of {block_threads} threads with {smem} bytes of shared memory "
@@ -63,4 +69,52 @@ def persistent_grid(fn, block_threads: int, smem: int, blocks: int = None, what:
     if not 0 < blocks <= limit:
         raise ArgumentError(f"{what}: {blocks} persistent blocks requested, but only {limit} can be resident "
                             f"at once ({per_sm} per SM)")
+    _grids[key] = blocks
     return blocks
+
+
+_cooperative = [True]  # until a driver refuses a cooperative launch in this process
+
+
+def launch_persistent(fn, grid, block, args, *, smem: int, stream=None, what: str = "kernel"):
+    """Launches a kernel whose blocks wait on each other (grid from persistent_grid): cooperatively,
+    so that a launch that cannot be resident beside other kernels (NCCL's) fails instead of
+    deadlocking; where the driver refuses cooperative launches, normally from then on (logged)."""
+    if _cooperative[0]:
+        try:
+            launch(fn, grid, block, args, smem=smem, stream=stream, cooperative=True)
+            return
+        except Exception as e:  # noqa: BLE001  (a driver refusing cooperative launches here)
+            from .log import get_logger
+
+            _cooperative[0] = False
+            get_logger("launch").warning("%s: cooperative launch failed (%s); launching normally from now on "
+                                         "(the grid was checked to be resident)", what, e)
+    launch(fn, grid, block, args, smem=smem, stream=stream)
+
+
+class PlanCache:
+    """Launch plans ``(fn, grid, block, args, smem)`` of an op by a key of everything that determines
+    the arguments (pointers, shapes, strides, dtypes, options, stream): a repeated call (benchmarks,
+    fused ops, training loops) skips validation and argument building. Bounded; least recently used
+    goes first."""
+
+    def __init__(self, size: int = 256):
+        from collections import OrderedDict
+
+        self._plans = OrderedDict()
+        self.size = size
+
+    def launch(self, key, stream=None) -> bool:
+        """Launches the plan of ``key`` if there is one; False otherwise."""
+        plan = self._plans.get(key)
+        if plan is None:
+            return False
+        self._plans.move_to_end(key)
+        launch(*plan[:4], smem=plan[4], stream=stream)
+        return True
+
+    def add(self, key, plan):
+        self._plans[key] = plan
+        while len(self._plans) > self.size:
+            self._plans.popitem(last=False)

@@ -19,11 +19,10 @@ import ctypes
 import importlib
 
 from . import compile as _compile
+from . import tp as _tp
 from . import tma as _tma
-from .errors import ArgumentError, MKernelError
-from .log import get_logger
+from .errors import ArgumentError
 
-log = get_logger("ring_attention")
 _attn = importlib.import_module("mkernel.attention")
 
 MAX_WORLD = 8             # RING_MAX_WORLD
@@ -31,7 +30,6 @@ CNT_WORDS = 1 + 3 * MAX_WORLD
 FLAG_WORDS = 2 * MAX_WORLD
 DEFAULT_COMM_SMS = 8      # forwarding CTAs: NVLink push saturates near 8 SMs (shared/device/README.md)
 CHUNK_BYTES = 256 << 10   # bytes of K (and as many of V) per forwarding chunk
-COOPERATIVE = True
 
 
 def kernel_expr(dt: int, d: int, causal: bool) -> str:
@@ -61,37 +59,28 @@ def _rows_contiguous(x):
     return (D == 1 or x.strides[3] == x.itemsize) and (H == 1 or x.strides[2] == D * x.itemsize)
 
 
-def _plan(comm, key, q4, k4):
-    """Buffers of one shape (cached on the communicator, allocated collectively)."""
+def _plan(comm, q4, k4):
+    """Buffers of one shape: the receive slots and flags in symmetric memory (tp.plan_buffers: cached
+    on the communicator, allocated collectively, freed by tp.release_buffers), and this rank's fp32
+    accumulators, tile flags and scheduler words in device memory."""
     import cupy
 
-    cache = comm.__dict__.setdefault("_ring_plans", {})
-    plan = cache.get(key)
-    if plan is not None:
-        return plan
     B, S, Hq, D = q4.shape
     Hkv = k4.shape[2]
-    slot_shape = (B, S, Hkv, D)
-    try:
-        plan = {"k_slot": [comm.empty(slot_shape, k4.dtype) for _ in range(2)],
-                "v_slot": [comm.empty(slot_shape, k4.dtype) for _ in range(2)],
-                "flags": comm.empty(FLAG_WORDS, cupy.uint32)}
-    except MKernelError as e:
-        need = 4 * B * S * Hkv * D * k4.itemsize
-        raise MKernelError(f"ring_attention: needs {need} bytes of symmetric workspace for its receive slots, "
-                           f"more than is free of {comm.heap.nbytes}; pass a larger workspace_bytes to "
-                           f"mkernel.init (or set MKERNEL_WORKSPACE_BYTES) ({e})") from e
-    plan["flags"].fill(0)
-    tiles = B * Hq * -(-S // _attn.BLOCK_M)
-    plan["o_acc"] = cupy.empty((B, S, Hq, D), dtype=cupy.float32)
-    plan["m_acc"] = cupy.empty((B, Hq, S), dtype=cupy.float32)
-    plan["l_acc"] = cupy.empty((B, Hq, S), dtype=cupy.float32)
-    plan["tile_flags"] = cupy.zeros(2 * tiles, dtype=cupy.uint32)
-    plan["counters"] = cupy.zeros(CNT_WORDS, dtype=cupy.uint32)
-    plan["sched"] = cupy.zeros(4, dtype=cupy.uint32)  # tile_counter, done_count
-    plan["tiles"] = tiles
-    cupy.cuda.runtime.deviceSynchronize()  # zeroed before this rank announces any credit
-    cache[key] = plan
+    slot = (B, S, Hkv, D)
+    plan = _tp.plan_buffers("ring_attention", comm, ("buffers", "ring_attention", B, S, Hq, Hkv, D, k4.dtype.name),
+                            [("k_slot0", slot, k4.dtype), ("k_slot1", slot, k4.dtype), ("v_slot0", slot, k4.dtype),
+                             ("v_slot1", slot, k4.dtype), ("flags", (FLAG_WORDS,), cupy.uint32)],
+                            counter_words=CNT_WORDS)
+    if "o_acc" not in plan:  # first use of this shape
+        tiles = B * Hq * -(-S // _attn.BLOCK_M)
+        plan["o_acc"] = cupy.empty((B, S, Hq, D), dtype=cupy.float32)
+        plan["m_acc"] = cupy.empty((B, Hq, S), dtype=cupy.float32)
+        plan["l_acc"] = cupy.empty((B, Hq, S), dtype=cupy.float32)
+        plan["tile_flags"] = cupy.zeros(2 * tiles, dtype=cupy.uint32)
+        plan["sched"] = cupy.zeros(4, dtype=cupy.uint32)  # tile_counter, done_count
+        plan["tiles"] = tiles
+        cupy.cuda.runtime.deviceSynchronize()
     return plan
 
 
@@ -109,7 +98,7 @@ def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, return_ls
     """
     import cupy
     from .arrays import as_cupy
-    from .launch import launch, persistent_grid
+    from .launch import launch_persistent, persistent_grid
 
     from .comm import Communicator
 
@@ -146,7 +135,7 @@ def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, return_ls
     comm.agree(key, key)
     if not (_rows_contiguous(k4) and _rows_contiguous(v4) and k4.strides == v4.strides):
         k4, v4 = cupy.ascontiguousarray(k4), cupy.ascontiguousarray(v4)  # the forwarders copy whole rows
-    plan = _plan(comm, key[:7], q4, k4)
+    plan = _plan(comm, q4, k4)
     if out is None:
         out = cupy.empty(q.shape, dtype=q.dtype)
     o4 = _attn._as4d(out, "out")
@@ -177,10 +166,9 @@ def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, return_ls
               else _attn.positions(me * S))
     a.kpos = a.qpos  # (per step in the kernel; this one only fills the end-of-work tile)
     for i in range(2):
-        r.k_slot[i] = _attn._tensor_map(plan["k_slot"][i], _attn.BLOCK_N)
-        r.v_slot[i] = _attn._tensor_map(plan["v_slot"][i], _attn.BLOCK_N)
-        r.kslot_off[i] = comm.offset_of(plan["k_slot"][i])
-        r.vslot_off[i] = comm.offset_of(plan["v_slot"][i])
+        ks, vs = plan[f"k_slot{i}"], plan[f"v_slot{i}"]
+        r.k_slot[i], r.v_slot[i] = _attn._tensor_map(ks, _attn.BLOCK_N), _attn._tensor_map(vs, _attn.BLOCK_N)
+        r.kslot_off[i], r.vslot_off[i] = comm.offset_of(ks), comm.offset_of(vs)
     r.peer_base = comm.peer_table.data.ptr
     r.flags_off = comm.offset_of(plan["flags"])
     r.k_own, r.v_own = k4.data.ptr, v4.data.ptr
@@ -194,17 +182,7 @@ def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, return_ls
     r.world, r.me, r.attn_ctas, r.zigzag = W, me, grid - comm_ctas, int(bool(causal))
     r.tiles_per_step = plan["tiles"]
     r.chunk_rows = max(1, CHUNK_BYTES // (Hkv * D * k4.itemsize))
-    global COOPERATIVE
-    if COOPERATIVE:
-        try:
-            launch(fn, (grid,), (_attn.THREADS,), r, smem=smem, stream=stream, cooperative=True)
-        except Exception as e:  # noqa: BLE001  (a driver refusing cooperative launches here)
-            COOPERATIVE = False
-            log.warning("ring_attention: cooperative launch failed (%s); launching normally (the grid was "
-                        "checked to be resident)", e)
-            launch(fn, (grid,), (_attn.THREADS,), r, smem=smem, stream=stream)
-    else:
-        launch(fn, (grid,), (_attn.THREADS,), r, smem=smem, stream=stream)
+    launch_persistent(fn, (grid,), (_attn.THREADS,), r, smem=smem, stream=stream, what="ring_attention")
     if return_lse:
         return out, (lse[0] if q.ndim == 3 else lse)
     return out

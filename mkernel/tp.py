@@ -30,7 +30,6 @@ MAX_WORLD = 8  # TP_MAX_WORLD
 OP_RS, OP_AR, OP_AG = 0, 1, 2
 CNT_WORDS = 8
 SMEM_BYTES = 230736  # TP_SMEM_BYTES (static_assert in every .cu)
-COOPERATIVE = True  # all CTAs wait on each other: a cooperative launch fails instead of deadlocking
 PATHS = ("fused", "fallback", "gemm")
 # RS / AR: the GEMM CTAs' consumers join the reduction after their last tile (besides the comm_sms
 # dedicated CTAs). Off until validated on a GPU (tests/test_tp_gpu.py runs both settings).
@@ -197,8 +196,9 @@ def on_stream(stream):
 
 
 # ------------------------------------------------------------------------------- buffers
-def plan_buffers(op, comm, key, sizes):
-    """Symmetric buffers of one (op, shape key), allocated once (collectively) and cached.
+def plan_buffers(op, comm, key, sizes, counter_words=CNT_WORDS):
+    """Symmetric buffers of one (op, shape key), allocated once (collectively) and cached, plus
+    ``counters`` (device words, zero between launches). Keys start with "buffers" (release_buffers).
 
     sizes: [(name, shape, dtype)], flags (uint32) are zeroed before first use."""
     cache = op_cache(comm)
@@ -218,7 +218,7 @@ def plan_buffers(op, comm, key, sizes):
     for name, arr in plan.items():
         if arr.dtype == cupy.uint32:
             arr.fill(0)
-    plan["counters"] = cupy.zeros(CNT_WORDS, dtype=cupy.uint32)
+    plan["counters"] = cupy.zeros(counter_words, dtype=cupy.uint32)
     cupy.cuda.runtime.deviceSynchronize()  # zeroed before this rank announces any credit
     cache[key] = plan
     return plan
@@ -304,24 +304,12 @@ def fill_common(args, comm, op, *, a_ptr, a_rows, a_row_bytes, dtype, b_arr, lay
 
 
 def launch_fused(comm, op, spec, kernel, args, dtype, layout, grid, stream):
-    from .launch import launch, persistent_grid
+    from .launch import launch_persistent, persistent_grid
 
     fn = _compile.module(spec).function(kernel_expr(kernel, DT[dtype.name], layout))
-    key = ("_grid_ok", op, grid)
-    cache = op_cache(comm)
-    if key not in cache:
-        cache[key] = persistent_grid(fn, THREADS, SMEM_BYTES, blocks=grid, what=op)
+    persistent_grid(fn, THREADS, SMEM_BYTES, blocks=grid, what=op)  # checked once per grid (cached)
     args.g.c = args.dst[0]
-    global COOPERATIVE
-    if COOPERATIVE:
-        try:
-            launch(fn, (grid,), (THREADS,), args, smem=SMEM_BYTES, stream=stream, cooperative=True)
-            return
-        except Exception as e:  # noqa: BLE001  (a driver refusing cooperative launches here)
-            COOPERATIVE = False
-            log.warning("%s: cooperative launch failed (%s); launching normally from now on (the grid was "
-                        "checked to be resident: %d CTAs)", op, e, grid)
-    launch(fn, (grid,), (THREADS,), args, smem=SMEM_BYTES, stream=stream)
+    launch_persistent(fn, (grid,), (THREADS,), args, smem=SMEM_BYTES, stream=stream, what=op)
 
 
 def sm_count():

@@ -262,7 +262,6 @@ MK_DEV void fence_acc(float (&a)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) wgmma_fence_operand(a[i]);
 }
-MK_DEV void fence_regs(u32& r) { asm volatile("" : "+r"(r)::"memory"); }
 
 // One consumer's 64 rows of a finished tile: O / l through a 128B-swizzled staging buffer and a
 // TMA store (rows past seq_q are clipped by the tensor map), and the log-sum-exp when asked.

@@ -193,16 +193,6 @@ MK_DEV void ring_forward_cta(const MkRingArgs& r, u32 E) {
   }
 }
 
-// One thread per CTA, last: the last CTA resets the plan's counters for the next launch.
-MK_DEV void ring_counters_done(const MkRingArgs& r) {
-  __threadfence();
-  const u32 n = gridDim.x * gridDim.y * gridDim.z;
-  if (atomicAdd(&r.counters[RING_CNT_DONE], 1u) == n - 1) {
-    for (int i = 0; i < RING_CNT_WORDS; ++i) atomicExch(&r.counters[i], 0u);
-    __threadfence();
-  }
-}
-
 template <int DT, int D, bool CAUSAL>
 __global__ void __launch_bounds__(384, 1) mk_ring_attention_kernel(const __grid_constant__ MkRingArgs r) {
   using Cfg = AttnCfg<DT, D, CAUSAL>;
@@ -219,7 +209,7 @@ __global__ void __launch_bounds__(384, 1) mk_ring_attention_kernel(const __grid_
         const AttnTileSpace space{a, a.sched.num_tiles};
         attn_producer<Cfg>(a, sm, RingTiles<Cfg>{r, space, E});
         sched_finish(a.sched);
-        ring_counters_done(r);
+        counters_reset_by_last_block(r.counters, RING_CNT_WORDS, RING_CNT_DONE);
       }
     } else {
       setmaxnreg_inc<Cfg::CONSUMER_REGS>();
@@ -235,7 +225,7 @@ __global__ void __launch_bounds__(384, 1) mk_ring_attention_kernel(const __grid_
     __syncthreads();
     if (threadIdx.x == 0) {
       sched_finish(a.sched);
-      ring_counters_done(r);
+      counters_reset_by_last_block(r.counters, RING_CNT_WORDS, RING_CNT_DONE);
     }
     launch_exit(a.sync, E);
   }

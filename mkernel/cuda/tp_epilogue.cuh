@@ -140,14 +140,7 @@ MK_DEV void unpack2(u32 w, float& lo, float& hi) {
 }
 
 // Every CTA, thread 0, after its last claim: the last CTA resets the plan's counters.
-MK_DEV void tp_counters_done(const TpArgs& a) {
-  __threadfence();
-  const u32 n = gridDim.x * gridDim.y * gridDim.z;
-  if (atomicAdd(&a.counters[TP_CNT_DONE], 1u) == n - 1) {
-    for (int i = 0; i < TP_CNT_WORDS; ++i) atomicExch(&a.counters[i], 0u);
-    __threadfence();
-  }
-}
+MK_DEV void tp_counters_done(const TpArgs& a) { counters_reset_by_last_block(a.counters, TP_CNT_WORDS, TP_CNT_DONE); }
 
 // Claim of the next item of a counter by a group of threads (the CTA, or the 256 consumer
 // threads of a GEMM CTA): every thread of the group gets the same value.
