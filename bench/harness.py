@@ -51,6 +51,22 @@ def rand(shape, seed, dtype=None):
     return ((u + cupy.uint32(0x7FFF) + ((u >> 16) & cupy.uint32(1))) >> 16).astype(cupy.uint16).view(dt)
 
 
+def as_float(x, dtype="float32"):
+    """A 16-bit device array as float32 / float64 (bfloat16 through its bits where CuPy cannot cast)."""
+    import cupy
+
+    if x.dtype.name != "bfloat16":
+        return x.astype(dtype)
+    return (x.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32).astype(dtype)
+
+
+def take_rows(x, rows):
+    """x[rows] for a 16-bit dtype (indexing through the bits)."""
+    import cupy
+
+    return x.view(cupy.uint16)[rows].view(x.dtype)
+
+
 _spin = None
 
 

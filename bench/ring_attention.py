@@ -69,21 +69,6 @@ def _seed(row, rank, which):
     return (row * 64 + rank) * 4 + which + 1
 
 
-def _f32(x):
-    import cupy
-
-    if x.dtype.name != "bfloat16":
-        return x.astype(cupy.float32)
-    return (x.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32)
-
-
-def _take(x, rows):
-    """x[rows] for a 16-bit dtype (indexing through the bits)."""
-    import cupy
-
-    return x.view(cupy.uint16)[rows].view(x.dtype)
-
-
 def _rel(a, b):
     import cupy
 
@@ -258,15 +243,15 @@ def sampled_reference(comm, row, q, rows, S, Hq, Hkv, D, dt, causal):
     W, me = comm.size, comm.rank
     g = Hq // Hkv
     scale = 1.0 / math.sqrt(D)
-    qh = _f32(_take(q, cupy.asarray(rows))).transpose(1, 0, 2)  # [H_q, n, D]
+    qh = harness.as_float(harness.take_rows(q, cupy.asarray(rows))).transpose(1, 0, 2)  # [H_q, n, D]
     n = len(rows)
     pos_q = cupy.asarray(global_positions(me, W, S, causal=causal)[rows])
     m = cupy.full((Hq, n), -np.inf, dtype=cupy.float32)
     l_ = cupy.zeros((Hq, n), dtype=cupy.float32)
     acc = cupy.zeros((Hq, n, D), dtype=cupy.float32)
     for p in range(W):
-        kh = cupy.repeat(_f32(harness.rand((S, Hkv, D), _seed(row, p, 1), dt)).transpose(1, 0, 2), g, axis=0)
-        vh = cupy.repeat(_f32(harness.rand((S, Hkv, D), _seed(row, p, 2), dt)).transpose(1, 0, 2), g, axis=0)
+        kh = cupy.repeat(harness.as_float(harness.rand((S, Hkv, D), _seed(row, p, 1), dt)).transpose(1, 0, 2), g, axis=0)
+        vh = cupy.repeat(harness.as_float(harness.rand((S, Hkv, D), _seed(row, p, 2), dt)).transpose(1, 0, 2), g, axis=0)
         s = cupy.matmul(qh, kh.transpose(0, 2, 1)) * np.float32(scale)  # [H_q, n, S]
         if causal:
             pos_k = cupy.asarray(global_positions(p, W, S, causal=True))
@@ -302,7 +287,7 @@ def bench_row(comm, ring, attention, row, S, causal, dt, reps, have_baseline, co
     comm.check()
     rows = np.sort(np.random.default_rng(row).choice(S, SAMPLE_ROWS, replace=False))
     ref = sampled_reference(comm, row, q, rows, S, H, H, D, dt, causal)
-    err_mk = _rel(_f32(_take(out, cupy.asarray(rows))), ref)
+    err_mk = _rel(harness.as_float(harness.take_rows(out, cupy.asarray(rows))), ref)
 
     base, err_base, err_vs = None, None, None
     if have_baseline:
@@ -310,8 +295,8 @@ def bench_row(comm, ring, attention, row, S, causal, dt, reps, have_baseline, co
         base = Baseline(comm, q, k, v, base_out, causal)
         base()
         wait(f"baseline first call {S} causal={causal}")
-        err_base = _rel(_f32(_take(base_out, cupy.asarray(rows))), ref)
-        err_vs = _rel(_f32(out), _f32(base_out))
+        err_base = _rel(harness.as_float(harness.take_rows(base_out, cupy.asarray(rows))), ref)
+        err_vs = _rel(harness.as_float(out), harness.as_float(base_out))
     # one collective for the three errors: the max over ranks of each
     gathered = comm.bench_mpi.allgather((err_mk, err_base, err_vs))
     err_mk = max(g[0] for g in gathered)

@@ -36,16 +36,7 @@ SAMPLE_ROWS = 64
 
 
 def _f64(x):
-    import cupy
-    if x.dtype.name != "bfloat16":
-        return x.astype(cupy.float64)
-    return (x.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32).astype(cupy.float64)
-
-
-def _take(x, rows):
-    """x[rows] for any 16-bit dtype (indexing through the bits)."""
-    import cupy
-    return x.view(cupy.uint16)[rows].view(x.dtype)
+    return harness.as_float(x, "float64")
 
 
 def _nccl_dt(dt):
@@ -145,7 +136,7 @@ def setup(op, comm, M, N, K, dt):
     # each chunk's collective leaves rank r's quarter c of its block in place.
     q = mb // 4
     perm = cupy.arange(M).reshape(W, 4, q).transpose(1, 0, 2).reshape(-1)
-    a_perm = _take(a, perm)
+    a_perm = harness.take_rows(a, perm)
     parts = [cupy.empty((W * q, N), dt) for _ in range(4)]
     outs = [cupy.empty((W * q, N) if ar else (q, N), dt) for _ in range(4)]
     evs = [cupy.cuda.Event() for _ in range(4)]
@@ -173,7 +164,7 @@ def _rs_ref(comm, rows, M, Kr, N, dt, ar):
     g_rows = rows if ar else rows + comm.rank * mb
     acc = cupy.zeros((len(rows), N), cupy.float64)
     for p in range(comm.size):
-        a = _f64(_take(harness.rand((M, Kr), 300 + p, dt), g_rows))
+        a = _f64(harness.take_rows(harness.rand((M, Kr), 300 + p, dt), g_rows))
         acc += a @ _f64(harness.rand((Kr, N), 400 + p, dt))
     return acc
 
@@ -182,12 +173,12 @@ def _ag_ref(comm, rows, M, K, Nr, dt):
     import cupy
     mb = M // comm.size
     a_full = cupy.concatenate([harness.rand((mb, K), 100 + p, dt).view(cupy.uint16) for p in range(comm.size)]).view(dt)
-    return _f64(_take(a_full, rows)) @ _f64(harness.rand((K, Nr), 200 + comm.rank, dt))
+    return _f64(harness.take_rows(a_full, rows)) @ _f64(harness.rand((K, Nr), 200 + comm.rank, dt))
 
 
 def max_err(out, ref_fn, rows):
     import cupy
-    return float(cupy.abs(_f64(_take(out, rows)) - ref_fn(rows)).max())
+    return float(cupy.abs(_f64(harness.take_rows(out, rows)) - ref_fn(rows)).max())
 
 
 def bench_op(op, comm, shapes, dt, rate_gbs):

@@ -23,13 +23,14 @@ Manual: python3 tests/test_attention.py --child all   |   --child feature:exact
 import importlib
 import importlib.util
 import math
-import subprocess
 import sys
 import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+import child_cases  # noqa: E402
 from gpu_arrays import (  # the shared device-array helpers (tests/gpu_arrays.py)
     dev as _dev, host as _host, bits as _bits, f32 as _f32, poisoned as _poisoned, poison as _poison,
     kind as _kind, BF16, DTYPES)
@@ -343,70 +344,11 @@ def run_case(case):
     return ok, msg
 
 
-def _child(cases):
-    for case in cases:
-        print(f"START {case}", flush=True)
-        try:
-            ok, msg = run_case(case)
-        except Exception as e:  # noqa: BLE001
-            ok, msg = False, f"{type(e).__name__}: {str(e)[:600]}".replace("\n", " ")
-        print(f"RESULT {case} {'OK' if ok else 'FAIL'} {msg}", flush=True)
-
-
-def run_matrix(cases, per_process_timeout=240):
-    """Runs the cases in child processes; a case that kills its process is reported as CRASH and
-    the rest continue in a fresh process. Returns {case: (status, message)}."""
-    results, remaining, details = {}, list(cases), {}
-    while remaining:
-        try:
-            proc = subprocess.run([sys.executable, __file__, "--child", *remaining], capture_output=True,
-                                  text=True, timeout=per_process_timeout, cwd=str(ROOT))
-            stdout, stderr, rc = proc.stdout, proc.stderr, proc.returncode
-        except subprocess.TimeoutExpired as e:
-            def text(x):
-                return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
-            stdout, stderr, rc = text(e.stdout), text(e.stderr), "timeout"
-        started = None
-        for line in stdout.splitlines():
-            if line.startswith("START "):
-                started = line.split()[1]
-            elif line.startswith("RESULT "):
-                _, case, status, *msg = line.split(" ")
-                results[case] = (status, " ".join(msg))
-                started = None
-            elif started is not None:
-                details.setdefault(started, []).append(line)
-        if started is not None or rc != 0:
-            victim = started or next((c for c in remaining if c not in results), None)
-            tail = (stdout + stderr).strip().splitlines()[-3:]
-            if victim is not None and victim not in results:
-                results[victim] = ("CRASH", f"rc={rc} " + " | ".join(tail)[:400])
-        remaining = [c for c in remaining if c not in results]
-    run_matrix.details = details
-    return results
-
-
-def run_feature(name):
-    """Runs feature_NAME in a child process (a crash or hang there cannot poison this process or
-    the other tests) and prints what it printed."""
-    case = f"feature:{name}"
-    status, msg = run_matrix([case])[case]
-    print(f"\n==== {name}: {status} {msg}")
-    for line in getattr(run_matrix, "details", {}).get(case, []):
-        print("   ", line)
-    assert status == "OK", f"{name}: {status} {msg}"
-
-
 @pytest.mark.gpu
 def test_matrix():
     cases = matrix_cases()
-    results = run_matrix(cases)
-    print("\n==== attention matrix (dtype:D:Hq/Hkv:batch:Sq/Skv:mask[:options]) ====")
-    for c in cases:
-        print(f"{results[c][0]:5s} {c:44s} {results[c][1]}")
-    bad = [c for c in cases if results[c][0] != "OK"]
-    print(f"==== {len(cases) - len(bad)}/{len(cases)} OK ====", flush=True)
-    assert not bad, f"{len(bad)} failing cases, first: {bad[0]} {results[bad[0]]}"
+    results, _ = child_cases.run(__file__, cases)
+    child_cases.report("attention matrix (dtype:D:Hq/Hkv:batch:Sq/Skv:mask[:options])", cases, results, 44)
 
 
 # ========================================================= feature checks (run in child processes)
@@ -745,32 +687,28 @@ def feature_argument_errors():
 
 @pytest.mark.gpu
 def test_exact():
-    run_feature("exact")
+    child_cases.feature(__file__, "exact")
 
 
 @pytest.mark.gpu
 def test_repeated_launches():
-    run_feature("repeat")
+    child_cases.feature(__file__, "repeat")
 
 
 @pytest.mark.gpu
 def test_back_to_back_shapes():
-    run_feature("back_to_back")
+    child_cases.feature(__file__, "back_to_back")
 
 
 @pytest.mark.gpu
 def test_sms_strides_and_streams():
-    run_feature("sms_strides_stream")
+    child_cases.feature(__file__, "sms_strides_stream")
 
 
 @pytest.mark.gpu
 def test_argument_errors():
-    run_feature("argument_errors")
+    child_cases.feature(__file__, "argument_errors")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) >= 2 and sys.argv[1] == "--child":
-        cases = sys.argv[2:]
-        _child(matrix_cases() if cases == ["all"] else cases)
-    else:
-        print(__doc__)
+    child_cases.main(run_case, matrix_cases, __doc__)

@@ -14,13 +14,14 @@ Run on a GPU machine: python3 -m pytest tests/test_gemm.py -q -s   (-s shows the
 Manual: python3 tests/test_gemm.py --child all   |   --child feature:grouped
 """
 
-import subprocess
 import sys
 import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+import child_cases  # noqa: E402
 from gpu_arrays import (dev as _dev, host as _host, poisoned as _poisoned, BF16, DTYPES)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -189,71 +190,12 @@ def run_case(case):
     return rel < 1e-2 and mx < 3e-2, f"rel={rel:.2e} max={mx:.2e} nonfinite={nonfinite}"
 
 
-def _child(cases):
-    for case in cases:
-        print(f"START {case}", flush=True)
-        try:
-            ok, msg = run_case(case)
-        except Exception as e:  # noqa: BLE001
-            ok, msg = False, f"{type(e).__name__}: {str(e)[:600]}".replace("\n", " ")
-        print(f"RESULT {case} {'OK' if ok else 'FAIL'} {msg}", flush=True)
-
-
-def run_smoke(cases, per_process_timeout=240):
-    """Runs the cases in child processes; a case that kills its process is reported as CRASH and
-    the rest continue in a fresh process. Returns {case: (status, message)}."""
-    results, remaining, details = {}, list(cases), {}
-    while remaining:
-        try:
-            proc = subprocess.run([sys.executable, __file__, "--child", *remaining], capture_output=True,
-                                  text=True, timeout=per_process_timeout, cwd=str(ROOT))
-            stdout, stderr, rc = proc.stdout, proc.stderr, proc.returncode
-        except subprocess.TimeoutExpired as e:
-            def text(x):
-                return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
-            stdout, stderr, rc = text(e.stdout), text(e.stderr), "timeout"
-        started = None
-        for line in stdout.splitlines():
-            if line.startswith("START "):
-                started = line.split()[1]
-            elif line.startswith("RESULT "):
-                _, case, status, *msg = line.split(" ")
-                results[case] = (status, " ".join(msg))
-                started = None
-            elif started is not None:
-                details.setdefault(started, []).append(line)
-        if started is not None or rc != 0:
-            victim = started or next((c for c in remaining if c not in results), None)
-            tail = (stdout + stderr).strip().splitlines()[-3:]
-            if victim is not None and victim not in results:
-                results[victim] = ("CRASH", f"rc={rc} " + " | ".join(tail)[:400])
-        remaining = [c for c in remaining if c not in results]
-    run_smoke.details = details
-    return results
-
-
-def run_feature(name):
-    """Runs feature_NAME in a child process (a crash or hang there cannot poison this process or
-    the other tests) and prints what it printed."""
-    case = f"feature:{name}"
-    status, msg = run_smoke([case])[case]
-    print(f"\n==== {name}: {status} {msg}")
-    for line in getattr(run_smoke, "details", {}).get(case, []):
-        print("   ", line)
-    assert status == "OK", f"{name}: {status} {msg}"
-
-
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_smoke_matrix():
     cases = smoke_cases()
-    results = run_smoke(cases)
-    print("\n==== gemm smoke matrix (dtype:B layout:out:data:M,N,K) ====")
-    for c in cases:
-        print(f"{results[c][0]:5s} {c:40s} {results[c][1]}")
-    bad = [c for c in cases if results[c][0] != "OK"]
-    print(f"==== {len(cases) - len(bad)}/{len(cases)} OK ====", flush=True)
-    assert not bad, f"{len(bad)} failing cases, first: {bad[0]} {results[bad[0]]}"
+    results, _ = child_cases.run(__file__, cases)
+    child_cases.report("gemm smoke matrix (dtype:B layout:out:data:M,N,K)", cases, results, 40)
 
 
 # ========================================================= feature checks (run in child processes)
@@ -466,33 +408,29 @@ def feature_argument_errors():
 
 @pytest.mark.gpu
 def test_flags_and_epochs():
-    run_feature("flags")
+    child_cases.feature(__file__, "flags")
 
 
 @pytest.mark.gpu
 def test_tile_order_roles_and_sms():
-    run_feature("order_roles_sms")
+    child_cases.feature(__file__, "order_roles_sms")
 
 
 @pytest.mark.gpu
 def test_accumulate():
-    run_feature("accumulate")
+    child_cases.feature(__file__, "accumulate")
 
 
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_grouped():
-    run_feature("grouped")
+    child_cases.feature(__file__, "grouped")
 
 
 @pytest.mark.gpu
 def test_argument_errors():
-    run_feature("argument_errors")
+    child_cases.feature(__file__, "argument_errors")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) >= 2 and sys.argv[1] == "--child":
-        cases = sys.argv[2:]
-        _child(smoke_cases() if cases == ["all"] else cases)
-    else:
-        print(__doc__)
+    child_cases.main(run_case, smoke_cases, __doc__)
