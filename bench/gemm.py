@@ -5,7 +5,8 @@ Rows: the issue's shapes (M, N, K), B as [K, N] (the layout cupy.matmul takes) a
 transposed view of a row-major [N, K] weight (w.T, both libraries read it in place); time against
 the number of SMs given to the GEMM (132 down to 66); the cost of per-tile flags; grouped mode
 (32 groups of ~1024 rows, H 7168 / F 2048) against one cupy.matmul per group. Median of 30
-CUDA-event timings after warm-up. Writes bench/results/gemm-1gpu.json; prints a table, and a
+CUDA-event timings after warm-up; each main row times the clustered kernel, the unclustered one and
+cuBLAS interleaved in 3 rounds, and mkernel_ms is the kernel gemm() picks by default. Writes bench/results/gemm-1gpu.json; prints a table, and a
 compact summary last. Every mkernel result is checked against cuBLAS's before it is timed.
 
     python3 bench/gemm.py [--quick]
@@ -34,6 +35,7 @@ EXTRA_SHAPES = [(2048, 2048, 2048), (4000, 7000, 3000)]  # the second is off the
 SWEEP_SHAPE = (8192, 8192, 4096)
 SWEEP_SMS = list(range(132, 65, -6))
 GROUPS, GROUP_ROWS_MEAN = 32, 1024
+ROUNDS = 3  # interleaved rounds per main-table row (reps split between them)
 GROUPED_SHAPES = [(2048, 7168, "up: N=F=2048, K=H=7168"), (7168, 2048, "down: N=H=7168, K=F=2048")]
 
 
@@ -103,25 +105,48 @@ def main():
         for layout, bb in (("kn", b), ("nk", w.T)):
             mg.gemm(a, bb, out=out)
             wait(f"gemm {M}x{N}x{K} {layout}")
+            one = cupy.empty_like(out)
+            mg.gemm(a, bb, out=one, cluster=not mg.use_cluster(M, N, K))  # the kernel the default does not pick
+            wait(f"gemm {M}x{N}x{K} {layout} other kernel")
             try:  # cuBLAS's result and time (if this CuPy cannot multiply bfloat16, mkernel is still timed)
                 ref = cupy.matmul(a, bb)
-                err = rel_err(out, ref)
+                err = max(rel_err(out, ref), rel_err(one, ref))
                 del ref
-                t_cb = gpu_time_ms(lambda: cupy.matmul(a, bb, out=out), reps=reps)[0]
+                cublas = lambda: cupy.matmul(a, bb, out=one)  # noqa: E731
+                cublas()
             except Exception as e:  # noqa: BLE001
                 errors[f"cupy.matmul {M}x{N}x{K} {layout}"] = f"{type(e).__name__}: {e}"[:300]
-                err, t_cb = None, None
-            t_mk = gpu_time_ms(lambda: mg.gemm(a, bb, out=out), reps=reps)[0]
+                err, cublas = None, None
+            # The three interleaved (A B C A B C ...): clocks drift by several percent over a run at
+            # these shapes (bench/NOTES.md), and interleaving spreads the drift over all three.
+            variants = {"cl": lambda: mg.gemm(a, bb, out=out, cluster=True),
+                        "one": lambda: mg.gemm(a, bb, out=one, cluster=False)}
+            if cublas:
+                variants["cublas"] = cublas
+            ts = {k: [] for k in variants}
+            for _ in range(ROUNDS):
+                for k, fn in variants.items():
+                    ts[k] += gpu_time_ms(fn, reps=max(1, reps // ROUNDS))[1]
+            t_cl, t_one = harness.median(ts["cl"]), harness.median(ts["one"])
+            clustered = mg.use_cluster(M, N, K)
+            t_mk = t_cl if clustered else t_one  # what mkernel.gemm runs by default
+            t_cb = harness.median(ts["cublas"]) if cublas else None
             r = harness.row([M, N, K], t_mk, t_cb or 0.0, bound_ms(M, N, K), layout=layout,
                             tflops=flops / t_mk * 1e-9, cublas_tflops=flops / t_cb * 1e-9 if t_cb else None,
-                            rel_err=err, main=(M, N, K) in MAIN_SHAPES, dtype="bfloat16")
+                            rel_err=err, main=(M, N, K) in MAIN_SHAPES, dtype="bfloat16",
+                            clustered=clustered, clustered_ms=t_cl, unclustered_ms=t_one,
+                            clustered_speedup=t_cb / t_cl if t_cb else None,
+                            unclustered_speedup=t_cb / t_one if t_cb else None, samples=len(ts["cl"]))
             if t_cb is None:
                 r["speedup"] = r["baseline_ms"] = None
             rows.append(r)
             sp = f"{r['speedup']:.3f}" if r["speedup"] else "n/a"
             cb = f"{t_cb:8.3f} ms {r['cublas_tflops']:6.1f} TF/s" if t_cb else "n/a"
+            sp_cl = f"{r['clustered_speedup']:.3f}" if t_cb else "n/a"
+            sp_one = f"{r['unclustered_speedup']:.3f}" if t_cb else "n/a"
             print(f"{M:6d} {N:6d} {K:6d} {layout}  mkernel {t_mk:8.3f} ms {r['tflops']:6.1f} TF/s  cublas {cb}  "
-                  f"speedup {sp}  err {err if err is None else format(err, '.1e')}", flush=True)
+                  f"speedup {sp} (clustered {t_cl:.3f} ms {sp_cl}, unclustered {t_one:.3f} ms {sp_one}{'' if clustered else '; default unclustered'})  "
+                  f"err {err if err is None else format(err, '.1e')}", flush=True)
 
     for shape in (MAIN_SHAPES[:2] if opts.quick else MAIN_SHAPES + EXTRA_SHAPES):
         section(f"shape {shape}", lambda: shape_rows(*shape))
@@ -152,23 +177,24 @@ def main():
 
     section("sm sweep / knobs / flags", sweep_and_knobs)
 
-    def order_knobs():
-        # The built-in orders on every main shape and layout: M-grouped (the default for most) and
-        # N-grouped (order='n'), groups of 4-16.
+    def cluster_knobs():
+        # The clustered kernel's built-in orders on every main shape and layout: M-tiles grouped by
+        # 4 / 8 (the default) / 16, and N-tiles grouped by 8 (order='n').
         for (M, N, K) in MAIN_SHAPES:
             a = rand((M, K), 40)
             out = cupy.empty((M, N), dtype=a.dtype)
             for layout in ("kn", "nk"):
                 b = rand((K, N), 41) if layout == "kn" else rand((N, K), 41).T
-                for order, g in (("m", 8), ("m", 16), ("n", 4), ("n", 8), ("n", 16)):
-                    t = gpu_time_ms(lambda: mg.gemm(a, b, out=out, order=order, group_m=g), reps=reps)[0]
-                    tuning.append({"shape": [M, N, K], "layout": layout, "variant": f"order={order} group={g}",
+                for order, g in (("m", 4), ("m", 8), ("m", 16), ("n", 8)):
+                    t = gpu_time_ms(lambda: mg.gemm(a, b, out=out, order=order, group_m=g, cluster=True),
+                                    reps=reps)[0]
+                    tuning.append({"shape": [M, N, K], "layout": layout, "variant": f"cluster order={order} group={g}",
                                    "mkernel_ms": t, "tflops": 2.0 * M * N * K / t * 1e-9})
-                    print(f"order {M}x{N}x{K} {layout} {order}{g}: {t:.3f} ms {tuning[-1]['tflops']:.1f} TF/s",
-                          flush=True)
+                    print(f"cluster order {M}x{N}x{K} {layout} {order}{g}: {t:.3f} ms "
+                          f"{tuning[-1]['tflops']:.1f} TF/s", flush=True)
 
     if not opts.quick:
-        section("built-in tile orders", order_knobs)
+        section("clustered kernel's tile orders", cluster_knobs)
 
     # Grouped mode: 32 groups, rows drawn around 1024.
     grouped = []
@@ -215,14 +241,21 @@ def main():
     print(harness.table(rows, [("shape", "shape", None), ("layout", "B", None), ("mkernel_ms", "mkernel ms", ".3f"),
                                ("baseline_ms", "cublas ms", ".3f"), ("tflops", "TF/s", ".1f"),
                                ("cublas_tflops", "cublas TF/s", ".1f"), ("speedup", "speedup", ".3f"),
+                               ("clustered", "clustered", None), ("clustered_speedup", "cl speedup", ".3f"),
+                               ("unclustered_speedup", "1-CTA speedup", ".3f"),
                                ("fraction_of_bound", "of bound", ".2f"), ("rel_err", "rel err", ".1e")]))
-    main_kn = [r for r in rows if r["main"] and r["layout"] == "kn" and r["speedup"]]
-    worst = min(main_kn, key=lambda r: r["speedup"]) if main_kn else None
+    main_rows = [r for r in rows if r["main"] and r["speedup"]]
     ok = all(r["rel_err"] is not None and r["rel_err"] < 1e-2 for r in rows + grouped)
-    parts = [f"{len(main_kn)} main shapes"]
-    if worst:
-        parts.append(f"speedup vs cuBLAS min {worst['speedup']:.3f} at {worst['shape']} (goal 0.95 "
-                     f"{'met' if worst['speedup'] >= 0.95 else 'NOT met'})")
+    parts = [f"{len(main_rows)} main rows (6 shapes x 2 B layouts)"]
+    for layout in ("kn", "nk"):
+        sel = [r for r in main_rows if r["layout"] == layout]
+        if sel:
+            worst = min(sel, key=lambda r: r["speedup"])
+            parts.append(f"B [{layout[0].upper()}, {layout[1].upper()}] speedup vs cuBLAS {worst['speedup']:.3f}-"
+                         f"{max(r['speedup'] for r in sel):.3f}, min at {worst['shape']} (goal 0.95 "
+                         f"{'met' if worst['speedup'] >= 0.95 else 'NOT met'}; clustered min "
+                         f"{min(r['clustered_speedup'] for r in sel):.3f}, unclustered min "
+                         f"{min(r['unclustered_speedup'] for r in sel):.3f})")
     if sweep:
         parts.append(f"sms {sweep[0]['sms']}->{sweep[-1]['sms']}: {sweep[0]['mkernel_ms']:.3f}->"
                      f"{sweep[-1]['mkernel_ms']:.3f} ms")

@@ -36,6 +36,12 @@ SCHED_LEAVE, SCHED_GEMM = 0, 1  # role words (MK_SCHED_*)
 # Built-in tile order: M-tiles per group. 8 beat 16 by 7% at 8192 x 14336 x 8192 ([K, N]) and by 2%
 # at 8192^2 x 4096, and lost 1% at 16384 x 8192 x 14336, in one run (bench/NOTES.md, 2026-12-01).
 DEFAULT_GROUP_M = 8
+# Where use_cluster() picks the clustered kernel: at least 2 M-tiles (a unit's second tile is not all
+# padding) and K of at least CLUSTER_MIN_K. Measured in one interleaved run (bench/NOTES.md): clustered
+# 1-7% faster at K 8192 and 14336, equal at 4096, 38% faster at 4000 x 7000 x 3000; 1-4% slower at
+# K 1024 and 2048 (likely: a tile is only 16-32 k-blocks, and a pair's CTAs wait for each other's epilogue).
+CLUSTER_MIN_TILES_M = 2
+CLUSTER_MIN_K = 2560
 
 
 # Shared memory (must equal gemm_smem_bytes<> in gemm_mainloop.cuh; gemm.cu static_asserts it).
@@ -46,12 +52,18 @@ SMEM_PLAIN = _OFF_BAR + _BARS_BYTES + 1024
 SMEM_GROUPED = _OFF_BAR + _BARS_BYTES + _GROUP_TABLE_BYTES + 1024
 
 
-def kernel_expr(dt: int, layout: int, out: int, grouped: bool) -> str:
+CLUSTER = 2  # CTAs per cluster of mk_gemm_cluster_kernel (MK_GEMM_CLUSTER in gemm.cu)
+
+
+def kernel_expr(dt: int, layout: int, out: int, grouped: bool, cluster: bool = False) -> str:
+    if cluster:
+        return f"mk_gemm_cluster_kernel<{dt},{layout},{out}>"
     return f"mk_gemm_kernel<{dt},{layout},{out},{'true' if grouped else 'false'}>"
 
 
 EXPRESSIONS = tuple(kernel_expr(dt, bl, out, g)
-                    for dt in (0, 1) for bl in (B_NK, B_KN) for out in (dt, OUT_F32) for g in (False, True))
+                    for dt in (0, 1) for bl in (B_NK, B_KN) for out in (dt, OUT_F32) for g in (False, True)) + \
+    tuple(kernel_expr(dt, bl, out, False, cluster=True) for dt in (0, 1) for bl in (B_NK, B_KN) for out in (dt, OUT_F32))
 SPEC = _compile.register("gemm", "gemm.cu", EXPRESSIONS, hot=True)
 
 
@@ -257,13 +269,16 @@ def _c_map(out, out_code):
 
 # ------------------------------------------------------------------------------------ launch
 def _launch(cupy, *, a, b_arr, layout, N, K, M, G, out, out_code, group_rows, epi_op, stream, sms,
-            tile_order, roles, tile_flags, tile_counts, group_m, num_tiles_host, max_tiles, order="m"):
+            tile_order, roles, tile_flags, tile_counts, group_m, num_tiles_host, max_tiles, order="m",
+            cluster=False):
     from .launch import launch
 
+    step = CLUSTER if cluster else 1  # CTAs per claim
     if sms is None:
-        sms = default_ctas(num_tiles_host, _num_sms()) if num_tiles_host and roles is None else _num_sms()
-    if not 1 <= int(sms) <= _num_sms():
-        raise ArgumentError(f"sms must be 1..{_num_sms()}; got {sms}")
+        sms = step * default_ctas(num_tiles_host, _num_sms() // step) if num_tiles_host and roles is None \
+            else _num_sms() // step * step
+    if not step <= int(sms) <= _num_sms() or int(sms) % step:
+        raise ArgumentError(f"sms must be {'an even number in ' if cluster else ''}{step}..{_num_sms()}; got {sms}")
     dt_name = _dtype_name(a)
     tdt = _tma.DTYPE_BFLOAT16 if dt_name == "bfloat16" else _tma.DTYPE_FLOAT16
     args = MkGemmArgs()
@@ -275,15 +290,15 @@ def _launch(cupy, *, a, b_arr, layout, N, K, M, G, out, out_code, group_rows, ep
     else:
         rows_b = b_arr.shape[1]
         gstride = b_arr.strides[0]
-    if layout == B_NK:  # rows of B are N, contiguous along K
-        args.b = _tma.encode_tiled(tdt, b_arr.data.ptr, (K, N, G), (ldb, gstride), (BK, BN, 1))
+    if layout == B_NK:  # rows of B are N, contiguous along K; clustered: each CTA loads BN / CLUSTER rows
+        args.b = _tma.encode_tiled(tdt, b_arr.data.ptr, (K, N, G), (ldb, gstride), (BK, BN // step, 1))
     else:  # rows of B are K, contiguous along N
         args.b = _tma.encode_tiled(tdt, b_arr.data.ptr, (N, K, G), (ldb, gstride), (64, BK, 1))
     args.c = _c_map(out, out_code)
     ws = workspace(stream)
     args.sync = ws.sync()
     tiles_n = -(-N // BN)
-    grid = int(sms) if num_tiles_host is None else max(1, min(int(sms), num_tiles_host))
+    grid = int(sms) if num_tiles_host is None else max(step, min(int(sms), step * num_tiles_host))
     args.sched = MkGemmSched(_u32_array(cupy, tile_order, max_tiles, "tile_order"), ws.base + ws.COUNTER,
                              ws.base + ws.DONE, _u32_array(cupy, roles, grid, "roles"),
                              num_tiles_host or 0, tiles_n, int(group_m), 1 if order == "n" else 0)
@@ -295,7 +310,7 @@ def _launch(cupy, *, a, b_arr, layout, N, K, M, G, out, out_code, group_rows, ep
     args.m, args.n, args.k, args.num_groups = M, N, K, G
     args.epi_op = epi_op
     grouped = group_rows is not None
-    fn = _compile.module(SPEC).function(kernel_expr(DT[dt_name], layout, out_code, grouped))
+    fn = _compile.module(SPEC).function(kernel_expr(DT[dt_name], layout, out_code, grouped, cluster))
     plan = (fn, (grid,), (THREADS,), args, SMEM_GROUPED if grouped else SMEM_PLAIN)
     launch(fn, (grid,), (THREADS,), args, smem=plan[4], stream=stream)
     return plan
@@ -320,8 +335,22 @@ def tiles(M: int, N: int) -> int:
     return -(-M // BM) * -(-N // BN)
 
 
+def use_cluster(M: int, N: int, K: int, cluster=None, *, tile_order=None, roles=None, sms=None) -> bool:
+    """Whether a plain GEMM runs the clustered kernel (pairs of CTAs sharing each B tile through
+    TMA multicast). cluster=None decides by shape, and only where the caller left the CTAs to the
+    engine (no sms, tile_order or roles: the fused ops' controls address single tiles and CTAs);
+    True / False force it."""
+    if cluster is None:
+        return (tile_order is None and roles is None and sms is None and -(-M // BM) >= CLUSTER_MIN_TILES_M
+                and K >= CLUSTER_MIN_K)
+    if cluster and (tile_order is not None or roles is not None):
+        raise ArgumentError("cluster=True cannot take tile_order or roles (they address single tiles and CTAs)")
+    return bool(cluster)
+
+
 def gemm(a, b, *, out=None, stream=None, b_layout=None, out_dtype=None, accumulate=False, sms=None,
-         tile_order=None, roles=None, tile_flags=None, tile_counts=None, group_m=DEFAULT_GROUP_M, order=None):
+         tile_order=None, roles=None, tile_flags=None, tile_counts=None, group_m=DEFAULT_GROUP_M, order=None,
+         cluster=None):
     """``out = a @ b`` (or ``out += a @ b`` with accumulate=True) on an H100/H200.
 
     a: [M, K] bfloat16 or float16 with contiguous rows. b: by default [K, N] (``a @ b``); a
@@ -336,14 +365,15 @@ def gemm(a, b, *, out=None, stream=None, b_layout=None, out_dtype=None, accumula
     ``tile_flags`` (device uint32 per tile, set to the launch epoch once the tile is stored),
     ``tile_counts`` (tests: counts the flag stores), ``group_m`` (built-in order, tiles per group),
     ``order`` (built-in order: 'm' (default) groups M-tiles, 'n' groups N-tiles; bench/NOTES.md:
-    neither wins reliably at the shapes measured).
+    neither wins reliably at the shapes measured), ``cluster`` (None: by shape (use_cluster);
+    True / False: the clustered kernel or not; clustered, ``sms`` must be even).
     """
     cupy = _cupy()
     key = None
     if out is not None and isinstance(a, cupy.ndarray) and isinstance(b, cupy.ndarray) \
             and isinstance(out, cupy.ndarray):
         key = _plan_key(cupy, stream, a, b, out, b_layout, out_dtype, accumulate, sms, _ptr(tile_order),
-                        _ptr(roles), _ptr(tile_flags), _ptr(tile_counts), group_m, order)
+                        _ptr(roles), _ptr(tile_flags), _ptr(tile_counts), group_m, order, cluster)
         if _plans.launch(key, stream):
             return out
     _check_device(cupy)
@@ -371,10 +401,14 @@ def gemm(a, b, *, out=None, stream=None, b_layout=None, out_dtype=None, accumula
         raise ArgumentError(f"order must be None, 'm' or 'n'; got {order!r}")
     order = order or "m"
     nt = tiles(M, N)
+    clustered = use_cluster(M, N, K, cluster, tile_order=tile_order, roles=roles, sms=sms)
+    # Clustered, the scheduler claims units of CLUSTER M-tiles (group_m counts M-tiles either way).
+    units = -(-M // (BM * CLUSTER)) * -(-N // BN) if clustered else nt
     plan = _launch(cupy, a=a, b_arr=b_arr, layout=layout, N=N, K=K, M=M, G=1, out=out, out_code=out_code,
                    group_rows=None, epi_op=EPI_ADD if accumulate else EPI_STORE, stream=stream, sms=sms,
                    tile_order=tile_order, roles=roles, tile_flags=tile_flags, tile_counts=tile_counts,
-                   group_m=group_m, num_tiles_host=nt, max_tiles=nt, order=order)
+                   group_m=max(1, group_m // CLUSTER) if clustered and order == "m" else group_m, num_tiles_host=units,
+                   max_tiles=nt, order=order, cluster=clustered)
     if key is not None:
         _plans.add(key, plan)
     return out
@@ -450,8 +484,8 @@ def grouped_gemm(a, b, group_rows, *, out=None, stream=None, b_layout=None, out_
 
 
 def sanitize_target():
-    """The engine once at a shape off the tile grid in every dimension, both B layouts, integer
-    inputs (exact); raises on a wrong result. tools/sanitize.sh runs it under compute-sanitizer."""
+    """The engine once at a shape off the tile grid in every dimension, both B layouts, with and
+    without clusters, integer inputs (exact); raises on a wrong result. tools/sanitize.sh runs it under compute-sanitizer."""
     import numpy as np
 
     cupy = _cupy()
@@ -461,8 +495,10 @@ def sanitize_target():
     b = rng.integers(-2, 3, size=(K, N)).astype(np.float16)
     want = (a.astype(np.float64) @ b.astype(np.float64)).astype(np.float16)
     for name, b_dev, layout in (("kn", cupy.asarray(b), None), ("nk", cupy.asarray(np.ascontiguousarray(b.T)), "nk")):
-        out = cupy.full((M, N), np.nan, dtype=np.float16)
-        gemm(cupy.asarray(a), b_dev, out=out, b_layout=layout)
-        got = out.get()
-        if not np.array_equal(got, want):
-            raise AssertionError(f"gemm {name}: {int((got != want).sum())} of {got.size} elements wrong")
+        for cluster in (False, True):
+            out = cupy.full((M, N), np.nan, dtype=np.float16)
+            gemm(cupy.asarray(a), b_dev, out=out, b_layout=layout, cluster=cluster)
+            got = out.get()
+            if not np.array_equal(got, want):
+                raise AssertionError(f"gemm {name} cluster={cluster}: {int((got != want).sum())} of {got.size} "
+                                     "elements wrong")

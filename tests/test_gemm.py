@@ -63,7 +63,7 @@ def test_registration():
     from mkernel import compile as mkc
 
     assert mkc.REGISTRY["gemm"] is mg.SPEC
-    assert len(mg.EXPRESSIONS) == 16
+    assert len(mg.EXPRESSIONS) == 24  # 16 unclustered (plain and grouped) + 8 clustered (plain)
     assert mg.tiles(129, 257) == 4 and mg.tiles(128, 256) == 1
 
 
@@ -148,6 +148,8 @@ SMOKE_SHAPES = [(128, 256, 64), (256, 512, 256), (129, 264, 72), (1, 8, 8), (300
 
 
 def smoke_cases():
+    """dtype:B layout:out:data:M,N,K:kernel, every case with the clustered kernel ('cl', which at
+    one M-tile computes an all-padding second tile) and without ('one')."""
     cases = []
     for dt in ("bf16", "fp16"):
         for lay in ("nk", "kn", "wT"):
@@ -157,7 +159,7 @@ def smoke_cases():
             cases.append(f"{dt}:{lay}:f32:int:300,776,1032")
             cases.append(f"{dt}:{lay}:f32:rand:129,264,72")
     cases += ["bf16:kn:same:rand:2048,2048,2048", "bf16:nk:same:rand:2048,2048,2048"]
-    return cases
+    return [f"{c}:{k}" for c in cases for k in ("cl", "one")]
 
 
 def run_case(case):
@@ -165,7 +167,7 @@ def run_case(case):
     if case.startswith("feature:"):
         globals()["feature_" + case.split(":", 1)[1]]()
         return True, "all checks passed"
-    dtn, lay, outk, data, shape = case.split(":")
+    dtn, lay, outk, data, shape, kernel = case.split(":")
     M, N, K = map(int, shape.split(","))
     dt = DTYPES[dtn]
     rng = np.random.default_rng(zlib.crc32(case.encode()))
@@ -179,7 +181,7 @@ def run_case(case):
         db, kw = _dev(np.ascontiguousarray(b.T)).T, {}
     kind = dtn if outk == "same" else "f32"
     out = _poisoned((M, N), kind)
-    mg.gemm(da, db, out=out, **kw)
+    mg.gemm(da, db, out=out, cluster=kernel == "cl", **kw)
     _sync(case)
     c = _host(out)
     rel, mx, nonfinite = _errors(c, ref)
@@ -195,7 +197,7 @@ def run_case(case):
 def test_smoke_matrix():
     cases = smoke_cases()
     results, _ = child_cases.run(__file__, cases)
-    child_cases.report("gemm smoke matrix (dtype:B layout:out:data:M,N,K)", cases, results, 40)
+    child_cases.report("gemm smoke matrix (dtype:B layout:out:data:M,N,K:kernel)", cases, results, 44)
 
 
 # ========================================================= feature checks (run in child processes)
@@ -208,26 +210,31 @@ def _simple(M, N, K, dt=BF16, integer=True, seed=0):
 def feature_flags():
     import cupy
 
-    M, N, K = 1000, 1288, 256
-    T = mg.tiles(M, N)
-    a, b, ref = _simple(M, N, K)
-    flags = cupy.full(T + 5, 0xDEADBEEF, dtype=cupy.uint32)
-    counts = cupy.zeros(T + 5, dtype=cupy.uint32)
-    ws = mg.workspace()
-    e0 = ws.epoch()
-    out = _poisoned((M, N), "f32")
-    mg.gemm(a, b, out=out, tile_flags=flags, tile_counts=counts)
-    _sync("flags launch 1")
-    f, n = cupy.asnumpy(flags), cupy.asnumpy(counts)
-    print(f"epoch {e0} -> {ws.epoch()}, flags {np.unique(f[:T])}, counts {np.unique(n[:T])}")
-    assert ws.epoch() == e0 + 1
-    assert (f[:T] == e0 + 1).all() and (n[:T] == 1).all()
-    assert (f[T:] == 0xDEADBEEF).all() and (n[T:] == 0).all()
-    assert (_host(out) == ref).all()
-    mg.gemm(a, b, out=out, tile_flags=flags, tile_counts=counts)
-    _sync("flags launch 2")
-    assert ws.epoch() == e0 + 2
-    assert (cupy.asnumpy(flags)[:T] == e0 + 2).all() and (cupy.asnumpy(counts)[:T] == 2).all()
+    for M, cluster in ((1000, False), (1000, True), (1100, True)):  # 1100: 9 M-tiles, a padding part
+        N, K = 1288, 256
+        T = mg.tiles(M, N)
+        a, b, ref = _simple(M, N, K)
+        flags = cupy.full(T + 5, 0xDEADBEEF, dtype=cupy.uint32)
+        counts = cupy.zeros(T + 5, dtype=cupy.uint32)
+        ws = mg.workspace()
+        e0 = ws.epoch()
+        out = _poisoned((M, N), "f32")
+        mg.gemm(a, b, out=out, tile_flags=flags, tile_counts=counts, cluster=cluster)
+        _sync("flags launch 1")
+        f, n = cupy.asnumpy(flags), cupy.asnumpy(counts)
+        print(f"M {M} cluster {cluster}: epoch {e0} -> {ws.epoch()}, flags {np.unique(f[:T])}, "
+              f"counts {np.unique(n[:T])}")
+        assert ws.epoch() == e0 + 1
+        assert (f[:T] == e0 + 1).all() and (n[:T] == 1).all()
+        assert (f[T:] == 0xDEADBEEF).all() and (n[T:] == 0).all()
+        assert (_host(out) == ref).all()
+        for i in range(2, 21):  # repeated launches: nothing stale in the counters or the epochs
+            out.fill(np.nan)
+            mg.gemm(a, b, out=out, tile_flags=flags, tile_counts=counts, cluster=cluster)
+            _sync(f"flags launch {i}")
+            assert ws.epoch() == e0 + i
+            assert (cupy.asnumpy(flags)[:T] == e0 + i).all() and (cupy.asnumpy(counts)[:T] == i).all()
+            assert (_host(out) == ref).all(), f"launch {i}"
 
 
 def feature_order_roles_sms():
@@ -251,6 +258,15 @@ def feature_order_roles_sms():
         "order n, 2": dict(order="n", group_m=2),  # blocks of N-tiles; 1032 / 256: a ragged last block
         "order n, 3": dict(order="n", group_m=3),
         "order n, 8": dict(order="n", group_m=8),
+        # The clustered kernel (1100 rows: 9 M-tiles, so the last unit has a padding part).
+        "cl sms=2": dict(cluster=True, sms=2),
+        "cl sms=6": dict(cluster=True, sms=6),
+        "cl sms=66": dict(cluster=True, sms=66),
+        "cl all SMs": dict(cluster=True, sms=nsm // 2 * 2),
+        "cl group_m=1": dict(cluster=True, group_m=1),
+        "cl group_m=6": dict(cluster=True, group_m=6),
+        "cl order n, 3": dict(cluster=True, order="n", group_m=3),
+        "one, auto off": dict(cluster=False),
     }
     failures = []
     for name, kw in runs.items():
@@ -278,6 +294,10 @@ def feature_accumulate():
     out = _dev(c0)
     mg.gemm(a, b, out=out, accumulate=True)
     _sync("accumulate f32")
+    assert (_host(out) == c0 + ref).all()
+    out = _dev(c0)
+    mg.gemm(a, b, out=out, accumulate=True, cluster=not mg.use_cluster(M, N, K))  # the other kernel
+    _sync("accumulate f32, other kernel")
     assert (_host(out) == c0 + ref).all()
     c0b = c0.astype(BF16)
     outb = _dev(c0b)
@@ -383,6 +403,9 @@ def feature_argument_errors():
         "dtype mismatch": lambda: mg.gemm(a, cupy.zeros((64, 64), dtype=cupy.float16)),
         "float32 inputs": lambda: mg.gemm(a.astype(cupy.float32), b.astype(cupy.float32)),
         "out shape": lambda: mg.gemm(a, b, out=cupy.zeros((64, 65), dtype=BF16)),
+        "cluster, odd sms": lambda: mg.gemm(a, b, cluster=True, sms=3),
+        "cluster, tile_order": lambda: mg.gemm(a, b, cluster=True, tile_order=cupy.zeros(1, dtype=cupy.uint32)),
+        "cluster, roles": lambda: mg.gemm(a, b, cluster=True, roles=cupy.ones(132, dtype=cupy.uint32)),
         "out dtype": lambda: mg.gemm(a, b, out=cupy.zeros((64, 64), dtype=cupy.float16)),
         "misaligned a": lambda: mg.gemm(cupy.zeros(64 * 64 + 8, dtype=BF16)[1:64 * 64 + 1].reshape(64, 64), b),
         "strided rows": lambda: mg.gemm(cupy.zeros((64, 128), dtype=BF16)[:, ::2], b),

@@ -40,7 +40,7 @@ def test_no_wgmma_or_register_warnings(compiled):
 def test_sass_is_warp_specialized_hgmma_without_local_memory(compiled):
     ks = sass.check_warp_specialized(compiled.cubin, len(gemm.EXPRESSIONS))
     for name, k in ks.items():  # the transpose bit exactly where B is [K, N]
-        tnsp = re.search(r"mk_gemm_kernelILi\dELi(\d)E", name).group(1) == "1"
+        tnsp = re.search(r"mk_gemm_(?:cluster_)?kernelILi\dELi(\d)E", name).group(1) == "1"
         assert (".tnspB" in k) == tnsp, name
 
 

@@ -3,18 +3,21 @@
 //
 // Template parameters: DT (MK_DT_BF16 / MK_DT_F16), BL (MK_B_NK: B is [N, K]; MK_B_KN: B is
 // [K, N]), OUT (MK_OUT_BF16 / MK_OUT_F16 / MK_OUT_F32), GROUPED (per-group row counts on device).
+// mk_gemm_cluster_kernel: plain mode in clusters of 2 CTAs sharing each B tile (TMA multicast).
 #include "common.cuh"
 #include "signals.cuh"
 #include "gemm_args.cuh"
 #include "gemm_mainloop.cuh"
 #include "gemm_epilogue.cuh"
 
-template <int DT, int BL, int OUT, bool GROUPED>
-__global__ void __launch_bounds__(384, 1) mk_gemm_kernel(const __grid_constant__ MkGemmArgs args) {
-  using Cfg = GemmCfg<DT, BL>;
+#define MK_GEMM_CLUSTER 2
+
+template <int DT, int BL, int OUT, bool GROUPED, int CLUSTER>
+MK_DEV void gemm_cta(const MkGemmArgs& args) {
+  using Cfg = GemmCfg<DT, BL, CLUSTER>;
   extern __shared__ __align__(1024) u8 mk_smem[];
   const GemmSmem<Cfg> sm = gemm_smem_carve<Cfg, GROUPED>(mk_smem);
-  const MkTileSpace<Cfg::BM> space = gemm_setup<Cfg, GROUPED>(args, sm);
+  const MkTileSpace<Cfg::UNIT_M> space = gemm_setup<Cfg, GROUPED>(args, sm);
   const u32 epoch = sm.bars->epoch;
   if (threadIdx.x < 128) {
     setmaxnreg_dec<Cfg::PRODUCER_REGS>();
@@ -28,11 +31,24 @@ __global__ void __launch_bounds__(384, 1) mk_gemm_kernel(const __grid_constant__
     gemm_consumer<Cfg>(args, sm, (int)(threadIdx.x / 128) - 1, epi);
     epi.finish();
   }
+  if (CLUSTER > 1) cluster_sync();  // no CTA leaves while another can still write into it
   launch_exit(args.sync, epoch);
+}
+
+template <int DT, int BL, int OUT, bool GROUPED>
+__global__ void __launch_bounds__(384, 1) mk_gemm_kernel(const __grid_constant__ MkGemmArgs args) {
+  gemm_cta<DT, BL, OUT, GROUPED, 1>(args);
+}
+
+template <int DT, int BL, int OUT>
+__global__ void __cluster_dims__(MK_GEMM_CLUSTER, 1, 1) __launch_bounds__(384, 1)
+    mk_gemm_cluster_kernel(const __grid_constant__ MkGemmArgs args) {
+  gemm_cta<DT, BL, OUT, false, MK_GEMM_CLUSTER>(args);
 }
 
 // mkernel/gemm.py launches with these dynamic shared memory sizes (SMEM_PLAIN, SMEM_GROUPED).
 static_assert(sizeof(GemmBars<GemmCfg<0, 0> >) == 336, "GemmBars size changed: update mkernel/gemm.py");
+static_assert(sizeof(GemmBars<GemmCfg<0, 0, MK_GEMM_CLUSTER> >) == 336, "GemmBars size changed: update mkernel/gemm.py");
 static_assert(gemm_smem_bytes<GemmCfg<0, 0>, false>() == 230736, "update SMEM_PLAIN in mkernel/gemm.py");
 static_assert(gemm_smem_bytes<GemmCfg<0, 0>, true>() == 231768, "update SMEM_GROUPED in mkernel/gemm.py");
 static_assert(gemm_smem_bytes<GemmCfg<0, 0>, true>() <= 232448, "more than 227 KiB of shared memory");

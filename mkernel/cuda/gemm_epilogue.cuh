@@ -119,6 +119,7 @@ struct MkTileEpilogue {
   MK_DEV void operator()(float (&acc)[128], const MkTile& t, int wg) {
     const u32 tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31;
     const bool leader = lane == 0;
+    if (t.id == MK_TILE_NONE) return;  // a clustered unit's part past M: nothing to store or flag
     const i32 wrow = 64 * wg + 16 * warp;  // this warp's first row, inside the tile
     u32* flag = dest.flag(t);
     if (!(GROUPED && t.rows < Cfg::BM)) {

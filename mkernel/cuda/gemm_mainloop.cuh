@@ -5,18 +5,27 @@
 // epilogue functor. Reusable: a fused kernel lays out GemmSmem, calls gemm_setup(), then runs
 // gemm_producer() in warpgroup 0 and gemm_consumer(..., epilogue) in warpgroups 1 and 2.
 //
+// Clustered variant (Cfg::CLUSTER = 2, the standalone GEMM): the CTAs of a cluster compute the
+// tiles (2p, n) and (2p + 1, n), which share their B tile: each CTA loads its own A box and 1/CLUSTER
+// of B, multicast into every CTA of the cluster, so B's L2 traffic drops by that factor. The
+// leader (rank 0) claims a unit of CLUSTER M-tiles and writes each CTA its tile; a stage is
+// overwritten only once the consumers of every CTA released it.
+//
 // Barriers (all in shared memory, phase parity waits):
 //   full[s]   count 1: the producer's arrive.expect_tx(STAGE_BYTES); completes when TMA has landed
-//             both the A and the B box of stage s.
-//   empty[s]  count 8: lane 0 of each of the 8 consumer warps arrives once that warpgroup's
-//             wgmmas reading stage s have completed (wgmma.wait_group).
-//   tfull[r]  count 1: the producer published tile r of the tile ring (MkTile in shared memory).
-//   tempty[r] count 256: every consumer thread has read tile r.
+//             both the A and the B box of stage s (clustered: B's slices from every CTA).
+//   empty[s]  count 8 x CLUSTER: lane 0 of each consumer warp (of every CTA of the cluster, whose
+//             multicasts write this stage) arrives once its wgmmas reading stage s have completed.
+//   tfull[r]  count 1: the (leader's) producer published tile r of the tile ring (MkTile in shared
+//             memory).
+//   tempty[r] count 256 x CLUSTER + CLUSTER - 1: every consumer thread and every other CTA's
+//             producer of the cluster has read tile r (only the leader's is waited for).
 // Iteration i (counted over all k-blocks of all tiles of this CTA) uses stage i % STAGES with
 // phase parity (i / STAGES) & 1; the producer waits for 'empty' with the opposite parity, so its
 // first pass over a fresh barrier does not block.
 #include "common.cuh"
 #include "tma.cuh"
+#include "cluster.cuh"
 #include "mbar_wait.cuh"
 #include "wgmma.cuh"
 #include "gemm_args.cuh"
@@ -26,10 +35,11 @@
 // B layouts.
 enum { MK_B_NK = 0, MK_B_KN = 1 };
 
-template <int DT_, int BL_>
+template <int DT_, int BL_, int CLUSTER_ = 1>
 struct GemmCfg {
-  static constexpr int DT = DT_, BL = BL_;
+  static constexpr int DT = DT_, BL = BL_, CLUSTER = CLUSTER_;
   static constexpr int BM = 128, BN = 256, BK = 64;
+  static constexpr int UNIT_M = BM * CLUSTER;  // rows of one claim (a cluster's tiles)
   static constexpr int STAGES = 4;
   static constexpr int CONSUMERS = 2;
   static constexpr int THREADS = 128 * (1 + CONSUMERS);
@@ -37,6 +47,9 @@ struct GemmCfg {
   static constexpr u32 A_BYTES = BM * BK * 2;  // 16 KiB: 128 rows x 128 B, swizzled
   static constexpr u32 B_BYTES = BN * BK * 2;  // 32 KiB: [N,K]: 256 rows x 128 B; [K,N]: 4 boxes of 64 K-rows x 128 B
   static constexpr u32 STAGE_BYTES = A_BYTES + B_BYTES;
+  static constexpr u32 B_SLICE_BYTES = B_BYTES / CLUSTER;  // the part of B each CTA of a cluster loads
+  static constexpr u32 EMPTY_ARRIVALS = CONSUMERS * 4 * CLUSTER;
+  static constexpr u32 TEMPTY_ARRIVALS = CONSUMERS * 128 * CLUSTER + CLUSTER - 1;
   static constexpr u32 C_WARP_ROWS = 16;          // the epilogue works warp by warp: 16 rows each
   static constexpr u32 C_CHUNK_BYTES = C_WARP_ROWS * 128;  // one chunk: 16 rows x 128 B, swizzled
   static constexpr u32 C_BUFS = 2;                // per consumer warp (double buffered)
@@ -47,6 +60,7 @@ struct GemmCfg {
   static constexpr int PRODUCER_REGS = 40;
   static constexpr int CONSUMER_REGS = 232;
   MK_STATIC_ASSERT(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * CONSUMERS <= mk_cta_register_pool(THREADS), "register budget");
+  MK_STATIC_ASSERT(CLUSTER == 1 || CLUSTER == 2, "clusters of 1 or 2 CTAs");
 };
 
 template <class Cfg>
@@ -94,17 +108,20 @@ MK_DEV GemmSmem<Cfg> gemm_smem_carve(u8* dyn) {
 }
 
 // All threads of the CTA: barrier initialisation, the epoch, the group table. Ends with __syncthreads.
+// Clustered: the tile space counts units of CLUSTER M-tiles, and the barrier at the end spans the
+// cluster (no CTA's multicast or remote arrival may reach a barrier not yet initialised).
 template <class Cfg, bool GROUPED>
-MK_DEV MkTileSpace<Cfg::BM> gemm_setup(const MkGemmArgs& args, const GemmSmem<Cfg>& sm) {
+MK_DEV MkTileSpace<Cfg::UNIT_M> gemm_setup(const MkGemmArgs& args, const GemmSmem<Cfg>& sm) {
+  MK_STATIC_ASSERT(!(GROUPED && Cfg::CLUSTER > 1), "the clustered GEMM is plain mode only");
   GemmBars<Cfg>* bars = sm.bars;
   if (threadIdx.x == 0) {
     for (int s = 0; s < Cfg::STAGES; ++s) {
       mbar_init(smem_u32(&bars->full[s]), 1);
-      mbar_init(smem_u32(&bars->empty[s]), Cfg::CONSUMERS * 4);
+      mbar_init(smem_u32(&bars->empty[s]), Cfg::EMPTY_ARRIVALS);
     }
     for (int r = 0; r < Cfg::RING; ++r) {
       mbar_init(smem_u32(&bars->tfull[r]), 1);
-      mbar_init(smem_u32(&bars->tempty[r]), Cfg::CONSUMERS * 128);
+      mbar_init(smem_u32(&bars->tempty[r]), Cfg::TEMPTY_ARRIVALS);
     }
     bars->epoch = launch_epoch(args.sync);
     for (int i = 0; i < MK_JOIN_SLOTS; ++i) bars->join[i] = 0;
@@ -113,7 +130,7 @@ MK_DEV MkTileSpace<Cfg::BM> gemm_setup(const MkGemmArgs& args, const GemmSmem<Cf
     tma_prefetch_desc(&args.b);
     tma_prefetch_desc(&args.c);
   }
-  MkTileSpace<Cfg::BM> space;
+  MkTileSpace<Cfg::UNIT_M> space;
   space.table = sm.table;
   space.m = args.m;
   space.n = args.n;
@@ -122,10 +139,10 @@ MK_DEV MkTileSpace<Cfg::BM> gemm_setup(const MkGemmArgs& args, const GemmSmem<Cf
   space.by_n = args.sched.group_n;
   space.num_groups = GROUPED ? (u32)args.num_groups : 1u;
   if (GROUPED) {
-    build_group_table<Cfg::BM>(sm.table, args.group_rows, space.num_groups, args.m, space.tiles_n);
+    build_group_table<Cfg::UNIT_M>(sm.table, args.group_rows, space.num_groups, args.m, space.tiles_n);
     space.num_tiles = sm.table->tile_base[space.num_groups];
   } else {
-    __syncthreads();
+    if (Cfg::CLUSTER > 1) cluster_sync(); else __syncthreads();
     space.num_tiles = args.sched.num_tiles;
   }
   return space;
@@ -140,45 +157,91 @@ MK_DEV MkTileSpace<Cfg::BM> gemm_setup(const MkGemmArgs& args, const GemmSmem<Cf
 //   void before_loads(const MkTile&)    runs before the tile reaches the consumers and its loads
 //                                       are issued (a fused op waits there for the tile's inputs)
 //   i32 b_index(const MkTile&)          which B matrix the tile multiplies (grouped mode's group)
+//
+// Clustered (Cfg::CLUSTER > 1), plain mode: the leader's producer claims a unit of CLUSTER M-tiles
+// and writes CTA q its tile q of the unit (cluster_part) into q's ring; the other producers read
+// their tile from their own ring like the consumers. Each producer loads its A box and its slice
+// of B, multicast to every CTA (B's TMA box is then BN / CLUSTER rows for [N, K]). A part past M
+// (odd tiles_m) is still loaded (zeros; its B slice is the other CTAs' too) and never stored.
+template <class Cfg>
+MK_DEV void gemm_load_stage(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, const MkTile& t, i32 bi, int s,
+                            i32 k0, u32 rank) {
+  const u32 full = smem_u32(&sm.bars->full[s]);
+  mbar_arrive_expect_tx(full, Cfg::STAGE_BYTES);
+  tma_load_2d(sm.a(s), &args.a, full, k0, t.m0);
+  if (Cfg::CLUSTER == 1) {
+    if (Cfg::BL == MK_B_NK) {
+      tma_load_3d(sm.b(s), &args.b, full, k0, t.n0, bi);
+    } else {
+#pragma unroll
+      for (int j = 0; j < Cfg::BN / 64; ++j)
+        tma_load_3d(sm.b(s) + j * (64 * Cfg::BK * 2), &args.b, full, t.n0 + 64 * j, k0, bi);
+    }
+    return;
+  }
+  const u16 all = (u16)((1u << Cfg::CLUSTER) - 1);
+  if (Cfg::BL == MK_B_NK) {  // rows n0 + rank * BN / CLUSTER ... of the [N, K] box: contiguous in smem
+    tma_load_3d_multicast(sm.b(s) + rank * Cfg::B_SLICE_BYTES, &args.b, full, k0,
+                          t.n0 + (i32)rank * (Cfg::BN / Cfg::CLUSTER), bi, all);
+  } else {  // this CTA's share of the BN / 64 boxes of 64 N-columns
+    constexpr int PER = Cfg::BN / 64 / Cfg::CLUSTER;
+#pragma unroll
+    for (int jj = 0; jj < PER; ++jj) {
+      const int j = (int)rank * PER + jj;
+      tma_load_3d_multicast(sm.b(s) + j * (64 * Cfg::BK * 2), &args.b, full, t.n0 + 64 * j, k0, bi, all);
+    }
+  }
+}
+
+template <class Cfg>
+MK_DEV void gemm_ring_put(const GemmSmem<Cfg>& sm, u32 r, const MkTile& t, u32 rank) {
+  const uint4* v = reinterpret_cast<const uint4*>(&t);
+  const u32 slot = smem_u32(&sm.bars->ring[r]);
+  st_cluster_v4(slot, rank, v[0]);
+  st_cluster_v4(slot + 16, rank, v[1]);
+  mbar_arrive_cluster(smem_u32(&sm.bars->tfull[r]), rank);
+}
+
 template <class Cfg, class Source>
 MK_DEV void gemm_producer_loop(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, Source& src) {
+  MK_STATIC_ASSERT(sizeof(MkTile) == 32, "gemm_ring_put copies MkTile as two 16-byte words");
   GemmBars<Cfg>* bars = sm.bars;
   const int kblocks = (args.k + Cfg::BK - 1) / Cfg::BK;
+  const u32 rank = Cfg::CLUSTER > 1 ? cluster_ctarank() : 0u;
   u32 it = 0, tile_it = 0;
   for (;;) {
-    const u32 claim = src.claim();
-    const bool done = src.done(claim);
     const u32 r = tile_it % Cfg::RING;
-    mbar_wait_timed(smem_u32(&bars->tempty[r]), ((tile_it / Cfg::RING) & 1) ^ 1, args.sync, MK_WAIT_TILE);
     MkTile t;
-    if (done) {
-      t.m0 = t.n0 = t.rows = t.group = 0;
-      t.id = MK_TILE_DONE;
-      t.pad[0] = t.pad[1] = 0;
+    if (rank == 0) {
+      const u32 claim = src.claim();
+      const bool done = src.done(claim);
+      mbar_wait_timed(smem_u32(&bars->tempty[r]), ((tile_it / Cfg::RING) & 1) ^ 1, args.sync, MK_WAIT_TILE);
+      if (done) {
+        t.m0 = t.n0 = t.rows = t.group = 0;
+        t.id = MK_TILE_DONE;
+        t.pad[0] = t.pad[1] = 0;
+      } else {
+        t = src.decode(claim);
+      }
+      t.seq = tile_it;
+      if (!done) src.before_loads(t);
+      for (u32 q = 1; q < (u32)Cfg::CLUSTER; ++q)
+        gemm_ring_put<Cfg>(sm, r, cluster_part<Cfg::BM, Cfg::CLUSTER>(t, q, args.sched.tiles_n), q);
+      t = cluster_part<Cfg::BM, Cfg::CLUSTER>(t, 0, args.sched.tiles_n);
+      bars->ring[r] = t;
+      mbar_arrive(smem_u32(&bars->tfull[r]));
     } else {
-      t = src.decode(claim);
+      mbar_wait_timed<true>(smem_u32(&bars->tfull[r]), (tile_it / Cfg::RING) & 1, args.sync, MK_WAIT_TILE + 2);
+      t = bars->ring[r];
+      mbar_arrive_remote(smem_u32(&bars->tempty[r]), 0);
     }
-    t.seq = tile_it;
-    if (!done) src.before_loads(t);
-    bars->ring[r] = t;
-    mbar_arrive(smem_u32(&bars->tfull[r]));
     ++tile_it;
-    if (done) break;
+    if (t.id == MK_TILE_DONE) break;
     const i32 bi = src.b_index(t);
     for (int kb = 0; kb < kblocks; ++kb, ++it) {
       const int s = it % Cfg::STAGES;
-      const u32 full = smem_u32(&bars->full[s]);
       mbar_wait_timed(smem_u32(&bars->empty[s]), ((it / Cfg::STAGES) & 1) ^ 1, args.sync, MK_WAIT_EMPTY);
-      mbar_arrive_expect_tx(full, Cfg::STAGE_BYTES);
-      const i32 k0 = kb * Cfg::BK;
-      tma_load_2d(sm.a(s), &args.a, full, k0, t.m0);
-      if (Cfg::BL == MK_B_NK) {
-        tma_load_3d(sm.b(s), &args.b, full, k0, t.n0, bi);
-      } else {
-#pragma unroll
-        for (int j = 0; j < Cfg::BN / 64; ++j)
-          tma_load_3d(sm.b(s) + j * (64 * Cfg::BK * 2), &args.b, full, t.n0 + 64 * j, k0, bi);
-      }
+      gemm_load_stage<Cfg>(args, sm, t, bi, s, kb * Cfg::BK, rank);
     }
   }
 }
@@ -187,7 +250,7 @@ MK_DEV void gemm_producer_loop(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, 
 template <class Cfg>
 struct MkSchedTiles {
   const MkGemmArgs& args;
-  const MkTileSpace<Cfg::BM>& space;
+  const MkTileSpace<Cfg::UNIT_M>& space;
   MK_DEV u32 claim() const { return sched_next(args.sched, space, args.sync); }
   MK_DEV bool done(u32 id) const { return id == MK_TILE_DONE; }
   MK_DEV MkTile decode(u32 id) const { return space.template decode<Cfg::BN>(id); }
@@ -196,7 +259,7 @@ struct MkSchedTiles {
 };
 
 template <class Cfg, bool GROUPED>
-MK_DEV void gemm_producer(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, const MkTileSpace<Cfg::BM>& space) {
+MK_DEV void gemm_producer(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, const MkTileSpace<Cfg::UNIT_M>& space) {
   MkSchedTiles<Cfg> src{args, space};
   gemm_producer_loop<Cfg>(args, sm, src);
 }
@@ -210,6 +273,18 @@ template <class Cfg>
 MK_DEV u64 gemm_desc_b(const GemmSmem<Cfg>& sm, int s, int kk) {
   if (Cfg::BL == MK_B_NK) return wgmma_desc(sm.b(s) + kk * 32, 16, 1024);
   return wgmma_desc(sm.b(s) + kk * (16 * 128), 64 * Cfg::BK * 2, 1024);  // LBO: next 64 N columns (next box)
+}
+
+// Lane 0 of a consumer warp: stage s may be refilled (by every CTA of the cluster that writes it).
+template <class Cfg>
+MK_DEV void gemm_release_stage(const GemmSmem<Cfg>& sm, int s) {
+  const u32 bar = smem_u32(&sm.bars->empty[s]);
+  if (Cfg::CLUSTER == 1) {
+    mbar_arrive(bar);
+    return;
+  }
+#pragma unroll
+  for (u32 q = 0; q < (u32)Cfg::CLUSTER; ++q) mbar_arrive_remote(bar, q);
 }
 
 // Warpgroups 1..CONSUMERS (wg = 0..CONSUMERS-1), every thread: for each tile of the ring, the
@@ -230,9 +305,13 @@ MK_DEV void gemm_consumer(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, int w
   const int pub_kb = kblocks - 1 < 2 ? kblocks - 1 : 2;
   for (;;) {
     const u32 r = tile_it % Cfg::RING;
-    mbar_wait_timed(smem_u32(&bars->tfull[r]), (tile_it / Cfg::RING) & 1, args.sync, MK_WAIT_TILE + 1);
+    mbar_wait_timed<(Cfg::CLUSTER > 1)>(smem_u32(&bars->tfull[r]), (tile_it / Cfg::RING) & 1, args.sync,
+                                        MK_WAIT_TILE + 1);
     const MkTile t = bars->ring[r];
-    mbar_arrive(smem_u32(&bars->tempty[r]));
+    if (Cfg::CLUSTER > 1)
+      mbar_arrive_remote(smem_u32(&bars->tempty[r]), 0);  // the leader's producer refills every ring
+    else
+      mbar_arrive(smem_u32(&bars->tempty[r]));
     ++tile_it;
     if (t.id == MK_TILE_DONE) break;
     const u64 t_start = args.sync.trace_events ? globaltimer_ns() : 0;
@@ -255,12 +334,12 @@ MK_DEV void gemm_consumer(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, int w
         __syncwarp();  // lane 0 may have diverged: converge before the .aligned wait
       }
       wgmma_wait<1>();  // the previous k-block's group is complete: release its stage
-      if (kb > 0 && lane == 0) mbar_arrive(smem_u32(&bars->empty[(it + Cfg::STAGES - 1) % Cfg::STAGES]));
+      if (kb > 0 && lane == 0) gemm_release_stage<Cfg>(sm, (it + Cfg::STAGES - 1) % Cfg::STAGES);
     }
     wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < 128; ++i) wgmma_fence_operand(acc[i]);
-    if (kblocks > 0 && lane == 0) mbar_arrive(smem_u32(&bars->empty[(it + Cfg::STAGES - 1) % Cfg::STAGES]));
+    if (kblocks > 0 && lane == 0) gemm_release_stage<Cfg>(sm, (it + Cfg::STAGES - 1) % Cfg::STAGES);
     if (kblocks == 0) {
 #pragma unroll
       for (int i = 0; i < 128; ++i) acc[i] = 0.f;

@@ -11,13 +11,14 @@
 // Wait ids (MkStatus::where) of the pipeline waits, per kernel family.
 enum : u32 { MK_WAIT_FULL = 0xF000u, MK_WAIT_EMPTY = 0xF100u, MK_WAIT_TILE = 0xF200u };
 
+template <bool CLUSTER_SCOPE = false>
 MK_DEV void mbar_wait_timed(u32 bar, u32 parity, const MkSync& s, u32 where) {
-  if (mbar_try_wait(bar, parity)) return;
+  if (mbar_try_wait<CLUSTER_SCOPE>(bar, parity)) return;
   const u64 start = globaltimer_ns();
   for (;;) {
 #pragma unroll 1  // a cold path: keep it small
     for (u32 i = 0; i < MK_POLL_BATCH; ++i)
-      if (mbar_try_wait(bar, parity)) return;
+      if (mbar_try_wait<CLUSTER_SCOPE>(bar, parity)) return;
     if (error_recorded(s)) return;
     const u64 waited = globaltimer_ns() - start;
     if (waited > s.timeout_ns) {

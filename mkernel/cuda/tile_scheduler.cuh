@@ -22,6 +22,7 @@
 
 constexpr u32 MK_TILE_DONE = 0xFFFFFFFFu;
 constexpr u32 MK_TILE_YIELD = 0xFFFFFFFEu;
+constexpr u32 MK_TILE_NONE = 0xFFFFFFFDu;  // a clustered unit's part past the last row: computed, never stored
 
 // One tile as the producer hands it to the consumers (through the shared-memory tile ring).
 struct MkTile {
@@ -105,6 +106,20 @@ struct MkTileSpace {
     return t;
   }
 };
+
+// Clustered GEMM (plain mode): part q of a claimed unit of CLUSTER M-tiles, the unit decoded as one
+// UNIT_M x BN tile of id mu * tiles_n + nt: rows q * BM on, tile id (mu * CLUSTER + q) * tiles_n + nt
+// (the plain tile ids, so flags and tile counts mean the same), MK_TILE_NONE with 0 rows past M.
+template <int BM, int CLUSTER>
+MK_DEV MkTile cluster_part(MkTile unit, u32 q, u32 tiles_n) {
+  if (CLUSTER == 1 || unit.id == MK_TILE_DONE) return unit;
+  const u32 mu = unit.id / tiles_n;
+  const i32 rows = unit.rows - (i32)q * BM;
+  unit.m0 += (i32)q * BM;
+  unit.rows = rows <= 0 ? 0 : min(rows, BM);
+  unit.id = rows <= 0 ? MK_TILE_NONE : unit.id + (mu * (CLUSTER - 1) + q) * tiles_n;
+  return unit;
+}
 
 // Grouped mode: fills the table from the device row counts (clamped to be >= 0 and to fit in the
 // m rows of A / C). All threads of the CTA call it; ends with __syncthreads.

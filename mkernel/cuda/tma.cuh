@@ -20,15 +20,27 @@ MK_DEV void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
   asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
                : "memory");
 }
+// CLUSTER_SCOPE: acquires what other CTAs of the cluster released with their arrivals (a tile they
+// wrote into this CTA's shared memory); otherwise what this CTA's threads and TMA released.
+template <bool CLUSTER_SCOPE = false>
 MK_DEV bool mbar_try_wait(u32 bar, u32 parity) {
   u32 ok;
-  asm volatile(
-      "{\n .reg .pred p;\n"
-      " mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
-      " selp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(ok)
-      : "r"(bar), "r"(parity)
-      : "memory");
+  if (CLUSTER_SCOPE)
+    asm volatile(
+        "{\n .reg .pred p;\n"
+        " mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(ok)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  else
+    asm volatile(
+        "{\n .reg .pred p;\n"
+        " mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(ok)
+        : "r"(bar), "r"(parity)
+        : "memory");
   return ok != 0;
 }
 // Waits (with the protocol's deadline) are in mbar_wait.cuh. A freshly initialised barrier is in
@@ -57,6 +69,16 @@ MK_DEV void tma_load_3d(u32 dst, const void* desc, u32 bar, i32 c0, i32 c1, i32 
   asm volatile(
       "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
       " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(dst), "l"((u64)desc), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
+// The same box delivered to every CTA of the cluster in cta_mask, at the same shared-memory offset
+// in each, and completing the mbarrier at the same offset in each (bytes count in every receiver).
+MK_DEV void tma_load_3d_multicast(u32 dst, const void* desc, u32 bar, i32 c0, i32 c1, i32 c2, u16 cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%3, %4, %5}], [%2], %6;" ::"r"(dst), "l"((u64)desc), "r"(bar), "r"(c0), "r"(c1), "r"(c2),
+      "h"(cta_mask)
       : "memory");
 }
 
