@@ -64,11 +64,57 @@ def rel_err(x, ref):
     return float(cupy.linalg.norm(x32 - r32) / (cupy.linalg.norm(r32) + 1e-30))
 
 
+def plot(result, path):
+    """Speed against cuBLAS per main row (default, clustered, unclustered kernels) and time against
+    the SMs given to the GEMM, from a results dict (the JSON this script writes)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        print(f"# matplotlib is not importable ({e}): no plot", flush=True)
+        return None
+    rows = [r for r in result["rows"] if r.get("speedup")]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [2.2, 1]})
+    xs = np.arange(len(rows))
+    for off, key, name in ((-0.27, "speedup", "mkernel.gemm (default kernel)"), (0.0, "clustered_speedup", "clustered"),
+                           (0.27, "unclustered_speedup", "unclustered")):
+        ax.bar(xs + off, [r.get(key) or 0 for r in rows], width=0.26, label=name)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.axhline(0.95, color="r", lw=0.8, ls="--", label="goal 0.95 (main shapes)")
+    ax.set_xticks(xs, [f"{'x'.join(map(str, r['shape']))}\n{r['layout']}{'' if r['main'] else ' (extra)'}" for r in rows],
+                  fontsize=6.5, rotation=60, ha="right")
+    ax.set_ylim(0.5, 1.2)
+    ax.set_ylabel("cuBLAS time / mkernel time")
+    ax.set_title(f"bf16 GEMM vs cupy.matmul, {result.get('device')}, commit {result.get('commit')}")
+    ax.legend(fontsize=7, loc="upper left", ncol=4)
+    ax.grid(axis="y", alpha=0.3)
+    sw = result.get("sm_sweep", {}).get("rows", [])
+    if sw:
+        bx.plot([r["sms"] for r in sw], [r["mkernel_ms"] for r in sw], "-o")
+        bx.set_xlabel("SMs given to the GEMM (unclustered kernel)")
+        bx.set_ylabel("ms")
+        bx.set_title(f"time against SMs, {'x'.join(map(str, result['sm_sweep']['shape']))}")
+        bx.grid(alpha=0.3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer shapes and reps (smoke run)")
     ap.add_argument("--reps", type=int, default=harness.REPS)
+    ap.add_argument("--plot", metavar="JSON", help="only draw the PNG of an earlier results file, next to it")
     opts = ap.parse_args()
+    if opts.plot:
+        import json
+
+        src = Path(opts.plot)
+        print(plot(json.loads(src.read_text()), src.with_suffix(".png")))
+        return
 
     import cupy
 
@@ -233,9 +279,13 @@ def main():
     for (N, K, name) in GROUPED_SHAPES:
         section(f"grouped {name}", lambda: grouped_row(N, K, name))
 
+    png = harness.RESULTS / "gemm-1gpu.png"
     path = harness.write("gemm", rows, gpus=1, sm_sweep={"shape": list(SWEEP_SHAPE), "rows": sweep},
                          flags_cost=flags_cost, tuning=tuning, grouped=grouped, group_rows=counts.tolist(),
-                         reps=reps, errors=errors)
+                         reps=reps, errors=errors, plot=os.path.relpath(png, ROOT))
+    import json
+
+    section("plot", lambda: plot(json.loads(Path(path).read_text()), png))
 
     print()
     print(harness.table(rows, [("shape", "shape", None), ("layout", "B", None), ("mkernel_ms", "mkernel ms", ".3f"),
