@@ -19,6 +19,7 @@ import ctypes
 import importlib
 
 from . import compile as _compile
+from . import proxy as _proxy
 from . import tp as _tp
 from . import tma as _tma
 from .errors import ArgumentError
@@ -30,6 +31,7 @@ CNT_WORDS = 1 + 3 * MAX_WORLD
 FLAG_WORDS = 2 * MAX_WORLD
 DEFAULT_COMM_SMS = 8      # forwarding CTAs: NVLink push saturates near 8 SMs (shared/device/README.md)
 CHUNK_BYTES = 256 << 10   # bytes of K (and as many of V) per forwarding chunk
+PF_CHUNK = 1 + 2 * MAX_WORLD  # RING_PF_CHUNK: the first chunk-arrival flag of the proxy flags
 
 
 def kernel_expr(dt: int, d: int, causal: bool) -> str:
@@ -41,7 +43,7 @@ SPEC = _compile.register("ring_attention", "ring_attention.cu", EXPRESSIONS, hot
 
 
 class MkRingArgs(ctypes.Structure):
-    """Mirror of ``MkRingArgs`` (mkernel/cuda/ring_args.cuh); 1408 bytes, 64-byte aligned in C."""
+    """Mirror of ``MkRingArgs`` (mkernel/cuda/ring_args.cuh); 1472 bytes, 64-byte aligned in C."""
     _fields_ = [("a", _attn.MkAttnArgs), ("k_slot", _tma.TensorMap * 2), ("v_slot", _tma.TensorMap * 2),
                 ("peer_base", ctypes.c_void_p), ("kslot_off", ctypes.c_uint64 * 2),
                 ("vslot_off", ctypes.c_uint64 * 2), ("flags_off", ctypes.c_uint64), ("k_own", ctypes.c_void_p),
@@ -50,7 +52,10 @@ class MkRingArgs(ctypes.Structure):
                 ("tile_flags", ctypes.c_void_p), ("counters", ctypes.c_void_p), ("out", ctypes.c_void_p),
                 ("out_stride_b", ctypes.c_int64), ("out_stride_s", ctypes.c_int64), ("world", ctypes.c_int32),
                 ("me", ctypes.c_int32), ("attn_ctas", ctypes.c_int32), ("zigzag", ctypes.c_int32),
-                ("tiles_per_step", ctypes.c_uint32), ("chunk_rows", ctypes.c_uint32), ("pad", ctypes.c_uint32 * 6)]
+                ("tiles_per_step", ctypes.c_uint32), ("chunk_rows", ctypes.c_uint32),
+                ("queue", _proxy.QueueArgs), ("pflags", ctypes.c_void_p), ("stage_off", ctypes.c_uint64),
+                ("next_remote", ctypes.c_int32), ("prev_remote", ctypes.c_int32), ("chunks", ctypes.c_uint32),
+                ("chunk_bytes", ctypes.c_uint32), ("kv_bytes", ctypes.c_uint64), ("pad", ctypes.c_uint32 * 4)]
 
 
 def _rows_contiguous(x):
@@ -59,19 +64,21 @@ def _rows_contiguous(x):
     return (D == 1 or x.strides[3] == x.itemsize) and (H == 1 or x.strides[2] == D * x.itemsize)
 
 
-def _plan(comm, q4, k4):
+def _plan(comm, q4, k4, remote):
     """Buffers of one shape: the receive slots and flags in symmetric memory (tp.plan_buffers: cached
     on the communicator, allocated collectively, freed by tp.release_buffers), and this rank's fp32
-    accumulators, tile flags and scheduler words in device memory."""
+    accumulators, tile flags and scheduler words in device memory. Between nodes (remote) also a
+    staging copy of this rank's own block (a WRITE source must lie in a registered region)."""
     import cupy
 
     B, S, Hq, D = q4.shape
     Hkv = k4.shape[2]
-    slot = (B, S, Hkv, D)
+    kv_shape = (2, B, S, Hkv, D)  # one buffer per slot: K then V (one range for WRITEs between nodes)
+    sizes = [("slot0", kv_shape, k4.dtype), ("slot1", kv_shape, k4.dtype), ("flags", (FLAG_WORDS,), cupy.uint32)]
+    if remote:
+        sizes.append(("stage", kv_shape, k4.dtype))
     plan = _tp.plan_buffers("ring_attention", comm, ("buffers", "ring_attention", B, S, Hq, Hkv, D, k4.dtype.name),
-                            [("k_slot0", slot, k4.dtype), ("k_slot1", slot, k4.dtype), ("v_slot0", slot, k4.dtype),
-                             ("v_slot1", slot, k4.dtype), ("flags", (FLAG_WORDS,), cupy.uint32)],
-                            counter_words=CNT_WORDS)
+                            sizes, counter_words=CNT_WORDS)
     if "o_acc" not in plan:  # first use of this shape
         tiles = B * Hq * -(-S // _attn.BLOCK_M)
         plan["o_acc"] = cupy.empty((B, S, Hq, D), dtype=cupy.float32)
@@ -106,9 +113,12 @@ def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, return_ls
         raise ArgumentError(f"ring_attention needs comm= an mkernel Communicator (mkernel.init()); got "
                             f"{type(comm).__name__}")
     W = comm.size
-    if comm.num_nodes != 1 or comm.size != comm.local_size:
-        raise ArgumentError(f"ring_attention works inside one node so far (this communicator spans "
-                            f"{comm.num_nodes} nodes)")
+    one_node = comm.num_nodes == 1
+    remote = not one_node  # every neighbour on another node: blocks go through the proxy
+    if not one_node and comm.num_nodes != comm.size:
+        raise ArgumentError(f"ring_attention between nodes takes one rank per node so far (this communicator "
+                            f"has {comm.size} ranks on {comm.num_nodes} nodes); several ranks per node and "
+                            f"several nodes together are not built yet")
     if W > MAX_WORLD:
         raise ArgumentError(f"ring_attention: at most {MAX_WORLD} ranks; this communicator has {W}")
     if comm_sms is None:
@@ -135,7 +145,7 @@ def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, return_ls
     comm.agree(key, key)
     if not (_rows_contiguous(k4) and _rows_contiguous(v4) and k4.strides == v4.strides):
         k4, v4 = cupy.ascontiguousarray(k4), cupy.ascontiguousarray(v4)  # the forwarders copy whole rows
-    plan = _plan(comm, q4, k4)
+    plan = _plan(comm, q4, k4, remote)
     if out is None:
         out = cupy.empty(q.shape, dtype=q.dtype)
     o4 = _attn._as4d(out, "out")
@@ -161,14 +171,16 @@ def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, return_ls
     a.q_blocks = -(-S // _attn.BLOCK_M)
     a.scale, a.scale_log2 = scale, scale * _attn.LOG2E
     half = S // 2
-    me = comm.local_rank
+    me = comm.rank  # one node: the local rank; one rank per node: the ring's order is the ranks'
     a.qpos = (_attn.MkAttnPos(half, me * half, (2 * W - 1 - me) * half - half, 0) if causal
               else _attn.positions(me * S))
     a.kpos = a.qpos  # (per step in the kernel; this one only fills the end-of-work tile)
+    half_bytes = B * S * Hkv * D * k4.itemsize  # one of K or V
     for i in range(2):
-        ks, vs = plan[f"k_slot{i}"], plan[f"v_slot{i}"]
-        r.k_slot[i], r.v_slot[i] = _attn._tensor_map(ks, _attn.BLOCK_N), _attn._tensor_map(vs, _attn.BLOCK_N)
-        r.kslot_off[i], r.vslot_off[i] = comm.offset_of(ks), comm.offset_of(vs)
+        slot = plan[f"slot{i}"]
+        r.k_slot[i], r.v_slot[i] = _attn._tensor_map(slot[0], _attn.BLOCK_N), _attn._tensor_map(slot[1], _attn.BLOCK_N)
+        r.kslot_off[i] = comm.offset_of(slot)
+        r.vslot_off[i] = r.kslot_off[i] + half_bytes
     r.peer_base = comm.peer_table.data.ptr
     r.flags_off = comm.offset_of(plan["flags"])
     r.k_own, r.v_own = k4.data.ptr, v4.data.ptr
@@ -182,6 +194,20 @@ def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, return_ls
     r.world, r.me, r.attn_ctas, r.zigzag = W, me, grid - comm_ctas, int(bool(causal))
     r.tiles_per_step = plan["tiles"]
     r.chunk_rows = max(1, CHUNK_BYTES // (Hkv * D * k4.itemsize))
+    if remote:
+        stage = plan["stage"]
+        with _tp.on_stream(stream):  # the block of step 0 must lie in a registered region
+            stage[0][...] = k4
+            stage[1][...] = v4
+        r.queue = comm.proxy_queue.device_args()  # (starts the proxy on first use: collective)
+        r.pflags = comm.proxy_flags[0]
+        r.stage_off = comm.offset_of(stage)
+        r.next_remote = r.prev_remote = 1
+        r.kv_bytes = 2 * half_bytes
+        cap = (comm.PROXY_FLAGS - PF_CHUNK) // (W - 1)
+        chunk = max(2 * CHUNK_BYTES, -(-r.kv_bytes // cap))
+        r.chunk_bytes = -(-chunk // 16) * 16
+        r.chunks = -(-r.kv_bytes // r.chunk_bytes)
     launch_persistent(fn, (grid,), (_attn.THREADS,), r, smem=smem, stream=stream, what="ring_attention")
     if return_lse:
         return out, (lse[0] if q.ndim == 3 else lse)

@@ -2,6 +2,7 @@
 // The argument struct of the ring attention kernel, shared with Python (mkernel/ring_attention.py
 // mirrors it with ctypes; tests/test_ring_attention.py compares the layouts with g++).
 #include "attn_args.cuh"
+#include "queue_layout.cuh"
 
 #define RING_MAX_WORLD 8
 
@@ -46,6 +47,23 @@ struct MkRingArgs {
   int attn_ctas;           // CTAs [0, attn_ctas) compute; the rest forward key/value blocks
   int zigzag;              // causal layout: a rank holds chunks me and 2 * world - 1 - me
   unsigned int tiles_per_step;
-  unsigned int chunk_rows; // rows (b, s) per forwarding chunk
-  unsigned int pad[6];     // explicit tail: sizeof is a multiple of 64
+  unsigned int chunk_rows; // rows (b, s) per forwarding chunk (next rank on this node)
+  // Next or previous rank on another node: blocks travel as WRITE commands through the proxy.
+  MkQueue queue;                 // the communicator's proxy queue
+  unsigned int* pflags;          // mapped host memory: this rank's proxy flags (RING_PF_*), set to the epoch
+  unsigned long long stage_off;  // workspace offset of this rank's k | v (a WRITE source needs a region)
+  int next_remote;
+  int prev_remote;
+  unsigned int chunks;           // per step: WRITEs of chunk_bytes of the combined K | V block
+  unsigned int chunk_bytes;
+  unsigned long long kv_bytes;   // bytes of one combined K | V block (2 * B * S * H_kv * D * 2)
+  unsigned int pad[4];     // explicit tail: sizeof is a multiple of 64
+};
+
+// Proxy flags (RingArgs::pflags): set by the neighbours' commands, or by this rank's FLUSHes.
+enum {
+  RING_PF_CREDIT = 0,                          // the next rank entered the epoch
+  RING_PF_FREE = 1,                            // [step]: the next rank is done with that step's slot
+  RING_PF_FLUSH = 1 + RING_MAX_WORLD,          // [step]: this rank's WRITEs of that step have landed
+  RING_PF_CHUNK = 1 + 2 * RING_MAX_WORLD       // [(step - 1) * chunks + chunk]: a chunk of that step arrived
 };

@@ -18,10 +18,17 @@
 #include "signals.cuh"
 #include "peers.cuh"
 #include "ring_args.cuh"
+#include "queue.cuh"
 #include "attn_mainloop.cuh"
 
-MK_DEV MkPeers ring_peers(const MkRingArgs& r) { return MkPeers{r.peer_base, (u32)r.world, (u32)r.me}; }
-MK_DEV u32* ring_flags(const MkRingArgs& r, u32 rank) { return peer_ptr<u32>(ring_peers(r), rank, r.flags_off); }
+// The node's ranks (IPC-mapped workspaces): the whole ring on one node; only this rank when its
+// neighbours are on other nodes (one rank per node), where ring ranks index no peer table.
+MK_DEV MkPeers ring_peers(const MkRingArgs& r) {
+  return r.next_remote ? MkPeers{r.peer_base, 1u, 0u} : MkPeers{r.peer_base, (u32)r.world, (u32)r.me};
+}
+MK_DEV u32* ring_flags(const MkRingArgs& r, u32 rank) {
+  return peer_ptr<u32>(ring_peers(r), r.next_remote ? 0u : rank, r.flags_off);
+}
 MK_DEV u32 ring_src(const MkRingArgs& r, u32 step) { return ((u32)r.me + (u32)r.world - step) % (u32)r.world; }
 
 // Positions of rank `rank`'s rows: zigzag (chunks rank and 2W-1-rank of S/2 rows) or contiguous.
@@ -47,8 +54,11 @@ MK_DEV MkAttnPos ring_positions(const MkRingArgs& r, u32 rank) {
 MK_DEV void ring_step_done(const MkRingArgs& r, u32 step, u32 E) {
   const u32 W = (u32)r.world;
   const u32 target = 2u * r.tiles_per_step + (step + 1 < W ? 1u : 0u);
-  if (atomicAdd(&r.counters[RING_CNT_STEP + step], 1u) + 1 == target && step >= 1 && step + 2 < W)
-    set_flag(ring_flags(r, (r.me + W - 1) % W) + RING_FLAG_FREE + step, E);
+  if (atomicAdd(&r.counters[RING_CNT_STEP + step], 1u) + 1 == target && step >= 1 && step + 2 < W) {
+    const u32 prev = ((u32)r.me + W - 1) % W;
+    if (r.prev_remote) queue_push(r.a.sync, r.queue, mk_signal_cmd(prev, RING_PF_FREE + step, E, MK_FLAG_SET));
+    else set_flag(ring_flags(r, prev) + RING_FLAG_FREE + step, E);
+  }
 }
 
 template <class Cfg>
@@ -139,21 +149,69 @@ struct RingMergeEpi {
 
 // A forwarding CTA: copies blocks to the next rank, chunk by chunk (chunk_rows rows (b, s) of
 // K and V), step by step. Rows are H_kv * D contiguous elements (16-byte vectors).
+// Previous rank on another node, first forwarding CTA: once every chunk flag of step s arrived
+// (the proxy set them), publish ARRIVED[s] in device memory, where the producers and the other
+// forwarders wait for it.
+MK_DEV bool ring_receive_remote(const MkRingArgs& r, u32 step, u32 E) {
+  __shared__ int s_bad;
+  if (threadIdx.x == 0) s_bad = 0;
+  __syncthreads();
+  const u32 prev = ((u32)r.me + (u32)r.world - 1) % (u32)r.world;
+  const u32* f = r.pflags + RING_PF_CHUNK + (step - 1) * r.chunks;
+  for (u32 c = threadIdx.x; c < r.chunks; c += blockDim.x)
+    if (!wait_remote_epoch(r.a.sync, r.queue, f + c, E, (i32)prev, 0x5600u + step)) s_bad = 1;
+  __syncthreads();
+  if (threadIdx.x == 0 && !s_bad) set_flag(ring_flags(r, (u32)r.me) + RING_FLAG_ARRIVED + step, E);
+  return !s_bad;
+}
+
+// Next rank on another node: one WRITE per chunk of the combined K | V block (each with its own
+// arrival flag there); the CTA that enqueued the last chunk of a step flushes, so the step's
+// source (staging or slot) may be reused once the FLUSH completes.
+MK_DEV void ring_send_remote(const MkRingArgs& r, u32 step, u32 E, u32* s_item) {
+  const u32 W = (u32)r.world, me = (u32)r.me, next = (me + 1) % W;
+  const u64 src = step == 0 ? r.stage_off : r.kslot_off[step % 2];
+  const u64 dst = r.kslot_off[(step + 1) % 2];
+  for (;;) {
+    if (threadIdx.x == 0) *s_item = atomicAdd(&r.counters[RING_CNT_CLAIM + step], 1u);
+    __syncthreads();
+    const u32 c = *s_item;
+    __syncthreads();
+    if (c >= r.chunks) break;
+    if (threadIdx.x == 0) {
+      const u64 off = (u64)c * r.chunk_bytes;
+      const u32 bytes = (u32)min((u64)r.chunk_bytes, r.kv_bytes - off);
+      queue_push(r.a.sync, r.queue, mk_write_cmd(next, 0, src + off, 0, dst + off, bytes,
+                                                 RING_PF_CHUNK + step * r.chunks + c, E, MK_FLAG_SET));
+      if (atomicAdd(&r.counters[RING_CNT_SENT + step], 1u) + 1 == r.chunks &&
+          queue_push(r.a.sync, r.queue, mk_flush_cmd(next, RING_PF_FLUSH + step, E)) &&
+          wait_remote_epoch(r.a.sync, r.queue, r.pflags + RING_PF_FLUSH + step, E, (i32)next, 0x5700u + step))
+        ring_step_done(r, step, E);
+    }
+  }
+}
+
 template <int D>
 MK_DEV void ring_forward_cta(const MkRingArgs& r, u32 E) {
   __shared__ u32 s_item;
   __shared__ int s_ok;
   const u32 W = (u32)r.world, me = (u32)r.me, next = (me + 1) % W;
+  const bool receiver = r.prev_remote && (int)blockIdx.x == r.attn_ctas;
   const MkPeers peers = ring_peers(r);
   const u32 S = (u32)r.a.seq_kv, rows = (u32)r.a.batch * S;
   const u32 row_bytes = (u32)r.a.heads_kv * D * 2, vpr = row_bytes / 16;
   const u32 chunks = (rows + r.chunk_rows - 1) / r.chunk_rows;
-  for (u32 step = 0; step + 1 < W; ++step) {
+  for (u32 step = 0; step < W; ++step) {
+    if (receiver && step > 0 && !ring_receive_remote(r, step, E)) return;
+    if (step + 1 == W) break;
     if (threadIdx.x == 0) {
       bool ok = true;
       if (step > 0)  // the block to forward is in my slot once it arrived
         ok = wait_epoch(r.a.sync, ring_flags(r, me) + RING_FLAG_ARRIVED + step, E, (i32)ring_src(r, step), 0x5400u + step);
-      if (ok) {  // the destination slot is free at the next rank
+      if (ok && r.next_remote) {  // the destination slot is free at the next rank (its proxy flags)
+        ok = step >= 1 ? wait_remote_epoch(r.a.sync, r.queue, r.pflags + RING_PF_FREE + (step - 1), E, (i32)next, 0x5500u + step)
+                       : wait_remote_epoch(r.a.sync, r.queue, r.pflags + RING_PF_CREDIT, E, (i32)next, 0x5500u);
+      } else if (ok) {
         ok = step >= 1 ? wait_epoch(r.a.sync, ring_flags(r, me) + RING_FLAG_FREE + (step - 1), E, (i32)next, 0x5500u + step)
                        : credits_wait(r.a.sync, peers, next, E);
       }
@@ -161,6 +219,10 @@ MK_DEV void ring_forward_cta(const MkRingArgs& r, u32 E) {
     }
     __syncthreads();
     if (!s_ok) return;
+    if (r.next_remote) {
+      ring_send_remote(r, step, E, &s_item);
+      continue;
+    }
     const int slot = (int)((step + 1) % 2);
     u8* dk = peer_ptr<u8>(peers, next, r.kslot_off[slot]);
     u8* dv = peer_ptr<u8>(peers, next, r.vslot_off[slot]);
@@ -202,7 +264,12 @@ __global__ void __launch_bounds__(384, 1) mk_ring_attention_kernel(const __grid_
     const AttnSmem<Cfg> sm = attn_smem_carve<Cfg>(mk_smem);
     attn_setup<Cfg>(a, sm);
     const u32 E = sm.bars->epoch;
-    if (blockIdx.x == 0 && threadIdx.x == 0) credits_announce(ring_peers(r), E);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      credits_announce(ring_peers(r), E);
+      if (r.prev_remote)  // the previous rank may write my step-1 slot of this epoch
+        queue_push(a.sync, r.queue, mk_signal_cmd(((u32)r.me + (u32)r.world - 1) % (u32)r.world, RING_PF_CREDIT, E,
+                                                  MK_FLAG_SET));
+    }
     if (threadIdx.x < 128) {
       setmaxnreg_dec<Cfg::PRODUCER_REGS>();
       if (threadIdx.x == 0) {
@@ -231,4 +298,4 @@ __global__ void __launch_bounds__(384, 1) mk_ring_attention_kernel(const __grid_
   }
 }
 
-static_assert(sizeof(MkRingArgs) == 1408, "MkRingArgs layout changed: update mkernel/ring_attention.py");
+static_assert(sizeof(MkRingArgs) == 1472, "MkRingArgs layout changed: update mkernel/ring_attention.py");
