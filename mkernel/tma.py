@@ -1,6 +1,8 @@
-"""TMA tensor maps: ``cuTensorMapEncodeTiled`` from ``libcuda.so.1`` through ctypes, cached.
+"""TMA tensor maps: ``cuTensorMapEncodeTiled`` from ``libcuda.so.1`` through cffi, cached.
 
-CuPy does not wrap the tensor-map API, so the driver entry point is called directly. A tensor map
+CuPy does not wrap the tensor-map API, so the driver entry point is called directly, through the
+cffi extension ``mkernel.verbs._proxy`` (``mk_cuda_tensor_map_encode_tiled`` in
+``mkernel/verbs/cuda_dl.c``, which loads libcuda with dlopen on first use). A tensor map
 is 128 opaque bytes that a kernel receives inside its argument struct (``TmaDesc`` in
 ``mkernel/cuda/gemm_args.cuh``, 64-byte aligned). Encoding is a host-only computation (no stream,
 no synchronisation); the results are cached by every argument, the global address included, so a
@@ -51,26 +53,10 @@ def dtype_code(dtype) -> int:
     raise ArgumentError(f"no TMA data type for dtype {dt}")
 
 
-_lib = None
-_lib_lock = threading.Lock()
-
-
-def _driver():
-    global _lib
-    with _lib_lock:
-        if _lib is None:
-            try:
-                lib = ctypes.CDLL("libcuda.so.1")
-            except OSError as e:
-                raise NoGPUError(f"libcuda.so.1 (the CUDA driver) cannot be loaded: {e}") from e
-            fn = lib.cuTensorMapEncodeTiled
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.POINTER(TensorMap), ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
-                           ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
-                           ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
-                           ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-            _lib = lib
-        return _lib
+def _ext():
+    """The extension's ffi and lib, imported on first use (importing mkernel needs no built extension)."""
+    from . import verbs
+    return verbs.ffi, verbs.lib
 
 
 def check_tiled(dtype: int, ptr: int, dims, strides, box, swizzle: int) -> None:
@@ -97,6 +83,7 @@ def check_tiled(dtype: int, ptr: int, dims, strides, box, swizzle: int) -> None:
         raise ArgumentError(f"inner box of {box[0] * esize} bytes exceeds the {sw}-byte swizzle span")
 
 
+_WHY_BYTES = 256  # MKP_MESSAGE_BYTES
 _cache = OrderedDict()
 _cache_lock = threading.Lock()
 CACHE_SIZE = 512
@@ -113,17 +100,22 @@ def encode_tiled(dtype: int, ptr: int, dims, strides, box, swizzle: int = SWIZZL
             return hit
     check_tiled(dtype, ptr, dims, strides, box, swizzle)
     rank = len(dims)
+    ffi, lib = _ext()
     tmap = TensorMap()
-    g_dims = (ctypes.c_uint64 * rank)(*dims)
-    g_strides = (ctypes.c_uint64 * max(1, rank - 1))(*strides)
-    b_dims = (ctypes.c_uint32 * rank)(*box)
-    e_strides = (ctypes.c_uint32 * rank)(*([1] * rank))
-    rc = _driver().cuTensorMapEncodeTiled(ctypes.byref(tmap), dtype, rank, ctypes.c_void_p(ptr), g_dims,
-                                          g_strides, b_dims, e_strides, INTERLEAVE_NONE, swizzle, l2,
-                                          OOB_FILL_ZERO)
+    g_dims = ffi.new("unsigned long long[]", list(dims))
+    g_strides = ffi.new("unsigned long long[]", list(strides) or [0])
+    b_dims = ffi.new("unsigned[]", list(box))
+    e_strides = ffi.new("unsigned[]", [1] * rank)
+    why = ffi.new("char[]", _WHY_BYTES)
+    rc = lib.mk_cuda_tensor_map_encode_tiled(ffi.cast("void *", ctypes.addressof(tmap)), dtype, rank,
+                                             ffi.cast("void *", ptr), g_dims, g_strides, b_dims, e_strides,
+                                             INTERLEAVE_NONE, swizzle, l2, OOB_FILL_ZERO, why, _WHY_BYTES)
+    if rc < 0:
+        raise NoGPUError(f"the CUDA driver cannot encode TMA tensor maps: {ffi.string(why).decode(errors='replace')}")
     if rc != 0:
         raise ArgumentError(f"cuTensorMapEncodeTiled failed with CUresult {rc} (dtype {dtype}, dims {tuple(dims)}, "
-                            f"strides {tuple(strides)}, box {tuple(box)}, swizzle {swizzle})")
+                            f"strides {tuple(strides)}, box {tuple(box)}, swizzle {swizzle}): "
+                            f"{ffi.string(why).decode(errors='replace')}")
     with _cache_lock:
         _cache[key] = tmap
         while len(_cache) > CACHE_SIZE:

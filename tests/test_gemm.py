@@ -59,6 +59,23 @@ def test_tma_rules():
             tma.check_tiled(**{**ok, **bad})
 
 
+def test_tma_encode_goes_through_the_extension():
+    import ctypes
+
+    from mkernel import verbs
+    from mkernel.errors import NoGPUError
+
+    assert hasattr(verbs.lib, "mk_cuda_tensor_map_encode_tiled")
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        pytest.skip("libcuda is present here: the no-driver path cannot be seen")
+    except OSError:
+        pass
+    tma.clear_cache()
+    with pytest.raises(NoGPUError, match="libcuda.so.1 could not be loaded"):
+        tma.encode_tiled(tma.DTYPE_BFLOAT16, 0x1000, (64, 128), (128,), (64, 128))
+
+
 def test_registration():
     from mkernel import compile as mkc
 

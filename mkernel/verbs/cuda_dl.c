@@ -1,5 +1,5 @@
 /* libcuda, loaded with dlopen on first use, so that the extension builds and imports on machines
- * without CUDA. Only the handful of driver calls the proxy needs, declared by hand. */
+ * without CUDA. Only the handful of driver calls the proxy (and mkernel/tma.py) needs, declared by hand. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stdio.h>
@@ -33,6 +33,10 @@ static struct {
   CUresult (*event_record)(CUevent, CUstream);
   CUresult (*event_query)(CUevent);
   CUresult (*event_destroy)(CUevent);
+  CUresult (*tensor_map_encode_tiled)(void* tensorMap, int dataType, unsigned rank, void* globalAddress,
+                                      const unsigned long long* globalDim, const unsigned long long* globalStrides,
+                                      const unsigned* boxDim, const unsigned* elementStrides, int interleave,
+                                      int swizzle, int l2Promotion, int oobFill);
 } cu;
 
 static pthread_once_t cu_once = PTHREAD_ONCE_INIT;
@@ -41,27 +45,29 @@ static char cu_error[MKP_MESSAGE_BYTES];
 static void cu_load(void) {
   void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
   if (!lib) {
-    snprintf(cu_error, sizeof cu_error, "libcuda.so.1 could not be loaded (%s): CUDA regions need the NVIDIA driver", dlerror());
+    snprintf(cu_error, sizeof cu_error, "libcuda.so.1 could not be loaded (%s): CUDA regions and TMA tensor maps need the NVIDIA driver", dlerror());
     return;
   }
-  struct { void** fn; const char* name; } syms[] = {
-      {(void**)&cu.init, "cuInit"},
-      {(void**)&cu.primary_ctx_retain, "cuDevicePrimaryCtxRetain"},
-      {(void**)&cu.ctx_set_current, "cuCtxSetCurrent"},
-      {(void**)&cu.stream_create, "cuStreamCreate"},
-      {(void**)&cu.memcpy_async, "cuMemcpyAsync"},
-      {(void**)&cu.stream_synchronize, "cuStreamSynchronize"},
-      {(void**)&cu.host_register, "cuMemHostRegister_v2"},
-      {(void**)&cu.get_handle, "cuMemGetHandleForAddressRange"},
-      {(void**)&cu.error_string, "cuGetErrorString"},
-      {(void**)&cu.event_create, "cuEventCreate"},
-      {(void**)&cu.event_record, "cuEventRecord"},
-      {(void**)&cu.event_query, "cuEventQuery"},
-      {(void**)&cu.event_destroy, "cuEventDestroy_v2"},
+  /* Optional symbols may be missing; only the calls that need them then fail. */
+  struct { void** fn; const char* name; int optional; } syms[] = {
+      {(void**)&cu.init, "cuInit", 0},
+      {(void**)&cu.primary_ctx_retain, "cuDevicePrimaryCtxRetain", 0},
+      {(void**)&cu.ctx_set_current, "cuCtxSetCurrent", 0},
+      {(void**)&cu.stream_create, "cuStreamCreate", 0},
+      {(void**)&cu.memcpy_async, "cuMemcpyAsync", 0},
+      {(void**)&cu.stream_synchronize, "cuStreamSynchronize", 0},
+      {(void**)&cu.host_register, "cuMemHostRegister_v2", 0},
+      {(void**)&cu.get_handle, "cuMemGetHandleForAddressRange", 1},   /* dma-buf export (CUDA >= 11.7) */
+      {(void**)&cu.error_string, "cuGetErrorString", 0},
+      {(void**)&cu.event_create, "cuEventCreate", 0},
+      {(void**)&cu.event_record, "cuEventRecord", 0},
+      {(void**)&cu.event_query, "cuEventQuery", 0},
+      {(void**)&cu.event_destroy, "cuEventDestroy_v2", 0},
+      {(void**)&cu.tensor_map_encode_tiled, "cuTensorMapEncodeTiled", 1},  /* TMA (CUDA >= 12.0) */
   };
   for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++) {
     *syms[i].fn = dlsym(lib, syms[i].name);
-    if (!*syms[i].fn && syms[i].fn != (void**)&cu.get_handle) { /* dma-buf export is optional (CUDA >= 11.7) */
+    if (!*syms[i].fn && !syms[i].optional) {
       snprintf(cu_error, sizeof cu_error, "libcuda.so.1 lacks %s", syms[i].name);
       return;
     }
@@ -148,4 +154,21 @@ int mk_cuda_dmabuf_fd(void* ptr, size_t bytes, uint64_t* offset) {
   if (cu.get_handle(&fd, (CUdeviceptr)start, len, CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0)) return -1;
   *offset = (uintptr_t)ptr - start;
   return fd;
+}
+
+/* A tiled TMA tensor map (mkernel/tma.py): cuTensorMapEncodeTiled's CUresult (0 success, why says
+ * which error otherwise), or -1 with why saying so when libcuda or the entry point is missing. A
+ * host-only computation: no context, no stream. */
+int mk_cuda_tensor_map_encode_tiled(void* tmap, int dtype, unsigned rank, void* ptr, const unsigned long long* dims,
+                                    const unsigned long long* strides, const unsigned* box, const unsigned* estrides,
+                                    int interleave, int swizzle, int l2, int oob, char* why, int cap) {
+  if (mk_cuda_load(why, cap)) return -1;
+  if (!cu.tensor_map_encode_tiled) {
+    snprintf(why, (size_t)cap, "libcuda.so.1 lacks cuTensorMapEncodeTiled (TMA needs a CUDA 12 driver)");
+    return -1;
+  }
+  CUresult r = cu.tensor_map_encode_tiled(tmap, dtype, rank, ptr, dims, strides, box, estrides, interleave, swizzle,
+                                          l2, oob);
+  if (r) describe(r, "cuTensorMapEncodeTiled", why, cap);
+  return r;
 }
