@@ -8,7 +8,7 @@ Importing mkernel needs neither a GPU nor CuPy; CuPy is imported when an op firs
 """
 
 from ._version import __version__
-from .errors import (ArgumentError, ClosedError, CompileError, MKernelError, NoGPUError,
+from .errors import (ArgumentError, CapacityError, ClosedError, CompileError, MKernelError, NoGPUError,
                      NoRDMADeviceError, PeerError, TimeoutError)
 from . import compile  # noqa: F401  (the kernel registry; the modules below register into it)
 from .comm import Communicator, init
@@ -21,11 +21,13 @@ from .allgather_gemm import allgather_gemm
 from .attention import attention
 from .ring_attention import ring_attention
 from .sequence import shard_sequence, unshard_sequence
+from .moe import MoeHandle, moe_capacity, moe_combine, moe_dispatch, moe_dispatch_gemm, moe_gemm_combine
 from . import split  # noqa: F401  (the SM-split policy; registers its compile-check kernel)
 
 __all__ = [
     "__version__", "init", "Communicator", "gemm", "grouped_gemm",
     "gemm_reduce_scatter", "gemm_allreduce", "allgather_gemm", "attention", "ring_attention", "shard_sequence", "unshard_sequence",
-    "MKernelError", "ArgumentError", "ClosedError", "CompileError", "NoGPUError",
+    "moe_dispatch", "moe_combine", "moe_dispatch_gemm", "moe_gemm_combine", "moe_capacity", "MoeHandle",
+    "MKernelError", "ArgumentError", "CapacityError", "ClosedError", "CompileError", "NoGPUError",
     "NoRDMADeviceError", "PeerError", "TimeoutError",
 ]

@@ -33,6 +33,11 @@ class TimeoutError(MKernelError, builtins.TimeoutError):
     """A device spin-wait or a proxy wait ran past its limit; names the op, rank and peer."""
 
 
+class CapacityError(MKernelError):
+    """An op's receive buffers are too small for what the ranks would send (MoE dispatch capacity);
+    detected on the device by every rank alike, raised by the next check on the communicator."""
+
+
 class ClosedError(MKernelError):
     """The communicator (or memory it owned) was used after ``close()``."""
 
@@ -46,4 +51,5 @@ __all__ = [
     "PeerError",
     "TimeoutError",
     "ClosedError",
+    "CapacityError",
 ]

@@ -8,13 +8,15 @@ of that error that :meth:`SyncState.check` reads without synchronising any strea
 import ctypes
 
 from . import env
-from .errors import PeerError, TimeoutError
+from .errors import ArgumentError, CapacityError, PeerError, TimeoutError
 
 # MK_ERR_* of signals.cuh
-ERR_NONE, ERR_TIMEOUT, ERR_PEER, ERR_ABORTED = 0, 1, 2, 3
+ERR_NONE, ERR_TIMEOUT, ERR_PEER, ERR_ABORTED, ERR_INPUT = 0, 1, 2, 3, 4
+# MkStatus.where of ERR_INPUT in the MoE kernels (MOE_ERR_* of moe_args.cuh)
+MOE_ERR_CAPACITY, MOE_ERR_EXPERT_ID = 1, 2
 # MK_OP_* : one id per op, named in error messages.
 OPS = ["test", "gemm", "gemm_reduce_scatter", "gemm_allreduce", "allgather_gemm", "ring_attention",
-       "moe_dispatch_gemm", "moe_gemm_combine", "queue", "attention"]
+       "moe_dispatch_gemm", "moe_gemm_combine", "queue", "attention", "moe_dispatch", "moe_combine"]
 OP_ID = {name: i for i, name in enumerate(OPS)}
 
 
@@ -40,6 +42,13 @@ def error_from_status(st: MkStatus) -> Exception:
         return TimeoutError(f"{op} on rank {st.rank} timed out waiting for {peer} {where}. The peer may "
                             f"have died, be stuck, or be issuing ops in a different order; raise "
                             f"MKERNEL_TIMEOUT_S if it is only slow.")
+    if st.code == ERR_INPUT and st.where == MOE_ERR_CAPACITY:
+        return CapacityError(f"{op}: a rank would receive (or send) {st.seen} rows, more than the capacity of "
+                             f"{st.expected}; nothing was sent. Pass a larger capacity (mkernel.moe_capacity(max_tokens, "
+                             f"k, world) never overflows), the same on every rank.")
+    if st.code == ERR_INPUT and st.where == MOE_ERR_EXPERT_ID:
+        return ArgumentError(f"{op}: {st.seen} expert ids lie outside 0..{st.expected - 1} (checked on the device "
+                             f"on every rank; nothing was sent)")
     return PeerError(f"{op} on rank {st.rank}: {peer} failed (code {st.code}) {where}")
 
 

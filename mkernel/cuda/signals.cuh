@@ -13,7 +13,8 @@
 #include "common.cuh"
 #include "sync_args.cuh"
 
-enum : u32 { MK_ERR_NONE = 0, MK_ERR_TIMEOUT = 1, MK_ERR_PEER = 2, MK_ERR_ABORTED = 3 };
+// MK_ERR_INPUT: an input only the device can check was invalid (which one: `where`, per op).
+enum : u32 { MK_ERR_NONE = 0, MK_ERR_TIMEOUT = 1, MK_ERR_PEER = 2, MK_ERR_ABORTED = 3, MK_ERR_INPUT = 4 };
 
 // Spin iterations between two reads of the clock and of the error word.
 constexpr u32 MK_POLL_BATCH = 64;

@@ -1,0 +1,48 @@
+#pragma once
+// The argument struct of the expert-parallel kernels (MoE dispatch and combine, mkernel/cuda/moe.cu),
+// shared with Python (mkernel/moe.py mirrors it with ctypes; tests/test_moe.py compares the layouts
+// with g++). Plain fixed-width fields only.
+#include "sync_args.cuh"
+
+#define MOE_MAX_WORLD 8
+#define MOE_MAX_EXPERTS 512  // global experts (shared-memory tables of the kernels)
+#define MOE_MAX_TOPK 8
+
+// Words of one rank's count row: pairs per global expert, then its token count, then how many of its
+// expert ids were out of range (every rank reads every row, so all decide an error alike).
+#define MOE_ROW_T(E) (E)
+#define MOE_ROW_BAD(E) ((E) + 1)
+#define MOE_ROW_WORDS(E) ((E) + 2)
+
+// Device counters of one plan, zero between launches (the last CTA resets them).
+enum { MOE_CNT_HIST = 0, MOE_CNT_SENT = 1, MOE_CNT_DONE = 2, MOE_CNT_WORDS = 4 };
+
+// MkStatus::where of the errors the kernels detect in their inputs (MK_ERR_INPUT).
+enum { MOE_ERR_CAPACITY = 1, MOE_ERR_EXPERT_ID = 2 };
+
+struct MkMoeArgs {
+  MkSync sync;
+  const unsigned long long* peer_base;  // the communicator's peer_table (workspace base per rank)
+  // Symmetric workspace (offsets into every rank's workspace).
+  unsigned long long counts_off;   // u32 [W][MOE_ROW_WORDS(E)]: row s, written by rank s
+  unsigned long long cflag_off;    // u32 [W]: count row s arrived (epoch)
+  unsigned long long recv_off;     // 16-bit [capacity][H]: rows received, by expert, then source, then pair
+  unsigned long long meta_off;     // u32 [capacity]: (source << 24) | (t * k + j) of each received row
+  unsigned long long rflag_off;    // u32 [W]: every row from rank s arrived (epoch)
+  unsigned long long ret_off;      // 16-bit [capacity][H]: combine: this rank's pairs' rows, at t * k + j
+  unsigned long long retflag_off;  // u32 [W]: every row returned by rank s arrived (epoch)
+  // Local device memory.
+  const void* x;           // dispatch: [T, H] tokens (16-bit), row stride ldx
+  const int* topk_ids;     // [T, k] global expert ids
+  const float* topk_w;     // combine: [T, k] weights
+  void* out;               // dispatch: [capacity, H] received rows; combine: [T, H]
+  const void* y;           // combine: [capacity, H] rows to return (as received), row stride ldy
+  int* pair_rank;          // [T * k] scratch: rank of a pair among this rank's pairs to its expert
+  unsigned int* hist;      // [grid][E] scratch: pairs per expert in each CTA's range
+  int* group_rows;         // [E_local]: rows received per local expert (the grouped GEMM's counts)
+  int* received;           // [1]: rows received in all (combine reads it)
+  unsigned int* counters;  // MOE_CNT_WORDS words, zero between launches
+  long long ldx, ldo, ldy; // row strides (elements)
+  int T, H, k, E;          // this rank's tokens, hidden size, experts per token, global experts
+  int e_local, world, me, capacity;
+};

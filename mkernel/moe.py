@@ -1,0 +1,306 @@
+"""Expert parallelism inside a node: ``moe_dispatch`` / ``moe_combine`` and the GEMM-carrying
+``moe_dispatch_gemm`` / ``moe_gemm_combine`` (design: docs/MOE.md).
+
+Experts are owned in contiguous blocks of ``num_experts / world``. Dispatch sends every (token,
+expert) pair of this rank to the expert's owner; the owner receives one row per pair, grouped by
+local expert, then by source rank, then in the source's pair order (``t * k + j``), in a buffer of
+``capacity`` rows. Per-expert counts stay on the device (``handle.group_rows``, the grouped GEMM's
+``group_rows``): nothing on this path synchronises with the host. Combine sends each row back to its
+token's rank and sums a token's rows weighted by its routing weights in fp32, in pair order, with
+one rounding: bitwise reproducible.
+
+Status (docs/MOE.md): dispatch and combine are one persistent kernel each (``mkernel/cuda/moe.cu``);
+``moe_dispatch_gemm`` and ``moe_gemm_combine`` run them and the engine's grouped GEMM back to back on
+the stream (not fused yet: the GEMM does not start on the first rows that arrive). One node only.
+"""
+
+import ctypes
+
+from . import compile as _compile
+from . import tp as _tp
+from .errors import ArgumentError
+from .sync import MkSync
+
+MAX_WORLD = 8          # MOE_MAX_WORLD
+MAX_EXPERTS = 512      # MOE_MAX_EXPERTS
+MAX_TOPK = 8           # MOE_MAX_TOPK
+MAX_ROWS = 1 << 24     # meta words hold t * k + j in 24 bits
+THREADS = 512          # MOE_THREADS
+CNT_WORDS = 4          # MOE_CNT_WORDS
+PAIRS_PER_CTA = 256    # dispatch: pairs each CTA routes (its grid: ceil(pairs / this), at most the SMs)
+ROWS_PER_CTA = 64      # combine: rows each CTA returns
+DT = {"bfloat16": 0, "float16": 1}
+
+SPEC = _compile.register("moe", "moe.cu", ("mk_moe_dispatch_kernel", "mk_moe_combine_kernel<0>",
+                                          "mk_moe_combine_kernel<1>"))
+
+
+class MkMoeArgs(ctypes.Structure):
+    """Mirror of ``MkMoeArgs`` (mkernel/cuda/moe_args.cuh), 272 bytes."""
+    _fields_ = [("sync", MkSync), ("peer_base", ctypes.c_void_p), ("counts_off", ctypes.c_uint64),
+                ("cflag_off", ctypes.c_uint64), ("recv_off", ctypes.c_uint64), ("meta_off", ctypes.c_uint64),
+                ("rflag_off", ctypes.c_uint64), ("ret_off", ctypes.c_uint64), ("retflag_off", ctypes.c_uint64),
+                ("x", ctypes.c_void_p), ("topk_ids", ctypes.c_void_p), ("topk_w", ctypes.c_void_p),
+                ("out", ctypes.c_void_p), ("y", ctypes.c_void_p), ("pair_rank", ctypes.c_void_p),
+                ("hist", ctypes.c_void_p), ("group_rows", ctypes.c_void_p), ("received", ctypes.c_void_p),
+                ("counters", ctypes.c_void_p), ("ldx", ctypes.c_int64), ("ldo", ctypes.c_int64),
+                ("ldy", ctypes.c_int64), ("T", ctypes.c_int32), ("H", ctypes.c_int32), ("k", ctypes.c_int32),
+                ("E", ctypes.c_int32), ("e_local", ctypes.c_int32), ("world", ctypes.c_int32),
+                ("me", ctypes.c_int32), ("capacity", ctypes.c_int32)]
+
+
+def moe_capacity(max_tokens: int, top_k: int, world: int) -> int:
+    """Receive rows per rank that can never overflow: every pair of every rank on one rank
+    (``world * max_tokens * top_k``). A smaller capacity saves memory; a dispatch that would exceed it
+    raises :class:`mkernel.CapacityError` on every rank (nothing is dropped)."""
+    for name, v in (("max_tokens", max_tokens), ("top_k", top_k), ("world", world)):
+        if not isinstance(v, int) or v < (0 if name == "max_tokens" else 1):
+            raise ArgumentError(f"moe_capacity: {name} must be a non-negative integer; got {v!r}")
+    return max(1, world * max_tokens * top_k)
+
+
+class MoeHandle:
+    """What combine needs from its dispatch: where every received row came from (on the device),
+    the routing weights, the per-expert counts. Valid until the next dispatch on the communicator
+    (which reuses the buffers); ``group_rows`` (device int32 [E_local]) feeds ``grouped_gemm``."""
+
+    def __init__(self, plan, generation, topk_weights, T, k, H, dtype):
+        self._plan, self._generation = plan, generation
+        self.topk_weights, self.T, self.k, self.H, self.dtype = topk_weights, T, k, H, dtype
+        self.group_rows = plan["group_rows"]
+        self.capacity = plan["capacity"]
+
+    def valid(self) -> bool:
+        return self._plan["generation"] == self._generation
+
+    def counts(self):
+        """Rows received per local expert (NumPy int array; synchronises with the device)."""
+        self._check()
+        return self.group_rows.get()
+
+    def received(self) -> int:
+        """Rows received in all (synchronises)."""
+        self._check()
+        return int(self._plan["received"].get()[0])
+
+    def _check(self):
+        if not self.valid():
+            raise ArgumentError("this MoE handle is stale: a later moe_dispatch on the communicator reused "
+                                "its buffers (combine each dispatch before the next one)")
+
+
+def _check_comm(op, comm):
+    if comm is None:
+        raise ArgumentError(f"{op} needs comm= (mkernel.init())")
+    if comm.num_nodes != 1 or comm.size != comm.local_size:
+        raise ArgumentError(f"{op}: works inside one node for now (this communicator spans {comm.num_nodes} nodes)")
+    if comm.size > MAX_WORLD:
+        raise ArgumentError(f"{op}: at most {MAX_WORLD} ranks; this communicator has {comm.size}")
+
+
+def _check_routing(op, x, topk_ids, topk_weights, num_experts, world, stream):
+    import cupy
+    from .arrays import as_cupy, check_matrix
+
+    x = check_matrix(as_cupy(x, "x", stream=stream), "x")
+    T, H = x.shape
+    ids = as_cupy(topk_ids, "topk_ids", stream=stream)
+    w = as_cupy(topk_weights, "topk_weights", stream=stream)
+    if ids.dtype != cupy.int32 or ids.ndim != 2 or ids.shape[0] != T or not ids.flags.c_contiguous:
+        raise ArgumentError(f"{op}: topk_ids must be a contiguous int32 [T={T}, k] array; got {ids.dtype} "
+                            f"{tuple(ids.shape)}")
+    k = ids.shape[1]
+    if not 1 <= k <= MAX_TOPK:
+        raise ArgumentError(f"{op}: top-k must be 1..{MAX_TOPK}; got {k}")
+    if w.dtype != cupy.float32 or tuple(w.shape) != (T, k) or not w.flags.c_contiguous:
+        raise ArgumentError(f"{op}: topk_weights must be a contiguous float32 [T={T}, k={k}] array; got "
+                            f"{w.dtype} {tuple(w.shape)}")
+    if H % 8:
+        raise ArgumentError(f"{op}: the hidden size H = {H} must be a multiple of 8 (rows of 16-byte vectors)")
+    if not isinstance(num_experts, int) or not 1 <= num_experts <= MAX_EXPERTS or num_experts % world:
+        raise ArgumentError(f"{op}: num_experts must be 1..{MAX_EXPERTS} and a multiple of the world size "
+                            f"{world}; got {num_experts!r}")
+    return x, ids, w, T, H, k
+
+
+def _plan(op, comm, H, dtype, k, E, capacity):
+    import cupy
+
+    W = comm.size
+    key = ("buffers", "moe", H, dtype.name, k, E, capacity)
+    _tp.agree_call(op, comm, key + ("moe",), f"capacity {capacity} rows")
+    sizes = [("counts", (W * (E + 2),), cupy.uint32), ("cflag", (W,), cupy.uint32), ("rflag", (W,), cupy.uint32),
+             ("retflag", (W,), cupy.uint32), ("meta", (capacity,), cupy.uint32),
+             ("recv", (capacity, H), dtype), ("ret", (capacity, H), dtype)]
+    plan = _tp.plan_buffers(op, comm, key, sizes, counter_words=CNT_WORDS)
+    if "generation" not in plan:
+        sms = _tp.sm_count()
+        plan.update(generation=0, capacity=capacity, E=E, k=k, H=H, sms=sms,
+                    pair_rank=cupy.empty(capacity, dtype=cupy.int32),
+                    hist=cupy.empty(sms * E, dtype=cupy.uint32),
+                    group_rows=cupy.zeros(E // W, dtype=cupy.int32), received=cupy.zeros(1, dtype=cupy.int32))
+    return plan
+
+
+def _args(comm, plan, op, T, k, E, H):
+    a = MkMoeArgs()
+    a.sync = comm.sync_args(op)
+    a.peer_base = comm.peer_table.data.ptr
+    for name in ("counts", "meta", "recv", "ret"):
+        setattr(a, f"{name}_off", comm.offset_of(plan[name]))
+    a.cflag_off, a.rflag_off, a.retflag_off = (comm.offset_of(plan[n]) for n in ("cflag", "rflag", "retflag"))
+    a.pair_rank, a.hist = plan["pair_rank"].data.ptr, plan["hist"].data.ptr
+    a.group_rows, a.received = plan["group_rows"].data.ptr, plan["received"].data.ptr
+    a.counters = plan["counters"].data.ptr
+    a.T, a.H, a.k, a.E = T, H, k, E
+    a.e_local, a.world, a.me, a.capacity = E // comm.size, comm.size, comm.local_rank, plan["capacity"]
+    return a
+
+
+def _launch(comm, op, expr, args, ctas, stream):
+    from .launch import launch_persistent, persistent_grid
+
+    fn = _compile.module(SPEC).function(expr)
+    persistent_grid(fn, THREADS, 0, blocks=ctas, what=op)  # the dispatch's CTAs meet at a grid barrier
+    launch_persistent(fn, (ctas,), (THREADS,), args, smem=0, stream=stream, what=op)
+
+
+def _prepare(op, out, shape, dtype, comm):
+    return _tp.prepare_out(op, out, shape, dtype, comm)
+
+
+def moe_dispatch(x, topk_ids, topk_weights, *, comm, num_experts, capacity=None, out=None, stream=None):
+    """Routes this rank's tokens to the experts' owners.
+
+    x: [T, H] bfloat16 or float16 (this rank's tokens; T may differ across ranks, then pass the
+    same ``capacity`` everywhere). topk_ids: int32 [T, k] global expert ids (k <= 8). topk_weights:
+    float32 [T, k] (kept in the handle for combine). Returns ``(recv, handle)``: recv [capacity, H],
+    the rows this rank received (one per (token, local expert) pair; rows past handle.received()
+    untouched), grouped by local expert; the handle for combine. capacity defaults to
+    ``moe_capacity(T, k, world)``; every rank must use the same. Errors found on the device (a
+    capacity exceeded, an expert id out of range) are raised by the next ``comm.check()`` or mkernel
+    op on the communicator, on every rank: nothing is dropped silently.
+    """
+    op = "moe_dispatch"
+    _check_comm(op, comm)
+    comm.check()
+    x, ids, w, T, H, k = _check_routing(op, x, topk_ids, topk_weights, num_experts, comm.size, stream)
+    capacity = moe_capacity(T, k, comm.size) if capacity is None else capacity
+    if not isinstance(capacity, int) or not 1 <= capacity <= MAX_ROWS:
+        raise ArgumentError(f"{op}: capacity must be 1..{MAX_ROWS} rows; got {capacity!r}")
+    plan = _plan(op, comm, H, x.dtype, k, num_experts, capacity)
+    out = _prepare(op, out, (capacity, H), x.dtype, comm)
+    a = _args(comm, plan, op, T, k, num_experts, H)
+    a.x, a.ldx = x.data.ptr, x.strides[0] // x.itemsize
+    a.topk_ids = ids.data.ptr
+    a.out, a.ldo = out.data.ptr, (out.strides[0] if capacity > 1 else H * x.itemsize) // x.itemsize
+    ctas = max(1, min(plan["sms"], -(-T * k // PAIRS_PER_CTA)))
+    plan["generation"] += 1
+    _launch(comm, op, "mk_moe_dispatch_kernel", a, ctas, stream)
+    return out, MoeHandle(plan, plan["generation"], w, T, k, H, x.dtype)
+
+
+def moe_combine(y, handle, *, comm, out=None, stream=None):
+    """Returns each row of ``y`` ([capacity, H], rows as dispatch received them: after the experts)
+    to its token's rank and sums a token's rows weighted by its routing weights: out [T, H] (the
+    dispatch's dtype), ``out[t] = sum_j topk_weights[t, j] * row(t, j)`` in fp32, j ascending, one
+    rounding (bitwise reproducible)."""
+    from .arrays import as_cupy, check_matrix
+
+    op = "moe_combine"
+    _check_comm(op, comm)
+    comm.check()
+    if not isinstance(handle, MoeHandle):
+        raise ArgumentError(f"{op}: handle must be the MoeHandle of moe_dispatch; got {type(handle).__name__}")
+    handle._check()
+    plan = handle._plan
+    y = check_matrix(as_cupy(y, "y", stream=stream), "y", dtypes=(handle.dtype,), shape=(handle.capacity, handle.H))
+    out = _prepare(op, out, (handle.T, handle.H), handle.dtype, comm)
+    a = _args(comm, plan, op, handle.T, handle.k, plan["E"], handle.H)
+    a.y, a.ldy = y.data.ptr, (y.strides[0] if y.shape[0] > 1 else handle.H * y.itemsize) // y.itemsize
+    a.topk_w = handle.topk_weights.data.ptr
+    a.out, a.ldo = out.data.ptr, (out.strides[0] if handle.T > 1 else handle.H * y.itemsize) // y.itemsize
+    ctas = max(1, min(plan["sms"], -(-handle.capacity // ROWS_PER_CTA), max(1, handle.T)))
+    _launch(comm, op, f"mk_moe_combine_kernel<{DT[handle.dtype.name]}>", a, ctas, stream)
+    return out
+
+
+def _expert_weights(op, w, E_local, K, dtype, w_layout):
+    """(array for grouped_gemm, b_layout, N) of expert weights [E_local, K, N] or [E_local, N, K]."""
+    if w.ndim != 3 or w.shape[0] != E_local or w.dtype != dtype:
+        raise ArgumentError(f"{op}: expert weights must be [{E_local}, ...] of {dtype}; got {w.dtype} {tuple(w.shape)}")
+    if w_layout is None:
+        w_layout = "kn" if w.shape[1] == K else "nk" if w.shape[2] == K else None
+    if w_layout == "kn" and w.shape[1] == K:
+        return w, "kn", w.shape[2]
+    if w_layout == "nk" and w.shape[2] == K:
+        return w, "nk", w.shape[1]
+    raise ArgumentError(f"{op}: expert weights {tuple(w.shape)} are neither [E, K={K}, N] nor [E, N, K={K}] "
+                        f"(w_layout={w_layout!r})")
+
+
+def moe_dispatch_gemm(x, topk_ids, topk_weights, w, *, comm, num_experts, capacity=None, out=None, stream=None,
+                      w_layout=None):
+    """Dispatch, then every local expert's GEMM on the rows it received: returns ``(y, handle)``,
+    y [capacity, F] = recv rows @ w[expert] (rows grouped as dispatch received them; rows past
+    handle.received() untouched). w: [E_local, H, F] (or [E_local, F, H]; w_layout 'kn' / 'nk' says
+    which when H == F). Runs moe_dispatch and grouped_gemm back to back on the stream (not fused yet)."""
+    from .gemm import grouped_gemm
+
+    op = "moe_dispatch_gemm"
+    recv, handle = moe_dispatch(x, topk_ids, topk_weights, comm=comm, num_experts=num_experts, capacity=capacity,
+                                stream=stream)
+    wb, layout, F = _expert_weights(op, w, num_experts // comm.size, handle.H, handle.dtype, w_layout)
+    out = _prepare(op, out, (handle.capacity, F), handle.dtype, comm)
+    grouped_gemm(recv, wb, handle.group_rows, out=out, stream=stream, b_layout=layout)
+    return out, handle
+
+
+def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=None):
+    """Every local expert's second GEMM (y2 [capacity, F] @ w2[expert] [F, H], or w2 [E_local, H, F])
+    on its rows, then combine: out [T, H]. Runs grouped_gemm and moe_combine back to back (not fused
+    yet)."""
+    import cupy
+    from .arrays import as_cupy
+    from .gemm import grouped_gemm
+
+    op = "moe_gemm_combine"
+    if not isinstance(handle, MoeHandle):
+        raise ArgumentError(f"{op}: handle must be the MoeHandle of moe_dispatch; got {type(handle).__name__}")
+    handle._check()
+    y2 = as_cupy(y2, "y2", stream=stream)
+    if y2.ndim != 2 or y2.shape[0] != handle.capacity:
+        raise ArgumentError(f"{op}: y2 must be [capacity={handle.capacity}, F]; got {tuple(y2.shape)}")
+    wb, layout, H = _expert_weights(op, w2, handle.group_rows.size, y2.shape[1], handle.dtype, w_layout)
+    if H != handle.H:
+        raise ArgumentError(f"{op}: w2 maps F={y2.shape[1]} to {H} columns, not the tokens' H={handle.H}")
+    with _tp.on_stream(stream):
+        z = cupy.empty((handle.capacity, H), dtype=handle.dtype)
+    grouped_gemm(y2, wb, handle.group_rows, out=z, stream=stream, b_layout=layout)
+    return moe_combine(z, handle, comm=comm, out=out, stream=stream)
+
+
+def sanitize_target():
+    """Dispatch and combine once at world 1 (every expert local) with integer inputs; raises on a
+    wrong result. tools/sanitize.sh runs it under compute-sanitizer."""
+    import numpy as np
+    import cupy
+    from mpi4py import MPI
+
+    import mkernel
+
+    comm = mkernel.init(MPI.COMM_SELF, workspace_bytes=16 << 20)
+    try:
+        T, H, E, k = 100, 64, 8, 2
+        rng = np.random.default_rng(0)
+        x = rng.integers(-3, 4, size=(T, H)).astype(np.float16)
+        ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+        w = np.full((T, k), 0.5, dtype=np.float32)
+        recv, h = moe_dispatch(cupy.asarray(x), cupy.asarray(ids), cupy.asarray(w), comm=comm, num_experts=E)
+        out = moe_combine(recv, h, comm=comm)
+        comm.check()
+        want = x.astype(np.float64) * (0.5 * k)  # every pair returns its own token row
+        if not np.array_equal(out.get().astype(np.float64), want):
+            raise AssertionError("moe dispatch/combine: wrong result")
+    finally:
+        comm.close()
