@@ -75,23 +75,31 @@ class MoeHandle:
 
     def counts(self):
         """Rows received per local expert (NumPy int array; synchronises with the device)."""
+        import cupy
+
         self._check()
+        cupy.cuda.runtime.deviceSynchronize()  # the dispatch may have run on another stream
         return self.group_rows.get()
 
     def received(self) -> int:
-        """Rows received in all (synchronises)."""
+        """Rows received in all (synchronises with the device)."""
+        import cupy
+
         self._check()
+        cupy.cuda.runtime.deviceSynchronize()
         return int(self._plan["received"].get()[0])
 
     def _check(self):
         if not self.valid():
-            raise ArgumentError("this MoE handle is stale: a later moe_dispatch on the communicator reused "
-                                "its buffers (combine each dispatch before the next one)")
+            raise ArgumentError("this MoE handle is stale: a later moe_dispatch of the same shape on the "
+                                "communicator reused its buffers (combine each dispatch before the next one)")
 
 
 def _check_comm(op, comm):
-    if comm is None:
-        raise ArgumentError(f"{op} needs comm= (mkernel.init())")
+    from .comm import Communicator
+
+    if not isinstance(comm, Communicator):
+        raise ArgumentError(f"{op} needs comm=, an mkernel.Communicator (mkernel.init()); got {type(comm).__name__}")
     if comm.num_nodes != 1 or comm.size != comm.local_size:
         raise ArgumentError(f"{op}: works inside one node for now (this communicator spans {comm.num_nodes} nodes)")
     if comm.size > MAX_WORLD:
@@ -100,9 +108,14 @@ def _check_comm(op, comm):
 
 def _check_routing(op, x, topk_ids, topk_weights, num_experts, world, stream):
     import cupy
-    from .arrays import as_cupy, check_matrix
+    from .arrays import HALF_TYPES, as_cupy, check_matrix
 
-    x = check_matrix(as_cupy(x, "x", stream=stream), "x")
+    x = as_cupy(x, "x", stream=stream)
+    if x.ndim == 2 and x.shape[0] == 0:  # a rank without tokens: no rows, so no stride to check
+        if x.dtype not in HALF_TYPES:
+            raise ArgumentError(f"{op}: x has dtype {x.dtype}; expected bfloat16 or float16")
+    else:
+        x = check_matrix(x, "x")
     T, H = x.shape
     ids = as_cupy(topk_ids, "topk_ids", stream=stream)
     w = as_cupy(topk_weights, "topk_weights", stream=stream)
@@ -166,6 +179,12 @@ def _launch(comm, op, expr, args, ctas, stream):
 
 
 def _prepare(op, out, shape, dtype, comm):
+    import cupy
+
+    if shape[0] == 0 and isinstance(out, cupy.ndarray):  # no rows: no strides to check (a rank without tokens)
+        if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
+            raise ArgumentError(f"{op}: out must be {tuple(shape)} of {dtype}; got {tuple(out.shape)} of {out.dtype}")
+        return out
     return _tp.prepare_out(op, out, shape, dtype, comm)
 
 
@@ -245,13 +264,20 @@ def moe_dispatch_gemm(x, topk_ids, topk_weights, w, *, comm, num_experts, capaci
     y [capacity, F] = recv rows @ w[expert] (rows grouped as dispatch received them; rows past
     handle.received() untouched). w: [E_local, H, F] (or [E_local, F, H]; w_layout 'kn' / 'nk' says
     which when H == F). Runs moe_dispatch and grouped_gemm back to back on the stream (not fused yet)."""
+    from .arrays import as_cupy
     from .gemm import grouped_gemm
 
     op = "moe_dispatch_gemm"
+    _check_comm(op, comm)
+    xc, _, _, T, H, k = _check_routing(op, x, topk_ids, topk_weights, num_experts, comm.size, stream)
+    wb, layout, F = _expert_weights(op, as_cupy(w, "w", stream=stream), num_experts // comm.size, H, xc.dtype,
+                                    w_layout)
+    if F % 8:
+        raise ArgumentError(f"{op}: the experts' output width F = {F} must be a multiple of 8")
+    cap = moe_capacity(T, k, comm.size) if capacity is None else capacity
+    out = _prepare(op, out, (cap, F), xc.dtype, comm)
     recv, handle = moe_dispatch(x, topk_ids, topk_weights, comm=comm, num_experts=num_experts, capacity=capacity,
                                 stream=stream)
-    wb, layout, F = _expert_weights(op, w, num_experts // comm.size, handle.H, handle.dtype, w_layout)
-    out = _prepare(op, out, (handle.capacity, F), handle.dtype, comm)
     grouped_gemm(recv, wb, handle.group_rows, out=out, stream=stream, b_layout=layout)
     return out, handle
 
@@ -265,13 +291,15 @@ def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=No
     from .gemm import grouped_gemm
 
     op = "moe_gemm_combine"
+    _check_comm(op, comm)
     if not isinstance(handle, MoeHandle):
         raise ArgumentError(f"{op}: handle must be the MoeHandle of moe_dispatch; got {type(handle).__name__}")
     handle._check()
     y2 = as_cupy(y2, "y2", stream=stream)
     if y2.ndim != 2 or y2.shape[0] != handle.capacity:
         raise ArgumentError(f"{op}: y2 must be [capacity={handle.capacity}, F]; got {tuple(y2.shape)}")
-    wb, layout, H = _expert_weights(op, w2, handle.group_rows.size, y2.shape[1], handle.dtype, w_layout)
+    wb, layout, H = _expert_weights(op, as_cupy(w2, "w2", stream=stream), handle.group_rows.size, y2.shape[1],
+                                    handle.dtype, w_layout)
     if H != handle.H:
         raise ArgumentError(f"{op}: w2 maps F={y2.shape[1]} to {H} columns, not the tokens' H={handle.H}")
     with _tp.on_stream(stream):

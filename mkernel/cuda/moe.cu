@@ -121,7 +121,8 @@ MK_DEV bool moe_rank_pairs(const MkMoeArgs& a, MoeShared& sh, u32 lo, u32 hi) {
       sh.rowbase[x] = acc;  // the running rank after this chunk (rowbase is free until step 3)
     }
     __syncthreads();
-    if (e >= 0) a.pair_rank[i] = (int)(sh.hist[e] + sh.wcnt[warp][e] + __popc(before));
+    // pair_rank has capacity entries: more pairs than that end in a capacity error (step 3), unread.
+    if (e >= 0 && i < (u32)a.capacity) a.pair_rank[i] = (int)(sh.hist[e] + sh.wcnt[warp][e] + __popc(before));
     __syncthreads();
     if (leader && e >= 0) sh.wcnt[warp][e] = 0;
     for (u32 x = tid; x < E; x += MOE_THREADS) sh.hist[x] = sh.rowbase[x];
