@@ -7,8 +7,12 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export MKERNEL_CACHE_DIR=${MKERNEL_CACHE_DIR:-$HOME/.cache/mkernel} PYTHONPATH=${PYTHONPATH:-}
+# Each pass has a wall-clock limit: a rank left inside a collective its peer never reaches (a test
+# bug) would otherwise hold the machine until the caller's own limit.
+LIMIT=${MKERNEL_SUITE_PASS_TIMEOUT_S:-300}
 rc=0
-"$PY" -m pytest -q -m "gpu and not (mpi and multi_gpu)" tests "$@" || rc=$?  # 2-rank tests: next pass
-mpirun -n 2 --oversubscribe -x NCCL_NVLS_ENABLE -x PYTHONPATH -x MKERNEL_CACHE_DIR \
+timeout -k 10 "$LIMIT" "$PY" -m pytest -q -m "gpu and not (mpi and multi_gpu)" tests "$@" || rc=$?  # 2-rank tests: next pass
+timeout -k 10 "$LIMIT" mpirun -n 2 --oversubscribe -x NCCL_NVLS_ENABLE -x PYTHONPATH -x MKERNEL_CACHE_DIR \
   "$PY" -m pytest -q -m "gpu and mpi and not slow" tests "$@" || rc=$?
+[ "$rc" = 124 ] && echo "run_gpu.sh: a pass ran past ${LIMIT} s (MKERNEL_SUITE_PASS_TIMEOUT_S) and was stopped"
 exit $rc
