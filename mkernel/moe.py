@@ -108,14 +108,9 @@ def _check_comm(op, comm):
 
 def _check_routing(op, x, topk_ids, topk_weights, num_experts, world, stream):
     import cupy
-    from .arrays import HALF_TYPES, as_cupy, check_matrix
+    from .arrays import as_cupy, check_matrix
 
-    x = as_cupy(x, "x", stream=stream)
-    if x.ndim == 2 and x.shape[0] == 0:  # a rank without tokens: no rows, so no stride to check
-        if x.dtype not in HALF_TYPES:
-            raise ArgumentError(f"{op}: x has dtype {x.dtype}; expected bfloat16 or float16")
-    else:
-        x = check_matrix(x, "x")
+    x = check_matrix(as_cupy(x, "x", stream=stream), "x")
     T, H = x.shape
     ids = as_cupy(topk_ids, "topk_ids", stream=stream)
     w = as_cupy(topk_weights, "topk_weights", stream=stream)
@@ -178,16 +173,6 @@ def _launch(comm, op, expr, args, ctas, stream):
     launch_persistent(fn, (ctas,), (THREADS,), args, smem=0, stream=stream, what=op)
 
 
-def _prepare(op, out, shape, dtype, comm):
-    import cupy
-
-    if shape[0] == 0 and isinstance(out, cupy.ndarray):  # no rows: no strides to check (a rank without tokens)
-        if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
-            raise ArgumentError(f"{op}: out must be {tuple(shape)} of {dtype}; got {tuple(out.shape)} of {out.dtype}")
-        return out
-    return _tp.prepare_out(op, out, shape, dtype, comm)
-
-
 def moe_dispatch(x, topk_ids, topk_weights, *, comm, num_experts, capacity=None, out=None, stream=None):
     """Routes this rank's tokens to the experts' owners.
 
@@ -208,7 +193,7 @@ def moe_dispatch(x, topk_ids, topk_weights, *, comm, num_experts, capacity=None,
     if not isinstance(capacity, int) or not 1 <= capacity <= MAX_ROWS:
         raise ArgumentError(f"{op}: capacity must be 1..{MAX_ROWS} rows; got {capacity!r}")
     plan = _plan(op, comm, H, x.dtype, k, num_experts, capacity)
-    out = _prepare(op, out, (capacity, H), x.dtype, comm)
+    out = _tp.prepare_out(op, out, (capacity, H), x.dtype, comm)
     a = _args(comm, plan, op, T, k, num_experts, H)
     a.x, a.ldx = x.data.ptr, x.strides[0] // x.itemsize
     a.topk_ids = ids.data.ptr
@@ -234,7 +219,7 @@ def moe_combine(y, handle, *, comm, out=None, stream=None):
     handle._check()
     plan = handle._plan
     y = check_matrix(as_cupy(y, "y", stream=stream), "y", dtypes=(handle.dtype,), shape=(handle.capacity, handle.H))
-    out = _prepare(op, out, (handle.T, handle.H), handle.dtype, comm)
+    out = _tp.prepare_out(op, out, (handle.T, handle.H), handle.dtype, comm)
     a = _args(comm, plan, op, handle.T, handle.k, plan["E"], handle.H)
     a.y, a.ldy = y.data.ptr, (y.strides[0] if y.shape[0] > 1 else handle.H * y.itemsize) // y.itemsize
     a.topk_w = handle.topk_weights.data.ptr
@@ -275,7 +260,7 @@ def moe_dispatch_gemm(x, topk_ids, topk_weights, w, *, comm, num_experts, capaci
     if F % 8:
         raise ArgumentError(f"{op}: the experts' output width F = {F} must be a multiple of 8")
     cap = moe_capacity(T, k, comm.size) if capacity is None else capacity
-    out = _prepare(op, out, (cap, F), xc.dtype, comm)
+    out = _tp.prepare_out(op, out, (cap, F), xc.dtype, comm)
     recv, handle = moe_dispatch(x, topk_ids, topk_weights, comm=comm, num_experts=num_experts, capacity=capacity,
                                 stream=stream)
     grouped_gemm(recv, wb, handle.group_rows, out=out, stream=stream, b_layout=layout)

@@ -87,10 +87,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import mkernel  # noqa: E402
-from mkernel.errors import (ArgumentError, CapacityError, ClosedError, MKernelError, PeerError,  # noqa: E402
-                            TimeoutError)
+from mkernel.errors import ArgumentError, CapacityError, MKernelError  # noqa: E402
 from mkernel.testing import sync_or_exit  # noqa: E402
-from conftest import all_ranks  # noqa: E402
+import collective_cases  # noqa: E402  (the collective driver: tests/collective_cases.py)
 
 try:
     mmoe = importlib.import_module("mkernel.moe")
@@ -104,7 +103,6 @@ HANG_S = 45.0         # past MKERNEL_TIMEOUT_S (30): a device wait times out and
 WORKSPACE = 1 << 30   # the module communicator's symmetric workspace (the slow H = 7168 case needs ~120 MiB a rank)
 ERR_WORKSPACE = 16 << 20  # the communicators of the device-error cases
 WEIGHT_SET = np.array([0.25, 0.5, 1.0, 2.0])  # exact cases: every weighted fp32 sum is exact
-FATAL = (TimeoutError, PeerError, ClosedError)
 
 
 def _module():
@@ -593,46 +591,11 @@ def _release(comm):
 
 # --------------------------------------------------------------------- the collective driver
 def _run_cases(comm, names, body):
-    """Runs body(name) -> (ok, message) for every name, on every rank, in the same order; each case
-    guarded; outcomes exchanged after each; all ranks stop when the ranks may be out of step.
-    Returns {name: [(ok, message) per rank]}."""
-    results, stopped = {}, None
-    for name in names:
-        if stopped is not None:
-            results[name] = [(False, f"not run ({stopped})")] * comm.size
-            continue
-        raised, fatal = False, False
-        try:
-            ok, msg = body(name)
-        except Exception as e:  # noqa: BLE001  (an error on one rank must not leave the others waiting)
-            ok, msg, raised, fatal = False, f"{type(e).__name__}: {str(e)[:400]}".replace("\n", " "), True, \
-                isinstance(e, FATAL)
-        gathered = comm.test_mpi.allgather((bool(ok), str(msg), raised, fatal))
-        results[name] = [(o, m) for o, m, _, _ in gathered]
-        raisers = [r for r, g in enumerate(gathered) if g[2]]
-        if any(g[3] for g in gathered) or 0 < len(raisers) < comm.size:
-            stopped = f"after {name!r} raised on rank(s) {raisers}"
-    if stopped is None:
-        _release(comm)
-    return results
+    """collective_cases.run_cases, releasing this file's MoE buffers when no case stopped the run."""
+    return collective_cases.run_cases(comm, names, body, after=lambda: _release(comm))
 
 
-def _report_and_decide(comm, title, names, results):
-    print(f"\n==== {title} (world {comm.size}, rank {comm.rank}) ====")
-    width = max(len(n) for n in names)
-    for n in names:
-        per = results[n]
-        status = "OK" if all(o for o, _ in per) else "FAIL"
-        if len(per) == 1:
-            print(f"{status:5s} {n:{width}s} {per[0][1]}")
-        else:
-            print(f"{status:5s} {n:{width}s} " + " | ".join(f"r{r}: {m}" for r, (_, m) in enumerate(per)))
-    bad = [n for n in names if not all(o for o, _ in results[n])]
-    print(f"==== {len(names) - len(bad)}/{len(names)} OK ====", flush=True)
-    mine = all(results[n][comm.rank][0] for n in names)
-    everywhere = all_ranks(comm.test_mpi, mine)
-    assert everywhere and not bad, f"{len(bad)} failing: " + "; ".join(
-        f"{n}: " + " | ".join(f"r{r}: {m}" for r, (o, m) in enumerate(results[n]) if not o) for n in bad[:4])
+_report_and_decide = collective_cases.report_and_decide
 
 
 def _collective(comm, name, body):

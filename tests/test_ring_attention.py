@@ -61,10 +61,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import mkernel  # noqa: E402
-from mkernel.errors import ArgumentError, ClosedError, PeerError, TimeoutError  # noqa: E402
+from mkernel.errors import ArgumentError  # noqa: E402
 from mkernel.sequence import shard_sequence  # noqa: E402
 from mkernel.testing import sync_or_exit  # noqa: E402
-from conftest import all_ranks  # noqa: E402
+import collective_cases  # noqa: E402  (the collective driver: tests/collective_cases.py)
 
 # The module, not the function: mkernel re-exports ring_attention() under the same name. Imported
 # tolerantly so that collection (and the CPU suite) works while the module is being written.
@@ -80,8 +80,6 @@ MAX_TOL = 3e-2       # max |error| / max |reference|
 LSE_TOL = 1e-3       # |lse - ref| / (1 + |ref|)
 NUMPY_REF_MAX = 4_000_000  # B * H_q * S_full^2 up to which the reference is float64 NumPy
 HANG_S = 45.0        # past MKERNEL_TIMEOUT_S (30): a device wait times out and is reported first
-# Errors after which a communicator is unusable (the ranks may be out of step): stop running cases.
-FATAL = (TimeoutError, PeerError, ClosedError)
 
 
 def _module():
@@ -264,53 +262,9 @@ def _shard(comm, causal, *xs):
 
 
 # --------------------------------------------------------------------- the collective driver
-def _run_cases(comm, names, body):
-    """Runs body(name) -> (ok, message) for every name, on every rank, in the same order. Each case is
-    guarded: an exception is recorded as a failure. After each case the ranks exchange their outcome
-    (a collective every rank reaches); when a rank raised and another did not, or a peer error or
-    timeout was raised, the ranks may be out of step, so all of them stop running cases (the rest is
-    recorded as not run). Returns {name: [(ok, message) per rank]}."""
-    results, stopped = {}, None
-    for name in names:
-        if stopped is not None:
-            results[name] = [(False, f"not run ({stopped})")] * comm.size
-            continue
-        raised, fatal = False, False
-        try:
-            ok, msg = body(name)
-        except Exception as e:  # noqa: BLE001  (an error on one rank must not leave the others waiting)
-            ok, msg, raised, fatal = False, f"{type(e).__name__}: {str(e)[:400]}".replace("\n", " "), True, \
-                isinstance(e, FATAL)
-        gathered = comm.test_mpi.allgather((bool(ok), str(msg), raised, fatal))
-        results[name] = [(o, m) for o, m, _, _ in gathered]
-        raisers = [r for r, g in enumerate(gathered) if g[2]]
-        if any(g[3] for g in gathered) or 0 < len(raisers) < comm.size:
-            stopped = f"after {name!r} raised on rank(s) {raisers}"
-    return results
-
-
-def _report_and_decide(comm, title, names, results):
-    """Prints the per-case table (every rank prints the gathered table), then decides collectively."""
-    print(f"\n==== {title} (world {comm.size}, rank {comm.rank}) ====")
-    width = max(len(n) for n in names)
-    for n in names:
-        per = results[n]
-        status = "OK" if all(o for o, _ in per) else "FAIL"
-        if len(per) == 1:
-            print(f"{status:5s} {n:{width}s} {per[0][1]}")
-        else:
-            print(f"{status:5s} {n:{width}s} " + " | ".join(f"r{r}: {m}" for r, (_, m) in enumerate(per)))
-    bad = [n for n in names if not all(o for o, _ in results[n])]
-    print(f"==== {len(names) - len(bad)}/{len(names)} OK ====", flush=True)
-    mine = all(results[n][comm.rank][0] for n in names)
-    everywhere = all_ranks(comm.test_mpi, mine)
-    assert everywhere and not bad, f"{len(bad)} failing: " + "; ".join(
-        f"{n}: " + " | ".join(f"r{r}: {m}" for r, (o, m) in enumerate(results[n]) if not o) for n in bad[:4])
-
-
-def _collective(comm, name, body):
-    """One guarded case, decided on every rank."""
-    _report_and_decide(comm, name, [name], _run_cases(comm, [name], lambda _: body()))
+_run_cases = collective_cases.run_cases
+_report_and_decide = collective_cases.report_and_decide
+_collective = collective_cases.collective
 
 
 # ============================================================================= the case matrix
