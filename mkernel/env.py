@@ -57,10 +57,6 @@ VARS = {
         Var("MKERNEL_BUILD_VERBS", "auto",
             "Build time: 0 builds the proxy extension without the verbs transport even where the "
             "rdma-core headers exist; auto builds it when they exist."),
-        Var("MKERNEL_EXPERIMENTAL", "",
-            "Comma-separated paths that are built but not yet reliable, enabled anyway: "
-            "'ring_internode' (ring attention between nodes through the proxy; gave wrong results in "
-            "one of four GPU runs)."),
         Var("MKERNEL_TRACE", "",
             "When set to a path, fused kernels record per-block spans that are written there as "
             "Chrome trace JSON (one track per SM). Free when unset."),

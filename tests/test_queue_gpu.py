@@ -199,13 +199,17 @@ def _exchange_tiles(transport):
 def test_communicator_proxy_carries_tiles_between_emulated_nodes(request, transport):
     """The communicator's own proxy (comm.proxy, started on first use): 2 ranks as 2 nodes
     (gpus_per_node=1) write tiles of their symmetric workspace into the peer's, with flags in the
-    communicator's flag array; comm.stats() counts the bytes; comm.close() stops the proxy."""
+    communicator's flag array; comm.stats() counts the bytes; comm.close() stops the proxy.
+    Twice, with a fresh communicator each time: the second proxy's host segments may be mapped where
+    the first one's were, and a segment unmapped while still registered with CUDA made the driver
+    copy into the old pages (every byte of the second communicator's traffic was lost)."""
     _require_gpu()
     if _relaunch(request):
         return
     if WORLD.Get_size() != 2:
         pytest.skip("this test pairs exactly two ranks")
-    _collectively(_comm_proxy_tiles, transport)
+    for _ in range(2):
+        _collectively(_comm_proxy_tiles, transport)
 
 
 def _comm_proxy_tiles(transport):

@@ -13,6 +13,7 @@ typedef void* CUcontext;
 typedef void* CUstream;
 typedef void* CUevent;
 #define CUDA_ERROR_NOT_READY 600
+#define CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED 712
 #define CU_EVENT_DISABLE_TIMING 2
 #define CU_STREAM_NON_BLOCKING 1
 #define CU_MEMHOSTREGISTER_PORTABLE 1
@@ -22,11 +23,16 @@ static struct {
   void* lib;
   CUresult (*init)(unsigned);
   CUresult (*primary_ctx_retain)(CUcontext*, int);
+  CUresult (*primary_ctx_release)(int);
   CUresult (*ctx_set_current)(CUcontext);
+  CUresult (*ctx_push_current)(CUcontext);
+  CUresult (*ctx_pop_current)(CUcontext*);
   CUresult (*stream_create)(CUstream*, unsigned);
   CUresult (*memcpy_async)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
   CUresult (*stream_synchronize)(CUstream);
+  CUresult (*stream_destroy)(CUstream);
   CUresult (*host_register)(void*, size_t, unsigned);
+  CUresult (*host_unregister)(void*);
   CUresult (*get_handle)(void*, CUdeviceptr, size_t, int, unsigned long long);
   CUresult (*error_string)(CUresult, const char**);
   CUresult (*event_create)(CUevent*, unsigned);
@@ -52,11 +58,16 @@ static void cu_load(void) {
   struct { void** fn; const char* name; int optional; } syms[] = {
       {(void**)&cu.init, "cuInit", 0},
       {(void**)&cu.primary_ctx_retain, "cuDevicePrimaryCtxRetain", 0},
+      {(void**)&cu.primary_ctx_release, "cuDevicePrimaryCtxRelease_v2", 0},
       {(void**)&cu.ctx_set_current, "cuCtxSetCurrent", 0},
+      {(void**)&cu.ctx_push_current, "cuCtxPushCurrent_v2", 0},
+      {(void**)&cu.ctx_pop_current, "cuCtxPopCurrent_v2", 0},
       {(void**)&cu.stream_create, "cuStreamCreate", 0},
       {(void**)&cu.memcpy_async, "cuMemcpyAsync", 0},
       {(void**)&cu.stream_synchronize, "cuStreamSynchronize", 0},
+      {(void**)&cu.stream_destroy, "cuStreamDestroy_v2", 0},
       {(void**)&cu.host_register, "cuMemHostRegister_v2", 0},
+      {(void**)&cu.host_unregister, "cuMemHostUnregister", 0},
       {(void**)&cu.get_handle, "cuMemGetHandleForAddressRange", 1},   /* dma-buf export (CUDA >= 11.7) */
       {(void**)&cu.error_string, "cuGetErrorString", 0},
       {(void**)&cu.event_create, "cuEventCreate", 0},
@@ -111,6 +122,17 @@ fail:
   return -1;
 }
 
+/* The thread's last act: copies still in flight (after a failure) land before the segments they
+ * touch are unregistered and unmapped; the streams go. */
+void mk_cuda_thread_fini(mk_proxy* p) {
+  for (int i = 0; i < 2; i++)
+    if (p->cuda_streams[i]) {
+      cu.stream_synchronize(p->cuda_streams[i]);
+      cu.stream_destroy(p->cuda_streams[i]);
+      p->cuda_streams[i] = NULL;
+    }
+}
+
 /* Unified addressing: the driver tells host from device pointers itself. */
 int mk_cuda_copy(mk_proxy* p, void* dst, const void* src, size_t bytes, char* why, int cap) {
   CUresult r = cu.memcpy_async((CUdeviceptr)(uintptr_t)dst, (CUdeviceptr)(uintptr_t)src, bytes, p->cuda_streams[0]);
@@ -140,8 +162,26 @@ int mk_cuda_event_poll(void* event, char* why, int cap) {
   return 1;
 }
 
+/* 0 pinned; 1 not pinned (copies then go through pageable memory, slower but right); -1 the range
+ * is registered already: the driver would copy to the pages registered there before, not to the
+ * ones mapped there now, so the caller must fail. */
 int mk_cuda_host_register(void* ptr, size_t bytes) {
-  return cu.lib && !cu.host_register(ptr, bytes, CU_MEMHOSTREGISTER_PORTABLE) ? 0 : -1;
+  if (!cu.lib) return 1;
+  CUresult r = cu.host_register(ptr, bytes, CU_MEMHOSTREGISTER_PORTABLE);
+  return r == 0 ? 0 : r == CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED ? -1 : 1;
+}
+
+/* Must precede munmap of a pinned range: the driver keeps a registration (and its pages) past the
+ * unmap, so a later mapping at the same address would be copied to the old pages. Works from any
+ * thread (the device's primary context is pushed for the call). */
+void mk_cuda_host_unregister(int device, void* ptr) {
+  CUcontext ctx, popped;
+  if (!cu.lib || cu.primary_ctx_retain(&ctx, device)) return;
+  if (!cu.ctx_push_current(ctx)) {
+    cu.host_unregister(ptr);
+    cu.ctx_pop_current(&popped);
+  }
+  cu.primary_ctx_release(device);
 }
 
 /* A dma-buf file descriptor for GPU memory (for ibv_reg_dmabuf_mr); -1 where unsupported. The range

@@ -276,7 +276,10 @@ static int drain(mk_proxy* p) {
 static void* proxy_main(void* arg) {
   mk_proxy* p = arg;
   if (p->cuda_device >= 0 && mk_cuda_thread_init(p)) return NULL;
-  if (p->ops->start && p->ops->start(p)) return NULL;
+  if (p->ops->start && p->ops->start(p)) {
+    if (p->cuda_device >= 0) mk_cuda_thread_fini(p);
+    return NULL;
+  }
   uint64_t idle_since = 0;
   int timeout_us = 0;
   while (!__atomic_load_n(&p->stop, __ATOMIC_ACQUIRE) && !mk_failed(p)) {
@@ -295,6 +298,7 @@ static void* proxy_main(void* arg) {
   /* Goodbye only on a clean stop: after a failure the connections stay as they are until destroy, so
    * that peers find the root cause themselves instead of seeing this rank hang up on them. */
   if (p->ops->close && !mk_failed(p)) p->ops->close(p);
+  if (p->cuda_device >= 0) mk_cuda_thread_fini(p);
   return NULL;
 }
 

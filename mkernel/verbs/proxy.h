@@ -90,10 +90,12 @@ int mk_apply_flag(mk_proxy* p, int flag_op, uint32_t flag_id, uint32_t value, in
 /* libcuda, loaded at run time. */
 int mk_cuda_load(char* why, int cap);
 int mk_cuda_thread_init(mk_proxy* p);
+void mk_cuda_thread_fini(mk_proxy* p);
 int mk_cuda_copy(mk_proxy* p, void* dst, const void* src, size_t bytes, char* why, int cap);
 int mk_cuda_copy_start(mk_proxy* p, int lane, void* dst, const void* src, size_t bytes, void** event, char* why, int cap);
 int mk_cuda_event_poll(void* event, char* why, int cap); /* 1 done (event released), 0 pending, -1 failed */
-int mk_cuda_host_register(void* ptr, size_t bytes);
+int mk_cuda_host_register(void* ptr, size_t bytes); /* 0 pinned, 1 not (pageable), -1 registered already */
+void mk_cuda_host_unregister(int device, void* ptr);
 int mk_cuda_dmabuf_fd(void* ptr, size_t bytes, uint64_t* offset);
 
 /* NOP commands of the stress tests carry an id; verify mode checks each arrives once, intact. */

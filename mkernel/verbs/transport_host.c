@@ -75,6 +75,7 @@ typedef struct {
   flush_wait flushes[MK_HOST_OUTBOX];
   unsigned flush_head, flush_tail;
   int peer_gone;                     /* the peer closed cleanly */
+  int pinned;                        /* both segments registered with CUDA (unregistered before munmap) */
 } host_peer;
 
 typedef struct {
@@ -382,8 +383,16 @@ static int host_start(mk_proxy* p) {
   for (int r = 0; r < p->nranks && p->cuda_device >= 0; r++) { /* pinned, so that GPU copies are DMA */
     host_peer* hp = &h->peers[r];
     if (!hp->send) continue;
-    if (mk_cuda_host_register(hp->send, mk_host_segment_bytes()) || mk_cuda_host_register(hp->recv, mk_host_segment_bytes()))
-      mk_log(p, "could not pin the host-memory segments of rank %d; GPU copies go through pageable memory", r);
+    int a = mk_cuda_host_register(hp->send, mk_host_segment_bytes());
+    int b = a ? 1 : mk_cuda_host_register(hp->recv, mk_host_segment_bytes());
+    if (a == 0 && b) mk_cuda_host_unregister(p->cuda_device, hp->send);
+    if (a < 0 || b < 0) {
+      mk_fail(p, MKP_ERR_LOCAL, r, 0, "the host-memory segments of rank %d lie where CUDA still has memory registered "
+              "(a segment unmapped without cuMemHostUnregister?): copies would reach the old pages", r);
+      return -1;
+    }
+    hp->pinned = a == 0 && b == 0;
+    if (!hp->pinned) mk_log(p, "could not pin the host-memory segments of rank %d; GPU copies go through pageable memory", r);
   }
   return 0;
 }
@@ -430,6 +439,10 @@ static void host_destroy(mk_proxy* p) {
   if (!h) return;
   for (int r = 0; r < p->nranks; r++)
     if (h->peers[r].send) {
+      if (h->peers[r].pinned) { /* before munmap: see mk_cuda_host_unregister */
+        mk_cuda_host_unregister(p->cuda_device, h->peers[r].send);
+        mk_cuda_host_unregister(p->cuda_device, h->peers[r].recv);
+      }
       munmap(h->peers[r].send, mk_host_segment_bytes());
       munmap(h->peers[r].recv, mk_host_segment_bytes());
     }
