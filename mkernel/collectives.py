@@ -34,3 +34,14 @@ def allgather_bytes(comm, data: bytes, what: str, timeout_s=None) -> list:
     recv = numpy.empty(len(data) * comm.Get_size(), dtype=numpy.uint8)
     wait(comm.Iallgather(send, recv), what, comm.Get_rank(), timeout_s)
     return [recv[i * len(data):(i + 1) * len(data)].tobytes() for i in range(comm.Get_size())]
+
+
+def allgather_object(comm, obj, what: str, timeout_s=None) -> list:
+    """Every rank's picklable ``obj`` (of any size), in rank order; gives up like allgather_bytes."""
+    import pickle
+    import struct
+
+    data = pickle.dumps(obj)
+    sizes = [struct.unpack("<Q", b)[0] for b in allgather_bytes(comm, struct.pack("<Q", len(data)), what, timeout_s)]
+    padded = allgather_bytes(comm, data.ljust(max(sizes), b"\0"), what, timeout_s)
+    return [pickle.loads(b[:n]) for b, n in zip(padded, sizes)]

@@ -9,6 +9,10 @@ Rules every rank follows (ops on a communicator are collective):
   function of the shapes, agreed by one collective the first time its key is seen (:meth:`agree`),
   never of per-rank timing. Later calls with the same key cost no communication.
 - One thread uses a communicator at a time.
+- One workspace pool and one proxy per process serve every communicator split from the one
+  ``init`` made (the root): a sub-communicator's workspace is a range of its parent's, its proxy
+  traffic goes through the root's proxy (its ranks, offsets and flag ids translated on the way),
+  and closing the root closes its sub-communicators first.
 - After a :class:`mkernel.TimeoutError` or :class:`mkernel.PeerError` the communicator is unusable:
   close it (and, usually, the job).
 """
@@ -18,13 +22,13 @@ import hashlib
 import weakref
 
 from . import collectives, env, topology
-from .errors import ArgumentError, ClosedError, PeerError
+from .errors import ArgumentError, ClosedError, MKernelError, PeerError
 from .log import get_logger, set_rank
 
 log = get_logger("comm")
 
 TRANSPORTS = ("auto", "verbs", "host", "tcp")
-_live = weakref.WeakSet()
+_roots = []  # weak references to the communicators init() made, in creation order
 _atexit_registered = False
 
 
@@ -53,15 +57,28 @@ class Communicator:
     Attributes: ``rank``, ``size``, ``node``, ``num_nodes``, ``local_rank`` and ``local_size``
     (inside the node), ``device_id``, ``topology``, ``mpi`` (the mpi4py communicator)."""
 
+    # Regions of the root's proxy: the root's symmetric workspace (an offset names the same buffer
+    # on every rank, so commands carry offsets; a sub-communicator's are shifted into it), and the
+    # u32 flags peers' commands set: PROXY_FLAGS of them per communicator, PROXY_FLAG_RANGES ranges.
+    PROXY_WORKSPACE_REGION, PROXY_FLAGS_REGION = 0, 1  # MK_WORKSPACE_REGION (queue_layout.cuh)
+    PROXY_FLAGS = 4096
+    PROXY_FLAG_RANGES = 16
+    PROXY_QUEUE_CAPACITY = 1 << 14
+    SPLIT_WORKSPACE_FRACTION = 4  # split()'s default workspace: this fraction of its parent's
+
     def __init__(self, mpi_comm, *, gpus_per_node=None, transport="auto", workspace_bytes=None,
-                 _parent_node_of=None):
+                 _parent=None):
         self.transport = _check_transport(transport)
         if workspace_bytes is None:
             workspace_bytes = env.get_int("MKERNEL_WORKSPACE_BYTES")
         if not isinstance(workspace_bytes, int) or workspace_bytes <= 0:
             raise ArgumentError(f"workspace_bytes must be a positive integer, got {workspace_bytes!r}")
         self.mpi = mpi_comm.Dup()
-        self.topology = topology.discover(self.mpi, gpus_per_node, _parent_node_of)
+        self._parent = _parent
+        self._root = self if _parent is None else _parent._root
+        self._children = []  # weak references, in creation order (the order close() closes them in)
+        node_of = None if _parent is None else self.mpi.allgather(_parent.node)
+        self.topology = topology.discover(self.mpi, gpus_per_node, node_of)
         t = self.topology
         self.rank, self.size, self.node, self.num_nodes = t.rank, t.size, t.node, t.num_nodes
         self.local_rank, self.local_size = t.node_rank, t.node_size
@@ -71,7 +88,7 @@ class Communicator:
         self._agreed = {}
         self._closed = False
         self._nccl = None
-        self._proxy = None  # (Proxy, CommandQueue, flags pointer, flags array): started by .proxy
+        self._proxy = None  # root only: (Proxy, CommandQueue, flags pointer, flags array), started by .proxy
         self._gpus_per_node = gpus_per_node
         self._workspace_bytes = workspace_bytes
         global _atexit_registered
@@ -79,7 +96,8 @@ class Communicator:
             atexit.register(_close_all)
             _atexit_registered = True
         self._init_gpu()
-        _live.add(self)
+        if _parent is None:
+            _roots[:] = [r for r in _roots if r() is not None] + [weakref.ref(self)]
 
     # --- GPU state -------------------------------------------------------------------------------
     def _init_gpu(self):
@@ -89,7 +107,9 @@ class Communicator:
         from .trace import Trace
 
         gpu.require_hopper()
-        self.device_id = self.topology.host_rank % gpu.device_count()
+        # A sub-communicator stays on its root's GPU: its workspace lies in the root's.
+        self.device_id = (self.topology.host_rank % gpu.device_count() if self._parent is None
+                          else self._parent.device_id)
         gpu.require_hopper(self.device_id)
         import cupy
 
@@ -97,7 +117,15 @@ class Communicator:
         self.device.use()
         # Agree on the size first: a workspace of different sizes would break symmetric offsets.
         self.agree(("workspace", "bytes"), self._workspace_bytes)
-        self.heap = SymmetricHeap(self.node_mpi, self._workspace_bytes, self.device_id)
+        if self._parent is None:
+            self.heap = SymmetricHeap.allocate(self.node_mpi, self._workspace_bytes, self.device_id)
+            self._flag_ranges_free = set(range(self.PROXY_FLAG_RANGES))  # of the root's flag array
+        else:
+            self.heap = SymmetricHeap.carve(self._parent.heap, self.mpi, self.node_mpi, self._workspace_bytes)
+        self._flag_range = self._take_flag_range()
+        import numpy
+        self._root_ranks = numpy.array(self.mpi.allgather(self._root.rank), dtype=numpy.uint16)
+        self._root_ranks_dev = None if self._parent is None else cupy.asarray(self._root_ranks)
         self.sync = SyncState(self.rank)
         self.trace = Trace(self.rank)
         log.debug("rank %d: node %d/%d, local rank %d/%d, GPU %d, workspace %d bytes", self.rank, self.node,
@@ -128,8 +156,7 @@ class Communicator:
         shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
         dtype = numpy.dtype(dtype)
         nbytes = int(numpy.prod(shape, dtype=numpy.int64)) * dtype.itemsize
-        rng = self.heap.alloc(nbytes)
-        self.agree(("empty", rng.offset), (shape, dtype.str), cache=False)
+        rng = self.heap.alloc_symmetric(self.mpi, nbytes, "allocating symmetric memory", agree=(shape, dtype.str))
         return self.heap.array(rng, shape, dtype)
 
     def offset_of(self, arr) -> int:
@@ -137,21 +164,32 @@ class Communicator:
         from .symmetric import check_owner
         return check_owner(self.heap, arr)
 
-    def split(self, color: int, key: int = 0) -> "Communicator":
-        """Sub-communicators, as ``MPI_Comm_split``; they keep this communicator's node boundaries.
-        Collective. Each sub-communicator has its own workspace and epochs."""
+    def split(self, color: int, key: int = 0, workspace_bytes: int = None) -> "Communicator":
+        """Sub-communicators, as ``MPI_Comm_split`` (``color=None``: this rank joins none and gets
+        None); they keep this communicator's node boundaries and GPU. Collective. Each has its own
+        epochs and a workspace of ``workspace_bytes`` (default: 1/SPLIT_WORKSPACE_FRACTION of this
+        one's) carved from this communicator's workspace; traffic between nodes goes through the
+        root's proxy, which a split of a communicator spanning several nodes starts if needed."""
         self._check_open()
         from mpi4py import MPI
 
+        if workspace_bytes is None:
+            workspace_bytes = self.heap.nbytes // self.SPLIT_WORKSPACE_FRACTION
+        if self._root.num_nodes > 1:
+            if self._root is self:
+                self.proxy  # noqa: B018  (collective over the root, which only the root can start)
+            elif self._root._proxy is None:
+                raise MKernelError("internal: a sub-communicator of a multi-node root exists without the root's "
+                                   "proxy")
         sub = self.mpi.Split(MPI.UNDEFINED if color is None else color, key)
         if sub == MPI.COMM_NULL:
             return None
-        node_of = sub.allgather(self.node)
         try:
-            return Communicator(sub, transport=self.transport, workspace_bytes=self._workspace_bytes,
-                                _parent_node_of=node_of)
+            child = Communicator(sub, transport=self.transport, workspace_bytes=workspace_bytes, _parent=self)
         finally:
             sub.Free()
+        self._children.append(weakref.ref(child))
+        return child
 
     def agree(self, key, value, cache: bool = True):
         """Check that every rank passes the same ``value`` for ``key``; collective the first time a key
@@ -190,20 +228,20 @@ class Communicator:
                 self._nccl = nccl.NcclCommunicator(self.size, uid, self.rank)
         return self._nccl
 
-    # Regions of the communicator's proxy: the symmetric workspace (an offset names the same buffer
-    # on every rank, so commands carry offsets), and the u32 flags peers' commands set.
-    PROXY_WORKSPACE_REGION, PROXY_FLAGS_REGION = 0, 1
-    PROXY_FLAGS = 4096
-    PROXY_QUEUE_CAPACITY = 1 << 14
-
     @property
     def proxy(self):
         """The host proxy (mkernel.proxy.Proxy) that carries this communicator's traffic between nodes:
         started on first use (collective), stopped by close(). Region PROXY_WORKSPACE_REGION is the
         symmetric workspace (offsets into it), PROXY_FLAGS_REGION the PROXY_FLAGS u32 flags in
         mapped host memory (``proxy_flags``: (device pointer, NumPy view)); kernels enqueue through
-        ``proxy_queue.device_args()``. On one node it has no peer and moves nothing."""
+        ``proxy_queue_args()``. On one node it has no peer and moves nothing. A sub-communicator's is
+        its root's (started by the split that made it)."""
         self._check_open()
+        if self._root is not self:
+            if self._root._proxy is None:
+                raise MKernelError("this communicator's root spans one node: there is no proxy (no traffic "
+                                   "between nodes)")
+            return self._root._proxy[0]
         if self._proxy is None:
             import ctypes
 
@@ -212,7 +250,7 @@ class Communicator:
             from .proxy import CommandQueue, Proxy
 
             node_ids = self.mpi.allgather(self.node)
-            nbytes = 4 * self.PROXY_FLAGS
+            nbytes = 4 * self.PROXY_FLAGS * self.PROXY_FLAG_RANGES
             ptr = cupy.cuda.runtime.hostAlloc(nbytes, 2)  # mapped: valid on the device as it is (UVA)
             flags = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr)).view(np.uint32)
             flags[:] = 0
@@ -221,7 +259,7 @@ class Communicator:
             try:
                 proxy = Proxy(self.mpi, node_ids, transport=self.transport, cuda_device=self.device_id)
                 proxy.register(self.PROXY_WORKSPACE_REGION, self.heap.base, self.heap.nbytes, "cuda")
-                proxy.register_flags(self.PROXY_FLAGS_REGION, ptr, self.PROXY_FLAGS)
+                proxy.register_flags(self.PROXY_FLAGS_REGION, ptr, self.PROXY_FLAGS * self.PROXY_FLAG_RANGES)
                 proxy.attach_queue(queue)
                 proxy.connect()
                 proxy.start()
@@ -236,26 +274,44 @@ class Communicator:
                       proxy.transport, len(proxy.peers))
         return self._proxy[0]
 
-    @property
-    def proxy_queue(self):
-        """The command queue of :attr:`proxy` (starts the proxy)."""
-        self.proxy  # noqa: B018
-        return self._proxy[1]
+    def proxy_queue_args(self):
+        """The MkQueue a kernel of this communicator enqueues through (mkernel.proxy.QueueArgs): the
+        root's queue, with this communicator's ranks, workspace and flag range translated."""
+        self.proxy  # noqa: B018  (starts the root's)
+        queue = self._root._proxy[1]
+        return queue.device_args(self._root_ranks_dev, self.heap.base - self._root.heap.base,
+                                 self._flag_range * self.PROXY_FLAGS)
 
     @property
     def proxy_flags(self):
-        """(pointer, NumPy uint32 view) of :attr:`proxy`'s flag array (starts the proxy)."""
+        """(device pointer, NumPy uint32 view) of this communicator's PROXY_FLAGS flags of the root's
+        proxy flag array: commands of this communicator name them 0..PROXY_FLAGS-1."""
         self.proxy  # noqa: B018
-        return self._proxy[2], self._proxy[3]
+        ptr, flags = self._root._proxy[2], self._root._proxy[3]
+        base = self._flag_range * self.PROXY_FLAGS
+        return ptr + 4 * base, flags[base:base + self.PROXY_FLAGS]
+
+    def _take_flag_range(self):
+        """This communicator's range of the root's proxy flags: the lowest free on all its ranks."""
+        free = self._root._flag_ranges_free
+        views = collectives.allgather_object(self.mpi, sorted(free), "choosing a proxy flag range")
+        common = sorted(set.intersection(*(set(v) for v in views)))
+        if not common:
+            raise MKernelError(f"more than {self.PROXY_FLAG_RANGES} communicators in this process use the root's "
+                               f"proxy flags; close some")
+        free.discard(common[0])
+        return common[0]
 
     def stats(self) -> dict:
         """Counters of the traffic between nodes: the proxy's commands, bytes sent and received per
         peer rank (``{"proxy": None}`` while no proxy was started). Does not synchronise."""
         self._check_open()
-        if self._proxy is None:
+        root = self._root
+        if root._proxy is None:
             return {"proxy": None}
-        out = self._proxy[0].stats()
-        out["proxy"] = self._proxy[0].transport
+        out = root._proxy[0].stats()
+        out["proxy"] = root._proxy[0].transport
+        out["peers"] = {r: out["peers"][int(q)] for r, q in enumerate(self._root_ranks)}  # this one's ranks
         return out
 
     def check(self):
@@ -263,8 +319,8 @@ class Communicator:
         synchronise."""
         self._check_open()
         self.sync.check()
-        if self._proxy is not None:
-            self._proxy[0].check()
+        if self._root._proxy is not None:
+            self._root._proxy[0].check()
 
     def _check_open(self):
         if self._closed:
@@ -274,8 +330,11 @@ class Communicator:
         """Release everything. Idempotent; runs at interpreter exit before MPI finalizes."""
         if self._closed:
             return
+        for ref in self._children:  # they use this one's workspace (and, for the root, its proxy)
+            child = ref()
+            if child is not None:
+                child.close()
         self._closed = True
-        _live.discard(self)
         failed = bool(getattr(self, "sync", None) and self.sync.host_status and self.sync.host_status.code)
         try:
             if hasattr(self, "heap"):
@@ -302,6 +361,8 @@ class Communicator:
                 if not failed:
                     self.heap.close()
                 self.sync.close()
+                if hasattr(self, "_flag_range"):
+                    self._root._flag_ranges_free.add(self._flag_range)
             if self._nccl is not None:
                 self._nccl.destroy()
                 self._nccl = None
@@ -330,7 +391,12 @@ def _world():
 
 
 def _close_all():
-    for c in list(_live):
+    """At exit, in creation order on every rank (closing is collective): roots, each closing its
+    sub-communicators first."""
+    for ref in list(_roots):
+        c = ref()
+        if c is None:
+            continue
         try:
             c.close()
         except Exception as e:  # at exit, report instead of raising

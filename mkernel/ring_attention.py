@@ -43,7 +43,7 @@ SPEC = _compile.register("ring_attention", "ring_attention.cu", EXPRESSIONS, hot
 
 
 class MkRingArgs(ctypes.Structure):
-    """Mirror of ``MkRingArgs`` (mkernel/cuda/ring_args.cuh); 1472 bytes, 64-byte aligned in C."""
+    """Mirror of ``MkRingArgs`` (mkernel/cuda/ring_args.cuh); 1536 bytes, 64-byte aligned in C."""
     _fields_ = [("a", _attn.MkAttnArgs), ("k_slot", _tma.TensorMap * 2), ("v_slot", _tma.TensorMap * 2),
                 ("peer_base", ctypes.c_void_p), ("kslot_off", ctypes.c_uint64 * 2),
                 ("vslot_off", ctypes.c_uint64 * 2), ("flags_off", ctypes.c_uint64), ("k_own", ctypes.c_void_p),
@@ -55,7 +55,7 @@ class MkRingArgs(ctypes.Structure):
                 ("tiles_per_step", ctypes.c_uint32), ("chunk_rows", ctypes.c_uint32),
                 ("queue", _proxy.QueueArgs), ("pflags", ctypes.c_void_p), ("stage_off", ctypes.c_uint64),
                 ("next_remote", ctypes.c_int32), ("prev_remote", ctypes.c_int32), ("chunks", ctypes.c_uint32),
-                ("chunk_bytes", ctypes.c_uint32), ("kv_bytes", ctypes.c_uint64), ("pad", ctypes.c_uint32 * 4)]
+                ("chunk_bytes", ctypes.c_uint32), ("kv_bytes", ctypes.c_uint64), ("pad", ctypes.c_uint32 * 16)]
 
 
 def _rows_contiguous(x):
@@ -199,7 +199,7 @@ def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, return_ls
         with _tp.on_stream(stream):  # the block of step 0 must lie in a registered region
             stage[0][...] = k4
             stage[1][...] = v4
-        r.queue = comm.proxy_queue.device_args()  # (starts the proxy on first use: collective)
+        r.queue = comm.proxy_queue_args()  # (starts the proxy on first use: collective)
         r.pflags = comm.proxy_flags[0]
         r.stage_off = comm.offset_of(stage)
         r.next_remote = r.prev_remote = 1

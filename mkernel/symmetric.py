@@ -1,14 +1,18 @@
-"""Symmetric GPU memory: one workspace per communicator, the same size on every rank, mapped into
-every peer of the node through CUDA IPC, with a device-side table of the peers' base pointers.
+"""Symmetric GPU memory: one pool per process, the same size on every rank, mapped into every peer
+of the node through CUDA IPC, with a device-side table of the peers' base pointers.
 
-Offsets are symmetric: the ranks of a communicator allocate from their workspaces in the same order
-with the same sizes (every allocation is checked across ranks), so an offset names the same buffer
-on every rank and ``peer_base[p] + offset`` is rank p's copy of it.
+The communicator made by ``mkernel.init`` owns the pool (its workspace); a sub-communicator from
+``split`` gets a range of its parent's workspace as its own (an arena: no second allocation, no
+second IPC mapping). Offsets are symmetric: an offset names the same buffer on every rank of a
+communicator, so ``peer_base[p] + offset`` is rank p's copy of it. Every allocation takes the first
+range that is free on *all* its communicator's ranks (:func:`take_symmetric`), so the ranges other
+communicators hold in a shared pool never break that.
 """
 
 import threading
 import weakref
 
+from . import collectives
 from .errors import ArgumentError, ClosedError, MKernelError
 
 ALIGN = 1024  # TMA with 128-byte swizzle wants 1024-byte aligned shared tiles; keep global buffers so too
@@ -25,32 +29,65 @@ class _Range:
 
 
 class SymmetricHeap:
-    def __init__(self, node_mpi, nbytes: int, device_id: int):
+    """A communicator's workspace: ``nbytes`` at ``base`` (zeroed when made), ``peer_base[p]`` the
+    node peer p's copy, ``peer_table`` the same on the device."""
+
+    def __init__(self, base, nbytes, device_id, peer_base, local_rank, parent_range=None):
         import cupy
 
-        rt = cupy.cuda.runtime
-        self.device_id = device_id
-        self.nbytes = _round_up(max(nbytes, 2 * CONTROL_BYTES), ALIGN)
-        self.local_rank, self.local_size = node_mpi.rank, node_mpi.size
-        if self.local_size > MAX_LOCAL:
-            raise ArgumentError(f"{self.local_size} ranks in one node; mkernel supports at most {MAX_LOCAL}")
-        self.base = rt.malloc(self.nbytes)  # a whole allocation of its own: IPC exports allocation bases
-        rt.memset(self.base, 0, self.nbytes)
-        rt.deviceSynchronize()
-        handles = node_mpi.allgather(rt.ipcGetMemHandle(self.base)) if self.local_size > 1 else [None]
-        self.peer_base = [self.base if p == self.local_rank else rt.ipcOpenMemHandle(h)
-                          for p, h in enumerate(handles)]
-        self.peer_table = cupy.array(self.peer_base, dtype=cupy.uint64)
+        self.base, self.nbytes, self.device_id = base, nbytes, device_id
+        self.peer_base, self.local_rank = peer_base, local_rank
+        self.peer_table = cupy.array(peer_base, dtype=cupy.uint64)
+        self._parent_range = parent_range  # an arena's range of its parent (None: owns its allocation)
         self._lock = threading.Lock()
-        self._ranges = FreeList(CONTROL_BYTES, self.nbytes - CONTROL_BYTES)
+        self._ranges = FreeList(CONTROL_BYTES, nbytes - CONTROL_BYTES)
         self.live = 0
         self.closed = False
 
-    def alloc(self, nbytes: int) -> _Range:
+    @classmethod
+    def allocate(cls, node_mpi, nbytes: int, device_id: int) -> "SymmetricHeap":
+        """The pool: an allocation of its own, IPC-mapped by every node peer. Collective over the node."""
+        import cupy
+
+        rt = cupy.cuda.runtime
+        nbytes = _round_up(max(nbytes, 2 * CONTROL_BYTES), ALIGN)
+        if node_mpi.size > MAX_LOCAL:
+            raise ArgumentError(f"{node_mpi.size} ranks in one node; mkernel supports at most {MAX_LOCAL}")
+        base = rt.malloc(nbytes)  # a whole allocation of its own: IPC exports allocation bases
+        rt.memset(base, 0, nbytes)
+        rt.deviceSynchronize()
+        handles = node_mpi.allgather(rt.ipcGetMemHandle(base)) if node_mpi.size > 1 else [None]
+        peer_base = [base if p == node_mpi.rank else rt.ipcOpenMemHandle(h) for p, h in enumerate(handles)]
+        return cls(base, nbytes, device_id, peer_base, node_mpi.rank)
+
+    @classmethod
+    def carve(cls, parent: "SymmetricHeap", mpi, node_mpi, nbytes: int) -> "SymmetricHeap":
+        """An arena of ``nbytes`` inside ``parent`` for the communicator over ``mpi`` (a subset of the
+        parent's ranks; ``node_mpi`` its node). Collective over ``mpi``."""
+        import cupy
+
+        nbytes = _round_up(max(nbytes, 2 * CONTROL_BYTES), ALIGN)
+        rng = parent.alloc_symmetric(mpi, nbytes, "carving a sub-communicator's workspace")
+        cupy.cuda.runtime.memset(parent.base + rng.offset, 0, rng.nbytes)  # flags start at 0
+        cupy.cuda.runtime.deviceSynchronize()
+        parent_local = node_mpi.allgather(parent.local_rank)  # this node's members, as the parent numbers them
+        peer_base = [parent.peer_base[p] + rng.offset for p in parent_local]
+        return cls(parent.base + rng.offset, rng.nbytes, parent.device_id, peer_base, node_mpi.rank, rng)
+
+    def alloc_symmetric(self, mpi, nbytes: int, what: str, agree=None) -> _Range:
+        """A range at the same offset on every rank of ``mpi``: the first one free on all of them.
+        Collective over ``mpi``. ``agree``: a value every rank must pass alike (shape and dtype)."""
         if self.closed:
             raise ClosedError("the communicator's workspace was closed")
         with self._lock:
-            offset, size = self._ranges.take(nbytes)
+            mine = list(self._ranges.free)
+        views = collectives.allgather_object(mpi, (mine, agree), what)
+        if len({repr(v[1]) for v in views}) != 1:
+            raise ArgumentError(f"ranks disagree while {what}: " +
+                                ", ".join(f"rank {r}: {v[1]!r}" for r, v in enumerate(views)))
+        offset, size = take_symmetric([v[0] for v in views], nbytes, self.nbytes)
+        with self._lock:
+            self._ranges.take_at(offset, size)
             self.live += 1
         return _Range(self, offset, size)
 
@@ -68,18 +105,20 @@ class SymmetricHeap:
         return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
 
     def unmap_peers(self):
-        """Closes this rank's mappings of the peers' workspaces (before the node-wide barrier)."""
+        """Closes this rank's mappings of the peers' workspaces (before the node-wide barrier); an
+        arena uses its parent's mappings and has none of its own."""
         import cupy
 
-        rt = cupy.cuda.runtime
-        for p, ptr in enumerate(self.peer_base):
-            if p != self.local_rank:
-                rt.ipcCloseMemHandle(ptr)
+        if self._parent_range is None:
+            for p, ptr in enumerate(self.peer_base):
+                if p != self.local_rank:
+                    cupy.cuda.runtime.ipcCloseMemHandle(ptr)
         self.peer_base = []
         self.peer_table = None
 
     def close(self):
-        """After every peer has unmapped it: frees the base once no array from this heap is alive."""
+        """After every peer has unmapped it: frees the base (an arena: hands its range back to the
+        parent) once no array from this heap is alive."""
         if self.closed:
             return
         if self.peer_base:
@@ -89,28 +128,59 @@ class SymmetricHeap:
             self._release_base()
 
     def _release_base(self):
-        if self.base:
+        if self._parent_range is not None:
+            self._parent_range = None  # its finalizer returns the range to the parent
+            self.base = 0
+        elif self.base:
             import cupy
             cupy.cuda.runtime.free(self.base)
             self.base = 0
 
 
+def take_symmetric(free_lists, nbytes: int, total: int):
+    """(offset, size): the first ALIGN-rounded range of ``nbytes`` free in every one of ``free_lists``
+    (sorted disjoint (offset, size) lists). Deterministic, so every rank computes the same answer."""
+    size = _round_up(max(nbytes, 1), ALIGN)
+    common = free_lists[0]
+    for other in free_lists[1:]:
+        common = _intersect(common, other)
+    for off, avail in common:
+        if avail >= size:
+            return off, size
+    raise MKernelError(f"symmetric workspace exhausted: {nbytes} bytes wanted, {total} in all, and no range that "
+                       f"large is free on every rank; pass a larger workspace_bytes to mkernel.init (or "
+                       f"MKERNEL_WORKSPACE_BYTES), or to split()")
+
+
+def _intersect(a, b):
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][0] + a[i][1], b[j][0] + b[j][1])
+        if lo < hi:
+            out.append((lo, hi - lo))
+        if a[i][0] + a[i][1] < b[j][0] + b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
 class FreeList:
-    """First-fit ranges of one workspace. Deterministic: the same calls give the same offsets on
-    every rank, which is what makes offsets symmetric."""
+    """The free ranges of one rank's workspace; take_symmetric picks the offsets."""
 
     def __init__(self, start: int, size: int):
         self.total = size
         self.free = [(start, size)]  # (offset, size), sorted, never adjacent
 
-    def take(self, nbytes: int):
-        size = _round_up(max(nbytes, 1), ALIGN)
+    def take_at(self, offset: int, size: int):
+        """Takes [offset, offset + size), which must lie inside one free range."""
         for i, (off, avail) in enumerate(self.free):
-            if avail >= size:
-                self.free[i:i + 1] = [(off + size, avail - size)] if avail > size else []
-                return off, size
-        raise MKernelError(f"symmetric workspace exhausted: {nbytes} bytes wanted, {self.total} in all; "
-                           f"pass a larger workspace_bytes to mkernel.init (or MKERNEL_WORKSPACE_BYTES)")
+            if off <= offset and offset + size <= off + avail:
+                self.free[i:i + 1] = [r for r in ((off, offset - off), (offset + size, off + avail - offset - size))
+                                      if r[1] > 0]
+                return
+        raise MKernelError(f"workspace range [{offset}, {offset + size}) is not free on this rank (symmetric "
+                           f"allocation out of step)")
 
     def give(self, offset: int, size: int):
         merged = []

@@ -54,6 +54,50 @@ def test_each_rank_writes_every_peer_through_the_pointer_table(comm, proto):
     assert all_ranks(comm.mpi, ok)
 
 
+def test_split_communicators_live_in_their_parents_workspace(comm):
+    """split() carves a sub-communicator's workspace from its parent's (one pool per process): an
+    exchange through a rank-reversed sub-communicator's pointer table reaches the right peers; after
+    arenas of different sizes on different ranks (and a rank that joins none), the parent's own
+    allocations still get one offset on every rank and overlap no arena; closing hands the ranges
+    back; closing a root closes its sub-communicators."""
+    W, me = comm.size, comm.rank
+    free_before = list(comm.heap._ranges.free)
+    rev = comm.split(0, key=-me, workspace_bytes=8 << 20)
+    alone = comm.split(me, workspace_bytes=(me + 2) << 20)  # a different size on every rank
+    first = comm.split(0 if me == 0 else None, workspace_bytes=4 << 20)
+    ok = rev.rank == W - 1 - me and rev.device_id == comm.device_id and alone.size == 1
+    ok &= (first is None) == (me != 0)
+    ok &= comm.heap.base < rev.heap.base < comm.heap.base + comm.heap.nbytes
+    p = Protocol(rev, WORDS)
+    p.slots.fill(0xDEADBEEF)
+    rev.mpi.Barrier()
+    e0 = rev.sync.epoch()
+    p.run("exchange")
+    _sync()
+    rev.check()
+    got = p.slots.get()
+    ok &= p.mismatch_count() == 0
+    for q in range(rev.local_size):
+        ok &= np.array_equal(got[q], expected_pattern(e0 + 1, q, WORDS))
+    buf = comm.empty(3 << 20, np.uint8)
+    ok &= len(set(comm.mpi.allgather(comm.offset_of(buf)))) == 1
+    lo, hi = buf.data.ptr, buf.data.ptr + buf.nbytes
+    for sub in (rev, alone, first):
+        if sub is not None:
+            ok &= hi <= sub.heap.base or sub.heap.base + sub.heap.nbytes <= lo
+    del p, got, buf
+    for sub in (first, alone, rev):
+        if sub is not None:
+            sub.close()
+    ok &= comm.heap._ranges.free == free_before
+    root = mkernel.init(comm.mpi)
+    child = root.split(0)
+    root.close()
+    with pytest.raises(mkernel.ClosedError):
+        child.empty(16, np.uint8)
+    assert all_ranks(comm.mpi, ok)
+
+
 def test_two_thousand_launches_never_see_a_flag_without_its_data(comm, proto):
     e0 = comm.sync.epoch()
     for _ in range(2000):

@@ -202,23 +202,34 @@ def test_communicator_proxy_carries_tiles_between_emulated_nodes(request, transp
     communicator's flag array; comm.stats() counts the bytes; comm.close() stops the proxy.
     Twice, with a fresh communicator each time: the second proxy's host segments may be mapped where
     the first one's were, and a segment unmapped while still registered with CUDA made the driver
-    copy into the old pages (every byte of the second communicator's traffic was lost)."""
+    copy into the old pages (every byte of the second communicator's traffic was lost).
+    A third time through a sub-communicator with the ranks reversed (split(0, key=-rank)): it shares
+    the root's proxy, and its commands' ranks, workspace offsets and flag ids are translated into
+    the root's by the device producer."""
     _require_gpu()
     if _relaunch(request):
         return
     if WORLD.Get_size() != 2:
         pytest.skip("this test pairs exactly two ranks")
-    for _ in range(2):
-        _collectively(_comm_proxy_tiles, transport)
+    for via_split in (False, False, True):
+        _collectively(_comm_proxy_tiles, transport, via_split)
 
 
-def _comm_proxy_tiles(transport):
+def _comm_proxy_tiles(transport, via_split):
     import mkernel
 
-    comm = mkernel.init(WORLD, gpus_per_node=1, transport=transport, workspace_bytes=64 << 20)
+    root = mkernel.init(WORLD, gpus_per_node=1, transport=transport, workspace_bytes=64 << 20)
     try:
-        assert comm.num_nodes == 2 and comm.local_size == 1
-        assert comm.stats() == {"proxy": None}
+        assert root.num_nodes == 2 and root.local_size == 1
+        if via_split:
+            comm = root.split(0, key=-root.rank, workspace_bytes=16 << 20)
+            assert comm.rank == 1 - root.rank and comm.num_nodes == 2
+            assert comm.proxy is root.proxy, "a sub-communicator must use its root's proxy"
+            assert comm.proxy_flags[0] != root.proxy_flags[0], "each communicator has its own proxy flags"
+            assert root.heap.base < comm.heap.base < root.heap.base + root.heap.nbytes
+        else:
+            comm = root
+            assert comm.stats() == {"proxy": None}
         rank, tiles, tile_bytes, epochs = comm.rank, 32, 128 << 10, 3
         send = comm.empty(tiles * tile_bytes // 4, np.uint32)
         recv = comm.empty(tiles * tile_bytes // 4, np.uint32)
@@ -227,7 +238,7 @@ def _comm_proxy_tiles(transport):
         fptr, flags = comm.proxy_flags
         region = comm.PROXY_WORKSPACE_REGION
         for epoch in range(epochs):
-            args = TileExchangeArgs(comm.sync_args("queue", 30), comm.proxy_queue.device_args(), send.data.ptr,
+            args = TileExchangeArgs(comm.sync_args("queue", 30), comm.proxy_queue_args(), send.data.ptr,
                                     recv.data.ptr, fptr, mismatches.data.ptr, tiles, tile_bytes, 0, 1 - rank,
                                     region, region, comm.offset_of(send), comm.offset_of(recv))
             _launch("tile_exchange", (16,), (256,), args)
@@ -243,4 +254,4 @@ def _comm_proxy_tiles(transport):
         assert stats["peers"][1 - rank]["bytes_received"] == epochs * tiles * tile_bytes
         barrier(WORLD)  # the peer's last FLUSH needs our proxy to answer it
     finally:
-        comm.close()
+        root.close()  # (closes the sub-communicator first)

@@ -770,10 +770,12 @@ def test_world_one_equals_attention():
 @pytest.mark.gpu
 @pytest.mark.mpi
 @pytest.mark.multi_gpu
-def test_two_emulated_nodes_through_the_proxy():
+@pytest.mark.parametrize("via_split", [False, True], ids=["root", "split"])
+def test_two_emulated_nodes_through_the_proxy(via_split):
     """2 ranks as 2 nodes (gpus_per_node=1): each key/value block travels as WRITE commands through
     the communicator's proxy. Against the single-GPU engine on the whole sequence, causal (zigzag)
-    and not, three launches each (stale flags), and the proxy's byte counters."""
+    and not, three launches each (stale flags), and the proxy's byte counters. "split": on a
+    rank-reversed sub-communicator, through its root's proxy (ranks, offsets, flags translated)."""
     import cupy
     import mkernel
     from mpi4py import MPI
@@ -783,7 +785,8 @@ def test_two_emulated_nodes_through_the_proxy():
         pytest.skip("pairs exactly two ranks")
     err = None
     try:
-        comm = mkernel.init(world, gpus_per_node=1, workspace_bytes=64 << 20)
+        root = mkernel.init(world, gpus_per_node=1, workspace_bytes=(128 if via_split else 64) << 20)
+        comm = root.split(0, key=-root.rank, workspace_bytes=64 << 20) if via_split else root
         try:
             assert comm.num_nodes == 2
             W, me = comm.size, comm.rank
@@ -807,7 +810,7 @@ def test_two_emulated_nodes_through_the_proxy():
             sent = comm.stats()["peers"][1 - me]["bytes_sent"]
             assert sent == 6 * 2 * S * Hkv * D * 2, f"proxy sent {sent} bytes"
         finally:
-            comm.close()
+            root.close()
     except Exception as e:  # noqa: BLE001  (decided collectively below)
         err = e
     ok = world.allreduce(err is None, op=MPI.LAND)

@@ -99,10 +99,26 @@ MK_DEV bool queue_wait_space(const MkSync& s, const MkQueue& q, u64 t) {
   }
 }
 
+// The communicator's names -> the proxy's: rank, workspace offsets, flag id (see MkQueue).
+MK_DEV MkCmd queue_translate(const MkQueue& q, MkCmd c) {
+  if (q.ranks) c.peer = q.ranks[c.peer];
+  c.flag_id = (unsigned short)(c.flag_id + q.flag_base);
+  if (c.type == MK_CMD_WRITE) {
+    const u64 src = MK_CMD_OFFSET(c.src_off_hi, c.src_off_lo) + (c.src_region == MK_WORKSPACE_REGION ? q.workspace_base : 0);
+    const u64 dst = MK_CMD_OFFSET(c.dst_off_hi, c.dst_off_lo) + (c.dst_region == MK_WORKSPACE_REGION ? q.workspace_base : 0);
+    c.src_off_hi = MK_OFFSET_HI(src);
+    c.src_off_lo = MK_OFFSET_LO(src);
+    c.dst_off_hi = MK_OFFSET_HI(dst);
+    c.dst_off_lo = MK_OFFSET_LO(dst);
+  }
+  return c;
+}
+
 // Body first (words 1..7), then seq with a system-scope release.
-MK_DEV void queue_write_slot(const MkQueue& q, u64 t, const MkCmd& c) {
+MK_DEV void queue_write_slot(const MkQueue& q, u64 t, const MkCmd& cmd) {
   MkCmd* slot = q.slots + (t & q.mask);
   u32* w = reinterpret_cast<u32*>(slot);
+  const MkCmd c = queue_translate(q, cmd);
   const u32* src = reinterpret_cast<const u32*>(&c);
 #pragma unroll
   for (int i = 1; i < 8; ++i) w[i] = src[i];

@@ -58,12 +58,20 @@ struct MkQueueHeader {
   unsigned int pad1[14];
 };
 
-// The producer's view, passed inside a kernel's argument struct.
+// The producer's view, passed inside a kernel's argument struct. One proxy and queue serve every
+// communicator of a process: a sub-communicator's commands name its own ranks, workspace offsets
+// and flag ids, and the producer translates them into the proxy's (queue.cuh, queue_translate).
 struct MkQueue {
-  struct MkQueueHeader* header;  // mapped host memory
-  struct MkCmd* slots;           // mapped host memory, capacity slots
-  unsigned long long* reserve;   // device memory, 2 words: the ticket counter (GPU atomics on host memory are
-                                 // not native), then the highest tail a producer has read (a cache)
-  unsigned int mask;             // capacity - 1
-  unsigned int pad;
+  struct MkQueueHeader* header;        // mapped host memory
+  struct MkCmd* slots;                 // mapped host memory, capacity slots
+  unsigned long long* reserve;         // device memory, 2 words: the ticket counter (GPU atomics on host memory
+                                       // are not native), then the highest tail a producer has read (a cache)
+  const unsigned short* ranks;         // device memory: the communicator's rank -> the proxy's (NULL: the same)
+  unsigned long long workspace_base;   // added to offsets in MK_WORKSPACE_REGION: where the communicator's
+                                       // workspace lies in the proxy's
+  unsigned int mask;                   // capacity - 1
+  unsigned int flag_base;              // added to flag ids: the communicator's range of the proxy's flag array
 };
+
+// The region every communicator's proxy registers its root workspace as (comm.PROXY_WORKSPACE_REGION).
+#define MK_WORKSPACE_REGION 0

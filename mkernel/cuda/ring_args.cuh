@@ -57,7 +57,7 @@ struct MkRingArgs {
   unsigned int chunks;           // per step: WRITEs of chunk_bytes of the combined K | V block
   unsigned int chunk_bytes;
   unsigned long long kv_bytes;   // bytes of one combined K | V block (2 * B * S * H_kv * D * 2)
-  unsigned int pad[4];     // explicit tail: sizeof is a multiple of 64
+  unsigned int pad[16];    // explicit tail: sizeof is a multiple of 64
 };
 
 // Proxy flags (RingArgs::pflags): set by the neighbours' commands, or by this rank's FLUSHes.

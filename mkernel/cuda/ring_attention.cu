@@ -298,4 +298,4 @@ __global__ void __launch_bounds__(384, 1) mk_ring_attention_kernel(const __grid_
   }
 }
 
-static_assert(sizeof(MkRingArgs) == 1472, "MkRingArgs layout changed: update mkernel/ring_attention.py");
+static_assert(sizeof(MkRingArgs) == 1536, "MkRingArgs layout changed: update mkernel/ring_attention.py");
