@@ -274,13 +274,14 @@ class Communicator:
                       proxy.transport, len(proxy.peers))
         return self._proxy[0]
 
-    def proxy_queue_args(self):
+    def proxy_queue_args(self, flag_base: int = 0):
         """The MkQueue a kernel of this communicator enqueues through (mkernel.proxy.QueueArgs): the
-        root's queue, with this communicator's ranks, workspace and flag range translated."""
+        root's queue, with this communicator's ranks, workspace and flag range translated; flag ids
+        in commands are relative to ``flag_base`` (a :meth:`proxy_flag_block`'s base)."""
         self.proxy  # noqa: B018  (starts the root's)
         queue = self._root._proxy[1]
         return queue.device_args(self._root_ranks_dev, self.heap.base - self._root.heap.base,
-                                 self._flag_range * self.PROXY_FLAGS)
+                                 self._flag_range * self.PROXY_FLAGS + flag_base)
 
     @property
     def proxy_flags(self):
@@ -290,6 +291,21 @@ class Communicator:
         ptr, flags = self._root._proxy[2], self._root._proxy[3]
         base = self._flag_range * self.PROXY_FLAGS
         return ptr + 4 * base, flags[base:base + self.PROXY_FLAGS]
+
+    def proxy_flag_block(self, count: int):
+        """``count`` of this communicator's proxy flags for one op plan, zeroed: an object whose
+        ``base`` is the first one's id (the plan's commands name its flags relative to it:
+        ``proxy_queue_args(flag_base=base)``, ``proxy_flags[0] + 4 * base``); they go back when it is
+        dropped. Collective (the same ids on every rank)."""
+        from .symmetric import FreeList, take_symmetric
+
+        if not hasattr(self, "_pflag_free"):
+            self._pflag_free = FreeList(0, self.PROXY_FLAGS)
+        views = collectives.allgather_object(self.mpi, list(self._pflag_free.free), "allocating proxy flags")
+        base, size = take_symmetric(views, count, self.PROXY_FLAGS, align=1)
+        self._pflag_free.take_at(base, size)
+        self.proxy_flags[1][base:base + size] = 0
+        return _FlagBlock(self._pflag_free, base, size)
 
     def _take_flag_range(self):
         """This communicator's range of the root's proxy flags: the lowest free on all its ranks."""
@@ -383,6 +399,14 @@ class Communicator:
         state = "closed" if self._closed else f"GPU {getattr(self, 'device_id', '?')}"
         return (f"<mkernel.Communicator rank {self.rank}/{self.size}, node {self.node}/{self.num_nodes}, "
                 f"local {self.local_rank}/{self.local_size}, {state}>")
+
+
+class _FlagBlock:
+    """A range of a communicator's proxy flags (Communicator.proxy_flag_block); freed when dropped."""
+
+    def __init__(self, free_list, base, size):
+        self.base, self.size = base, size
+        weakref.finalize(self, free_list.give, base, size)
 
 
 def _world():

@@ -27,6 +27,13 @@ def gemm_reduce_scatter(a, b, *, comm, out=None, stream=None, b_layout=None, com
     or a plain GEMM at world 1), 'fused', 'fallback' or 'gemm' (world 1). ``out``: optional
     ``[M / world, N]`` of the input dtype, outside the symmetric workspace. ``join``: the GEMM
     CTAs also reduce once their tiles are done (default ``mkernel.tp.JOIN_REDUCE``).
+
+    Between nodes (node-major ranks, at most 8 in all), hierarchically: each node first sums its
+    ranks' partials of every block over NVLink, and only that node partial (rounded to the input
+    dtype) crosses the network, once per block and node, through the communicator's proxy: each
+    rank sends ``(nodes - 1) * M / world * N`` elements, the minimum (``comm.stats()`` counts
+    them). The owner adds, in node order, its own node's partials in fp32 and the other nodes'
+    node partials, and rounds once: still bitwise reproducible.
     """
     return gemm_reduce(OP, SPEC, KERNEL, False, a, b, comm=comm, out=out, stream=stream, b_layout=b_layout,
                        comm_sms=comm_sms, deterministic=deterministic, path=path, join=join)
@@ -35,7 +42,7 @@ def gemm_reduce_scatter(a, b, *, comm, out=None, stream=None, b_layout=None, com
 def gemm_reduce(op, spec, kernel, allreduce, a, b, *, comm, out, stream, b_layout, comm_sms, deterministic, path,
                 join=None):
     cupy = tp.cupy_mod()
-    tp.check_comm(op, comm)
+    tp.check_comm(op, comm, nodes_ok=not allreduce)
     a, layout, b_arr, N = tp.check_inputs(op, a, b, b_layout, stream)
     M, K = a.shape
     W = comm.size
@@ -76,9 +83,14 @@ def gemm_reduce(op, spec, kernel, allreduce, a, b, *, comm, out, stream, b_layou
         return out
 
     tiles_blk = (-(-mb // tp.BM)) * (-(-N // tp.BN))
-    sizes = [("recv", (W, mb, N), a.dtype), ("rflag", (W * tiles_blk,), "uint32")]
+    L, nodes = comm.local_size, comm.num_nodes
+    # recv[sender lrank][block j]: this node's partials of the blocks j * L + lrank (all W at one node)
+    sizes = [("recv", (L, nodes, mb, N), a.dtype), ("rflag", (L * nodes * tiles_blk,), "uint32")]
     if allreduce:
         sizes += [("gath", (W, mb, N), a.dtype), ("gflag", (W * tiles_blk,), "uint32")]
+    if nodes > 1:  # node partials, compact tiles: to send (by destination node) and received (by source)
+        sizes += [("stage", (nodes, tiles_blk, tp.TILE_BYTES // 2), a.dtype),
+                  ("xrecv", (nodes, tiles_blk, tp.TILE_BYTES // 2), a.dtype)]
     plan = tp.plan_buffers(op, comm, ("buffers", op, M, N, a.dtype.name), sizes)  # shared by layouts
     args = tp.TpArgs()
     tp.fill_common(args, comm, op, a_ptr=a.data.ptr, a_rows=M, a_row_bytes=tp._row_stride(a), dtype=a.dtype,
@@ -89,13 +101,25 @@ def gemm_reduce(op, spec, kernel, allreduce, a, b, *, comm, out, stream, b_layou
     if allreduce:
         args.gath_off = comm.offset_of(plan["gath"])
         args.gflag_off = comm.offset_of(plan["gflag"])
-    me = comm.local_rank
-    for o in range(W):
-        slot = comm.heap.peer_base[o] + args.recv_off + me * mb * N * esize
+    if nodes > 1:
+        if "pflags" not in plan:  # first use of the plan (collective, like its buffers)
+            xgroup = -(-nodes * tiles_blk // tp.ARRIVAL_FLAGS)
+            plan["xgroup"] = xgroup
+            plan["pflags"] = comm.proxy_flag_block(tp.PF_ARRIVED + nodes * -(-tiles_blk // xgroup))
+        base = plan["pflags"].base
+        args.queue = comm.proxy_queue_args(flag_base=base)
+        args.pflags = comm.proxy_flags[0] + 4 * base
+        args.xgroup = plan["xgroup"]
+        args.xgroups = -(-tiles_blk // plan["xgroup"])
+        args.stage_off = comm.offset_of(plan["stage"])
+        args.xrecv_off = comm.offset_of(plan["xrecv"])
+    lr = comm.local_rank
+    for o in range(W):  # block o's partial goes to rank o % L of this node, slot [lr][o // L]
+        slot = comm.heap.peer_base[o % L] + args.recv_off + (lr * nodes + o // L) * mb * N * esize
         args.dst[o] = tp.out_map(a.dtype, slot, mb, N, N * esize)
     args.out = out.data.ptr
     args.ldo = tp._row_stride(out) // esize
-    gemm_ctas, comm_ctas = tp.grid_split(op, comm_sms, W * tiles_blk, tiles_blk, tp.sm_count())
+    gemm_ctas, comm_ctas = tp.grid_split(op, comm_sms, W * tiles_blk, nodes * tiles_blk, tp.sm_count())
     args.gemm_ctas = gemm_ctas
     args.join = int(join)
     tp.launch_fused(comm, op, spec, kernel, args, a.dtype, layout, gemm_ctas + comm_ctas, stream)

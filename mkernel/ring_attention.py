@@ -32,6 +32,7 @@ FLAG_WORDS = 2 * MAX_WORLD
 DEFAULT_COMM_SMS = 8      # forwarding CTAs: NVLink push saturates near 8 SMs (shared/device/README.md)
 CHUNK_BYTES = 256 << 10   # bytes of K (and as many of V) per forwarding chunk
 PF_CHUNK = 1 + 2 * MAX_WORLD  # RING_PF_CHUNK: the first chunk-arrival flag of the proxy flags
+PROXY_CHUNK_FLAGS = 1024  # chunk-arrival flags of one plan (steps x chunks): sets the chunk size
 
 
 def kernel_expr(dt: int, d: int, causal: bool) -> str:
@@ -87,6 +88,8 @@ def _plan(comm, q4, k4, remote):
         plan["tile_flags"] = cupy.zeros(2 * tiles, dtype=cupy.uint32)
         plan["sched"] = cupy.zeros(4, dtype=cupy.uint32)  # tile_counter, done_count
         plan["tiles"] = tiles
+        if remote:  # (starts the proxy on first use: collective, like this whole branch)
+            plan["pflags"] = comm.proxy_flag_block(PF_CHUNK + PROXY_CHUNK_FLAGS)
         cupy.cuda.runtime.deviceSynchronize()
     return plan
 
@@ -199,12 +202,13 @@ def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, return_ls
         with _tp.on_stream(stream):  # the block of step 0 must lie in a registered region
             stage[0][...] = k4
             stage[1][...] = v4
-        r.queue = comm.proxy_queue_args()  # (starts the proxy on first use: collective)
-        r.pflags = comm.proxy_flags[0]
+        base = plan["pflags"].base
+        r.queue = comm.proxy_queue_args(flag_base=base)
+        r.pflags = comm.proxy_flags[0] + 4 * base
         r.stage_off = comm.offset_of(stage)
         r.next_remote = r.prev_remote = 1
         r.kv_bytes = 2 * half_bytes
-        cap = (comm.PROXY_FLAGS - PF_CHUNK) // (W - 1)
+        cap = PROXY_CHUNK_FLAGS // (W - 1)
         chunk = max(2 * CHUNK_BYTES, -(-r.kv_bytes // cap))
         r.chunk_bytes = -(-chunk // 16) * 16
         r.chunks = -(-r.kv_bytes // r.chunk_bytes)

@@ -137,10 +137,11 @@ class SymmetricHeap:
             self.base = 0
 
 
-def take_symmetric(free_lists, nbytes: int, total: int):
-    """(offset, size): the first ALIGN-rounded range of ``nbytes`` free in every one of ``free_lists``
-    (sorted disjoint (offset, size) lists). Deterministic, so every rank computes the same answer."""
-    size = _round_up(max(nbytes, 1), ALIGN)
+def take_symmetric(free_lists, nbytes: int, total: int, align: int = ALIGN):
+    """(offset, size): the first ``align``-rounded range of ``nbytes`` free in every one of
+    ``free_lists`` (sorted disjoint (offset, size) lists). Deterministic, so every rank computes the
+    same answer."""
+    size = _round_up(max(nbytes, 1), align)
     common = free_lists[0]
     for other in free_lists[1:]:
         common = _intersect(common, other)

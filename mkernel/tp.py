@@ -18,6 +18,7 @@ import ctypes
 import importlib
 
 from . import compile as _compile
+from . import proxy as _proxy
 from . import tma as _tma
 from .errors import ArgumentError, MKernelError
 from .log import get_logger
@@ -28,7 +29,10 @@ BM, BN, BK = 128, 256, 64
 THREADS = 384
 MAX_WORLD = 8  # TP_MAX_WORLD
 OP_RS, OP_AR, OP_AG = 0, 1, 2
-CNT_WORDS = 8
+CNT_WORDS = 8  # TP_CNT_WORDS (reset by the kernel), then TP_CNT_LAUNCHES
+TILE_BYTES = BM * BN * 2  # TP_TILE_BYTES: one node partial tile between nodes (compact)
+PF_ARRIVED = 2 * MAX_WORLD  # TP_PF_ARRIVED: the first arrival counter of a plan's proxy flags
+ARRIVAL_FLAGS = 1024  # arrival counters of one plan (source nodes x tile groups)
 SMEM_BYTES = 230736  # TP_SMEM_BYTES (static_assert in every .cu)
 PATHS = ("fused", "fallback", "gemm")
 # RS / AR: the GEMM CTAs' consumers join the reduction after their last tile (besides the comm_sms
@@ -57,7 +61,10 @@ class TpArgs(ctypes.Structure):
                 ("counters", ctypes.c_void_p), ("ldo", ctypes.c_int64), ("lda", ctypes.c_int64),
                 ("world", ctypes.c_int32), ("me", ctypes.c_int32), ("mb", ctypes.c_int32),
                 ("tiles_mb", ctypes.c_int32), ("tiles_n", ctypes.c_int32), ("gemm_ctas", ctypes.c_int32),
-                ("join", ctypes.c_int32), ("pad", ctypes.c_int32)]
+                ("join", ctypes.c_int32), ("nodes", ctypes.c_int32), ("local", ctypes.c_int32),
+                ("lrank", ctypes.c_int32), ("node", ctypes.c_int32), ("xgroup", ctypes.c_uint32),
+                ("xgroups", ctypes.c_uint32), ("queue", _proxy.QueueArgs), ("pflags", ctypes.c_void_p),
+                ("stage_off", ctypes.c_uint64), ("xrecv_off", ctypes.c_uint64), ("pad", ctypes.c_int32 * 24)]
 
 
 def register(op: str, source: str, kernel: str):
@@ -119,12 +126,18 @@ def check_inputs(op, a, b, b_layout, stream):
     return a, layout, b_arr, N
 
 
-def check_comm(op, comm):
+def check_comm(op, comm, nodes_ok=False):
+    """nodes_ok: the op has its hierarchical path between nodes (ranks must be node-major)."""
     if comm is None:
         raise ArgumentError(f"{op} needs comm= (mkernel.init())")
-    if comm.num_nodes != 1 or comm.size != comm.local_size or comm.rank != comm.local_rank:
-        raise ArgumentError(f"{op}: the fused tensor-parallel ops work inside one node (this communicator "
-                            f"spans {comm.num_nodes} nodes)")
+    if comm.num_nodes != 1 and not nodes_ok:
+        raise ArgumentError(f"{op}: works inside one node so far (this communicator spans {comm.num_nodes} "
+                            f"nodes); between nodes only gemm_reduce_scatter is built")
+    L = comm.local_size
+    if comm.topology.node_of != tuple(r // L for r in range(comm.size)):
+        raise ArgumentError(f"{op}: needs node-major ranks (rank = node * ranks_per_node + local rank); this "
+                            f"communicator's nodes are {comm.topology.node_of} (launch ranks by node, or "
+                            f"split with key=rank)")
     if comm.size > MAX_WORLD:
         raise ArgumentError(f"{op}: at most {MAX_WORLD} ranks; this communicator has {comm.size}")
 
@@ -196,7 +209,7 @@ def on_stream(stream):
 
 
 # ------------------------------------------------------------------------------- buffers
-def plan_buffers(op, comm, key, sizes, counter_words=CNT_WORDS):
+def plan_buffers(op, comm, key, sizes, counter_words=CNT_WORDS + 1):
     """Symmetric buffers of one (op, shape key), allocated once (collectively) and cached, plus
     ``counters`` (device words, zero between launches). Keys start with "buffers" (release_buffers).
 
@@ -298,7 +311,8 @@ def fill_common(args, comm, op, *, a_ptr, a_rows, a_row_bytes, dtype, b_arr, lay
     g.m, g.n, g.k, g.num_groups, g.epi_op, g.ldc = a_rows, N, K, 1, 0, N
     args.peer_base = comm.peer_table.data.ptr
     args.counters = counters.data.ptr
-    args.world, args.me, args.mb = W, comm.local_rank, mb
+    args.world, args.me, args.mb = W, comm.rank, mb
+    args.nodes, args.local, args.lrank, args.node = comm.num_nodes, comm.local_size, comm.local_rank, comm.node
     args.tiles_mb, args.tiles_n = tiles_mb, tiles_n
     return tiles_mb * tiles_n
 

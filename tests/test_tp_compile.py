@@ -139,11 +139,16 @@ class _Heap:
 
 
 class _Comm:
-    def __init__(self, size, rank):
+    def __init__(self, size, rank, nodes=1):
         import types
-        self.size, self.rank, self.local_rank, self.local_size, self.num_nodes = size, rank, rank, size, 1
-        self.heap = _Heap([(1 << 40) * (p + 1) for p in range(size)])
-        self.heap.base = self.heap.peer_base[rank]
+        L = size // nodes
+        self.size, self.rank, self.local_rank, self.local_size, self.num_nodes = size, rank, rank % L, L, nodes
+        self.node = rank // L
+        self.topology = types.SimpleNamespace(node_of=tuple(r // L for r in range(size)))
+        self.heap = _Heap([(1 << 40) * (p + 1) for p in range(L)])
+        self.heap.base = self.heap.peer_base[rank % L]
+        self.proxy_flags = (0x7000000, None)
+        self.flag_blocks = []
         self.peer_table = types.SimpleNamespace(data=_Ptr(0xABC000))
         self._agreed = {}
         self._op_buffers = {"_distinct": False}
@@ -160,6 +165,15 @@ class _Comm:
 
     def offset_of(self, arr):
         return arr.data.ptr - self.heap.base
+
+    def proxy_flag_block(self, count):
+        import types
+        self.flag_blocks.append(count)
+        return types.SimpleNamespace(base=100, size=count)
+
+    def proxy_queue_args(self, flag_base=0):
+        from mkernel.proxy import QueueArgs
+        return QueueArgs(0, 0, 0, None, 0, 0, flag_base)
 
 
 @pytest.fixture
@@ -224,6 +238,41 @@ def test_reduce_scatter_and_allreduce_launch_arguments(fake_launch, world, rank)
             assert args.dst[o].v[0] == comm.heap.peer_base[o] + args.recv_off + rank * mb * N * 2
         assert args.out == out.data.ptr and args.ldo == N and args.g.a.v[0] == a.data.ptr
         assert comm.agreed and comm.agreed[-1][-1] == "fused"
+
+
+@pytest.mark.parametrize("world,nodes,rank", [(2, 2, 1), (4, 2, 1), (4, 2, 2), (8, 4, 5)])
+def test_reduce_scatter_between_nodes_launch_arguments(fake_launch, world, nodes, rank):
+    """Hierarchical RS: block o's tiles go to rank o % L of this node (slot [lrank][o // L]); the
+    node partials' staging / receive buffers, the plan's proxy flags and queue are set; allreduce
+    and allgather refuse several nodes."""
+    M, K, N = 200 * world, 136, 264
+    L = world // nodes
+    comm = _Comm(world, rank, nodes)
+    a, b = _Arr((M, K), "float16", 0x100000), _Arr((K, N), "float16", 0x200000)
+    out = _Arr((M // world, N), "float16", 0x300000)
+    assert rs.gemm_reduce_scatter(a, b, comm=comm, out=out, path="fused") is out
+    args, plan, mb = fake_launch["launch"]["args"], fake_launch["plan"], M // world
+    assert (args.world, args.me, args.nodes, args.local, args.lrank, args.node) == (world, rank, nodes, L, rank % L,
+                                                                                  rank // L)
+    for o in range(world):
+        slot = comm.heap.peer_base[o % L] + args.recv_off + ((rank % L) * nodes + o // L) * mb * N * 2
+        assert args.dst[o].v[0] == slot
+    tiles_blk = 4
+    assert plan["recv"].size_bytes == L * nodes * mb * N * 2 and plan["rflag"].size_bytes == L * nodes * tiles_blk * 4
+    for name in ("stage", "xrecv"):
+        assert plan[name].size_bytes == nodes * tiles_blk * tp.TILE_BYTES
+    assert args.stage_off == comm.offset_of(plan["stage"]) and args.xrecv_off == comm.offset_of(plan["xrecv"])
+    assert args.xgroup == 1 and args.xgroups == tiles_blk
+    assert comm.flag_blocks == [tp.PF_ARRIVED + nodes * tiles_blk]
+    assert args.queue.flag_base == 100 and args.pflags == 0x7000000 + 4 * 100
+    assert fake_launch["launch"]["grid"] == world * tiles_blk + min(tp.DEFAULT_COMM_SMS["gemm_reduce_scatter"],
+                                                                     nodes * tiles_blk)
+    with pytest.raises(ArgumentError, match="between nodes only"):
+        ar.gemm_allreduce(a, b, comm=_Comm(world, rank, nodes), path="fused")
+    with pytest.raises(ArgumentError, match="node-major"):
+        c = _Comm(world, rank, nodes)
+        c.topology.node_of = tuple(reversed(c.topology.node_of)) if nodes > 1 else c.topology.node_of
+        rs.gemm_reduce_scatter(a, b, comm=c, out=out, path="fused")
 
 
 def test_allgather_gemm_launch_arguments_and_nk_layout(fake_launch):

@@ -152,14 +152,22 @@ MK_DEV bool queue_push_warp(const MkSync& s, const MkQueue& q, const MkCmd& c, b
   return ok;
 }
 
-// Waits for a flag a peer's proxy sets (in mapped host memory) to reach this launch's epoch; gives
-// up, recording it, when the proxy reports a failure instead of waiting out the timeout.
-MK_DEV bool wait_remote_epoch(const MkSync& s, const MkQueue& q, const u32* flag, u32 epoch, i32 peer, u32 where) {
+// Waits for a flag a peer's proxy sets (in mapped host memory) to satisfy done(); gives up,
+// recording it, when the proxy reports a failure instead of waiting out the timeout.
+template <typename Done>
+MK_DEV bool wait_remote(const MkSync& s, const MkQueue& q, const u32* flag, Done done, u32 expected, i32 peer, u32 where) {
   const u32* proxy_error = &q.header->error;
-  const bool ok = wait_flag(s, flag, [epoch, proxy_error](u32 v) { return v == epoch || ld_relaxed_sys(proxy_error) != 0; },
-                            epoch, peer, where);
+  const bool ok = wait_flag(s, flag, [done, proxy_error](u32 v) { return done(v) || ld_relaxed_sys(proxy_error) != 0; },
+                            expected, peer, where);
   if (!ok) return false;
-  if (ld_acquire_sys(flag) == epoch) return true;
-  record_proxy_error(s, q, peer, MK_WHERE_PROXY, epoch);
+  if (done(ld_acquire_sys(flag))) return true;
+  record_proxy_error(s, q, peer, MK_WHERE_PROXY, expected);
   return false;
+}
+MK_DEV bool wait_remote_epoch(const MkSync& s, const MkQueue& q, const u32* flag, u32 epoch, i32 peer, u32 where) {
+  return wait_remote(s, q, flag, [epoch](u32 v) { return v == epoch; }, epoch, peer, where);
+}
+// A counting flag (ADD) at or past the target.
+MK_DEV bool wait_remote_at_least(const MkSync& s, const MkQueue& q, const u32* flag, u32 target, i32 peer, u32 where) {
+  return wait_remote(s, q, flag, [target](u32 v) { return epoch_reached(v, target); }, target, peer, where);
 }

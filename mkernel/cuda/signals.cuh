@@ -78,13 +78,14 @@ MK_DEV void set_flag(u32* flag, u32 value) { st_release_sys(flag, value); }
 
 // One thread per block, after its last use of `words` device counters (counters[done] counts the
 // blocks): the last block of the grid zeroes them all for the next launch, so the host never does.
-MK_DEV void counters_reset_by_last_block(unsigned int* counters, u32 words, u32 done) {
+// Returns true in that last block.
+MK_DEV bool counters_reset_by_last_block(unsigned int* counters, u32 words, u32 done) {
   __threadfence();
   const u32 n = gridDim.x * gridDim.y * gridDim.z;
-  if (atomicAdd(&counters[done], 1u) == n - 1) {
-    for (u32 i = 0; i < words; ++i) atomicExch(&counters[i], 0u);
-    __threadfence();
-  }
+  if (atomicAdd(&counters[done], 1u) != n - 1) return false;
+  for (u32 i = 0; i < words; ++i) atomicExch(&counters[i], 0u);
+  __threadfence();
+  return true;
 }
 
 // Every block calls this once as its last act; the last one advances the epoch for the next launch.

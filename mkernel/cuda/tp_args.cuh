@@ -3,6 +3,7 @@
 // AllGather+GEMM), shared with Python (mkernel/tp.py mirrors it with ctypes; tests/test_tp_compile.py
 // compares the two layouts with g++). Plain fixed-width fields only.
 #include "gemm_args.cuh"
+#include "queue_layout.cuh"
 
 // Ranks of one node a fused TP op supports (one output tensor map per destination block).
 #define TP_MAX_WORLD 8
@@ -10,8 +11,20 @@
 // Fused ops (the OP template parameter of the kernels).
 enum { TP_OP_RS = 0, TP_OP_AR = 1, TP_OP_AG = 2 };
 
-// Device counters of one (op, shape) plan, zero between launches (the last CTA resets them).
-enum { TP_CNT_TILE = 0, TP_CNT_DONE = 1, TP_CNT_REDUCE = 2, TP_CNT_COPY = 3, TP_CNT_PUSH = 4, TP_CNT_WORDS = 8 };
+// Device counters of one (op, shape) plan, zero between launches (the last CTA resets them), then
+// one that is never reset: the plan's launches so far (targets of the counting flags between nodes).
+enum { TP_CNT_TILE = 0, TP_CNT_DONE = 1, TP_CNT_REDUCE = 2, TP_CNT_COPY = 3, TP_CNT_PUSH = 4, TP_CNT_SENT = 5,
+       TP_CNT_WORDS = 8, TP_CNT_LAUNCHES = TP_CNT_WORDS };
+
+// A node partial crossing the network: one tile, compact (rows x cols of the tile, row-major).
+#define TP_TILE_BYTES (128 * 256 * 2)
+
+// A plan's proxy flags (TpArgs::pflags; command flag ids are relative to them):
+//   CREDIT + j: rank (j, lrank) entered this epoch (SET to E): its receive tiles may be written;
+//   FLUSH + j: this rank's WRITEs to (j, lrank) have all landed (SET to E);
+//   ARRIVED + j * xgroups + g: tiles of node j's partial of this rank's block, group g, arrived
+//   (ADD 1 per tile: launch P of the plan is complete at P * tiles in the group).
+enum { TP_PF_CREDIT = 0, TP_PF_FLUSH = TP_MAX_WORLD, TP_PF_ARRIVED = 2 * TP_MAX_WORLD };
 
 struct TpArgs {
   // The GEMM engine's arguments: a (TMA map of A: the local A for RS/AR, the gathered-A buffer
@@ -39,5 +52,19 @@ struct TpArgs {
   int tiles_n;                   // ceil(n / 256)
   int gemm_ctas;                 // CTAs [0, gemm_ctas) run GEMM tiles; the rest communicate
   int join;                      // RS / AR: GEMM CTAs' consumers join the reduction after their tiles
-  int pad;                       // explicit tail: sizeof is a multiple of 64
+  // Nodes: world = nodes * local ranks, me = node * local + lrank (node-major). One node: nodes 1,
+  // local = world. Between nodes (RS): block o's partials are first summed on node n by its rank
+  // (n, o % local) (receive slot recv[sender lrank][o / local]); that rank sends the node partial
+  // of a block owned on another node to its owner through the proxy (xrecv there, by node).
+  int nodes;
+  int local;
+  int lrank;
+  int node;
+  unsigned int xgroup;           // tiles per arrival counter (TP_PF_ARRIVED)
+  unsigned int xgroups;          // arrival counters per source node: ceil(tiles_blk / xgroup)
+  MkQueue queue;                 // the proxy queue, flag ids relative to pflags
+  unsigned int* pflags;          // this plan's proxy flags (mapped host memory), TP_PF_*
+  unsigned long long stage_off;  // [nodes][tiles_blk] TP_TILE_BYTES: node partials to send
+  unsigned long long xrecv_off;  // [nodes][tiles_blk] TP_TILE_BYTES: node partials received, by source node
+  int pad[24];                   // explicit tail: sizeof is a multiple of 64
 };

@@ -25,7 +25,7 @@
 
 constexpr u32 TP_GROUP_M = 16;  // inside a block, tiles run in groups of 16 M-tiles (L2 reuse)
 
-MK_DEV MkPeers tp_peers(const TpArgs& a) { return MkPeers{a.peer_base, (u32)a.world, (u32)a.me}; }
+MK_DEV MkPeers tp_peers(const TpArgs& a) { return MkPeers{a.peer_base, (u32)a.local, (u32)a.lrank}; }
 MK_DEV u32 tp_tiles_blk(const TpArgs& a) { return (u32)a.tiles_mb * (u32)a.tiles_n; }
 
 // Position r inside one block -> block-local tile id (groups of TP_GROUP_M M-tiles, N inside).
@@ -38,12 +38,16 @@ MK_DEV u32 tp_block_tile(u32 r, u32 tiles_mb, u32 tiles_n) {
   return mt * tiles_n + nt;
 }
 
-// The block the i-th group of GEMM tiles belongs to. RS / AR: peers' blocks first (me+1, me+2,
-// ..., own block last), so that partials leave while the rest is computed. AG: own shard first
-// (it is local), then me-1, me-2, ... (rank p pushes to p+1 first, so that is the arrival order).
+// The block the i-th group of GEMM tiles belongs to. RS / AR: peers' blocks first, those of other
+// nodes before this node's (node + 1, node + 2, ...; inside a node lrank + 1, lrank + 2, ...), own
+// block last, so that partials leave while the rest is computed, the ones with the longest way
+// first. AG: own shard first (it is local), then me-1, me-2, ... (rank p pushes to p+1 first, so
+// that is the arrival order).
 template <int OP>
-MK_DEV u32 tp_block_order(u32 i, u32 world, u32 me) {
-  return OP == TP_OP_AG ? (me + world - i) % world : (me + 1 + i) % world;
+MK_DEV u32 tp_block_order(u32 i, const TpArgs& a) {
+  const u32 W = (u32)a.world, L = (u32)a.local;
+  if (OP == TP_OP_AG) return ((u32)a.me + W - i) % W;
+  return ((u32)a.node + 1 + i / L) % (u32)a.nodes * L + ((u32)a.lrank + 1 + i % L) % L;
 }
 
 // GEMM position -> tile (group = row block, id = block-local tile id).
@@ -51,7 +55,7 @@ template <int OP, int BM, int BN>
 MK_DEV MkTile tp_decode(const TpArgs& a, u32 pos) {
   const u32 tb = tp_tiles_blk(a);
   const u32 i = pos / tb;
-  const u32 o = tp_block_order<OP>(i, (u32)a.world, (u32)a.me);
+  const u32 o = tp_block_order<OP>(i, a);
   const u32 tl = tp_block_tile(pos - i * tb, (u32)a.tiles_mb, (u32)a.tiles_n);
   const u32 mt = tl / (u32)a.tiles_n, nt = tl - mt * (u32)a.tiles_n;
   MkTile t;
@@ -86,10 +90,11 @@ struct TpTiles {
   MK_DEV i32 b_index(const MkTile&) const { return 0; }
 };
 
-// The fused kernels' epilogue destination: the tensor map of the tile's row block (args.dst[o]: a
-// peer's receive slot for RS / AR, a block of the local output for AG) at block-local rows, and
-// (RS / AR) the tile's flag in the destination rank's workspace, rflag[me][tl] of rank o. Before
-// the first store into rank o in this launch, a warp's leader waits for o's credit.
+// The fused kernels' epilogue destination: the tensor map of the tile's row block (args.dst[o]: the
+// receive slot recv[lrank][o / local] of rank o % local of this node for RS / AR, a block of the
+// local output for AG) at block-local rows, and (RS / AR) the tile's flag in that rank's workspace,
+// rflag[lrank][o / local][tl]. Before the first store into a rank in this launch, a warp's leader
+// waits for its credit.
 template <int OP>
 struct TpDest {
   const TpArgs& args;
@@ -100,15 +105,18 @@ struct TpDest {
   MK_DEV i32 row(const MkTile& t) const { return t.m0 - t.group * args.mb; }
   MK_DEV u32* flag(const MkTile& t) const {
     if (OP == TP_OP_AG) return nullptr;
-    return peer_ptr<u32>(tp_peers(args), (u32)t.group, args.rflag_off) + (u32)args.me * tp_tiles_blk(args) + t.id;
+    const u32 o = (u32)t.group, L = (u32)args.local;
+    return peer_ptr<u32>(tp_peers(args), o % L, args.rflag_off) +
+           ((u32)args.lrank * (u32)args.nodes + o / L) * tp_tiles_blk(args) + t.id;
   }
   MK_DEV bool flags() const { return OP != TP_OP_AG; }
   MK_DEV bool add() const { return false; }
   MK_DEV void before_store(const MkTile& t) {
-    if (OP == TP_OP_AG || ((credited >> t.group) & 1u)) return;
-    credits_wait(args.g.sync, tp_peers(args), (u32)t.group, epoch);
+    const u32 d = (u32)t.group % (u32)args.local;
+    if (OP == TP_OP_AG || ((credited >> d) & 1u)) return;
+    credits_wait(args.g.sync, tp_peers(args), d, epoch);
     fence_proxy_async_global();
-    credited |= 1u << t.group;
+    credited |= 1u << d;
   }
   MK_DEV void published(u32) const {}
 };
@@ -139,8 +147,10 @@ MK_DEV void unpack2(u32 w, float& lo, float& hi) {
   }
 }
 
-// Every CTA, thread 0, after its last claim: the last CTA resets the plan's counters.
-MK_DEV void tp_counters_done(const TpArgs& a) { counters_reset_by_last_block(a.counters, TP_CNT_WORDS, TP_CNT_DONE); }
+// Every CTA, thread 0, after its last claim: the last CTA resets the plan's counters and counts the launch.
+MK_DEV void tp_counters_done(const TpArgs& a) {
+  if (counters_reset_by_last_block(a.counters, TP_CNT_WORDS, TP_CNT_DONE)) atomicAdd(&a.counters[TP_CNT_LAUNCHES], 1u);
+}
 
 // Claim of the next item of a counter by a group of threads (the CTA, or the 256 consumer
 // threads of a GEMM CTA): every thread of the group gets the same value.

@@ -2,24 +2,29 @@
 // GEMM+ReduceScatter and GEMM+AllReduce: one mechanism (OP = TP_OP_RS or TP_OP_AR).
 //
 // CTAs [0, gemm_ctas) run the GEMM (tp_epilogue.cuh): every rank computes its partial of every
-// row block, peers' blocks first, and stores each tile of block o into rank o's receive slot for
-// this sender (recv[me]), then sets rflag[me][tl] = E in rank o's workspace.
-// CTAs [gemm_ctas, grid) reduce: they claim this rank's tiles one by one (counter TP_CNT_REDUCE,
-// in the order the GEMM produces them), wait until every sender's flag of the tile is E, add the W
-// partials in rank order in fp32 and round once (the same order on every rank and in every run:
-// bitwise reproducible), and store the tile into `out`. AllReduce also pushes each reduced tile
+// row block, peers' blocks first, and stores each tile of block o into the receive slot of rank
+// o % local of its node (recv[lrank][o / local]), then sets its flag there.
+// CTAs [gemm_ctas, grid) reduce: they claim tiles one by one (counter TP_CNT_REDUCE, in the order
+// the GEMM produces them), wait until every local sender's flag of the tile is E and add the
+// partials in fp32. One node: that is every partial of this rank's block, in rank order, rounded
+// once and stored into `out` (the same order on every rank and in every run: bitwise
+// reproducible). Several nodes (RS, hierarchical): this rank sums its node's partials of the
+// blocks b with b % local == lrank, one per node; a node partial of a block owned on another node
+// is rounded, staged compactly and sent to its owner as one WRITE per tile (the network carries
+// each node's partial of a block once: the minimum), counting in the owner's arrival flag; the
+// own block's tiles (last) add, in node order, this node's partials and the other nodes' node
+// partials as their arrival counters reach this launch's target, then round once into `out`. AllReduce also pushes each reduced tile
 // into every peer's gather buffer (gath[me], flag gflag[me][tl]), then copies the peers' reduced
 // tiles from its own gather buffer into `out` as their flags arrive (counter TP_CNT_COPY).
 // Waits: reducers wait on GEMM tiles only, copiers on reducers only, and the GEMM on credits only:
 // no cycle.
 #include "tp_epilogue.cuh"
+#include "queue.cuh"
 
+// s += `count` partials of 8 elements, `stride_bytes` apart, in order (deterministic).
 template <int DT>
-MK_DEV uint4 tp_sum_partials(const u8* first, u64 stride_bytes, u32 world) {
-  float s[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) s[i] = 0.f;
-  for (u32 p = 0; p < world; ++p) {  // rank order: deterministic
+MK_DEV void tp_add_partials(float (&s)[8], const u8* first, u64 stride_bytes, u32 count) {
+  for (u32 p = 0; p < count; ++p) {
     const uint4 v = ld_cg_v4(first + p * stride_bytes);
     const u32 w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -30,6 +35,10 @@ MK_DEV uint4 tp_sum_partials(const u8* first, u64 stride_bytes, u32 world) {
       s[2 * i + 1] += hi;
     }
   }
+}
+
+template <int DT>
+MK_DEV uint4 tp_pack8(const float (&s)[8]) {
   uint4 r;
   r.x = pack2_out(DT, s[0], s[1]);
   r.y = pack2_out(DT, s[2], s[3]);
@@ -38,21 +47,57 @@ MK_DEV uint4 tp_sum_partials(const u8* first, u64 stride_bytes, u32 world) {
   return r;
 }
 
+// Reducer thread 0, several nodes: before the first WRITE of a launch to rank (j, lrank), its credit.
+MK_DEV bool tp_remote_credit(const TpArgs& a, u32 j, u32 E, u32* credited) {
+  if ((*credited >> j) & 1u) return true;
+  const bool ok = wait_remote_epoch(a.g.sync, a.queue, a.pflags + TP_PF_CREDIT + j, E, (i32)(j * a.local + a.lrank),
+                                    0x20000u + j);
+  *credited |= 1u << j;
+  return ok;
+}
+
+// Reducer thread 0, several nodes: the arrival counters of tile tl from every other node.
+MK_DEV bool tp_remote_arrivals(const TpArgs& a, u32 tl, u32 launch, u32 E) {
+  const u32 tb = tp_tiles_blk(a), g = tl / a.xgroup, tiles = min(a.xgroup, tb - g * a.xgroup);
+  for (u32 j = 0; j < (u32)a.nodes; ++j)
+    if (j != (u32)a.node &&
+        !wait_remote_at_least(a.g.sync, a.queue, a.pflags + TP_PF_ARRIVED + j * a.xgroups + g, launch * tiles,
+                              (i32)(j * a.local + a.lrank), 0x30000u + tl))
+      return false;
+  return true;
+}
+
+// Reducer thread 0, several nodes, after the launch's last WRITE: FLUSH to every destination and
+// wait until all landed (the staged tiles may then be rewritten by the next launch).
+MK_DEV void tp_remote_flush(const TpArgs& a, u32 E) {
+  for (u32 j = 0; j < (u32)a.nodes; ++j)
+    if (j != (u32)a.node) queue_push(a.g.sync, a.queue, mk_flush_cmd(j * a.local + a.lrank, TP_PF_FLUSH + j, E));
+  for (u32 j = 0; j < (u32)a.nodes; ++j)
+    if (j != (u32)a.node &&
+        !wait_remote_epoch(a.g.sync, a.queue, a.pflags + TP_PF_FLUSH + j, E, (i32)(j * a.local + a.lrank), 0x40000u + j))
+      return;
+}
+
 // The reduction (and, AR, the gather copies) by a group of nthr threads (tid in [0, nthr)) that
 // synchronise with bar(): a communication CTA from the start, or a GEMM CTA's consumers after
 // their tiles. Items are claimed from the shared counters, so any number of groups cooperate.
 template <int DT, int OP, class Bar>
 MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar) {
-  __shared__ u32 s_item;
+  __shared__ u32 s_item, s_credited;
   __shared__ int s_ok;
   const u32 W = (u32)a.world, me = (u32)a.me, tb = tp_tiles_blk(a);
+  const u32 L = (u32)a.local, N = (u32)a.nodes, l = (u32)a.lrank, n = (u32)a.node;
   const MkPeers peers = tp_peers(a);
-  const u64 n = (u64)a.g.n;
-  const u64 blk_bytes = (u64)a.mb * n * 2;  // one row block of 16-bit elements
-  const u8* recv = peer_ptr<u8>(peers, me, a.recv_off);
-  const u32* rflag = peer_ptr<u32>(peers, me, a.rflag_off);
+  const u64 ncol = (u64)a.g.n;
+  const u64 blk_bytes = (u64)a.mb * ncol * 2;  // one row block of 16-bit elements
+  const u8* recv = peer_ptr<u8>(peers, l, a.recv_off);        // [L senders][N blocks][mb][n]
+  const u32* rflag = peer_ptr<u32>(peers, l, a.rflag_off);    // [L][N][tb]
+  const u8* xrecv = peer_ptr<u8>(peers, l, a.xrecv_off);      // [N][tb] compact tiles (N > 1)
+  u8* stage = peer_ptr<u8>(peers, l, a.stage_off);            // [N][tb] compact tiles (N > 1)
+  const u32 launch = N > 1 ? ld_relaxed_sys(&a.counters[TP_CNT_LAUNCHES]) + 1 : 0;
   u8* out = reinterpret_cast<u8*>(a.out);
   bool ok = true;
+  if (tid == 0) s_credited = 0;
   if (OP == TP_OP_AR) {  // every peer's gather buffer may be written once it entered this epoch
     bar();
     if (tid == 0) {
@@ -66,11 +111,15 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar) {
   }
   while (ok) {
     const u32 item = tp_claim(&a.counters[TP_CNT_REDUCE], &s_item, tid, bar);
-    if (item >= tb) break;
-    const u32 tl = tp_block_tile(item, (u32)a.tiles_mb, (u32)a.tiles_n);
+    if (item >= N * tb) break;
+    const u32 i = item / tb;
+    const u32 j = (n + 1 + i) % N;  // block j * L + l: other nodes' first, this rank's own last
+    const bool own = j == n;
+    const u32 tl = tp_block_tile(item - i * tb, (u32)a.tiles_mb, (u32)a.tiles_n);
     if (tid == 0) {
       int good = 1;
-      for (u32 s = 0; s < W && good; ++s) good = wait_epoch(a.g.sync, rflag + s * tb + tl, E, (i32)s, tl) ? 1 : 0;
+      for (u32 s = 0; s < L && good; ++s) good = wait_epoch(a.g.sync, rflag + (s * N + j) * tb + tl, E, (i32)(n * L + s), tl) ? 1 : 0;
+      if (good && N > 1) good = (own ? tp_remote_arrivals(a, tl, launch, E) : tp_remote_credit(a, j, E, &s_credited)) ? 1 : 0;
       __threadfence();
       s_ok = good;
     }
@@ -78,12 +127,30 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar) {
     if (!s_ok) break;
     const u32 mt = tl / (u32)a.tiles_n, nt = tl - mt * (u32)a.tiles_n;
     const u32 rows = min(128u, (u32)a.mb - mt * 128u);
-    const u32 vpr = (min(256u, (u32)(n - nt * 256u))) / 8u;  // 16-byte vectors per row (n % 8 == 0)
+    const u32 cols = min(256u, (u32)(ncol - nt * 256u));
+    const u32 vpr = cols / 8u;  // 16-byte vectors per row (n % 8 == 0)
+    const u64 tile_off = ((u64)j * tb + tl) * TP_TILE_BYTES;
     for (u32 v = tid; v < rows * vpr; v += nthr) {
       const u32 r = v / vpr;
       const u64 row = mt * 128u + r, col = nt * 256u + (v - r * vpr) * 8u;
-      const u64 off = (row * n + col) * 2;
-      const uint4 sum = tp_sum_partials<DT>(recv + off, blk_bytes, W);
+      const u64 off = (row * ncol + col) * 2;
+      const u64 compact = ((u64)r * cols + (v - r * vpr) * 8u) * 2;
+      float s[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) s[e] = 0.f;
+      if (own) {  // node order; inside this node, rank order
+        for (u32 jj = 0; jj < N; ++jj) {
+          if (jj == n) tp_add_partials<DT>(s, recv + j * blk_bytes + off, N * blk_bytes, L);
+          else tp_add_partials<DT>(s, xrecv + ((u64)jj * tb + tl) * TP_TILE_BYTES + compact, 0, 1);
+        }
+      } else {
+        tp_add_partials<DT>(s, recv + j * blk_bytes + off, N * blk_bytes, L);
+      }
+      const uint4 sum = tp_pack8<DT>(s);
+      if (!own) {
+        st_v4(stage + tile_off + compact, sum);
+        continue;
+      }
       const u64 orow = OP == TP_OP_AR ? (u64)me * (u64)a.mb + row : row;
       st_v4(out + (orow * (u64)a.ldo + col) * 2, sum);
       if (OP == TP_OP_AR) {
@@ -91,7 +158,18 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar) {
           if (p != me) st_v4(peer_ptr<u8>(peers, p, a.gath_off) + me * blk_bytes + off, sum);
       }
     }
-    if (OP == TP_OP_AR) {
+    if (!own) {  // the staged node partial leaves as one WRITE, counted in its owner's arrivals
+      __threadfence_system();
+      bar();
+      if (tid == 0) {
+        const u32 dest = j * L + l;
+        queue_push(a.g.sync, a.queue, mk_write_cmd(dest, MK_WORKSPACE_REGION, a.stage_off + tile_off, MK_WORKSPACE_REGION,
+                                                   a.xrecv_off + ((u64)n * tb + tl) * TP_TILE_BYTES, rows * cols * 2,
+                                                   TP_PF_ARRIVED + n * a.xgroups + tl / a.xgroup, 1u, MK_FLAG_ADD));
+        if (atomicAdd(&a.counters[TP_CNT_SENT], 1u) + 1 == (N - 1) * tb) tp_remote_flush(a, E);
+      }
+    }
+    if (OP == TP_OP_AR && own) {
       __threadfence_system();  // each thread's pushes before the flags (cumulative with the barrier)
       bar();
       if (tid == 0)
@@ -152,7 +230,14 @@ struct TpJoinReduce {
 // shared memory; all CTAs must be resident (launched cooperatively).
 template <int DT, int BL, int OP>
 MK_DEV void tp_reduce_kernel_body(const TpArgs& args) {
-  if (blockIdx.x == 0 && threadIdx.x == 0) credits_announce(tp_peers(args), launch_epoch(args.g.sync));
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    const u32 E = launch_epoch(args.g.sync);
+    credits_announce(tp_peers(args), E);
+    for (u32 j = 0; j < (u32)args.nodes; ++j)  // the ranks that send this rank node partials may start
+      if (j != (u32)args.node)
+        queue_push(args.g.sync, args.queue, mk_signal_cmd(j * args.local + args.lrank, TP_PF_CREDIT + args.node, E,
+                                                          MK_FLAG_SET));
+  }
   if ((int)blockIdx.x < args.gemm_ctas)
     tp_gemm_cta<GemmCfg<DT, BL>, OP>(args, TpJoinReduce<DT, OP>());
   else
