@@ -57,60 +57,52 @@ MK_DEV void tma_prefetch_desc(const void* desc) {
 }
 
 // ---------------------------------------------------------------------------------- TMA loads
-// Coordinates are element indices, innermost dimension first. Out-of-bounds elements are zero
-// filled and still count towards the transaction bytes of the barrier.
+// Coordinates are element indices, innermost first. Out-of-bounds elements are zero filled and
+// still count towards the transaction bytes of the barrier. Each wrapper expands the one load
+// instruction with its dst, desc and bar: N dimensions, QUAL extra qualifiers, CRD the coordinate
+// operands, TAIL operands after the barrier, then the asm inputs from %3 on.
+#define MK_TMA_LOAD(N, QUAL, CRD, TAIL, ...)                                                          \
+  asm volatile("cp.async.bulk.tensor." #N "d.shared::cluster.global.tile.mbarrier::complete_tx::bytes" \
+               QUAL " [%0], [%1, " CRD "], [%2]" TAIL ";" ::"r"(dst), "l"((u64)desc), "r"(bar),         \
+               __VA_ARGS__                                                                             \
+               : "memory")
+
 MK_DEV void tma_load_2d(u32 dst, const void* desc, u32 bar, i32 c0, i32 c1) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%3, %4}], [%2];" ::"r"(dst), "l"((u64)desc), "r"(bar), "r"(c0), "r"(c1)
-      : "memory");
+  MK_TMA_LOAD(2, "", "{%3, %4}", "", "r"(c0), "r"(c1));
 }
 MK_DEV void tma_load_3d(u32 dst, const void* desc, u32 bar, i32 c0, i32 c1, i32 c2) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(dst), "l"((u64)desc), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
-      : "memory");
+  MK_TMA_LOAD(3, "", "{%3, %4, %5}", "", "r"(c0), "r"(c1), "r"(c2));
 }
-
 // The same box delivered to every CTA of the cluster in cta_mask, at the same shared-memory offset
 // in each, and completing the mbarrier at the same offset in each (bytes count in every receiver).
 MK_DEV void tma_load_3d_multicast(u32 dst, const void* desc, u32 bar, i32 c0, i32 c1, i32 c2, u16 cta_mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%3, %4, %5}], [%2], %6;" ::"r"(dst), "l"((u64)desc), "r"(bar), "r"(c0), "r"(c1), "r"(c2),
-      "h"(cta_mask)
-      : "memory");
+  MK_TMA_LOAD(3, ".multicast::cluster", "{%3, %4, %5}", ", %6", "r"(c0), "r"(c1), "r"(c2), "h"(cta_mask));
 }
-
 MK_DEV void tma_load_4d(u32 dst, const void* desc, u32 bar, i32 c0, i32 c1, i32 c2, i32 c3) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%3, %4, %5, %6}], [%2];" ::"r"(dst), "l"((u64)desc), "r"(bar), "r"(c0), "r"(c1), "r"(c2),
-      "r"(c3)
-      : "memory");
+  MK_TMA_LOAD(4, "", "{%3, %4, %5, %6}", "", "r"(c0), "r"(c1), "r"(c2), "r"(c3));
 }
+#undef MK_TMA_LOAD
 
 // --------------------------------------------------------------------- TMA stores / reductions
-// Out-of-bounds elements of the box are not written.
+// Out-of-bounds elements of the box are not written. Each wrapper expands the one store
+// instruction with its desc and src: OP "cp" (store) or "cp.reduce" (reduction), N dimensions,
+// QUAL extra qualifiers, CRD the coordinate operands, then the asm inputs from %2 on.
+#define MK_TMA_STORE(OP, N, QUAL, CRD, ...)                                                                 \
+  asm volatile(OP ".async.bulk.tensor." #N "d.global.shared::cta" QUAL ".bulk_group [%0, " CRD "], [%1];" :: \
+                   "l"((u64)desc), "r"(src), __VA_ARGS__                                                     \
+               : "memory")
+
 MK_DEV void tma_store_2d(const void* desc, u32 src, i32 c0, i32 c1) {
-  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"((u64)desc),
-               "r"(src), "r"(c0), "r"(c1)
-               : "memory");
+  MK_TMA_STORE("cp", 2, "", "{%2, %3}", "r"(c0), "r"(c1));
 }
 MK_DEV void tma_store_4d(const void* desc, u32 src, i32 c0, i32 c1, i32 c2, i32 c3) {
-  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];" ::"l"(
-                   (u64)desc),
-               "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-               : "memory");
+  MK_TMA_STORE("cp", 4, "", "{%2, %3, %4, %5}", "r"(c0), "r"(c1), "r"(c2), "r"(c3));
 }
 // Element-wise add of the box into global memory (type from the tensor map: bf16, f16 or f32).
 MK_DEV void tma_add_2d(const void* desc, u32 src, i32 c0, i32 c1) {
-  asm volatile(
-      "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
-          (u64)desc),
-      "r"(src), "r"(c0), "r"(c1)
-      : "memory");
+  MK_TMA_STORE("cp.reduce", 2, ".add.tile", "{%2, %3}", "r"(c0), "r"(c1));
 }
+#undef MK_TMA_STORE
 MK_DEV void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // At most N committed groups still read their shared-memory source.
 template <int N>
