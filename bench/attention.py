@@ -33,9 +33,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 
 import harness  # noqa: E402
-from mkernel.testing import sync_or_exit  # noqa: E402
+from harness import PEAK_TFLOPS, hidden_launch_ms as gpu_time_ms, rand, wait  # noqa: E402  (rand: bf16)
 
-PEAK_TFLOPS = 989.4  # H100/H200 SXM dense bf16/fp16 tensor core peak
 GOAL = 0.80          # fraction of cuDNN's TFLOP/s, every row
 MAX_REL_ERR = 1e-2   # mkernel vs cuDNN, relative Frobenius norm
 TOKENS = (4096, 8192, 32768)
@@ -53,16 +52,6 @@ def flops(S_q, S_kv, H_q, D, causal):
 
 def bound_ms(fl):
     return fl / (PEAK_TFLOPS * 1e12) * 1e3
-
-
-def wait(what, timeout_s=60.0):
-    sync_or_exit(what, timeout_s)
-
-
-rand = harness.rand  # bfloat16
-gpu_time_ms = harness.hidden_launch_ms
-
-
 
 
 # --------------------------------------------------------------------------- torch (baseline)
@@ -114,13 +103,8 @@ class Torch:
 
 # ------------------------------------------------------------------------------------- plot
 def plot(rows, path, device):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        print(f"# matplotlib is not importable ({e}): no plot", flush=True)
+    plt = harness.pyplot()
+    if plt is None:
         return None
     groups = sorted({tuple(r["shape"][1:]) for r in rows})
     fig, ax = plt.subplots(figsize=(9, 5.5))
@@ -139,10 +123,7 @@ def plot(rows, path, device):
     ax.set_title(f"attention forward, bf16: mkernel (solid) vs cuDNN SDPA (dashed), {device}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return harness.save_plot(fig, path)
 
 
 def main():
@@ -165,6 +146,7 @@ def main():
     shapes = QUICK_SHAPES if opts.quick else MAIN_SHAPES + ([] if opts.no_gqa else GQA_SHAPES)
     t_start = time.time()
     errors = {}
+    section = harness.sections(errors)
     stream = cupy.cuda.Stream(non_blocking=True)  # mkernel, torch, the spin kernel and the events
     with stream:
         # Compile / load once, and prove the kernel finishes before anything is timed.
@@ -184,15 +166,6 @@ def main():
             baseline_note = f"torch is not usable ({type(e).__name__}: {e})"
             print(f"# NO BASELINE: {baseline_note}; baseline_ms / cudnn_tflops recorded as null", flush=True)
         print(f"# goal: fraction_of_cudnn >= {GOAL:.2f} on every row; median of {reps} timings", flush=True)
-
-        def section(name, fn):
-            try:
-                return fn()
-            except Exception as e:  # noqa: BLE001  (report it, keep the other rows)
-                errors[name] = f"{type(e).__name__}: {e}"[:500]
-                print(f"ERROR in {name}: {errors[name]}", flush=True)
-                return None
-
         rows = []
 
         def shape_row(i, S, Hq, Hkv, D, causal):
@@ -229,12 +202,10 @@ def main():
             t_mk = gpu_time_ms(mk, reps=reps)[0]
             tf = fl / t_mk * 1e-9
             tf_cd = fl / t_cd * 1e-9 if t_cd else None
-            r = harness.row([S, Hq, Hkv, D, causal], t_mk, t_cd or 0.0, bound_ms(fl), tflops=tf, cudnn_tflops=tf_cd,
+            r = harness.row([S, Hq, Hkv, D, causal], t_mk, t_cd, bound_ms(fl), tflops=tf, cudnn_tflops=tf_cd,
                             fraction_of_cudnn=tf / tf_cd if tf_cd else None, rel_err=err, flops=fl,
                             main=(S, Hq, Hkv, D, causal) in MAIN_SHAPES, dtype="bfloat16",
                             name=f"{S} {Hq}/{Hkv} {D} {'causal' if causal else 'full'}")
-            if t_cd is None:
-                r["speedup"] = r["baseline_ms"] = None
             rows.append(r)
             cds = f"{t_cd:8.3f} ms {tf_cd:6.1f} TF/s" if t_cd else "n/a"
             frac = f"{r['fraction_of_cudnn']:.3f}" if r["fraction_of_cudnn"] else "n/a"

@@ -25,10 +25,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 import numpy as np  # noqa: E402
 
 import harness  # noqa: E402
-from mkernel.testing import sync_or_exit  # noqa: E402
+from harness import PEAK_TFLOPS, hidden_launch_ms as gpu_time_ms, rand, wait  # noqa: E402  (rand: bf16)
 
-PEAK_TFLOPS = 989.4  # H100/H200 SXM dense bf16/fp16 tensor core peak
-PEAK_TBS = 4.8       # H200 HBM3e
+PEAK_TBS = 4.8  # H200 HBM3e
 MAIN_SHAPES = [(4096, 8192, 4096), (8192, 8192, 4096), (8192, 8192, 14336), (16384, 8192, 14336),
                (8192, 14336, 8192), (16384, 16384, 1024)]
 EXTRA_SHAPES = [(2048, 2048, 2048), (4000, 7000, 3000)]  # the second is off the tile grid
@@ -45,18 +44,6 @@ def bound_ms(M, N, K, G=1):
     return max(flops / (PEAK_TFLOPS * 1e12), bytes_ / (PEAK_TBS * 1e12)) * 1e3
 
 
-def wait(what, timeout_s=60.0):
-    sync_or_exit(what, timeout_s)
-
-
-rand = harness.rand  # bfloat16
-
-
-gpu_time_ms = harness.hidden_launch_ms
-
-
-
-
 def rel_err(x, ref):
     import cupy
 
@@ -67,13 +54,8 @@ def rel_err(x, ref):
 def plot(result, path):
     """Speed against cuBLAS per main row (default, clustered, unclustered kernels) and time against
     the SMs given to the GEMM, from a results dict (the JSON this script writes)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        print(f"# matplotlib is not importable ({e}): no plot", flush=True)
+    plt = harness.pyplot()
+    if plt is None:
         return None
     rows = [r for r in result["rows"] if r.get("speedup")]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [2.2, 1]})
@@ -97,10 +79,7 @@ def plot(result, path):
         bx.set_ylabel("ms")
         bx.set_title(f"time against SMs, {'x'.join(map(str, result['sm_sweep']['shape']))}")
         bx.grid(alpha=0.3)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return harness.save_plot(fig, path)
 
 
 def main():
@@ -132,15 +111,7 @@ def main():
     print(f"# device {harness.device_name()} ({nsm} SMs), setup {time.time() - t_start:.1f} s", flush=True)
 
     errors = {}
-
-    def section(name, fn):
-        try:
-            return fn()
-        except Exception as e:  # noqa: BLE001  (report it, keep the other sections)
-            errors[name] = f"{type(e).__name__}: {e}"[:500]
-            print(f"ERROR in {name}: {errors[name]}", flush=True)
-            return None
-
+    section = harness.sections(errors)
     rows = []
 
     def shape_rows(M, N, K):
@@ -177,14 +148,12 @@ def main():
             clustered = mg.use_cluster(M, N, K)
             t_mk = t_cl if clustered else t_one  # what mkernel.gemm runs by default
             t_cb = harness.median(ts["cublas"]) if cublas else None
-            r = harness.row([M, N, K], t_mk, t_cb or 0.0, bound_ms(M, N, K), layout=layout,
+            r = harness.row([M, N, K], t_mk, t_cb, bound_ms(M, N, K), layout=layout,
                             tflops=flops / t_mk * 1e-9, cublas_tflops=flops / t_cb * 1e-9 if t_cb else None,
                             rel_err=err, main=(M, N, K) in MAIN_SHAPES, dtype="bfloat16",
                             clustered=clustered, clustered_ms=t_cl, unclustered_ms=t_one,
                             clustered_speedup=t_cb / t_cl if t_cb else None,
                             unclustered_speedup=t_cb / t_one if t_cb else None, samples=len(ts["cl"]))
-            if t_cb is None:
-                r["speedup"] = r["baseline_ms"] = None
             rows.append(r)
             sp = f"{r['speedup']:.3f}" if r["speedup"] else "n/a"
             cb = f"{t_cb:8.3f} ms {r['cublas_tflops']:6.1f} TF/s" if t_cb else "n/a"

@@ -1,4 +1,5 @@
-"""What every benchmark shares: CUDA-event timing, statistics, the bound, and the results file.
+"""What every benchmark shares: CUDA-event timing, statistics, the bound, sections that fail alone,
+plots, and the results file.
 
 Results go to ``bench/results/<op>-<gpus>gpu[-<nodes>node].json`` as
 ``{"op", "device", "gpus", "nodes", "transport", "date", "commit", "rows": [...]}``; each row has at
@@ -15,6 +16,14 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 REPS = 30
 WARMUP = 5
+PEAK_TFLOPS = 989.4  # H100/H200 SXM dense bf16/fp16 tensor core peak
+
+
+def wait(what, timeout_s=60.0):
+    """The current stream's work finished, or the process ended naming ``what`` (a hung kernel)."""
+    from mkernel.testing import sync_or_exit
+
+    sync_or_exit(what, timeout_s)
 
 
 def time_ms(fn, reps=REPS, warmup=WARMUP, stream=None):
@@ -164,11 +173,51 @@ def commit():
 
 
 def row(shape, mkernel_ms, baseline_ms, bound_ms, **extra):
+    """One result row; baseline_ms None (no baseline measured) makes speedup None too."""
     r = {"shape": list(shape), "mkernel_ms": mkernel_ms, "baseline_ms": baseline_ms,
-         "speedup": baseline_ms / mkernel_ms if mkernel_ms else None, "bound_ms": bound_ms,
+         "speedup": baseline_ms / mkernel_ms if mkernel_ms and baseline_ms is not None else None,
+         "bound_ms": bound_ms,
          "fraction_of_bound": bound_ms / mkernel_ms if mkernel_ms and bound_ms else None}
     r.update(extra)
     return r
+
+
+def sections(errors):
+    """section(name, fn): fn()'s value, or None with its exception printed and kept in errors[name],
+    so that one failing part of a benchmark does not lose the others' results."""
+    def section(name, fn):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001  (report it, keep the other sections)
+            errors[name] = f"{type(e).__name__}: {e}"[:500]
+            print(f"ERROR in {name}: {errors[name]}", flush=True)
+            return None
+
+    return section
+
+
+def pyplot():
+    """matplotlib.pyplot drawing into files (Agg), or None, said so, where matplotlib is not importable
+    (a benchmark still writes its results)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        print(f"# matplotlib is not importable ({e}): no plot", flush=True)
+        return None
+    return plt
+
+
+def save_plot(fig, path):
+    """fig as a PNG at path (its folder made), closed; returns path."""
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
 
 
 def write(op, rows, *, gpus, nodes=1, transport="none", out_dir=None, **extra):
