@@ -31,9 +31,10 @@ import numpy as np
 import pytest
 
 import child_cases  # noqa: E402
-from gpu_arrays import (  # the shared device-array helpers (tests/gpu_arrays.py)
-    dev as _dev, host as _host, bits as _bits, f32 as _f32, poisoned as _poisoned, poison as _poison,
-    kind as _kind, BF16, DTYPES)
+from gpu_arrays import (  # the shared device-array and attention helpers (tests/gpu_arrays.py)
+    dev as _dev, host as _host, bits as _bits, poisoned as _poisoned, poison as _poison, kind as _kind,
+    random_qkv as _random_qkv, attention_reference as _attention_reference, host_result as _host_result,
+    compare_attention as _compare, compare_exact as _compare_exact, BF16, DTYPES)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -48,12 +49,6 @@ try:
     _IMPORT_ERROR = None
 except ImportError as _e:  # pragma: no cover - only while the module is being written
     ma, _IMPORT_ERROR = None, _e
-
-TILE = 128          # query rows per tile (the kernel's tiles are (batch, head, 128-row block))
-REL_TOL = 1e-2      # relative Frobenius error, whole output and per tile
-MAX_TOL = 3e-2      # max |error| / max |reference|
-LSE_TOL = 1e-3      # |lse - ref| / (1 + |ref|)
-NUMPY_REF_MAX = 4_000_000  # B * H_q * S_q * S_kv up to which the reference is float64 NumPy
 
 
 def _module():
@@ -122,106 +117,9 @@ def _sync(what, timeout_s=30.0):
     sync_or_exit(what, timeout_s)
 
 
-def _reference(xp, q, k, v, causal, scale, offset):
-    """Attention in the precision of q (float64 NumPy or float32 CuPy). q [B, S_q, H_q, D],
-    k / v [B, S_kv, H_kv, D]. Returns (out [B, S_q, H_q, D], lse [B, H_q, S_q]); a row that sees
-    no key gives 0 and -inf."""
-    Sq, Hq = q.shape[1], q.shape[2]
-    Skv, Hkv = k.shape[1], k.shape[2]
-    g = Hq // Hkv
-    qh = q.transpose(0, 2, 1, 3)
-    kh = xp.repeat(k.transpose(0, 2, 1, 3), g, axis=1)  # query head h reads kv head h // g
-    vh = xp.repeat(v.transpose(0, 2, 1, 3), g, axis=1)
-    s = (qh @ kh.transpose(0, 1, 3, 2)) * scale
-    if causal:
-        i = xp.arange(Sq)[:, None]
-        j = xp.arange(Skv)[None, :]
-        s = xp.where(j <= i + offset, s, -xp.inf)
-    m = s.max(axis=-1, keepdims=True)
-    m = xp.where(xp.isfinite(m), m, 0)
-    p = xp.exp(s - m)
-    l_ = p.sum(axis=-1, keepdims=True)
-    seen = l_ > 0
-    o = (p @ vh) / xp.where(seen, l_, 1)
-    lse = xp.where(seen[..., 0], m[..., 0] + xp.log(xp.where(seen, l_, 1)[..., 0]), -xp.inf)
-    return o.transpose(0, 2, 1, 3), lse
-
-
-def _reference_for(q, k, v, causal, scale, offset):
-    """(out [B, S_q, H_q, D], lse [B, H_q, S_q]) as float64 host arrays (3-D inputs get B = 1).
-    q, k, v: float64 host arrays (computed in float64 with NumPy) or device bf16 / fp16 arrays
-    (computed in float32 with CuPy)."""
-    import cupy
-
-    q4, k4, v4 = (x if x.ndim == 4 else x[None] for x in (q, k, v))
-    if isinstance(q4, np.ndarray):
-        return _reference(np, q4.astype(np.float64), k4.astype(np.float64), v4.astype(np.float64), causal, scale,
-                          offset)
-    o, lse = _reference(cupy, _f32(q4), _f32(k4), _f32(v4), causal, np.float32(scale), offset)
-    return cupy.asnumpy(o).astype(np.float64), cupy.asnumpy(lse).astype(np.float64)
-
-
 def _empty_rows(Sq, causal, offset):
     """Query rows that see no key: i + offset < 0."""
     return max(0, min(Sq, -offset)) if causal else 0
-
-
-def _compare(out, ref, lse=None, ref_lse=None, n_empty=0):
-    """(ok, message) of a host output [B, S_q, H_q, D] (float64) against the reference; lse [B, H_q, S_q]."""
-    msgs, ok = [], True
-    if not np.isfinite(out).all():
-        bad = ~np.isfinite(out)
-        rows = np.unique(np.nonzero(bad)[1])
-        return False, f"nonfinite={int(bad.sum())} in rows {rows[:8].tolist()}{'...' if len(rows) > 8 else ''}"
-    B, Sq, Hq, _ = ref.shape
-    nref = np.linalg.norm(ref)
-    if nref == 0:
-        rel = 0.0 if not out.any() else float("inf")
-        mx = float(np.abs(out).max())
-    else:
-        rel = float(np.linalg.norm(out - ref) / nref)
-        mx = float(np.abs(out - ref).max() / np.abs(ref).max())
-    msgs.append(f"rel={rel:.2e} max={mx:.2e}")
-    ok &= rel < REL_TOL and (mx < MAX_TOL if nref else mx == 0)
-    worst, bad_tiles = (0.0, None), []
-    for t0 in range(0, Sq, TILE):
-        d = out[:, t0:t0 + TILE] - ref[:, t0:t0 + TILE]
-        num = np.sqrt((d * d).sum(axis=(1, 3)))
-        den = np.sqrt((ref[:, t0:t0 + TILE] ** 2).sum(axis=(1, 3)))
-        trel = np.where(den > 0, num / np.where(den > 0, den, 1), np.where(num > 0, np.inf, 0.0))
-        for b in range(B):
-            for h in range(Hq):
-                if trel[b, h] > worst[0]:
-                    worst = (float(trel[b, h]), (b, h, t0 // TILE))
-                if not trel[b, h] < REL_TOL:
-                    bad_tiles.append((b, h, t0 // TILE))
-    msgs.append(f"worst-tile(b,h,t)={worst[1]}:{worst[0]:.2e}")
-    if bad_tiles:
-        ok = False
-        msgs.append(f"bad-tiles={len(bad_tiles)}:{bad_tiles[:6]}")
-    if n_empty:
-        nz = int((out[:, :n_empty] != 0).sum())
-        if nz:
-            ok = False
-            msgs.append(f"empty-rows-nonzero={nz}")
-    if lse is not None:
-        if lse.shape != ref_lse.shape:
-            return False, f"lse shape {lse.shape}, expected {ref_lse.shape}"
-        if n_empty and not np.isneginf(lse[..., :n_empty]).all():
-            ok = False
-            msgs.append(f"empty-rows-lse-not-minus-inf={int((~np.isneginf(lse[..., :n_empty])).sum())}")
-        seen_l, seen_r = lse[..., n_empty:], ref_lse[..., n_empty:]
-        if seen_l.size:
-            if not np.isfinite(seen_l).all():
-                ok = False
-                msgs.append(f"lse-nonfinite={int((~np.isfinite(seen_l)).sum())}")
-            else:
-                e = float((np.abs(seen_l - seen_r) / (1 + np.abs(seen_r))).max())
-                msgs.append(f"lse={e:.1e}")
-                ok &= e < LSE_TOL
-        if n_empty:
-            msgs.append(f"empty-rows={n_empty}")
-    return bool(ok), " ".join(msgs)
 
 
 # ============================================================================= the case matrix
@@ -273,15 +171,6 @@ def _parse(case):
                 offset=int(opts["off"]) if "off" in opts else None)
 
 
-def _random_inputs(rng, dt, B, Sq, Skv, Hq, Hkv, D):
-    """Host (q, k, v) of dtype dt, [B, S, H, D] (B None: 3-D), standard normal."""
-    lead = () if B is None else (B,)
-    q = rng.standard_normal(lead + (Sq, Hq, D)).astype(dt)
-    k = rng.standard_normal(lead + (Skv, Hkv, D)).astype(dt)
-    v = rng.standard_normal(lead + (Skv, Hkv, D)).astype(dt)
-    return q, k, v
-
-
 def run_case(case):
     """One matrix case; returns (ok, message). 'feature:NAME' runs feature_NAME() (asserts inside)."""
     if case.startswith("feature:"):
@@ -290,9 +179,7 @@ def run_case(case):
     m = _module()
     c = _parse(case)
     dtn, D, Hq, Hkv, B, Sq, Skv, causal = (c[x] for x in ("dtn", "D", "Hq", "Hkv", "B", "Sq", "Skv", "causal"))
-    dt = DTYPES[dtn]
-    rng = np.random.default_rng(zlib.crc32(case.encode()))
-    q, k, v = _random_inputs(rng, dt, B, Sq, Skv, Hq, Hkv, D)
+    q, k, v = _random_qkv(zlib.crc32(case.encode()), DTYPES[dtn], B, Sq, Skv, Hq, Hkv, D)
     dq, dk, dv = _dev(q), _dev(k), _dev(v)
     scale = c["scale"] if c["scale"] is not None else 1.0 / math.sqrt(D)
     offset = c["offset"] if c["offset"] is not None else Skv - Sq
@@ -308,16 +195,8 @@ def run_case(case):
     if lse.dtype != np.float32 or tuple(lse.shape) != lse_shape:
         return False, f"lse is {lse.dtype} {lse.shape}, expected float32 {lse_shape}"
 
-    if (B or 1) * Hq * Sq * Skv <= NUMPY_REF_MAX:
-        ref_o, ref_lse = _reference_for(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
-                                        causal, scale, offset)
-    else:
-        ref_o, ref_lse = _reference_for(dq, dk, dv, causal, scale, offset)
-    got = _host(out).astype(np.float64)
-    got_lse = np.asarray(lse.get(), dtype=np.float64)
-    if B is None:
-        got, got_lse = got[None], got_lse[None]
-    ok, msg = _compare(got, ref_o, got_lse, ref_lse, _empty_rows(Sq, causal, offset))
+    ref_o, ref_lse = _attention_reference(q, k, v, causal, scale, offset)
+    ok, msg = _compare(*_host_result(out, lse), ref_o, ref_lse, _empty_rows(Sq, causal, offset))
 
     # Without lse: the same output (checked against the reference; the bits are reported).
     out2 = _poisoned(q.shape, dtn)
@@ -326,8 +205,7 @@ def run_case(case):
     if res2 is not out2:
         return False, f"return_lse=False returned {type(res2).__name__}, not the given out; " + msg
     same = bool((_bits(out2) == _bits(out)).all())
-    g2 = _host(out2).astype(np.float64)
-    ok2, msg2 = _compare(g2 if B is not None else g2[None], ref_o, n_empty=_empty_rows(Sq, causal, offset))
+    ok2, msg2 = _compare(*_host_result(out2), ref_o, ref_lse, _empty_rows(Sq, causal, offset))
     msg += f" nolse-bits={'same' if same else 'DIFFER'}"
     if not ok2:
         ok, msg = False, msg + f" nolse: {msg2}"
@@ -361,13 +239,8 @@ def _check_against_reference(what, out, q, k, v, causal=False, scale=None, offse
     D, Sq, Skv = q.shape[-1], q.shape[-3], k.shape[-3]
     sc = scale if scale is not None else 1.0 / math.sqrt(D)
     off = offset if offset is not None else Skv - Sq
-    ref_o, ref_lse = _reference_for(q, k, v, causal, sc, off)
-    got = _host(out).astype(np.float64)
-    got_lse = None if lse is None else np.asarray(lse.get(), dtype=np.float64)
-    if q.ndim == 3:
-        got = got[None]
-        got_lse = None if got_lse is None else got_lse[None]
-    ok, msg = _compare(got, ref_o, got_lse, ref_lse if lse is not None else None, _empty_rows(Sq, causal, off))
+    ref_o, ref_lse = _attention_reference(q, k, v, causal, sc, off)
+    ok, msg = _compare(*_host_result(out, lse), ref_o, ref_lse, _empty_rows(Sq, causal, off))
     print(f"{'OK ' if ok else 'BAD'} {what}: {msg}")
     return ok
 
@@ -403,21 +276,12 @@ def feature_exact():
         out = _poisoned(q.shape, dtn)
         _, lse = m.attention(_dev(q), _dev(k), _dev(v), out=out, return_lse=True)
         _sync(f"exact {i}")
-        got = _host(out).astype(np.float64)
-        got = got if B is not None else got[None]
-        bad = got != expect[:, None, :, :]                       # [B, S_q, H_q, D]
-        tiles = sorted({(int(b), int(h), int(s) // TILE) for b, s, h, _ in zip(*np.nonzero(bad))})
         # lse = scale * q . kvec + ln(S_kv), exactly uniform rows
         q64 = (q if B is not None else q[None]).astype(np.float64)
         kv64 = np.repeat(kvec.astype(dt).astype(np.float64), g, axis=2)[:, 0]  # [B, H_q, D]
         ref_lse = np.einsum("bshd,bhd->bhs", q64, kv64) / math.sqrt(D) + math.log(Skv)
-        got_lse = np.asarray(lse.get(), dtype=np.float64)
-        got_lse = got_lse if B is not None else got_lse[None]
-        lse_err = float((np.abs(got_lse - ref_lse) / (1 + np.abs(ref_lse))).max()) if np.isfinite(got_lse).all() \
-            else float("inf")
-        ok = not tiles and lse_err < LSE_TOL
-        print(f"{'OK ' if ok else 'BAD'} exact {dtn} D={D} H={Hq}/{Hkv} B={B} S={Sq}/{Skv}: "
-              f"{int(bad.sum())} mismatching elements in {len(tiles)} (b, h, tile)s {tiles[:8]}; lse err {lse_err:.1e}")
+        ok, msg, _ = _compare_exact(*_host_result(out, lse), expect, ref_lse)
+        print(f"{'OK ' if ok else 'BAD'} exact {dtn} D={D} H={Hq}/{Hkv} B={B} S={Sq}/{Skv}: {msg}")
         if not ok:
             failures.append((dtn, D, Hq, Hkv, B, Sq, Skv))
     assert not failures, failures

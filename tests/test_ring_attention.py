@@ -53,9 +53,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gpu_arrays import (  # the shared device-array helpers (tests/gpu_arrays.py)
-    dev as _dev, host as _host, bits as _bits, f32 as _f32, poisoned as _poisoned, poison as _poison,
-    BF16, DTYPES)
+from gpu_arrays import (  # the shared device-array and attention helpers (tests/gpu_arrays.py)
+    dev as _dev, bits as _bits, poisoned as _poisoned, poison as _poison, random_qkv as _random_qkv,
+    attention_reference as _attention_reference, host_result as _host_result, compare_attention as _compare,
+    compare_exact as _compare_exact, BF16, DTYPES, REL_TOL)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -74,11 +75,6 @@ try:
 except Exception as _e:  # noqa: BLE001  (pragma: no cover - only while the module is missing or broken)
     mra, _IMPORT_ERROR = None, _e
 
-TILE = 128           # query rows per tile of the per-tile error report
-REL_TOL = 1e-2       # relative Frobenius error, whole output and per tile
-MAX_TOL = 3e-2       # max |error| / max |reference|
-LSE_TOL = 1e-3       # |lse - ref| / (1 + |ref|)
-NUMPY_REF_MAX = 4_000_000  # B * H_q * S_full^2 up to which the reference is float64 NumPy
 HANG_S = 45.0        # past MKERNEL_TIMEOUT_S (30): a device wait times out and is reported first
 
 
@@ -150,85 +146,12 @@ def _sync(what, timeout_s=HANG_S):
     sync_or_exit(what, timeout_s)
 
 
-def _reference(xp, q, k, v, causal, scale):
-    """Attention over one whole sequence (S_q == S_kv, causal: key j visible to query i iff j <= i)
-    in the precision of q (float64 NumPy or float32 CuPy). q [B, S, H_q, D], k / v [B, S, H_kv, D].
-    Returns (out [B, S, H_q, D], lse [B, H_q, S])."""
-    S, Hq, Hkv = q.shape[1], q.shape[2], k.shape[2]
-    g = Hq // Hkv
-    qh = q.transpose(0, 2, 1, 3)
-    kh = xp.repeat(k.transpose(0, 2, 1, 3), g, axis=1)  # query head h reads kv head h // g
-    vh = xp.repeat(v.transpose(0, 2, 1, 3), g, axis=1)
-    s = (qh @ kh.transpose(0, 1, 3, 2)) * scale
-    if causal:
-        s = xp.where(xp.arange(S)[None, :] <= xp.arange(S)[:, None], s, -xp.inf)
-    m = s.max(axis=-1, keepdims=True)
-    p = xp.exp(s - m)
-    l_ = p.sum(axis=-1, keepdims=True)
-    o = (p @ vh) / l_
-    return o.transpose(0, 2, 1, 3), m[..., 0] + xp.log(l_[..., 0])
-
-
-def _global_reference(q, k, v, causal, scale):
-    """(out [B, S_full, H_q, D], lse [B, H_q, S_full]) as float64 host arrays of the global host
-    arrays q, k, v (3-D inputs get B = 1): float64 NumPy when small, else float32 CuPy."""
-    import cupy
-
-    q4, k4, v4 = (x if x.ndim == 4 else x[None] for x in (q, k, v))
-    B, S, Hq, _ = q4.shape
-    if B * Hq * S * S <= NUMPY_REF_MAX:
-        return _reference(np, q4.astype(np.float64), k4.astype(np.float64), v4.astype(np.float64), causal, scale)
-    o, lse = _reference(cupy, _f32(_dev(q4)), _f32(_dev(k4)), _f32(_dev(v4)), causal, np.float32(scale))
-    return cupy.asnumpy(o).astype(np.float64), cupy.asnumpy(lse).astype(np.float64)
-
-
 def _local_reference(comm, q, k, v, causal, scale):
-    """This rank's rows of the global reference: (out [B, S_local, H_q, D], lse [B, H_q, S_local])."""
-    o, lse = _global_reference(q, k, v, causal, scale)
+    """This rank's rows of the reference on the whole sequence of the global host arrays q, k, v (the
+    plain causal mask of the global sequence): (out [B, S_local, H_q, D], lse [B, H_q, S_local])."""
+    o, lse = _attention_reference(q, k, v, causal, scale)
     return (shard_sequence(o, comm.rank, comm.size, causal=causal, axis=1),
             shard_sequence(lse, comm.rank, comm.size, causal=causal, axis=2))
-
-
-def _compare(out, ref, lse=None, ref_lse=None):
-    """(ok, message) of a host output [B, S, H_q, D] (float64) against the reference; lse [B, H_q, S]."""
-    msgs, ok = [], True
-    if not np.isfinite(out).all():
-        bad = ~np.isfinite(out)
-        rows = np.unique(np.nonzero(bad)[1])
-        return False, f"nonfinite={int(bad.sum())} in rows {rows[:8].tolist()}{'...' if len(rows) > 8 else ''}"
-    B, S, Hq, _ = ref.shape
-    nref = np.linalg.norm(ref)
-    rel = float(np.linalg.norm(out - ref) / nref) if nref else (0.0 if not out.any() else float("inf"))
-    mx = float(np.abs(out - ref).max() / np.abs(ref).max()) if nref else float(np.abs(out).max())
-    msgs.append(f"rel={rel:.2e} max={mx:.2e}")
-    ok &= rel < REL_TOL and (mx < MAX_TOL if nref else mx == 0)
-    worst, bad_tiles = (0.0, None), []
-    for t0 in range(0, S, TILE):
-        d = out[:, t0:t0 + TILE] - ref[:, t0:t0 + TILE]
-        num = np.sqrt((d * d).sum(axis=(1, 3)))
-        den = np.sqrt((ref[:, t0:t0 + TILE] ** 2).sum(axis=(1, 3)))
-        trel = np.where(den > 0, num / np.where(den > 0, den, 1), np.where(num > 0, np.inf, 0.0))
-        for b in range(B):
-            for h in range(Hq):
-                if trel[b, h] > worst[0]:
-                    worst = (float(trel[b, h]), (b, h, t0 // TILE))
-                if not trel[b, h] < REL_TOL:
-                    bad_tiles.append((b, h, t0 // TILE))
-    msgs.append(f"worst-tile(b,h,t)={worst[1]}:{worst[0]:.2e}")
-    if bad_tiles:
-        ok = False
-        msgs.append(f"bad-tiles={len(bad_tiles)}:{bad_tiles[:6]}")
-    if lse is not None:
-        if lse.shape != ref_lse.shape:
-            return False, f"lse shape {lse.shape}, expected {ref_lse.shape}"
-        if not np.isfinite(lse).all():
-            ok = False
-            msgs.append(f"lse-nonfinite={int((~np.isfinite(lse)).sum())}")
-        else:
-            e = float((np.abs(lse - ref_lse) / (1 + np.abs(ref_lse))).max())
-            msgs.append(f"lse={e:.1e}")
-            ok &= e < LSE_TOL
-    return bool(ok), " ".join(msgs)
 
 
 def _check_local(comm, out, q, k, v, causal, scale=None, lse=None):
@@ -237,23 +160,13 @@ def _check_local(comm, out, q, k, v, causal, scale=None, lse=None):
     D = q.shape[-1]
     sc = scale if scale is not None else 1.0 / math.sqrt(D)
     ref_o, ref_lse = _local_reference(comm, q, k, v, causal, sc)
-    got = _host(out).astype(np.float64)
-    got_lse = None if lse is None else np.asarray(lse.get(), dtype=np.float64)
-    if q.ndim == 3:
-        got = got[None]
-        got_lse = None if got_lse is None else got_lse[None]
-    return _compare(got, ref_o, got_lse, ref_lse if lse is not None else None)
+    return _compare(*_host_result(out, lse), ref_o, ref_lse)
 
 
 def _global_inputs(seed, dt, B, S_full, Hq, Hkv, D):
     """Host (q, k, v) of the whole sequence, [B, S_full, H, D] (B None: 3-D), standard normal; the
     same on every rank (a fixed seed)."""
-    rng = np.random.default_rng(seed)
-    lead = () if B is None else (B,)
-    q = rng.standard_normal(lead + (S_full, Hq, D)).astype(dt)
-    k = rng.standard_normal(lead + (S_full, Hkv, D)).astype(dt)
-    v = rng.standard_normal(lead + (S_full, Hkv, D)).astype(dt)
-    return q, k, v
+    return _random_qkv(seed, dt, B, S_full, S_full, Hq, Hkv, D)
 
 
 def _shard(comm, causal, *xs):
@@ -395,20 +308,12 @@ def _exact_case(comm, i):
     _, lse = ring(dq, dk, dv, comm=comm, out=out, return_lse=True)
     _sync(f"exact {i}")
     comm.check()
-    got = _host(out).astype(np.float64)
-    got = got if B is not None else got[None]
-    bad = got != expect[:, None, :, :]                       # [B, S_local, H_q, D]
-    tiles = sorted({(int(b), int(h), int(s) // TILE) for b, s, h, _ in zip(*np.nonzero(bad))})
     # lse = scale * q . kvec + ln(S_full) for every local row
     q_loc = shard_sequence(q if B is not None else q[None], comm.rank, W, causal=False, axis=1).astype(np.float64)
     kv64 = np.repeat(kvec.astype(np.float64), g, axis=2)[:, 0]  # [B, H_q, D]
     ref_lse = np.einsum("bshd,bhd->bhs", q_loc, kv64) / math.sqrt(D) + math.log(S * W)
-    got_lse = np.asarray(lse.get(), dtype=np.float64)
-    got_lse = got_lse if B is not None else got_lse[None]
-    lse_err = float((np.abs(got_lse - ref_lse) / (1 + np.abs(ref_lse))).max()) if np.isfinite(got_lse).all() \
-        else float("inf")
-    ok = not tiles and lse_err < LSE_TOL
-    msg = (f"{int(bad.sum())} mismatching elements in {len(tiles)} (b, h, tile)s {tiles[:8]}; lse err {lse_err:.1e}")
+    got, got_lse = _host_result(out, lse)
+    ok, msg, bad = _compare_exact(got, got_lse, expect, ref_lse)
     if bad.any():
         b0, s0, h0, d0 = (int(t[0]) for t in np.nonzero(bad))
         msg += f"; first at (b {b0}, row {s0}, h {h0}, d {d0}): {got[b0, s0, h0, d0]!r} != {expect[b0, h0, d0]!r}"
