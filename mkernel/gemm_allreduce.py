@@ -21,6 +21,11 @@ def gemm_allreduce(a, b, *, comm, out=None, stream=None, b_layout=None, comm_sms
     once), and copied to every rank, so all ranks hold identical bits. ``comm_sms``: CTAs that
     reduce and gather (default 16); ``join``: the GEMM CTAs also reduce and gather once their
     tiles are done (default ``mkernel.tp.JOIN_REDUCE``).
+
+    Between nodes, hierarchically: the ReduceScatter between nodes of gemm_reduce_scatter, then
+    each reduced tile goes to this node's peers over NVLink and once to every other node (to the
+    rank with the same local index, which passes it on to its node's peers): each rank sends
+    ``2 * (nodes - 1) * M / world * N`` elements across the network, the minimum.
     """
     return gemm_reduce(OP, SPEC, KERNEL, True, a, b, comm=comm, out=out, stream=stream, b_layout=b_layout,
                        comm_sms=comm_sms, deterministic=deterministic, path=path, join=join)

@@ -42,7 +42,7 @@ def gemm_reduce_scatter(a, b, *, comm, out=None, stream=None, b_layout=None, com
 def gemm_reduce(op, spec, kernel, allreduce, a, b, *, comm, out, stream, b_layout, comm_sms, deterministic, path,
                 join=None):
     cupy = tp.cupy_mod()
-    tp.check_comm(op, comm, nodes_ok=not allreduce)
+    tp.check_comm(op, comm, nodes_ok=True)
     a, layout, b_arr, N = tp.check_inputs(op, a, b, b_layout, stream)
     M, K = a.shape
     W = comm.size
@@ -88,9 +88,10 @@ def gemm_reduce(op, spec, kernel, allreduce, a, b, *, comm, out, stream, b_layou
     sizes = [("recv", (L, nodes, mb, N), a.dtype), ("rflag", (L * nodes * tiles_blk,), "uint32")]
     if allreduce:
         sizes += [("gath", (W, mb, N), a.dtype), ("gflag", (W * tiles_blk,), "uint32")]
-    if nodes > 1:  # node partials, compact tiles: to send (by destination node) and received (by source)
-        sizes += [("stage", (nodes, tiles_blk, tp.TILE_BYTES // 2), a.dtype),
-                  ("xrecv", (nodes, tiles_blk, tp.TILE_BYTES // 2), a.dtype)]
+    if nodes > 1:  # compact tiles: node partials to send (by destination node; AR: the reduced own block
+        # at this node's index) and received (by source node); AR: reduced tiles received
+        tiles = (nodes, tiles_blk, tp.TILE_BYTES // 2)
+        sizes += [("stage", tiles, a.dtype), ("xrecv", tiles, a.dtype)] + ([("xgath", tiles, a.dtype)] if allreduce else [])
     plan = tp.plan_buffers(op, comm, ("buffers", op, M, N, a.dtype.name), sizes)  # shared by layouts
     args = tp.TpArgs()
     tp.fill_common(args, comm, op, a_ptr=a.data.ptr, a_rows=M, a_row_bytes=tp._row_stride(a), dtype=a.dtype,
@@ -103,9 +104,10 @@ def gemm_reduce(op, spec, kernel, allreduce, a, b, *, comm, out, stream, b_layou
         args.gflag_off = comm.offset_of(plan["gflag"])
     if nodes > 1:
         if "pflags" not in plan:  # first use of the plan (collective, like its buffers)
-            xgroup = -(-nodes * tiles_blk // tp.ARRIVAL_FLAGS)
+            xgroup = -(-(2 if allreduce else 1) * nodes * tiles_blk // tp.ARRIVAL_FLAGS)
             plan["xgroup"] = xgroup
-            plan["pflags"] = comm.proxy_flag_block(tp.PF_ARRIVED + nodes * -(-tiles_blk // xgroup))
+            counters = (2 if allreduce else 1) * nodes * -(-tiles_blk // xgroup)  # arrivals (AR: and reduced tiles)
+            plan["pflags"] = comm.proxy_flag_block(tp.PF_ARRIVED + counters)
         base = plan["pflags"].base
         args.queue = comm.proxy_queue_args(flag_base=base)
         args.pflags = comm.proxy_flags[0] + 4 * base
@@ -113,6 +115,8 @@ def gemm_reduce(op, spec, kernel, allreduce, a, b, *, comm, out, stream, b_layou
         args.xgroups = -(-tiles_blk // plan["xgroup"])
         args.stage_off = comm.offset_of(plan["stage"])
         args.xrecv_off = comm.offset_of(plan["xrecv"])
+        if allreduce:
+            args.xgath_off = comm.offset_of(plan["xgath"])
     lr = comm.local_rank
     for o in range(W):  # block o's partial goes to rank o % L of this node, slot [lr][o // L]
         slot = comm.heap.peer_base[o % L] + args.recv_off + (lr * nodes + o // L) * mb * N * esize

@@ -64,7 +64,8 @@ class TpArgs(ctypes.Structure):
                 ("join", ctypes.c_int32), ("nodes", ctypes.c_int32), ("local", ctypes.c_int32),
                 ("lrank", ctypes.c_int32), ("node", ctypes.c_int32), ("xgroup", ctypes.c_uint32),
                 ("xgroups", ctypes.c_uint32), ("queue", _proxy.QueueArgs), ("pflags", ctypes.c_void_p),
-                ("stage_off", ctypes.c_uint64), ("xrecv_off", ctypes.c_uint64), ("pad", ctypes.c_int32 * 24)]
+                ("stage_off", ctypes.c_uint64), ("xrecv_off", ctypes.c_uint64), ("xgath_off", ctypes.c_uint64),
+                ("pad", ctypes.c_int32 * 22)]
 
 
 def register(op: str, source: str, kernel: str):
@@ -132,7 +133,7 @@ def check_comm(op, comm, nodes_ok=False):
         raise ArgumentError(f"{op} needs comm= (mkernel.init())")
     if comm.num_nodes != 1 and not nodes_ok:
         raise ArgumentError(f"{op}: works inside one node so far (this communicator spans {comm.num_nodes} "
-                            f"nodes); between nodes only gemm_reduce_scatter is built")
+                            f"nodes); between nodes only gemm_reduce_scatter and gemm_allreduce are built")
     L = comm.local_size
     if comm.topology.node_of != tuple(r // L for r in range(comm.size)):
         raise ArgumentError(f"{op}: needs node-major ranks (rank = node * ranks_per_node + local rank); this "

@@ -240,17 +240,19 @@ def test_reduce_scatter_and_allreduce_launch_arguments(fake_launch, world, rank)
         assert comm.agreed and comm.agreed[-1][-1] == "fused"
 
 
+@pytest.mark.parametrize("allreduce", [False, True], ids=["rs", "ar"])
 @pytest.mark.parametrize("world,nodes,rank", [(2, 2, 1), (4, 2, 1), (4, 2, 2), (8, 4, 5)])
-def test_reduce_scatter_between_nodes_launch_arguments(fake_launch, world, nodes, rank):
-    """Hierarchical RS: block o's tiles go to rank o % L of this node (slot [lrank][o // L]); the
-    node partials' staging / receive buffers, the plan's proxy flags and queue are set; allreduce
-    and allgather refuse several nodes."""
+def test_reduce_ops_between_nodes_launch_arguments(fake_launch, world, nodes, rank, allreduce):
+    """Hierarchical RS / AR: block o's tiles go to rank o % L of this node (slot [lrank][o // L]);
+    the node partials' staging / receive buffers (AR: and the received reduced tiles), the plan's
+    proxy flags and queue are set; allgather refuses several nodes."""
     M, K, N = 200 * world, 136, 264
     L = world // nodes
     comm = _Comm(world, rank, nodes)
     a, b = _Arr((M, K), "float16", 0x100000), _Arr((K, N), "float16", 0x200000)
-    out = _Arr((M // world, N), "float16", 0x300000)
-    assert rs.gemm_reduce_scatter(a, b, comm=comm, out=out, path="fused") is out
+    out = _Arr((M, N) if allreduce else (M // world, N), "float16", 0x300000)
+    fn = ar.gemm_allreduce if allreduce else rs.gemm_reduce_scatter
+    assert fn(a, b, comm=comm, out=out, path="fused") is out
     args, plan, mb = fake_launch["launch"]["args"], fake_launch["plan"], M // world
     assert (args.world, args.me, args.nodes, args.local, args.lrank, args.node) == (world, rank, nodes, L, rank % L,
                                                                                   rank // L)
@@ -259,20 +261,21 @@ def test_reduce_scatter_between_nodes_launch_arguments(fake_launch, world, nodes
         assert args.dst[o].v[0] == slot
     tiles_blk = 4
     assert plan["recv"].size_bytes == L * nodes * mb * N * 2 and plan["rflag"].size_bytes == L * nodes * tiles_blk * 4
-    for name in ("stage", "xrecv"):
+    for name in ("stage", "xrecv") + (("xgath",) if allreduce else ()):
         assert plan[name].size_bytes == nodes * tiles_blk * tp.TILE_BYTES
     assert args.stage_off == comm.offset_of(plan["stage"]) and args.xrecv_off == comm.offset_of(plan["xrecv"])
+    assert args.xgath_off == (comm.offset_of(plan["xgath"]) if allreduce else 0)
     assert args.xgroup == 1 and args.xgroups == tiles_blk
-    assert comm.flag_blocks == [tp.PF_ARRIVED + nodes * tiles_blk]
+    assert comm.flag_blocks == [tp.PF_ARRIVED + (2 if allreduce else 1) * nodes * tiles_blk]
     assert args.queue.flag_base == 100 and args.pflags == 0x7000000 + 4 * 100
-    assert fake_launch["launch"]["grid"] == world * tiles_blk + min(tp.DEFAULT_COMM_SMS["gemm_reduce_scatter"],
+    assert fake_launch["launch"]["grid"] == world * tiles_blk + min(tp.DEFAULT_COMM_SMS[fake_launch["launch"]["op"]],
                                                                      nodes * tiles_blk)
     with pytest.raises(ArgumentError, match="between nodes only"):
-        ar.gemm_allreduce(a, b, comm=_Comm(world, rank, nodes), path="fused")
+        ag.allgather_gemm(_Arr((M // world, K), "float16", 0x100000), b, comm=_Comm(world, rank, nodes), path="fused")
     with pytest.raises(ArgumentError, match="node-major"):
         c = _Comm(world, rank, nodes)
-        c.topology.node_of = tuple(reversed(c.topology.node_of)) if nodes > 1 else c.topology.node_of
-        rs.gemm_reduce_scatter(a, b, comm=c, out=out, path="fused")
+        c.topology.node_of = tuple(reversed(c.topology.node_of))
+        fn(a, b, comm=c, out=out, path="fused")
 
 
 def test_allgather_gemm_launch_arguments_and_nk_layout(fake_launch):

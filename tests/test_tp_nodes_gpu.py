@@ -1,4 +1,5 @@
-"""GPU: the fused tensor-parallel ops between nodes (hierarchical GEMM+ReduceScatter, issue 7).
+"""GPU: the fused tensor-parallel ops between nodes (hierarchical GEMM+ReduceScatter and
+GEMM+AllReduce, issue 7).
 
 - 2 ranks as 2 emulated nodes (``gpus_per_node=1``), over the host transport and over TCP (the
   2-rank pass of tests/run_gpu.sh: 2 GPUs, or 2 ranks sharing GPU 0);
@@ -9,9 +10,12 @@ Checks, every output poisoned with NaN first: exact integer-valued inputs bitwis
 float64 sum (mismatching 128 x 256 tiles named), random inputs within the per-element bound of
 tests/test_tp_gpu.py against float64, off-grid shapes, fp16 and bf16, B as [K, N] and [N, K],
 three launches of each shape alternating with another shape (stale flags and counters), results
-bitwise equal from launch to launch, and the bytes the proxy sent equal to the hierarchical
-minimum: (nodes - 1) * M / world * N elements per rank and launch.
+bitwise equal from launch to launch (AllReduce: and on every rank), and the bytes the proxy sent
+equal to the hierarchical minimum: (nodes - 1) * M / world * N elements per rank and launch for
+ReduceScatter, twice that for AllReduce.
 """
+
+import hashlib
 
 import numpy as np
 import pytest
@@ -20,6 +24,7 @@ from test_tp_gpu import DTYPES, _check_close, _check_exact, _collective, _reduce
 from test_transport import WORLD, _relaunch
 
 import mkernel
+from mkernel.gemm_allreduce import gemm_allreduce
 from mkernel.gemm_reduce_scatter import gemm_reduce_scatter
 from mkernel.testing import sync_or_exit
 
@@ -39,8 +44,9 @@ def _sent(comm):
     return sum(p["bytes_sent"] for p in comm.stats().get("peers", {}).values())
 
 
-def _run_cases(comm):
+def _run_cases(comm, allreduce):
     """Every case REPEATS times, interleaved (case 0, 1, 2, 0, 1, 2, ...)."""
+    fn, hops = (gemm_allreduce, 2) if allreduce else (gemm_reduce_scatter, 1)
     W, L, nodes = comm.size, comm.local_size, comm.num_nodes
     problems = []
     for i, (M, N, K, kind, integer, layout) in enumerate(CASES):
@@ -55,24 +61,28 @@ def _run_cases(comm):
         for rep in range(REPEATS):
             for i, (M, N, K, kind, integer, a, (b, bl), total, absum, absprod) in enumerate(problems):
                 dt = DTYPES[kind]
-                out = _poisoned((M // W, N), kind)
+                out = _poisoned((M, N) if allreduce else (M // W, N), kind)
                 before = _sent(comm)
-                gemm_reduce_scatter(a, b, comm=comm, out=out, b_layout=bl, path="fused")
-                what = f"case {i} {M}x{N}x{K} {kind} launch {rep}"
+                fn(a, b, comm=comm, out=out, b_layout=bl, path="fused")
+                what = f"{fn.__name__} case {i} {M}x{N}x{K} {kind} launch {rep}"
                 sync_or_exit(what, HANG_S)
                 comm.check()
                 got = _host(out)
-                want = (nodes - 1) * (M // W) * N * dt.itemsize
+                want = hops * (nodes - 1) * (M // W) * N * dt.itemsize
                 if _sent(comm) - before != want:
                     return False, f"{what}: the proxy sent {_sent(comm) - before} bytes, the minimum is {want}"
-                ref = _rows(total, comm, M)
+                pick = (lambda x: x) if allreduce else (lambda x: _rows(x, comm, M))
+                row0 = 0 if allreduce else comm.rank * (M // W)
                 if integer:
-                    ok, msg = _check_exact(got, ref, dt, what, row0=comm.rank * (M // W))
+                    ok, msg = _check_exact(got, pick(total), dt, what, row0=row0)
                 else:
-                    ok, msg = _check_close(got, ref, _rows(absum, comm, M), _rows(absprod, comm, M), K, dt, what,
-                                           row0=comm.rank * (M // W))
+                    ok, msg = _check_close(got, pick(total), pick(absum), pick(absprod), K, dt, what, row0=row0)
                 if not ok:
                     return False, msg
+                if allreduce:
+                    digests = comm.mpi.allgather(hashlib.sha256(got.view(np.uint16).tobytes()).hexdigest())
+                    if len(set(digests)) != 1:
+                        return False, f"{what}: ranks hold different bits"
                 if i in first and not np.array_equal(got.view(np.uint16), first[i]):
                     return False, f"{what}: not bitwise equal to launch 0"
                 first.setdefault(i, got.view(np.uint16).copy())
@@ -85,29 +95,31 @@ def _run_cases(comm):
 @pytest.mark.mpi
 @pytest.mark.multi_gpu
 @pytest.mark.parametrize("transport", ["host", "tcp"])
-def test_reduce_scatter_between_two_emulated_nodes(transport):
+def test_reduce_ops_between_two_emulated_nodes(transport):
     if WORLD.Get_size() != 2:
         pytest.skip("pairs exactly two ranks")
-    comm = mkernel.init(WORLD, gpus_per_node=1, transport=transport, workspace_bytes=128 << 20)
+    comm = mkernel.init(WORLD, gpus_per_node=1, transport=transport, workspace_bytes=192 << 20)
     try:
         assert comm.num_nodes == 2
-        _run_cases(comm)
+        for allreduce in (False, True):
+            _run_cases(comm, allreduce)
     finally:
         comm.close()
 
 
 @pytest.mark.gpu
-def test_reduce_scatter_on_two_nodes_of_two_ranks(request):
+def test_reduce_ops_on_two_nodes_of_two_ranks(request):
     """4 ranks (sharing the GPUs) as 2 nodes x 2: partials summed over NVLink (IPC) inside each node,
-    node partials through the host transport between them."""
+    node partials (and, AllReduce, reduced tiles) through the host transport between them."""
     if _relaunch(request, n=4):
         return
     if WORLD.Get_size() != 4:
         pytest.skip("4 ranks as 2 nodes x 2")
-    comm = mkernel.init(WORLD, gpus_per_node=2, transport="host", workspace_bytes=128 << 20)
+    comm = mkernel.init(WORLD, gpus_per_node=2, transport="host", workspace_bytes=192 << 20)
     try:
         assert comm.num_nodes == 2 and comm.local_size == 2
-        _run_cases(comm)
+        for allreduce in (False, True):
+            _run_cases(comm, allreduce)
     finally:
         comm.close()
 
@@ -115,14 +127,13 @@ def test_reduce_scatter_on_two_nodes_of_two_ranks(request):
 @pytest.mark.gpu
 @pytest.mark.mpi
 @pytest.mark.multi_gpu
-def test_allreduce_and_allgather_refuse_several_nodes():
+def test_allgather_gemm_refuses_several_nodes():
     if WORLD.Get_size() != 2:
         pytest.skip("pairs exactly two ranks")
     comm = mkernel.init(WORLD, gpus_per_node=1, workspace_bytes=16 << 20)
     try:
         a = _dev(np.ones((64, 64), np.float16))
-        for fn in (mkernel.gemm_allreduce, mkernel.allgather_gemm):
-            with pytest.raises(mkernel.ArgumentError, match="between nodes only gemm_reduce_scatter"):
-                fn(a, a, comm=comm)
+        with pytest.raises(mkernel.ArgumentError, match="between nodes only"):
+            mkernel.allgather_gemm(a, a, comm=comm)
     finally:
         comm.close()

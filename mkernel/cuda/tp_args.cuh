@@ -14,7 +14,7 @@ enum { TP_OP_RS = 0, TP_OP_AR = 1, TP_OP_AG = 2 };
 // Device counters of one (op, shape) plan, zero between launches (the last CTA resets them), then
 // one that is never reset: the plan's launches so far (targets of the counting flags between nodes).
 enum { TP_CNT_TILE = 0, TP_CNT_DONE = 1, TP_CNT_REDUCE = 2, TP_CNT_COPY = 3, TP_CNT_PUSH = 4, TP_CNT_SENT = 5,
-       TP_CNT_WORDS = 8, TP_CNT_LAUNCHES = TP_CNT_WORDS };
+       TP_CNT_FORWARD = 6, TP_CNT_WORDS = 8, TP_CNT_LAUNCHES = TP_CNT_WORDS };
 
 // A node partial crossing the network: one tile, compact (rows x cols of the tile, row-major).
 #define TP_TILE_BYTES (128 * 256 * 2)
@@ -23,7 +23,8 @@ enum { TP_CNT_TILE = 0, TP_CNT_DONE = 1, TP_CNT_REDUCE = 2, TP_CNT_COPY = 3, TP_
 //   CREDIT + j: rank (j, lrank) entered this epoch (SET to E): its receive tiles may be written;
 //   FLUSH + j: this rank's WRITEs to (j, lrank) have all landed (SET to E);
 //   ARRIVED + j * xgroups + g: tiles of node j's partial of this rank's block, group g, arrived
-//   (ADD 1 per tile: launch P of the plan is complete at P * tiles in the group).
+//   (ADD 1 per tile: launch P of the plan is complete at P * tiles in the group);
+//   ARRIVED + (nodes + j) * xgroups + g (AR): reduced tiles of block j * local + lrank, group g.
 enum { TP_PF_CREDIT = 0, TP_PF_FLUSH = TP_MAX_WORLD, TP_PF_ARRIVED = 2 * TP_MAX_WORLD };
 
 struct TpArgs {
@@ -66,5 +67,6 @@ struct TpArgs {
   unsigned int* pflags;          // this plan's proxy flags (mapped host memory), TP_PF_*
   unsigned long long stage_off;  // [nodes][tiles_blk] TP_TILE_BYTES: node partials to send
   unsigned long long xrecv_off;  // [nodes][tiles_blk] TP_TILE_BYTES: node partials received, by source node
-  int pad[24];                   // explicit tail: sizeof is a multiple of 64
+  unsigned long long xgath_off;  // AR: [nodes][tiles_blk] TP_TILE_BYTES: reduced tiles received, by source node
+  int pad[22];                   // explicit tail: sizeof is a multiple of 64
 };

@@ -56,12 +56,12 @@ MK_DEV bool tp_remote_credit(const TpArgs& a, u32 j, u32 E, u32* credited) {
   return ok;
 }
 
-// Reducer thread 0, several nodes: the arrival counters of tile tl from every other node.
-MK_DEV bool tp_remote_arrivals(const TpArgs& a, u32 tl, u32 launch, u32 E) {
+// Reducer thread 0, several nodes: the arrival counters (first: `base`) of tile tl from every other node.
+MK_DEV bool tp_remote_arrivals(const TpArgs& a, u32 base, u32 tl, u32 launch) {
   const u32 tb = tp_tiles_blk(a), g = tl / a.xgroup, tiles = min(a.xgroup, tb - g * a.xgroup);
   for (u32 j = 0; j < (u32)a.nodes; ++j)
     if (j != (u32)a.node &&
-        !wait_remote_at_least(a.g.sync, a.queue, a.pflags + TP_PF_ARRIVED + j * a.xgroups + g, launch * tiles,
+        !wait_remote_at_least(a.g.sync, a.queue, a.pflags + base + j * a.xgroups + g, launch * tiles,
                               (i32)(j * a.local + a.lrank), 0x30000u + tl))
       return false;
   return true;
@@ -81,6 +81,26 @@ MK_DEV void tp_remote_flush(const TpArgs& a, u32 E) {
 // The reduction (and, AR, the gather copies) by a group of nthr threads (tid in [0, nthr)) that
 // synchronise with bar(): a communication CTA from the start, or a GEMM CTA's consumers after
 // their tiles. Items are claimed from the shared counters, so any number of groups cooperate.
+// Tile tl of a block: its rows, columns, and 16-byte vectors per row (n % 8 == 0).
+struct TpTileShape {
+  u32 mt, nt, rows, cols, vpr;
+  MK_DEV TpTileShape(const TpArgs& a, u32 tl) {
+    mt = tl / (u32)a.tiles_n;
+    nt = tl - mt * (u32)a.tiles_n;
+    rows = min(128u, (u32)a.mb - mt * 128u);
+    cols = min(256u, (u32)a.g.n - nt * 256u);
+    vpr = cols / 8u;
+  }
+};
+
+// Thread 0: a WRITE of one compact tile from this rank's workspace to rank (j, lrank)'s, counted in
+// its arrival counter `counter` (+ group); the launch's last one flushes.
+MK_DEV void tp_send_tile(const TpArgs& a, u32 j, u64 src_off, u64 dst_off, u32 bytes, u32 counter, u32 sends, u32 E) {
+  queue_push(a.g.sync, a.queue, mk_write_cmd(j * a.local + a.lrank, MK_WORKSPACE_REGION, src_off, MK_WORKSPACE_REGION,
+                                             dst_off, bytes, counter, 1u, MK_FLAG_ADD));
+  if (atomicAdd(&a.counters[TP_CNT_SENT], 1u) + 1 == sends) tp_remote_flush(a, E);
+}
+
 template <int DT, int OP, class Bar>
 MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar) {
   __shared__ u32 s_item, s_credited;
@@ -93,48 +113,49 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar) {
   const u8* recv = peer_ptr<u8>(peers, l, a.recv_off);        // [L senders][N blocks][mb][n]
   const u32* rflag = peer_ptr<u32>(peers, l, a.rflag_off);    // [L][N][tb]
   const u8* xrecv = peer_ptr<u8>(peers, l, a.xrecv_off);      // [N][tb] compact tiles (N > 1)
+  const u8* xgath = peer_ptr<u8>(peers, l, a.xgath_off);      // AR: [N][tb] compact reduced tiles (N > 1)
   u8* stage = peer_ptr<u8>(peers, l, a.stage_off);            // [N][tb] compact tiles (N > 1)
   const u32 launch = N > 1 ? ld_relaxed_sys(&a.counters[TP_CNT_LAUNCHES]) + 1 : 0;
+  const u32 sends = (OP == TP_OP_AR ? 2u : 1u) * (N - 1) * tb;  // WRITEs of this rank per launch
+  const u32 gathered = TP_PF_ARRIVED + N * a.xgroups;         // AR: counters of reduced tiles, by node
   u8* out = reinterpret_cast<u8*>(a.out);
   bool ok = true;
   if (tid == 0) s_credited = 0;
-  if (OP == TP_OP_AR) {  // every peer's gather buffer may be written once it entered this epoch
+  if (OP == TP_OP_AR) {  // every local peer's gather buffer may be written once it entered this epoch
     bar();
     if (tid == 0) {
       int good = 1;
-      for (u32 p = 0; p < W; ++p)
-        if (p != me) good &= credits_wait(a.g.sync, peers, p, E) ? 1 : 0;
+      for (u32 p = 0; p < L; ++p)
+        if (p != l) good &= credits_wait(a.g.sync, peers, p, E) ? 1 : 0;
       s_ok = good;
     }
     bar();
     ok = s_ok != 0;
   }
+  // Reduce: blocks j * L + l (other nodes' first, own last).
   while (ok) {
     const u32 item = tp_claim(&a.counters[TP_CNT_REDUCE], &s_item, tid, bar);
     if (item >= N * tb) break;
     const u32 i = item / tb;
-    const u32 j = (n + 1 + i) % N;  // block j * L + l: other nodes' first, this rank's own last
+    const u32 j = (n + 1 + i) % N;
     const bool own = j == n;
     const u32 tl = tp_block_tile(item - i * tb, (u32)a.tiles_mb, (u32)a.tiles_n);
     if (tid == 0) {
       int good = 1;
       for (u32 s = 0; s < L && good; ++s) good = wait_epoch(a.g.sync, rflag + (s * N + j) * tb + tl, E, (i32)(n * L + s), tl) ? 1 : 0;
-      if (good && N > 1) good = (own ? tp_remote_arrivals(a, tl, launch, E) : tp_remote_credit(a, j, E, &s_credited)) ? 1 : 0;
+      if (good && N > 1) good = (own ? tp_remote_arrivals(a, TP_PF_ARRIVED, tl, launch) : tp_remote_credit(a, j, E, &s_credited)) ? 1 : 0;
       __threadfence();
       s_ok = good;
     }
     bar();
     if (!s_ok) break;
-    const u32 mt = tl / (u32)a.tiles_n, nt = tl - mt * (u32)a.tiles_n;
-    const u32 rows = min(128u, (u32)a.mb - mt * 128u);
-    const u32 cols = min(256u, (u32)(ncol - nt * 256u));
-    const u32 vpr = cols / 8u;  // 16-byte vectors per row (n % 8 == 0)
-    const u64 tile_off = ((u64)j * tb + tl) * TP_TILE_BYTES;
-    for (u32 v = tid; v < rows * vpr; v += nthr) {
-      const u32 r = v / vpr;
-      const u64 row = mt * 128u + r, col = nt * 256u + (v - r * vpr) * 8u;
+    const TpTileShape ts(a, tl);
+    const u64 tile_off = ((u64)j * tb + tl) * TP_TILE_BYTES;  // own: the reduced tile to send (AR)
+    for (u32 v = tid; v < ts.rows * ts.vpr; v += nthr) {
+      const u32 r = v / ts.vpr, c = (v - r * ts.vpr) * 8u;
+      const u64 row = ts.mt * 128u + r, col = ts.nt * 256u + c;
       const u64 off = (row * ncol + col) * 2;
-      const u64 compact = ((u64)r * cols + (v - r * vpr) * 8u) * 2;
+      const u64 compact = ((u64)r * ts.cols + c) * 2;
       float s[8];
 #pragma unroll
       for (int e = 0; e < 8; ++e) s[e] = 0.f;
@@ -147,60 +168,92 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar) {
         tp_add_partials<DT>(s, recv + j * blk_bytes + off, N * blk_bytes, L);
       }
       const uint4 sum = tp_pack8<DT>(s);
-      if (!own) {
-        st_v4(stage + tile_off + compact, sum);
-        continue;
-      }
+      if (!own || (OP == TP_OP_AR && N > 1)) st_v4(stage + tile_off + compact, sum);
+      if (!own) continue;
       const u64 orow = OP == TP_OP_AR ? (u64)me * (u64)a.mb + row : row;
       st_v4(out + (orow * (u64)a.ldo + col) * 2, sum);
-      if (OP == TP_OP_AR) {
-        for (u32 p = 0; p < W; ++p)
-          if (p != me) st_v4(peer_ptr<u8>(peers, p, a.gath_off) + me * blk_bytes + off, sum);
-      }
+      if (OP == TP_OP_AR)
+        for (u32 p = 0; p < L; ++p)
+          if (p != l) st_v4(peer_ptr<u8>(peers, p, a.gath_off) + me * blk_bytes + off, sum);
     }
-    if (!own) {  // the staged node partial leaves as one WRITE, counted in its owner's arrivals
-      __threadfence_system();
+    if (!own || OP == TP_OP_AR) {
+      __threadfence_system();  // each thread's stores before the flags and WRITEs (cumulative with the barrier)
       bar();
-      if (tid == 0) {
-        const u32 dest = j * L + l;
-        queue_push(a.g.sync, a.queue, mk_write_cmd(dest, MK_WORKSPACE_REGION, a.stage_off + tile_off, MK_WORKSPACE_REGION,
-                                                   a.xrecv_off + ((u64)n * tb + tl) * TP_TILE_BYTES, rows * cols * 2,
-                                                   TP_PF_ARRIVED + n * a.xgroups + tl / a.xgroup, 1u, MK_FLAG_ADD));
-        if (atomicAdd(&a.counters[TP_CNT_SENT], 1u) + 1 == (N - 1) * tb) tp_remote_flush(a, E);
-      }
     }
-    if (OP == TP_OP_AR && own) {
-      __threadfence_system();  // each thread's pushes before the flags (cumulative with the barrier)
-      bar();
-      if (tid == 0)
-        for (u32 p = 0; p < W; ++p)
-          if (p != me) set_flag(peer_ptr<u32>(peers, p, a.gflag_off) + me * tb + tl, E);
+    if (tid == 0) {
+      const u32 g = tl / a.xgroup, bytes = ts.rows * ts.cols * 2;
+      if (!own)  // the node partial, counted in its owner's arrivals
+        tp_send_tile(a, j, a.stage_off + tile_off, a.xrecv_off + ((u64)n * tb + tl) * TP_TILE_BYTES, bytes,
+                     TP_PF_ARRIVED + n * a.xgroups + g, sends, E);
+      if (own && OP == TP_OP_AR) {  // the reduced tile: to this node's peers, and once to every other node
+        for (u32 p = 0; p < L; ++p)
+          if (p != l) set_flag(peer_ptr<u32>(peers, p, a.gflag_off) + me * tb + tl, E);
+        for (u32 jj = 0; jj < N; ++jj)
+          if (jj != n && tp_remote_credit(a, jj, E, &s_credited))
+            tp_send_tile(a, jj, a.stage_off + tile_off, a.xgath_off + ((u64)n * tb + tl) * TP_TILE_BYTES, bytes,
+                         gathered + n * a.xgroups + g, sends, E);
+      }
     }
   }
-  if (OP == TP_OP_AR) {
-    const u8* gath = peer_ptr<u8>(peers, me, a.gath_off);
-    const u32* gflag = peer_ptr<u32>(peers, me, a.gflag_off);
-    while (ok) {
-      const u32 item = tp_claim(&a.counters[TP_CNT_COPY], &s_item, tid, bar);
-      if (item >= (W - 1) * tb) break;
-      const u32 i = item / tb;
-      const u32 o = (me + 1 + i) % W;
-      const u32 tl = tp_block_tile(item - i * tb, (u32)a.tiles_mb, (u32)a.tiles_n);
-      if (tid == 0) {
-        s_ok = wait_epoch(a.g.sync, gflag + o * tb + tl, E, (i32)o, 0x10000u + tl) ? 1 : 0;
-        __threadfence();
-      }
-      bar();
-      if (!s_ok) break;
-      const u32 mt = tl / (u32)a.tiles_n, nt = tl - mt * (u32)a.tiles_n;
-      const u32 rows = min(128u, (u32)a.mb - mt * 128u);
-      const u32 vpr = (min(256u, (u32)(n - nt * 256u))) / 8u;
-      for (u32 v = tid; v < rows * vpr; v += nthr) {
-        const u32 r = v / vpr;
-        const u64 row = mt * 128u + r, col = nt * 256u + (v - r * vpr) * 8u;
-        const uint4 x = ld_cg_v4(gath + o * blk_bytes + (row * n + col) * 2);
-        st_v4(out + (((u64)o * (u64)a.mb + row) * (u64)a.ldo + col) * 2, x);
-      }
+  if (OP != TP_OP_AR) {
+    bar();
+    return;
+  }
+  // AR, several nodes: forward the reduced tiles of blocks jj * L + l that arrived from node jj into
+  // `out` and to this node's peers (their gather buffers), so each crosses the network once per node.
+  while (ok && N > 1) {
+    const u32 item = tp_claim(&a.counters[TP_CNT_FORWARD], &s_item, tid, bar);
+    if (item >= (N - 1) * tb) break;
+    const u32 i = item / tb;
+    const u32 jj = (n + 1 + i) % N, o = jj * L + l;
+    const u32 tl = tp_block_tile(item - i * tb, (u32)a.tiles_mb, (u32)a.tiles_n);
+    if (tid == 0) {
+      s_ok = wait_remote_at_least(a.g.sync, a.queue, a.pflags + gathered + jj * a.xgroups + tl / a.xgroup,
+                                  launch * min(a.xgroup, tb - tl / a.xgroup * a.xgroup), (i32)o, 0x50000u + tl) ? 1 : 0;
+      __threadfence();
+    }
+    bar();
+    if (!s_ok) break;
+    const TpTileShape ts(a, tl);
+    const u8* src = xgath + ((u64)jj * tb + tl) * TP_TILE_BYTES;
+    for (u32 v = tid; v < ts.rows * ts.vpr; v += nthr) {
+      const u32 r = v / ts.vpr, c = (v - r * ts.vpr) * 8u;
+      const u64 row = ts.mt * 128u + r, col = ts.nt * 256u + c;
+      const uint4 x = ld_cg_v4(src + ((u64)r * ts.cols + c) * 2);
+      st_v4(out + (((u64)o * (u64)a.mb + row) * (u64)a.ldo + col) * 2, x);
+      for (u32 p = 0; p < L; ++p)
+        if (p != l) st_v4(peer_ptr<u8>(peers, p, a.gath_off) + o * blk_bytes + (row * ncol + col) * 2, x);
+    }
+    __threadfence_system();
+    bar();
+    if (tid == 0)
+      for (u32 p = 0; p < L; ++p)
+        if (p != l) set_flag(peer_ptr<u32>(peers, p, a.gflag_off) + o * tb + tl, E);
+  }
+  // AR: copy the other blocks (owned, or forwarded, by this node's other ranks) from the gather buffer.
+  const u8* gath = peer_ptr<u8>(peers, l, a.gath_off);
+  const u32* gflag = peer_ptr<u32>(peers, l, a.gflag_off);
+  while (ok) {
+    const u32 item = tp_claim(&a.counters[TP_CNT_COPY], &s_item, tid, bar);
+    if (item >= (W - N) * tb) break;
+    u32 i = item / tb, o = me;
+    for (u32 d = 0, seen = 0; seen <= i; ++d) {  // the i-th block after me whose local index is not l
+      o = (me + 1 + d) % W;
+      if (o % L != l) ++seen;
+    }
+    const u32 tl = tp_block_tile(item - i * tb, (u32)a.tiles_mb, (u32)a.tiles_n);
+    if (tid == 0) {
+      s_ok = wait_epoch(a.g.sync, gflag + o * tb + tl, E, (i32)o, 0x10000u + tl) ? 1 : 0;
+      __threadfence();
+    }
+    bar();
+    if (!s_ok) break;
+    const TpTileShape ts(a, tl);
+    for (u32 v = tid; v < ts.rows * ts.vpr; v += nthr) {
+      const u32 r = v / ts.vpr;
+      const u64 row = ts.mt * 128u + r, col = ts.nt * 256u + (v - r * ts.vpr) * 8u;
+      const uint4 x = ld_cg_v4(gath + o * blk_bytes + (row * ncol + col) * 2);
+      st_v4(out + (((u64)o * (u64)a.mb + row) * (u64)a.ldo + col) * 2, x);
     }
   }
   bar();
