@@ -10,6 +10,10 @@ from .errors import ArgumentError
 OP = "allgather_gemm"
 KERNEL = "mk_allgather_gemm_kernel"
 SPEC = tp.register(OP, "allgather_gemm.cu", KERNEL)
+# Between nodes with several ranks per node the kernel stalled in 3 of 5 runs on the H200 (4 ranks
+# as 2 nodes x 2 sharing one GPU: host-transport traffic of one direction not delivered, a device
+# timeout raised as mkernel.TimeoutError; docs/TP.md). Refused until found; one rank per node passes.
+SEVERAL_RANKS_PER_NODE_BETWEEN_NODES = False
 
 
 def allgather_gemm(a, b, *, comm, out=None, stream=None, return_gathered=False, b_layout=None, comm_sms=None,
@@ -21,9 +25,16 @@ def allgather_gemm(a, b, *, comm, out=None, stream=None, return_gathered=False, 
     bfloat16 or float16, K and N_r multiples of 8. ``return_gathered=True`` also returns the
     gathered A ``[M, K]`` (a fresh array). ``comm_sms``: CTAs that push A (default 8). ``path``:
     as :func:`mkernel.gemm_reduce_scatter`.
+
+    Between nodes, hierarchically: each shard crosses the network once per other node (to the rank
+    with the same local index there, which passes it on to its node's peers over NVLink): each
+    rank sends ``(nodes - 1) * M / world * K`` elements, the minimum.
     """
     cupy = tp.cupy_mod()
     tp.check_comm(OP, comm)
+    if comm.num_nodes > 1 and comm.local_size > 1 and not SEVERAL_RANKS_PER_NODE_BETWEEN_NODES:
+        raise ArgumentError(f"{OP}: between nodes with several ranks per node is not reliable yet (it stalled in "
+                            f"tests, docs/TP.md); use one rank per node, or gemm_reduce_scatter / gemm_allreduce")
     a, layout, b_arr, N = tp.check_inputs(OP, a, b, b_layout, stream)
     mb, K = a.shape
     W = comm.size
@@ -63,12 +74,15 @@ def allgather_gemm(a, b, *, comm, out=None, stream=None, return_gathered=False, 
     args.aflag_off = comm.offset_of(plan["aflag"])
     args.a_local = a.data.ptr
     args.lda = tp._row_stride(a) // esize
+    L, nodes = comm.local_size, comm.num_nodes
+    if nodes > 1:  # arrival counters of the chunks that come through the proxy
+        tp.plan_between_nodes(comm, plan, args, tiles_mb)
     ldo_bytes = tp._row_stride(out)
     for o in range(W):
         args.dst[o] = tp.out_map(a.dtype, out.data.ptr + o * mb * ldo_bytes, mb, N, ldo_bytes)
     args.out = out.data.ptr
     args.ldo = ldo_bytes // esize
-    gemm_ctas, comm_ctas = tp.grid_split(OP, comm_sms, W * tiles_blk, W * tiles_mb, tp.sm_count())
+    gemm_ctas, comm_ctas = tp.grid_split(OP, comm_sms, W * tiles_blk, (L + nodes - 1) * tiles_mb, tp.sm_count())
     args.gemm_ctas = gemm_ctas
     tp.launch_fused(comm, OP, SPEC, KERNEL, args, a.dtype, layout, gemm_ctas + comm_ctas, stream)
     if return_gathered:

@@ -42,7 +42,7 @@ def gemm_reduce_scatter(a, b, *, comm, out=None, stream=None, b_layout=None, com
 def gemm_reduce(op, spec, kernel, allreduce, a, b, *, comm, out, stream, b_layout, comm_sms, deterministic, path,
                 join=None):
     cupy = tp.cupy_mod()
-    tp.check_comm(op, comm, nodes_ok=True)
+    tp.check_comm(op, comm)
     a, layout, b_arr, N = tp.check_inputs(op, a, b, b_layout, stream)
     M, K = a.shape
     W = comm.size
@@ -102,17 +102,8 @@ def gemm_reduce(op, spec, kernel, allreduce, a, b, *, comm, out, stream, b_layou
     if allreduce:
         args.gath_off = comm.offset_of(plan["gath"])
         args.gflag_off = comm.offset_of(plan["gflag"])
-    if nodes > 1:
-        if "pflags" not in plan:  # first use of the plan (collective, like its buffers)
-            xgroup = -(-(2 if allreduce else 1) * nodes * tiles_blk // tp.ARRIVAL_FLAGS)
-            plan["xgroup"] = xgroup
-            counters = (2 if allreduce else 1) * nodes * -(-tiles_blk // xgroup)  # arrivals (AR: and reduced tiles)
-            plan["pflags"] = comm.proxy_flag_block(tp.PF_ARRIVED + counters)
-        base = plan["pflags"].base
-        args.queue = comm.proxy_queue_args(flag_base=base)
-        args.pflags = comm.proxy_flags[0] + 4 * base
-        args.xgroup = plan["xgroup"]
-        args.xgroups = -(-tiles_blk // plan["xgroup"])
+    if nodes > 1:  # arrival counters of node partials (AR: and of reduced tiles)
+        tp.plan_between_nodes(comm, plan, args, tiles_blk, kinds=2 if allreduce else 1)
         args.stage_off = comm.offset_of(plan["stage"])
         args.xrecv_off = comm.offset_of(plan["xrecv"])
         if allreduce:

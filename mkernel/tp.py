@@ -32,7 +32,23 @@ OP_RS, OP_AR, OP_AG = 0, 1, 2
 CNT_WORDS = 8  # TP_CNT_WORDS (reset by the kernel), then TP_CNT_LAUNCHES
 TILE_BYTES = BM * BN * 2  # TP_TILE_BYTES: one node partial tile between nodes (compact)
 PF_ARRIVED = 2 * MAX_WORLD  # TP_PF_ARRIVED: the first arrival counter of a plan's proxy flags
-ARRIVAL_FLAGS = 1024  # arrival counters of one plan (source nodes x tile groups)
+ARRIVAL_FLAGS = 1024  # arrival counters of one plan (source nodes x tile or chunk groups)
+
+
+def plan_between_nodes(comm, plan, args, items, kinds=1):
+    """Between nodes: the plan's proxy flags (once per plan, collective like its buffers): arrival
+    counters for ``kinds`` x nodes x ``items`` (tiles, or A chunks) in groups small enough to fit
+    ARRIVAL_FLAGS; and the proxy fields of ``args``."""
+    nodes = comm.num_nodes
+    if "pflags" not in plan:
+        xgroup = -(-kinds * nodes * items // ARRIVAL_FLAGS)
+        plan["xgroup"] = xgroup
+        plan["pflags"] = comm.proxy_flag_block(PF_ARRIVED + kinds * nodes * -(-items // xgroup))
+    base = plan["pflags"].base
+    args.queue = comm.proxy_queue_args(flag_base=base)
+    args.pflags = comm.proxy_flags[0] + 4 * base
+    args.xgroup = plan["xgroup"]
+    args.xgroups = -(-items // plan["xgroup"])
 SMEM_BYTES = 230736  # TP_SMEM_BYTES (static_assert in every .cu)
 PATHS = ("fused", "fallback", "gemm")
 # RS / AR: the GEMM CTAs' consumers join the reduction after their last tile (besides the comm_sms
@@ -127,13 +143,10 @@ def check_inputs(op, a, b, b_layout, stream):
     return a, layout, b_arr, N
 
 
-def check_comm(op, comm, nodes_ok=False):
-    """nodes_ok: the op has its hierarchical path between nodes (ranks must be node-major)."""
+def check_comm(op, comm):
+    """Any number of nodes of equal size (the hierarchical paths); ranks must be node-major."""
     if comm is None:
         raise ArgumentError(f"{op} needs comm= (mkernel.init())")
-    if comm.num_nodes != 1 and not nodes_ok:
-        raise ArgumentError(f"{op}: works inside one node so far (this communicator spans {comm.num_nodes} "
-                            f"nodes); between nodes only gemm_reduce_scatter and gemm_allreduce are built")
     L = comm.local_size
     if comm.topology.node_of != tuple(r // L for r in range(comm.size)):
         raise ArgumentError(f"{op}: needs node-major ranks (rank = node * ranks_per_node + local rank); this "

@@ -245,7 +245,7 @@ def test_reduce_scatter_and_allreduce_launch_arguments(fake_launch, world, rank)
 def test_reduce_ops_between_nodes_launch_arguments(fake_launch, world, nodes, rank, allreduce):
     """Hierarchical RS / AR: block o's tiles go to rank o % L of this node (slot [lrank][o // L]);
     the node partials' staging / receive buffers (AR: and the received reduced tiles), the plan's
-    proxy flags and queue are set; allgather refuses several nodes."""
+    proxy flags and queue are set."""
     M, K, N = 200 * world, 136, 264
     L = world // nodes
     comm = _Comm(world, rank, nodes)
@@ -270,12 +270,34 @@ def test_reduce_ops_between_nodes_launch_arguments(fake_launch, world, nodes, ra
     assert args.queue.flag_base == 100 and args.pflags == 0x7000000 + 4 * 100
     assert fake_launch["launch"]["grid"] == world * tiles_blk + min(tp.DEFAULT_COMM_SMS[fake_launch["launch"]["op"]],
                                                                      nodes * tiles_blk)
-    with pytest.raises(ArgumentError, match="between nodes only"):
-        ag.allgather_gemm(_Arr((M // world, K), "float16", 0x100000), b, comm=_Comm(world, rank, nodes), path="fused")
     with pytest.raises(ArgumentError, match="node-major"):
         c = _Comm(world, rank, nodes)
         c.topology.node_of = tuple(reversed(c.topology.node_of))
         fn(a, b, comm=c, out=out, path="fused")
+
+
+@pytest.mark.parametrize("world,nodes,rank", [(2, 2, 1), (4, 2, 3), (8, 4, 5)])
+def test_allgather_gemm_between_nodes_launch_arguments(fake_launch, monkeypatch, world, nodes, rank):
+    """Hierarchical AG: the plan's proxy flags count chunk arrivals per source node; the pushers get
+    this node's pushes and the forwards of the other nodes' chunks as items. Several ranks per node
+    are refused unless enabled (ag.SEVERAL_RANKS_PER_NODE_BETWEEN_NODES)."""
+    mb, K, N = 200, 136, 264
+    L = world // nodes
+    comm = _Comm(world, rank, nodes)
+    out = _Arr((world * mb, N), "float16", 0x300000)
+    a, b = _Arr((mb, K), "float16", 0x100000), _Arr((K, N), "float16", 0x200000)
+    if L > 1:
+        with pytest.raises(ArgumentError, match="several ranks per node"):
+            ag.allgather_gemm(a, b, comm=comm, out=out, path="fused")
+        monkeypatch.setattr(ag, "SEVERAL_RANKS_PER_NODE_BETWEEN_NODES", True)
+    ag.allgather_gemm(a, b, comm=comm, out=out, path="fused")
+    args = fake_launch["launch"]["args"]
+    chunks = 2
+    assert (args.nodes, args.local, args.lrank, args.node) == (nodes, L, rank % L, rank // L)
+    assert comm.flag_blocks == [tp.PF_ARRIVED + nodes * chunks] and args.xgroup == 1 and args.xgroups == chunks
+    assert args.queue.flag_base == 100 and args.pflags == 0x7000000 + 4 * 100
+    assert fake_launch["launch"]["grid"] == world * chunks * 2 + min(tp.DEFAULT_COMM_SMS["allgather_gemm"],
+                                                                     (L + nodes - 1) * chunks)
 
 
 def test_allgather_gemm_launch_arguments_and_nk_layout(fake_launch):

@@ -1,5 +1,5 @@
-"""GPU: the fused tensor-parallel ops between nodes (hierarchical GEMM+ReduceScatter and
-GEMM+AllReduce, issue 7).
+"""GPU: the fused tensor-parallel ops between nodes (hierarchical GEMM+ReduceScatter,
+GEMM+AllReduce and AllGather+GEMM, issue 7).
 
 - 2 ranks as 2 emulated nodes (``gpus_per_node=1``), over the host transport and over TCP (the
   2-rank pass of tests/run_gpu.sh: 2 GPUs, or 2 ranks sharing GPU 0);
@@ -12,7 +12,8 @@ tests/test_tp_gpu.py against float64, off-grid shapes, fp16 and bf16, B as [K, N
 three launches of each shape alternating with another shape (stale flags and counters), results
 bitwise equal from launch to launch (AllReduce: and on every rank), and the bytes the proxy sent
 equal to the hierarchical minimum: (nodes - 1) * M / world * N elements per rank and launch for
-ReduceScatter, twice that for AllReduce.
+ReduceScatter, twice that for AllReduce, (nodes - 1) * M / world * K for AllGather (whose
+gathered A is also compared bitwise).
 """
 
 import hashlib
@@ -20,10 +21,11 @@ import hashlib
 import numpy as np
 import pytest
 from gpu_arrays import dev as _dev, host as _host, poisoned as _poisoned
-from test_tp_gpu import DTYPES, _check_close, _check_exact, _collective, _reduce_problem, _rows
+from test_tp_gpu import DTYPES, _check_close, _check_exact, _collective, _rank_inputs, _reduce_problem, _rows
 from test_transport import WORLD, _relaunch
 
 import mkernel
+from mkernel.allgather_gemm import allgather_gemm
 from mkernel.gemm_allreduce import gemm_allreduce
 from mkernel.gemm_reduce_scatter import gemm_reduce_scatter
 from mkernel.testing import sync_or_exit
@@ -88,14 +90,84 @@ def _run_cases(comm, allreduce):
                 first.setdefault(i, got.view(np.uint16).copy())
         return True, f"{len(problems)} cases x {REPEATS} launches, {W} ranks on {nodes} nodes of {L}"
 
-    _collective(comm, body)
+    _collective(comm, _with_state(comm, fn.__name__, body))
+
+
+# AllGather+GEMM: (rows per rank, N, K, dtype, integer inputs)
+AG_CASES = [(200, 264, 136, "fp16", True), (136, 520, 512, "bf16", False), (256, 256, 256, "bf16", True)]
+
+
+def _proxy_state(comm, op):
+    """For failure messages: per peer (writes, signals, bytes sent, received), and each plan of op's
+    proxy flags (credits, flushes, first arrival counters)."""
+    from mkernel import tp as _tp
+    peers = {p: (s["writes"], s["signals"], s["bytes_sent"], s["bytes_received"])
+             for p, s in comm.stats().get("peers", {}).items() if s["writes"] or s["signals"]}
+    flags = [comm.proxy_flags[1][v["pflags"].base:v["pflags"].base + 24].tolist()
+             for k, v in _tp.op_cache(comm).items() if isinstance(k, tuple) and k[:2] == ("buffers", op) and "pflags" in v]
+    try:
+        comm.proxy.check()
+        proxy_error = "none"
+    except Exception as e:  # noqa: BLE001  (what the device timeout may hide)
+        proxy_error = f"{type(e).__name__}: {e}"
+    return f"proxy {peers}, proxy error: {proxy_error}, plan flags {flags}"
+
+
+def _with_state(comm, op, body):
+    def run():
+        try:
+            ok, msg = body()
+        except Exception as e:  # noqa: BLE001  (reported with the proxy's state)
+            ok, msg = False, f"{type(e).__name__}: {e}"
+        return ok, msg if ok else f"{msg} [{_proxy_state(comm, op)}]"
+    return run
+
+
+def _run_ag_cases(comm):
+    W, nodes = comm.size, comm.num_nodes
+    problems = []
+    for i, (mb, N, K, kind, integer) in enumerate(AG_CASES):
+        dt = DTYPES[kind]
+        shards = [_rank_inputs(60 + i, r, (mb, K), (K, N), dt, integer) for r in range(W)]
+        a, b = shards[comm.rank]
+        full = np.vstack([s[0] for s in shards])
+        problems.append((mb, N, K, kind, integer, _dev(a.astype(dt)), _dev(b.astype(dt)), full, full @ b,
+                         np.abs(full) @ np.abs(b)))
+
+    def body():
+        first = {}
+        for rep in range(REPEATS):
+            for i, (mb, N, K, kind, integer, a, b, full, ref, absprod) in enumerate(problems):
+                dt = DTYPES[kind]
+                before = _sent(comm)
+                out, gathered = allgather_gemm(a, b, comm=comm, out=_poisoned((W * mb, N), kind), path="fused",
+                                               return_gathered=True)
+                what = f"allgather_gemm case {i} {mb}x{N}x{K} {kind} launch {rep}"
+                sync_or_exit(what, HANG_S)
+                comm.check()
+                got = _host(out)
+                want = (nodes - 1) * mb * K * dt.itemsize
+                if _sent(comm) - before != want:
+                    return False, f"{what}: the proxy sent {_sent(comm) - before} bytes, the minimum is {want}"
+                if not np.array_equal(_host(gathered).view(np.uint16), full.astype(dt).view(np.uint16)):
+                    return False, f"{what}: the gathered A differs"
+                ok, msg = (_check_exact(got, ref, dt, what) if integer else
+                           _check_close(got, ref, 0.0, absprod, K, dt, what))
+                if not ok:
+                    return False, msg
+                if i in first and not np.array_equal(got.view(np.uint16), first[i]):
+                    return False, f"{what}: not bitwise equal to launch 0"
+                first.setdefault(i, got.view(np.uint16).copy())
+        return True, ""
+
+    _collective(comm, _with_state(comm, "allgather_gemm", body))
 
 
 @pytest.mark.gpu
 @pytest.mark.mpi
 @pytest.mark.multi_gpu
 @pytest.mark.parametrize("transport", ["host", "tcp"])
-def test_reduce_ops_between_two_emulated_nodes(transport):
+def test_tp_ops_between_two_emulated_nodes(transport):
     if WORLD.Get_size() != 2:
         pytest.skip("pairs exactly two ranks")
     comm = mkernel.init(WORLD, gpus_per_node=1, transport=transport, workspace_bytes=192 << 20)
@@ -103,14 +175,12 @@ def test_reduce_ops_between_two_emulated_nodes(transport):
         assert comm.num_nodes == 2
         for allreduce in (False, True):
             _run_cases(comm, allreduce)
+        _run_ag_cases(comm)
     finally:
         comm.close()
 
 
-@pytest.mark.gpu
-def test_reduce_ops_on_two_nodes_of_two_ranks(request):
-    """4 ranks (sharing the GPUs) as 2 nodes x 2: partials summed over NVLink (IPC) inside each node,
-    node partials (and, AllReduce, reduced tiles) through the host transport between them."""
+def _two_nodes_of_two_ranks(request, run):
     if _relaunch(request, n=4):
         return
     if WORLD.Get_size() != 4:
@@ -118,22 +188,30 @@ def test_reduce_ops_on_two_nodes_of_two_ranks(request):
     comm = mkernel.init(WORLD, gpus_per_node=2, transport="host", workspace_bytes=192 << 20)
     try:
         assert comm.num_nodes == 2 and comm.local_size == 2
-        for allreduce in (False, True):
-            _run_cases(comm, allreduce)
+        run(comm)
     finally:
         comm.close()
 
 
 @pytest.mark.gpu
-@pytest.mark.mpi
-@pytest.mark.multi_gpu
-def test_allgather_gemm_refuses_several_nodes():
-    if WORLD.Get_size() != 2:
-        pytest.skip("pairs exactly two ranks")
-    comm = mkernel.init(WORLD, gpus_per_node=1, workspace_bytes=16 << 20)
-    try:
-        a = _dev(np.ones((64, 64), np.float16))
-        with pytest.raises(mkernel.ArgumentError, match="between nodes only"):
-            mkernel.allgather_gemm(a, a, comm=comm)
-    finally:
-        comm.close()
+def test_reduce_ops_on_two_nodes_of_two_ranks(request):
+    """4 ranks (sharing the GPUs) as 2 nodes x 2: partials summed over NVLink (IPC) inside each node,
+    node partials (and, AllReduce, reduced tiles) through the host transport between them. And
+    allgather_gemm refuses this layout (ArgumentError, before anything launches) until its stall
+    is found."""
+    def run(comm):
+        for allreduce in (False, True):
+            _run_cases(comm, allreduce)
+        a = _dev(np.ones((128, 64), np.float16))
+        with pytest.raises(mkernel.ArgumentError, match="several ranks per node"):
+            allgather_gemm(a, a, comm=comm)
+    _two_nodes_of_two_ranks(request, run)
+
+
+@pytest.mark.gpu
+@pytest.mark.xfail(reason="stalled in 3 of 5 runs on the H200 (one direction's host-transport traffic not "
+                   "delivered); refused by default, docs/TP.md", strict=False)
+def test_allgather_gemm_on_two_nodes_of_two_ranks(request, monkeypatch):
+    import mkernel.allgather_gemm as ag
+    monkeypatch.setattr(ag, "SEVERAL_RANKS_PER_NODE_BETWEEN_NODES", True)
+    _two_nodes_of_two_ranks(request, _run_ag_cases)

@@ -1,44 +1,90 @@
-// AllGather+GEMM inside a node (mkernel/allgather_gemm.py; design: docs/TP.md).
+// AllGather+GEMM (mkernel/allgather_gemm.py; design: docs/TP.md).
 //
-// CTAs [gemm_ctas, grid) push this rank's A shard, in chunks of 128 rows, into every rank's
-// gathered-A buffer (its own first, then me+1, me+2, ...), each chunk followed by its flag
-// aflag[me][chunk] = E in the receiver's workspace (after the receiver's credit for E). CTAs
-// [0, gemm_ctas) run the GEMM over the gathered rows, own shard first, then me-1, me-2, ... (the
-// order the chunks arrive in); the producer waits for a chunk's flag before its TMA loads, so the
-// GEMM starts with the first local chunk and overlaps the rest of the gather.
-#include "tp_epilogue.cuh"
+// CTAs [gemm_ctas, grid) push this rank's A shard, in chunks of 128 rows, into the gathered-A
+// buffer of every rank of its node (its own first, then lrank+1, lrank+2, ...), each chunk followed
+// by its flag aflag[me][chunk] = E in the receiver's workspace (after the receiver's credit for E).
+// Several nodes: once a chunk is in this rank's own buffer it also leaves, as one WRITE, for the
+// rank with the same local index on every other node, counted in that rank's arrival flags; and
+// this rank forwards the chunks that arrive that way (blocks j * local + lrank) into its node:
+// their flag in its own workspace, their rows and flags into its node's peers'. So each shard
+// crosses the network once per node. CTAs [0, gemm_ctas) run the GEMM over the gathered rows in
+// arrival order; the producer waits for a chunk's flag before its TMA loads, so the GEMM starts
+// with the first local chunk and overlaps the rest of the gather.
+#include "tp_reduce.cuh"
+
+// Copies `rows` rows of k elements (16-byte vectors) from src (row stride lds elements) to dst
+// (row stride k), by the whole CTA.
+MK_DEV void tp_copy_rows(u8* dst, const u8* src, u32 rows, u64 k, u64 lds) {
+  const u32 vpr = (u32)(k / 8);  // 16-byte vectors per row (k % 8 == 0)
+  for (u32 v = threadIdx.x; v < rows * vpr; v += blockDim.x) {
+    const u32 r = v / vpr;
+    const u64 col = (u64)(v - r * vpr) * 8u;
+    st_v4(dst + ((u64)r * k + col) * 2, ld_cg_v4(src + ((u64)r * lds + col) * 2));
+  }
+}
 
 MK_DEV void tp_push_cta(const TpArgs& a) {
-  __shared__ u32 s_item, s_epoch;
+  __shared__ u32 s_item, s_epoch, s_credited;
   __shared__ int s_ok;
-  if (threadIdx.x == 0) s_epoch = launch_epoch(a.g.sync);
+  if (threadIdx.x == 0) {
+    s_epoch = launch_epoch(a.g.sync);
+    s_credited = 0;
+  }
   __syncthreads();
   const u32 E = s_epoch;
-  const u32 W = (u32)a.world, me = (u32)a.me, chunks = (u32)a.tiles_mb;
+  const u32 me = (u32)a.me, chunks = (u32)a.tiles_mb;
+  const u32 L = (u32)a.local, N = (u32)a.nodes, l = (u32)a.lrank, n = (u32)a.node;
   const MkPeers peers = tp_peers(a);
-  const u64 k = (u64)a.g.k;
-  const u32 vpr = (u32)(k / 8);  // 16-byte vectors per row (k % 8 == 0)
+  const u64 k = (u64)a.g.k, row_bytes = k * 2;
+  const u32 launch = N > 1 ? ld_relaxed_sys(&a.counters[TP_CNT_LAUNCHES]) + 1 : 0;
+  const u32 sends = (N - 1) * chunks;
   const u8* src = reinterpret_cast<const u8*>(a.a_local);
-  for (;;) {
+  for (;;) {  // this rank's chunks to its node (own buffer first), then across the network
     const u32 item = tp_claim(&a.counters[TP_CNT_PUSH], &s_item, threadIdx.x, TpBarCta());
-    if (item >= W * chunks) break;
+    if (item >= L * chunks) break;
     const u32 i = item / chunks, c = item - i * chunks;
-    const u32 d = (me + i) % W;
+    const u32 d = (l + i) % L;
     if (threadIdx.x == 0) s_ok = credits_wait(a.g.sync, peers, d, E) ? 1 : 0;
     __syncthreads();
     if (!s_ok) break;
     const u32 rows = min(128u, (u32)a.mb - c * 128u);
-    u8* dst = peer_ptr<u8>(peers, d, a.ga_off) + ((u64)me * (u64)a.mb + c * 128u) * k * 2;
-    const u8* s0 = src + (u64)c * 128u * (u64)a.lda * 2;
-    for (u32 v = threadIdx.x; v < rows * vpr; v += blockDim.x) {
-      const u32 r = v / vpr;
-      const u64 col = (u64)(v - r * vpr) * 8u;
-      const uint4 x = *reinterpret_cast<const uint4*>(s0 + ((u64)r * (u64)a.lda + col) * 2);
-      st_v4(dst + ((u64)r * k + col) * 2, x);
-    }
+    const u64 dst_off = a.ga_off + ((u64)me * (u64)a.mb + c * 128u) * row_bytes;
+    tp_copy_rows(peer_ptr<u8>(peers, d, dst_off), src + (u64)c * 128u * (u64)a.lda * 2, rows, k, (u64)a.lda);
     __threadfence_system();
     __syncthreads();
-    if (threadIdx.x == 0) set_flag(peer_ptr<u32>(peers, d, a.aflag_off) + me * chunks + c, E);
+    if (threadIdx.x == 0) {
+      set_flag(peer_ptr<u32>(peers, d, a.aflag_off) + me * chunks + c, E);
+      if (d == l)  // in this rank's own buffer now: a registered source for the other nodes
+        for (u32 j = 0; j < N; ++j)
+          if (j != n && tp_remote_credit(a, j, E, &s_credited))
+            tp_send_tile(a, j, dst_off, dst_off, rows * (u32)row_bytes, TP_PF_ARRIVED + n * a.xgroups + c / a.xgroup,
+                         sends, E);
+    }
+  }
+  for (;;) {  // several nodes: the chunks of blocks j * L + l that arrived, into this node
+    const u32 item = tp_claim(&a.counters[TP_CNT_FORWARD], &s_item, threadIdx.x, TpBarCta());
+    if (item >= (N - 1) * chunks) break;
+    const u32 i = item / chunks, c = item - i * chunks;
+    const u32 j = (n + N - 1 - i) % N, o = j * L + l;
+    if (threadIdx.x == 0) {
+      const u32 g = c / a.xgroup;
+      int good = wait_remote_at_least(a.g.sync, a.queue, a.pflags + TP_PF_ARRIVED + j * a.xgroups + g,
+                                      launch * min(a.xgroup, chunks - g * a.xgroup), (i32)o, 0x60000u + c) ? 1 : 0;
+      for (u32 p = 0; p < L && good; ++p)
+        if (p != l) good = credits_wait(a.g.sync, peers, p, E) ? 1 : 0;
+      s_ok = good;
+      __threadfence();
+    }
+    __syncthreads();
+    if (!s_ok) break;
+    const u32 rows = min(128u, (u32)a.mb - c * 128u);
+    const u64 off = a.ga_off + ((u64)o * (u64)a.mb + c * 128u) * row_bytes;
+    for (u32 p = 0; p < L; ++p)
+      if (p != l) tp_copy_rows(peer_ptr<u8>(peers, p, off), peer_ptr<u8>(peers, l, off), rows, k, k);
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0)
+      for (u32 p = 0; p < L; ++p) set_flag(peer_ptr<u32>(peers, p, a.aflag_off) + o * chunks + c, E);
   }
   __syncthreads();
   if (threadIdx.x == 0) tp_counters_done(a);
@@ -47,7 +93,7 @@ MK_DEV void tp_push_cta(const TpArgs& a) {
 
 template <int DT, int BL>
 __global__ void __launch_bounds__(384, 1) mk_allgather_gemm_kernel(const __grid_constant__ TpArgs args) {
-  if (blockIdx.x == 0 && threadIdx.x == 0) credits_announce(tp_peers(args), launch_epoch(args.g.sync));
+  if (blockIdx.x == 0 && threadIdx.x == 0) tp_announce(args);
   if ((int)blockIdx.x < args.gemm_ctas)
     tp_gemm_cta<GemmCfg<DT, BL>, TP_OP_AG>(args);
   else

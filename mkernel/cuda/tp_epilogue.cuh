@@ -41,13 +41,13 @@ MK_DEV u32 tp_block_tile(u32 r, u32 tiles_mb, u32 tiles_n) {
 // The block the i-th group of GEMM tiles belongs to. RS / AR: peers' blocks first, those of other
 // nodes before this node's (node + 1, node + 2, ...; inside a node lrank + 1, lrank + 2, ...), own
 // block last, so that partials leave while the rest is computed, the ones with the longest way
-// first. AG: own shard first (it is local), then me-1, me-2, ... (rank p pushes to p+1 first, so
-// that is the arrival order).
+// first. AG: the arrival order: own shard first (it is local), then this node's lrank - 1, lrank -
+// 2, ... (rank p pushes to p + 1 first), then the other nodes' (node - 1, node - 2, ...).
 template <int OP>
 MK_DEV u32 tp_block_order(u32 i, const TpArgs& a) {
-  const u32 W = (u32)a.world, L = (u32)a.local;
-  if (OP == TP_OP_AG) return ((u32)a.me + W - i) % W;
-  return ((u32)a.node + 1 + i / L) % (u32)a.nodes * L + ((u32)a.lrank + 1 + i % L) % L;
+  const u32 L = (u32)a.local, N = (u32)a.nodes;
+  if (OP == TP_OP_AG) return ((u32)a.node + N - i / L % N) % N * L + ((u32)a.lrank + L - i % L) % L;
+  return ((u32)a.node + 1 + i / L) % N * L + ((u32)a.lrank + 1 + i % L) % L;
 }
 
 // GEMM position -> tile (group = row block, id = block-local tile id).
@@ -83,7 +83,7 @@ struct TpTiles {
   MK_DEV void before_loads(const MkTile& t) const {
     if (OP != TP_OP_AG) return;
     const u32 mt = t.id / (u32)args.tiles_n;
-    const u32* flag = peer_ptr<u32>(tp_peers(args), (u32)args.me, args.aflag_off) + (u32)t.group * (u32)args.tiles_mb + mt;
+    const u32* flag = peer_ptr<u32>(tp_peers(args), (u32)args.lrank, args.aflag_off) + (u32)t.group * (u32)args.tiles_mb + mt;
     wait_epoch(args.g.sync, flag, epoch, t.group, mt);  // on a timeout the error is recorded; go on
     fence_proxy_async_global();
   }

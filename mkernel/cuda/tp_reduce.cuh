@@ -47,6 +47,16 @@ MK_DEV uint4 tp_pack8(const float (&s)[8]) {
   return r;
 }
 
+// Block 0 thread 0 at launch entry: this rank entered the epoch, for its node's peers (credits)
+// and for the ranks (j, lrank) of the other nodes, the ones that WRITE into this rank.
+MK_DEV void tp_announce(const TpArgs& a) {
+  const u32 E = launch_epoch(a.g.sync);
+  credits_announce(tp_peers(a), E);
+  for (u32 j = 0; j < (u32)a.nodes; ++j)
+    if (j != (u32)a.node)
+      queue_push(a.g.sync, a.queue, mk_signal_cmd(j * a.local + a.lrank, TP_PF_CREDIT + a.node, E, MK_FLAG_SET));
+}
+
 // Reducer thread 0, several nodes: before the first WRITE of a launch to rank (j, lrank), its credit.
 MK_DEV bool tp_remote_credit(const TpArgs& a, u32 j, u32 E, u32* credited) {
   if ((*credited >> j) & 1u) return true;
@@ -283,14 +293,7 @@ struct TpJoinReduce {
 // shared memory; all CTAs must be resident (launched cooperatively).
 template <int DT, int BL, int OP>
 MK_DEV void tp_reduce_kernel_body(const TpArgs& args) {
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    const u32 E = launch_epoch(args.g.sync);
-    credits_announce(tp_peers(args), E);
-    for (u32 j = 0; j < (u32)args.nodes; ++j)  // the ranks that send this rank node partials may start
-      if (j != (u32)args.node)
-        queue_push(args.g.sync, args.queue, mk_signal_cmd(j * args.local + args.lrank, TP_PF_CREDIT + args.node, E,
-                                                          MK_FLAG_SET));
-  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) tp_announce(args);
   if ((int)blockIdx.x < args.gemm_ctas)
     tp_gemm_cta<GemmCfg<DT, BL>, OP>(args, TpJoinReduce<DT, OP>());
   else
