@@ -10,7 +10,7 @@ from .errors import ArgumentError
 OP = "allgather_gemm"
 KERNEL = "mk_allgather_gemm_kernel"
 SPEC = tp.register(OP, "allgather_gemm.cu", KERNEL)
-# Between nodes with several ranks per node the kernel stalled in 3 of 5 runs on the H200 (4 ranks
+# Between nodes with several ranks per node the kernel stalled in 4 of 6 test runs on the H200 (4 ranks
 # as 2 nodes x 2 sharing one GPU: host-transport traffic of one direction not delivered, a device
 # timeout raised as mkernel.TimeoutError; docs/TP.md). Refused until found; one rank per node passes.
 SEVERAL_RANKS_PER_NODE_BETWEEN_NODES = False
