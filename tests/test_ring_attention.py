@@ -672,26 +672,18 @@ def test_world_one_equals_attention():
         _close(c1)
 
 
-@pytest.mark.gpu
-@pytest.mark.mpi
-@pytest.mark.multi_gpu
-@pytest.mark.parametrize("via_split", [False, True], ids=["root", "split"])
-def test_two_emulated_nodes_through_the_proxy(via_split):
-    """2 ranks as 2 nodes (gpus_per_node=1): each key/value block travels as WRITE commands through
-    the communicator's proxy. Against the single-GPU engine on the whole sequence, causal (zigzag)
-    and not, three launches each (stale flags), and the proxy's byte counters. "split": on a
-    rank-reversed sub-communicator, through its root's proxy (ranks, offsets, flags translated)."""
+def _between_nodes(make_comm, world):
+    """Ring attention on the communicator make_comm() returns (its root last), against the
+    single-GPU engine on the whole sequence, causal (zigzag) and not, three launches each (stale
+    flags), and the proxy's byte counter: the ranks at a node's end send every step's block
+    across the network once per launch, the others nothing."""
     import cupy
     import mkernel
     from mpi4py import MPI
 
-    world = MPI.COMM_WORLD
-    if world.Get_size() != 2:
-        pytest.skip("pairs exactly two ranks")
     err = None
     try:
-        root = mkernel.init(world, gpus_per_node=1, workspace_bytes=(128 if via_split else 64) << 20)
-        comm = root.split(0, key=-root.rank, workspace_bytes=64 << 20) if via_split else root
+        comm, root = make_comm()
         try:
             assert comm.num_nodes == 2
             W, me = comm.size, comm.rank
@@ -712,8 +704,11 @@ def test_two_emulated_nodes_through_the_proxy(via_split):
                     rel = float(cupy.linalg.norm(o.astype(cupy.float32) - want) / cupy.linalg.norm(want))
                     lerr = float(cupy.abs(lse - want_lse).max())
                     assert rel < REL_TOL and lerr < 1e-3, f"causal={causal} launch {rep}: rel {rel:.2e}, lse {lerr:.2e}"
-            sent = comm.stats()["peers"][1 - me]["bytes_sent"]
-            assert sent == 6 * 2 * S * Hkv * D * 2, f"proxy sent {sent} bytes"
+            nxt = (me + 1) % W
+            sent = sum(p["bytes_sent"] for p in comm.stats()["peers"].values())
+            boundary = comm.topology.node_of[nxt] != comm.node
+            want_sent = 6 * (W - 1) * 2 * S * Hkv * D * 2 if boundary else 0
+            assert sent == want_sent, f"proxy sent {sent} bytes, expected {want_sent}"
         finally:
             root.close()
     except Exception as e:  # noqa: BLE001  (decided collectively below)
@@ -721,4 +716,26 @@ def test_two_emulated_nodes_through_the_proxy(via_split):
     ok = world.allreduce(err is None, op=MPI.LAND)
     if err is not None:
         raise err
-    assert ok, "the other rank failed (see its output)"
+    assert ok, "another rank failed (see its output)"
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("via_split", [False, True], ids=["root", "split"])
+def test_two_emulated_nodes_through_the_proxy(via_split):
+    """2 ranks as 2 nodes (gpus_per_node=1): each key/value block travels as WRITE commands through
+    the communicator's proxy. "split": on a rank-reversed sub-communicator, through its root's proxy
+    (ranks, offsets, flags translated)."""
+    import mkernel
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    if world.Get_size() != 2:
+        pytest.skip("pairs exactly two ranks")
+
+    def make():
+        root = mkernel.init(world, gpus_per_node=1, workspace_bytes=(128 if via_split else 64) << 20)
+        return (root.split(0, key=-root.rank, workspace_bytes=64 << 20) if via_split else root), root
+
+    _between_nodes(make, world)
