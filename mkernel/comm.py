@@ -357,25 +357,8 @@ class Communicator:
                 import cupy
                 cupy.cuda.runtime.deviceSynchronize()
                 self.trace.write()
-                if self._proxy is not None:  # no peer may still send to us: a timed barrier first
-                    proxy, queue, ptr, _ = self._proxy
-                    self._proxy = None
-                    if not failed:
-                        try:
-                            self._allgather_bytes(b"\0", "stopping the proxy")
-                        except PeerError:
-                            failed = True
-                    proxy.close()
-                    queue.close()
-                    cupy.cuda.runtime.freeHost(ptr)
-                self.heap.unmap_peers()
-                if not failed:  # the peers must have unmapped our workspace before we free it
-                    try:
-                        self._allgather_bytes(b"\0", "closing")
-                    except PeerError:
-                        failed = True
-                if not failed:
-                    self.heap.close()
+                failed = self._stop_proxy(failed)
+                failed = self._release_heap(failed)
                 self.sync.close()
                 if hasattr(self, "_flag_range"):
                     self._root._flag_ranges_free.add(self._flag_range)
@@ -388,6 +371,78 @@ class Communicator:
                     c.Free()
                 except Exception:  # MPI may already be finalizing
                     pass
+
+    def _stop_proxy(self, failed):
+        """Stops and frees the proxy (root), after a timed barrier so that no peer still sends to
+        this rank (skipped after a failure). Returns whether a peer failed."""
+        if self._proxy is None:
+            return failed
+        import cupy
+
+        proxy, queue, ptr, _ = self._proxy
+        self._proxy = None
+        if not failed:
+            try:
+                self._allgather_bytes(b"\0", "stopping the proxy")
+            except PeerError:
+                failed = True
+        proxy.close()
+        queue.close()
+        cupy.cuda.runtime.freeHost(ptr)
+        return failed
+
+    def _release_heap(self, failed):
+        """Unmaps the peers' workspaces, then (after a timed barrier: the peers must have unmapped
+        ours) frees this one's. Returns whether a peer failed."""
+        self.heap.unmap_peers()
+        if not failed:
+            try:
+                self._allgather_bytes(b"\0", "releasing the workspace")
+            except PeerError:
+                failed = True
+        if not failed:
+            self.heap.close()
+        return failed
+
+    def grow_workspace(self, workspace_bytes: int):
+        """Replaces the workspace by one of ``workspace_bytes`` (more than now). Collective: every rank
+        passes the same size. Only on a root (``mkernel.init``'s) communicator without live
+        sub-communicators or arrays from :meth:`empty`; the ops' cached buffers are released (they
+        are allocated again on next use) and the proxy, if started, is stopped (it starts again on
+        next use). Synchronises the device."""
+        self._check_open()
+        import cupy
+
+        from . import tp
+
+        if not isinstance(workspace_bytes, int) or isinstance(workspace_bytes, bool) or workspace_bytes <= 0:
+            raise ArgumentError(f"grow_workspace: workspace_bytes must be a positive integer, got {workspace_bytes!r}")
+        self.agree(("grow_workspace", self.heap.nbytes), workspace_bytes, cache=False)
+        if workspace_bytes <= self.heap.nbytes:
+            raise ArgumentError(f"grow_workspace: {workspace_bytes} bytes is not more than the workspace's "
+                                f"{self.heap.nbytes}")
+        tp.release_buffers(self)  # (synchronises the device)
+        blockers = []
+        if self._root is not self:
+            blockers.append("it is a sub-communicator (grow the root's workspace, then split again)")
+        if any(ref() is not None and not ref()._closed for ref in self._children):
+            blockers.append("sub-communicators of it are open (close them first)")
+        if self.heap.live:
+            blockers.append(f"{self.heap.live} arrays from comm.empty() are still alive (drop them first)")
+        views = collectives.allgather_object(self.mpi, blockers, "growing the workspace")
+        if any(views):
+            raise ArgumentError("grow_workspace: " + "; ".join(f"rank {r}: {', '.join(b)}"
+                                                                for r, b in enumerate(views) if b))
+        cupy.cuda.runtime.deviceSynchronize()
+        if self._stop_proxy(False) or self._release_heap(False):
+            raise PeerError(f"rank {self.rank}: a peer did not answer while the workspace was replaced")
+        self._workspace_bytes = workspace_bytes
+        self._agreed[("workspace", "bytes")] = workspace_bytes
+        from .symmetric import SymmetricHeap
+        self.heap = SymmetricHeap.allocate(self.node_mpi, workspace_bytes, self.device_id)
+        if hasattr(self, "_pflag_free"):
+            del self._pflag_free  # the plans that held proxy flags were released; a new proxy starts at 0
+        log.info("rank %d: workspace grown to %d bytes", self.rank, self.heap.nbytes)
 
     def __enter__(self):
         return self

@@ -241,7 +241,7 @@ def plan_buffers(op, comm, key, sizes, counter_words=CNT_WORDS + 1):
     except MKernelError as e:
         raise MKernelError(f"{op}: needs {need} bytes of symmetric workspace for this shape, more than is "
                            f"free of the {comm.heap.nbytes}; pass a larger workspace_bytes to mkernel.init "
-                           f"(or set MKERNEL_WORKSPACE_BYTES) ({e})") from e
+                           f"(or set MKERNEL_WORKSPACE_BYTES), or call comm.grow_workspace() ({e})") from e
     for name, arr in plan.items():
         if arr.dtype == cupy.uint32:
             arr.fill(0)

@@ -98,6 +98,37 @@ def test_split_communicators_live_in_their_parents_workspace(comm):
     assert all_ranks(comm.mpi, ok)
 
 
+def test_grow_workspace_replaces_it_collectively(comm):
+    """grow_workspace: refused (on every rank) while arrays from comm.empty live or for a size not
+    larger; afterwards the new workspace is mapped by every peer (an exchange through the pointer
+    table) and the ops' buffers come back on next use."""
+    root = mkernel.init(comm.mpi, workspace_bytes=4 << 20)
+    try:
+        x = root.empty(1024, np.uint32)
+        with pytest.raises(mkernel.ArgumentError, match="still alive"):
+            root.grow_workspace(16 << 20)
+        del x
+        with pytest.raises(mkernel.ArgumentError, match="not more"):
+            root.grow_workspace(2 << 20)
+        root.grow_workspace(32 << 20)
+        ok = root.heap.nbytes >= 32 << 20
+        p = Protocol(root, WORDS)
+        p.slots.fill(0xDEADBEEF)
+        root.mpi.Barrier()
+        e0 = root.sync.epoch()
+        p.run("exchange")
+        _sync()
+        root.check()
+        got = p.slots.get()
+        ok &= p.mismatch_count() == 0
+        for q in range(root.local_size):
+            ok &= np.array_equal(got[q], expected_pattern(e0 + 1, q, WORDS))
+        del p, got
+    finally:
+        root.close()
+    assert all_ranks(comm.mpi, ok)
+
+
 def test_two_thousand_launches_never_see_a_flag_without_its_data(comm, proto):
     e0 = comm.sync.epoch()
     for _ in range(2000):
