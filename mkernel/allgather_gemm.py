@@ -83,8 +83,13 @@ def allgather_gemm(a, b, *, comm, out=None, stream=None, return_gathered=False, 
     args.out = out.data.ptr
     args.ldo = ldo_bytes // esize
     gemm_ctas, comm_ctas = tp.grid_split(OP, comm_sms, W * tiles_blk, (L + nodes - 1) * tiles_mb, tp.sm_count())
+    if chosen == "unfused":  # the kernel only gathers; the GEMM follows it
+        gemm_ctas = 0
     args.gemm_ctas = gemm_ctas
     tp.launch_fused(comm, OP, SPEC, KERNEL, args, a.dtype, layout, gemm_ctas + comm_ctas, stream)
+    if chosen == "unfused":
+        with tp.on_stream(stream):
+            tp.matmul(plan["ga"], b_arr, layout, out=out)
     if return_gathered:
         with tp.on_stream(stream):
             return out, plan["ga"].copy()

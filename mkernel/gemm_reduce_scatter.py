@@ -24,7 +24,8 @@ def gemm_reduce_scatter(a, b, *, comm, out=None, stream=None, b_layout=None, com
     rank order, rounded once: bitwise reproducible run to run. ``deterministic=False`` is accepted
     and currently takes the same (deterministic) path. ``comm_sms``: CTAs that reduce (default 8).
     ``path``: None (automatic: fused, or cupy.matmul + NCCL for small shapes on distinct GPUs,
-    or a plain GEMM at world 1), 'fused', 'fallback' or 'gemm' (world 1). ``out``: optional
+    or a plain GEMM at world 1), 'fused', 'fallback', 'gemm' (world 1) or 'unfused' (cupy.matmul,
+    then this op's own collective: the benchmarks' baseline for overlap). ``out``: optional
     ``[M / world, N]`` of the input dtype, outside the symmetric workspace. ``join``: the GEMM
     CTAs also reduce once their tiles are done (default ``mkernel.tp.JOIN_REDUCE``).
 
@@ -114,6 +115,10 @@ def gemm_reduce(op, spec, kernel, allreduce, a, b, *, comm, out, stream, b_layou
         args.dst[o] = tp.out_map(a.dtype, slot, mb, N, N * esize)
     args.out = out.data.ptr
     args.ldo = tp._row_stride(out) // esize
+    if chosen == "unfused":  # the GEMM first; the kernel's GEMM CTAs then only move its tiles
+        with tp.on_stream(stream):
+            partial = tp.matmul(a, b_arr, layout)
+        args.partial, args.ldp = partial.data.ptr, tp._row_stride(partial) // esize
     gemm_ctas, comm_ctas = tp.grid_split(op, comm_sms, W * tiles_blk, nodes * tiles_blk, tp.sm_count())
     args.gemm_ctas = gemm_ctas
     args.join = int(join)

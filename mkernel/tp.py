@@ -9,6 +9,10 @@ Paths (one per call, a function of the shapes and the topology, agreed by every 
 - ``"fallback"``: ``cupy.matmul`` then the NCCL collective (ranks on distinct GPUs, shapes too small
   for fusion to win). Needs NCCL, so it is never chosen when ranks share a GPU.
 - ``"gemm"``: world 1: the GEMM engine (``mkernel.gemm``), nothing to communicate.
+- ``"unfused"`` (only when asked for: the baseline that isolates overlap, between nodes above all):
+  ``cupy.matmul``, then the fused kernel's own collective with no GEMM in it (RS / AR: its CTAs
+  move the finished partial's tiles where the epilogue would store them; AG: the gather, then the
+  GEMM), over the same NVLink and transport paths.
 
 CuPy is imported inside functions, so that importing this module (and registering the kernels)
 needs neither a GPU nor CuPy.
@@ -50,7 +54,7 @@ def plan_between_nodes(comm, plan, args, items, kinds=1):
     args.xgroup = plan["xgroup"]
     args.xgroups = -(-items // plan["xgroup"])
 SMEM_BYTES = 230736  # TP_SMEM_BYTES (static_assert in every .cu)
-PATHS = ("fused", "fallback", "gemm")
+PATHS = ("fused", "fallback", "gemm", "unfused")
 # RS / AR: the GEMM CTAs' consumers join the reduction after their last tile (besides the comm_sms
 # dedicated CTAs). Off until validated on a GPU (tests/test_tp_gpu.py runs both settings).
 JOIN_REDUCE = False
@@ -81,7 +85,7 @@ class TpArgs(ctypes.Structure):
                 ("lrank", ctypes.c_int32), ("node", ctypes.c_int32), ("xgroup", ctypes.c_uint32),
                 ("xgroups", ctypes.c_uint32), ("queue", _proxy.QueueArgs), ("pflags", ctypes.c_void_p),
                 ("stage_off", ctypes.c_uint64), ("xrecv_off", ctypes.c_uint64), ("xgath_off", ctypes.c_uint64),
-                ("pad", ctypes.c_int32 * 22)]
+                ("partial", ctypes.c_void_p), ("ldp", ctypes.c_int64), ("pad", ctypes.c_int32 * 18)]
 
 
 def register(op: str, source: str, kernel: str):
@@ -345,14 +349,15 @@ def sm_count():
     return _n()
 
 
-def matmul(a, b_arr, layout):
-    """cuBLAS (cupy.matmul) of a with B given as [K, N] or [N, K]; the engine if CuPy cannot."""
+def matmul(a, b_arr, layout, out=None):
+    """cuBLAS (cupy.matmul) of a with B given as [K, N] or [N, K] (into out when given); the engine
+    if CuPy cannot."""
     cupy = cupy_mod()
     b = b_arr if layout == B_KN else b_arr.T
     try:
-        return cupy.matmul(a, b)
+        return cupy.matmul(a, b, out=out)
     except (TypeError, NotImplementedError, ValueError):  # a CuPy without 16-bit matmul for this dtype
-        return _gemm_module().gemm(a, b_arr, b_layout="kn" if layout == B_KN else "nk")
+        return _gemm_module().gemm(a, b_arr, out=out, b_layout="kn" if layout == B_KN else "nk")
 
 
 def nccl_dtype(dtype):

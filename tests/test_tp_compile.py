@@ -300,6 +300,34 @@ def test_allgather_gemm_between_nodes_launch_arguments(fake_launch, monkeypatch,
                                                                      (L + nodes - 1) * chunks)
 
 
+def test_unfused_path_launches_the_collective_after_a_gemm(fake_launch, monkeypatch):
+    """path='unfused' (the benchmarks' overlap baseline): RS / AR hand the kernel the finished
+    partial (its GEMM CTAs only move tiles); AG launches only the gather CTAs, then multiplies."""
+    world, rank, nodes = 4, 1, 2
+    M, K, N = 200 * world, 136, 264
+    calls = []
+    partial = _Arr((M, N), "float16", 0x900000)
+
+    def fake_matmul(a, b_arr, layout, out=None):
+        calls.append((a, out))
+        return partial if out is None else out
+
+    monkeypatch.setattr(tp, "matmul", fake_matmul)
+    a, b = _Arr((M, K), "float16", 0x100000), _Arr((K, N), "float16", 0x200000)
+    out = _Arr((M // world, N), "float16", 0x300000)
+    rs.gemm_reduce_scatter(a, b, comm=_Comm(world, rank, nodes), out=out, path="unfused")
+    args = fake_launch["launch"]["args"]
+    assert calls == [(a, None)] and args.partial == partial.data.ptr and args.ldp == N
+    assert args.gemm_ctas == world * 4  # the partial's tiles, moved by as many CTAs as the GEMM would use
+    monkeypatch.setattr(ag, "SEVERAL_RANKS_PER_NODE_BETWEEN_NODES", True)
+    ga_out = _Arr((world * 200, N), "float16", 0x400000)
+    ag.allgather_gemm(_Arr((200, K), "float16", 0x100000), b, comm=_Comm(world, rank, nodes), out=ga_out,
+                      path="unfused")
+    L = fake_launch["launch"]
+    assert L["args"].gemm_ctas == 0 and L["grid"] == min(tp.DEFAULT_COMM_SMS["allgather_gemm"], (2 + 1) * 2)
+    assert calls[-1] == (fake_launch["plan"]["ga"], ga_out)
+
+
 def test_allgather_gemm_launch_arguments_and_nk_layout(fake_launch):
     world, rank, mb, K, N = 2, 1, 200, 136, 264
     comm = _Comm(world, rank)

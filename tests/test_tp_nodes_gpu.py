@@ -17,6 +17,7 @@ gathered A is also compared bitwise).
 """
 
 import hashlib
+import itertools
 
 import numpy as np
 import pytest
@@ -34,6 +35,9 @@ from mkernel.testing import sync_or_exit
 CASES = [(2 * 200, 264, 136, "fp16", True, "kn"), (4 * 136, 520, 256, "bf16", False, "nk"),
          (4 * 256, 512, 128, "bf16", True, "kn")]
 REPEATS = 3
+# "unfused": cupy.matmul then the op's own collective over the same paths (the benchmarks' baseline;
+# written in session 4, not yet run on a GPU)
+PATHS = ("fused", "unfused")
 HANG_S = 45.0  # past MKERNEL_TIMEOUT_S (30): a device wait times out and is reported first
 
 
@@ -60,34 +64,34 @@ def _run_cases(comm, allreduce):
 
     def body():
         first = {}
-        for rep in range(REPEATS):
-            for i, (M, N, K, kind, integer, a, (b, bl), total, absum, absprod) in enumerate(problems):
-                dt = DTYPES[kind]
-                out = _poisoned((M, N) if allreduce else (M // W, N), kind)
-                before = _sent(comm)
-                fn(a, b, comm=comm, out=out, b_layout=bl, path="fused")
-                what = f"{fn.__name__} case {i} {M}x{N}x{K} {kind} launch {rep}"
-                sync_or_exit(what, HANG_S)
-                comm.check()
-                got = _host(out)
-                want = hops * (nodes - 1) * (M // W) * N * dt.itemsize
-                if _sent(comm) - before != want:
-                    return False, f"{what}: the proxy sent {_sent(comm) - before} bytes, the minimum is {want}"
-                pick = (lambda x: x) if allreduce else (lambda x: _rows(x, comm, M))
-                row0 = 0 if allreduce else comm.rank * (M // W)
-                if integer:
-                    ok, msg = _check_exact(got, pick(total), dt, what, row0=row0)
-                else:
-                    ok, msg = _check_close(got, pick(total), pick(absum), pick(absprod), K, dt, what, row0=row0)
-                if not ok:
-                    return False, msg
-                if allreduce:
-                    digests = comm.mpi.allgather(hashlib.sha256(got.view(np.uint16).tobytes()).hexdigest())
-                    if len(set(digests)) != 1:
-                        return False, f"{what}: ranks hold different bits"
-                if i in first and not np.array_equal(got.view(np.uint16), first[i]):
-                    return False, f"{what}: not bitwise equal to launch 0"
-                first.setdefault(i, got.view(np.uint16).copy())
+        for rep, path, (i, problem) in itertools.product(range(REPEATS), PATHS, enumerate(problems)):
+            M, N, K, kind, integer, a, (b, bl), total, absum, absprod = problem
+            dt = DTYPES[kind]
+            out = _poisoned((M, N) if allreduce else (M // W, N), kind)
+            before = _sent(comm)
+            fn(a, b, comm=comm, out=out, b_layout=bl, path=path)
+            what = f"{fn.__name__} {path} case {i} {M}x{N}x{K} {kind} launch {rep}"
+            sync_or_exit(what, HANG_S)
+            comm.check()
+            got = _host(out)
+            want = hops * (nodes - 1) * (M // W) * N * dt.itemsize
+            if _sent(comm) - before != want:
+                return False, f"{what}: the proxy sent {_sent(comm) - before} bytes, the minimum is {want}"
+            pick = (lambda x: x) if allreduce else (lambda x: _rows(x, comm, M))
+            row0 = 0 if allreduce else comm.rank * (M // W)
+            if integer:
+                ok, msg = _check_exact(got, pick(total), dt, what, row0=row0)
+            else:
+                ok, msg = _check_close(got, pick(total), pick(absum), pick(absprod), K, dt, what, row0=row0)
+            if not ok:
+                return False, msg
+            if allreduce:
+                digests = comm.mpi.allgather(hashlib.sha256(got.view(np.uint16).tobytes()).hexdigest())
+                if len(set(digests)) != 1:
+                    return False, f"{what}: ranks hold different bits"
+            if (i, path) in first and not np.array_equal(got.view(np.uint16), first[i, path]):
+                return False, f"{what}: not bitwise equal to launch 0"
+            first.setdefault((i, path), got.view(np.uint16).copy())
         return True, f"{len(problems)} cases x {REPEATS} launches, {W} ranks on {nodes} nodes of {L}"
 
     _collective(comm, _with_state(comm, fn.__name__, body))
@@ -136,28 +140,28 @@ def _run_ag_cases(comm):
 
     def body():
         first = {}
-        for rep in range(REPEATS):
-            for i, (mb, N, K, kind, integer, a, b, full, ref, absprod) in enumerate(problems):
-                dt = DTYPES[kind]
-                before = _sent(comm)
-                out, gathered = allgather_gemm(a, b, comm=comm, out=_poisoned((W * mb, N), kind), path="fused",
-                                               return_gathered=True)
-                what = f"allgather_gemm case {i} {mb}x{N}x{K} {kind} launch {rep}"
-                sync_or_exit(what, HANG_S)
-                comm.check()
-                got = _host(out)
-                want = (nodes - 1) * mb * K * dt.itemsize
-                if _sent(comm) - before != want:
-                    return False, f"{what}: the proxy sent {_sent(comm) - before} bytes, the minimum is {want}"
-                if not np.array_equal(_host(gathered).view(np.uint16), full.astype(dt).view(np.uint16)):
-                    return False, f"{what}: the gathered A differs"
-                ok, msg = (_check_exact(got, ref, dt, what) if integer else
-                           _check_close(got, ref, 0.0, absprod, K, dt, what))
-                if not ok:
-                    return False, msg
-                if i in first and not np.array_equal(got.view(np.uint16), first[i]):
-                    return False, f"{what}: not bitwise equal to launch 0"
-                first.setdefault(i, got.view(np.uint16).copy())
+        for rep, path, (i, problem) in itertools.product(range(REPEATS), PATHS, enumerate(problems)):
+            mb, N, K, kind, integer, a, b, full, ref, absprod = problem
+            dt = DTYPES[kind]
+            before = _sent(comm)
+            out, gathered = allgather_gemm(a, b, comm=comm, out=_poisoned((W * mb, N), kind), path=path,
+                                           return_gathered=True)
+            what = f"allgather_gemm {path} case {i} {mb}x{N}x{K} {kind} launch {rep}"
+            sync_or_exit(what, HANG_S)
+            comm.check()
+            got = _host(out)
+            want = (nodes - 1) * mb * K * dt.itemsize
+            if _sent(comm) - before != want:
+                return False, f"{what}: the proxy sent {_sent(comm) - before} bytes, the minimum is {want}"
+            if not np.array_equal(_host(gathered).view(np.uint16), full.astype(dt).view(np.uint16)):
+                return False, f"{what}: the gathered A differs"
+            ok, msg = (_check_exact(got, ref, dt, what) if integer else
+                       _check_close(got, ref, 0.0, absprod, K, dt, what))
+            if not ok:
+                return False, msg
+            if (i, path) in first and not np.array_equal(got.view(np.uint16), first[i, path]):
+                return False, f"{what}: not bitwise equal to launch 0"
+            first.setdefault((i, path), got.view(np.uint16).copy())
         return True, ""
 
     _collective(comm, _with_state(comm, "allgather_gemm", body))

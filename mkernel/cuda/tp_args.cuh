@@ -68,5 +68,9 @@ struct TpArgs {
   unsigned long long stage_off;  // [nodes][tiles_blk] TP_TILE_BYTES: node partials to send
   unsigned long long xrecv_off;  // [nodes][tiles_blk] TP_TILE_BYTES: node partials received, by source node
   unsigned long long xgath_off;  // AR: [nodes][tiles_blk] TP_TILE_BYTES: reduced tiles received, by source node
-  int pad[22];                   // explicit tail: sizeof is a multiple of 64
+  const void* partial;           // RS / AR unfused (the baseline that isolates overlap): this rank's whole
+                                 // partial [W * mb][n], computed before the launch; CTAs [0, gemm_ctas)
+                                 // then copy its tiles where the GEMM epilogue would store them
+  long long ldp;                 // partial's row stride (elements)
+  int pad[18];                   // explicit tail: sizeof is a multiple of 64
 };

@@ -281,6 +281,48 @@ MK_DEV void tp_reduce_cta(const TpArgs& a) {
   launch_exit(a.g.sync, E);
 }
 
+// RS / AR unfused: a CTA that moves tiles of the precomputed partial (args.partial) to the same
+// receive slots, with the same flags and credits, in the same order as the GEMM CTAs' epilogue
+// would: the same collective, after the GEMM instead of overlapped with it.
+template <int OP>
+MK_DEV void tp_partial_cta(const TpArgs& a) {
+  __shared__ u32 s_epoch, s_pos;
+  __shared__ int s_ok;
+  if (threadIdx.x == 0) s_epoch = launch_epoch(a.g.sync);
+  __syncthreads();
+  const u32 E = s_epoch;
+  const MkPeers peers = tp_peers(a);
+  const u64 ncol = (u64)a.g.n;
+  TpDest<OP> dest{a, E};  // thread 0: flags and credits, as the epilogue's leaders use them
+  for (;;) {
+    if (threadIdx.x == 0) s_pos = atomicAdd(&a.counters[TP_CNT_TILE], 1u);
+    __syncthreads();
+    const u32 pos = s_pos;
+    if (pos >= (u32)a.world * tp_tiles_blk(a)) break;
+    const MkTile t = tp_decode<OP, 128, 256>(a, pos);
+    if (threadIdx.x == 0) {
+      const u32 d = (u32)t.group % (u32)a.local;
+      s_ok = credits_wait(a.g.sync, peers, d, E) ? 1 : 0;
+    }
+    __syncthreads();
+    if (!s_ok) break;
+    const u32 o = (u32)t.group, L = (u32)a.local, cols = min(256u, (u32)(ncol - (u64)t.n0)), vpr = cols / 8u;
+    u8* dst = peer_ptr<u8>(peers, o % L, a.recv_off) + (((u64)a.lrank * a.nodes + o / L) * (u64)a.mb + (u64)dest.row(t)) * ncol * 2;
+    const u8* src = reinterpret_cast<const u8*>(a.partial) + (u64)t.m0 * (u64)a.ldp * 2;
+    for (u32 v = threadIdx.x; v < (u32)t.rows * vpr; v += blockDim.x) {
+      const u32 r = v / vpr;
+      const u64 col = (u64)t.n0 + (v - r * vpr) * 8u;
+      st_v4(dst + ((u64)r * ncol + col) * 2, ld_cg_v4(src + ((u64)r * (u64)a.ldp + col) * 2));
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) set_flag(dest.flag(t), E);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) tp_counters_done(a);
+  launch_exit(a.g.sync, E);
+}
+
 // The consumers of a GEMM CTA join the reduction once their tiles are stored (args.join).
 template <int DT, int OP>
 struct TpJoinReduce {
@@ -294,8 +336,10 @@ struct TpJoinReduce {
 template <int DT, int BL, int OP>
 MK_DEV void tp_reduce_kernel_body(const TpArgs& args) {
   if (blockIdx.x == 0 && threadIdx.x == 0) tp_announce(args);
-  if ((int)blockIdx.x < args.gemm_ctas)
-    tp_gemm_cta<GemmCfg<DT, BL>, OP>(args, TpJoinReduce<DT, OP>());
-  else
+  if ((int)blockIdx.x >= args.gemm_ctas)
     tp_reduce_cta<DT, OP>(args);
+  else if (args.partial)
+    tp_partial_cta<OP>(args);
+  else
+    tp_gemm_cta<GemmCfg<DT, BL>, OP>(args, TpJoinReduce<DT, OP>());
 }
