@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""allgather_gemm on the GPUs of one node against cuBLAS + NCCL (see bench/tp.py):
+"""allgather_gemm against its baselines (see bench/tp.py: one node, or --nodes N between emulated nodes):
 mpirun -n 2 python3 bench/allgather_gemm.py [--quick] [--out DIR]"""
 import sys
 from pathlib import Path

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""gemm_reduce_scatter on the GPUs of one node against cuBLAS + NCCL (see bench/tp.py):
+"""gemm_reduce_scatter against its baselines (see bench/tp.py: one node, or --nodes N between emulated nodes):
 mpirun -n 2 python3 bench/gemm_reduce_scatter.py [--quick] [--out DIR]"""
 import sys
 from pathlib import Path

@@ -1,6 +1,10 @@
 #!/usr/bin/env python3
-"""Fused tensor-parallel ops inside a node against cuBLAS + NCCL, side by side in one run:
+"""Fused tensor-parallel ops against their baselines, side by side in one run.
 
+Shapes are the GEMM each rank computes, [M, N, K]: GEMM+RS / GEMM+AR: K is the rank's K_r;
+AllGather+GEMM: M is the gathered row count and N the rank's N_r (issues 5 and 7).
+
+Inside a node (issue 5; ``mpirun -n <gpus>``, one GPU per rank):
 - mkernel: the fused kernel (path='fused');
 - baseline: cupy.matmul then the cupy.cuda.nccl collective on the same stream;
 - chunked: the hand-written overlap: the GEMM in 4 row chunks, each chunk's collective on a second
@@ -8,12 +12,19 @@
 - bound: max(cuBLAS time of this rank's GEMM, bytes each GPU sends / the two-way exchange rate
   measured in this run with NCCL send/recv between all pairs).
 
-Run under ``mpirun -n <gpus>`` with one GPU per rank (NCCL):
+Between nodes (issue 7; ``--nodes N``: gpus_per_node = world / N, ``--transport``, default host):
+- mkernel: the fused kernel, hierarchical;
+- baseline: mkernel's unfused path over the same transport (path='unfused': cupy.matmul, then the
+  op's own hierarchical collective), which isolates overlap;
+- nccl: cupy.matmul then NCCL (its shared-memory or socket transport between the emulated nodes);
+- bound: max(cuBLAS GEMM, the unfused run's collective: unfused minus GEMM).
 
-    mpirun -n 2 python3 bench/tp.py --op all [--quick] [--out DIR]
+    mpirun -n 2 python3 bench/tp.py --op all [--nodes 2] [--quick] [--out DIR]
 
-Writes bench/results/<op>-<gpus>gpu.json per op (bench/harness.py), speedup = baseline / mkernel,
-and each row's max |error| against float64 on 64 sampled rows for mkernel and for the baseline.
+Writes bench/results/<op>-<gpus>gpu[-<nodes>node].json per op (bench/harness.py; speedup =
+baseline / mkernel, each row with its goal and whether it met it, and the max |error| against
+float64 on 64 sampled rows for mkernel and the baseline) and, inside a node, a PNG of speedup
+against size.
 """
 
 import argparse
@@ -29,9 +40,21 @@ import numpy as np  # noqa: E402
 import harness  # noqa: E402
 
 OPS = ("gemm_reduce_scatter", "gemm_allreduce", "allgather_gemm")
-# (M, N, K): RS / AR: K is the total (each rank holds K / W); AG: N is the total (each rank N / W).
-SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 8192), (8192, 14336, 4096), (16384, 16384, 8192)]
-QUICK = [(4096, 4096, 4096), (8192, 8192, 8192)]
+# ((M, N, K) per rank, goal over the baseline): issue 5's table (one node) and its AR sweep
+# (N = M, K = M / 16, at least 1.0x at every size; 32768 is in the table)
+ONE_NODE = {
+    "gemm_allreduce": [((8192, 8192, 4096), 1.40), ((16384, 16384, 1024), 1.35), ((32768, 32768, 2048), 1.50)]
+    + [((m, m, m // 16), 1.0) for m in (4096, 8192, 16384)],
+    "gemm_reduce_scatter": [((8192, 8192, 4096), 1.30), ((16384, 16384, 1024), 1.70)],
+    "allgather_gemm": [((8192, 4096, 8192), 1.20), ((8192, 14336, 8192), 1.0)],
+}
+# issue 7's table (2 emulated nodes x 1 GPU over the host transport; baseline: the unfused path)
+BETWEEN_NODES = {
+    "gemm_allreduce": [((8192, 8192, 14336), 1.6), ((8192, 8192, 4096), 1.2)],
+    "gemm_reduce_scatter": [((8192, 8192, 14336), 1.3)],
+    "allgather_gemm": [((8192, 14336, 8192), 1.3)],
+}
+QUICK = [((4096, 4096, 1024), None)]
 SAMPLE_ROWS = 64
 
 
@@ -81,7 +104,7 @@ def setup(op, comm, M, N, K, dt):
     s2 = cupy.cuda.Stream(non_blocking=True)
     main = cupy.cuda.get_current_stream()
     if op == "allgather_gemm":
-        mb, Nr = M // W, N // W
+        mb, Nr = M // W, N
         a = harness.rand((mb, K), 100 + r, dt)
         b = harness.rand((K, Nr), 200 + r, dt)
         out = cupy.empty((M, Nr), dt)
@@ -109,10 +132,11 @@ def setup(op, comm, M, N, K, dt):
                 cupy.matmul(pg[c], b, out=out[c * W * q:(c + 1) * W * q])
 
         gemm_only = lambda: cupy.matmul(gath, b, out=out)  # noqa: E731
+        unfused = lambda: mkernel.allgather_gemm(a, b, comm=comm, out=out, path="unfused")  # noqa: E731
         sent = (W - 1) * mb * K * dt.itemsize
-        return dict(fused=fused, base=base, chunked=chunked, gemm=gemm_only, sent=sent, out=out,
+        return dict(fused=fused, base=base, chunked=chunked, gemm=gemm_only, unfused=unfused, sent=sent, out=out,
                     ref=lambda rows: _ag_ref(comm, rows, M, K, Nr, dt))
-    Kr = K // W
+    Kr = K
     a = harness.rand((M, Kr), 300 + r, dt)
     b = harness.rand((Kr, N), 400 + r, dt)
     ar = op == "gemm_allreduce"
@@ -152,8 +176,9 @@ def setup(op, comm, M, N, K, dt):
         main.wait_event(done)
 
     gemm_only = lambda: cupy.matmul(a, b, out=partial)  # noqa: E731
+    unfused = lambda: fn(a, b, comm=comm, out=out, path="unfused")  # noqa: E731
     sent = (2 if ar else 1) * (W - 1) * mb * N * dt.itemsize
-    return dict(fused=fused, base=base, chunked=chunked, gemm=gemm_only, sent=sent, out=out,
+    return dict(fused=fused, base=base, chunked=chunked, gemm=gemm_only, unfused=unfused, sent=sent, out=out,
                 ref=lambda rows: _rs_ref(comm, rows, M, Kr, N, dt, ar))
 
 
@@ -182,47 +207,92 @@ def max_err(out, ref_fn, rows):
 
 
 def bench_op(op, comm, shapes, dt, rate_gbs):
+    """Rows of one op. One node: baseline cuBLAS + NCCL, the chunked overlap beside, the bound from
+    the exchange rate. Between nodes (rate_gbs None): baseline the unfused path over the same
+    transport, cuBLAS + NCCL beside, the bound from the unfused run's collective."""
     import cupy
     from mkernel import tp as tp_mod
 
+    nodes = comm.num_nodes
     rows_out = []
-    for (M, N, K) in shapes:
+    for (M, N, K), goal in shapes:
         f = setup(op, comm, M, N, K, dt)
+        baseline = "base" if nodes == 1 else "unfused"
         rng = np.random.default_rng(0)
         rows = cupy.asarray(np.sort(rng.choice(f["out"].shape[0], SAMPLE_ROWS, replace=False)))
         f["fused"]()
         cupy.cuda.get_current_stream().synchronize()
         comm.check()
         err_mk = max_err(f["out"], f["ref"], rows)
-        f["base"]()
+        f[baseline]()
         cupy.cuda.get_current_stream().synchronize()
+        comm.check()
         err_base = max_err(f["out"], f["ref"], rows)
         t = {}
-        for name in ("fused", "base", "chunked", "gemm"):
+        for name in ("fused", baseline, "base" if nodes > 1 else "chunked", "gemm"):  # interleaved per shape
             comm.mpi.Barrier()
             t[name] = comm.mpi.allreduce(harness.median(harness.time_ms(f[name])), op=_max())
-        wire_ms = f["sent"] / (rate_gbs * 1e9) * 1e3
+        if nodes == 1:
+            wire_ms = f["sent"] / (rate_gbs * 1e9) * 1e3
+            extra = dict(chunked_ms=t["chunked"], speedup_vs_chunked=t["chunked"] / t["fused"], wire_ms=wire_ms,
+                         bytes_sent_per_gpu=f["sent"])
+        else:
+            wire_ms = max(0.0, t["unfused"] - t["gemm"])  # the unfused run's collective over the transport
+            network = f["sent"] * (nodes - 1) // (comm.size - 1)  # the hierarchical minimum per rank
+            extra = dict(nccl_ms=t["base"], speedup_vs_nccl=t["base"] / t["fused"], collective_ms=wire_ms,
+                         network_bytes_per_rank=network)
         bound = max(t["gemm"], wire_ms)
-        rows_out.append(harness.row((M, N, K), t["fused"], t["base"], bound, chunked_ms=t["chunked"],
-                                    cublas_gemm_ms=t["gemm"], wire_ms=wire_ms, bytes_sent_per_gpu=f["sent"],
-                                    speedup_vs_chunked=t["chunked"] / t["fused"], max_err_mkernel=err_mk,
-                                    max_err_baseline=err_base, dtype=dt.name))
+        speedup = t[baseline] / t["fused"]
+        rows_out.append(harness.row((M, N, K), t["fused"], t[baseline], bound, cublas_gemm_ms=t["gemm"], goal=goal,
+                                    meets_goal=None if goal is None else speedup >= goal, max_err_mkernel=err_mk,
+                                    max_err_baseline=err_base, dtype=dt.name, baseline=(
+                                        "cupy.matmul + NCCL" if nodes == 1 else "mkernel unfused, same transport"),
+                                    **extra))
         del f
         tp_mod.release_buffers(comm)  # every rank, same point: the next shape's buffers fit
     return rows_out
+
+
+def plot(op, rows, path):
+    """Speedup over the baseline against the GEMM's size (one node), the goals marked."""
+    plt = harness.pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    flops = [2.0 * r["shape"][0] * r["shape"][1] * r["shape"][2] for r in rows]
+    order = sorted(range(len(rows)), key=flops.__getitem__)
+    ax.plot([flops[i] for i in order], [rows[i]["speedup"] for i in order], "o-", label="mkernel / baseline")
+    ax.plot([flops[i] for i in order], [rows[i]["speedup_vs_chunked"] for i in order], "s--",
+            label="mkernel / chunked overlap")
+    ax.scatter([flops[i] for i in order if rows[i]["goal"]], [rows[i]["goal"] for i in order if rows[i]["goal"]],
+               marker="_", s=200, color="k", label="goal")
+    ax.axhline(1.0, color="grey", lw=0.5)
+    ax.set_xscale("log")
+    ax.set_xlabel("GEMM FLOPs per rank")
+    ax.set_ylabel("speedup")
+    ax.set_title(op)
+    ax.legend(fontsize=7)
+    return harness.save_plot(fig, path)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--op", choices=OPS + ("all",), default="all")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--nodes", type=int, default=1, help="emulated nodes (gpus_per_node = world / nodes)")
+    p.add_argument("--transport", default="host", help="between nodes: host, tcp or verbs")
     p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     p.add_argument("--out", default=None, help="results directory (default bench/results)")
     args = p.parse_args()
     import ml_dtypes
     import mkernel
+    from mpi4py import MPI
 
-    comm = mkernel.init(workspace_bytes=4 << 30)
+    W = MPI.COMM_WORLD.size
+    if args.nodes < 1 or W % args.nodes:
+        raise SystemExit(f"--nodes {args.nodes} must divide the world size {W}")
+    comm = mkernel.init(workspace_bytes=6 << 30, gpus_per_node=W // args.nodes if args.nodes > 1 else None,
+                        transport=args.transport if args.nodes > 1 else "auto")
     dt = np.dtype(ml_dtypes.bfloat16) if args.dtype == "bfloat16" else np.dtype(np.float16)
     try:  # the baseline is cupy.matmul: fall back to float16 where CuPy has no bfloat16 matmul
         import cupy
@@ -231,17 +301,23 @@ def main():
         if comm.rank == 0:
             print(f"cupy.matmul cannot multiply {dt} ({type(e).__name__}); benchmarking float16")
         dt = np.dtype(np.float16)
-    rate = exchange_rate_gbs(comm)
-    shapes = QUICK if args.quick else SHAPES
+    rate = exchange_rate_gbs(comm) if args.nodes == 1 else None
+    table = ONE_NODE if args.nodes == 1 else BETWEEN_NODES
     cols = [("shape", "shape", None), ("mkernel_ms", "mkernel ms", ".3f"), ("baseline_ms", "baseline ms", ".3f"),
-            ("chunked_ms", "chunked ms", ".3f"), ("bound_ms", "bound ms", ".3f"), ("speedup", "speedup", ".2f"),
-            ("max_err_mkernel", "err mk", ".3g"), ("max_err_baseline", "err base", ".3g")]
+            ("chunked_ms" if args.nodes == 1 else "nccl_ms", "chunked ms" if args.nodes == 1 else "nccl ms", ".3f"),
+            ("bound_ms", "bound ms", ".3f"), ("speedup", "speedup", ".2f"), ("fraction_of_bound", "of bound", ".2f"),
+            ("goal", "goal", None), ("meets_goal", "met", None), ("max_err_mkernel", "err mk", ".3g"),
+            ("max_err_baseline", "err base", ".3g")]
     summary = []
     for op in (OPS if args.op == "all" else (args.op,)):
-        rows = bench_op(op, comm, shapes, dt, rate)
+        rows = bench_op(op, comm, QUICK if args.quick else table[op], dt, rate)
         if comm.rank == 0:
-            path = harness.write(op, rows, gpus=comm.size, out_dir=args.out, exchange_rate_gbs=rate)
-            print(f"== {op} ({comm.size} GPUs, exchange {rate:.1f} GB/s per GPU) -> {path}")
+            path = harness.write(op, rows, gpus=W, nodes=args.nodes, out_dir=args.out,
+                                 transport=(comm.stats()["proxy"] or args.transport) if args.nodes > 1 else "nvlink",
+                                 exchange_rate_gbs=rate)
+            if args.nodes == 1:
+                plot(op, rows, path.with_suffix(".png"))
+            print(f"== {op} ({W} GPUs, {args.nodes} node(s)) -> {path}")
             print(harness.table(rows, cols))
             summary.append(f"{op} " + " ".join(f"{r['speedup']:.2f}x" for r in rows))
     if comm.rank == 0:
