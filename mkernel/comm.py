@@ -305,6 +305,10 @@ class Communicator:
         base, size = take_symmetric(views, count, self.PROXY_FLAGS, align=1)
         self._pflag_free.take_at(base, size)
         self.proxy_flags[1][base:base + size] = 0
+        # Peers SIGNAL these flags from their kernels' entry, without waiting for this rank (a
+        # credit), so no rank may launch before every rank has zeroed them: a SIGNAL landing before
+        # the zeroing would be wiped out, and its waiter would time out.
+        collectives.barrier(self.mpi, what="zeroing proxy flags")
         return _FlagBlock(self._pflag_free, base, size)
 
     def _take_flag_range(self):
