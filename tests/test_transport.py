@@ -136,6 +136,50 @@ def test_payloads_and_flags(request, transport, shuffle, conns):
         _collectively(_exchange, transport, shuffle, conns)
 
 
+def _rounds(transport, rounds=300, tiles=8, tile=64 << 10):
+    """The pattern of the TP ops between nodes: ranks as 2 nodes, each paired with the rank of the
+    same local index on the other node; per round a credit SIGNAL (SET), then, once the partner's
+    credit is seen, tile WRITEs counted in the partner's arrival flag (ADD), then a FLUSH."""
+    rank, n = WORLD.Get_rank(), WORLD.Get_size()
+    L = n // 2
+    partner = (rank + L) % n
+    src = np.zeros(tiles * tile, np.uint8)
+    dst = np.zeros(tiles * tile, np.uint8)
+    flags = np.zeros(3, np.uint32)  # credit, arrivals, flush
+    queue = CommandQueue(64)
+    with Proxy(WORLD, [r // L for r in range(n)], transport=transport, bind_address="127.0.0.1") as proxy:
+        proxy.register(0, src.ctypes.data, src.nbytes)
+        proxy.register(1, dst.ctypes.data, dst.nbytes)
+        proxy.register_flags(2, flags.ctypes.data, flags.size)
+        proxy.attach_queue(queue)
+        proxy.connect()
+        proxy.start()
+        for rd in range(1, rounds + 1):
+            src[:] = (rank * 31 + rd) & 0xFF  # the partner wrote round rd - 1 and we checked it
+            queue.push(SIGNAL, partner, flag=(0, rd, FLAG_SET))
+            proxy.wait_flag(flags, 0, rd, timeout_s=30)
+            for t in range(tiles):
+                queue.push(WRITE, partner, tile, src=(0, t * tile), dst=(1, t * tile), flag=(1, 1, FLAG_ADD))
+            queue.push(FLUSH, partner, flag=(2, rd, FLAG_SET))
+            proxy.wait_flag(flags, 1, rd * tiles, timeout_s=30)
+            assert (dst == ((partner * 31 + rd) & 0xFF)).all(), f"rank {rank} round {rd}: stale or torn tiles"
+            proxy.wait_flag(flags, 2, rd, timeout_s=30)
+        stats = proxy.stats()["peers"][partner]
+        assert stats["bytes_received"] == stats["bytes_sent"] == rounds * tiles * tile
+        WORLD.Barrier()  # the partner's last FLUSH needs our proxy to answer it
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("transport", ["host", "tcp"])
+def test_rounds_of_credits_writes_and_counters(request, transport):
+    """300 rounds of credit, counted WRITEs and FLUSH between paired ranks of 2 nodes (CPU memory)."""
+    if _relaunch(request):
+        return
+    if WORLD.Get_size() % 2:
+        pytest.skip("ranks pair up across 2 nodes")
+    _collectively(_rounds, transport)
+
+
 def _killed_worker(transport):
     """Rank 1 dies (SIGKILL) right after enqueueing a 64 MiB write; the others wait for its flags."""
     rank, n = WORLD.Get_rank(), WORLD.Get_size()
