@@ -29,15 +29,6 @@ MK_DEV float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// Packs two floats as bf16x2 / f16x2: the lower column in the low half.
-template <int DT>
-MK_DEV u32 pack2(float lo, float hi) {
-  u32 r;
-  if (DT == 0) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  else asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
 // Masks the scores of keys a row must not see with -inf. key0: the block's first key; lim0 / lim1:
 // the positions of this thread's two query rows; a key is visible iff its position (kp) is at
 // most the row's. Keys >= seq_kv are always masked.

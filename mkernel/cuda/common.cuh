@@ -68,5 +68,14 @@ MK_DEV void st_v4(void* p, uint4 v) {
                : "memory");
 }
 
+// Packs two floats as bf16x2 (DT 0) / f16x2 (DT 1), rounded to nearest: the first in the low half.
+template <int DT>
+MK_DEV u32 pack2(float lo, float hi) {
+  u32 r;
+  if (DT == 0) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  else asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
 // Wrap-safe comparison of 32-bit epochs: true when a is at or after b.
 MK_DEV bool epoch_reached(u32 a, u32 b) { return (i32)(a - b) >= 0; }

@@ -270,13 +270,6 @@ MK_DEV float half_to_float(u16 h) {
   asm("{ .reg .f16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));
   return f;
 }
-template <int DT>
-MK_DEV u32 pack2(float lo, float hi) {
-  u32 r;
-  if (DT == 0) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  else asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
 
 template <int DT>
 __global__ void __launch_bounds__(MOE_THREADS, 1) mk_moe_combine_kernel(const __grid_constant__ MkMoeArgs a) {
