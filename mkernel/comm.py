@@ -415,8 +415,6 @@ class Communicator:
         are allocated again on next use) and the proxy, if started, is stopped (it starts again on
         next use). Synchronises the device."""
         self._check_open()
-        import cupy
-
         from . import tp
 
         if not isinstance(workspace_bytes, int) or isinstance(workspace_bytes, bool) or workspace_bytes <= 0:
@@ -437,8 +435,7 @@ class Communicator:
         if any(views):
             raise ArgumentError("grow_workspace: " + "; ".join(f"rank {r}: {', '.join(b)}"
                                                                 for r, b in enumerate(views) if b))
-        cupy.cuda.runtime.deviceSynchronize()
-        if self._stop_proxy(False) or self._release_heap(False):
+        if self._stop_proxy(False) or self._release_heap(False):  # (release_buffers synchronised the device)
             raise PeerError(f"rank {self.rank}: a peer did not answer while the workspace was replaced")
         self._workspace_bytes = workspace_bytes
         self._agreed[("workspace", "bytes")] = workspace_bytes
