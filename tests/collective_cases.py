@@ -4,11 +4,32 @@ each case on the test's own MPI communicator (``comm.test_mpi``); when a rank ra
 not, or a peer error or timeout was raised, the ranks may be out of step, so all of them stop
 running cases (the rest is recorded as not run). Then a per-case table and a collective decision."""
 
+import pytest
 from conftest import all_ranks
 from mkernel.errors import ClosedError, PeerError, TimeoutError
 
 # Errors after which a communicator is unusable (the ranks may be out of step): stop running cases.
 FATAL = (TimeoutError, PeerError, ClosedError)
+
+
+def gpu_mpi(fn):
+    """The marks of a test that runs at 1 rank and in the 2-rank pass (tests/run_gpu.sh)."""
+    return pytest.mark.gpu(pytest.mark.mpi(fn))
+
+
+def with_driver(c):
+    """Gives the communicator a duplicate of its MPI communicator for the tests' own collectives
+    (outcomes, decisions), so that they can never be matched against the op's internal ones."""
+    c.test_mpi = c.mpi.Dup()
+    return c
+
+
+def close(c):
+    try:
+        c.test_mpi.Free()
+    finally:
+        c.close()
+
 
 
 def run_cases(comm, names, body, after=None):

@@ -40,18 +40,24 @@ def _sync():
     cupy.cuda.get_current_stream().synchronize()
 
 
-def test_each_rank_writes_every_peer_through_the_pointer_table(comm, proto):
-    proto.slots.fill(0xDEADBEEF)  # poison
-    comm.mpi.Barrier()
-    e0 = comm.sync.epoch()
+def _exchange_arrives(c, proto):
+    """One launch of the exchange kernel (poisoned slots first): True when the epoch advanced by one
+    and every node peer's pattern arrived intact through c's pointer table."""
+    proto.slots.fill(0xDEADBEEF)
+    c.mpi.Barrier()
+    e0 = c.sync.epoch()
     proto.run("exchange")
     _sync()
-    comm.check()
+    c.check()
     got = proto.slots.get()
-    ok = comm.sync.epoch() == e0 + 1 and proto.mismatch_count() == 0
-    for p in range(comm.local_size):
+    ok = c.sync.epoch() == e0 + 1 and proto.mismatch_count() == 0
+    for p in range(c.local_size):
         ok &= np.array_equal(got[p], expected_pattern(e0 + 1, p, WORDS))
-    assert all_ranks(comm.mpi, ok)
+    return ok
+
+
+def test_each_rank_writes_every_peer_through_the_pointer_table(comm, proto):
+    assert all_ranks(comm.mpi, _exchange_arrives(comm, proto))
 
 
 def test_split_communicators_live_in_their_parents_workspace(comm):
@@ -69,23 +75,14 @@ def test_split_communicators_live_in_their_parents_workspace(comm):
     ok &= (first is None) == (me != 0)
     ok &= comm.heap.base < rev.heap.base < comm.heap.base + comm.heap.nbytes
     p = Protocol(rev, WORDS)
-    p.slots.fill(0xDEADBEEF)
-    rev.mpi.Barrier()
-    e0 = rev.sync.epoch()
-    p.run("exchange")
-    _sync()
-    rev.check()
-    got = p.slots.get()
-    ok &= p.mismatch_count() == 0
-    for q in range(rev.local_size):
-        ok &= np.array_equal(got[q], expected_pattern(e0 + 1, q, WORDS))
+    ok &= _exchange_arrives(rev, p)
     buf = comm.empty(3 << 20, np.uint8)
     ok &= len(set(comm.mpi.allgather(comm.offset_of(buf)))) == 1
     lo, hi = buf.data.ptr, buf.data.ptr + buf.nbytes
     for sub in (rev, alone, first):
         if sub is not None:
             ok &= hi <= sub.heap.base or sub.heap.base + sub.heap.nbytes <= lo
-    del p, got, buf
+    del p, buf
     for sub in (first, alone, rev):
         if sub is not None:
             sub.close()
@@ -113,17 +110,8 @@ def test_grow_workspace_replaces_it_collectively(comm):
         root.grow_workspace(32 << 20)
         ok = root.heap.nbytes >= 32 << 20
         p = Protocol(root, WORDS)
-        p.slots.fill(0xDEADBEEF)
-        root.mpi.Barrier()
-        e0 = root.sync.epoch()
-        p.run("exchange")
-        _sync()
-        root.check()
-        got = p.slots.get()
-        ok &= p.mismatch_count() == 0
-        for q in range(root.local_size):
-            ok &= np.array_equal(got[q], expected_pattern(e0 + 1, q, WORDS))
-        del p, got
+        ok &= _exchange_arrives(root, p)
+        del p
     finally:
         root.close()
     assert all_ranks(comm.mpi, ok)

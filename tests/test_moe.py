@@ -80,6 +80,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from argument_errors import argument_errors
 from gpu_arrays import (  # the shared device-array helpers (tests/gpu_arrays.py)
     dev as _dev, host as _host, bits as _bits, poisoned as _poisoned, poison as _poison, BF16, DTYPES, NAN_BITS)
 
@@ -91,11 +92,8 @@ from mkernel.errors import ArgumentError, CapacityError, MKernelError  # noqa: E
 from mkernel.testing import sync_or_exit  # noqa: E402
 import collective_cases  # noqa: E402  (the collective driver: tests/collective_cases.py)
 
-try:
-    mmoe = importlib.import_module("mkernel.moe")
-    _IMPORT_ERROR = None
-except Exception as _e:  # noqa: BLE001  (pragma: no cover - only while the module is missing or broken)
-    mmoe, _IMPORT_ERROR = None, _e
+# The module, not the function: mkernel re-exports the function under the same name.
+mmoe = importlib.import_module("mkernel.moe")
 
 REL_TOL = 1e-2        # layer: relative Frobenius error of out and of y
 TOKEN_TOL = 5e-2      # layer: relative error of any one token's output row
@@ -105,34 +103,11 @@ ERR_WORKSPACE = 16 << 20  # the communicators of the device-error cases
 WEIGHT_SET = np.array([0.25, 0.5, 1.0, 2.0])  # exact cases: every weighted fp32 sum is exact
 
 
-def _module():
-    if mmoe is None:
-        pytest.fail(f"mkernel.moe does not import: {_IMPORT_ERROR!r}")
-    return mmoe
-
-
-def _gpu_mpi(fn):
-    return pytest.mark.gpu(pytest.mark.mpi(fn))
-
-
-def _with_driver(c):
-    """Gives the communicator a duplicate of its MPI communicator for the tests' own collectives."""
-    c.test_mpi = c.mpi.Dup()
-    return c
-
-
-def _close(c):
-    try:
-        c.test_mpi.Free()
-    finally:
-        c.close()
-
-
 @pytest.fixture(scope="module")
 def comm():
-    c = _with_driver(mkernel.init(workspace_bytes=WORKSPACE))
+    c = collective_cases.with_driver(mkernel.init(workspace_bytes=WORKSPACE))
     yield c
-    _close(c)
+    collective_cases.close(c)
 
 
 # ============================================================================ the reference
@@ -320,7 +295,7 @@ def test_args_layout_matches_host_compiler(tmp_path):
 
     from c_layout import assert_same_layout
 
-    m = _module()
+    m = mmoe
     assert_same_layout("moe_args.cuh", m.MkMoeArgs, tmp_path)
     assert ctypes.sizeof(m.MkMoeArgs) == 272
 
@@ -345,7 +320,7 @@ def test_constants_match_the_headers(tmp_path):
     from mkernel import sync
     from mkernel.compile import CUDA_DIR
 
-    m = _module()
+    m = mmoe
     c = _c_constants("moe_args.cuh", ["MOE_MAX_WORLD", "MOE_MAX_EXPERTS", "MOE_MAX_TOPK", "MOE_CNT_WORDS",
                                       "MOE_ERR_CAPACITY", "MOE_ERR_EXPERT_ID", "MOE_ROW_WORDS(10)"], tmp_path)
     assert c["MOE_MAX_WORLD"] == m.MAX_WORLD and c["MOE_MAX_EXPERTS"] == m.MAX_EXPERTS
@@ -363,7 +338,7 @@ def test_constants_match_the_headers(tmp_path):
 
 
 def test_moe_capacity():
-    m = _module()
+    m = mmoe
     assert m.moe_capacity(100, 2, 4) == 800
     assert m.moe_capacity(333, 8, 2) == 2 * 333 * 8
     assert m.moe_capacity(7, 1, 1) == 7
@@ -377,7 +352,7 @@ def test_moe_capacity():
 def test_module_and_export():
     from mkernel import errors
 
-    m = _module()
+    m = mmoe
     for name in ("moe_dispatch", "moe_combine", "moe_dispatch_gemm", "moe_gemm_combine", "moe_capacity", "MoeHandle"):
         assert getattr(mkernel, name) is getattr(m, name), f"mkernel.{name} is not mkernel.moe.{name}"
         assert name in mkernel.__all__
@@ -649,7 +624,7 @@ def _build(comm, c):
 
 
 def _dispatch_body(comm, c):
-    moe = _module()
+    moe = mmoe
     me = comm.rank
     P = _build(comm, c)
     x, ids, w = _inputs(P, me)
@@ -669,7 +644,7 @@ def _dispatch_body(comm, c):
 
 
 def _combine_body(comm, c):
-    moe = _module()
+    moe = mmoe
     me = comm.rank
     P = _build(comm, c)
     x, ids, w = _inputs(P, me)
@@ -692,7 +667,7 @@ def _combine_body(comm, c):
     return _check_exact_out(P, me, out, want)
 
 
-@_gpu_mpi
+@collective_cases.gpu_mpi
 def test_dispatch_layout(comm):
     cases = _cases_for(comm, DISPATCH_CASES)
     names = list(cases)
@@ -700,7 +675,7 @@ def test_dispatch_layout(comm):
     _report_and_decide(comm, "moe_dispatch layout, bitwise (label: dtype H El k T capacity)", names, results)
 
 
-@_gpu_mpi
+@collective_cases.gpu_mpi
 def test_combine_exact(comm):
     cases = _cases_for(comm, DISPATCH_CASES)
     names = list(cases)
@@ -709,7 +684,7 @@ def test_combine_exact(comm):
 
 
 @pytest.mark.slow
-@_gpu_mpi
+@collective_cases.gpu_mpi
 def test_dispatch_and_combine_large(comm):
     cases = _cases_for(comm, DISPATCH_SLOW)
     names = [f"{kind} {n}" for n in cases for kind in ("dispatch", "combine")]
@@ -739,7 +714,7 @@ def _layer_name(c):
 
 
 def _layer_body(comm, c):
-    moe = _module()
+    moe = mmoe
     label, dtn, H, F, El, k, routing, T, cap, lay = c
     W, me = comm.size, comm.rank
     P = _layer_problem(_layer_name(c), W, dtn, H, F, El, k, routing, T, cap=cap, layout=lay)
@@ -803,7 +778,7 @@ def _layer_body(comm, c):
     return bool(ok), "; ".join(msgs)
 
 
-@_gpu_mpi
+@collective_cases.gpu_mpi
 def test_layer_reference(comm):
     cases = {_layer_name(c): c for c in LAYER_CASES if c[4] * comm.size <= 512}
     names = list(cases)
@@ -831,7 +806,7 @@ def _repeat_body(comm, n=20):
     in between: each equal to its solo run bitwise; the epoch moves by 2 n."""
     import cupy
 
-    moe = _module()
+    moe = mmoe
     W, me = comm.size, comm.rank
     probs = [_problem(f"repeat {i}", W, "bf16", 256, 4, 2, "zipf", 500) for i in range(2)]
     inps = [_inputs(P, me) for P in probs]
@@ -863,9 +838,8 @@ def _repeat_body(comm, n=20):
     return ok and not differ and moved == 2 * n, "; ".join(msgs)
 
 
-@_gpu_mpi
+@collective_cases.gpu_mpi
 def test_repeated_launches(comm):
-    _module()
     _collective(comm, "20 dispatch + combine on the same buffers, two inputs alternating (bf16 H256 El4 k2 T500)",
                 lambda: _repeat_body(comm))
 
@@ -874,7 +848,7 @@ def _b2b_body(comm, reps=5):
     """Two shapes X (bf16 H 128 k 2 El 4 uniform T 300) and Y (fp16 H 512 k 8 El 16 zipf T 200),
     dispatch + combine alternately, reps times each, into buffers of their own, all queued before
     one synchronisation: each equal bitwise to what the same call gave alone."""
-    moe = _module()
+    moe = mmoe
     W, me = comm.size, comm.rank
     shapes = {"X": ("bf16", 128, 4, 2, "uniform", 300), "Y": ("fp16", 512, 16, 8, "zipf", 200)}
     probs = {s: _problem(f"b2b {s}", W, *v) for s, v in shapes.items()}
@@ -904,9 +878,8 @@ def _b2b_body(comm, reps=5):
     return ok and not differ and moved == 2 * len(order), "; ".join(msgs)
 
 
-@_gpu_mpi
+@collective_cases.gpu_mpi
 def test_back_to_back_shapes(comm):
-    _module()
     _collective(comm, "two shapes back to back, 5 times each, one synchronisation", lambda: _b2b_body(comm))
 
 
@@ -917,7 +890,7 @@ def _stale_body(comm):
     handle combines right."""
     import cupy
 
-    moe = _module()
+    moe = mmoe
     W, me = comm.size, comm.rank
     A, B = (_problem(f"stale {i}", W, "bf16", 64, 4, 2, "uniform", 100) for i in range(2))
     recv1, h1 = moe.moe_dispatch(*_inputs(A, me), comm=comm, num_experts=A.E)
@@ -930,15 +903,7 @@ def _stale_body(comm):
     calls = {"moe_combine": lambda: moe.moe_combine(recv1, h1, comm=comm),
              "moe_gemm_combine": lambda: moe.moe_gemm_combine(y2, w2, h1, comm=comm),
              "received()": h1.received, "counts()": h1.counts}
-    missed = []
-    for name, fn in calls.items():
-        try:
-            fn()
-            missed.append(name)
-        except ArgumentError:
-            pass
-        except Exception as e:  # noqa: BLE001
-            missed.append(f"{name}: {type(e).__name__}: {str(e)[:100]}")
+    missed = sum(argument_errors(calls), [])
     _sync("stale calls")
     e1 = comm.sync.epoch()
     valid = (h1.valid(), h2.valid())
@@ -951,9 +916,8 @@ def _stale_body(comm):
                 f"{'LAUNCHED' if e1 != e0 else 'nothing launched'}; fresh handle: {m_out}")
 
 
-@_gpu_mpi
+@collective_cases.gpu_mpi
 def test_stale_handle(comm):
-    _module()
     _collective(comm, "stale handle", lambda: _stale_body(comm))
 
 
@@ -969,18 +933,10 @@ def _valid_call(comm, moe, tag):
 def _expect_argument_errors(comm, cases, tag):
     """(ok, message): every callable raises ArgumentError, nothing is launched (the epoch does not
     move), and a valid call afterwards is right."""
-    moe = _module()
+    moe = mmoe
     _sync("before the argument errors")
     e0 = comm.sync.epoch()
-    missed, wrong = [], []
-    for name, fn in cases.items():
-        try:
-            fn()
-            missed.append(name)
-        except ArgumentError:
-            pass
-        except Exception as e:  # noqa: BLE001
-            wrong.append(f"{name}: {type(e).__name__}: {str(e)[:120]}")
+    missed, wrong = argument_errors(cases)
     _sync("argument errors")
     e1 = comm.sync.epoch()
     comm.check()
@@ -1006,7 +962,7 @@ def _base(comm):
 def _dispatch_error_cases(comm):
     import cupy
 
-    moe = _module()
+    moe = mmoe
     W = comm.size
     T, H, k, E, x, ids, w = _base(comm)
     i32, f32 = cupy.int32, cupy.float32
@@ -1067,7 +1023,7 @@ def _comm_error_cases(comm):
     """comm= that is not an mkernel communicator (ring_attention raises ArgumentError for these)."""
     import cupy
 
-    moe = _module()
+    moe = mmoe
     T, H, k, E, x, ids, w = _base(comm)
     w1 = cupy.zeros((E // comm.size, H, 64), dtype=BF16)
     return {
@@ -1083,7 +1039,7 @@ def _comm_error_cases(comm):
 def _combine_error_cases(comm, recv, h):
     import cupy
 
-    moe = _module()
+    moe = mmoe
     T, H = h.T, h.H
     cap, El = h.capacity, h.group_rows.size
 
@@ -1127,7 +1083,7 @@ def _combine_error_cases(comm, recv, h):
 def _dispatch_gemm_error_cases(comm):
     import cupy
 
-    moe = _module()
+    moe = mmoe
     W = comm.size
     T, H, k, E, x, ids, w = _base(comm)
     El = E // W
@@ -1150,7 +1106,7 @@ def _dispatch_gemm_error_cases(comm):
 
 
 def _argument_body(comm, name):
-    moe = _module()
+    moe = mmoe
     if name == "moe_dispatch inputs":
         return _expect_argument_errors(comm, _dispatch_error_cases(comm), name)
     if name == "comm arguments":
@@ -1167,9 +1123,8 @@ def _argument_body(comm, name):
     raise ValueError(name)
 
 
-@_gpu_mpi
+@collective_cases.gpu_mpi
 def test_argument_errors(comm):
-    _module()
     names = ["moe_dispatch inputs", "comm arguments", "moe_combine / moe_gemm_combine",
              "moe_dispatch_gemm bad w1 (raised before the dispatch launches)"]
     results = _run_cases(comm, names, lambda n: _argument_body(comm, n))
@@ -1182,7 +1137,7 @@ def _disagreeing_cases(comm):
     (a rank with the key cached would skip the collective the others enter)."""
     import cupy
 
-    moe = _module()
+    moe = mmoe
     W, r = comm.size, comm.rank
     odd = r % 2
 
@@ -1201,9 +1156,8 @@ def _disagreeing_cases(comm):
 
 
 @pytest.mark.multi_gpu
-@_gpu_mpi
+@collective_cases.gpu_mpi
 def test_arguments_that_disagree_across_ranks_raise_on_every_rank(comm):
-    _module()
     if comm.size < 2:
         pytest.skip("needs 2 ranks")
     names = list(_disagreeing_cases(comm))
@@ -1240,7 +1194,7 @@ def _device_error_problem(name, W):
 def _device_error_body(comm, name):
     from mpi4py import MPI
 
-    moe = _module()
+    moe = mmoe
     W, me = comm.size, comm.rank
     P, cap, exc = _device_error_problem(name, W)
     c = mkernel.init(MPI.COMM_WORLD, workspace_bytes=ERR_WORKSPACE)  # errors are sticky: a communicator per case
@@ -1274,9 +1228,8 @@ def _device_error_body(comm, name):
         c.close()
 
 
-@_gpu_mpi
+@collective_cases.gpu_mpi
 def test_device_errors(comm):
-    _module()
     names = ["capacity one row short of the need"]
     if comm.size > 1:
         names.append("a rank receives more than the capacity, every send fits")

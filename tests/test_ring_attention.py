@@ -53,6 +53,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from argument_errors import argument_errors
 from gpu_arrays import (  # the shared device-array and attention helpers (tests/gpu_arrays.py)
     dev as _dev, bits as _bits, poisoned as _poisoned, poison as _poison, random_qkv as _random_qkv,
     attention_reference as _attention_reference, host_result as _host_result, compare_attention as _compare,
@@ -62,68 +63,35 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import mkernel  # noqa: E402
-from mkernel.errors import ArgumentError  # noqa: E402
 from mkernel.sequence import shard_sequence  # noqa: E402
 from mkernel.testing import sync_or_exit  # noqa: E402
 import collective_cases  # noqa: E402  (the collective driver: tests/collective_cases.py)
 
-# The module, not the function: mkernel re-exports ring_attention() under the same name. Imported
-# tolerantly so that collection (and the CPU suite) works while the module is being written.
-try:
-    mra = importlib.import_module("mkernel.ring_attention")
-    _IMPORT_ERROR = None
-except Exception as _e:  # noqa: BLE001  (pragma: no cover - only while the module is missing or broken)
-    mra, _IMPORT_ERROR = None, _e
+# The module, not the function: mkernel re-exports the function under the same name.
+mra = importlib.import_module("mkernel.ring_attention")
 
 HANG_S = 45.0        # past MKERNEL_TIMEOUT_S (30): a device wait times out and is reported first
 
 
-def _module():
-    if mra is None:
-        pytest.fail(f"mkernel.ring_attention does not import (not written yet?): {_IMPORT_ERROR!r}")
-    return mra
-
-
 def _ring():
-    return _module().ring_attention
-
-
-def _gpu_mpi(fn):
-    return pytest.mark.gpu(pytest.mark.mpi(fn))
-
-
-def _with_driver(c):
-    """Gives the communicator a duplicate of its MPI communicator for the tests' own collectives
-    (outcomes, decisions), so that they can never be matched against the op's internal ones."""
-    c.test_mpi = c.mpi.Dup()
-    return c
-
-
-def _close(c):
-    try:
-        c.test_mpi.Free()
-    finally:
-        c.close()
+    return mra.ring_attention
 
 
 @pytest.fixture(scope="module")
 def comm():
-    c = _with_driver(mkernel.init())
+    c = collective_cases.with_driver(mkernel.init())
     yield c
-    _close(c)
+    collective_cases.close(c)
 
 
 # ======================================================================================== CPU
 def test_args_layout_matches_host_compiler(tmp_path):
     """MkRingArgs and MkAttnPos mirrors against ring_args.cuh / attn_args.cuh (g++); alignof of the
     64-byte aligned struct is checked apart (ctypes cannot express alignas(64))."""
-    import importlib
-
     from c_layout import c_offsets, py_offsets
 
-    ra = importlib.import_module("mkernel.ring_attention")
     ma = importlib.import_module("mkernel.attention")
-    for header, cls, align in (("ring_args.cuh", ra.MkRingArgs, 64), ("attn_args.cuh", ma.MkAttnPos, 4)):
+    for header, cls, align in (("ring_args.cuh", mra.MkRingArgs, 64), ("attn_args.cuh", ma.MkAttnPos, 4)):
         c = c_offsets(header, cls.__name__, [name for name, *_ in cls._fields_], tmp_path)
         py = py_offsets(cls)
         assert c.pop("alignof") == align
@@ -134,9 +102,8 @@ def test_args_layout_matches_host_compiler(tmp_path):
 def test_module_and_export():
     import mkernel as mk
 
-    m = _module()
-    assert callable(m.ring_attention)
-    assert mk.ring_attention is m.ring_attention, \
+    assert callable(mra.ring_attention)
+    assert mk.ring_attention is mra.ring_attention, \
         "mkernel.ring_attention is not the function (not exported in mkernel/__init__.py?)"
     assert "ring_attention" in mk.__all__
 
@@ -255,9 +222,8 @@ def run_case(comm, case):
     return ok, msg
 
 
-@_gpu_mpi
+@collective_cases.gpu_mpi
 def test_matrix(comm):
-    _module()
     cases = matrix_cases()
     results = _run_cases(comm, cases, lambda case: run_case(comm, case))
     _report_and_decide(comm, "ring attention matrix (dtype:D:Hq/Hkv:batch:S_local:mask[:options])", cases, results)
@@ -320,9 +286,8 @@ def _exact_case(comm, i):
     return ok, msg
 
 
-@_gpu_mpi
+@collective_cases.gpu_mpi
 def test_exact(comm):
-    _module()
     names = [f"exact {dtn} D={D} H={Hq}/{Hkv} B={B} S_local={S}" for dtn, D, Hq, Hkv, B, S in EXACT_CONFIGS]
     results = _run_cases(comm, names, lambda n: _exact_case(comm, names.index(n)))
     _report_and_decide(comm, "exact (uniform softmax over the global sequence)", names, results)
@@ -362,9 +327,8 @@ def _repeat_body(comm, n=20):
     return ok1 and ok2 and not differ, msg
 
 
-@_gpu_mpi
+@collective_cases.gpu_mpi
 def test_repeated_launches(comm):
-    _module()
     _collective(comm, "20 repeated launches, same buffers (bf16 D128 H 8/2 S_local 330 causal)",
                 lambda: _repeat_body(comm))
 
@@ -406,9 +370,8 @@ def _thousand_body(comm, n=1000):
 
 
 @pytest.mark.slow
-@_gpu_mpi
+@collective_cases.gpu_mpi
 def test_thousand_back_to_back_launches(comm):
-    _module()
     _collective(comm, "1000 back-to-back launches (bf16 D128 H 2/2 S_local 256 causal, two inputs)",
                 lambda: _thousand_body(comm))
 
@@ -455,9 +418,8 @@ def _b2b_body(comm):
     return ok and not differ, "; ".join(msgs)
 
 
-@_gpu_mpi
+@collective_cases.gpu_mpi
 def test_back_to_back_shapes(comm):
-    _module()
     _collective(comm, "two shapes back to back, 5 times each", lambda: _b2b_body(comm))
 
 
@@ -489,9 +451,8 @@ def _options_body(comm, name):
     return ok and same, f"default: {msg}; {name}: {'same bits' if same else 'DIFFER'}"
 
 
-@_gpu_mpi
+@collective_cases.gpu_mpi
 def test_comm_sms_and_stream(comm):
-    _module()
     names = ["comm_sms=1", "comm_sms=2", "stream"]
     results = _run_cases(comm, names, lambda n: _options_body(comm, n))
     _report_and_decide(comm, "comm_sms and stream (bf16 D128 H 8/2 S_local 1000 causal) vs default bits", names,
@@ -504,15 +465,7 @@ def _expect_argument_errors(comm, cases):
     does not move), and a valid call afterwards is right."""
     ring = _ring()
     e0 = comm.sync.epoch()
-    missed, wrong = [], []
-    for name, fn in cases.items():
-        try:
-            fn()
-            missed.append(name)
-        except ArgumentError:
-            pass
-        except Exception as e:  # noqa: BLE001
-            wrong.append(f"{name}: {type(e).__name__}: {str(e)[:120]}")
+    missed, wrong = argument_errors(cases)
     _sync("argument errors")
     e1 = comm.sync.epoch()
     W = comm.size
@@ -585,9 +538,8 @@ def _local_error_cases(comm):
     }
 
 
-@_gpu_mpi
+@collective_cases.gpu_mpi
 def test_argument_errors(comm):
-    _module()
     _collective(comm, "argument errors (every rank alike)",
                 lambda: _expect_argument_errors(comm, _local_error_cases(comm)))
 
@@ -619,9 +571,8 @@ def _disagreeing_cases(comm):
 
 
 @pytest.mark.multi_gpu
-@_gpu_mpi
+@collective_cases.gpu_mpi
 def test_arguments_that_disagree_across_ranks_raise_on_every_rank(comm):
-    _module()
     if comm.size < 2:
         pytest.skip("needs 2 ranks")
     names = list(_disagreeing_cases(comm))
@@ -645,7 +596,7 @@ def test_world_one_equals_attention():
     if MPI.COMM_WORLD.size != 1:
         pytest.skip("world 1 is covered by the 1-rank pass")
     ring = _ring()
-    c1 = _with_driver(mkernel.init(MPI.COMM_SELF))
+    c1 = collective_cases.with_driver(mkernel.init(MPI.COMM_SELF))
     try:
         assert c1.size == 1
 
@@ -669,7 +620,7 @@ def test_world_one_equals_attention():
         results = _run_cases(c1, names, body)
         _report_and_decide(c1, "world 1 (COMM_SELF) vs mkernel.attention, bitwise", names, results)
     finally:
-        _close(c1)
+        collective_cases.close(c1)
 
 
 def _between_nodes(make_comm, world):

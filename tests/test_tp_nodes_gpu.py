@@ -22,7 +22,7 @@ import itertools
 import numpy as np
 import pytest
 from gpu_arrays import dev as _dev, host as _host, poisoned as _poisoned
-from test_tp_gpu import DTYPES, _check_close, _check_exact, _collective, _rank_inputs, _reduce_problem, _rows
+from test_tp_gpu import DTYPES, _b_arg, _check_close, _check_exact, _collective, _rank_inputs, _reduce_problem, _rows
 from test_transport import WORLD, _relaunch
 
 import mkernel
@@ -39,10 +39,6 @@ REPEATS = 3
 # written in session 4, not yet run on a GPU)
 PATHS = ("fused", "unfused")
 HANG_S = 45.0  # past MKERNEL_TIMEOUT_S (30): a device wait times out and is reported first
-
-
-def _b_arg(b, layout, dt):
-    return (_dev(b.astype(dt)), None) if layout == "kn" else (_dev(np.ascontiguousarray(b.T).astype(dt)), "nk")
 
 
 def _sent(comm):

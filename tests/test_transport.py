@@ -66,6 +66,17 @@ def _layout():
     return src_off, dst_off, sum(SIZES)
 
 
+def _started(proxy, src, dst, flags, queue):
+    """Registers src as region 0, dst as region 1, flags as region 2, attaches queue, then connects
+    and starts proxy (collective)."""
+    proxy.register(0, src.ctypes.data, src.nbytes)
+    proxy.register(1, dst.ctypes.data, dst.nbytes)
+    proxy.register_flags(2, flags.ctypes.data, flags.size)
+    proxy.attach_queue(queue)
+    proxy.connect()
+    proxy.start()
+
+
 def _exchange(transport, shuffle_seed=None, tcp_connections=None):
     rank, n = WORLD.Get_rank(), WORLD.Get_size()
     peers = [r for r in range(n) if r != rank]
@@ -80,12 +91,7 @@ def _exchange(transport, shuffle_seed=None, tcp_connections=None):
     queue = CommandQueue(64)  # smaller than the commands issued: wraps around
     with Proxy(WORLD, transport=transport, bind_address="127.0.0.1", shuffle_seed=shuffle_seed,
                tcp_connections=tcp_connections) as proxy:
-        proxy.register(0, src.ctypes.data, src.nbytes)
-        proxy.register(1, dst.ctypes.data, dst.nbytes)
-        proxy.register_flags(2, flags.ctypes.data, flags.size)
-        proxy.attach_queue(queue)
-        proxy.connect()
-        proxy.start()
+        _started(proxy, src, dst, flags, queue)
         for k, nbytes in enumerate(SIZES):
             for q in peers:
                 queue.push(WRITE, q, nbytes, src=(0, src_off[k]), dst=(1, rank * slice_bytes + dst_off[k]),
@@ -148,12 +154,7 @@ def _rounds(transport, rounds=300, tiles=8, tile=64 << 10):
     flags = np.zeros(3, np.uint32)  # credit, arrivals, flush
     queue = CommandQueue(64)
     with Proxy(WORLD, [r // L for r in range(n)], transport=transport, bind_address="127.0.0.1") as proxy:
-        proxy.register(0, src.ctypes.data, src.nbytes)
-        proxy.register(1, dst.ctypes.data, dst.nbytes)
-        proxy.register_flags(2, flags.ctypes.data, flags.size)
-        proxy.attach_queue(queue)
-        proxy.connect()
-        proxy.start()
+        _started(proxy, src, dst, flags, queue)
         for rd in range(1, rounds + 1):
             src[:] = (rank * 31 + rd) & 0xFF  # the partner wrote round rd - 1 and we checked it
             queue.push(SIGNAL, partner, flag=(0, rd, FLAG_SET))
