@@ -279,17 +279,16 @@ def test_reduce_ops_between_nodes_launch_arguments(fake_launch, world, nodes, ra
 @pytest.mark.parametrize("world,nodes,rank", [(2, 2, 1), (4, 2, 3), (8, 4, 5)])
 def test_allgather_gemm_between_nodes_launch_arguments(fake_launch, monkeypatch, world, nodes, rank):
     """Hierarchical AG: the plan's proxy flags count chunk arrivals per source node; the pushers get
-    this node's pushes and the forwards of the other nodes' chunks as items. Several ranks per node
-    are refused unless enabled (ag.SEVERAL_RANKS_PER_NODE_BETWEEN_NODES)."""
+    this node's pushes and the forwards of the other nodes' chunks as items. Refused between nodes
+    unless enabled (ag.BETWEEN_NODES)."""
     mb, K, N = 200, 136, 264
     L = world // nodes
     comm = _Comm(world, rank, nodes)
     out = _Arr((world * mb, N), "float16", 0x300000)
     a, b = _Arr((mb, K), "float16", 0x100000), _Arr((K, N), "float16", 0x200000)
-    if L > 1:
-        with pytest.raises(ArgumentError, match="several ranks per node"):
-            ag.allgather_gemm(a, b, comm=comm, out=out, path="fused")
-        monkeypatch.setattr(ag, "SEVERAL_RANKS_PER_NODE_BETWEEN_NODES", True)
+    with pytest.raises(ArgumentError, match="between nodes"):
+        ag.allgather_gemm(a, b, comm=comm, out=out, path="fused")
+    monkeypatch.setattr(ag, "BETWEEN_NODES", True)
     ag.allgather_gemm(a, b, comm=comm, out=out, path="fused")
     args = fake_launch["launch"]["args"]
     chunks = 2
@@ -319,7 +318,7 @@ def test_unfused_path_launches_the_collective_after_a_gemm(fake_launch, monkeypa
     args = fake_launch["launch"]["args"]
     assert calls == [(a, None)] and args.partial == partial.data.ptr and args.ldp == N
     assert args.gemm_ctas == world * 4  # the partial's tiles, moved by as many CTAs as the GEMM would use
-    monkeypatch.setattr(ag, "SEVERAL_RANKS_PER_NODE_BETWEEN_NODES", True)
+    monkeypatch.setattr(ag, "BETWEEN_NODES", True)
     ga_out = _Arr((world * 200, N), "float16", 0x400000)
     ag.allgather_gemm(_Arr((200, K), "float16", 0x100000), b, comm=_Comm(world, rank, nodes), out=ga_out,
                       path="unfused")
