@@ -21,8 +21,7 @@
 #define MK_HOST_MAGIC 0x314d484du /* "MHM1" */
 #define MK_HOST_SLOTS 16
 #define MK_HOST_CHUNK (1u << 20)
-#define MK_HOST_RUN 4 /* chunks per copy: big copies, yet both sides keep copying at once (pipelined); a
-                       * WRITE's first copy is one chunk, so that the receiver starts sooner */
+#define MK_HOST_RUN 4 /* chunks per copy: big copies, yet both sides keep copying at once (pipelined) */
 #define MK_HOST_DATA_OFFSET 4096
 #define MK_HOST_OUTBOX 4096      /* commands accepted per peer and not yet pushed into the ring */
 #define MK_HOST_BEAT_NS 1000000ULL /* liveness: each side stamps the segment every millisecond */
@@ -249,8 +248,7 @@ static int push_outbox(mk_proxy* p, int peer, host_peer* hp) {
       n = n ? n : 1; /* a zero-byte WRITE still carries its flag */
       n = n < free_slots ? n : free_slots;
       n = n < run ? n : run;
-      const uint64_t run_max = hp->out_done ? MK_HOST_RUN : 1;
-      n = n < run_max ? n : run_max;
+      n = n < MK_HOST_RUN ? n : MK_HOST_RUN;
       uint64_t bytes = left < n * MK_HOST_CHUNK ? left : n * MK_HOST_CHUNK;
       int kind;
       const unsigned char* src = mk_region_span(p, c->src_region, MK_CMD_OFFSET(c->src_off_hi, c->src_off_lo) + hp->out_done, bytes, &kind);
