@@ -10,11 +10,6 @@ from .errors import ArgumentError
 OP = "allgather_gemm"
 KERNEL = "mk_allgather_gemm_kernel"
 SPEC = tp.register(OP, "allgather_gemm.cu", KERNEL)
-# Between nodes the kernel stalls in most fresh processes on the H200 (2 emulated nodes x 1 and x 2,
-# host and TCP transports, also at 02e2c85 where the suite had passed it: one direction's traffic
-# never completes, a device timeout raised as mkernel.TimeoutError; docs/TP.md). Refused until found;
-# the xfail tests set it to run the path anyway.
-BETWEEN_NODES = False
 
 
 def allgather_gemm(a, b, *, comm, out=None, stream=None, return_gathered=False, b_layout=None, comm_sms=None,
@@ -33,9 +28,6 @@ def allgather_gemm(a, b, *, comm, out=None, stream=None, return_gathered=False, 
     """
     cupy = tp.cupy_mod()
     tp.check_comm(OP, comm)
-    if comm.num_nodes > 1 and not BETWEEN_NODES:
-        raise ArgumentError(f"{OP}: between nodes is not reliable yet (it stalls in tests, docs/TP.md); gather A "
-                            f"with NCCL and multiply, or use gemm_reduce_scatter / gemm_allreduce")
     a, layout, b_arr, N = tp.check_inputs(OP, a, b, b_layout, stream)
     mb, K = a.shape
     W = comm.size
@@ -78,6 +70,9 @@ def allgather_gemm(a, b, *, comm, out=None, stream=None, return_gathered=False, 
     L, nodes = comm.local_size, comm.num_nodes
     if nodes > 1:  # arrival counters of the chunks that come through the proxy
         tp.plan_between_nodes(comm, plan, args, tiles_mb)
+    if chosen == "unfused" and tp.quiesced_first_use(comm, plan, ("matmul", N, layout, b_arr.strides), stream):
+        with tp.on_stream(stream):  # cuBLAS loads its kernel for this shape now, not behind the gather
+            tp.matmul(plan["ga"], b_arr, layout, out=out)
     ldo_bytes = tp._row_stride(out)
     for o in range(W):
         args.dst[o] = tp.out_map(a.dtype, out.data.ptr + o * mb * ldo_bytes, mb, N, ldo_bytes)
@@ -91,9 +86,10 @@ def allgather_gemm(a, b, *, comm, out=None, stream=None, return_gathered=False, 
     if chosen == "unfused":
         with tp.on_stream(stream):
             tp.matmul(plan["ga"], b_arr, layout, out=out)
-    if return_gathered:
-        with tp.on_stream(stream):
-            return out, plan["ga"].copy()
+    if return_gathered:  # a memcpy, not CuPy's copy kernel (whose first use would load a module)
+        gathered = cupy.empty_like(plan["ga"])
+        gathered.data.copy_from_device_async(plan["ga"].data, gathered.nbytes, stream)
+        return out, gathered
     return out
 
 

@@ -177,6 +177,7 @@ class Module:
         import cupy
 
         self.compiled = compiled
+        _quiesce()
         self._module = cupy.cuda.function.Module()
         self._module.load(compiled.cubin)
         self._functions = {}
@@ -184,8 +185,17 @@ class Module:
     def function(self, expression: str):
         fn = self._functions.get(expression)
         if fn is None:
+            _quiesce()
             fn = self._functions[expression] = self._module.get_function(self.compiled.lowered[expression])
         return fn
+
+
+def _quiesce():
+    """Before loading a module or function: a load waits for the device to go idle and meanwhile
+    blocks every CUDA call of the process, the proxy thread's included, so an op of ours in flight
+    that waits on the proxy (between nodes) would never finish. Waiting for it first is free once."""
+    import cupy
+    cupy.cuda.runtime.deviceSynchronize()
 
 
 _modules = {}

@@ -248,7 +248,7 @@ def plan_buffers(op, comm, key, sizes, counter_words=CNT_WORDS + 1):
                            f"(or set MKERNEL_WORKSPACE_BYTES), or call comm.grow_workspace() ({e})") from e
     for name, arr in plan.items():
         if arr.dtype == cupy.uint32:
-            arr.fill(0)
+            arr.data.memset_async(0, arr.nbytes)  # a memset, not a kernel: see quiesced_first_use
     plan["counters"] = cupy.zeros(counter_words, dtype=cupy.uint32)
     cupy.cuda.runtime.deviceSynchronize()  # zeroed before this rank announces any credit
     cache[key] = plan
@@ -347,6 +347,21 @@ def launch_fused(comm, op, spec, kernel, args, dtype, layout, grid, stream):
 def sm_count():
     from .launch import sm_count as _n
     return _n()
+
+
+def quiesced_first_use(comm, plan, key, stream):
+    """Between nodes, True the first time ``key`` is seen for ``plan``, after synchronising
+    ``stream``: the caller then runs host-launched work whose first use loads a CUDA module
+    (cuBLAS picks a new kernel, CuPy a new elementwise kernel). A module load waits for the
+    device to go idle and meanwhile blocks every CUDA call of the process, the proxy thread's
+    copies included; a kernel in flight that waits on the proxy then never finishes (measured on
+    the H200: allgather_gemm between nodes stalled in most fresh processes). So nothing of ours
+    may be in flight when such work first runs."""
+    if comm.num_nodes == 1 or key in plan.setdefault("loaded", set()):
+        return False
+    plan["loaded"].add(key)
+    (stream if stream is not None else cupy_mod().cuda.get_current_stream()).synchronize()
+    return True
 
 
 def matmul(a, b_arr, layout, out=None):

@@ -18,7 +18,6 @@ gathered A is also compared bitwise).
 
 import hashlib
 import itertools
-import sys
 
 import numpy as np
 import pytest
@@ -39,10 +38,6 @@ REPEATS = 3
 # "unfused": cupy.matmul then the op's own collective over the same paths (the benchmarks' baseline;
 # written in session 4, not yet run on a GPU)
 PATHS = ("fused", "unfused")
-# allgather_gemm between nodes is refused (ag.BETWEEN_NODES); these tests run it anyway. Remove the
-# refusal and the xfail marks together once they pass (strict=False: a pass does not fail the suite).
-AG_STALL = ("stalls in most fresh processes on the H200 (one direction's traffic never completes, a device "
-            "timeout); refused by default, docs/TP.md")
 HANG_S = 45.0  # past MKERNEL_TIMEOUT_S (30): a device wait times out and is reported first
 
 
@@ -179,22 +174,20 @@ def _run_ag_cases(comm):
 @pytest.mark.multi_gpu
 @pytest.mark.parametrize("transport", ["host", "tcp"])
 def test_reduce_ops_between_two_emulated_nodes(transport):
-    """GEMM+RS and GEMM+AR as 2 emulated nodes x 1 rank; allgather_gemm refuses that layout
-    (ArgumentError, before anything launches) until its stall is found."""
+    """GEMM+RS and GEMM+AR as 2 emulated nodes x 1 rank."""
     def run(comm):
         for allreduce in (False, True):
             _run_cases(comm, allreduce)
-        _refuses_allgather(comm)
     _two_emulated_nodes(transport, run)
 
 
 @pytest.mark.gpu
 @pytest.mark.mpi
 @pytest.mark.multi_gpu
-@pytest.mark.xfail(reason=AG_STALL, strict=False)
 @pytest.mark.parametrize("transport", ["host", "tcp"])
-def test_allgather_gemm_between_two_emulated_nodes(transport, monkeypatch):
-    monkeypatch.setattr(sys.modules["mkernel.allgather_gemm"], "BETWEEN_NODES", True)
+def test_allgather_gemm_between_two_emulated_nodes(transport):
+    """The first use of a CuPy or cuBLAS kernel behind a launch once stalled it (tp.quiesced_first_use);
+    the 4-rank test below runs in a fresh job, where every use is a first one."""
     _two_emulated_nodes(transport, _run_ag_cases)
 
 
@@ -207,12 +200,6 @@ def _two_emulated_nodes(transport, run):
         run(comm)
     finally:
         comm.close()
-
-
-def _refuses_allgather(comm):
-    a = _dev(np.ones((128, 64), np.float16))
-    with pytest.raises(mkernel.ArgumentError, match="between nodes"):
-        allgather_gemm(a, a, comm=comm)
 
 
 def _two_nodes_of_two_ranks(request, run):
@@ -231,17 +218,14 @@ def _two_nodes_of_two_ranks(request, run):
 @pytest.mark.gpu
 def test_reduce_ops_on_two_nodes_of_two_ranks(request):
     """4 ranks (sharing the GPUs) as 2 nodes x 2: partials summed over NVLink (IPC) inside each node,
-    node partials (and, AllReduce, reduced tiles) through the host transport between them. And
-    allgather_gemm refuses this layout too."""
+    node partials (and, AllReduce, reduced tiles) through the host transport between them."""
     def run(comm):
         for allreduce in (False, True):
             _run_cases(comm, allreduce)
-        _refuses_allgather(comm)
     _two_nodes_of_two_ranks(request, run)
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(reason=AG_STALL, strict=False)
-def test_allgather_gemm_on_two_nodes_of_two_ranks(request, monkeypatch):
-    monkeypatch.setattr(sys.modules["mkernel.allgather_gemm"], "BETWEEN_NODES", True)
+def test_allgather_gemm_on_two_nodes_of_two_ranks(request):
+    """A fresh 4-rank job: each shard crosses the network once per other node, then NVLink."""
     _two_nodes_of_two_ranks(request, _run_ag_cases)
