@@ -4,7 +4,7 @@ rows while the GEMM runs on the chunks that have arrived (design: docs/TP.md). I
 without CuPy; the kernels are registered at import.
 """
 
-from . import tp
+from . import autosplit, tp
 from .errors import ArgumentError
 
 OP = "allgather_gemm"
@@ -19,7 +19,8 @@ def allgather_gemm(a, b, *, comm, out=None, stream=None, return_gathered=False, 
     a: this rank's row shard ``[M / world, K]`` (the same shape on every rank: uneven shards
     raise ArgumentError); b: ``[K, N_r]`` or ``[N_r, K]`` (``b_layout='nk'`` or a ``w.T`` view);
     bfloat16 or float16, K and N_r multiples of 8. ``return_gathered=True`` also returns the
-    gathered A ``[M, K]`` (a fresh array). ``comm_sms``: CTAs that push A (default 8). ``path``:
+    gathered A ``[M, K]`` (a fresh array). ``comm_sms``: CTAs that push A (default 8), or ``"auto"``
+    (:mod:`mkernel.autosplit`). ``path``:
     as :func:`mkernel.gemm_reduce_scatter`.
 
     Between nodes, hierarchically: each shard crosses the network once per other node (to the rank
@@ -78,11 +79,14 @@ def allgather_gemm(a, b, *, comm, out=None, stream=None, return_gathered=False, 
         args.dst[o] = tp.out_map(a.dtype, out.data.ptr + o * mb * ldo_bytes, mb, N, ldo_bytes)
     args.out = out.data.ptr
     args.ldo = ldo_bytes // esize
-    gemm_ctas, comm_ctas = tp.grid_split(OP, comm_sms, W * tiles_blk, (L + nodes - 1) * tiles_mb, tp.sm_count())
+    n, token = tp.resolve_comm_sms(OP, comm, comm_sms, chosen, M=M, N=N, K=K, esize=esize,
+                                   comm_items=(L + nodes - 1) * tiles_mb, stream=stream)
+    gemm_ctas, comm_ctas = tp.grid_split(OP, n, W * tiles_blk, (L + nodes - 1) * tiles_mb, tp.sm_count())
     if chosen == "unfused":  # the kernel only gathers; the GEMM follows it
         gemm_ctas = 0
     args.gemm_ctas = gemm_ctas
-    tp.launch_fused(comm, OP, SPEC, KERNEL, args, a.dtype, layout, gemm_ctas + comm_ctas, stream)
+    with autosplit.timed(token, stream):
+        tp.launch_fused(comm, OP, SPEC, KERNEL, args, a.dtype, layout, gemm_ctas + comm_ctas, stream)
     if chosen == "unfused":
         with tp.on_stream(stream):
             tp.matmul(plan["ga"], b_arr, layout, out=out)

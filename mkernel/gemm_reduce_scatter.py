@@ -5,7 +5,7 @@ computed by one fused kernel that reduces every output tile as soon as all its p
 Importable without CuPy; the kernels are registered with mkernel.compile at import.
 """
 
-from . import tp
+from . import autosplit, tp
 from .errors import ArgumentError
 
 OP = "gemm_reduce_scatter"
@@ -22,7 +22,8 @@ def gemm_reduce_scatter(a, b, *, comm, out=None, stream=None, b_layout=None, com
     K_r and N multiples of 8; M a multiple of the world size (uneven M raises ArgumentError).
     Partials travel in the input dtype; each output element is the fp32 sum of the W partials in
     rank order, rounded once: bitwise reproducible run to run. ``deterministic=False`` is accepted
-    and currently takes the same (deterministic) path. ``comm_sms``: CTAs that reduce (default 8).
+    and currently takes the same (deterministic) path. ``comm_sms``: CTAs that reduce (default 8), or ``"auto"``: the split search
+    of :mod:`mkernel.autosplit` picks it per shape from the calls' times.
     ``path``: None (automatic: fused, or cupy.matmul + NCCL for small shapes on distinct GPUs,
     or a plain GEMM at world 1), 'fused', 'fallback', 'gemm' (world 1) or 'unfused' (cupy.matmul,
     then this op's own collective: the benchmarks' baseline for overlap). ``out``: optional
@@ -120,10 +121,13 @@ def gemm_reduce(op, spec, kernel, allreduce, a, b, *, comm, out, stream, b_layou
         with tp.on_stream(stream):
             partial = tp.matmul(a, b_arr, layout)
         args.partial, args.ldp = partial.data.ptr, tp._row_stride(partial) // esize
-    gemm_ctas, comm_ctas = tp.grid_split(op, comm_sms, W * tiles_blk, nodes * tiles_blk, tp.sm_count())
+    n, token = tp.resolve_comm_sms(op, comm, comm_sms, chosen, M=M, N=N, K=K, esize=esize,
+                                   comm_items=nodes * tiles_blk, stream=stream)
+    gemm_ctas, comm_ctas = tp.grid_split(op, n, W * tiles_blk, nodes * tiles_blk, tp.sm_count())
     args.gemm_ctas = gemm_ctas
     args.join = int(join)
-    tp.launch_fused(comm, op, spec, kernel, args, a.dtype, layout, gemm_ctas + comm_ctas, stream)
+    with autosplit.timed(token, stream):
+        tp.launch_fused(comm, op, spec, kernel, args, a.dtype, layout, gemm_ctas + comm_ctas, stream)
     return out
 
 

@@ -310,11 +310,26 @@ def grid_split(op, comm_sms, total_tiles, comm_items, sms):
 
 
 def check_comm_sms(op, comm_sms):
+    """An integer pins the split; "auto" lets the key's split search choose it (mkernel.autosplit)."""
     if comm_sms is None:
         return DEFAULT_COMM_SMS[op]
-    if not isinstance(comm_sms, int) or comm_sms < 1:
-        raise ArgumentError(f"{op}: comm_sms must be a positive integer; got {comm_sms!r}")
+    if comm_sms == "auto":
+        return comm_sms
+    if not isinstance(comm_sms, int) or isinstance(comm_sms, bool) or comm_sms < 1:
+        raise ArgumentError(f"{op}: comm_sms must be a positive integer or 'auto'; got {comm_sms!r}")
     return comm_sms
+
+
+def resolve_comm_sms(op, comm, comm_sms, chosen, *, M, N, K, esize, comm_items, stream):
+    """(comm CTAs of this launch, the token for ``autosplit.timed``): an integer as given; "auto"
+    asks the key's split search on the fused path (the unfused baseline runs the default)."""
+    if comm_sms != "auto":
+        return comm_sms, None
+    if chosen != "fused":
+        return DEFAULT_COMM_SMS[op], None
+    from . import autosplit
+    return autosplit.choose(comm, op, M=M, N=N, K=K, esize=esize, comm_items=comm_items, sms=sm_count(),
+                            stream=stream)
 
 
 def fill_common(args, comm, op, *, a_ptr, a_rows, a_row_bytes, dtype, b_arr, layout, K, N, mb, counters):

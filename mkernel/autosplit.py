@@ -1,0 +1,127 @@
+"""``comm_sms="auto"`` for the fused tensor-parallel ops: the cross-call split search of
+:mod:`mkernel.split` (docs/CONTROLLER.md, loop 1) wired into the calls.
+
+Each call on a key (op, shape bucket, world, topology, transport) launches with the number of
+communication CTAs that the key's search asks for, timed by two CUDA events on its stream. The next
+call on the key (every call while the search runs, every ``HOLD_SAMPLE``-th once it holds, to see
+drift) waits for that call's end event, takes the max over ranks of its time with one allgather
+(the op ends when its slowest rank does) and feeds it to the search. Every rank feeds the same
+time, so every rank's search makes the same moves; the count would not have to agree anyway: which
+CTA reduces or pushes a tile changes who does the work and when, not what crosses the wire.
+
+Cost: while a key's search runs (about 7-10 calls), each call waits for the previous one's end on
+the host and does one small allgather; afterwards one in ``HOLD_SAMPLE`` calls does. The in-call
+controller (loop 2: moving CTAs between roles inside a launch) is not built yet.
+"""
+
+import contextlib
+
+from . import split
+from .log import get_logger
+
+log = get_logger("autosplit")
+
+HOLD_SAMPLE = 16  # once a key holds, every this-many-th call is timed (drift re-opens the search)
+MAX_COMM_CTAS = 64  # the search's upper bound (the GEMM needs the rest)
+# The prior's model (docs/CONTROLLER.md): one pushing CTA moves ~46 GB/s over NVLink, all of them
+# together ~365 GB/s; between nodes the transport's rate bounds it. The GEMM at ~650 TFLOP/s.
+CTA_GBPS = 46.0
+NVLINK_GBPS = 365.0
+TRANSPORT_GBPS = {"host": 20.0, "tcp": 1.5, "verbs": 25.0}
+GEMM_TFLOPS = 650.0
+
+
+def comm_bytes(op: str, M: int, N: int, K: int, world: int, esize: int) -> int:
+    """Bytes one rank's communication CTAs move in one call: RS the partials of this rank's block
+    from the other ranks, AR twice that (reduce, then gather), AG the other ranks' shards of A.
+    ``M`` is the rows of the whole problem (RS / AR: of the partial; AG: of the gathered A)."""
+    if op == "allgather_gemm":
+        return (world - 1) * (M // world) * K * esize
+    once = (world - 1) * (M // world) * N * esize
+    return 2 * once if op == "gemm_allreduce" else once
+
+
+def _transport(comm) -> str:
+    """The key's transport: "nvlink" inside a node, else the proxy's (started by the op's plan)."""
+    if comm.num_nodes == 1:
+        return "nvlink"
+    stats = comm.stats() if hasattr(comm, "stats") else {}
+    return str(stats.get("proxy") or getattr(comm, "transport", "host"))
+
+
+def _link_gbps(comm) -> float:
+    if comm.num_nodes == 1:
+        return NVLINK_GBPS
+    return TRANSPORT_GBPS.get(_transport(comm), TRANSPORT_GBPS["host"])
+
+
+class _KeyState:
+    def __init__(self):
+        self.pending = None  # (count, start event, end event) of the last timed call
+        self.calls = 0
+
+
+class _Events:
+    """The timer of one call: CUDA events around the launch (tests replace it)."""
+
+    def __init__(self, stream):
+        import cupy
+        self.start, self.end = cupy.cuda.Event(), cupy.cuda.Event()
+        self.stream = stream
+
+    def before(self):
+        self.start.record(self.stream)
+
+    def after(self):
+        self.end.record(self.stream)
+
+    def elapsed_ms(self) -> float:
+        import cupy
+        self.end.synchronize()
+        return cupy.cuda.get_elapsed_time(self.start, self.end)
+
+
+timer = _Events
+
+
+def _states(comm) -> dict:
+    if not hasattr(comm, "_autosplit"):
+        comm._autosplit = {}
+    return comm._autosplit
+
+
+def choose(comm, op: str, *, M: int, N: int, K: int, esize: int, comm_items: int, sms: int, stream):
+    """(comm CTAs for this call, a token for :func:`timed`). Collective while the key's search runs
+    (an allgather of the previous call's time): every rank calls the ops in the same order."""
+    key = split.split_key(op, (M, N, K), comm.size, f"{comm.num_nodes}x{comm.local_size}", _transport(comm))
+    hi = max(1, min(MAX_COMM_CTAS, comm_items, sms - 1))
+    mem = split.memory()
+    st = _states(comm).setdefault(key, _KeyState())
+    if st.pending is not None:  # timed on every rank alike (the rule below depends on shared state only)
+        n_prev, events = st.pending
+        ms = max(comm.mpi.allgather(events.elapsed_ms()))
+        nxt = mem.observe(key, n_prev, ms)
+        log.debug("%s %s: %d comm CTAs took %.3f ms (max over ranks); next %d", op, key[1], n_prev, ms, nxt)
+    st.pending = None
+    gemm_ms = 2.0 * M * N * K / (GEMM_TFLOPS * 1e12) * 1e3
+    guess = split.prior(comm_bytes=comm_bytes(op, M, N, K, comm.size, esize), cta_gbps=CTA_GBPS,
+                        link_gbps=_link_gbps(comm), gemm_ms=gemm_ms, total=sms, lo=1, hi=hi)
+    n = mem.choose(key, guess, lo=1, hi=hi)
+    st.calls += 1
+    timed_now = not mem.search(key).converged or st.calls % HOLD_SAMPLE == 0
+    return n, (st, n, timed_now)
+
+
+@contextlib.contextmanager
+def timed(token, stream):
+    """Around the launch of the call :func:`choose` planned: records its events when it is timed
+    (``token`` None: a call with a fixed count, nothing to do)."""
+    if token is None or not token[2]:
+        yield
+        return
+    st, n, _ = token
+    events = timer(stream)
+    events.before()
+    yield
+    events.after()
+    st.pending = (n, events)

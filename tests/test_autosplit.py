@@ -1,0 +1,127 @@
+"""CPU: ``comm_sms="auto"`` wired into the fused TP ops (mkernel.autosplit): each call launches
+the count the key's split search asks for, the previous call's time (max over ranks) feeds the
+search, and once it holds only every HOLD_SAMPLE-th call is timed. The launches are faked
+(test_tp_compile's fixtures); a call's "time" comes from a synthetic cost curve of the comm CTA
+count it launched with."""
+
+import importlib
+import types
+
+import pytest
+from test_tp_compile import _Arr, _Comm, fake_launch  # noqa: F401  (fake_launch is a fixture)
+
+from mkernel import autosplit, split, tp
+
+rs = importlib.import_module("mkernel.gemm_reduce_scatter")
+ag = importlib.import_module("mkernel.allgather_gemm")
+
+BEST = 14  # the curve's optimum
+
+
+def _curve(n):
+    """A convex cost with a steep comm side and a shallow GEMM side (docs/CONTROLLER.md)."""
+    return max(2.0 * 132 / (132 - n), 28.0 / n) + 0.05 * min(2.0 * 132 / (132 - n), 28.0 / n)
+
+
+@pytest.fixture
+def auto(fake_launch, monkeypatch):  # noqa: F811
+    """A fresh process split memory; a timer that reads the faked launch's comm CTA count; an
+    allgather that reports a second, 10% slower rank. Returns the record of what happened."""
+    monkeypatch.setattr(split, "_memory", split.SplitMemory())
+    record = {"timers": 0, "observed": []}
+
+    class Timer:
+        def __init__(self, stream):
+            record["timers"] += 1
+
+        def before(self):
+            pass
+
+        def after(self):
+            launch = fake_launch["launch"]
+            self.n = launch["grid"] - launch["args"].gemm_ctas
+
+        def elapsed_ms(self):
+            return _curve(self.n)
+
+    monkeypatch.setattr(autosplit, "timer", Timer)
+    real_observe = split.SplitMemory.observe
+
+    def observe(self, key, n, ms):
+        record["observed"].append((n, ms))
+        return real_observe(self, key, n, ms)
+
+    monkeypatch.setattr(split.SplitMemory, "observe", observe)
+    return record
+
+
+def _comm():
+    comm = _Comm(2, 1)
+    comm.mpi = types.SimpleNamespace(allgather=lambda x: [x, 1.1 * x])
+    return comm
+
+
+def _launched_comm_ctas(fake_launch):  # noqa: F811
+    launch = fake_launch["launch"]
+    return launch["grid"] - launch["args"].gemm_ctas
+
+
+def _rs_call(comm, fake_launch, **kw):  # noqa: F811
+    M, K, N = 8192, 1024, 4096
+    a, b = _Arr((M, K), "float16", 0x100000), _Arr((K, N), "float16", 0x200000)
+    out = _Arr((M // comm.size, N), "float16", 0x300000)
+    rs.gemm_reduce_scatter(a, b, comm=comm, out=out, comm_sms="auto", **kw)
+    return _launched_comm_ctas(fake_launch)
+
+
+def test_auto_converges_to_the_best_split_and_then_samples(fake_launch, auto):  # noqa: F811
+    comm = _comm()
+    counts = [_rs_call(comm, fake_launch, path="fused") for _ in range(12)]
+    key = next(iter(comm._autosplit))
+    search = split.memory().search(key)
+    assert search.converged, (counts, search.phase)
+    times = {n: _curve(n) for n in range(1, 65)}
+    assert _curve(search.best) <= 1.03 * min(times.values()), (search.best, counts)
+    assert abs(search.best - BEST) <= 3
+    prior = split.prior(comm_bytes=autosplit.comm_bytes("gemm_reduce_scatter", 8192, 4096, 1024, 2, 2),
+                        cta_gbps=autosplit.CTA_GBPS, link_gbps=autosplit.NVLINK_GBPS,
+                        gemm_ms=2.0 * 8192 * 4096 * 1024 / (autosplit.GEMM_TFLOPS * 1e12) * 1e3, total=132, hi=64)
+    assert counts[0] == prior  # the first call on a new key runs the model's guess
+    # every observation is the max over ranks (the second rank is 10% slower) of that call's count
+    assert all(ms == pytest.approx(1.1 * _curve(n)) for n, ms in auto["observed"])
+    assert [n for n, _ in auto["observed"]] == counts[:len(auto["observed"])]
+    # holding: only every HOLD_SAMPLE-th call is timed, and it runs the held count
+    timers = auto["timers"]
+    held = [_rs_call(comm, fake_launch, path="fused") for _ in range(2 * autosplit.HOLD_SAMPLE)]
+    assert set(held) == {search.best}
+    assert auto["timers"] - timers == 2
+    # "auto" is what the ranks agree on (the counts follow from shared times), once per key
+    assert {k[6] for k in comm.agreed} == {"auto"} and len(set(comm.agreed)) == 1
+
+
+def test_auto_is_only_for_the_fused_path(fake_launch, auto, monkeypatch):  # noqa: F811
+    """The unfused baseline runs the default count, untimed."""
+    monkeypatch.setattr(tp, "matmul", lambda a, b_arr, layout, out=None: _Arr((8192, 4096), "float16", 0x900000))
+    monkeypatch.setattr(tp, "quiesced_first_use", lambda *args: False)
+    comm = _comm()
+    n = _rs_call(comm, fake_launch, path="unfused")
+    assert n == min(tp.DEFAULT_COMM_SMS["gemm_reduce_scatter"], 512) and auto["timers"] == 0
+
+
+def test_allgather_gemm_auto_stays_within_its_items(fake_launch, auto):  # noqa: F811
+    """AG has (local + nodes - 1) x chunks push items: the search's bound never exceeds them."""
+    comm = _comm()
+    mb, K, N = 128, 1024, 4096  # one chunk per shard, 2 ranks of one node: 2 push items
+    a, b = _Arr((mb, K), "float16", 0x100000), _Arr((K, N), "float16", 0x200000)
+    out = _Arr((2 * mb, N), "float16", 0x300000)
+    seen = set()
+    for _ in range(8):
+        ag.allgather_gemm(a, b, comm=comm, out=out, comm_sms="auto", path="fused")
+        seen.add(_launched_comm_ctas(fake_launch))
+    assert seen <= {1, 2} and auto["timers"] >= 2
+
+
+def test_comm_bytes_per_op():
+    assert autosplit.comm_bytes("gemm_reduce_scatter", 8192, 4096, 1024, 2, 2) == 4096 * 4096 * 2
+    assert autosplit.comm_bytes("gemm_allreduce", 8192, 4096, 1024, 2, 2) == 2 * 4096 * 4096 * 2
+    assert autosplit.comm_bytes("allgather_gemm", 8192, 4096, 1024, 4, 2) == 3 * 2048 * 1024 * 2
