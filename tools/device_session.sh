@@ -3,7 +3,7 @@
 # benchmarks), logs under $OUT, then a summary last. Usage on the device:
 #   source .whl/prepare.sh || exit 1; bash tools/device_session.sh [steps...]
 # Steps (default: info suite main sanitizer gemm transport); finer ones: runtime runtime2 queue queue2
-# mpi2 gemmtest tp attention ring ringbench tpbench tpnodes moebench (the last four want 2 GPUs)
+# mpi2 gemmtest tp attention ring ringbench tpbench tpnodes moebench controller controllernodes (the last six want 2 GPUs)
 # A kernel cache built on a CPU machine (python -m mkernel precompile) is used when carried as .kcache.
 # The copy on the device has no .git: pass BENCH_COMMIT=$(git rev-parse --short HEAD) in the command
 # so that results JSON name the commit that ran.
@@ -47,6 +47,8 @@ for s in $steps; do
     tpbench) step tpbench 400 $MPI2 python3 bench/tp.py ;;
     tpnodes) step tpnodes 300 $MPI2 python3 bench/tp.py --nodes 2 ;;
     moebench) step moebench 300 $MPI2 python3 bench/moe.py ;;
+    controller) step controller 500 $MPI2 python3 bench/controller.py ;;
+    controllernodes) step controllernodes 500 $MPI2 python3 bench/controller.py --nodes 2 ;;
     *) summary+=("unknown step $s") ;;
   esac
   tar -C "$(dirname "$LOGS")" -czf "$OUT/logs.tar.gz" logs  # after every step: a cut-off run still reports

@@ -1,0 +1,172 @@
+"""Issue 8: the adaptive split (``comm_sms="auto"``, mkernel/autosplit.py) against static splits,
+for the three fused TP ops on bench/tp.py's shapes, one node or ``--nodes N`` emulated nodes.
+
+Per (op, shape): the first call on a fresh key (the model's prior) is timed alone; the search then
+runs until it holds; then every static count of GRID and the held auto split run interleaved,
+REPS times each (so that drift hits all variants alike), one CUDA-event time per call, the max
+over ranks. Reported per row: the median and 95% confidence interval of each variant, the best
+and worst static split, the first call, the controller's split and time; top level the geomean of
+controller / best static. Differences inside the confidence intervals are not claims.
+
+    mpirun -n 2 python3 bench/controller.py [--nodes 2] [--quick] [--out DIR]
+
+Writes bench/results/controller-<gpus>gpu[-<nodes>node].json and a PNG per op (time against comm
+CTAs, the controller's choice marked).
+"""
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+import tp as tp_bench  # noqa: E402  (bench/tp.py: the shapes)
+
+GRID = (2, 4, 6, 8, 12, 16, 24, 32, 48)
+REPS = 50
+SEARCH_CALLS = 16  # enough for the search to hold (it holds after at most 10 observations)
+
+
+def op_call(op, comm, M, N, K, dt):
+    """call(comm_sms) -> runs the fused op once on this rank's inputs (bench/tp.py's shapes)."""
+    import cupy
+    import mkernel
+
+    W, r = comm.size, comm.rank
+    if op == "allgather_gemm":
+        a, b = harness.rand((M // W, K), 100 + r, dt), harness.rand((K, N), 200 + r, dt)
+        out = cupy.empty((M, N), dt)
+        return lambda n: mkernel.allgather_gemm(a, b, comm=comm, out=out, path="fused", comm_sms=n)
+    a, b = harness.rand((M, K), 300 + r, dt), harness.rand((K, N), 400 + r, dt)
+    ar = op == "gemm_allreduce"
+    out = cupy.empty((M, N) if ar else (M // W, N), dt)
+    fn = mkernel.gemm_allreduce if ar else mkernel.gemm_reduce_scatter
+    return lambda n: fn(a, b, comm=comm, out=out, path="fused", comm_sms=n)
+
+
+def one_ms(comm, fn):
+    """One call's CUDA-event time, the max over ranks (the op ends when its slowest rank does)."""
+    import cupy
+    from mpi4py import MPI
+
+    stream = cupy.cuda.get_current_stream()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record(stream)
+    fn()
+    stop.record(stream)
+    stop.synchronize()
+    comm.check()
+    return comm.mpi.allreduce(cupy.cuda.get_elapsed_time(start, stop), op=MPI.MAX)
+
+
+def bench_shape(op, comm, M, N, K, dt):
+    from mkernel import autosplit, split, tp
+
+    call = op_call(op, comm, M, N, K, dt)
+    for n in GRID[:2]:  # compile, allocate the plan
+        call(n)
+    harness.wait(f"{op} warm-up")
+    split._memory = split.SplitMemory()  # a fresh key: its first call runs the prior
+    first = one_ms(comm, lambda: call("auto"))
+    for _ in range(SEARCH_CALLS):
+        call("auto")
+    harness.wait(f"{op} search")
+    key = next(k for k in comm._autosplit if k[0] == op and k[1] == split.shape_bucket(M, N, K))
+    search = split.memory().search(key)
+    sms = tp.sm_count()
+    statics = [n for n in GRID if n < sms]
+    variants = statics + ["auto"]
+    times = {v: [] for v in variants}
+    for _ in range(REPS):
+        for v in variants:
+            times[v].append(one_ms(comm, lambda v=v: call(v)))
+    med = {v: harness.median(t) for v, t in times.items()}
+    best_n = min(statics, key=lambda n: med[n])
+    worst_n = max(statics, key=lambda n: med[n])
+    gemm_ms = 2.0 * M * N * K / (harness.PEAK_TFLOPS * 1e12) * 1e3
+    link = autosplit._link_gbps(comm)
+    bound = max(gemm_ms, autosplit.comm_bytes(op, M, N, K, comm.size, dt.itemsize) / (link * 1e9) * 1e3)
+    return harness.row(
+        (M, N, K), med["auto"], med[best_n], bound,
+        best_static_ms=med[best_n], best_static_sms=best_n, best_static_ci95=harness.ci95(times[best_n]),
+        worst_static_ms=med[worst_n], worst_static_sms=worst_n, worst_static_ci95=harness.ci95(times[worst_n]),
+        first_call_ms=first, controller_ms=med["auto"], controller_ci95=harness.ci95(times["auto"]),
+        controller_sms=search.best, controller_converged=search.converged,
+        static_ms={str(n): med[n] for n in statics}, static_ci95={str(n): harness.ci95(times[n]) for n in statics},
+        bound_note="max(GEMM at tensor peak, bytes over the modelled link)", op=op, reps=REPS)
+
+
+def plot(op, rows, path):
+    plt = harness.pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        ns = sorted(int(n) for n in r["static_ms"])
+        ys = [r["static_ms"][str(n)] for n in ns]
+        lo = [r["static_ms"][str(n)] - r["static_ci95"][str(n)][0] for n in ns]
+        hi = [r["static_ci95"][str(n)][1] - r["static_ms"][str(n)] for n in ns]
+        line = ax.errorbar(ns, ys, yerr=[lo, hi], marker="o", ms=3, capsize=2, label=f"{tuple(r['shape'])}")
+        ax.plot([r["controller_sms"]], [r["controller_ms"]], marker="*", ms=12, color=line[0].get_color())
+    ax.set_xlabel("communication CTAs (static)")
+    ax.set_ylabel("ms per call (median, 95% CI)")
+    ax.set_title(f"{op}: static splits; star = comm_sms='auto'")
+    ax.legend(fontsize=7)
+    harness.save_plot(fig, path)
+
+
+def main():
+    import ml_dtypes
+    import numpy as np
+
+    import mkernel
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--op", default="all", choices=("all",) + tp_bench.OPS)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--transport", default="host")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    from mpi4py import MPI
+    W = MPI.COMM_WORLD.Get_size()
+    if args.nodes < 1 or W % args.nodes:
+        raise SystemExit(f"--nodes {args.nodes} must divide the world size {W}")
+    comm = mkernel.init(workspace_bytes=6 << 30, gpus_per_node=W // args.nodes if args.nodes > 1 else None,
+                        transport=args.transport if args.nodes > 1 else "auto")
+    dt = np.dtype(ml_dtypes.bfloat16)
+    table = tp_bench.QUICK if args.quick else None
+    rows = []
+    for op in (tp_bench.OPS if args.op == "all" else (args.op,)):
+        shapes = table or (tp_bench.ONE_NODE if args.nodes == 1 else tp_bench.BETWEEN_NODES)[op]
+        op_rows = []
+        for (M, N, K), _goal in shapes:
+            try:
+                op_rows.append(bench_shape(op, comm, M, N, K, dt))
+            except mkernel.ArgumentError as e:
+                if comm.rank == 0:
+                    print(f"== {op} {M}x{N}x{K}: not run: {e}")
+                continue
+            r = op_rows[-1]
+            if comm.rank == 0:
+                print(f"{op:20s} {M}x{N}x{K}: best static {r['best_static_ms']:.3f} ms at {r['best_static_sms']}, "
+                      f"worst {r['worst_static_ms']:.3f} at {r['worst_static_sms']}, first call "
+                      f"{r['first_call_ms']:.3f}, auto {r['controller_ms']:.3f} ms at {r['controller_sms']} "
+                      f"({r['best_static_ms'] / r['controller_ms']:.3f}x of best static)", flush=True)
+        if comm.rank == 0 and op_rows:
+            suffix = f"-{args.nodes}node" if args.nodes > 1 else ""
+            plot(op, op_rows, Path(args.out or harness.RESULTS) / f"controller-{op}-{W}gpu{suffix}.png")
+        rows += op_rows
+    if comm.rank == 0 and rows:
+        ratios = [r["controller_ms"] / r["best_static_ms"] for r in rows]
+        geomean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+        path = harness.write("controller", rows, gpus=W, nodes=args.nodes, out_dir=args.out,
+                             transport=(comm.stats()["proxy"] or args.transport) if args.nodes > 1 else "nvlink",
+                             geomean_vs_best_static=geomean, grid=list(GRID))
+        print(f"SUMMARY controller: geomean controller / best static {geomean:.3f} over {len(rows)} rows -> {path}")
+    comm.close()
+
+
+if __name__ == "__main__":
+    main()
