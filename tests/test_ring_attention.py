@@ -623,11 +623,11 @@ def test_world_one_equals_attention():
         collective_cases.close(c1)
 
 
-def _between_nodes(make_comm, world):
-    """Ring attention on the communicator make_comm() returns (its root last), against the
-    single-GPU engine on the whole sequence, causal (zigzag) and not, three launches each (stale
-    flags), and the proxy's byte counter: the ranks at a node's end send every step's block
-    across the network once per launch, the others nothing."""
+def _against_engine(make_comm, world, nodes):
+    """Ring attention on the communicator make_comm() returns (its root last; ``nodes`` nodes),
+    against the single-GPU engine on the whole sequence, causal (zigzag) and not, three launches
+    each (stale flags), and the proxy's byte counter: the ranks at a node's end send every step's
+    block across the network once per launch, the others (and every rank of one node) nothing."""
     import cupy
     import mkernel
     from mpi4py import MPI
@@ -636,7 +636,7 @@ def _between_nodes(make_comm, world):
     try:
         comm, root = make_comm()
         try:
-            assert comm.num_nodes == 2
+            assert comm.num_nodes == nodes
             W, me = comm.size, comm.rank
             S, H, Hkv, D = 330, 4, 2, 128
             rng = cupy.random.default_rng(21)
@@ -656,7 +656,7 @@ def _between_nodes(make_comm, world):
                     lerr = float(cupy.abs(lse - want_lse).max())
                     assert rel < REL_TOL and lerr < 1e-3, f"causal={causal} launch {rep}: rel {rel:.2e}, lse {lerr:.2e}"
             nxt = (me + 1) % W
-            sent = sum(p["bytes_sent"] for p in comm.stats()["peers"].values())
+            sent = sum(p["bytes_sent"] for p in comm.stats().get("peers", {}).values())
             boundary = comm.topology.node_of[nxt] != comm.node
             want_sent = 6 * (W - 1) * 2 * S * Hkv * D * 2 if boundary else 0
             assert sent == want_sent, f"proxy sent {sent} bytes, expected {want_sent}"
@@ -689,4 +689,27 @@ def test_two_emulated_nodes_through_the_proxy(via_split):
         root = mkernel.init(world, gpus_per_node=1, workspace_bytes=(128 if via_split else 64) << 20)
         return (root.split(0, key=-root.rank, workspace_bytes=64 << 20) if via_split else root), root
 
-    _between_nodes(make, world)
+    _against_engine(make, world, nodes=2)
+
+
+@pytest.mark.gpu
+def test_four_ranks_on_one_node(request):
+    """4 ranks on one node (a child mpiexec -n 4, sharing the GPU): four steps, the first ring
+    where a forwarder writes a slot its next rank has read in this launch, so the FREE flags
+    matter (at 2 ranks the loop ends after step 0; a wait at step 1 for a FREE flag that no rank
+    sets went unseen until session 5)."""
+    import mkernel
+    from mpi4py import MPI
+    from test_transport import _relaunch
+
+    if _relaunch(request, n=4):
+        return
+    world = MPI.COMM_WORLD
+    if world.Get_size() != 4:
+        pytest.skip("4 ranks on one node")
+
+    def make():
+        root = mkernel.init(world, workspace_bytes=64 << 20)
+        return root, root
+
+    _against_engine(make, world, nodes=1)

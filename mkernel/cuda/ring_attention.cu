@@ -208,11 +208,14 @@ MK_DEV void ring_forward_cta(const MkRingArgs& r, u32 E) {
       bool ok = true;
       if (step > 0)  // the block to forward is in my slot once it arrived
         ok = wait_epoch(r.a.sync, ring_flags(r, me) + RING_FLAG_ARRIVED + step, E, (i32)ring_src(r, step), 0x5400u + step);
-      if (ok && r.next_remote) {  // the destination slot is free at the next rank (its proxy flags)
-        ok = step >= 1 ? wait_remote_epoch(r.a.sync, r.queue, r.pflags + RING_PF_FREE + (step - 1), E, (i32)next, 0x5500u + step)
+      // The block goes into the next rank's slot (step + 1) % 2, which that rank last read at
+      // step - 1 (it says so with FREE + step - 1, from step 1 on) or, for steps 0 and 1, in the
+      // previous launch (its credit, waited for at step 0: it has entered this epoch).
+      if (ok && step != 1 && r.next_remote) {  // its proxy flags
+        ok = step >= 2 ? wait_remote_epoch(r.a.sync, r.queue, r.pflags + RING_PF_FREE + (step - 1), E, (i32)next, 0x5500u + step)
                        : wait_remote_epoch(r.a.sync, r.queue, r.pflags + RING_PF_CREDIT, E, (i32)next, 0x5500u);
-      } else if (ok) {
-        ok = step >= 1 ? wait_epoch(r.a.sync, ring_flags(r, me) + RING_FLAG_FREE + (step - 1), E, (i32)next, 0x5500u + step)
+      } else if (ok && step != 1) {
+        ok = step >= 2 ? wait_epoch(r.a.sync, ring_flags(r, me) + RING_FLAG_FREE + (step - 1), E, (i32)next, 0x5500u + step)
                        : credits_wait(r.a.sync, peers, next, E);
       }
       s_ok = ok ? 1 : 0;
