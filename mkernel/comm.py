@@ -293,11 +293,11 @@ class Communicator:
         return ptr + 4 * base, flags[base:base + self.PROXY_FLAGS]
 
     def proxy_flag_block(self, count: int):
-        """``count`` of this communicator's proxy flags for one op plan, zeroed: an object whose
-        ``base`` is the first one's id (the plan's commands name its flags relative to it:
-        ``proxy_queue_args(flag_base=base)``, ``proxy_flags[0] + 4 * base``); they go back when it is
-        dropped. Collective (the same ids on every rank)."""
-        from .symmetric import FreeList, take_symmetric
+        """``count`` of this communicator's proxy flags for one op plan, zeroed: a
+        :class:`symmetric.Lease` whose ``offset`` is the first one's id (the plan's commands name its
+        flags relative to it: ``proxy_queue_args(flag_base=offset)``, ``proxy_flags[0] + 4 * offset``);
+        they go back when it is dropped. Collective (the same ids on every rank)."""
+        from .symmetric import FreeList, Lease, take_symmetric
 
         if not hasattr(self, "_pflag_free"):
             self._pflag_free = FreeList(0, self.PROXY_FLAGS)
@@ -309,7 +309,7 @@ class Communicator:
         # credit), so no rank may launch before every rank has zeroed them: a SIGNAL landing before
         # the zeroing would be wiped out, and its waiter would time out.
         collectives.barrier(self.mpi, what="zeroing proxy flags")
-        return _FlagBlock(self._pflag_free, base, size)
+        return Lease(self._pflag_free.give, base, size)
 
     def _take_flag_range(self):
         """This communicator's range of the root's proxy flags: the lowest free on all its ranks."""
@@ -455,14 +455,6 @@ class Communicator:
         state = "closed" if self._closed else f"GPU {getattr(self, 'device_id', '?')}"
         return (f"<mkernel.Communicator rank {self.rank}/{self.size}, node {self.node}/{self.num_nodes}, "
                 f"local {self.local_rank}/{self.local_size}, {state}>")
-
-
-class _FlagBlock:
-    """A range of a communicator's proxy flags (Communicator.proxy_flag_block); freed when dropped."""
-
-    def __init__(self, free_list, base, size):
-        self.base, self.size = base, size
-        weakref.finalize(self, free_list.give, base, size)
 
 
 def _world():

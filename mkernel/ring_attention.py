@@ -204,7 +204,7 @@ def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, return_ls
         with _tp.on_stream(stream):  # the block of step 0 must lie in a registered region
             stage[0][...] = k4
             stage[1][...] = v4
-        base = plan["pflags"].base
+        base = plan["pflags"].offset
         r.queue = comm.proxy_queue_args(flag_base=base)
         r.pflags = comm.proxy_flags[0] + 4 * base
         r.stage_off = comm.offset_of(stage)

@@ -20,12 +20,14 @@ CONTROL_BYTES = 1 << 20  # at offset 0: the runtime's flags; words [0, MAX_LOCAL
 MAX_LOCAL = 64  # MK_MAX_LOCAL: ranks per node the control area has room for
 
 
-class _Range:
-    """Owner of one allocation; frees it when the last array viewing it is gone."""
+class Lease:
+    """One range ``[offset, offset + size)`` of a free list (workspace bytes, proxy flags), held by
+    whatever references it (arrays viewing it, an op plan); ``release(offset, size)`` hands it
+    back when the last reference is gone."""
 
-    def __init__(self, heap, offset, nbytes):
-        self.heap, self.offset, self.nbytes = heap, offset, nbytes
-        weakref.finalize(self, heap._free, offset, nbytes)
+    def __init__(self, release, offset, size):
+        self.offset, self.size = offset, size
+        weakref.finalize(self, release, offset, size)
 
 
 class SymmetricHeap:
@@ -68,13 +70,13 @@ class SymmetricHeap:
 
         nbytes = _round_up(max(nbytes, 2 * CONTROL_BYTES), ALIGN)
         rng = parent.alloc_symmetric(mpi, nbytes, "carving a sub-communicator's workspace")
-        cupy.cuda.runtime.memset(parent.base + rng.offset, 0, rng.nbytes)  # flags start at 0
+        cupy.cuda.runtime.memset(parent.base + rng.offset, 0, rng.size)  # flags start at 0
         cupy.cuda.runtime.deviceSynchronize()
         parent_local = node_mpi.allgather(parent.local_rank)  # this node's members, as the parent numbers them
         peer_base = [parent.peer_base[p] + rng.offset for p in parent_local]
-        return cls(parent.base + rng.offset, rng.nbytes, parent.device_id, peer_base, node_mpi.rank, rng)
+        return cls(parent.base + rng.offset, rng.size, parent.device_id, peer_base, node_mpi.rank, rng)
 
-    def alloc_symmetric(self, mpi, nbytes: int, what: str, agree=None) -> _Range:
+    def alloc_symmetric(self, mpi, nbytes: int, what: str, agree=None) -> Lease:
         """A range at the same offset on every rank of ``mpi``: the first one free on all of them.
         Collective over ``mpi``. ``agree``: a value every rank must pass alike (shape and dtype)."""
         if self.closed:
@@ -89,7 +91,7 @@ class SymmetricHeap:
         with self._lock:
             self._ranges.take_at(offset, size)
             self.live += 1
-        return _Range(self, offset, size)
+        return Lease(self._free, offset, size)
 
     def _free(self, offset, size):
         with self._lock:
@@ -98,10 +100,10 @@ class SymmetricHeap:
             if self.closed and self.live == 0:
                 self._release_base()
 
-    def array(self, rng: _Range, shape, dtype):
+    def array(self, rng: Lease, shape, dtype):
         import cupy
 
-        mem = cupy.cuda.UnownedMemory(self.base + rng.offset, rng.nbytes, rng, self.device_id)
+        mem = cupy.cuda.UnownedMemory(self.base + rng.offset, rng.size, rng, self.device_id)
         return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
 
     def unmap_peers(self):

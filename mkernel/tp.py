@@ -48,7 +48,7 @@ def plan_between_nodes(comm, plan, args, items, kinds=1):
         xgroup = -(-kinds * nodes * items // ARRIVAL_FLAGS)
         plan["xgroup"] = xgroup
         plan["pflags"] = comm.proxy_flag_block(PF_ARRIVED + kinds * nodes * -(-items // xgroup))
-    base = plan["pflags"].base
+    base = plan["pflags"].offset
     args.queue = comm.proxy_queue_args(flag_base=base)
     args.pflags = comm.proxy_flags[0] + 4 * base
     args.xgroup = plan["xgroup"]

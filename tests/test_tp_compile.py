@@ -169,7 +169,7 @@ class _Comm:
     def proxy_flag_block(self, count):
         import types
         self.flag_blocks.append(count)
-        return types.SimpleNamespace(base=100, size=count)
+        return types.SimpleNamespace(offset=100, size=count)
 
     def proxy_queue_args(self, flag_base=0):
         from mkernel.proxy import QueueArgs
