@@ -34,6 +34,7 @@ import harness  # noqa: E402
 
 NCCL_SHM_GBPS, NCCL_SOCKET_GBPS = 28.9, 0.46  # the reference figures (bus bandwidth)
 GOAL_HOST, GOAL_TCP, GOAL_COMMANDS = 0.8, 0.7, 2e6
+HOST_RUNS = (4, 2, 1)  # host transport: chunks per copy (MKERNEL_HOST_RUN_CHUNKS; 4 is the default)
 WORLD = MPI.COMM_WORLD
 MiB = 1 << 20
 
@@ -156,8 +157,9 @@ def transport_rows(transport, sizes, reps, memory, limit, peer_gbps, goal, ranks
                          "meets_goal": bool(lim and gbps >= goal * lim and gbps > peer_gbps), "ranks_per_gpu": ranks_per_gpu,
                          **extra})
             if rank == 0:
+                opts = " ".join(f"{k}={v}" for k, v in extra.items())
                 print(f"{transport:5s} {memory:4s} {nbytes / MiB:7.0f} MiB  {gbps:7.2f} GB/s  limit {lim:7.2f}  "
-                      f"NCCL {peer_gbps:5.2f}", flush=True)
+                      f"NCCL {peer_gbps:5.2f}  {opts}", flush=True)
         barrier(WORLD)  # nobody stops its proxy while the other may still send
     if memory != "gpu":
         for p in regions:
@@ -249,8 +251,9 @@ def main():
 
     for n in sizes:  # measured before the transport runs, with rank 1 idle
         host_limit(n)
-    section("host", lambda: transport_rows("host", sizes, reps, "gpu", host_limit, NCCL_SHM_GBPS, GOAL_HOST,
-                                           ranks_per_gpu=ranks_per_gpu))
+    for run in HOST_RUNS:  # chunks per copy: fewer, bigger copies against a shorter tail (bench/NOTES.md)
+        section(f"host run {run}", lambda: transport_rows("host", sizes, reps, "gpu", host_limit, NCCL_SHM_GBPS,
+                                                          GOAL_HOST, ranks_per_gpu=ranks_per_gpu, host_run_chunks=run))
     for conns in (4,):
         raw = {n: raw_tcp_rate(n, conns, reps) for n in sizes}
         section(f"tcp x{conns}", lambda: transport_rows("tcp", sizes, reps, "host", raw.get, NCCL_SOCKET_GBPS, GOAL_TCP,

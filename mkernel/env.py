@@ -46,6 +46,9 @@ VARS = {
             "Default size of the symmetric workspace allocated on every rank."),
         Var("MKERNEL_TCP_CONNECTIONS", "4",
             "TCP transport: connections per peer (1 to 16); frames of one peer are spread over them."),
+        Var("MKERNEL_HOST_RUN_CHUNKS", "4",
+            "Host transport: 1 MiB chunks per copy (1 to 16). Longer runs mean fewer, bigger copies; "
+            "shorter ones a shorter tail (the last run is copied out alone)."),
         Var("MKERNEL_TCP_ADDR", "",
             "Address the TCP listener binds to. Unset: loopback when every rank is on one host, else the "
             "interface that routes to rank 0's host. It never binds to all interfaces."),

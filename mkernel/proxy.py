@@ -191,7 +191,7 @@ class Proxy:
     """One per process. See the module docstring for the call sequence."""
 
     def __init__(self, comm, node_ids=None, *, transport: str = "auto", cuda_device=None, timeout_s=None,
-                 bind_address=None, tcp_connections=None, shuffle_seed=None):
+                 bind_address=None, tcp_connections=None, shuffle_seed=None, host_run_chunks=None):
         self.comm = comm
         self.rank, self.nranks = comm.Get_rank(), comm.Get_size()
         self.node_ids = list(node_ids) if node_ids is not None else list(range(self.nranks))
@@ -202,6 +202,9 @@ class Proxy:
         self.peers = [r for r in range(self.nranks) if self.node_ids[r] != self.node_ids[self.rank]]
         self.bind_address = bind_address
         self.tcp_connections = int(tcp_connections or env.get("MKERNEL_TCP_CONNECTIONS"))
+        self.host_run_chunks = int(host_run_chunks or env.get("MKERNEL_HOST_RUN_CHUNKS"))
+        if not 1 <= self.host_run_chunks <= 16:
+            raise ArgumentError(f"host_run_chunks (MKERNEL_HOST_RUN_CHUNKS) must be 1 to 16; got {self.host_run_chunks}")
         self.shuffle_seed = shuffle_seed
         self._ffi, self._lib = _ext()
         self._p = self._lib.mk_proxy_create(self.rank, self.nranks, TRANSPORTS.index(self.transport), self.timeout_s)
@@ -382,6 +385,8 @@ class Proxy:
         for (q, send), (_, recv) in zip(created, opened):
             if lib.mk_host_add_peer(self._p, q, send, recv):
                 raise ArgumentError(f"could not hand the host segments of rank {q} to the proxy")
+        if lib.mk_host_set_run(self._p, self.host_run_chunks):
+            raise ArgumentError(f"could not set the host transport's run of {self.host_run_chunks} chunks")
 
     def _verbs_open(self):
         ports, report = probe_rdma()

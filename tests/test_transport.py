@@ -43,11 +43,11 @@ def _relaunch(request, n=2):
     return True
 
 
-def _collectively(fn, *args):
+def _collectively(fn, *args, **kwargs):
     """Runs fn on every rank; fails on all of them if it failed on any, so no rank is left waiting in a collective."""
     err = None
     try:
-        fn(*args)
+        fn(*args, **kwargs)
     except Exception as e:  # re-raised below, after every rank has reported
         err = e
     ok = WORLD.allreduce(err is None, op=MPI.LAND)
@@ -77,7 +77,7 @@ def _started(proxy, src, dst, flags, queue):
     proxy.start()
 
 
-def _exchange(transport, shuffle_seed=None, tcp_connections=None):
+def _exchange(transport, **proxy_options):
     rank, n = WORLD.Get_rank(), WORLD.Get_size()
     peers = [r for r in range(n) if r != rank]
     K = len(SIZES)
@@ -89,8 +89,7 @@ def _exchange(transport, shuffle_seed=None, tcp_connections=None):
     counter = n * K + n
     flags = np.zeros(counter + 1, dtype=np.uint32)
     queue = CommandQueue(64)  # smaller than the commands issued: wraps around
-    with Proxy(WORLD, transport=transport, bind_address="127.0.0.1", shuffle_seed=shuffle_seed,
-               tcp_connections=tcp_connections) as proxy:
+    with Proxy(WORLD, transport=transport, bind_address="127.0.0.1", **proxy_options) as proxy:
         _started(proxy, src, dst, flags, queue)
         for k, nbytes in enumerate(SIZES):
             for q in peers:
@@ -135,11 +134,14 @@ def _exchange(transport, shuffle_seed=None, tcp_connections=None):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("transport, shuffle, conns", [("tcp", None, 4), ("tcp", 12345, 3), ("host", None, None)],
-                         ids=["tcp", "tcp-shuffle", "host"])
-def test_payloads_and_flags(request, transport, shuffle, conns):
+@pytest.mark.parametrize("transport, options", [("tcp", dict(tcp_connections=4)),
+                                                ("tcp", dict(shuffle_seed=12345, tcp_connections=3)),
+                                                ("host", {}), ("host", dict(host_run_chunks=1)),
+                                                ("host", dict(host_run_chunks=16))],
+                         ids=["tcp", "tcp-shuffle", "host", "host-run1", "host-run16"])
+def test_payloads_and_flags(request, transport, options):
     if not _relaunch(request):
-        _collectively(_exchange, transport, shuffle, conns)
+        _collectively(_exchange, transport, **options)
 
 
 def _rounds(transport, rounds=300, tiles=8, tile=64 << 10):

@@ -21,7 +21,9 @@
 #define MK_HOST_MAGIC 0x314d484du /* "MHM1" */
 #define MK_HOST_SLOTS 16
 #define MK_HOST_CHUNK (1u << 20)
-#define MK_HOST_RUN 4 /* chunks per copy: big copies, yet both sides keep copying at once (pipelined) */
+#define MK_HOST_RUN 4 /* default chunks per copy (mk_host_set_run): big copies, yet both sides keep copying at
+                       * once (pipelined); a transfer's last run is copied out alone, so shorter runs shorten
+                       * that tail and cost more copies (bench/transport.py measures 1, 2 and 4) */
 #define MK_HOST_DATA_OFFSET 4096
 #define MK_HOST_OUTBOX 4096      /* commands accepted per peer and not yet pushed into the ring */
 #define MK_HOST_BEAT_NS 1000000ULL /* liveness: each side stamps the segment every millisecond */
@@ -81,6 +83,7 @@ typedef struct {
 typedef struct {
   host_peer* peers;
   uint64_t last_beat, last_pid_check;
+  uint64_t run; /* chunks per copy, 1..MK_HOST_SLOTS */
 } host_state;
 
 static unsigned char* chunk_of(host_segment* s, uint64_t slot) {
@@ -154,6 +157,7 @@ static host_state* host(mk_proxy* p) {
     if (!h) return NULL;
     h->peers = calloc((size_t)p->nranks, sizeof *h->peers);
     if (!h->peers) { free(h); return NULL; }
+    h->run = MK_HOST_RUN;
     p->tstate = h;
   }
   return p->tstate;
@@ -169,6 +173,13 @@ int mk_host_add_peer(mk_proxy* p, int peer, unsigned long long send_segment, uns
   hp->recv = (host_segment*)(uintptr_t)recv_segment;
   hp->send_head = hp->send->head;
   hp->recv_tail = hp->recv->tail;
+  return 0;
+}
+
+int mk_host_set_run(mk_proxy* p, int chunks) {
+  host_state* h = host(p);
+  if (!h || p->running || chunks < 1 || chunks > MK_HOST_SLOTS) return -1;
+  h->run = (uint64_t)chunks;
   return 0;
 }
 
@@ -222,6 +233,7 @@ static int free_emptied(mk_proxy* p, int peer, host_peer* hp) {
 /* Pushes the front commands of the outbox into free chunks; one copy fills a run of chunks, and
  * several runs may be in flight (GPU memory) while earlier ones are published. */
 static int push_outbox(mk_proxy* p, int peer, host_peer* hp) {
+  const host_state* h = p->tstate;
   host_segment* s = hp->send;
   int events = 0;
   while (hp->out_tail != hp->out_head) {
@@ -248,7 +260,7 @@ static int push_outbox(mk_proxy* p, int peer, host_peer* hp) {
       n = n ? n : 1; /* a zero-byte WRITE still carries its flag */
       n = n < free_slots ? n : free_slots;
       n = n < run ? n : run;
-      n = n < MK_HOST_RUN ? n : MK_HOST_RUN;
+      n = n < h->run ? n : h->run;
       uint64_t bytes = left < n * MK_HOST_CHUNK ? left : n * MK_HOST_CHUNK;
       int kind;
       const unsigned char* src = mk_region_span(p, c->src_region, MK_CMD_OFFSET(c->src_off_hi, c->src_off_lo) + hp->out_done, bytes, &kind);
@@ -284,6 +296,7 @@ static int bad_desc(mk_proxy* p, int peer, const char* what) {
 /* Takes published chunks: one copy for a run of chunks that continue each other; their flags are
  * applied and the chunks freed once the copy has landed (free_emptied). */
 static int pull_inbox(mk_proxy* p, int peer, host_peer* hp) {
+  const host_state* h = p->tstate;
   host_segment* s = hp->recv;
   uint64_t tail = hp->recv_tail, head = __atomic_load_n(&s->head, __ATOMIC_ACQUIRE);
   if (head - s->tail > MK_HOST_SLOTS || head - tail > MK_HOST_SLOTS) return bad_desc(p, peer, "head ran past the ring");
@@ -295,7 +308,7 @@ static int pull_inbox(mk_proxy* p, int peer, host_peer* hp) {
     if (d.type == DESC_DATA) {
       if (d.bytes > MK_HOST_CHUNK) return bad_desc(p, peer, "chunk larger than a slot");
       uint64_t bytes = d.bytes;
-      while (n < MK_HOST_RUN && tail + n != head && (tail + n) % MK_HOST_SLOTS && !s->desc[(tail + n - 1) % MK_HOST_SLOTS].last) {
+      while (n < h->run && tail + n != head && (tail + n) % MK_HOST_SLOTS && !s->desc[(tail + n - 1) % MK_HOST_SLOTS].last) {
         host_desc e = s->desc[(tail + n) % MK_HOST_SLOTS];
         if (e.type != DESC_DATA || e.dst_region != d.dst_region || e.dst_offset != d.dst_offset + bytes || e.bytes > MK_HOST_CHUNK) break;
         bytes += e.bytes;
