@@ -86,7 +86,7 @@ def bench_shape(op, comm, M, N, K, dt):
     worst_n = max(statics, key=lambda n: med[n])
     gemm_ms = 2.0 * M * N * K / (harness.PEAK_TFLOPS * 1e12) * 1e3
     link = autosplit._link_gbps(comm)
-    bound = max(gemm_ms, autosplit.comm_bytes(op, M, N, K, comm.size, dt.itemsize) / (link * 1e9) * 1e3)
+    bound = max(gemm_ms, autosplit.comm_bytes(op, M, N, K, comm.size, dt.itemsize, comm.num_nodes) / (link * 1e9) * 1e3)
     return harness.row(
         (M, N, K), med["auto"], med[best_n], bound,
         best_static_ms=med[best_n], best_static_sms=best_n, best_static_ci95=harness.ci95(times[best_n]),

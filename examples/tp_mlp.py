@@ -42,10 +42,12 @@ def mlp_block(comm, x_r, w1_r, w2_r):
 
 def run(comm, T=512, H=256, F=1024, use_jax=False):
     """Runs the block and checks rank r's rows of y against the single-GPU result. Returns
-    (ok, max |error|)."""
+    (ok, max |error|). T and F are rounded up to multiples of 8 x world (every rank's share of the
+    hidden dimension must be a multiple of 8)."""
     import cupy
 
     W, r = comm.size, comm.rank
+    T, F = (-(-n // (8 * W)) * 8 * W for n in (T, F))
     x, w1, w2 = weights(T, H, F)
     tr, fr = T // W, F // W
     x_r = x[r * tr:(r + 1) * tr]

@@ -31,13 +31,15 @@ TRANSPORT_GBPS = {"host": 20.0, "tcp": 1.5, "verbs": 25.0}
 GEMM_TFLOPS = 650.0
 
 
-def comm_bytes(op: str, M: int, N: int, K: int, world: int, esize: int) -> int:
-    """Bytes one rank's communication CTAs move in one call: RS the partials of this rank's block
-    from the other ranks, AR twice that (reduce, then gather), AG the other ranks' shards of A.
-    ``M`` is the rows of the whole problem (RS / AR: of the partial; AG: of the gathered A)."""
+def comm_bytes(op: str, M: int, N: int, K: int, world: int, esize: int, nodes: int = 1) -> int:
+    """Bytes one rank moves over its slowest link in one call: inside a node, RS the partials of
+    this rank's block from the other ranks, AR twice that (reduce, then gather), AG the other ranks'
+    shards of A; between nodes only the network's share, one block per other node (the hierarchy
+    sums or fans out inside the node over NVLink). ``M`` is the rows of the whole problem."""
+    blocks = nodes - 1 if nodes > 1 else world - 1
     if op == "allgather_gemm":
-        return (world - 1) * (M // world) * K * esize
-    once = (world - 1) * (M // world) * N * esize
+        return blocks * (M // world) * K * esize
+    once = blocks * (M // world) * N * esize
     return 2 * once if op == "gemm_allreduce" else once
 
 
@@ -104,7 +106,7 @@ def choose(comm, op: str, *, M: int, N: int, K: int, esize: int, comm_items: int
         log.debug("%s %s: %d comm CTAs took %.3f ms (max over ranks); next %d", op, key[1], n_prev, ms, nxt)
     st.pending = None
     gemm_ms = 2.0 * M * N * K / (GEMM_TFLOPS * 1e12) * 1e3
-    guess = split.prior(comm_bytes=comm_bytes(op, M, N, K, comm.size, esize), cta_gbps=CTA_GBPS,
+    guess = split.prior(comm_bytes=comm_bytes(op, M, N, K, comm.size, esize, comm.num_nodes), cta_gbps=CTA_GBPS,
                         link_gbps=_link_gbps(comm), gemm_ms=gemm_ms, total=sms, lo=1, hi=hi)
     n = mem.choose(key, guess, lo=1, hi=hi)
     st.calls += 1

@@ -121,9 +121,12 @@ def gemm_reduce(op, spec, kernel, allreduce, a, b, *, comm, out, stream, b_layou
         with tp.on_stream(stream):
             partial = tp.matmul(a, b_arr, layout)
         args.partial, args.ldp = partial.data.ptr, tp._row_stride(partial) // esize
-    n, token = tp.resolve_comm_sms(op, comm, comm_sms, chosen, M=M, N=N, K=K, esize=esize,
-                                   comm_items=nodes * tiles_blk, stream=stream)
-    gemm_ctas, comm_ctas = tp.grid_split(op, n, W * tiles_blk, nodes * tiles_blk, tp.sm_count())
+    # Items of the communication CTAs: the node's reductions of this rank's blocks; AR also the
+    # copies of the other local ranks' reduced blocks and the forwards of other nodes' ones.
+    comm_items = (W + nodes - 1 if allreduce else nodes) * tiles_blk
+    n, token = tp.resolve_comm_sms(op, comm, comm_sms, chosen, M=M, N=N, K=K, esize=esize, comm_items=comm_items,
+                                   stream=stream)
+    gemm_ctas, comm_ctas = tp.grid_split(op, n, W * tiles_blk, comm_items, tp.sm_count())
     args.gemm_ctas = gemm_ctas
     args.join = int(join)
     with autosplit.timed(token, stream):

@@ -125,3 +125,5 @@ def test_comm_bytes_per_op():
     assert autosplit.comm_bytes("gemm_reduce_scatter", 8192, 4096, 1024, 2, 2) == 4096 * 4096 * 2
     assert autosplit.comm_bytes("gemm_allreduce", 8192, 4096, 1024, 2, 2) == 2 * 4096 * 4096 * 2
     assert autosplit.comm_bytes("allgather_gemm", 8192, 4096, 1024, 4, 2) == 3 * 2048 * 1024 * 2
+    # between nodes: the network's share only, one block per other node (4 ranks as 2 nodes x 2)
+    assert autosplit.comm_bytes("gemm_allreduce", 8192, 4096, 1024, 4, 2, nodes=2) == 2 * 2048 * 4096 * 2

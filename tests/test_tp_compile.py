@@ -230,7 +230,8 @@ def test_reduce_scatter_and_allreduce_launch_arguments(fake_launch, world, rank)
         assert L["layout"] == tp.B_KN and args.world == world and args.me == rank and args.mb == mb
         assert args.tiles_mb == 2 and args.tiles_n == 2 and args.g.k == K and args.g.n == N and args.g.m == M
         tiles = world * 4
-        assert args.gemm_ctas == tiles and L["grid"] == tiles + min(tp.DEFAULT_COMM_SMS[L["op"]], 4)
+        items = (world if allreduce else 1) * 4  # AR: also the copies of the other ranks' reduced blocks
+        assert args.gemm_ctas == tiles and L["grid"] == tiles + min(tp.DEFAULT_COMM_SMS[L["op"]], items)
         assert args.recv_off == comm.offset_of(plan["recv"]) and args.rflag_off == comm.offset_of(plan["rflag"])
         if allreduce:
             assert args.gath_off == comm.offset_of(plan["gath"]) and args.gflag_off == comm.offset_of(plan["gflag"])
@@ -268,8 +269,9 @@ def test_reduce_ops_between_nodes_launch_arguments(fake_launch, world, nodes, ra
     assert args.xgroup == 1 and args.xgroups == tiles_blk
     assert comm.flag_blocks == [tp.PF_ARRIVED + (2 if allreduce else 1) * nodes * tiles_blk]
     assert args.queue.flag_base == 100 and args.pflags == 0x7000000 + 4 * 100
+    items = (world + nodes - 1 if allreduce else nodes) * tiles_blk  # AR: also gather copies and forwards
     assert fake_launch["launch"]["grid"] == world * tiles_blk + min(tp.DEFAULT_COMM_SMS[fake_launch["launch"]["op"]],
-                                                                     nodes * tiles_blk)
+                                                                     items)
     with pytest.raises(ArgumentError, match="node-major"):
         c = _Comm(world, rank, nodes)
         c.topology.node_of = tuple(reversed(c.topology.node_of))

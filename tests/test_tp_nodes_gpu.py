@@ -31,9 +31,10 @@ from mkernel.gemm_allreduce import gemm_allreduce
 from mkernel.gemm_reduce_scatter import gemm_reduce_scatter
 from mkernel.testing import sync_or_exit
 
-# (M, N, K, dtype, integer inputs, b layout): off-grid rows per rank, N and K
-CASES = [(2 * 200, 264, 136, "fp16", True, "kn"), (4 * 136, 520, 256, "bf16", False, "nk"),
-         (4 * 256, 512, 128, "bf16", True, "kn")]
+# (rows per rank, N, K, dtype, integer inputs, b layout): M = rows x world, so every case runs at
+# any world size; off-grid rows per rank, N and K
+CASES = [(200, 264, 136, "fp16", True, "kn"), (136, 520, 256, "bf16", False, "nk"),
+         (256, 512, 128, "bf16", True, "kn")]
 REPEATS = 3
 # "unfused": cupy.matmul then the op's own collective over the same paths (the benchmarks' baseline;
 # written in session 4, not yet run on a GPU)
@@ -51,9 +52,8 @@ def _run_cases(comm, allreduce):
     fn, hops = (gemm_allreduce, 2) if allreduce else (gemm_reduce_scatter, 1)
     W, L, nodes = comm.size, comm.local_size, comm.num_nodes
     problems = []
-    for i, (M, N, K, kind, integer, layout) in enumerate(CASES):
-        if M % W:
-            continue
+    for i, (mb, N, K, kind, integer, layout) in enumerate(CASES):
+        M = mb * W
         (a, b), total, absum, absprod, _ = _reduce_problem(comm, 40 + i, M, K, N, kind, integer)
         dt = DTYPES[kind]
         problems.append((M, N, K, kind, integer, _dev(a.astype(dt)), _b_arg(b, layout, dt), total, absum, absprod))
@@ -202,17 +202,30 @@ def _two_emulated_nodes(transport, run):
         comm.close()
 
 
-def _two_nodes_of_two_ranks(request, run):
-    if _relaunch(request, n=4):
+def _emulated_nodes(request, run, nodes, per_node):
+    """run(comm) in a child job of nodes x per_node ranks (sharing the GPUs) over the host transport."""
+    if _relaunch(request, n=nodes * per_node):
         return
-    if WORLD.Get_size() != 4:
-        pytest.skip("4 ranks as 2 nodes x 2")
-    comm = mkernel.init(WORLD, gpus_per_node=2, transport="host", workspace_bytes=192 << 20)
+    if WORLD.Get_size() != nodes * per_node:
+        pytest.skip(f"{nodes * per_node} ranks as {nodes} nodes x {per_node}")
+    comm = mkernel.init(WORLD, gpus_per_node=per_node, transport="host", workspace_bytes=192 << 20)
     try:
-        assert comm.num_nodes == 2 and comm.local_size == 2
+        assert comm.num_nodes == nodes and comm.local_size == per_node
         run(comm)
     finally:
         comm.close()
+
+
+@pytest.mark.gpu
+def test_tp_ops_on_three_emulated_nodes(request):
+    """3 ranks as 3 nodes (a child job sharing the GPU): every rank sends to and receives from two
+    other nodes (arrival counters per source node, FLUSHes to several destinations, the owner
+    adding node partials in node order)."""
+    def run(comm):
+        for allreduce in (False, True):
+            _run_cases(comm, allreduce)
+        _run_ag_cases(comm)
+    _emulated_nodes(request, run, nodes=3, per_node=1)
 
 
 @pytest.mark.gpu
@@ -222,10 +235,10 @@ def test_reduce_ops_on_two_nodes_of_two_ranks(request):
     def run(comm):
         for allreduce in (False, True):
             _run_cases(comm, allreduce)
-    _two_nodes_of_two_ranks(request, run)
+    _emulated_nodes(request, run, nodes=2, per_node=2)
 
 
 @pytest.mark.gpu
 def test_allgather_gemm_on_two_nodes_of_two_ranks(request):
     """A fresh 4-rank job: each shard crosses the network once per other node, then NVLink."""
-    _two_nodes_of_two_ranks(request, _run_ag_cases)
+    _emulated_nodes(request, _run_ag_cases, nodes=2, per_node=2)

@@ -32,11 +32,12 @@ struct TpArgs {
   // for AG), b, sync, k, n; c is set to dst[0] (prefetched by gemm_setup, never stored through).
   MkGemmArgs g;
   // Destination of the tiles of row block o (TMA store maps, box {64 cols, 16 rows}, 128B swizzle,
-  // rows [0, mb) of the block): RS/AR: rank o's receive slot for this sender; AG: out rows of block o.
+  // rows [0, mb) of the block): RS/AR: the receive slot recv[lrank][o / local] of rank (node, o % local);
+  // AG: out rows of block o.
   TmaDesc dst[TP_MAX_WORLD];
   const unsigned long long* peer_base;  // the communicator's peer_table (workspace base per local rank)
-  unsigned long long recv_off;   // RS/AR: partials [W senders][mb][n] (input dtype)
-  unsigned long long rflag_off;  // RS/AR: partial-tile flags [W senders][tiles_blk]
+  unsigned long long recv_off;   // RS/AR: partials [local senders][nodes blocks][mb][n] (input dtype)
+  unsigned long long rflag_off;  // RS/AR: partial-tile flags [local senders][nodes blocks][tiles_blk]
   unsigned long long gath_off;   // AR: reduced tiles [W owners][mb][n]
   unsigned long long gflag_off;  // AR: reduced-tile flags [W owners][tiles_blk]
   unsigned long long ga_off;     // AG: gathered A [W * mb][k]
@@ -46,7 +47,7 @@ struct TpArgs {
   unsigned int* counters;        // TP_CNT_WORDS device words, zero between launches
   long long ldo;                 // out row stride (elements)
   long long lda;                 // AG: a_local row stride (elements)
-  int world;                     // ranks (== local ranks: one node)
+  int world;                     // ranks (nodes x local, node-major)
   int me;                        // this rank's index
   int mb;                        // rows of one row block (M / world)
   int tiles_mb;                  // ceil(mb / 128)
