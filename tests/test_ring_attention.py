@@ -693,20 +693,21 @@ def test_two_emulated_nodes_through_the_proxy(via_split):
 
 
 @pytest.mark.gpu
-def test_four_ranks_on_one_node(request):
-    """4 ranks on one node (a child mpiexec -n 4, sharing the GPU): four steps, the first ring
-    where a forwarder writes a slot its next rank has read in this launch, so the FREE flags
-    matter (at 2 ranks the loop ends after step 0; a wait at step 1 for a FREE flag that no rank
-    sets went unseen until session 5)."""
+@pytest.mark.parametrize("ranks", [3, 4])
+def test_more_than_two_ranks_on_one_node(request, ranks):
+    """3 and 4 ranks on one node (a child mpiexec, sharing the GPU). At 2 ranks the forwarding loop
+    ends after step 0; from 3 on a forwarder also writes at step 1 (a wait there for a FREE flag
+    that no rank sets went unseen until session 5); 3 is the ring with no FREE flag at all, 4 the
+    first whose forwarder writes a slot its next rank has read in this launch."""
     import mkernel
     from mpi4py import MPI
     from test_transport import _relaunch
 
-    if _relaunch(request, n=4):
+    if _relaunch(request, n=ranks):
         return
     world = MPI.COMM_WORLD
-    if world.Get_size() != 4:
-        pytest.skip("4 ranks on one node")
+    if world.Get_size() != ranks:
+        pytest.skip(f"{ranks} ranks on one node")
 
     def make():
         root = mkernel.init(world, workspace_bytes=64 << 20)

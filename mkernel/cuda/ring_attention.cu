@@ -5,8 +5,8 @@
 // own, step s >= 1 to receive slot s % 2 of the symmetric workspace.
 // CTAs [attn_ctas, grid) forward: at step s (0..W-2) they copy the block of step s (own, or slot
 // s % 2 once it arrived) into rank me+1's slot (s+1) % 2 and set its flag ARRIVED[s+1] = E. Before
-// writing a slot they wait until rank me+1 is done with it: for step s+1 >= 2 its flag FREE[s-1]
-// (here) is E; for step 1, its credit (it entered epoch E).
+// writing a slot they wait until rank me+1 is done with it: from step s = 2 on, its flag FREE[s-1]
+// (here) is E; at steps 0 and 1 its credit (it entered epoch E, so it finished the last launch).
 // CTAs [0, attn_ctas) run the attention engine over tiles (step, batch, head, query block) in step
 // order; the producer waits for ARRIVED[step] before loading a step's keys. The epilogue merges
 // each half tile into fp32 accumulators (log-sum-exp rule) after the same half tile of the
@@ -278,12 +278,15 @@ __global__ void __launch_bounds__(384, 1) mk_ring_attention_kernel(const __grid_
       if (threadIdx.x == 0) {
         const AttnTileSpace space{a, a.sched.num_tiles};
         attn_producer<Cfg>(a, sm, RingTiles<Cfg>{r, space, E});
-        sched_finish(a.sched);
-        counters_reset_by_last_block(r.counters, RING_CNT_WORDS, RING_CNT_DONE);
       }
     } else {
       setmaxnreg_inc<Cfg::CONSUMER_REGS>();
       attn_consumer<Cfg>(a, sm, (int)(threadIdx.x / 128) - 1, RingMergeEpi<Cfg>{r, E});
+    }
+    __syncthreads();  // the consumers' merges count in the step counters: reset only after them
+    if (threadIdx.x == 0) {
+      sched_finish(a.sched);
+      counters_reset_by_last_block(r.counters, RING_CNT_WORDS, RING_CNT_DONE);
     }
     launch_exit(a.sync, sm.bars->epoch);
   } else {
