@@ -149,3 +149,24 @@ def test_live_proxy_rejects_hostile_streams(writes, hostile):
     finally:
         mine.close()
         lib.mk_proxy_destroy(p)
+
+
+def test_peer_closing_after_a_flush_it_did_not_wait_for_is_not_an_error():
+    """A peer that sends FLUSH, then BYE, and closes (a proxy may stop without waiting for its last
+    FLUSH's acknowledgement) leaves an ACK queued for a closed connection: it is dropped, and the
+    proxy keeps serving its other peers instead of failing on the closed socket (a 3-node bug)."""
+    p = _MEM.proxy()
+    mine, theirs = socket.socketpair()
+    try:
+        assert lib.mk_tcp_add_connection(p, 1, theirs.detach()) == 0
+        mine.sendall(FRAME.pack(MAGIC, FLUSH, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0) +
+                     FRAME.pack(MAGIC, BYE, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0))
+        mine.shutdown(socket.SHUT_WR)
+        assert lib.mk_proxy_start(p) == 0
+        time.sleep(0.3)  # long enough for the frames, the close and several stall checks
+        info = ffi.new("mk_error_info*")
+        code = lib.mk_proxy_error(p, info)
+        assert code == 0, ffi.string(info.message).decode()
+    finally:
+        lib.mk_proxy_destroy(p)
+        mine.close()

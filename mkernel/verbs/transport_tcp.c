@@ -397,6 +397,24 @@ static int frame_complete(mk_proxy* p, tcp_state* t, conn* c) {
   }
 }
 
+/* A peer that said goodbye and closed reads nothing more: what is still queued for it may only be
+ * acknowledgements of FLUSHes it did not wait for (dropped); anything else was lost, and says so. */
+static int closed_cleanly(mk_proxy* p, tcp_state* t, conn* c) {
+  for (size_t i = 0; i < c->q_len; i++) {
+    const out_frame* f = &c->q[(c->q_start + i) % c->q_cap];
+    if (f->hdr.type != MK_FRAME_FLUSH_ACK && f->hdr.type != MK_FRAME_BYE) {
+      mk_fail(p, MKP_ERR_PEER, c->peer, f->hdr.type, "rank %d closed its connection with data of ours outstanding",
+              c->peer);
+      return -1;
+    }
+    t->peers[c->peer].queued_bytes -= sizeof f->hdr + f->hdr.bytes;
+  }
+  c->q_len = c->q_start = c->sent = c->barrier = 0;
+  c->staged = 0;
+  c->fd = -c->fd - 1; /* stop polling it */
+  return 0;
+}
+
 static int recv_some(mk_proxy* p, tcp_state* t, conn* c) {
   int progress = 0;
   for (int rounds = 0; rounds < 64; rounds++) {
@@ -411,10 +429,8 @@ static int recv_some(mk_proxy* p, tcp_state* t, conn* c) {
     }
     ssize_t r = recv(c->fd, dst, want, 0);
     if (r == 0) {
-      if (c->said_bye && t->peers[c->peer].flush_tail == t->peers[c->peer].flush_head) {
-        c->fd = -c->fd - 1; /* closed cleanly: stop polling it */
-        return progress;
-      }
+      if (c->said_bye && t->peers[c->peer].flush_tail == t->peers[c->peer].flush_head)
+        return closed_cleanly(p, t, c) ? -1 : progress;
       mk_fail(p, MKP_ERR_PEER, c->peer, 0, "rank %d closed its connection %s(did the process die?)", c->peer,
               c->said_bye ? "with flushes outstanding " : "without saying goodbye ");
       return -1;
@@ -509,7 +525,9 @@ static int tcp_poll(mk_proxy* p, int timeout_us) {
     events += r;
   }
   for (size_t i = 0; i < t->npfds; i++) /* a stalled connection that poll never reports must still time out */
-    if (t->pconn[i]->q_len && !(t->pfds[i].revents & POLLOUT) && send_some(p, t, t->pconn[i]) < 0) return -1;
+    if (t->pconn[i]->fd >= 0 && t->pconn[i]->q_len && !(t->pfds[i].revents & POLLOUT) &&
+        send_some(p, t, t->pconn[i]) < 0)
+      return -1;
   if (check_flush_deadlines(p, t)) return -1;
   return events;
 }
