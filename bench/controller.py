@@ -67,13 +67,13 @@ def bench_shape(op, comm, M, N, K, dt):
     for n in GRID[:2]:  # compile, allocate the plan
         call(n)
     harness.wait(f"{op} warm-up")
-    split._memory = split.SplitMemory()  # a fresh key: its first call runs the prior
+    comm._autosplit, comm._split_memory = {}, split.SplitMemory()  # a fresh key: its first call runs the prior
     first = one_ms(comm, lambda: call("auto"))
     for _ in range(SEARCH_CALLS):
         call("auto")
     harness.wait(f"{op} search")
     key = next(k for k in comm._autosplit if k[0] == op and k[1] == split.shape_bucket(M, N, K))
-    search = split.memory().search(key)
+    search = autosplit.memory(comm).search(key)
     sms = tp.sm_count()
     statics = [n for n in GRID if n < sms]
     variants = statics + ["auto"]

@@ -71,7 +71,7 @@ def allgather_gemm(a, b, *, comm, out=None, stream=None, return_gathered=False, 
     L, nodes = comm.local_size, comm.num_nodes
     if nodes > 1:  # arrival counters of the chunks that come through the proxy
         tp.plan_between_nodes(comm, plan, args, tiles_mb)
-    if chosen == "unfused" and tp.quiesced_first_use(comm, plan, ("matmul", N, layout, b_arr.strides), stream):
+    if chosen == "unfused" and tp.quiesced_first_use(comm, plan, ("matmul", N, layout, b_arr.strides, out.strides), stream):
         with tp.on_stream(stream):  # cuBLAS loads its kernel for this shape now, not behind the gather
             tp.matmul(plan["ga"], b_arr, layout, out=out)
     ldo_bytes = tp._row_stride(out)

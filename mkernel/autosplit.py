@@ -9,6 +9,11 @@ drift) waits for that call's end event, takes the max over ranks of its time wit
 time, so every rank's search makes the same moves; the count would not have to agree anyway: which
 CTA reduces or pushes a tile changes who does the work and when, not what crosses the wire.
 
+Each communicator has its own search memory (:func:`memory`): a rank in two communicators of the
+same shape (tensor- and sequence-parallel groups) must not feed one search with both groups' times,
+or its partners' searches, and so their collectives, would diverge. A key's bounds are agreed
+(the minimum over ranks) when it is first seen.
+
 Cost: while a key's search runs (about 7-10 calls), each call waits for the previous one's end on
 the host and does one small allgather; afterwards one in ``HOLD_SAMPLE`` calls does. The in-call
 controller (loop 2: moving CTAs between roles inside a launch) is not built yet.
@@ -58,7 +63,8 @@ def _link_gbps(comm) -> float:
 
 
 class _KeyState:
-    def __init__(self):
+    def __init__(self, hi):
+        self.hi = hi  # the search's upper bound, the same on every rank
         self.pending = None  # (count, start event, end event) of the last timed call
         self.calls = 0
 
@@ -92,13 +98,24 @@ def _states(comm) -> dict:
     return comm._autosplit
 
 
+def memory(comm) -> split.SplitMemory:
+    """The communicator's split memory (its keys' searches)."""
+    if not hasattr(comm, "_split_memory"):
+        comm._split_memory = split.SplitMemory()
+    return comm._split_memory
+
+
 def choose(comm, op: str, *, M: int, N: int, K: int, esize: int, comm_items: int, sms: int, stream):
     """(comm CTAs for this call, a token for :func:`timed`). Collective while the key's search runs
     (an allgather of the previous call's time): every rank calls the ops in the same order."""
     key = split.split_key(op, (M, N, K), comm.size, f"{comm.num_nodes}x{comm.local_size}", _transport(comm))
-    hi = max(1, min(MAX_COMM_CTAS, comm_items, sms - 1))
-    mem = split.memory()
-    st = _states(comm).setdefault(key, _KeyState())
+    mem = memory(comm)
+    st = _states(comm).get(key)
+    if st is None:  # first call on the key (on every rank alike): agree its bound
+        from mpi4py import MPI
+        st = _states(comm)[key] = _KeyState(comm.mpi.allreduce(max(1, min(MAX_COMM_CTAS, comm_items, sms - 1)),
+                                                                op=MPI.MIN))
+    hi = st.hi
     if st.pending is not None:  # timed on every rank alike (the rule below depends on shared state only)
         n_prev, events = st.pending
         ms = max(comm.mpi.allgather(events.elapsed_ms()))

@@ -193,8 +193,12 @@ class Module:
 def _quiesce():
     """Before loading a module or function: a load waits for the device to go idle and meanwhile
     blocks every CUDA call of the process, the proxy thread's included, so an op of ours in flight
-    that waits on the proxy (between nodes) would never finish. Waiting for it first is free once."""
+    that waits on the proxy (between nodes) would never finish. Waiting for it first is free once.
+    Not while the current stream captures a graph (a synchronisation would invalidate the capture;
+    nothing captured runs until the graph is launched)."""
     import cupy
+    if cupy.cuda.get_current_stream().is_capturing():
+        return
     cupy.cuda.runtime.deviceSynchronize()
 
 

@@ -117,7 +117,7 @@ def gemm_reduce(op, spec, kernel, allreduce, a, b, *, comm, out, stream, b_layou
     args.out = out.data.ptr
     args.ldo = tp._row_stride(out) // esize
     if chosen == "unfused":  # the GEMM first; the kernel's GEMM CTAs then only move its tiles
-        tp.quiesced_first_use(comm, plan, ("matmul", N, layout, b_arr.strides), stream)  # cuBLAS may load a kernel
+        tp.quiesced_first_use(comm, plan, ("matmul", K, layout, a.strides, b_arr.strides), stream)  # cuBLAS may load a kernel
         with tp.on_stream(stream):
             partial = tp.matmul(a, b_arr, layout)
         args.partial, args.ldp = partial.data.ptr, tp._row_stride(partial) // esize

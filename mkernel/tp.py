@@ -365,8 +365,9 @@ def sm_count():
 
 
 def quiesced_first_use(comm, plan, key, stream):
-    """Between nodes, True the first time ``key`` is seen for ``plan``, after synchronising
-    ``stream``: the caller then runs host-launched work whose first use loads a CUDA module
+    """Between nodes, True the first time ``key`` is seen for ``plan``, after synchronising the
+    device (ops of ours may run on other streams): the caller then runs host-launched work whose
+    first use loads a CUDA module
     (cuBLAS picks a new kernel, CuPy a new elementwise kernel). A module load waits for the
     device to go idle and meanwhile blocks every CUDA call of the process, the proxy thread's
     copies included; a kernel in flight that waits on the proxy then never finishes (measured on
@@ -375,7 +376,7 @@ def quiesced_first_use(comm, plan, key, stream):
     if comm.num_nodes == 1 or key in plan.setdefault("loaded", set()):
         return False
     plan["loaded"].add(key)
-    (stream if stream is not None else cupy_mod().cuda.get_current_stream()).synchronize()
+    cupy_mod().cuda.runtime.deviceSynchronize()
     return True
 
 

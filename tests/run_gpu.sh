@@ -13,10 +13,15 @@ export MKERNEL_CACHE_DIR=${MKERNEL_CACHE_DIR:-$HOME/.cache/mkernel} PYTHONPATH=$
 # bug) would otherwise hold the machine until the caller's own limit.
 LIMIT=${MKERNEL_SUITE_PASS_TIMEOUT_S:-300}
 rc=0
-timeout -k 10 "$LIMIT" "$PY" -m pytest -q -m "gpu and not (mpi and multi_gpu)" tests "$@" || rc=$?  # 2-rank tests: next pass
+pass_rc() {  # the pass's status into rc; a pass stopped by its limit says so
+  local r=$1
+  [ "$r" = 124 ] && echo "run_gpu.sh: the $2 pass ran past ${LIMIT} s (MKERNEL_SUITE_PASS_TIMEOUT_S) and was stopped"
+  [ "$r" != 0 ] && rc=$r
+  return 0
+}
+timeout -k 10 "$LIMIT" "$PY" -m pytest -q -m "gpu and not (mpi and multi_gpu)" tests "$@"; pass_rc $? "1-rank"
 for n in 2 4; do
   timeout -k 10 "$LIMIT" mpirun -n $n --oversubscribe -x NCCL_NVLS_ENABLE -x PYTHONPATH -x MKERNEL_CACHE_DIR \
-    "$PY" -m pytest -q -m "gpu and mpi and not slow" tests "$@" || rc=$?
+    "$PY" -m pytest -q -m "gpu and mpi and not slow" tests "$@"; pass_rc $? "$n-rank"
 done
-[ "$rc" = 124 ] && echo "run_gpu.sh: a pass ran past ${LIMIT} s (MKERNEL_SUITE_PASS_TIMEOUT_S) and was stopped"
 exit $rc

@@ -25,9 +25,8 @@ def _curve(n):
 
 @pytest.fixture
 def auto(fake_launch, monkeypatch):  # noqa: F811
-    """A fresh process split memory; a timer that reads the faked launch's comm CTA count; an
-    allgather that reports a second, 10% slower rank. Returns the record of what happened."""
-    monkeypatch.setattr(split, "_memory", split.SplitMemory())
+    """A timer that reads the faked launch's comm CTA count; an allgather that reports a second,
+    10% slower rank (each test's communicator has a fresh split memory). Returns the record."""
     record = {"timers": 0, "observed": []}
 
     class Timer:
@@ -57,7 +56,7 @@ def auto(fake_launch, monkeypatch):  # noqa: F811
 
 def _comm():
     comm = _Comm(2, 1)
-    comm.mpi = types.SimpleNamespace(allgather=lambda x: [x, 1.1 * x])
+    comm.mpi = types.SimpleNamespace(allgather=lambda x: [x, 1.1 * x], allreduce=lambda x, op=None: x)
     return comm
 
 
@@ -78,7 +77,7 @@ def test_auto_converges_to_the_best_split_and_then_samples(fake_launch, auto):  
     comm = _comm()
     counts = [_rs_call(comm, fake_launch, path="fused") for _ in range(12)]
     key = next(iter(comm._autosplit))
-    search = split.memory().search(key)
+    search = autosplit.memory(comm).search(key)
     assert search.converged, (counts, search.phase)
     times = {n: _curve(n) for n in range(1, 65)}
     assert _curve(search.best) <= 1.03 * min(times.values()), (search.best, counts)
@@ -127,3 +126,27 @@ def test_comm_bytes_per_op():
     assert autosplit.comm_bytes("allgather_gemm", 8192, 4096, 1024, 4, 2) == 3 * 2048 * 1024 * 2
     # between nodes: the network's share only, one block per other node (4 ranks as 2 nodes x 2)
     assert autosplit.comm_bytes("gemm_allreduce", 8192, 4096, 1024, 4, 2, nodes=2) == 2 * 2048 * 4096 * 2
+
+
+def test_two_communicators_keep_their_own_searches(fake_launch, auto):  # noqa: F811
+    """A rank in two communicators of the same shape (a tensor- and a sequence-parallel group):
+    each feeds its own search, so the partners of each stay in step (their collectives match)."""
+    tp_comm, sp_comm = _comm(), _comm()
+    sp_comm.mpi = types.SimpleNamespace(allgather=lambda x: [x, 3.0 * x], allreduce=lambda x, op=None: x)
+    for _ in range(6):
+        _rs_call(tp_comm, fake_launch, path="fused")
+        _rs_call(sp_comm, fake_launch, path="fused")
+    key = next(iter(tp_comm._autosplit))
+    assert autosplit.memory(tp_comm) is not autosplit.memory(sp_comm)
+    tp_obs = autosplit.memory(tp_comm).search(key).s.observations
+    sp_obs = autosplit.memory(sp_comm).search(key).s.observations
+    assert tp_obs == sp_obs == 5  # each its own five observations, none of the other's
+
+
+def test_the_bound_is_agreed_when_a_key_is_first_seen(fake_launch, auto):  # noqa: F811
+    """Ranks on different GPUs (other SM counts) search within the same bound: the minimum."""
+    comm = _comm()
+    seen = []
+    comm.mpi.allreduce = lambda x, op=None: (seen.append(x), min(x, 6))[1]  # the other rank allows 6
+    counts = [_rs_call(comm, fake_launch, path="fused") for _ in range(10)]
+    assert seen == [64] and max(counts) <= 6
