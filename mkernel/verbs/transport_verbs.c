@@ -456,10 +456,16 @@ static int send_record(mk_proxy* p, vstate* v, int peer, vrec rec) {
   return post(p, v, peer, IBV_WR_SEND, &rec, 0, sizeof rec, 0, 0, 0);
 }
 
+/* A command for a rank this proxy has no queue pair to (one of its own node's): an error, not a post. */
+static int not_connected(mk_proxy* p, const struct MkCmd* c) {
+  mk_fail(p, MKP_ERR_LOCAL, c->peer, c->type, "verbs: rank %d is not connected", c->peer);
+  return -1;
+}
+
 static int verbs_write(mk_proxy* p, const struct MkCmd* c) {
   vstate* v = p->tstate;
   vpeer* vp = &v->peers[c->peer];
-  if (!vp->connected) { mk_fail(p, MKP_ERR_LOCAL, c->peer, c->type, "verbs: rank %d is not connected", c->peer); return -1; }
+  if (!vp->connected) return not_connected(p, c);
   uint32_t chunks = (c->bytes + MK_VERBS_CHUNK - 1) / MK_VERBS_CHUNK;
   if (chunks + 1 > sq_room(v, c->peer)) return MK_AGAIN; /* at most 257 WRs: a u32 of bytes in 16 MiB chunks */
   uint64_t src_off = MK_CMD_OFFSET(c->src_off_hi, c->src_off_lo), dst_off = MK_CMD_OFFSET(c->dst_off_hi, c->dst_off_lo);
@@ -488,6 +494,7 @@ static int verbs_write(mk_proxy* p, const struct MkCmd* c) {
 static int verbs_signal(mk_proxy* p, const struct MkCmd* c) {
   vstate* v = p->tstate;
   vpeer* vp = &v->peers[c->peer];
+  if (!vp->connected) return not_connected(p, c);
   if (!sq_room(v, c->peer)) return MK_AGAIN;
   vp->commands_sent++;
   p->peers[c->peer].signals++;
@@ -498,6 +505,7 @@ static int verbs_signal(mk_proxy* p, const struct MkCmd* c) {
 static int verbs_flush(mk_proxy* p, const struct MkCmd* c) {
   vstate* v = p->tstate;
   vpeer* vp = &v->peers[c->peer];
+  if (!vp->connected) return not_connected(p, c);
   if (!sq_room(v, c->peer) || vp->flush_head - vp->flush_tail == 256) return MK_AGAIN;
   uint32_t id = ++vp->next_flush_id;
   vp->flushes[vp->flush_head++ % 256] = (vflush_wait){id, c->flag_id, c->flag_value, c->flag_op, mk_now_ns()};
