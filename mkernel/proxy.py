@@ -364,27 +364,33 @@ class Proxy:
         tag = self._secret().hex()[:16]  # unguessable names; creation is exclusive and owner-only
         name = lambda src, dst: f"/mkernel-{tag}-{src}-{dst}".encode()
         why = ffi.new("char[]", 256)
-        created, error = [], None
-        for q in self.peers:
-            addr = lib.mk_host_segment_create(name(self.rank, q), why, 256)
-            if not addr:
-                error = ffi.string(why).decode()
-                break
-            created.append((q, addr))
-        _agree(self.comm, error)
-        opened = []
-        for q in self.peers:
-            addr = lib.mk_host_segment_open(name(q, self.rank), why, 256)
-            if not addr:
-                error = ffi.string(why).decode()
-                break
-            opened.append((q, addr))
-        _agree(self.comm, error)
-        for q, _ in created:  # mapped by both sides now: nothing is left to find in /dev/shm
-            lib.mk_host_segment_unlink(name(self.rank, q))
-        for (q, send), (_, recv) in zip(created, opened):
-            if lib.mk_host_add_peer(self._p, q, send, recv):
-                raise ArgumentError(f"could not hand the host segments of rank {q} to the proxy")
+        created, opened, handed, error = [], [], 0, None
+        try:
+            for q in self.peers:
+                addr = lib.mk_host_segment_create(name(self.rank, q), why, 256)
+                if not addr:
+                    error = ffi.string(why).decode()
+                    break
+                created.append((q, addr))
+            _agree(self.comm, error)
+            for q in self.peers:
+                addr = lib.mk_host_segment_open(name(q, self.rank), why, 256)
+                if not addr:
+                    error = ffi.string(why).decode()
+                    break
+                opened.append((q, addr))
+            _agree(self.comm, error)
+            for (q, send), (_, recv) in zip(created, opened):
+                if lib.mk_host_add_peer(self._p, q, send, recv):
+                    raise ArgumentError(f"could not hand the host segments of rank {q} to the proxy")
+                handed += 1  # the proxy unmaps these
+        except BaseException:
+            for _, addr in created[handed:] + opened[handed:]:  # a set-up that failed part-way
+                lib.mk_host_segment_unmap(addr)
+            raise
+        finally:  # mapped by both sides now, or given up: nothing is left to find in /dev/shm
+            for q, _ in created:
+                lib.mk_host_segment_unlink(name(self.rank, q))
         if lib.mk_host_set_run(self._p, self.host_run_chunks):
             raise ArgumentError(f"could not set the host transport's run of {self.host_run_chunks} chunks")
 

@@ -60,6 +60,7 @@ unsigned long long mk_host_segment_bytes(void);
 unsigned long long mk_host_segment_create(const char* name, char* why, int why_cap);
 unsigned long long mk_host_segment_open(const char* name, char* why, int why_cap);
 int mk_host_segment_unlink(const char* name);
+int mk_host_segment_unmap(unsigned long long segment); /* one that no proxy took (mk_host_add_peer) */
 int mk_host_add_peer(mk_proxy* p, int peer, unsigned long long send_segment, unsigned long long recv_segment);
 int mk_host_set_run(mk_proxy* p, int chunks); /* chunks per copy, 1..16, before start */
 

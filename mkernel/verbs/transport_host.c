@@ -151,6 +151,11 @@ unsigned long long mk_host_segment_open(const char* name, char* why, int why_cap
 
 int mk_host_segment_unlink(const char* name) { return shm_unlink(name); }
 
+/* A segment mapped by create or open that never reached a proxy (a set-up that failed part-way). */
+int mk_host_segment_unmap(unsigned long long segment) {
+  return segment ? munmap((void*)(uintptr_t)segment, mk_host_segment_bytes()) : 0;
+}
+
 static host_state* host(mk_proxy* p) {
   if (!p->tstate) {
     host_state* h = calloc(1, sizeof *h);
