@@ -4,6 +4,8 @@
 #   source .whl/prepare.sh || exit 1; bash tools/device_session.sh [steps...]
 # Steps (default: info suite main sanitizer gemm transport); finer ones: runtime runtime2 queue queue2
 # mpi2 gemmtest tp attention ring ringbench tpbench tpnodes moebench controller controllernodes (the last six want 2 GPUs)
+# ringbranch: tests/test_ring_attention.py of branch ring-mixed-nodes, checked out (git worktree add
+# scratch/ring ring-mixed-nodes) and carried as scratch
 # A kernel cache built on a CPU machine (python -m mkernel precompile) is used when carried as .kcache.
 # The copy on the device has no .git: pass BENCH_COMMIT=$(git rev-parse --short HEAD) in the command
 # so that results JSON name the commit that ran.
@@ -47,6 +49,8 @@ for s in $steps; do
     tpbench) step tpbench 400 $MPI2 python3 bench/tp.py ;;
     tpnodes) step tpnodes 300 $MPI2 python3 bench/tp.py --nodes 2 ;;
     moebench) step moebench 300 $MPI2 python3 bench/moe.py ;;
+    ringbranch) step ringbranch 400 bash -c "cd scratch/ring && python3 setup.py build_ext --inplace >/dev/null && \
+      PYTHONPATH=\$PWD $PYT -m gpu tests/test_ring_attention.py && PYTHONPATH=\$PWD $MPI2 $PYT -m 'gpu and mpi' tests/test_ring_attention.py" ;;
     controller) step controller 500 $MPI2 python3 bench/controller.py ;;
     controllernodes) step controllernodes 500 $MPI2 python3 bench/controller.py --nodes 2 ;;
     *) summary+=("unknown step $s") ;;
