@@ -292,6 +292,49 @@ def test_allgather_gemm_against_float64(comm, kind):
     _collective(comm, body)
 
 
+@pytest.mark.parametrize("op", ["rs", "ar", "ag"])
+def test_auto_split_searches_holds_and_stays_exact(comm, op):
+    """comm_sms='auto': 14 calls of one shape, each launched with the count its split search asks
+    for (they change while it searches); every output exact per tile; afterwards the search holds
+    at one of the counts it ran and has tried more than one."""
+    from mkernel import autosplit
+
+    W, kind = comm.size, "bf16"
+    dt = DTYPES[kind]
+    mb, K, N = 512, 256, 1024  # 4 x 4 tiles per block: room for several counts
+    if op == "ag":
+        shards = [_rank_inputs(31, r, (mb, K), (K, N), dt, True) for r in range(W)]
+        a, b = shards[comm.rank]
+        ref, row0 = np.vstack([s[0] for s in shards]) @ b, 0
+        call = lambda: allgather_gemm(_dev(a.astype(dt)), _dev(b.astype(dt)), comm=comm,  # noqa: E731
+                                      out=_poisoned((W * mb, N), kind), path="fused", comm_sms="auto")
+    else:
+        M = mb * W
+        (a, b), total, _, _, _ = _reduce_problem(comm, 32, M, K, N, kind, True)
+        fn = gemm_reduce_scatter if op == "rs" else gemm_allreduce
+        ref, row0 = (_rows(total, comm, M), comm.rank * mb) if op == "rs" else (total, 0)
+        call = lambda: fn(_dev(a.astype(dt)), _dev(b.astype(dt)), comm=comm,  # noqa: E731
+                          out=_poisoned((mb, N) if op == "rs" else (M, N), kind), path="fused", comm_sms="auto")
+    name = {"rs": "gemm_reduce_scatter", "ar": "gemm_allreduce", "ag": "allgather_gemm"}[op]
+
+    def body():
+        msgs = []
+        for i in range(14):
+            got = call()
+            _sync(f"auto {op} call {i}")
+            comm.check()
+            ok, msg = _check_exact(_host(got), ref, dt, f"auto call {i}", row0)
+            if not ok:
+                msgs.append(msg)
+        key = next(k for k in comm._autosplit if k[0] == name)
+        search = autosplit.memory(comm).search(key)
+        if not search.converged or len(search.points()) < 2 or search.best not in search.points():
+            msgs.append(f"search: phase {search.phase}, points {search.points()}, best {search.best}")
+        return not msgs, "; ".join(msgs)
+
+    _collective(comm, body)
+
+
 def test_back_to_back_launches_alternating_ops_and_shapes(comm):
     """48 launches queued without synchronisation (the 1000-launch version is marked slow)."""
     _back_to_back(comm, 48)
