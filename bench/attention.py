@@ -133,11 +133,7 @@ def main():
     ap.add_argument("--no-gqa", action="store_true", help="leave out the grouped-query rows")
     opts = ap.parse_args()
 
-    from mkernel import gpu
-
-    if gpu.device_count() == 0:
-        print(f"bench/attention.py needs a GPU: {gpu.describe_missing()}", flush=True)
-        sys.exit(2)
+    harness.require_gpu("bench/attention.py")
     import cupy
 
     ma = importlib.import_module("mkernel.attention")  # the module (mkernel.attention is also the function)

@@ -72,7 +72,7 @@ def bench_shape(op, comm, M, N, K, dt):
     for _ in range(SEARCH_CALLS):
         call("auto")
     harness.wait(f"{op} search")
-    key = next(k for k in comm._autosplit if k[0] == op and k[1] == split.shape_bucket(M, N, K))
+    key = comm._autosplit[(op, M, N, K)].key
     search = autosplit.memory(comm).search(key)
     sms = tp.sm_count()
     statics = [n for n in GRID if n < sms]

@@ -19,6 +19,17 @@ WARMUP = 5
 PEAK_TFLOPS = 989.4  # H100/H200 SXM dense bf16/fp16 tensor core peak
 
 
+def require_gpu(script):
+    """Ends the process with status 2 and one line naming ``script`` when no GPU is usable."""
+    import sys
+
+    from mkernel import gpu
+
+    if gpu.device_count() == 0:
+        print(f"{script} needs a GPU: {gpu.describe_missing()}", flush=True)
+        sys.exit(2)
+
+
 def wait(what, timeout_s=60.0):
     """The current stream's work finished, or the process ended naming ``what`` (a hung kernel)."""
     from mkernel.testing import sync_or_exit

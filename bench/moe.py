@@ -591,11 +591,7 @@ def main():
     ap.add_argument("--out", default=None, help="results directory (default bench/results)")
     args = ap.parse_args()
 
-    from mkernel import gpu
-
-    if gpu.device_count() == 0:
-        print(f"bench/moe.py needs a GPU: {gpu.describe_missing()}", flush=True)
-        sys.exit(2)
+    harness.require_gpu("bench/moe.py")
 
     import cupy
     import ml_dtypes

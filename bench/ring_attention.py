@@ -380,11 +380,9 @@ def main():
     import cupy
     import ml_dtypes
     import mkernel
-    from mkernel import gpu, tp
+    from mkernel import tp
 
-    if gpu.device_count() == 0:
-        print(f"bench/ring_attention.py needs a GPU: {gpu.describe_missing()}", flush=True)
-        sys.exit(2)
+    harness.require_gpu("bench/ring_attention.py")
     t_start = time.time()
     comm = mkernel.init(workspace_bytes=int(args.workspace_gb * (1 << 30)))
     # The benchmark's own collectives (barriers, reductions, status) on a duplicate, so that they can

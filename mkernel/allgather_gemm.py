@@ -71,7 +71,7 @@ def allgather_gemm(a, b, *, comm, out=None, stream=None, return_gathered=False, 
     L, nodes = comm.local_size, comm.num_nodes
     if nodes > 1:  # arrival counters of the chunks that come through the proxy
         tp.plan_between_nodes(comm, plan, args, tiles_mb)
-    if chosen == "unfused" and tp.quiesced_first_use(comm, plan, ("matmul", N, layout, b_arr.strides, out.strides), stream):
+    if chosen == "unfused" and tp.quiesced_first_use(comm, plan, ("matmul", N, layout, b_arr.strides, out.strides)):
         with tp.on_stream(stream):  # cuBLAS loads its kernel for this shape now, not behind the gather
             tp.matmul(plan["ga"], b_arr, layout, out=out)
     ldo_bytes = tp._row_stride(out)
@@ -80,7 +80,7 @@ def allgather_gemm(a, b, *, comm, out=None, stream=None, return_gathered=False, 
     args.out = out.data.ptr
     args.ldo = ldo_bytes // esize
     n, token = tp.resolve_comm_sms(OP, comm, comm_sms, chosen, M=M, N=N, K=K, esize=esize,
-                                   comm_items=(L + nodes - 1) * tiles_mb, stream=stream)
+                                   comm_items=(L + nodes - 1) * tiles_mb)
     gemm_ctas, comm_ctas = tp.grid_split(OP, n, W * tiles_blk, (L + nodes - 1) * tiles_mb, tp.sm_count())
     if chosen == "unfused":  # the kernel only gathers; the GEMM follows it
         gemm_ctas = 0

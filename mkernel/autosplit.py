@@ -63,8 +63,10 @@ def _link_gbps(comm) -> float:
 
 
 class _KeyState:
-    def __init__(self, hi):
-        self.hi = hi  # the search's upper bound, the same on every rank
+    """One (op, M, N, K) of a communicator: its split key, the agreed bound, the model's prior."""
+
+    def __init__(self, key, hi, prior):
+        self.key, self.hi, self.prior = key, hi, prior  # hi: the same on every rank
         self.pending = None  # (count, start event, end event) of the last timed call
         self.calls = 0
 
@@ -105,27 +107,27 @@ def memory(comm) -> split.SplitMemory:
     return comm._split_memory
 
 
-def choose(comm, op: str, *, M: int, N: int, K: int, esize: int, comm_items: int, sms: int, stream):
+def choose(comm, op: str, *, M: int, N: int, K: int, esize: int, comm_items: int, sms: int):
     """(comm CTAs for this call, a token for :func:`timed`). Collective while the key's search runs
     (an allgather of the previous call's time): every rank calls the ops in the same order."""
-    key = split.split_key(op, (M, N, K), comm.size, f"{comm.num_nodes}x{comm.local_size}", _transport(comm))
     mem = memory(comm)
-    st = _states(comm).get(key)
-    if st is None:  # first call on the key (on every rank alike): agree its bound
+    st = _states(comm).get((op, M, N, K))
+    if st is None:  # first call on the shape (on every rank alike): its key, agreed bound, prior
         from mpi4py import MPI
-        st = _states(comm)[key] = _KeyState(comm.mpi.allreduce(max(1, min(MAX_COMM_CTAS, comm_items, sms - 1)),
-                                                                op=MPI.MIN))
-    hi = st.hi
+        key = split.split_key(op, (M, N, K), comm.size, f"{comm.num_nodes}x{comm.local_size}", _transport(comm))
+        hi = comm.mpi.allreduce(max(1, min(MAX_COMM_CTAS, comm_items, sms - 1)), op=MPI.MIN)
+        prior = split.prior(comm_bytes=comm_bytes(op, M, N, K, comm.size, esize, comm.num_nodes), cta_gbps=CTA_GBPS,
+                            link_gbps=_link_gbps(comm), gemm_ms=2.0 * M * N * K / (GEMM_TFLOPS * 1e12) * 1e3,
+                            total=sms, lo=1, hi=hi)
+        st = _states(comm)[(op, M, N, K)] = _KeyState(key, hi, prior)
+    key = st.key
     if st.pending is not None:  # timed on every rank alike (the rule below depends on shared state only)
         n_prev, events = st.pending
         ms = max(comm.mpi.allgather(events.elapsed_ms()))
         nxt = mem.observe(key, n_prev, ms)
         log.debug("%s %s: %d comm CTAs took %.3f ms (max over ranks); next %d", op, key[1], n_prev, ms, nxt)
     st.pending = None
-    gemm_ms = 2.0 * M * N * K / (GEMM_TFLOPS * 1e12) * 1e3
-    guess = split.prior(comm_bytes=comm_bytes(op, M, N, K, comm.size, esize, comm.num_nodes), cta_gbps=CTA_GBPS,
-                        link_gbps=_link_gbps(comm), gemm_ms=gemm_ms, total=sms, lo=1, hi=hi)
-    n = mem.choose(key, guess, lo=1, hi=hi)
+    n = mem.choose(key, st.prior, lo=1, hi=st.hi)
     st.calls += 1
     timed_now = not mem.search(key).converged or st.calls % HOLD_SAMPLE == 0
     return n, (st, n, timed_now)

@@ -117,15 +117,14 @@ def gemm_reduce(op, spec, kernel, allreduce, a, b, *, comm, out, stream, b_layou
     args.out = out.data.ptr
     args.ldo = tp._row_stride(out) // esize
     if chosen == "unfused":  # the GEMM first; the kernel's GEMM CTAs then only move its tiles
-        tp.quiesced_first_use(comm, plan, ("matmul", K, layout, a.strides, b_arr.strides), stream)  # cuBLAS may load a kernel
+        tp.quiesced_first_use(comm, plan, ("matmul", K, layout, a.strides, b_arr.strides))  # cuBLAS may load a kernel
         with tp.on_stream(stream):
             partial = tp.matmul(a, b_arr, layout)
         args.partial, args.ldp = partial.data.ptr, tp._row_stride(partial) // esize
     # Items of the communication CTAs: the node's reductions of this rank's blocks; AR also the
     # copies of the other local ranks' reduced blocks and the forwards of other nodes' ones.
     comm_items = (W + nodes - 1 if allreduce else nodes) * tiles_blk
-    n, token = tp.resolve_comm_sms(op, comm, comm_sms, chosen, M=M, N=N, K=K, esize=esize, comm_items=comm_items,
-                                   stream=stream)
+    n, token = tp.resolve_comm_sms(op, comm, comm_sms, chosen, M=M, N=N, K=K, esize=esize, comm_items=comm_items)
     gemm_ctas, comm_ctas = tp.grid_split(op, n, W * tiles_blk, comm_items, tp.sm_count())
     args.gemm_ctas = gemm_ctas
     args.join = int(join)

@@ -200,7 +200,7 @@ def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, return_ls
     if remote:
         stage = plan["stage"]
         # a CuPy copy: its first use loads a module, which must not happen behind a launch of ours
-        _tp.quiesced_first_use(comm, plan, ("stage copy", k4.dtype.str, k4.strides, v4.strides), stream)
+        _tp.quiesced_first_use(comm, plan, ("stage copy", k4.dtype.str, k4.strides, v4.strides))
         with _tp.on_stream(stream):  # the block of step 0 must lie in a registered region
             stage[0][...] = k4
             stage[1][...] = v4

@@ -320,7 +320,7 @@ def check_comm_sms(op, comm_sms):
     return comm_sms
 
 
-def resolve_comm_sms(op, comm, comm_sms, chosen, *, M, N, K, esize, comm_items, stream):
+def resolve_comm_sms(op, comm, comm_sms, chosen, *, M, N, K, esize, comm_items):
     """(comm CTAs of this launch, the token for ``autosplit.timed``): an integer as given; "auto"
     asks the key's split search on the fused path (the unfused baseline runs the default)."""
     if comm_sms != "auto":
@@ -328,8 +328,7 @@ def resolve_comm_sms(op, comm, comm_sms, chosen, *, M, N, K, esize, comm_items, 
     if chosen != "fused":
         return DEFAULT_COMM_SMS[op], None
     from . import autosplit
-    return autosplit.choose(comm, op, M=M, N=N, K=K, esize=esize, comm_items=comm_items, sms=sm_count(),
-                            stream=stream)
+    return autosplit.choose(comm, op, M=M, N=N, K=K, esize=esize, comm_items=comm_items, sms=sm_count())
 
 
 def fill_common(args, comm, op, *, a_ptr, a_rows, a_row_bytes, dtype, b_arr, layout, K, N, mb, counters):
@@ -364,13 +363,12 @@ def sm_count():
     return _n()
 
 
-def quiesced_first_use(comm, plan, key, stream):
+def quiesced_first_use(comm, plan, key):
     """Between nodes, True the first time ``key`` is seen for ``plan``, after synchronising the
     device (ops of ours may run on other streams): the caller then runs host-launched work whose
-    first use loads a CUDA module
-    (cuBLAS picks a new kernel, CuPy a new elementwise kernel). A module load waits for the
-    device to go idle and meanwhile blocks every CUDA call of the process, the proxy thread's
-    copies included; a kernel in flight that waits on the proxy then never finishes (measured on
+    first use loads a CUDA module (cuBLAS picks a new kernel, CuPy a new elementwise kernel). A
+    module load waits for the device to go idle and meanwhile blocks every CUDA call of the
+    process, the proxy thread's copies included; a kernel in flight that waits on the proxy then never finishes (measured on
     the H200: allgather_gemm between nodes stalled in most fresh processes). So nothing of ours
     may be in flight when such work first runs."""
     if comm.num_nodes == 1 or key in plan.setdefault("loaded", set()):

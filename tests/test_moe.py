@@ -80,7 +80,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from argument_errors import argument_errors
+from argument_errors import argument_errors, refused_before_launch
 from gpu_arrays import (  # the shared device-array helpers (tests/gpu_arrays.py)
     dev as _dev, host as _host, bits as _bits, poisoned as _poisoned, poison as _poison, BF16, DTYPES, NAN_BITS)
 
@@ -931,21 +931,9 @@ def _valid_call(comm, moe, tag):
 
 
 def _expect_argument_errors(comm, cases, tag):
-    """(ok, message): every callable raises ArgumentError, nothing is launched (the epoch does not
-    move), and a valid call afterwards is right."""
-    moe = mmoe
-    _sync("before the argument errors")
-    e0 = comm.sync.epoch()
-    missed, wrong = argument_errors(cases)
-    _sync("argument errors")
-    e1 = comm.sync.epoch()
-    comm.check()
-    valid_ok, valid_msg = _valid_call(comm, moe, tag)
-    msg = (f"no ArgumentError: {missed}; other exceptions: {wrong}" if missed or wrong else
-           f"all {len(cases)} raised ArgumentError") + f"; valid call after: {valid_msg}"
-    if e1 != e0:
-        msg += f"; LAUNCHED (epoch {e0} -> {e1})"
-    return not missed and not wrong and valid_ok and e1 == e0, msg
+    """(ok, message): every callable raises ArgumentError, nothing is launched, and a valid call
+    afterwards is right."""
+    return refused_before_launch(comm, cases, lambda: _valid_call(comm, mmoe, tag), HANG_S)
 
 
 def _base(comm):

@@ -53,7 +53,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from argument_errors import argument_errors
+from argument_errors import refused_before_launch
 from gpu_arrays import (  # the shared device-array and attention helpers (tests/gpu_arrays.py)
     dev as _dev, bits as _bits, poisoned as _poisoned, poison as _poison, random_qkv as _random_qkv,
     attention_reference as _attention_reference, host_result as _host_result, compare_attention as _compare,
@@ -461,26 +461,20 @@ def test_comm_sms_and_stream(comm):
 
 # ============================================================================ argument errors
 def _expect_argument_errors(comm, cases):
-    """(ok, message): every callable in cases raises ArgumentError, nothing is launched (the epoch
-    does not move), and a valid call afterwards is right."""
-    ring = _ring()
-    e0 = comm.sync.epoch()
-    missed, wrong = argument_errors(cases)
-    _sync("argument errors")
-    e1 = comm.sync.epoch()
+    """(ok, message): every callable in cases raises ArgumentError, nothing is launched, and a
+    valid call afterwards is right."""
+    return refused_before_launch(comm, cases, lambda: _valid_ring_call(comm), HANG_S)
+
+
+def _valid_ring_call(comm):
     W = comm.size
     host = _global_inputs(61, BF16, 1, 256 * W, 4, 2, 128)
     dq, dk, dv = _shard(comm, True, *host)
     out = _poisoned(dq.shape, "bf16")
-    ring(dq, dk, dv, comm=comm, causal=True, out=out)
+    _ring()(dq, dk, dv, comm=comm, causal=True, out=out)
     _sync("valid call after the errors")
     comm.check()
-    valid_ok, valid_msg = _check_local(comm, out, *host, True)
-    msg = (f"no ArgumentError: {missed}; other exceptions: {wrong}" if missed or wrong else
-           f"all {len(cases)} raised ArgumentError") + f"; valid call after: {valid_msg}"
-    if e1 != e0:
-        msg += f"; LAUNCHED (epoch {e0} -> {e1})"
-    return not missed and not wrong and valid_ok and e1 == e0, msg
+    return _check_local(comm, out, *host, True)
 
 
 def _local_error_cases(comm):

@@ -326,7 +326,7 @@ def test_auto_split_searches_holds_and_stays_exact(comm, op):
             ok, msg = _check_exact(_host(got), ref, dt, f"auto call {i}", row0)
             if not ok:
                 msgs.append(msg)
-        key = next(k for k in comm._autosplit if k[0] == name)
+        key = next(st.key for (o, *_), st in comm._autosplit.items() if o == name)
         search = autosplit.memory(comm).search(key)
         if not search.converged or len(search.points()) < 2 or search.best not in search.points():
             msgs.append(f"search: phase {search.phase}, points {search.points()}, best {search.best}")
