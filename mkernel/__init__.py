@@ -21,7 +21,8 @@ from .allgather_gemm import allgather_gemm
 from .attention import attention
 from .ring_attention import ring_attention
 from .sequence import shard_sequence, unshard_sequence
-from .moe import MoeHandle, moe_capacity, moe_combine, moe_dispatch, moe_dispatch_gemm, moe_gemm_combine
+from .moe import MoeHandle, moe_capacity, moe_combine, moe_dispatch
+from .moe_gemm import moe_dispatch_gemm, moe_gemm_combine
 from . import split  # noqa: F401  (the SM-split policy; registers its compile-check kernel)
 
 __all__ = [

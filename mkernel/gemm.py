@@ -260,11 +260,31 @@ def _u32_array(cupy, x, n, what):
     return x.data.ptr
 
 
-def _c_map(out, out_code):
+def c_map(out, out_code):
+    """The output's TMA store map (box 128 bytes of columns x 16 rows, 128B swizzle)."""
     esize = 4 if out_code == OUT_F32 else 2
     dt = {OUT_BF16: _tma.DTYPE_BFLOAT16, OUT_F16: _tma.DTYPE_FLOAT16, OUT_F32: _tma.DTYPE_FLOAT32}[out_code]
     M, N = out.shape
     return _tma.encode_tiled(dt, out.data.ptr, (N, M), (_row_stride(out),), (128 // esize, 16))
+
+
+def b_map(b_arr, layout, K, N, G, step=1):
+    """B's 3-D tensor map (G matrices; a 2-D B is G = 1): [N, K] rows (layout B_NK, box 64 x BN / step
+    rows: a cluster's CTAs load BN / step each) or [K, N] rows (B_KN, boxes of 64 columns)."""
+    tdt = _tma.DTYPE_BFLOAT16 if _dtype_name(b_arr) == "bfloat16" else _tma.DTYPE_FLOAT16
+    ldb = _row_stride(b_arr) if b_arr.ndim == 2 else b_arr.strides[1]
+    gstride = max(16, ldb * b_arr.shape[0]) if b_arr.ndim == 2 else b_arr.strides[0]
+    if layout == B_NK:  # rows of B are N, contiguous along K
+        return _tma.encode_tiled(tdt, b_arr.data.ptr, (K, N, G), (ldb, gstride), (BK, BN // step, 1))
+    return _tma.encode_tiled(tdt, b_arr.data.ptr, (N, K, G), (ldb, gstride), (64, BK, 1))  # rows are K
+
+
+def check_grouped_b(b_arr, what="b"):
+    """The strides a grouped B ([G, N, K] or [G, K, N], rows contiguous) needs for its tensor map."""
+    if b_arr.strides[2] != b_arr.itemsize or b_arr.strides[1] % 16 or b_arr.strides[0] % 16:
+        raise ArgumentError(f"{what} must have contiguous rows and 16-byte multiple strides; got {b_arr.strides}")
+    if b_arr.data.ptr % 16:
+        raise ArgumentError(f"{what} must start at a 16-byte aligned address")
 
 
 # ------------------------------------------------------------------------------------ launch
@@ -283,18 +303,8 @@ def _launch(cupy, *, a, b_arr, layout, N, K, M, G, out, out_code, group_rows, ep
     tdt = _tma.DTYPE_BFLOAT16 if dt_name == "bfloat16" else _tma.DTYPE_FLOAT16
     args = MkGemmArgs()
     args.a = _tma.encode_tiled(tdt, a.data.ptr, (K, M), (_row_stride(a),), (BK, BM))
-    ldb = _row_stride(b_arr) if b_arr.ndim == 2 else b_arr.strides[1]
-    if b_arr.ndim == 2:
-        rows_b = b_arr.shape[0]
-        gstride = max(16, ldb * rows_b)
-    else:
-        rows_b = b_arr.shape[1]
-        gstride = b_arr.strides[0]
-    if layout == B_NK:  # rows of B are N, contiguous along K; clustered: each CTA loads BN / CLUSTER rows
-        args.b = _tma.encode_tiled(tdt, b_arr.data.ptr, (K, N, G), (ldb, gstride), (BK, BN // step, 1))
-    else:  # rows of B are K, contiguous along N
-        args.b = _tma.encode_tiled(tdt, b_arr.data.ptr, (N, K, G), (ldb, gstride), (64, BK, 1))
-    args.c = _c_map(out, out_code)
+    args.b = b_map(b_arr, layout, K, N, G, step)
+    args.c = c_map(out, out_code)
     ws = workspace(stream)
     args.sync = ws.sync()
     tiles_n = -(-N // BN)
@@ -465,10 +475,7 @@ def grouped_gemm(a, b, group_rows, *, out=None, stream=None, b_layout=None, out_
     else:
         raise ArgumentError(f"b_layout must be None, 'kn' or 'nk'; got {b_layout!r}")
     _check_inputs(a, None, K, N)
-    if b_arr.strides[2] != b_arr.itemsize or b_arr.strides[1] % 16 or b_arr.strides[0] % 16:
-        raise ArgumentError(f"b must have contiguous rows and 16-byte multiple strides; got {b_arr.strides}")
-    if b_arr.data.ptr % 16:
-        raise ArgumentError("b must start at a 16-byte aligned address")
+    check_grouped_b(b_arr)
     out, out_code = _prepare_out(cupy, out, (M, N), a, out_dtype)
     if M == 0 or N == 0:
         return out

@@ -26,7 +26,7 @@ MAX_EXPERTS = 512      # MOE_MAX_EXPERTS
 MAX_TOPK = 8           # MOE_MAX_TOPK
 MAX_ROWS = 1 << 24     # meta words hold t * k + j in 24 bits
 THREADS = 512          # MOE_THREADS
-CNT_WORDS = 4          # MOE_CNT_WORDS
+CNT_WORDS = 8          # MOE_CNT_WORDS
 PAIRS_PER_CTA = 256    # dispatch: pairs each CTA routes (its grid: ceil(pairs / this), at most the SMs)
 ROWS_PER_CTA = 64      # combine: rows each CTA returns
 DT = {"bfloat16": 0, "float16": 1}
@@ -36,13 +36,14 @@ SPEC = _compile.register("moe", "moe.cu", ("mk_moe_dispatch_kernel", "mk_moe_com
 
 
 class MkMoeArgs(ctypes.Structure):
-    """Mirror of ``MkMoeArgs`` (mkernel/cuda/moe_args.cuh), 272 bytes."""
+    """Mirror of ``MkMoeArgs`` (mkernel/cuda/moe_args.cuh), 288 bytes."""
     _fields_ = [("sync", MkSync), ("peer_base", ctypes.c_void_p), ("counts_off", ctypes.c_uint64),
                 ("cflag_off", ctypes.c_uint64), ("recv_off", ctypes.c_uint64), ("meta_off", ctypes.c_uint64),
                 ("rflag_off", ctypes.c_uint64), ("ret_off", ctypes.c_uint64), ("retflag_off", ctypes.c_uint64),
+                ("eflag_off", ctypes.c_uint64),
                 ("x", ctypes.c_void_p), ("topk_ids", ctypes.c_void_p), ("topk_w", ctypes.c_void_p),
-                ("out", ctypes.c_void_p), ("y", ctypes.c_void_p), ("pair_rank", ctypes.c_void_p),
-                ("hist", ctypes.c_void_p), ("group_rows", ctypes.c_void_p), ("received", ctypes.c_void_p),
+                ("out", ctypes.c_void_p), ("y", ctypes.c_void_p), ("send_order", ctypes.c_void_p),
+                ("esent", ctypes.c_void_p), ("hist", ctypes.c_void_p), ("group_rows", ctypes.c_void_p), ("received", ctypes.c_void_p),
                 ("counters", ctypes.c_void_p), ("ldx", ctypes.c_int64), ("ldo", ctypes.c_int64),
                 ("ldy", ctypes.c_int64), ("T", ctypes.c_int32), ("H", ctypes.c_int32), ("k", ctypes.c_int32),
                 ("E", ctypes.c_int32), ("e_local", ctypes.c_int32), ("world", ctypes.c_int32),
@@ -138,13 +139,13 @@ def _plan(op, comm, H, dtype, k, E, capacity):
     key = ("buffers", "moe", H, dtype.name, k, E, capacity)
     _tp.agree_call(op, comm, key + ("moe",), f"capacity {capacity} rows")
     sizes = [("counts", (W * (E + 2),), cupy.uint32), ("cflag", (W,), cupy.uint32), ("rflag", (W,), cupy.uint32),
-             ("retflag", (W,), cupy.uint32), ("meta", (capacity,), cupy.uint32),
+             ("retflag", (W,), cupy.uint32), ("eflag", (E,), cupy.uint32), ("meta", (capacity,), cupy.uint32),
              ("recv", (capacity, H), dtype), ("ret", (capacity, H), dtype)]
     plan = _tp.plan_buffers(op, comm, key, sizes, counter_words=CNT_WORDS)
     if "generation" not in plan:
         sms = _tp.sm_count()
         plan.update(generation=0, capacity=capacity, E=E, k=k, H=H, sms=sms,
-                    pair_rank=cupy.empty(capacity, dtype=cupy.int32),
+                    send_order=cupy.empty(capacity, dtype=cupy.int32), esent=cupy.zeros(E, dtype=cupy.uint32),
                     hist=cupy.empty(sms * E, dtype=cupy.uint32),
                     group_rows=cupy.zeros(E // W, dtype=cupy.int32), received=cupy.zeros(1, dtype=cupy.int32))
     return plan
@@ -156,8 +157,9 @@ def _args(comm, plan, op, T, k, E, H):
     a.peer_base = comm.peer_table.data.ptr
     for name in ("counts", "meta", "recv", "ret"):
         setattr(a, f"{name}_off", comm.offset_of(plan[name]))
-    a.cflag_off, a.rflag_off, a.retflag_off = (comm.offset_of(plan[n]) for n in ("cflag", "rflag", "retflag"))
-    a.pair_rank, a.hist = plan["pair_rank"].data.ptr, plan["hist"].data.ptr
+    a.cflag_off, a.rflag_off, a.retflag_off, a.eflag_off = (comm.offset_of(plan[n])
+                                                            for n in ("cflag", "rflag", "retflag", "eflag"))
+    a.send_order, a.esent, a.hist = plan["send_order"].data.ptr, plan["esent"].data.ptr, plan["hist"].data.ptr
     a.group_rows, a.received = plan["group_rows"].data.ptr, plan["received"].data.ptr
     a.counters = plan["counters"].data.ptr
     a.T, a.H, a.k, a.E = T, H, k, E
@@ -186,6 +188,26 @@ def moe_dispatch(x, topk_ids, topk_weights, *, comm, num_experts, capacity=None,
     op on the communicator, on every rank: nothing is dropped silently.
     """
     op = "moe_dispatch"
+    d = prepare_dispatch(op, x, topk_ids, topk_weights, comm, num_experts, capacity, stream)
+    out = _tp.prepare_out(op, out, (d.capacity, d.H), d.x.dtype, comm)
+    d.args.out = out.data.ptr
+    d.args.ldo = (out.strides[0] if d.capacity > 1 else d.H * out.itemsize) // out.itemsize
+    ctas = max(1, min(d.plan["sms"], -(-d.T * d.k // PAIRS_PER_CTA)))
+    _launch(comm, op, "mk_moe_dispatch_kernel", d.args, ctas, stream)
+    return out, d.handle
+
+
+class Dispatch:
+    """A dispatch ready to launch: the checked inputs, the plan, its argument struct, the handle."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def prepare_dispatch(op, x, topk_ids, topk_weights, comm, num_experts, capacity, stream) -> Dispatch:
+    """Checks the routing inputs and the capacity (agreed across ranks), plans the buffers, fills the
+    dispatch's arguments and hands out the handle of the launch that follows (the plan's next
+    generation: earlier handles of the plan go stale)."""
     _check_comm(op, comm)
     comm.check()
     x, ids, w, T, H, k = _check_routing(op, x, topk_ids, topk_weights, num_experts, comm.size, stream)
@@ -193,15 +215,12 @@ def moe_dispatch(x, topk_ids, topk_weights, *, comm, num_experts, capacity=None,
     if not isinstance(capacity, int) or not 1 <= capacity <= MAX_ROWS:
         raise ArgumentError(f"{op}: capacity must be 1..{MAX_ROWS} rows; got {capacity!r}")
     plan = _plan(op, comm, H, x.dtype, k, num_experts, capacity)
-    out = _tp.prepare_out(op, out, (capacity, H), x.dtype, comm)
     a = _args(comm, plan, op, T, k, num_experts, H)
-    a.x, a.ldx = x.data.ptr, x.strides[0] // x.itemsize
+    a.x, a.ldx = x.data.ptr, (x.strides[0] if T > 1 else H * x.itemsize) // x.itemsize
     a.topk_ids = ids.data.ptr
-    a.out, a.ldo = out.data.ptr, (out.strides[0] if capacity > 1 else H * x.itemsize) // x.itemsize
-    ctas = max(1, min(plan["sms"], -(-T * k // PAIRS_PER_CTA)))
     plan["generation"] += 1
-    _launch(comm, op, "mk_moe_dispatch_kernel", a, ctas, stream)
-    return out, MoeHandle(plan, plan["generation"], w, T, k, H, x.dtype)
+    return Dispatch(x=x, T=T, H=H, k=k, capacity=capacity, plan=plan, args=a,
+                    handle=MoeHandle(plan, plan["generation"], w, T, k, H, x.dtype))
 
 
 def moe_combine(y, handle, *, comm, out=None, stream=None):
@@ -227,70 +246,6 @@ def moe_combine(y, handle, *, comm, out=None, stream=None):
     ctas = max(1, min(plan["sms"], -(-handle.capacity // ROWS_PER_CTA), max(1, handle.T)))
     _launch(comm, op, f"mk_moe_combine_kernel<{DT[handle.dtype.name]}>", a, ctas, stream)
     return out
-
-
-def _expert_weights(op, w, E_local, K, dtype, w_layout):
-    """(array for grouped_gemm, b_layout, N) of expert weights [E_local, K, N] or [E_local, N, K]."""
-    if w.ndim != 3 or w.shape[0] != E_local or w.dtype != dtype:
-        raise ArgumentError(f"{op}: expert weights must be [{E_local}, ...] of {dtype}; got {w.dtype} {tuple(w.shape)}")
-    if w_layout is None:
-        w_layout = "kn" if w.shape[1] == K else "nk" if w.shape[2] == K else None
-    if w_layout == "kn" and w.shape[1] == K:
-        return w, "kn", w.shape[2]
-    if w_layout == "nk" and w.shape[2] == K:
-        return w, "nk", w.shape[1]
-    raise ArgumentError(f"{op}: expert weights {tuple(w.shape)} are neither [E, K={K}, N] nor [E, N, K={K}] "
-                        f"(w_layout={w_layout!r})")
-
-
-def moe_dispatch_gemm(x, topk_ids, topk_weights, w, *, comm, num_experts, capacity=None, out=None, stream=None,
-                      w_layout=None):
-    """Dispatch, then every local expert's GEMM on the rows it received: returns ``(y, handle)``,
-    y [capacity, F] = recv rows @ w[expert] (rows grouped as dispatch received them; rows past
-    handle.received() untouched). w: [E_local, H, F] (or [E_local, F, H]; w_layout 'kn' / 'nk' says
-    which when H == F). Runs moe_dispatch and grouped_gemm back to back on the stream (not fused yet)."""
-    from .arrays import as_cupy
-    from .gemm import grouped_gemm
-
-    op = "moe_dispatch_gemm"
-    _check_comm(op, comm)
-    xc, _, _, T, H, k = _check_routing(op, x, topk_ids, topk_weights, num_experts, comm.size, stream)
-    wb, layout, F = _expert_weights(op, as_cupy(w, "w", stream=stream), num_experts // comm.size, H, xc.dtype,
-                                    w_layout)
-    if F % 8:
-        raise ArgumentError(f"{op}: the experts' output width F = {F} must be a multiple of 8")
-    cap = moe_capacity(T, k, comm.size) if capacity is None else capacity
-    out = _tp.prepare_out(op, out, (cap, F), xc.dtype, comm)
-    recv, handle = moe_dispatch(x, topk_ids, topk_weights, comm=comm, num_experts=num_experts, capacity=capacity,
-                                stream=stream)
-    grouped_gemm(recv, wb, handle.group_rows, out=out, stream=stream, b_layout=layout)
-    return out, handle
-
-
-def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=None):
-    """Every local expert's second GEMM (y2 [capacity, F] @ w2[expert] [F, H], or w2 [E_local, H, F])
-    on its rows, then combine: out [T, H]. Runs grouped_gemm and moe_combine back to back (not fused
-    yet)."""
-    import cupy
-    from .arrays import as_cupy
-    from .gemm import grouped_gemm
-
-    op = "moe_gemm_combine"
-    _check_comm(op, comm)
-    if not isinstance(handle, MoeHandle):
-        raise ArgumentError(f"{op}: handle must be the MoeHandle of moe_dispatch; got {type(handle).__name__}")
-    handle._check()
-    y2 = as_cupy(y2, "y2", stream=stream)
-    if y2.ndim != 2 or y2.shape[0] != handle.capacity:
-        raise ArgumentError(f"{op}: y2 must be [capacity={handle.capacity}, F]; got {tuple(y2.shape)}")
-    wb, layout, H = _expert_weights(op, as_cupy(w2, "w2", stream=stream), handle.group_rows.size, y2.shape[1],
-                                    handle.dtype, w_layout)
-    if H != handle.H:
-        raise ArgumentError(f"{op}: w2 maps F={y2.shape[1]} to {H} columns, not the tokens' H={handle.H}")
-    with _tp.on_stream(stream):
-        z = cupy.empty((handle.capacity, H), dtype=handle.dtype)
-    grouped_gemm(y2, wb, handle.group_rows, out=z, stream=stream, b_layout=layout)
-    return moe_combine(z, handle, comm=comm, out=out, stream=stream)
 
 
 def sanitize_target():

@@ -152,7 +152,8 @@ def _problem(name, W, dtn, H, El, k, routing, T, cap="auto", values="int"):
     'repeat' (k experts with replacement: a token may pick one twice), 'sparse' (k distinct among
     experts e < El * max(1, W - 1) with e % 4 in (0, 3): some experts empty everywhere, and at
     W >= 2 the last rank receives nothing), 'rank0' (k distinct among rank 0's experts).
-    values: 'int' (x integers in [-64, 64], exact in bf16 / fp16; weights from WEIGHT_SET) or
+    values: 'int' (x integers in [-64, 64], exact in bf16 / fp16; weights from WEIGHT_SET), 'unit' (x in
+    {-1, 0, 1}: a GEMM with such weights is exact while |sums| <= 256, bf16's exact integers), or
     'normal' (x standard normal; weights a softmax over the k picks).
     cap: 'auto' (None: the default), 'max' (moe_capacity(max T, k, W)), 'tight' (exactly the most
     rows any rank receives or sends), 'slack' (37 rows more: rows past received at every world
@@ -179,6 +180,8 @@ def _problem(name, W, dtn, H, El, k, routing, T, cap="auto", values="int"):
         n = Ts[s]
         if values == "int":
             x = rng.integers(-64, 65, size=(n, H)).astype(np.float32).astype(dt)
+        elif values == "unit":
+            x = rng.integers(-1, 2, size=(n, H)).astype(np.float32).astype(dt)
         else:
             x = rng.standard_normal((n, H)).astype(np.float32).astype(dt)
         if routing == "repeat":
@@ -186,7 +189,7 @@ def _problem(name, W, dtn, H, El, k, routing, T, cap="auto", values="int"):
         else:  # Gumbel top-k: k distinct, weighted without replacement (uniform when logp is None)
             keys = rng.random((n, pool.size)) if logp is None else logp[None, :] + rng.gumbel(size=(n, pool.size))
             i = pool[np.argsort(-keys, axis=1, kind="stable")[:, :k]]
-        if values == "int":
+        if values in ("int", "unit"):
             w = rng.choice(WEIGHT_SET, size=(n, k)).astype(np.float32)
         else:
             lg = rng.standard_normal((n, k))
@@ -290,14 +293,31 @@ def _layer_reference(P, me):
 
 # ======================================================================================== CPU
 def test_args_layout_matches_host_compiler(tmp_path):
-    """MkMoeArgs (moe.py) against the C struct of moe_args.cuh, as g++ lays it out (272 bytes)."""
+    """MkMoeArgs (moe.py) against the C struct of moe_args.cuh, as g++ lays it out (288 bytes)."""
     import ctypes
 
     from c_layout import assert_same_layout
 
     m = mmoe
     assert_same_layout("moe_args.cuh", m.MkMoeArgs, tmp_path)
-    assert ctypes.sizeof(m.MkMoeArgs) == 272
+    assert ctypes.sizeof(m.MkMoeArgs) == 288
+
+
+def test_fused_args_layout_matches_host_compiler(tmp_path):
+    """MkMoeGemmArgs (moe_gemm.py) against moe_gemm_args.cuh. The C struct is alignas(64) through
+    TmaDesc, which ctypes cannot express: the mirror ends in an explicit tail (no C field) and alignof
+    is checked apart."""
+    import ctypes
+
+    from c_layout import c_offsets, py_offsets
+
+    mirror = importlib.import_module("mkernel.moe_gemm").MkMoeGemmArgs
+    fields = [name for name, *_ in mirror._fields_ if name != "tail"]
+    c = c_offsets("moe_gemm_args.cuh", "MkMoeGemmArgs", fields, tmp_path)
+    py = {k: v for k, v in py_offsets(mirror).items() if k not in ("alignof", "tail")}
+    assert c.pop("alignof") == 64
+    assert c == py, "MkMoeGemmArgs mirror differs from moe_gemm_args.cuh"
+    assert ctypes.sizeof(mirror) == 896
 
 
 def _c_constants(header, names, tmp_path):
@@ -353,8 +373,10 @@ def test_module_and_export():
     from mkernel import errors
 
     m = mmoe
+    mg = importlib.import_module("mkernel.moe_gemm")
     for name in ("moe_dispatch", "moe_combine", "moe_dispatch_gemm", "moe_gemm_combine", "moe_capacity", "MoeHandle"):
-        assert getattr(mkernel, name) is getattr(m, name), f"mkernel.{name} is not mkernel.moe.{name}"
+        mod = mg if name in ("moe_dispatch_gemm", "moe_gemm_combine") else m
+        assert getattr(mkernel, name) is getattr(mod, name), f"mkernel.{name} is not {mod.__name__}.{name}"
         assert name in mkernel.__all__
     assert mkernel.CapacityError is CapacityError and issubclass(CapacityError, MKernelError)
     assert not issubclass(CapacityError, ArgumentError)
@@ -714,7 +736,6 @@ def _layer_name(c):
 
 
 def _layer_body(comm, c):
-    moe = mmoe
     label, dtn, H, F, El, k, routing, T, cap, lay = c
     W, me = comm.size, comm.rank
     P = _layer_problem(_layer_name(c), W, dtn, H, F, El, k, routing, T, cap=cap, layout=lay)
@@ -725,11 +746,11 @@ def _layer_body(comm, c):
         w1, w2 = (np.ascontiguousarray(a.transpose(0, 2, 1)) for a in (w1, w2))
     w1, w2 = _dev(w1), _dev(w2)
     y_buf = _poisoned((P.cap, F), dtn)
-    y, h = moe.moe_dispatch_gemm(x, ids, w, w1, comm=comm, num_experts=P.E, capacity=P.capacity, out=y_buf,
+    y, h = mkernel.moe_dispatch_gemm(x, ids, w, w1, comm=comm, num_experts=P.E, capacity=P.capacity, out=y_buf,
                                  w_layout=lay if lay == "nk" else None)
     act = _relu(y)
     out_buf = _poisoned((P.Ts[me], H), dtn)
-    out = moe.moe_gemm_combine(act, w2, h, comm=comm, out=out_buf, w_layout=lay if lay == "nk" else None)
+    out = mkernel.moe_gemm_combine(act, w2, h, comm=comm, out=out_buf, w_layout=lay if lay == "nk" else None)
     _sync(_layer_name(c))
     comm.check()
     if y is not y_buf or out is not out_buf:
@@ -901,7 +922,7 @@ def _stale_body(comm):
     y2 = cupy.zeros((h1.capacity, 64), dtype=BF16)
     w2 = cupy.zeros((A.El, 64, 64), dtype=BF16)
     calls = {"moe_combine": lambda: moe.moe_combine(recv1, h1, comm=comm),
-             "moe_gemm_combine": lambda: moe.moe_gemm_combine(y2, w2, h1, comm=comm),
+             "moe_gemm_combine": lambda: mkernel.moe_gemm_combine(y2, w2, h1, comm=comm),
              "received()": h1.received, "counts()": h1.counts}
     missed = sum(argument_errors(calls), [])
     _sync("stale calls")
@@ -1019,7 +1040,7 @@ def _comm_error_cases(comm):
         "moe_dispatch comm is an mpi4py communicator": lambda: moe.moe_dispatch(x, ids, w, comm=comm.mpi,
                                                                                num_experts=E),
         "moe_dispatch comm is a string": lambda: moe.moe_dispatch(x, ids, w, comm="world", num_experts=E),
-        "moe_dispatch_gemm comm is an mpi4py communicator": lambda: moe.moe_dispatch_gemm(
+        "moe_dispatch_gemm comm is an mpi4py communicator": lambda: mkernel.moe_dispatch_gemm(
             x, ids, w, w1, comm=comm.mpi, num_experts=E),
     }
 
@@ -1040,7 +1061,7 @@ def _combine_error_cases(comm, recv, h):
 
     def gc(y2=None, w2=None, handle=h, **kw):
         kw.setdefault("comm", comm)
-        return moe.moe_gemm_combine(z((cap, 64)) if y2 is None else y2, z((El, 64, H)) if w2 is None else w2,
+        return mkernel.moe_gemm_combine(z((cap, 64)) if y2 is None else y2, z((El, 64, H)) if w2 is None else w2,
                                     handle, **kw)
 
     return {
@@ -1071,7 +1092,6 @@ def _combine_error_cases(comm, recv, h):
 def _dispatch_gemm_error_cases(comm):
     import cupy
 
-    moe = mmoe
     W = comm.size
     T, H, k, E, x, ids, w = _base(comm)
     El = E // W
@@ -1080,7 +1100,7 @@ def _dispatch_gemm_error_cases(comm):
         return cupy.zeros(shape, dtype=dt)
 
     def dg(w1, **kw):
-        return moe.moe_dispatch_gemm(x, ids, w, w1, comm=comm, num_experts=E, **kw)
+        return mkernel.moe_dispatch_gemm(x, ids, w, w1, comm=comm, num_experts=E, **kw)
 
     return {
         "w1 float32": lambda: dg(z((El, H, 64), np.float32)),
@@ -1104,9 +1124,7 @@ def _argument_body(comm, name):
         recv, h = moe.moe_dispatch(x, ids, w, comm=comm, num_experts=E)  # a valid handle (launched before e0)
         return _expect_argument_errors(comm, _combine_error_cases(comm, recv, h), name)
     if name == "moe_dispatch_gemm bad w1 (raised before the dispatch launches)":
-        # Today moe_dispatch_gemm launches moe_dispatch before it validates w1 (mkernel/moe.py): the
-        # ArgumentError still comes on every rank alike, but after a launch (the epoch moves), and the
-        # dispatch invalidates any earlier handle of the same shape.
+        # moe_dispatch_gemm validates w1 before it plans or launches anything (mkernel/moe_gemm.py).
         return _expect_argument_errors(comm, _dispatch_gemm_error_cases(comm), name)
     raise ValueError(name)
 
@@ -1157,10 +1175,8 @@ def test_arguments_that_disagree_across_ranks_raise_on_every_rank(comm):
 def _device_error_problem(name, W):
     """(problem, capacity, expected exception class) of a device-error case."""
     if name == "capacity one row short of the need":
-        # T * k = 602 and a capacity of 601 at world 1: (see the report on pair_rank) the kernel's
-        # ranking step writes pair_rank[i] for every pair before the capacity check, one int32 past
-        # a 601-entry scratch here, which lands in CuPy's allocation rounding (601 * 4 is not a
-        # multiple of 512).
+        # T * k = 602 and a capacity of 601 at world 1: the ranking step runs before the capacity
+        # check and must not write send_order past its capacity entries (it skips positions >= capacity).
         P = _problem(name, W, "bf16", 64, 4, 2, "uniform", 301)
         return P, P.need - 1, CapacityError
     if name == "a rank receives more than the capacity, every send fits":
@@ -1179,19 +1195,28 @@ def _device_error_problem(name, W):
     return P, None, ArgumentError
 
 
+FUSED = " [moe_dispatch_gemm]"  # a device-error case run through the fused kernel
+
+
 def _device_error_body(comm, name):
+    import cupy
     from mpi4py import MPI
 
-    moe = mmoe
     W, me = comm.size, comm.rank
-    P, cap, exc = _device_error_problem(name, W)
+    fused = name.endswith(FUSED)
+    op = "moe_dispatch_gemm" if fused else "moe_dispatch"
+    P, cap, exc = _device_error_problem(name[:-len(FUSED)] if fused else name, W)
     c = mkernel.init(MPI.COMM_WORLD, workspace_bytes=ERR_WORKSPACE)  # errors are sticky: a communicator per case
     try:
         x, ids, w = _inputs(P, me)
-        buf = _poisoned((cap if cap is not None else P.cap, P.H), P.dtn)
+        buf = _poisoned((cap if cap is not None else P.cap, 64 if fused else P.H), P.dtn)
         at_call = None
         try:
-            moe.moe_dispatch(x, ids, w, comm=c, num_experts=P.E, capacity=cap, out=buf)
+            if fused:
+                w1 = cupy.ones((P.El, P.H, 64), dtype=DTYPES[P.dtn])
+                mkernel.moe_dispatch_gemm(x, ids, w, w1, comm=c, num_experts=P.E, capacity=cap, out=buf)
+            else:
+                mkernel.moe_dispatch(x, ids, w, comm=c, num_experts=P.E, capacity=cap, out=buf)
         except Exception as e:  # noqa: BLE001  (the error must be found on the device, not here)
             at_call = e
         _sync(name)
@@ -1206,7 +1231,7 @@ def _device_error_body(comm, name):
         except MKernelError:
             sticky = True
         untouched = bool((_bits(buf) == _nan_bits(P.dtn)).all())
-        ok = at_call is None and isinstance(got, exc) and "moe_dispatch" in str(got) and untouched
+        ok = at_call is None and isinstance(got, exc) and op in str(got) and untouched
         msg = (f"call: {'returned' if at_call is None else f'RAISED {type(at_call).__name__}: {str(at_call)[:120]}'}; "
                f"check(): {type(got).__name__ if got is not None else 'NOTHING'} (want {exc.__name__})"
                f"{': ' + str(got)[:160] if got is not None else ''}; out {'untouched' if untouched else 'WRITTEN'}; "
@@ -1222,5 +1247,6 @@ def test_device_errors(comm):
     if comm.size > 1:
         names.append("a rank receives more than the capacity, every send fits")
     names += ["expert id == num_experts on the last rank", "expert id -1 on rank 0", "expert ids 10**6 on every rank"]
+    names += [n + FUSED for n in names]  # the fused kernel: its GEMM CTAs stop on the dispatch's verdict
     results = _run_cases(comm, names, lambda n: _device_error_body(comm, n))
     _report_and_decide(comm, "errors found on the device, raised by comm.check() on every rank", names, results)

@@ -25,7 +25,7 @@ def protocol():
 TARGETS = [protocol]
 # Modules that provide their own small-shape target: sanitize_target() -> None (raises on a wrong result).
 for name in ("mkernel.gemm", "mkernel.proxy", "mkernel.gemm_reduce_scatter", "mkernel.gemm_allreduce",
-             "mkernel.allgather_gemm", "mkernel.attention", "mkernel.moe"):
+             "mkernel.allgather_gemm", "mkernel.attention", "mkernel.moe", "mkernel.moe_gemm"):
     try:
         mod = importlib.import_module(name)
     except ImportError:

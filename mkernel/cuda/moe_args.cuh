@@ -14,8 +14,13 @@
 #define MOE_ROW_BAD(E) ((E) + 1)
 #define MOE_ROW_WORDS(E) ((E) + 2)
 
-// Device counters of one plan, zero between launches (the last CTA resets them).
-enum { MOE_CNT_HIST = 0, MOE_CNT_SENT = 1, MOE_CNT_DONE = 2, MOE_CNT_WORDS = 4 };
+// Device counters of one plan, zero between launches (the last CTA resets them): the dispatch
+// CTAs' two barriers, their sends, the CTAs done, step 3's verdict (moe_dispatch.cuh), the fused
+// GEMM's next tile.
+enum {
+  MOE_CNT_HIST = 0, MOE_CNT_SENT = 1, MOE_CNT_DONE = 2, MOE_CNT_ORDER = 3, MOE_CNT_PLAN = 4, MOE_CNT_TILE = 5,
+  MOE_CNT_WORDS = 8
+};
 
 // MkStatus::where of the errors the kernels detect in their inputs (MK_ERR_INPUT).
 enum { MOE_ERR_CAPACITY = 1, MOE_ERR_EXPERT_ID = 2 };
@@ -31,13 +36,15 @@ struct MkMoeArgs {
   unsigned long long rflag_off;    // u32 [W]: every row from rank s arrived (epoch)
   unsigned long long ret_off;      // 16-bit [capacity][H]: combine: this rank's pairs' rows, at t * k + j
   unsigned long long retflag_off;  // u32 [W]: every row returned by rank s arrived (epoch)
+  unsigned long long eflag_off;    // u32 [W][E_local]: every row from rank s to local expert le arrived (epoch)
   // Local device memory.
   const void* x;           // dispatch: [T, H] tokens (16-bit), row stride ldx
   const int* topk_ids;     // [T, k] global expert ids
   const float* topk_w;     // combine: [T, k] weights
   void* out;               // dispatch: [capacity, H] received rows; combine: [T, H]
   const void* y;           // combine: [capacity, H] rows to return (as received), row stride ldy
-  int* pair_rank;          // [T * k] scratch: rank of a pair among this rank's pairs to its expert
+  int* send_order;         // [capacity] scratch: this rank's pair indices in send order
+  unsigned int* esent;     // [E] scratch, zero between launches: rows sent per expert
   unsigned int* hist;      // [grid][E] scratch: pairs per expert in each CTA's range
   int* group_rows;         // [E_local]: rows received per local expert (the grouped GEMM's counts)
   int* received;           // [1]: rows received in all (combine reads it)
@@ -46,3 +53,4 @@ struct MkMoeArgs {
   int T, H, k, E;          // this rank's tokens, hidden size, experts per token, global experts
   int e_local, world, me, capacity;
 };
+

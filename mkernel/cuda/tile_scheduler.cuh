@@ -126,7 +126,7 @@ MK_DEV MkTile cluster_part(MkTile unit, u32 q, u32 tiles_n) {
 template <int BM>
 MK_DEV void build_group_table(MkGroupTable* tab, const int* group_rows, u32 num_groups, i32 m_cap, u32 tiles_n) {
   __syncthreads();
-  for (u32 g = threadIdx.x; g < num_groups; g += blockDim.x) tab->row_base[g + 1] = group_rows[g];  // parallel loads
+  for (u32 g = threadIdx.x; g < num_groups; g += blockDim.x) tab->row_base[g + 1] = __ldcg(group_rows + g);  // parallel loads (L2: a fused op may have written them in this launch)
   __syncthreads();
   if (threadIdx.x == 0) {
     u32 tiles = 0;

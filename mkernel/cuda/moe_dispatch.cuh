@@ -1,0 +1,324 @@
+#pragma once
+// The dispatch role of the expert-parallel kernels (design: docs/MOE.md), run by a set of CTAs
+// (MoeCtas: all of mk_moe_dispatch_kernel's, the communication CTAs of mk_moe_dispatch_gemm_kernel)
+// of THREADS threads each:
+//   1. each CTA counts the pairs of its range per expert (hist[cta][e]); barrier of the CTAs;
+//   2. each CTA ranks its pairs among this rank's pairs to the same expert (earlier CTAs' counts,
+//      then warp by warp with __match_any_sync: deterministic) and writes each pair's index at its
+//      place in the send order (send_order); CTA 0 sends the count row to every rank (after its
+//      credit) and sets cflag[me] there;
+//   3. every CTA waits for all count rows, computes where this rank's rows go at their owners,
+//      checks the capacities and expert ids (every rank sees the same rows, so all decide an error
+//      alike and skip the data); CTA 0 writes the per-expert row counts (group_rows, the grouped
+//      GEMM's) and the verdict counters[MOE_CNT_PLAN] that a fused GEMM waits for;
+//   4. the CTAs' warps walk the send order together (position p by warp p % warps), so rows leave
+//      local expert by local expert: a (source, expert) block is complete early and its flag
+//      eflag[me][le] at the owner (set by the warp that sent its last row) lets the owner's GEMM
+//      start on it while the later experts' rows are in flight. The last CTA sets rflag[me] on
+//      every rank (all of this rank's rows are there).
+//
+// Send order: local expert index le ascending, then owner d = me, me + 1, ... (mod W), then the
+// pair order t * k + j: every owner gets its first experts first.
+#include "common.cuh"
+#include "signals.cuh"
+#include "peers.cuh"
+#include "moe_args.cuh"
+
+// Wait ids (MkStatus::where) of the kernels' waits.
+enum : u32 {
+  MOE_WAIT_GRID = 0xA000u, MOE_WAIT_COUNTS = 0xA100u, MOE_WAIT_ROWS = 0xA200u, MOE_WAIT_RET = 0xA300u,
+  MOE_WAIT_ORDER = 0xA400u, MOE_WAIT_PLAN = 0xA500u, MOE_WAIT_EXPERT = 0xA600u
+};
+
+// Verdict of step 3 (counters[MOE_CNT_PLAN]): zero until CTA 0 decided.
+enum : u32 { MOE_PLAN_OK = 1, MOE_PLAN_FAILED = 2 };
+
+// The CTAs running one role: this one's index among them and their number.
+struct MoeCtas {
+  u32 idx, n;
+};
+
+MK_DEV MkPeers moe_peers(const MkMoeArgs& a) { return MkPeers{a.peer_base, (u32)a.world, (u32)a.me}; }
+
+// This CTA's share [lo, hi) of n items (contiguous, in order).
+MK_DEV void cta_range(u32 n, MoeCtas c, u32& lo, u32& hi) {
+  lo = (u32)((u64)n * c.idx / c.n);
+  hi = (u32)((u64)n * (c.idx + 1) / c.n);
+}
+
+// Global loads of data other CTAs or ranks wrote during this launch: past L1, which is not coherent.
+MK_DEV u32 ld_cg(const u32* p) { return __ldcg(p); }
+
+// Thread 0: this CTA's writes (every thread fenced them) are published: counts this CTA on
+// counters[c] and returns true in the CTA of the role that finished last.
+MK_DEV bool moe_last_cta(unsigned int* counters, u32 c, MoeCtas ctas) {
+  __threadfence_system();
+  return atomicAdd(&counters[c], 1u) == ctas.n - 1;
+}
+
+// Thread 0: waits for the epoch-E flag of every rank in the array at `off` of this rank's workspace.
+MK_DEV bool moe_wait_all(const MkMoeArgs& a, const MkPeers& p, u64 off, u32 E, u32 where) {
+  const u32* f = peer_ptr<const u32>(p, p.me, off);
+  for (u32 s = 0; s < p.size; ++s)
+    if (!wait_epoch(a.sync, f + s, E, (i32)s, where + s)) return false;
+  return true;
+}
+
+// Copies one row of `bytes` (a multiple of 16) with the calling warp.
+MK_DEV void warp_copy_row(u8* dst, const u8* src, u32 bytes, u32 lane, bool src_remote) {
+  for (u32 o = lane * 16u; o < bytes; o += 32u * 16u) {
+    const uint4 v = src_remote ? __ldcg(reinterpret_cast<const uint4*>(src + o)) : *reinterpret_cast<const uint4*>(src + o);
+    st_v4(dst + o, v);
+  }
+}
+
+// Rank of owner d in this rank's send order (me first).
+MK_DEV u32 moe_owner_slot(u32 d, u32 me, u32 W) { return (d + W - me) % W; }
+
+template <u32 THREADS>
+struct MoeShared {
+  static constexpr u32 WARPS = THREADS / 32;
+  u32 hist[MOE_MAX_EXPERTS];       // this CTA's pairs per expert; then the running rank per expert
+  u32 total[MOE_MAX_EXPERTS];      // this rank's pairs per expert; from step 3 on, all ranks' rows
+  u32 sbase[MOE_MAX_EXPERTS];      // first position of expert e's pairs in the send order
+  u32 rowbase[MOE_MAX_EXPERTS];    // step 3: first row of this rank's pairs to expert e at its owner
+  u16 wcnt[WARPS][MOE_MAX_EXPERTS];  // a chunk's pairs per (warp, expert), then the warp's base
+  u32 mine;                        // this rank's pairs with a valid expert id
+  u32 total_me;                    // rows this rank receives
+  u32 bad;                         // pairs of this CTA with an expert id out of range
+  u32 epoch;
+  int ok;
+};
+
+// Steps 1-2 for this CTA's pairs [lo, hi): send_order[sbase[e] + rank] = i, rank = pairs before i
+// (in order) to its expert; sh.total and sh.sbase of every expert.
+template <u32 THREADS>
+MK_DEV bool moe_rank_pairs(const MkMoeArgs& a, MoeShared<THREADS>& sh, MoeCtas ctas, u32 lo, u32 hi) {
+  constexpr u32 WARPS = MoeShared<THREADS>::WARPS;
+  const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const u32 E = (u32)a.E, El = (u32)a.e_local, W = (u32)a.world, me = (u32)a.me;
+  for (u32 e = tid; e < E; e += THREADS) sh.hist[e] = 0;
+  for (u32 i = tid; i < WARPS * MOE_MAX_EXPERTS; i += THREADS) (&sh.wcnt[0][0])[i] = 0;
+  if (tid == 0) sh.bad = 0;
+  __syncthreads();
+  for (u32 i = lo + tid; i < hi; i += THREADS) {
+    const int e = a.topk_ids[i];
+    if (e >= 0 && (u32)e < E) atomicAdd(&sh.hist[e], 1u); else atomicAdd(&sh.bad, 1u);
+  }
+  __syncthreads();
+  for (u32 e = tid; e < E; e += THREADS) a.hist[(u64)ctas.idx * E + e] = sh.hist[e];
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    atomicAdd(&a.counters[MOE_CNT_HIST], 1u);
+    sh.ok = wait_at_least(a.sync, &a.counters[MOE_CNT_HIST], ctas.n, -1, MOE_WAIT_GRID) ? 1 : 0;
+  }
+  __syncthreads();
+  if (!sh.ok) return false;
+  for (u32 e = tid; e < E; e += THREADS) {  // running rank: the pairs of earlier CTAs; the totals
+    u32 b = 0, t = 0;
+    for (u32 c = 0; c < ctas.n; ++c) {
+      const u32 h = ld_cg(&a.hist[(u64)c * E + e]);
+      b += c < ctas.idx ? h : 0u;
+      t += h;
+    }
+    sh.hist[e] = b;
+    sh.total[e] = t;
+  }
+  __syncthreads();
+  if (tid == 0) {  // the send order's expert bases: local index, then owner from this rank on
+    u32 p = 0;
+    for (u32 le = 0; le < El; ++le)
+      for (u32 q = 0; q < W; ++q) {
+        const u32 e = ((me + q) % W) * El + le;
+        sh.sbase[e] = p;
+        p += sh.total[e];
+      }
+    sh.mine = p;
+  }
+  __syncthreads();
+  for (u32 c0 = lo; c0 < hi; c0 += THREADS) {
+    const u32 i = c0 + tid;
+    int e = i < hi ? a.topk_ids[i] : -1;
+    if (e < 0 || (u32)e >= E) e = -1;
+    const u32 same = __match_any_sync(0xFFFFFFFFu, e);
+    const u32 before = same & ((1u << lane) - 1u);
+    const bool leader = before == 0;
+    if (leader && e >= 0) sh.wcnt[warp][e] = (u16)__popc(same);
+    __syncthreads();
+    for (u32 x = tid; x < E; x += THREADS) {  // per expert: bases of the warps, in warp order
+      u32 acc = sh.hist[x];
+      for (u32 w = 0; w < WARPS; ++w) {
+        const u32 c = sh.wcnt[w][x];
+        sh.wcnt[w][x] = c ? (u16)(acc - sh.hist[x]) : (u16)0;  // relative to the chunk's start (fits 16 bits)
+        acc += c;
+      }
+      sh.rowbase[x] = acc;  // the running rank after this chunk (rowbase is free until step 3)
+    }
+    __syncthreads();
+    // send_order has capacity entries: more pairs than that end in a capacity error (step 3), unread.
+    if (e >= 0) {
+      const u32 pos = sh.sbase[e] + sh.hist[e] + sh.wcnt[warp][e] + __popc(before);
+      if (pos < (u32)a.capacity) a.send_order[pos] = (int)i;
+    }
+    __syncthreads();
+    if (leader && e >= 0) sh.wcnt[warp][e] = 0;
+    for (u32 x = tid; x < E; x += THREADS) sh.hist[x] = sh.rowbase[x];
+    __syncthreads();
+  }
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) atomicAdd(&a.counters[MOE_CNT_ORDER], 1u);  // send_order of this CTA's pairs written
+  return true;
+}
+
+// Step 2, CTA 0: this rank's count row to every rank.
+template <u32 THREADS>
+MK_DEV bool moe_send_counts(const MkMoeArgs& a, MoeShared<THREADS>& sh, const MkPeers& peers, u32 Ep) {
+  const u32 tid = threadIdx.x, E = (u32)a.E, W = (u32)a.world, me = (u32)a.me, RW = MOE_ROW_WORDS(E);
+  const u32 P = (u32)a.T * (u32)a.k;
+  for (u32 d = 0; d < W; ++d) {
+    if (tid == 0) sh.ok = credits_wait(a.sync, peers, d, Ep) ? 1 : 0;
+    __syncthreads();
+    if (!sh.ok) return false;  // every thread, at the same d
+    u32* row = peer_ptr<u32>(peers, d, a.counts_off) + (u64)me * RW;
+    for (u32 e = tid; e < E; e += THREADS) row[e] = sh.total[e];
+    if (tid == 0) {
+      row[MOE_ROW_T(E)] = (u32)a.T;
+      row[MOE_ROW_BAD(E)] = P - sh.mine;  // pairs whose id was out of range
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (tid == 0) set_flag(peer_ptr<u32>(peers, d, a.cflag_off) + me, Ep);
+    __syncthreads();  // every thread has read sh.ok before thread 0 writes it again
+  }
+  return true;
+}
+
+// Step 3, every CTA of the role: sh.total[e] = rows of expert e from all ranks, sh.rowbase[e] =
+// first row of this rank's pairs to e at its owner, sh.total_me; the input checks; the credits of
+// every owner. CTA 0 also writes group_rows and the verdict for a fused GEMM.
+template <u32 THREADS>
+MK_DEV bool moe_plan_rows(const MkMoeArgs& a, MoeShared<THREADS>& sh, const MkPeers& peers, MoeCtas ctas, u32 Ep,
+                          bool ok) {
+  const u32 tid = threadIdx.x, E = (u32)a.E, El = (u32)a.e_local, W = (u32)a.world, me = (u32)a.me;
+  const u32 K = (u32)a.k, RW = MOE_ROW_WORDS(E);
+  __syncthreads();  // every thread has read sh.ok (on every path) before thread 0 writes it
+  if (tid == 0) sh.ok = ok && moe_wait_all(a, peers, a.cflag_off, Ep, MOE_WAIT_COUNTS) ? 1 : 0;
+  __syncthreads();
+  ok = sh.ok != 0;
+  const u32* counts = peer_ptr<const u32>(peers, me, a.counts_off);
+  if (ok) {
+    for (u32 e = tid; e < E; e += THREADS) {
+      u32 n = 0, before = 0;
+      for (u32 s = 0; s < W; ++s) {
+        const u32 c = ld_cg(&counts[(u64)s * RW + e]);
+        n += c;
+        if (s < me) before += c;
+      }
+      sh.total[e] = n;         // rows of expert e in all
+      sh.rowbase[e] = before;  // rows of expert e from ranks before this one
+    }
+    __syncthreads();
+    if (tid == 0) {  // per owner: expert bases (a scan), capacity; every rank's tokens and ids
+      u32 err_where = 0, err_expected = 0, err_seen = 0;
+      for (u32 d = 0; d < W; ++d) {
+        u32 base = 0;
+        for (u32 e = d * El; e < (d + 1) * El; ++e) {
+          const u32 n = sh.total[e];
+          sh.rowbase[e] += base;
+          base += n;
+        }
+        if (d == me) sh.total_me = base;
+        if (base > (u32)a.capacity && !err_where) { err_where = MOE_ERR_CAPACITY; err_expected = a.capacity; err_seen = base; }
+      }
+      for (u32 s = 0; s < W; ++s) {
+        const u32 ts = ld_cg(&counts[(u64)s * RW + MOE_ROW_T(E)]);
+        const u32 bad = ld_cg(&counts[(u64)s * RW + MOE_ROW_BAD(E)]);
+        if (bad && !err_where) { err_where = MOE_ERR_EXPERT_ID; err_expected = E; err_seen = bad; }
+        if ((u64)ts * K > (u64)a.capacity && !err_where) { err_where = MOE_ERR_CAPACITY; err_expected = a.capacity; err_seen = ts * K; }
+      }
+      if (err_where) {
+        if (ctas.idx == 0) record_error(a.sync, MK_ERR_INPUT, -1, err_where, err_expected, err_seen, 0);
+        sh.ok = 0;
+      }
+    }
+    __syncthreads();
+    ok = sh.ok != 0;
+  }
+  if (ctas.idx == 0) {  // the counts of this rank's experts, then the verdict a fused GEMM waits for
+    if (ok)
+      for (u32 e = tid; e < El; e += THREADS) a.group_rows[e] = (int)sh.total[me * El + e];
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+      if (ok) a.received[0] = (int)sh.total_me;
+      __threadfence();
+      st_release_sys(&a.counters[MOE_CNT_PLAN], ok ? MOE_PLAN_OK : MOE_PLAN_FAILED);
+    }
+  }
+  if (ok && tid == 0)  // rows may go once every owner entered this epoch
+    for (u32 d = 0; d < W && sh.ok; ++d) sh.ok = credits_wait(a.sync, peers, d, Ep) ? 1 : 0;
+  __syncthreads();
+  return ok && sh.ok != 0;
+}
+
+// Step 4, every CTA of the role: its warps' positions of the send order; the per-(source, expert)
+// flags; rflag[me] everywhere from the last CTA. `mine` are this rank's own-expert counts (step 1).
+template <u32 THREADS>
+MK_DEV void moe_send_rows(const MkMoeArgs& a, MoeShared<THREADS>& sh, const u32* mine, const MkPeers& peers,
+                          MoeCtas ctas, u32 Ep) {
+  constexpr u32 WARPS = MoeShared<THREADS>::WARPS;
+  const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const u32 W = (u32)a.world, me = (u32)a.me, El = (u32)a.e_local, K = (u32)a.k;
+  const u32 row_bytes = (u32)a.H * 2u;
+  if (tid == 0)  // every CTA's part of send_order is written
+    sh.ok = wait_at_least(a.sync, &a.counters[MOE_CNT_ORDER], ctas.n, -1, MOE_WAIT_ORDER) ? 1 : 0;
+  __syncthreads();
+  if (!sh.ok) return;
+  const u8* x = reinterpret_cast<const u8*>(a.x);
+  const u32 n = sh.mine, step = ctas.n * WARPS;
+  for (u32 p = ctas.idx * WARPS + warp; p < n; p += step) {
+    const u32 i = (u32)__ldcg(&a.send_order[p]);
+    const u32 e = (u32)a.topk_ids[i];
+    const u32 d = e / El;
+    const u32 row = sh.rowbase[e] + (p - sh.sbase[e]);
+    warp_copy_row(peer_ptr<u8>(peers, d, a.recv_off) + (u64)row * row_bytes, x + (u64)(i / K) * (u64)a.ldx * 2u,
+                  row_bytes, lane, false);
+    if (lane == 0) peer_ptr<u32>(peers, d, a.meta_off)[row] = (me << 24) | i;
+    __threadfence_system();
+    __syncwarp();
+    if (lane == 0 && atomicAdd(&a.esent[e], 1u) + 1 == mine[e]) {  // the block (me, e) is complete
+      a.esent[e] = 0;  // every count of this launch is in: zero for the next one
+      __threadfence_system();
+      set_flag(peer_ptr<u32>(peers, d, a.eflag_off) + me * El + (e - d * El), Ep);
+    }
+  }
+  __threadfence_system();
+  __syncthreads();
+  if (tid == 0 && moe_last_cta(a.counters, MOE_CNT_SENT, ctas))
+    for (u32 d = 0; d < W; ++d) set_flag(peer_ptr<u32>(peers, d, a.rflag_off) + me, Ep);
+}
+
+// Steps 1-4 by the role's CTAs (sh in shared memory). Returns whether the rows were sent.
+template <u32 THREADS>
+MK_DEV bool moe_dispatch_role(const MkMoeArgs& a, MoeShared<THREADS>& sh, MoeCtas ctas) {
+  const u32 tid = threadIdx.x;
+  const MkPeers peers = moe_peers(a);
+  if (tid == 0) {
+    sh.epoch = launch_epoch(a.sync);
+    if (ctas.idx == 0) credits_announce(peers, sh.epoch);
+  }
+  __syncthreads();
+  const u32 Ep = sh.epoch;
+  u32 lo, hi;
+  cta_range((u32)a.T * (u32)a.k, ctas, lo, hi);
+  bool ok = moe_rank_pairs<THREADS>(a, sh, ctas, lo, hi);
+  if (ok && ctas.idx == 0) ok = moe_send_counts<THREADS>(a, sh, peers, Ep);
+  // sh.total is overwritten with all ranks' rows by step 3: keep this rank's counts (in `hist`,
+  // free after the ranking) for the completion counts of step 4.
+  for (u32 e = tid; e < (u32)a.E; e += THREADS) sh.hist[e] = sh.total[e];
+  ok = moe_plan_rows<THREADS>(a, sh, peers, ctas, Ep, ok);
+  if (ok) moe_send_rows<THREADS>(a, sh, sh.hist, peers, ctas, Ep);
+  return ok;
+}

@@ -1,0 +1,98 @@
+// MoE dispatch fused with the experts' grouped GEMM (mkernel/moe_gemm.py; design: docs/MOE.md).
+//
+// CTAs [gemm_ctas, grid) run the dispatch role (moe_dispatch.cuh): rows leave local expert by local
+// expert, and the flag eflag[s][le] in the owner's workspace says that every row from rank s to its
+// local expert le is in its receive buffer. CTAs [0, gemm_ctas) run the GEMM engine in grouped
+// mode straight on that receive buffer (A), one group per local expert (B: its weights), into y:
+// they wait for the dispatch's verdict (counters[MOE_CNT_PLAN], after the count rows of every rank
+// are in: the group sizes are then known, and written to group_rows), build the group table from
+// group_rows and claim tiles group by group (counters[MOE_CNT_TILE]); before a tile's loads the
+// producer waits for the flags of the sources whose rows the tile holds. So the GEMM starts on the
+// first experts' rows while the later ones are in flight.
+#include "moe_dispatch.cuh"
+#include "gemm_mainloop.cuh"
+#include "gemm_epilogue.cuh"
+#include "moe_gemm_args.cuh"
+
+constexpr u32 MOE_GEMM_THREADS = 384;  // the GEMM engine's CTA (1 producer + 2 consumer warpgroups)
+
+// The tile source: tiles in the engine's grouped order (expert by expert: the arrival order); before
+// a tile's loads, the arrival flags of the (source, expert) blocks its rows come from, then a proxy
+// fence so that the TMA (async proxy) sees the rows the senders stored (generic proxy).
+template <class Cfg>
+struct MoeTiles {
+  const MkMoeArgs& a;
+  const MkTileSpace<Cfg::UNIT_M>& space;
+  u32 epoch;
+  MK_DEV u32 claim() const { return atomicAdd(&a.counters[MOE_CNT_TILE], 1u); }
+  MK_DEV bool done(u32 pos) const { return pos >= space.num_tiles; }
+  MK_DEV MkTile decode(u32 pos) const { return space.template decode<Cfg::BN>(space.builtin_id(pos)); }
+  MK_DEV void before_loads(const MkTile& t) const {
+    const MkPeers peers = moe_peers(a);
+    const u32 W = (u32)a.world, me = (u32)a.me, El = (u32)a.e_local, g = (u32)t.group;
+    const u32* counts = peer_ptr<const u32>(peers, me, a.counts_off) + me * El + g;
+    const u32* eflag = peer_ptr<const u32>(peers, me, a.eflag_off) + g;
+    const u32 r0 = (u32)(t.m0 - space.row_base(g)), r1 = r0 + (u32)t.rows;  // the tile's rows in its group
+    u32 first = 0;  // source s's rows of the group: [first, first + c), sources in rank order
+    for (u32 s = 0; s < W && first < r1; ++s) {
+      const u32 c = ld_cg(counts + (u64)s * MOE_ROW_WORDS(a.E));
+      if (c != 0 && first + c > r0) wait_epoch(a.sync, eflag + s * El, epoch, (i32)s, MOE_WAIT_EXPERT + g);
+      first += c;  // on a timeout the error is recorded; the tile is computed from whatever is there
+    }
+    fence_proxy_async_global();
+  }
+  MK_DEV i32 b_index(const MkTile& t) const { return t.group; }
+};
+
+template <class Cfg>
+MK_DEV u32 moe_gemm_cta(const MkMoeGemmArgs& args) {
+  __shared__ int s_ok;
+  extern __shared__ __align__(1024) u8 mk_smem[];
+  const MkMoeArgs& a = args.m;
+  const GemmSmem<Cfg> sm = gemm_smem_carve<Cfg, true>(mk_smem);
+  MkTileSpace<Cfg::UNIT_M> space = gemm_setup<Cfg, false>(args.g, sm);  // barriers, epoch
+  const u32 epoch = sm.bars->epoch;
+  if (threadIdx.x == 0) {  // the group sizes are known (and in group_rows) once the dispatch decided
+    s_ok = wait_flag(a.sync, &a.counters[MOE_CNT_PLAN], [](u32 v) { return v != 0u; }, MOE_PLAN_OK, -1,
+                     MOE_WAIT_PLAN) && ld_acquire_sys(&a.counters[MOE_CNT_PLAN]) == MOE_PLAN_OK;
+  }
+  __syncthreads();
+  space.num_groups = (u32)a.e_local;
+  build_group_table<Cfg::UNIT_M>(sm.table, a.group_rows, space.num_groups, args.g.m, space.tiles_n);
+  space.num_tiles = s_ok ? sm.table->tile_base[space.num_groups] : 0u;
+  if (threadIdx.x < 128) {
+    setmaxnreg_dec<Cfg::PRODUCER_REGS>();
+    if (threadIdx.x == 0) {
+      MoeTiles<Cfg> src{a, space, epoch};
+      gemm_producer_loop<Cfg>(args.g, sm, src);
+    }
+  } else {
+    setmaxnreg_inc<Cfg::CONSUMER_REGS>();
+    MkTmaEpilogue<Cfg::DT, Cfg, true> epi{args.g, sm, epoch, MkGemmDest{args.g}};
+    gemm_consumer<Cfg>(args.g, sm, (int)(threadIdx.x / 128) - 1, epi);
+    epi.finish();
+  }
+  return epoch;
+}
+
+template <int DT, int BL>
+__global__ void __launch_bounds__(MOE_GEMM_THREADS, 1) mk_moe_dispatch_gemm_kernel(const __grid_constant__ MkMoeGemmArgs args) {
+  extern __shared__ __align__(1024) u8 mk_smem[];
+  u32 epoch;
+  if ((int)blockIdx.x < args.gemm_ctas) {
+    epoch = moe_gemm_cta<GemmCfg<DT, BL> >(args);
+  } else {  // the GEMM's shared memory is free in a dispatch CTA
+    MoeShared<MOE_GEMM_THREADS>& sh = *reinterpret_cast<MoeShared<MOE_GEMM_THREADS>*>(mk_smem);
+    moe_dispatch_role<MOE_GEMM_THREADS>(args.m, sh, MoeCtas{blockIdx.x - (u32)args.gemm_ctas,
+                                                            gridDim.x - (u32)args.gemm_ctas});
+    epoch = sh.epoch;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) counters_reset_by_last_block(args.m.counters, MOE_CNT_WORDS, MOE_CNT_DONE);
+  launch_exit(args.m.sync, epoch);
+}
+
+// mkernel/moe_gemm.py launches with the grouped GEMM's shared memory (gemm.SMEM_GROUPED).
+static_assert(gemm_smem_bytes<GemmCfg<0, 0>, true>() == 231768, "update gemm.SMEM_GROUPED");
+static_assert(sizeof(MoeShared<MOE_GEMM_THREADS>) <= 231768, "the dispatch CTAs' shared state fits");
+static_assert(sizeof(MkMoeGemmArgs) == 896, "MkMoeGemmArgs layout changed: update mkernel/moe_gemm.py");

@@ -1,0 +1,176 @@
+"""The GEMM-carrying expert-parallel ops (design: docs/MOE.md).
+
+``moe_dispatch_gemm``: one persistent kernel (``mkernel/cuda/moe_dispatch_gemm.cu``) whose
+communication CTAs dispatch (rows leave local expert by local expert) while its GEMM CTAs run the
+experts' grouped GEMM straight on the receive buffer, each tile once the rows it holds have arrived.
+``path="unfused"`` runs the building blocks instead (``moe_dispatch`` then ``grouped_gemm``), the
+comparison the benchmark reports.
+
+``moe_gemm_combine``: the grouped GEMM then ``moe_combine`` back to back on the stream (not fused
+yet: the return trip starts after the last tile).
+"""
+
+import ctypes
+import importlib
+
+from . import compile as _compile
+from . import moe as _moe
+from . import tp as _tp
+from .errors import ArgumentError
+
+_gemm = importlib.import_module("mkernel.gemm")  # the module (mkernel.gemm is also the function)
+
+KERNEL = "mk_moe_dispatch_gemm_kernel"
+THREADS = 384            # MOE_GEMM_THREADS (the GEMM engine's CTA)
+DEFAULT_COMM_SMS = 16    # dispatch CTAs of the fused kernel (bench/NOTES.md: not yet tuned on 2 GPUs)
+PATHS = ("fused", "unfused")
+MAX_EXPERTS_LOCAL = _gemm.MAX_GROUPS  # one GEMM group per local expert
+
+SPEC = _compile.register("moe_gemm", "moe_dispatch_gemm.cu",
+                         tuple(f"{KERNEL}<{dt},{bl}>" for dt in (0, 1) for bl in (_gemm.B_NK, _gemm.B_KN)),
+                         hot=True)
+
+
+class MkMoeGemmArgs(ctypes.Structure):
+    """Mirror of ``MkMoeGemmArgs`` (mkernel/cuda/moe_gemm_args.cuh), 896 bytes (64-byte aligned)."""
+    _fields_ = [("g", _gemm.MkGemmArgs), ("m", _moe.MkMoeArgs), ("gemm_ctas", ctypes.c_int32),
+                ("pad", ctypes.c_int32), ("tail", ctypes.c_uint8 * 24)]
+
+
+def _expert_weights(op, w, E_local, K, dtype, w_layout):
+    """(w, layout code, N) of expert weights [E_local, K, N] ('kn') or [E_local, N, K] ('nk')."""
+    if w.ndim != 3 or w.shape[0] != E_local or w.dtype != dtype:
+        raise ArgumentError(f"{op}: expert weights must be [{E_local}, ...] of {dtype}; got {w.dtype} {tuple(w.shape)}")
+    if w_layout is None:
+        w_layout = "kn" if w.shape[1] == K else "nk" if w.shape[2] == K else None
+    if w_layout == "kn" and w.shape[1] == K:
+        layout, N = _gemm.B_KN, w.shape[2]
+    elif w_layout == "nk" and w.shape[2] == K:
+        layout, N = _gemm.B_NK, w.shape[1]
+    else:
+        raise ArgumentError(f"{op}: expert weights {tuple(w.shape)} are neither [E, K={K}, N] nor [E, N, K={K}] "
+                            f"(w_layout={w_layout!r})")
+    if N % 8:
+        raise ArgumentError(f"{op}: the experts' output width {N} must be a multiple of 8")
+    if not 1 <= E_local <= MAX_EXPERTS_LOCAL:
+        raise ArgumentError(f"{op}: at most {MAX_EXPERTS_LOCAL} experts per rank (one GEMM group each); "
+                            f"this call has {E_local}")
+    _gemm.check_grouped_b(w, f"{op}: expert weights")
+    return w, layout, N
+
+
+def _b_layout_name(layout):
+    return "kn" if layout == _gemm.B_KN else "nk"
+
+
+def moe_dispatch_gemm(x, topk_ids, topk_weights, w, *, comm, num_experts, capacity=None, out=None, stream=None,
+                      w_layout=None, comm_sms=None, path=None):
+    """Dispatch, then every local expert's GEMM on the rows it received: returns ``(y, handle)``,
+    y [capacity, F] = received rows @ w[expert] (rows grouped as moe_dispatch receives them; rows past
+    handle.received() untouched). x, topk_ids, topk_weights, capacity: as :func:`mkernel.moe_dispatch`.
+    w: [E_local, H, F] (or [E_local, F, H]; w_layout 'kn' / 'nk' says which when H == F), at most 128
+    local experts, F a multiple of 8.
+
+    path: "fused" (default): one kernel, the GEMM of each tile starting once its rows arrived;
+    ``comm_sms`` CTAs dispatch (default 16), the others run the GEMM. "unfused": moe_dispatch, then
+    grouped_gemm on its output, back to back on the stream. Nothing synchronises with the host.
+    """
+    from .arrays import as_cupy
+
+    op = "moe_dispatch_gemm"
+    if path is None:
+        path = "fused"
+    if path not in PATHS:
+        raise ArgumentError(f"{op}: path must be one of {PATHS}; got {path!r}")
+    comm_sms = DEFAULT_COMM_SMS if comm_sms is None else comm_sms
+    if not isinstance(comm_sms, int) or isinstance(comm_sms, bool) or not 1 <= comm_sms < _tp.sm_count():
+        raise ArgumentError(f"{op}: comm_sms must be an integer in 1..{_tp.sm_count() - 1}; got {comm_sms!r}")
+    _moe._check_comm(op, comm)
+    xc, _, _, T, H, k = _moe._check_routing(op, x, topk_ids, topk_weights, num_experts, comm.size, stream)
+    El = num_experts // comm.size
+    wb, layout, F = _expert_weights(op, as_cupy(w, "w", stream=stream), El, H, xc.dtype, w_layout)
+    cap = _moe.moe_capacity(T, k, comm.size) if capacity is None else capacity
+    out = _tp.prepare_out(op, out, (cap, F), xc.dtype, comm)
+    if path == "unfused":
+        recv, handle = _moe.moe_dispatch(x, topk_ids, topk_weights, comm=comm, num_experts=num_experts,
+                                         capacity=capacity, stream=stream)
+        _gemm.grouped_gemm(recv, wb, handle.group_rows, out=out, stream=stream, b_layout=_b_layout_name(layout))
+        return out, handle
+
+    d = _moe.prepare_dispatch(op, x, topk_ids, topk_weights, comm, num_experts, capacity, stream)
+    args = MkMoeGemmArgs()
+    args.m = d.args
+    g = args.g
+    esize = xc.itemsize
+    g.a = _tp.a_map(xc.dtype, d.plan["recv"].data.ptr, d.capacity, H, H * esize)
+    g.b = _gemm.b_map(wb, layout, H, F, El)
+    g.c = _gemm.c_map(out, _gemm.DT[xc.dtype.name])
+    g.sync = d.args.sync
+    g.sched.tiles_n, g.sched.group_m = -(-F // _gemm.BN), _gemm.DEFAULT_GROUP_M
+    g.c_ptr, g.group_rows = out.data.ptr, d.plan["group_rows"].data.ptr
+    g.ldc = (out.strides[0] if d.capacity > 1 else F * esize) // esize
+    g.m, g.n, g.k, g.num_groups, g.epi_op = d.capacity, F, H, El, _gemm.EPI_STORE
+    sms = _tp.sm_count()
+    args.gemm_ctas = sms - comm_sms
+    _launch(op, layout, xc.dtype, args, sms, stream)
+    return out, d.handle
+
+
+def _launch(op, layout, dtype, args, grid, stream):
+    from .launch import launch_persistent, persistent_grid
+
+    fn = _compile.module(SPEC).function(f"{KERNEL}<{_gemm.DT[dtype.name]},{layout}>")
+    persistent_grid(fn, THREADS, _gemm.SMEM_GROUPED, blocks=grid, what=op)  # all CTAs resident: they wait on each other
+    launch_persistent(fn, (grid,), (THREADS,), args, smem=_gemm.SMEM_GROUPED, stream=stream, what=op)
+
+
+def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=None):
+    """Every local expert's second GEMM (y2 [capacity, F] @ w2[expert] [F, H], or w2 [E_local, H, F])
+    on its rows, then combine: out [T, H]. Runs grouped_gemm and moe_combine back to back (not fused
+    yet)."""
+    import cupy
+    from .arrays import as_cupy
+
+    op = "moe_gemm_combine"
+    _moe._check_comm(op, comm)
+    if not isinstance(handle, _moe.MoeHandle):
+        raise ArgumentError(f"{op}: handle must be the MoeHandle of moe_dispatch; got {type(handle).__name__}")
+    handle._check()
+    y2 = as_cupy(y2, "y2", stream=stream)
+    if y2.ndim != 2 or y2.shape[0] != handle.capacity:
+        raise ArgumentError(f"{op}: y2 must be [capacity={handle.capacity}, F]; got {tuple(y2.shape)}")
+    wb, layout, H = _expert_weights(op, as_cupy(w2, "w2", stream=stream), handle.group_rows.size, y2.shape[1],
+                                    handle.dtype, w_layout)
+    if H != handle.H:
+        raise ArgumentError(f"{op}: w2 maps F={y2.shape[1]} to {H} columns, not the tokens' H={handle.H}")
+    with _tp.on_stream(stream):
+        z = cupy.empty((handle.capacity, H), dtype=handle.dtype)
+    _gemm.grouped_gemm(y2, wb, handle.group_rows, out=z, stream=stream, b_layout=_b_layout_name(layout))
+    return _moe.moe_combine(z, handle, comm=comm, out=out, stream=stream)
+
+
+def sanitize_target():
+    """The fused dispatch + GEMM once at world 1 with integer inputs (exact in fp32); raises on a wrong
+    result. tools/sanitize.sh runs it under compute-sanitizer."""
+    import numpy as np
+    import cupy
+    from mpi4py import MPI
+
+    import mkernel
+
+    comm = mkernel.init(MPI.COMM_SELF, workspace_bytes=16 << 20)
+    try:
+        T, H, F, E, k = 100, 64, 72, 4, 2
+        rng = np.random.default_rng(0)
+        x = rng.integers(-2, 3, size=(T, H)).astype(np.float16)
+        ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+        w = rng.integers(-2, 3, size=(E, H, F)).astype(np.float16)
+        y, h = moe_dispatch_gemm(cupy.asarray(x), cupy.asarray(ids), cupy.ones((T, k), dtype=cupy.float32),
+                                 cupy.asarray(w), comm=comm, num_experts=E)
+        comm.check()
+        rows = [(e, t) for e in range(E) for t in range(T) for j in range(k) if ids[t, j] == e]
+        want = np.stack([x[t].astype(np.float64) @ w[e].astype(np.float64) for e, t in rows])
+        if not np.array_equal(y.get()[:len(rows)].astype(np.float64), want):
+            raise AssertionError("moe_dispatch_gemm: wrong result")
+    finally:
+        comm.close()

@@ -1,0 +1,197 @@
+"""Tests of the fused MoE dispatch + grouped GEMM (mkernel.moe_dispatch_gemm, path="fused": one kernel,
+mkernel/cuda/moe_dispatch_gemm.cu). The problems, layout rule and helpers are tests/test_moe.py's.
+
+GPU, 1 rank and under mpirun (marked gpu and mpi):
+- exact, per (expert, source) block (test_fused_exact): x in {-1, 0, 1} and w1 in {-1, 0, 1} with
+  H <= 256 (bf16) or H <= 1000 (fp16), so every output is an integer the dtype holds exactly: y rows
+  [0, received) bitwise equal to the float64 GEMM of the rows the layout rule puts there, the first
+  wrong (expert, source) block and 128-row tile named; rows past received still poisoned; the counts
+  (handle.counts(), received()) right; and the unfused path (moe_dispatch then grouped_gemm) bitwise
+  equal to the fused one. Every routing of test_moe's dispatch cases (uniform, Zipf, top-1..8, repeated
+  experts, empty experts and ranks, T = 0 on a rank, T per rank, a capacity exactly the need and above
+  it), El up to 64, F 72 (a part of one N-tile) and 264 (two), w1 [El, H, F] and [El, F, H];
+- 12 launches queued without synchronisation, alternating two inputs of one shape and a second shape
+  (plans of their own), each bitwise equal to its solo run; the epoch moves by 12 (test_fused_repeated);
+- comm_sms 1 and 40 give the same bits as the default (test_fused_split_invariant).
+Device-detected errors of the fused kernel (capacity, expert ids) are cases of test_moe.test_device_errors.
+"""
+
+import importlib
+import zlib
+
+import numpy as np
+import pytest
+
+import collective_cases
+import mkernel
+import test_moe as tm
+from gpu_arrays import bits, dev, host, poisoned
+
+mmg = importlib.import_module("mkernel.moe_gemm")
+
+FS = (72, 264)  # output widths: part of one N-tile, two N-tiles
+
+
+@pytest.fixture(scope="module")
+def comm():
+    c = collective_cases.with_driver(mkernel.init(workspace_bytes=tm.WORKSPACE))
+    yield c
+    collective_cases.close(c)
+
+
+def _weights(P, F):
+    """w1 of every expert, [E, H, F], entries in {-1, 0, 1} (seeded by the case)."""
+    rng = np.random.default_rng(zlib.crc32(f"w1 of {P.name}|world={P.W}".encode()))
+    return rng.integers(-1, 2, size=(P.E, P.H, F)).astype(np.float32).astype(P.dt)
+
+
+def _want_y(P, me, W1):
+    """The GEMM rows owner `me` holds (float64, exact), in receive order."""
+    src, pair, counts = P.layout[me]
+    rows = tm._expected_rows(P, me).astype(np.float64)
+    expert = np.repeat(np.arange(P.El), counts.sum(axis=1))
+    y = np.zeros((src.size, W1.shape[2]))
+    for el in np.unique(expert):
+        m = expert == el
+        y[m] = rows[m] @ W1[me * P.El + el].astype(np.float64)
+    return y
+
+
+def _check_y(P, me, y, h, want):
+    """(ok, message): y [cap, F] against want, bitwise, naming the first wrong block and tile."""
+    src, _, counts = P.layout[me]
+    n = src.size
+    msgs, ok = [f"received {h.received()}/{n}"], True
+    if h.received() != n or not np.array_equal(np.asarray(h.counts()), counts.sum(axis=1)):
+        ok = False
+        msgs.append(f"COUNTS {np.asarray(h.counts())[:8].tolist()} expected {counts.sum(axis=1)[:8].tolist()}")
+    yb = bits(y)
+    wb = want.astype(np.float32).astype(P.dt).view(np.uint16)
+    bad = np.flatnonzero(~(yb[:n] == wb).all(axis=1))
+    if bad.size:
+        ok = False
+        starts = np.concatenate([[0], np.cumsum(counts.reshape(-1))])  # blocks (el, s), el major
+        b0 = int(np.searchsorted(starts, bad[0], side="right") - 1)
+        el, s = divmod(b0, P.W)
+        group_start = int(starts[el * P.W])
+        r = int(bad[0])
+        c = int(np.flatnonzero(yb[r] != wb[r])[0])
+        msgs.append(f"{bad.size} WRONG ROWS; first row {r} (local expert {el}, from rank {s}, tile "
+                    f"{(r - group_start) // 128} of its group) col {c}: {host(y)[r, c]!r} != {want[r, c]!r}")
+    tail = np.flatnonzero(~(yb[n:] == tm._nan_bits(P.dtn)).all(axis=1))
+    if tail.size:
+        ok = False
+        msgs.append(f"{tail.size} ROWS PAST received WRITTEN, first {n + int(tail[0])}")
+    return ok, "; ".join(msgs)
+
+
+EXACT_CASES = [c for c in tm.DISPATCH_CASES if c["H"] <= (256 if c["dtn"] == "bf16" else 1000)]
+
+
+def _exact_name(c, F, lay):
+    return f"{tm._case_name(c)} F={F} w={lay}"
+
+
+def _exact_cases(comm):
+    out = {}
+    for i, c in enumerate(tm._cases_for(comm, EXACT_CASES).values()):
+        if c["El"] > mmg.MAX_EXPERTS_LOCAL:
+            continue
+        F, lay = FS[i % 2], ("kn", "nk")[i // 2 % 2]
+        out[_exact_name(c, F, lay)] = (c, F, lay)
+    return out
+
+
+def _run(P, me, W1, F, lay, comm, path=None, comm_sms=None):
+    x, ids, w = tm._inputs(P, me)
+    w1 = W1[me * P.El:(me + 1) * P.El]
+    if lay == "nk":
+        w1 = np.ascontiguousarray(w1.transpose(0, 2, 1))
+    yb = poisoned((P.cap, F), P.dtn)
+    y, h = mkernel.moe_dispatch_gemm(x, ids, w, dev(w1), comm=comm, num_experts=P.E, capacity=P.capacity, out=yb,
+                                     w_layout=lay, path=path, comm_sms=comm_sms)
+    return yb, y, h
+
+
+def _exact_body(comm, c, F, lay):
+    me = comm.rank
+    P = tm._problem(tm._case_name(c), comm.size, c["dtn"], c["H"], c["El"], c["k"], c["routing"], c["T"], c["cap"],
+                    values="unit")
+    W1 = _weights(P, F)
+    yb, y, h = _run(P, me, W1, F, lay, comm)
+    tm._sync(_exact_name(c, F, lay))
+    comm.check()
+    if y is not yb:
+        return False, "moe_dispatch_gemm did not return the given out"
+    ok, msg = _check_y(P, me, y, h, _want_y(P, me, W1))
+    fused_bits = bits(y)
+    _, yu, _ = _run(P, me, W1, F, lay, comm, path="unfused")
+    tm._sync(_exact_name(c, F, lay) + " unfused")
+    comm.check()
+    same = bool((bits(yu) == fused_bits).all())
+    return ok and same, msg + ("; unfused bitwise equal" if same else "; UNFUSED DIFFERS")
+
+
+@collective_cases.gpu_mpi
+def test_fused_exact(comm):
+    cases = _exact_cases(comm)
+    names = list(cases)
+    results = tm._run_cases(comm, names, lambda n: _exact_body(comm, *cases[n]))
+    tm._report_and_decide(comm, "moe_dispatch_gemm fused, exact per (expert, source) block", names, results)
+
+
+def _repeat_body(comm):
+    """Shapes A (bf16 H 256 El 4 k 2 zipf T 500, two inputs) and B (fp16 H 512 El 16 k 8 uniform T 200):
+    A0 A1 B, four times, queued without synchronisation, each y into a buffer of its own: each bitwise
+    equal to its solo run, the epoch moved by 12."""
+    W, me = comm.size, comm.rank
+    probs = {"A0": tm._problem("fused repeat A0", W, "bf16", 256, 4, 2, "zipf", 500, values="unit"),
+             "A1": tm._problem("fused repeat A1", W, "bf16", 256, 4, 2, "zipf", 500, values="unit"),
+             "B": tm._problem("fused repeat B", W, "fp16", 512, 16, 8, "uniform", 200, values="unit")}
+    Fs = {"A0": 264, "A1": 264, "B": 72}
+    W1s = {s: _weights(P, Fs[s]) for s, P in probs.items()}
+    solos, ok, msgs = {}, True, []
+    for s, P in probs.items():
+        _, y, h = _run(P, me, W1s[s], Fs[s], "kn", comm)
+        tm._sync(f"solo {s}")
+        comm.check()
+        o, m = _check_y(P, me, y, h, _want_y(P, me, W1s[s]))
+        ok &= o
+        msgs.append(f"solo {s}: {m}")
+        solos[s] = bits(y)
+    order = ["A0", "A1", "B"] * 4
+    e0 = comm.sync.epoch()
+    ys = [_run(probs[s], me, W1s[s], Fs[s], "kn", comm)[1] for s in order]
+    tm._sync("fused repeats", 60.0)
+    comm.check()
+    moved = (comm.sync.epoch() - e0) % (1 << 32)
+    differ = [(i, s) for i, (s, y) in enumerate(zip(order, ys)) if not (bits(y) == solos[s]).all()]
+    msgs.append(f"differ from solo at {differ}; epoch moved by {moved} (want {len(order)})")
+    return ok and not differ and moved == len(order), "; ".join(msgs)
+
+
+@collective_cases.gpu_mpi
+def test_fused_repeated(comm):
+    tm._collective(comm, "12 fused launches, two inputs and two shapes interleaved, one synchronisation",
+                   lambda: _repeat_body(comm))
+
+
+def _split_body(comm):
+    W, me = comm.size, comm.rank
+    P = tm._problem("fused split", W, "bf16", 256, 8, 4, "zipf", 700, values="unit")
+    W1 = _weights(P, 264)
+    want = _want_y(P, me, W1)
+    ok, msgs = True, []
+    for sms in (None, 1, 40):
+        _, y, h = _run(P, me, W1, 264, "kn", comm, comm_sms=sms)
+        tm._sync(f"comm_sms={sms}")
+        comm.check()
+        o, m = _check_y(P, me, y, h, want)
+        ok &= o
+        msgs.append(f"comm_sms={sms}: {m}")
+    return ok, "; ".join(msgs)
+
+
+@collective_cases.gpu_mpi
+def test_fused_split_invariant(comm):
+    tm._collective(comm, "comm_sms 16 (default), 1, 40: the same exact y", lambda: _split_body(comm))
