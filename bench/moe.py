@@ -16,11 +16,11 @@ an MPI barrier and a spin kernel long enough for the host to have queued the who
 launch time is not timed; the time of a repetition is the max over ranks; all variants interleaved
 A B C ... A B C ... so that clock drift spreads over all of them):
 
-- mkernel: ``moe_dispatch_gemm`` (y = dispatch(x) @ w1[expert]) and ``moe_gemm_combine`` on
-  y2 = y (no activation: it is not part of either op);
-- unfused: ``moe_dispatch`` then ``grouped_gemm``; ``grouped_gemm`` then ``moe_combine`` (the same
-  building blocks back to back; today's moe_dispatch_gemm is exactly that, so vs_unfused ~ 1.0
-  until the fused kernels land);
+- mkernel: ``moe_dispatch_gemm`` (y = dispatch(x) @ w1[expert], one fused kernel) and
+  ``moe_gemm_combine`` on y2 = y (no activation: it is not part of either op);
+- unfused: ``moe_dispatch`` then ``grouped_gemm``; ``grouped_gemm`` then ``moe_combine`` (the
+  building blocks back to back; ``moe_gemm_combine`` is exactly that today, so its vs_unfused ~ 1.0
+  until its fused kernel lands);
 - baseline: the pairs sorted by expert on the device (cupy.argsort of expert * P + pair index, so
   the order is (destination rank, local expert, pair)), the token rows gathered (cupy.take), NCCL
   all-to-all through cupy.cuda.nccl (ncclGroupStart, send / recv per peer, self included,

@@ -195,3 +195,14 @@ def _split_body(comm):
 @collective_cases.gpu_mpi
 def test_fused_split_invariant(comm):
     tm._collective(comm, "comm_sms 16 (default), 1, 40: the same exact y", lambda: _split_body(comm))
+
+
+# ======================================================================================== CPU
+def test_fused_kernel_has_no_static_shared_memory():
+    """The fused kernel launches with the grouped GEMM's dynamic shared memory (gemm.SMEM_GROUPED, 1 KiB
+    under the SM's limit); any static __shared__ variable would be padded to the dynamic part's
+    1024-byte alignment and make every launch fail (CUDA_ERROR_INVALID_VALUE)."""
+    from mkernel import compile as mkc
+
+    log = mkc.compile_spec(mkc.REGISTRY["moe_gemm"]).log
+    assert "ptxas info" in log and "bytes smem" not in log, [l for l in log.splitlines() if "smem" in l]
