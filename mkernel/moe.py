@@ -29,6 +29,7 @@ THREADS = 512          # MOE_THREADS
 CNT_WORDS = 8          # MOE_CNT_WORDS
 PAIRS_PER_CTA = 256    # dispatch: pairs each CTA routes (its grid: ceil(pairs / this), at most the SMs)
 ROWS_PER_CTA = 64      # combine: rows each CTA returns
+DISPATCH_SMEM = 16 * 2 * 4096  # the dispatch copiers' buffers (MoeShared<512>::STAGE_BYTES)
 DT = {"bfloat16": 0, "float16": 1}
 
 SPEC = _compile.register("moe", "moe.cu", ("mk_moe_dispatch_kernel", "mk_moe_combine_kernel<0>",
@@ -167,12 +168,12 @@ def _args(comm, plan, op, T, k, E, H):
     return a
 
 
-def _launch(comm, op, expr, args, ctas, stream):
+def _launch(comm, op, expr, args, ctas, stream, smem=0):
     from .launch import launch_persistent, persistent_grid
 
     fn = _compile.module(SPEC).function(expr)
-    persistent_grid(fn, THREADS, 0, blocks=ctas, what=op)  # the dispatch's CTAs meet at a grid barrier
-    launch_persistent(fn, (ctas,), (THREADS,), args, smem=0, stream=stream, what=op)
+    persistent_grid(fn, THREADS, smem, blocks=ctas, what=op)  # the dispatch's CTAs meet at a grid barrier
+    launch_persistent(fn, (ctas,), (THREADS,), args, smem=smem, stream=stream, what=op)
 
 
 def moe_dispatch(x, topk_ids, topk_weights, *, comm, num_experts, capacity=None, out=None, stream=None):
@@ -193,7 +194,7 @@ def moe_dispatch(x, topk_ids, topk_weights, *, comm, num_experts, capacity=None,
     d.args.out = out.data.ptr
     d.args.ldo = (out.strides[0] if d.capacity > 1 else d.H * out.itemsize) // out.itemsize
     ctas = max(1, min(d.plan["sms"], -(-d.T * d.k // PAIRS_PER_CTA)))
-    _launch(comm, op, "mk_moe_dispatch_kernel", d.args, ctas, stream)
+    _launch(comm, op, "mk_moe_dispatch_kernel", d.args, ctas, stream, smem=DISPATCH_SMEM)
     return out, d.handle
 
 

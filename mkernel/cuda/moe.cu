@@ -20,10 +20,11 @@ constexpr u32 MOE_WARPS = MOE_THREADS / 32;
 // each CTA's stripe of them to `out`.
 __global__ void __launch_bounds__(MOE_THREADS, 1) mk_moe_dispatch_kernel(const __grid_constant__ MkMoeArgs a) {
   __shared__ MoeShared<MOE_THREADS> sh;
+  extern __shared__ __align__(128) u8 moe_stage[];  // the copiers' buffers: MoeShared<>::STAGE_BYTES
   const u32 tid = threadIdx.x;
   const MkPeers peers = moe_peers(a);
   const MoeCtas ctas{blockIdx.x, gridDim.x};
-  if (moe_dispatch_role<MOE_THREADS>(a, sh, ctas)) {
+  if (moe_dispatch_role<MOE_THREADS>(a, sh, ctas, moe_stage)) {
     if (tid == 0) sh.ok = moe_wait_all(a, peers, a.rflag_off, sh.epoch, MOE_WAIT_ROWS) ? 1 : 0;
     __syncthreads();
     if (sh.ok) {
@@ -115,4 +116,5 @@ __global__ void __launch_bounds__(MOE_THREADS, 1) mk_moe_combine_kernel(const __
   launch_exit(a.sync, Ep);
 }
 
+static_assert(MoeShared<MOE_THREADS>::STAGE_BYTES == 131072, "update moe.DISPATCH_SMEM");
 static_assert(sizeof(MkMoeArgs) == 288, "MkMoeArgs layout changed: update mkernel/moe.py");

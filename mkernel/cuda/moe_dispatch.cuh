@@ -22,12 +22,13 @@
 #include "common.cuh"
 #include "signals.cuh"
 #include "peers.cuh"
+#include "mbar_wait.cuh"
 #include "moe_args.cuh"
 
 // Wait ids (MkStatus::where) of the kernels' waits.
 enum : u32 {
   MOE_WAIT_GRID = 0xA000u, MOE_WAIT_COUNTS = 0xA100u, MOE_WAIT_ROWS = 0xA200u, MOE_WAIT_RET = 0xA300u,
-  MOE_WAIT_ORDER = 0xA400u, MOE_WAIT_PLAN = 0xA500u, MOE_WAIT_EXPERT = 0xA600u
+  MOE_WAIT_ORDER = 0xA400u, MOE_WAIT_PLAN = 0xA500u, MOE_WAIT_EXPERT = 0xA600u, MOE_WAIT_COPY = 0xA700u
 };
 
 // Verdict of step 3 (counters[MOE_CNT_PLAN]): zero until CTA 0 decided.
@@ -64,20 +65,81 @@ MK_DEV bool moe_wait_all(const MkMoeArgs& a, const MkPeers& p, u64 off, u32 E, u
   return true;
 }
 
-// Copies one row of `bytes` (a multiple of 16) with the calling warp.
-MK_DEV void warp_copy_row(u8* dst, const u8* src, u32 bytes, u32 lane, bool src_remote) {
-  for (u32 o = lane * 16u; o < bytes; o += 32u * 16u) {
-    const uint4 v = src_remote ? __ldcg(reinterpret_cast<const uint4*>(src + o)) : *reinterpret_cast<const uint4*>(src + o);
-    st_v4(dst + o, v);
-  }
+MK_DEV uint4 ld_row_v4(const u8* p, bool remote) {
+  return remote ? __ldcg(reinterpret_cast<const uint4*>(p)) : *reinterpret_cast<const uint4*>(p);
 }
 
-// Rank of owner d in this rank's send order (me first).
-MK_DEV u32 moe_owner_slot(u32 d, u32 me, u32 W) { return (d + W - me) % W; }
+// Copies one row of `bytes` (a multiple of 16) with the calling warp. Loads go out MOE_COPY_UNROLL
+// at a time before their stores: a copy is latency-bound otherwise (one 16-byte load in flight per
+// lane: ~1 GB/s a warp, measured as 10 GB/s a CTA in the fused kernel's first run).
+constexpr u32 MOE_COPY_UNROLL = 8;
+MK_DEV void warp_copy_row(u8* dst, const u8* src, u32 bytes, u32 lane, bool src_remote) {
+  constexpr u32 STEP = 32u * 16u;
+  u32 o = lane * 16u;
+  for (; o + (MOE_COPY_UNROLL - 1) * STEP < bytes; o += MOE_COPY_UNROLL * STEP) {
+    uint4 v[MOE_COPY_UNROLL];
+#pragma unroll
+    for (u32 j = 0; j < MOE_COPY_UNROLL; ++j) v[j] = ld_row_v4(src + o + j * STEP, src_remote);
+#pragma unroll
+    for (u32 j = 0; j < MOE_COPY_UNROLL; ++j) st_v4(dst + o + j * STEP, v[j]);
+  }
+  for (; o < bytes; o += STEP) st_v4(dst + o, ld_row_v4(src + o, src_remote));
+}
+
+// Positions of the send order a warp sends between two completions (its flags wait for those).
+constexpr u32 MOE_SEND_RUN = 8;
+
+// A warp's bulk copier, run by lane 0: pieces (dst, src, bytes <= CHUNK) go through two shared-memory
+// buffers by TMA, the next piece's load in flight while the current one is stored, so that one
+// thread keeps 2 x CHUNK bytes of every warp moving (a register copy keeps one 16-byte load per lane
+// in flight: ~1 GB/s a warp, 10-20 GB/s a CTA measured in the fused kernel's first runs).
+template <u32 CHUNK>
+struct MoeCopier {
+  u32 buf;   // shared address of buffer 0; buffer 1 follows
+  u32 bar;   // shared address of mbarrier 0 (8 bytes); mbarrier 1 follows
+  const MkSync& sync;
+  u32 k = 0;                  // pieces put so far (piece k uses buffer and mbarrier k % 2)
+  void* last_dst = nullptr;   // piece k - 1 while its store is pending, else null
+  u32 last_bytes = 0;
+
+  MK_DEV void init() const {
+    mbar_init(bar, 1);
+    mbar_init(bar + 8, 1);
+    mbar_fence_init();
+  }
+  MK_DEV void store_previous() {  // piece k - 1: wait for its load, store it
+    const u32 b = (k - 1) & 1;
+    mbar_wait_timed(bar + 8 * b, ((k - 1) >> 1) & 1, sync, MOE_WAIT_COPY);
+    bulk_store_1d(last_dst, buf + b * CHUNK, last_bytes);
+    bulk_commit();
+  }
+  MK_DEV void put(void* dst, const void* src, u32 bytes) {
+    const u32 b = k & 1;
+    if (k >= 2) bulk_wait_read<0>();  // the store of piece k - 2 has read buffer b
+    mbar_arrive_expect_tx(bar + 8 * b, bytes);
+    bulk_load_1d(buf + b * CHUNK, src, bytes, bar + 8 * b);
+    if (last_dst != nullptr) store_previous();
+    last_dst = dst;
+    last_bytes = bytes;
+    ++k;
+  }
+  // Every piece put is stored and its writes performed, visible to the generic proxy and (after the
+  // system fence) to whoever acquires a flag this thread sets next.
+  MK_DEV void finish() {
+    if (last_dst != nullptr) store_previous();
+    last_dst = nullptr;
+    bulk_wait<0>();
+    fence_proxy_async_global();
+    fence_sys();
+  }
+};
 
 template <u32 THREADS>
 struct MoeShared {
   static constexpr u32 WARPS = THREADS / 32;
+  static constexpr u32 CHUNK = THREADS >= 512 ? 4096u : 8192u;  // bytes of one copier buffer
+  static constexpr u32 STAGE_BYTES = WARPS * 2u * CHUNK;         // the copiers' buffers (beside this struct)
+  u64 copy_bar[WARPS][2];          // each warp's copier mbarriers
   u32 hist[MOE_MAX_EXPERTS];       // this CTA's pairs per expert; then the running rank per expert
   u32 total[MOE_MAX_EXPERTS];      // this rank's pairs per expert; from step 3 on, all ranks' rows
   u32 sbase[MOE_MAX_EXPERTS];      // first position of expert e's pairs in the send order
@@ -263,12 +325,15 @@ MK_DEV bool moe_plan_rows(const MkMoeArgs& a, MoeShared<THREADS>& sh, const MkPe
   return ok && sh.ok != 0;
 }
 
-// Step 4, every CTA of the role: its warps' positions of the send order; the per-(source, expert)
-// flags; rflag[me] everywhere from the last CTA. `mine` are this rank's own-expert counts (step 1).
+// Step 4, every CTA of the role: its warps' positions of the send order, copied by each warp's
+// copier through its buffers in `stage` (shared memory, STAGE_BYTES, 128-byte aligned); the
+// per-(source, expert) flags; rflag[me] everywhere from the last CTA. `mine`: this rank's pairs per
+// expert (step 1).
 template <u32 THREADS>
 MK_DEV void moe_send_rows(const MkMoeArgs& a, MoeShared<THREADS>& sh, const u32* mine, const MkPeers& peers,
-                          MoeCtas ctas, u32 Ep) {
-  constexpr u32 WARPS = MoeShared<THREADS>::WARPS;
+                          MoeCtas ctas, u32 Ep, u8* stage) {
+  using Sh = MoeShared<THREADS>;
+  constexpr u32 WARPS = Sh::WARPS;
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const u32 W = (u32)a.world, me = (u32)a.me, El = (u32)a.e_local, K = (u32)a.k;
   const u32 row_bytes = (u32)a.H * 2u;
@@ -277,32 +342,50 @@ MK_DEV void moe_send_rows(const MkMoeArgs& a, MoeShared<THREADS>& sh, const u32*
   __syncthreads();
   if (!sh.ok) return;
   const u8* x = reinterpret_cast<const u8*>(a.x);
-  const u32 n = sh.mine, step = ctas.n * WARPS;
-  for (u32 p = ctas.idx * WARPS + warp; p < n; p += step) {
-    const u32 i = (u32)__ldcg(&a.send_order[p]);
-    const u32 e = (u32)a.topk_ids[i];
-    const u32 d = e / El;
-    const u32 row = sh.rowbase[e] + (p - sh.sbase[e]);
-    warp_copy_row(peer_ptr<u8>(peers, d, a.recv_off) + (u64)row * row_bytes, x + (u64)(i / K) * (u64)a.ldx * 2u,
-                  row_bytes, lane, false);
-    if (lane == 0) peer_ptr<u32>(peers, d, a.meta_off)[row] = (me << 24) | i;
-    __threadfence_system();
-    __syncwarp();
-    if (lane == 0 && atomicAdd(&a.esent[e], 1u) + 1 == mine[e]) {  // the block (me, e) is complete
-      a.esent[e] = 0;  // every count of this launch is in: zero for the next one
-      __threadfence_system();
-      set_flag(peer_ptr<u32>(peers, d, a.eflag_off) + me * El + (e - d * El), Ep);
+  const u32 n = sh.mine, step = ctas.n * WARPS * MOE_SEND_RUN;
+  // A warp sends runs of MOE_SEND_RUN consecutive positions (one fence per run), the runs dealt to
+  // the warps in turn.
+  MoeCopier<Sh::CHUNK> copier{smem_u32(stage) + warp * 2u * Sh::CHUNK, smem_u32(&sh.copy_bar[warp][0]), a.sync};
+  if (lane == 0) copier.init();
+  for (u32 p0 = (ctas.idx * WARPS + warp) * MOE_SEND_RUN; p0 < n && lane == 0; p0 += step) {
+    const u32 p1 = min(n, p0 + MOE_SEND_RUN);
+    for (u32 p = p0; p < p1; ++p) {
+      const u32 i = (u32)__ldcg(&a.send_order[p]);
+      const u32 e = (u32)a.topk_ids[i];
+      const u32 d = e / El;
+      const u32 row = sh.rowbase[e] + (p - sh.sbase[e]);
+      u8* dst = peer_ptr<u8>(peers, d, a.recv_off) + (u64)row * row_bytes;
+      const u8* src = x + (u64)(i / K) * (u64)a.ldx * 2u;
+      for (u32 o = 0; o < row_bytes; o += Sh::CHUNK) copier.put(dst + o, src + o, min(Sh::CHUNK, row_bytes - o));
+      peer_ptr<u32>(peers, d, a.meta_off)[row] = (me << 24) | i;
+    }
+    copier.finish();
+    {  // count the run per expert (it is sorted by expert); a complete block gets its flag
+      for (u32 p = p0; p < p1;) {
+        const u32 e = (u32)a.topk_ids[__ldcg(&a.send_order[p])];
+        u32 c = 1;
+        while (p + c < p1 && (u32)a.topk_ids[__ldcg(&a.send_order[p + c])] == e) ++c;
+        p += c;
+        if (atomicAdd(&a.esent[e], c) + c == mine[e]) {  // the block (me, e) is complete
+          const u32 d = e / El;
+          a.esent[e] = 0;  // every count of this launch is in: zero for the next one
+          __threadfence_system();
+          set_flag(peer_ptr<u32>(peers, d, a.eflag_off) + me * El + (e - d * El), Ep);
+        }
+      }
     }
   }
+  __syncwarp();
   __threadfence_system();
   __syncthreads();
   if (tid == 0 && moe_last_cta(a.counters, MOE_CNT_SENT, ctas))
     for (u32 d = 0; d < W; ++d) set_flag(peer_ptr<u32>(peers, d, a.rflag_off) + me, Ep);
 }
 
-// Steps 1-4 by the role's CTAs (sh in shared memory). Returns whether the rows were sent.
+// Steps 1-4 by the role's CTAs (sh and the copiers' stage in shared memory). Returns whether the
+// rows were sent.
 template <u32 THREADS>
-MK_DEV bool moe_dispatch_role(const MkMoeArgs& a, MoeShared<THREADS>& sh, MoeCtas ctas) {
+MK_DEV bool moe_dispatch_role(const MkMoeArgs& a, MoeShared<THREADS>& sh, MoeCtas ctas, u8* stage) {
   const u32 tid = threadIdx.x;
   const MkPeers peers = moe_peers(a);
   if (tid == 0) {
@@ -319,6 +402,6 @@ MK_DEV bool moe_dispatch_role(const MkMoeArgs& a, MoeShared<THREADS>& sh, MoeCta
   // free after the ranking) for the completion counts of step 4.
   for (u32 e = tid; e < (u32)a.E; e += THREADS) sh.hist[e] = sh.total[e];
   ok = moe_plan_rows<THREADS>(a, sh, peers, ctas, Ep, ok);
-  if (ok) moe_send_rows<THREADS>(a, sh, sh.hist, peers, ctas, Ep);
+  if (ok) moe_send_rows<THREADS>(a, sh, sh.hist, peers, ctas, Ep, stage);
   return ok;
 }

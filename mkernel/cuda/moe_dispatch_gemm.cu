@@ -15,6 +15,8 @@
 #include "moe_gemm_args.cuh"
 
 constexpr u32 MOE_GEMM_THREADS = 384;  // the GEMM engine's CTA (1 producer + 2 consumer warpgroups)
+// A dispatch CTA's copier buffers, after its MoeShared (128-byte aligned for the bulk copies).
+constexpr u32 MOE_STAGE_OFFSET = (sizeof(MoeShared<MOE_GEMM_THREADS>) + 127u) & ~127u;
 
 // The tile source: tiles in the engine's grouped order (expert by expert: the arrival order); before
 // a tile's loads, the arrival flags of the (source, expert) blocks its rows come from, then a proxy
@@ -80,10 +82,11 @@ __global__ void __launch_bounds__(MOE_GEMM_THREADS, 1) mk_moe_dispatch_gemm_kern
   u32 epoch;
   if ((int)blockIdx.x < args.gemm_ctas) {
     epoch = moe_gemm_cta<GemmCfg<DT, BL> >(args);
-  } else {  // the GEMM's shared memory is free in a dispatch CTA
+  } else {  // the GEMM's shared memory is free in a dispatch CTA: its state, then the copiers' buffers
     MoeShared<MOE_GEMM_THREADS>& sh = *reinterpret_cast<MoeShared<MOE_GEMM_THREADS>*>(mk_smem);
     moe_dispatch_role<MOE_GEMM_THREADS>(args.m, sh, MoeCtas{blockIdx.x - (u32)args.gemm_ctas,
-                                                            gridDim.x - (u32)args.gemm_ctas});
+                                                            gridDim.x - (u32)args.gemm_ctas},
+                                        mk_smem + MOE_STAGE_OFFSET);
     epoch = sh.epoch;
   }
   __syncthreads();
@@ -93,7 +96,8 @@ __global__ void __launch_bounds__(MOE_GEMM_THREADS, 1) mk_moe_dispatch_gemm_kern
 
 // mkernel/moe_gemm.py launches with the grouped GEMM's shared memory (gemm.SMEM_GROUPED).
 static_assert(gemm_smem_bytes<GemmCfg<0, 0>, true>() == 231768, "update gemm.SMEM_GROUPED");
-static_assert(sizeof(MoeShared<MOE_GEMM_THREADS>) <= 231768, "the dispatch CTAs' shared state fits");
+static_assert(MOE_STAGE_OFFSET + MoeShared<MOE_GEMM_THREADS>::STAGE_BYTES <= 231768 - 1024,
+              "a dispatch CTA's state and buffers fit in the GEMM's shared memory");
 // (the kernel declares no static shared memory: with the 1024-byte aligned dynamic part it would
 // push the total past the SM's 227 KiB; tests/test_moe_gemm.py reads ptxas's report to keep it so)
 static_assert(sizeof(MkMoeGemmArgs) == 896, "MkMoeGemmArgs layout changed: update mkernel/moe_gemm.py");

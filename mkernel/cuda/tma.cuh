@@ -103,6 +103,17 @@ MK_DEV void tma_add_2d(const void* desc, u32 src, i32 c0, i32 c1) {
   MK_TMA_STORE("cp.reduce", 2, ".add.tile", "{%2, %3}", "r"(c0), "r"(c1));
 }
 #undef MK_TMA_STORE
+// ------------------------------------------------------------------------ 1-D bulk copies
+// `bytes` (a multiple of 16, 16-byte aligned addresses) from global memory into shared memory,
+// completing `bar`'s transaction bytes; and from shared memory to global memory (a bulk group).
+MK_DEV void bulk_load_1d(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"((u64)src), "r"(bytes), "r"(bar) : "memory");
+}
+MK_DEV void bulk_store_1d(void* dst, u32 src, u32 bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"((u64)dst), "r"(src), "r"(bytes)
+               : "memory");
+}
 MK_DEV void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // At most N committed groups still read their shared-memory source.
 template <int N>
