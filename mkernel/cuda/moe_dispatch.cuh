@@ -102,11 +102,6 @@ struct MoeCopier {
   void* last_dst = nullptr;   // piece k - 1 while its store is pending, else null
   u32 last_bytes = 0;
 
-  MK_DEV void init() const {
-    mbar_init(bar, 1);
-    mbar_init(bar + 8, 1);
-    mbar_fence_init();
-  }
   MK_DEV void store_previous() {  // piece k - 1: wait for its load, store it
     const u32 b = (k - 1) & 1;
     mbar_wait_timed(bar + 8 * b, ((k - 1) >> 1) & 1, sync, MOE_WAIT_COPY);
@@ -337,6 +332,7 @@ MK_DEV void moe_send_rows(const MkMoeArgs& a, MoeShared<THREADS>& sh, const u32*
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const u32 W = (u32)a.world, me = (u32)a.me, El = (u32)a.e_local, K = (u32)a.k;
   const u32 row_bytes = (u32)a.H * 2u;
+  __syncthreads();  // every thread has read sh.ok (moe_plan_rows) before thread 0 writes it
   if (tid == 0)  // every CTA's part of send_order is written
     sh.ok = wait_at_least(a.sync, &a.counters[MOE_CNT_ORDER], ctas.n, -1, MOE_WAIT_ORDER) ? 1 : 0;
   __syncthreads();
@@ -346,7 +342,6 @@ MK_DEV void moe_send_rows(const MkMoeArgs& a, MoeShared<THREADS>& sh, const u32*
   // A warp sends runs of MOE_SEND_RUN consecutive positions (one fence per run), the runs dealt to
   // the warps in turn.
   MoeCopier<Sh::CHUNK> copier{smem_u32(stage) + warp * 2u * Sh::CHUNK, smem_u32(&sh.copy_bar[warp][0]), a.sync};
-  if (lane == 0) copier.init();
   for (u32 p0 = (ctas.idx * WARPS + warp) * MOE_SEND_RUN; p0 < n && lane == 0; p0 += step) {
     const u32 p1 = min(n, p0 + MOE_SEND_RUN);
     for (u32 p = p0; p < p1; ++p) {
@@ -391,6 +386,11 @@ MK_DEV bool moe_dispatch_role(const MkMoeArgs& a, MoeShared<THREADS>& sh, MoeCta
   if (tid == 0) {
     sh.epoch = launch_epoch(a.sync);
     if (ctas.idx == 0) credits_announce(peers, sh.epoch);
+    for (u32 w = 0; w < MoeShared<THREADS>::WARPS; ++w) {  // the copiers' mbarriers (step 4)
+      mbar_init(smem_u32(&sh.copy_bar[w][0]), 1);
+      mbar_init(smem_u32(&sh.copy_bar[w][1]), 1);
+    }
+    mbar_fence_init();
   }
   __syncthreads();
   const u32 Ep = sh.epoch;
