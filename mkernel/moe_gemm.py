@@ -3,11 +3,13 @@
 ``moe_dispatch_gemm``: one persistent kernel (``mkernel/cuda/moe_dispatch_gemm.cu``) whose
 communication CTAs dispatch (rows leave local expert by local expert) while its GEMM CTAs run the
 experts' grouped GEMM straight on the receive buffer, each tile once the rows it holds have arrived.
-``path="unfused"`` runs the building blocks instead (``moe_dispatch`` then ``grouped_gemm``), the
-comparison the benchmark reports.
 
-``moe_gemm_combine``: the grouped GEMM then ``moe_combine`` back to back on the stream (not fused
-yet: the return trip starts after the last tile).
+``moe_gemm_combine``: one persistent kernel (``mkernel/cuda/moe_gemm_combine.cu``) whose GEMM CTAs
+run the experts' second grouped GEMM into a staging buffer while its communication CTAs send every
+finished tile's rows back to their sources; then every CTA sums its share of the tokens.
+
+``path="unfused"`` runs the building blocks instead (``moe_dispatch`` then ``grouped_gemm``;
+``grouped_gemm`` then ``moe_combine``), the comparison the benchmark reports.
 """
 
 import ctypes
@@ -26,9 +28,17 @@ DEFAULT_COMM_SMS = 16    # dispatch CTAs of the fused kernel (bench/NOTES.md: no
 PATHS = ("fused", "unfused")
 MAX_EXPERTS_LOCAL = _gemm.MAX_GROUPS  # one GEMM group per local expert
 
-SPEC = _compile.register("moe_gemm", "moe_dispatch_gemm.cu",
-                         tuple(f"{KERNEL}<{dt},{bl}>" for dt in (0, 1) for bl in (_gemm.B_NK, _gemm.B_KN)),
-                         hot=True)
+COMBINE_KERNEL = "mk_moe_gemm_combine_kernel"
+CNT_TILE, CNT_GEMM_DONE = 5, 7  # MOE_CNT_TILE, MOE_CNT_GEMM_DONE: the combine GEMM's scheduler words
+
+
+def _register(name, source, kernel):
+    return _compile.register(name, source, tuple(f"{kernel}<{dt},{bl}>" for dt in (0, 1)
+                                                 for bl in (_gemm.B_NK, _gemm.B_KN)), hot=True)
+
+
+SPEC = _register("moe_gemm", "moe_dispatch_gemm.cu", KERNEL)
+COMBINE_SPEC = _register("moe_gemm_combine", "moe_gemm_combine.cu", COMBINE_KERNEL)
 
 
 class MkMoeGemmArgs(ctypes.Structure):
@@ -78,13 +88,7 @@ def moe_dispatch_gemm(x, topk_ids, topk_weights, w, *, comm, num_experts, capaci
     from .arrays import as_cupy
 
     op = "moe_dispatch_gemm"
-    if path is None:
-        path = "fused"
-    if path not in PATHS:
-        raise ArgumentError(f"{op}: path must be one of {PATHS}; got {path!r}")
-    comm_sms = DEFAULT_COMM_SMS if comm_sms is None else comm_sms
-    if not isinstance(comm_sms, int) or isinstance(comm_sms, bool) or not 1 <= comm_sms < _tp.sm_count():
-        raise ArgumentError(f"{op}: comm_sms must be an integer in 1..{_tp.sm_count() - 1}; got {comm_sms!r}")
+    path, comm_sms = _check_path(op, path, comm_sms)
     _moe._check_comm(op, comm)
     xc, _, _, T, H, k = _moe._check_routing(op, x, topk_ids, topk_weights, num_experts, comm.size, stream)
     El = num_experts // comm.size
@@ -100,38 +104,58 @@ def moe_dispatch_gemm(x, topk_ids, topk_weights, w, *, comm, num_experts, capaci
     d = _moe.prepare_dispatch(op, x, topk_ids, topk_weights, comm, num_experts, capacity, stream)
     args = MkMoeGemmArgs()
     args.m = d.args
-    g = args.g
-    esize = xc.itemsize
-    g.a = _tp.a_map(xc.dtype, d.plan["recv"].data.ptr, d.capacity, H, H * esize)
-    g.b = _gemm.b_map(wb, layout, H, F, El)
-    g.c = _gemm.c_map(out, _gemm.DT[xc.dtype.name])
-    g.sync = d.args.sync
-    g.sched.tiles_n, g.sched.group_m = -(-F // _gemm.BN), _gemm.DEFAULT_GROUP_M
-    g.c_ptr, g.group_rows = out.data.ptr, d.plan["group_rows"].data.ptr
-    g.ldc = (out.strides[0] if d.capacity > 1 else F * esize) // esize
-    g.m, g.n, g.k, g.num_groups, g.epi_op = d.capacity, F, H, El, _gemm.EPI_STORE
+    _gemm_args(args.g, d.plan["recv"], wb, layout, out, d.plan["group_rows"], d.capacity, H, F, El, d.args.sync)
     sms = _tp.sm_count()
     args.gemm_ctas = sms - comm_sms
-    _launch(op, layout, xc.dtype, args, sms, stream)
+    _launch(op, SPEC, KERNEL, layout, xc.dtype, args, sms, stream)
     return out, d.handle
 
 
-def _launch(op, layout, dtype, args, grid, stream):
+def _check_path(op, path, comm_sms):
+    path = "fused" if path is None else path
+    if path not in PATHS:
+        raise ArgumentError(f"{op}: path must be one of {PATHS}; got {path!r}")
+    comm_sms = DEFAULT_COMM_SMS if comm_sms is None else comm_sms
+    if not isinstance(comm_sms, int) or isinstance(comm_sms, bool) or not 1 <= comm_sms < _tp.sm_count():
+        raise ArgumentError(f"{op}: comm_sms must be an integer in 1..{_tp.sm_count() - 1}; got {comm_sms!r}")
+    return path, comm_sms
+
+
+def _gemm_args(g, a_arr, wb, layout, out, group_rows, capacity, K, N, El, sync):
+    """The engine's arguments of a fused op's grouped GEMM: A [capacity, K] (a_arr), B the experts'
+    weights, C out [capacity, N], one group per local expert."""
+    esize = out.itemsize
+    g.a = _tp.a_map(out.dtype, a_arr.data.ptr, capacity, K, a_arr.strides[0] if capacity > 1 else K * esize)
+    g.b = _gemm.b_map(wb, layout, K, N, El)
+    g.c = _gemm.c_map(out, _gemm.DT[out.dtype.name])
+    g.sync = sync
+    g.sched.tiles_n, g.sched.group_m = -(-N // _gemm.BN), _gemm.DEFAULT_GROUP_M
+    g.c_ptr, g.group_rows = out.data.ptr, group_rows.data.ptr
+    g.ldc = (out.strides[0] if capacity > 1 else N * esize) // esize
+    g.m, g.n, g.k, g.num_groups, g.epi_op = capacity, N, K, El, _gemm.EPI_STORE
+
+
+def _launch(op, spec, kernel, layout, dtype, args, grid, stream):
     from .launch import launch_persistent, persistent_grid
 
-    fn = _compile.module(SPEC).function(f"{KERNEL}<{_gemm.DT[dtype.name]},{layout}>")
+    fn = _compile.module(spec).function(f"{kernel}<{_gemm.DT[dtype.name]},{layout}>")
     persistent_grid(fn, THREADS, _gemm.SMEM_GROUPED, blocks=grid, what=op)  # all CTAs resident: they wait on each other
     launch_persistent(fn, (grid,), (THREADS,), args, smem=_gemm.SMEM_GROUPED, stream=stream, what=op)
 
 
-def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=None):
+def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=None, comm_sms=None, path=None):
     """Every local expert's second GEMM (y2 [capacity, F] @ w2[expert] [F, H], or w2 [E_local, H, F])
-    on its rows, then combine: out [T, H]. Runs grouped_gemm and moe_combine back to back (not fused
-    yet)."""
+    on its rows, each row back to its token's rank, and every token's rows summed weighted by its
+    routing weights: out [T, H], the same bits as ``moe_combine(grouped_gemm(y2, w2))``.
+
+    path: "fused" (default): one kernel; ``comm_sms`` CTAs (default 16) send every GEMM tile's rows as
+    soon as the tile is stored. "unfused": grouped_gemm, then moe_combine, back to back on the stream.
+    """
     import cupy
-    from .arrays import as_cupy
+    from .arrays import as_cupy, check_matrix
 
     op = "moe_gemm_combine"
+    path, comm_sms = _check_path(op, path, comm_sms)
     _moe._check_comm(op, comm)
     if not isinstance(handle, _moe.MoeHandle):
         raise ArgumentError(f"{op}: handle must be the MoeHandle of moe_dispatch; got {type(handle).__name__}")
@@ -143,10 +167,37 @@ def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=No
                                     handle.dtype, w_layout)
     if H != handle.H:
         raise ArgumentError(f"{op}: w2 maps F={y2.shape[1]} to {H} columns, not the tokens' H={handle.H}")
-    with _tp.on_stream(stream):
-        z = cupy.empty((handle.capacity, H), dtype=handle.dtype)
-    _gemm.grouped_gemm(y2, wb, handle.group_rows, out=z, stream=stream, b_layout=_b_layout_name(layout))
-    return _moe.moe_combine(z, handle, comm=comm, out=out, stream=stream)
+    if path == "unfused":
+        with _tp.on_stream(stream):
+            z = cupy.empty((handle.capacity, H), dtype=handle.dtype)
+        _gemm.grouped_gemm(y2, wb, handle.group_rows, out=z, stream=stream, b_layout=_b_layout_name(layout))
+        return _moe.moe_combine(z, handle, comm=comm, out=out, stream=stream)
+
+    y2 = check_matrix(y2, "y2", dtypes=(handle.dtype,))
+    if y2.shape[1] % 8:
+        raise ArgumentError(f"{op}: y2's width F = {y2.shape[1]} must be a multiple of 8")
+    comm.check()
+    plan, cap, El, F = handle._plan, handle.capacity, handle.group_rows.size, y2.shape[1]
+    out = _tp.prepare_out(op, out, (handle.T, H), handle.dtype, comm)
+    key = ("combine staging", F)  # this rank's GEMM output and its tile flags (local memory)
+    if key not in plan:
+        with _tp.on_stream(stream):
+            plan[key] = (cupy.empty((cap, H), dtype=handle.dtype),
+                         cupy.zeros(_gemm.grouped_tiles_bound(cap, H, El), dtype=cupy.uint32))
+    z, tile_flags = plan[key]
+    args = MkMoeGemmArgs()
+    args.m = _moe._args(comm, plan, op, handle.T, handle.k, plan["E"], H)
+    args.m.topk_w = handle.topk_weights.data.ptr
+    args.m.out = out.data.ptr
+    args.m.ldo = (out.strides[0] if handle.T > 1 else H * out.itemsize) // out.itemsize
+    _gemm_args(args.g, y2, wb, layout, z, handle.group_rows, cap, F, H, El, args.m.sync)
+    args.g.tile_flags = tile_flags.data.ptr
+    counters = plan["counters"].data.ptr
+    args.g.sched.tile_counter, args.g.sched.done_count = counters + 4 * CNT_TILE, counters + 4 * CNT_GEMM_DONE
+    sms = _tp.sm_count()
+    args.gemm_ctas = sms - comm_sms
+    _launch(op, COMBINE_SPEC, COMBINE_KERNEL, layout, handle.dtype, args, sms, stream)
+    return out
 
 
 def sanitize_target():
@@ -174,5 +225,11 @@ def sanitize_target():
         assert np.abs(want).max() <= 2048  # integers fp16 holds exactly
         if not np.array_equal(y.get()[:len(rows)].astype(np.float64), want):
             raise AssertionError("moe_dispatch_gemm: wrong result")
+        w2 = (rng.integers(-1, 2, size=(E, F, H)) * (rng.random((E, F, H)) < 0.1)).astype(np.float16)
+        fused = moe_gemm_combine(y, cupy.asarray(w2), h, comm=comm, comm_sms=1)
+        unfused = moe_gemm_combine(y, cupy.asarray(w2), h, comm=comm, path="unfused")
+        comm.check()
+        if not np.array_equal(fused.get().view(np.uint16), unfused.get().view(np.uint16)):
+            raise AssertionError("moe_gemm_combine: the fused kernel differs from grouped_gemm + moe_combine")
     finally:
         comm.close()

@@ -1,5 +1,6 @@
-"""Tests of the fused MoE dispatch + grouped GEMM (mkernel.moe_dispatch_gemm, path="fused": one kernel,
-mkernel/cuda/moe_dispatch_gemm.cu). The problems, layout rule and helpers are tests/test_moe.py's.
+"""Tests of the fused MoE kernels: dispatch + grouped GEMM (mkernel.moe_dispatch_gemm, path="fused",
+mkernel/cuda/moe_dispatch_gemm.cu) and grouped GEMM + combine (mkernel.moe_gemm_combine,
+mkernel/cuda/moe_gemm_combine.cu). The problems, layout rule and helpers are tests/test_moe.py's.
 
 GPU, 1 rank and under mpirun (marked gpu and mpi):
 - exact, per (expert, source) block (test_fused_exact): x in {-1, 0, 1} and w1 in {-1, 0, 1} with
@@ -7,12 +8,14 @@ GPU, 1 rank and under mpirun (marked gpu and mpi):
   [0, received) bitwise equal to the float64 GEMM of the rows the layout rule puts there, the first
   wrong (expert, source) block and 128-row tile named; rows past received still poisoned; the counts
   (handle.counts(), received()) right; and the unfused path (moe_dispatch then grouped_gemm) bitwise
-  equal to the fused one. Every routing of test_moe's dispatch cases (uniform, Zipf, top-1..8, repeated
+  equal to the fused one; moe_gemm_combine of that y (w2 in {-1, 0, 1}) bitwise equal to grouped_gemm +
+  moe_combine (exact in test_moe), no token left poisoned. Every routing of test_moe's dispatch cases (uniform, Zipf, top-1..8, repeated
   experts, empty experts and ranks, T = 0 on a rank, T per rank, a capacity exactly the need and above
   it), El up to 64, F 72 (a part of one N-tile) and 264 (two), w1 [El, H, F] and [El, F, H];
-- 12 launches queued without synchronisation, alternating two inputs of one shape and a second shape
-  (plans of their own), each bitwise equal to its solo run; the epoch moves by 12 (test_fused_repeated);
-- comm_sms 1 and 40 give the same bits as the default (test_fused_split_invariant).
+- 12 dispatch+GEMM and 12 GEMM+combine launches queued without synchronisation, alternating two inputs
+  of one shape and a second shape (plans of their own), each bitwise equal to its solo run; the epoch
+  moves by 24 (test_fused_repeated);
+- comm_sms 1 and 40 give the same bits as the default, both ops (test_fused_split_invariant).
 Device-detected errors of the fused kernel (capacity, expert ids) are cases of test_moe.test_device_errors.
 """
 
@@ -113,23 +116,45 @@ def _run(P, me, W1, F, lay, comm, path=None, comm_sms=None):
     return yb, y, h
 
 
+def _combine(P, me, y, h, lay, comm, path=None, comm_sms=None):
+    """moe_gemm_combine of y with w2 (in {-1, 0, 1}, [El, F, H] or [El, H, F]) into a poisoned out."""
+    rng = np.random.default_rng(zlib.crc32(f"w2 of {P.name}|world={P.W}".encode()))
+    F = y.shape[1]
+    w2 = rng.integers(-1, 2, size=(P.El, F, P.H)).astype(np.float32).astype(P.dt)  # this rank's experts
+    if lay == "nk":
+        w2 = np.ascontiguousarray(w2.transpose(0, 2, 1))
+    ob = poisoned((P.Ts[me], P.H), P.dtn)
+    out = mkernel.moe_gemm_combine(y, dev(w2), h, comm=comm, out=ob, w_layout=lay, path=path, comm_sms=comm_sms)
+    return ob, out
+
+
 def _exact_body(comm, c, F, lay):
+    """dispatch + GEMM exact against float64 and bitwise equal to the building blocks; GEMM + combine
+    of its y bitwise equal to the building blocks (grouped_gemm + moe_combine: exact in test_moe)."""
     me = comm.rank
     P = tm._problem(tm._case_name(c), comm.size, c["dtn"], c["H"], c["El"], c["k"], c["routing"], c["T"], c["cap"],
                     values="unit")
     W1 = _weights(P, F)
     yb, y, h = _run(P, me, W1, F, lay, comm)
+    ob, out = _combine(P, me, y, h, lay, comm)
     tm._sync(_exact_name(c, F, lay))
     comm.check()
-    if y is not yb:
-        return False, "moe_dispatch_gemm did not return the given out"
+    if y is not yb or out is not ob:
+        return False, "moe_dispatch_gemm / moe_gemm_combine did not return the given out"
     ok, msg = _check_y(P, me, y, h, _want_y(P, me, W1))
-    fused_bits = bits(y)
-    _, yu, _ = _run(P, me, W1, F, lay, comm, path="unfused")
+    y_bits, out_bits = bits(y), bits(out)
+    _, yu, hu = _run(P, me, W1, F, lay, comm, path="unfused")
+    _, outu = _combine(P, me, yu, hu, lay, comm, path="unfused")
     tm._sync(_exact_name(c, F, lay) + " unfused")
     comm.check()
-    same = bool((bits(yu) == fused_bits).all())
-    return ok and same, msg + ("; unfused bitwise equal" if same else "; UNFUSED DIFFERS")
+    same_y = bool((bits(yu) == y_bits).all())
+    same_out = bool((bits(outu) == out_bits).all())
+    poison_left = int((out_bits == tm._nan_bits(P.dtn)).all(axis=1).sum()) if P.Ts[me] else 0
+    msg += "; dispatch+GEMM " + ("= unfused" if same_y else "DIFFERS FROM UNFUSED")
+    msg += "; GEMM+combine " + ("= unfused" if same_out else "DIFFERS FROM UNFUSED")
+    if poison_left:
+        msg += f"; {poison_left} TOKENS NEVER WRITTEN"
+    return ok and same_y and same_out and not poison_left, msg
 
 
 @collective_cases.gpu_mpi
@@ -158,16 +183,21 @@ def _repeat_body(comm):
         o, m = _check_y(P, me, y, h, _want_y(P, me, W1s[s]))
         ok &= o
         msgs.append(f"solo {s}: {m}")
-        solos[s] = bits(y)
+        solos[s] = (bits(y), bits(_combine(P, me, y, h, "kn", comm)[1]))
+        tm._sync(f"solo {s} combine")
     order = ["A0", "A1", "B"] * 4
     e0 = comm.sync.epoch()
-    ys = [_run(probs[s], me, W1s[s], Fs[s], "kn", comm)[1] for s in order]
+    runs = []
+    for s in order:  # dispatch+GEMM, then GEMM+combine of its y, each into buffers of their own
+        _, y, h = _run(probs[s], me, W1s[s], Fs[s], "kn", comm)
+        runs.append((y, _combine(probs[s], me, y, h, "kn", comm)[1]))
     tm._sync("fused repeats", 60.0)
     comm.check()
     moved = (comm.sync.epoch() - e0) % (1 << 32)
-    differ = [(i, s) for i, (s, y) in enumerate(zip(order, ys)) if not (bits(y) == solos[s]).all()]
-    msgs.append(f"differ from solo at {differ}; epoch moved by {moved} (want {len(order)})")
-    return ok and not differ and moved == len(order), "; ".join(msgs)
+    differ = [(i, s) for i, (s, (y, o)) in enumerate(zip(order, runs))
+              if not ((bits(y) == solos[s][0]).all() and (bits(o) == solos[s][1]).all())]
+    msgs.append(f"differ from solo at {differ}; epoch moved by {moved} (want {2 * len(order)})")
+    return ok and not differ and moved == 2 * len(order), "; ".join(msgs)
 
 
 @collective_cases.gpu_mpi
@@ -182,14 +212,18 @@ def _split_body(comm):
     W1 = _weights(P, 264)
     want = _want_y(P, me, W1)
     ok, msgs = True, []
+    outs = []
     for sms in (None, 1, 40):
         _, y, h = _run(P, me, W1, 264, "kn", comm, comm_sms=sms)
+        outs.append(bits(_combine(P, me, y, h, "kn", comm, comm_sms=sms)[1]))
         tm._sync(f"comm_sms={sms}")
         comm.check()
         o, m = _check_y(P, me, y, h, want)
         ok &= o
         msgs.append(f"comm_sms={sms}: {m}")
-    return ok, "; ".join(msgs)
+    same = all((o == outs[0]).all() for o in outs)
+    msgs.append("combine outputs " + ("equal" if same else "DIFFER"))
+    return ok and same, "; ".join(msgs)
 
 
 @collective_cases.gpu_mpi
@@ -198,11 +232,12 @@ def test_fused_split_invariant(comm):
 
 
 # ======================================================================================== CPU
-def test_fused_kernel_has_no_static_shared_memory():
-    """The fused kernel launches with the grouped GEMM's dynamic shared memory (gemm.SMEM_GROUPED, 1 KiB
+@pytest.mark.parametrize("spec", ["moe_gemm", "moe_gemm_combine"])
+def test_fused_kernel_has_no_static_shared_memory(spec):
+    """The fused kernels launch with the grouped GEMM's dynamic shared memory (gemm.SMEM_GROUPED, 1 KiB
     under the SM's limit); any static __shared__ variable would be padded to the dynamic part's
     1024-byte alignment and make every launch fail (CUDA_ERROR_INVALID_VALUE)."""
     from mkernel import compile as mkc
 
-    log = mkc.compile_spec(mkc.REGISTRY["moe_gemm"]).log
+    log = mkc.compile_spec(mkc.REGISTRY[spec]).log
     assert "ptxas info" in log and "bytes smem" not in log, [l for l in log.splitlines() if "smem" in l]

@@ -12,6 +12,7 @@
 // Combine: rows go back to t * k + j of their source's return buffer (retflag as above), then a
 // warp per token sums its k rows in fp32, j ascending, and rounds once.
 #include "moe_dispatch.cuh"
+#include "moe_combine.cuh"
 
 constexpr u32 MOE_THREADS = 512;
 constexpr u32 MOE_WARPS = MOE_THREADS / 32;
@@ -43,27 +44,20 @@ __global__ void __launch_bounds__(MOE_THREADS, 1) mk_moe_dispatch_kernel(const _
   launch_exit(a.sync, sh.epoch);
 }
 
-template <int DT>
-MK_DEV float half_to_float(u16 h) {
-  if (DT == 0) return __uint_as_float((u32)h << 16);  // bfloat16
-  float f;
-  asm("{ .reg .f16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));
-  return f;
-}
-
+// The standalone combine: the received rows back to their sources (a warp per row), then the
+// weighted sum of every token (moe_combine.cuh).
 template <int DT>
 __global__ void __launch_bounds__(MOE_THREADS, 1) mk_moe_combine_kernel(const __grid_constant__ MkMoeArgs a) {
   __shared__ u32 s_epoch;
-  __shared__ int s_ok;
+  __shared__ int s_ok, s_back;
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const MkPeers peers = moe_peers(a);
-  const u32 W = (u32)a.world, K = (u32)a.k;
+  const MoeCtas ctas{blockIdx.x, gridDim.x};
   const u32 row_bytes = (u32)a.H * 2u;
   if (tid == 0) {
     s_epoch = launch_epoch(a.sync);
     if (blockIdx.x == 0) credits_announce(peers, s_epoch);
-    s_ok = 1;
-    for (u32 d = 0; d < W && s_ok; ++d) s_ok = credits_wait(a.sync, peers, d, s_epoch) ? 1 : 0;
+    s_ok = moe_credits_all(a, peers, s_epoch) ? 1 : 0;
   }
   __syncthreads();
   const u32 Ep = s_epoch;
@@ -71,46 +65,15 @@ __global__ void __launch_bounds__(MOE_THREADS, 1) mk_moe_combine_kernel(const __
     const u32* meta = peer_ptr<const u32>(peers, (u32)a.me, a.meta_off);
     const u8* y = reinterpret_cast<const u8*>(a.y);
     u32 lo, hi;
-    cta_range((u32)a.received[0], MoeCtas{blockIdx.x, gridDim.x}, lo, hi);
+    cta_range((u32)a.received[0], ctas, lo, hi);
     for (u32 i = lo + warp; i < hi; i += MOE_WARPS) {
       const u32 m = ld_cg(&meta[i]);
       warp_copy_row(peer_ptr<u8>(peers, m >> 24, a.ret_off) + (u64)(m & 0xFFFFFFu) * row_bytes,
                     y + (u64)i * (u64)a.ldy * 2u, row_bytes, lane, false);
     }
-    __threadfence_system();
-    __syncthreads();
-    if (tid == 0 && moe_last_cta(a.counters, MOE_CNT_SENT, MoeCtas{blockIdx.x, gridDim.x}))
-      for (u32 d = 0; d < W; ++d) set_flag(peer_ptr<u32>(peers, d, a.retflag_off) + (u32)a.me, Ep);
-    if (tid == 0) s_ok = moe_wait_all(a, peers, a.retflag_off, Ep, MOE_WAIT_RET) ? 1 : 0;
-    __syncthreads();
+    moe_returned(a, peers, ctas, Ep);
   }
-  if (s_ok) {  // a warp per token: out[t] = sum over j ascending of w[t, j] * ret[t * k + j], fp32, one rounding
-    const u8* ret = peer_ptr<const u8>(peers, (u32)a.me, a.ret_off);
-    u8* out = reinterpret_cast<u8*>(a.out);
-    u32 lo, hi;
-    cta_range((u32)a.T, MoeCtas{blockIdx.x, gridDim.x}, lo, hi);
-    for (u32 t = lo + warp; t < hi; t += MOE_WARPS) {
-      for (u32 o = lane * 16u; o < row_bytes; o += 32u * 16u) {
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        for (u32 j = 0; j < K; ++j) {
-          const float w = a.topk_w[(u64)t * K + j];
-          const uint4 v = __ldcg(reinterpret_cast<const uint4*>(ret + ((u64)t * K + j) * row_bytes + o));
-          const u32 words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            acc[2 * q] = fmaf(w, half_to_float<DT>((u16)(words[q] & 0xFFFFu)), acc[2 * q]);
-            acc[2 * q + 1] = fmaf(w, half_to_float<DT>((u16)(words[q] >> 16)), acc[2 * q + 1]);
-          }
-        }
-        uint4 r;
-        r.x = pack2<DT>(acc[0], acc[1]);
-        r.y = pack2<DT>(acc[2], acc[3]);
-        r.z = pack2<DT>(acc[4], acc[5]);
-        r.w = pack2<DT>(acc[6], acc[7]);
-        *reinterpret_cast<uint4*>(out + (u64)t * (u64)a.ldo * 2u + o) = r;
-      }
-    }
-  }
+  if (s_ok) moe_weighted_sum<DT>(a, peers, blockIdx.x, gridDim.x, tid, MOE_THREADS, MoeBarCta(), &s_back, Ep);
   __syncthreads();
   if (tid == 0) counters_reset_by_last_block(a.counters, MOE_CNT_WORDS, MOE_CNT_DONE);
   launch_exit(a.sync, Ep);

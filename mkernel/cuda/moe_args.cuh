@@ -15,11 +15,11 @@
 #define MOE_ROW_WORDS(E) ((E) + 2)
 
 // Device counters of one plan, zero between launches (the last CTA resets them): the dispatch
-// CTAs' two barriers, their sends, the CTAs done, step 3's verdict (moe_dispatch.cuh), the fused
-// GEMM's next tile.
+// CTAs' two barriers, their (or combine's) sends, the CTAs done, step 3's verdict (moe_dispatch.cuh),
+// a fused GEMM's next tile, the fused combine's next tile to return and its GEMM's finished CTAs.
 enum {
   MOE_CNT_HIST = 0, MOE_CNT_SENT = 1, MOE_CNT_DONE = 2, MOE_CNT_ORDER = 3, MOE_CNT_PLAN = 4, MOE_CNT_TILE = 5,
-  MOE_CNT_WORDS = 8
+  MOE_CNT_RET = 6, MOE_CNT_GEMM_DONE = 7, MOE_CNT_WORDS = 8
 };
 
 // MkStatus::where of the errors the kernels detect in their inputs (MK_ERR_INPUT).

@@ -28,7 +28,8 @@
 // Wait ids (MkStatus::where) of the kernels' waits.
 enum : u32 {
   MOE_WAIT_GRID = 0xA000u, MOE_WAIT_COUNTS = 0xA100u, MOE_WAIT_ROWS = 0xA200u, MOE_WAIT_RET = 0xA300u,
-  MOE_WAIT_ORDER = 0xA400u, MOE_WAIT_PLAN = 0xA500u, MOE_WAIT_EXPERT = 0xA600u, MOE_WAIT_COPY = 0xA700u
+  MOE_WAIT_ORDER = 0xA400u, MOE_WAIT_PLAN = 0xA500u, MOE_WAIT_EXPERT = 0xA600u, MOE_WAIT_COPY = 0xA700u,
+  MOE_WAIT_TILE_STORED = 0xB0000u  // + tile id (the fused combine's wait for a GEMM tile)
 };
 
 // Verdict of step 3 (counters[MOE_CNT_PLAN]): zero until CTA 0 decided.

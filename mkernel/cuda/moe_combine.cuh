@@ -1,0 +1,76 @@
+#pragma once
+// The combine role of the expert-parallel kernels (design: docs/MOE.md): every received row goes
+// back to row t * k + j of its source's return buffer (ret); once every rank's rows are back
+// (retflag), every token's k rows are summed, weighted by its routing weights, in fp32, j
+// ascending, one rounding: bitwise reproducible. mk_moe_combine_kernel (moe.cu) returns rows as
+// the user's y holds them; mk_moe_gemm_combine_kernel (moe_gemm_combine.cu) returns each GEMM tile
+// as soon as it is stored.
+#include "moe_dispatch.cuh"
+
+template <int DT>
+MK_DEV float half_to_float(u16 h) {
+  if (DT == 0) return __uint_as_float((u32)h << 16);  // bfloat16
+  float f;
+  asm("{ .reg .f16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));
+  return f;
+}
+
+// Thread 0: every rank entered this epoch (its return buffer may be written).
+MK_DEV bool moe_credits_all(const MkMoeArgs& a, const MkPeers& peers, u32 Ep) {
+  for (u32 d = 0; d < (u32)a.world; ++d)
+    if (!credits_wait(a.sync, peers, d, Ep)) return false;
+  return true;
+}
+
+// Every thread of a returning CTA, after its last row: the last CTA of the role tells every rank
+// that this rank's rows are all back (retflag[me]).
+MK_DEV void moe_returned(const MkMoeArgs& a, const MkPeers& peers, MoeCtas ctas, u32 Ep) {
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0 && moe_last_cta(a.counters, MOE_CNT_SENT, ctas))
+    for (u32 d = 0; d < (u32)a.world; ++d) set_flag(peer_ptr<u32>(peers, d, a.retflag_off) + (u32)a.me, Ep);
+}
+
+// Once every rank's rows are back, a warp per token of this worker's share (`part` of `parts`,
+// tokens split evenly): out[t] = sum over j ascending of w[t, j] * ret[t * k + j], fp32, one
+// rounding. A worker is nthr threads (tid in [0, nthr)) that meet at bar(); `slot` is a shared word
+// to broadcast thread 0's wait. (A whole CTA; or a GEMM CTA's consumer warpgroups after their tiles.)
+template <int DT, class Bar>
+MK_DEV void moe_weighted_sum(const MkMoeArgs& a, const MkPeers& peers, u32 part, u32 parts, u32 tid, u32 nthr,
+                             Bar bar, volatile int* slot, u32 Ep) {
+  const u32 lane = tid & 31, warp = tid >> 5, K = (u32)a.k;
+  const u32 row_bytes = (u32)a.H * 2u;
+  bar();
+  if (tid == 0) *slot = moe_wait_all(a, peers, a.retflag_off, Ep, MOE_WAIT_RET) ? 1 : 0;
+  bar();
+  if (!*slot) return;
+  const u8* ret = peer_ptr<const u8>(peers, (u32)a.me, a.ret_off);
+  u8* out = reinterpret_cast<u8*>(a.out);
+  u32 lo, hi;
+  cta_range((u32)a.T, MoeCtas{part, parts}, lo, hi);
+  for (u32 t = lo + warp; t < hi; t += nthr / 32) {
+    for (u32 o = lane * 16u; o < row_bytes; o += 32u * 16u) {
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (u32 j = 0; j < K; ++j) {
+        const float w = a.topk_w[(u64)t * K + j];
+        const uint4 v = __ldcg(reinterpret_cast<const uint4*>(ret + ((u64)t * K + j) * row_bytes + o));
+        const u32 words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          acc[2 * q] = fmaf(w, half_to_float<DT>((u16)(words[q] & 0xFFFFu)), acc[2 * q]);
+          acc[2 * q + 1] = fmaf(w, half_to_float<DT>((u16)(words[q] >> 16)), acc[2 * q + 1]);
+        }
+      }
+      uint4 r;
+      r.x = pack2<DT>(acc[0], acc[1]);
+      r.y = pack2<DT>(acc[2], acc[3]);
+      r.z = pack2<DT>(acc[4], acc[5]);
+      r.w = pack2<DT>(acc[6], acc[7]);
+      *reinterpret_cast<uint4*>(out + (u64)t * (u64)a.ldo * 2u + o) = r;
+    }
+  }
+}
+
+struct MoeBarCta {
+  MK_DEV void operator()() const { __syncthreads(); }
+};
