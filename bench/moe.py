@@ -16,11 +16,12 @@ an MPI barrier and a spin kernel long enough for the host to have queued the who
 launch time is not timed; the time of a repetition is the max over ranks; all variants interleaved
 A B C ... A B C ... so that clock drift spreads over all of them):
 
-- mkernel: ``moe_dispatch_gemm`` (y = dispatch(x) @ w1[expert], one fused kernel) and
-  ``moe_gemm_combine`` on y2 = y (no activation: it is not part of either op);
+- mkernel: the fused kernels, ``moe_dispatch_gemm`` (y = dispatch(x) @ w1[expert]) and
+  ``moe_gemm_combine`` on y2 = y (no activation: it is not part of either op), both with
+  ``path="fused"`` (moe_gemm_combine's default path is the unfused one while its fused kernel is the
+  slower: bench/NOTES.md);
 - unfused: ``moe_dispatch`` then ``grouped_gemm``; ``grouped_gemm`` then ``moe_combine`` (the
-  building blocks back to back; ``moe_gemm_combine`` is exactly that today, so its vs_unfused ~ 1.0
-  until its fused kernel lands);
+  building blocks back to back);
 - baseline: the pairs sorted by expert on the device (cupy.argsort of expert * P + pair index, so
   the order is (destination rank, local expert, pair)), the token rows gathered (cupy.take), NCCL
   all-to-all through cupy.cuda.nccl (ncclGroupStart, send / recv per peer, self included,
@@ -442,10 +443,10 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
 
         def mk_dg():
             _, st["h"] = mkernel.moe_dispatch_gemm(x, ids_d, w_d, w1, comm=comm, num_experts=E, capacity=cap,
-                                                   out=B["y_mk"])
+                                                   out=B["y_mk"], path="fused")
 
-        def mk_gc():
-            mkernel.moe_gemm_combine(B["y_mk"], w2, st["h"], comm=comm, out=B["out_mk"])
+        def mk_gc():  # the fused kernel (not the op's default path, which is unfused while the fused one is slower)
+            mkernel.moe_gemm_combine(B["y_mk"], w2, st["h"], comm=comm, out=B["out_mk"], path="fused")
 
         def uf_dg():
             recv, st["h"] = mkernel.moe_dispatch(x, ids_d, w_d, comm=comm, num_experts=E, capacity=cap,

@@ -116,7 +116,7 @@ def _run(P, me, W1, F, lay, comm, path=None, comm_sms=None):
     return yb, y, h
 
 
-def _combine(P, me, y, h, lay, comm, path=None, comm_sms=None):
+def _combine(P, me, y, h, lay, comm, path="fused", comm_sms=None):
     """moe_gemm_combine of y with w2 (in {-1, 0, 1}, [El, F, H] or [El, H, F]) into a poisoned out."""
     rng = np.random.default_rng(zlib.crc32(f"w2 of {P.name}|world={P.W}".encode()))
     F = y.shape[1]

@@ -15,7 +15,7 @@
 #include "moe_gemm_args.cuh"
 
 constexpr u32 MOE_GC_THREADS = 384;  // the GEMM engine's CTA
-constexpr u32 MOE_RET_UNROLL = 4;    // 16-byte vectors a returning thread has in flight
+constexpr u32 MOE_RET_UNROLL = 8;    // 16-byte vectors a returning thread has in flight
 
 // A returning CTA's shared state (in the dynamic shared memory the GEMM CTAs use for the pipeline).
 struct MoeReturnShared {
