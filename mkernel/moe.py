@@ -10,8 +10,7 @@ token's rank and sums a token's rows weighted by its routing weights in fp32, in
 one rounding: bitwise reproducible.
 
 Status (docs/MOE.md): dispatch and combine are one persistent kernel each (``mkernel/cuda/moe.cu``);
-``moe_dispatch_gemm`` and ``moe_gemm_combine`` run them and the engine's grouped GEMM back to back on
-the stream (not fused yet: the GEMM does not start on the first rows that arrive). One node only.
+the GEMM-carrying ops and their fused kernels are in :mod:`mkernel.moe_gemm`. One node only.
 """
 
 import ctypes
@@ -133,7 +132,7 @@ def _check_routing(op, x, topk_ids, topk_weights, num_experts, world, stream):
     return x, ids, w, T, H, k
 
 
-def _plan(op, comm, H, dtype, k, E, capacity):
+def _plan(op, comm, H, dtype, k, E, capacity, stream):
     import cupy
 
     W = comm.size
@@ -145,10 +144,11 @@ def _plan(op, comm, H, dtype, k, E, capacity):
     plan = _tp.plan_buffers(op, comm, key, sizes, counter_words=CNT_WORDS)
     if "generation" not in plan:
         sms = _tp.sm_count()
-        plan.update(generation=0, capacity=capacity, E=E, k=k, H=H, sms=sms,
-                    send_order=cupy.empty(capacity, dtype=cupy.int32), esent=cupy.zeros(E, dtype=cupy.uint32),
-                    hist=cupy.empty(sms * E, dtype=cupy.uint32),
-                    group_rows=cupy.zeros(E // W, dtype=cupy.int32), received=cupy.zeros(1, dtype=cupy.int32))
+        with _tp.on_stream(stream):  # zeroed on the stream the kernels run on, before them
+            plan.update(generation=0, capacity=capacity, E=E, k=k, H=H, sms=sms,
+                        send_order=cupy.empty(capacity, dtype=cupy.int32), esent=cupy.zeros(E, dtype=cupy.uint32),
+                        hist=cupy.empty(sms * E, dtype=cupy.uint32),
+                        group_rows=cupy.zeros(E // W, dtype=cupy.int32), received=cupy.zeros(1, dtype=cupy.int32))
     return plan
 
 
@@ -189,39 +189,53 @@ def moe_dispatch(x, topk_ids, topk_weights, *, comm, num_experts, capacity=None,
     op on the communicator, on every rank: nothing is dropped silently.
     """
     op = "moe_dispatch"
-    d = prepare_dispatch(op, x, topk_ids, topk_weights, comm, num_experts, capacity, stream)
+    d = check_dispatch(op, x, topk_ids, topk_weights, comm, num_experts, capacity, stream)
     out = _tp.prepare_out(op, out, (d.capacity, d.H), d.x.dtype, comm)
-    d.args.out = out.data.ptr
-    d.args.ldo = (out.strides[0] if d.capacity > 1 else d.H * out.itemsize) // out.itemsize
+    return out, launch_dispatch(d, out, stream)
+
+
+def launch_dispatch(d, out, stream):
+    """The standalone dispatch of a checked call into out [capacity, H]; returns its handle."""
+    a = d.plan_args()
+    a.out = out.data.ptr
+    a.ldo = (out.strides[0] if d.capacity > 1 else d.H * out.itemsize) // out.itemsize
     ctas = max(1, min(d.plan["sms"], -(-d.T * d.k // PAIRS_PER_CTA)))
-    _launch(comm, op, "mk_moe_dispatch_kernel", d.args, ctas, stream, smem=DISPATCH_SMEM)
-    return out, d.handle
+    _launch(d.comm, d.op, "mk_moe_dispatch_kernel", a, ctas, stream, smem=DISPATCH_SMEM)
+    return d.handle()
 
 
 class Dispatch:
-    """A dispatch ready to launch: the checked inputs, the plan, its argument struct, the handle."""
+    """A checked dispatch call (inputs, capacity), then its plan and argument struct (plan_args:
+    collective), then the handle of its launch (handle: after the launch)."""
 
     def __init__(self, **kw):
         self.__dict__.update(kw)
+        self.plan = None
+
+    def plan_args(self) -> MkMoeArgs:
+        """Agrees the call across ranks, plans the buffers (collective) and fills the dispatch's arguments."""
+        self.plan = _plan(self.op, self.comm, self.H, self.x.dtype, self.k, self.E, self.capacity, self.stream)
+        a = _args(self.comm, self.plan, self.op, self.T, self.k, self.E, self.H)
+        a.x, a.ldx = self.x.data.ptr, (self.x.strides[0] if self.T > 1 else self.H * self.x.itemsize) // self.x.itemsize
+        a.topk_ids = self.ids.data.ptr
+        return a
+
+    def handle(self) -> "MoeHandle":
+        """The launched dispatch's handle: the plan's next generation (earlier handles of the plan go stale)."""
+        self.plan["generation"] += 1
+        return MoeHandle(self.plan, self.plan["generation"], self.w, self.T, self.k, self.H, self.x.dtype)
 
 
-def prepare_dispatch(op, x, topk_ids, topk_weights, comm, num_experts, capacity, stream) -> Dispatch:
-    """Checks the routing inputs and the capacity (agreed across ranks), plans the buffers, fills the
-    dispatch's arguments and hands out the handle of the launch that follows (the plan's next
-    generation: earlier handles of the plan go stale)."""
+def check_dispatch(op, x, topk_ids, topk_weights, comm, num_experts, capacity, stream) -> Dispatch:
+    """The routing inputs and the capacity, checked on this rank (nothing collective, nothing launched)."""
     _check_comm(op, comm)
     comm.check()
     x, ids, w, T, H, k = _check_routing(op, x, topk_ids, topk_weights, num_experts, comm.size, stream)
     capacity = moe_capacity(T, k, comm.size) if capacity is None else capacity
-    if not isinstance(capacity, int) or not 1 <= capacity <= MAX_ROWS:
+    if not isinstance(capacity, int) or isinstance(capacity, bool) or not 1 <= capacity <= MAX_ROWS:
         raise ArgumentError(f"{op}: capacity must be 1..{MAX_ROWS} rows; got {capacity!r}")
-    plan = _plan(op, comm, H, x.dtype, k, num_experts, capacity)
-    a = _args(comm, plan, op, T, k, num_experts, H)
-    a.x, a.ldx = x.data.ptr, (x.strides[0] if T > 1 else H * x.itemsize) // x.itemsize
-    a.topk_ids = ids.data.ptr
-    plan["generation"] += 1
-    return Dispatch(x=x, T=T, H=H, k=k, capacity=capacity, plan=plan, args=a,
-                    handle=MoeHandle(plan, plan["generation"], w, T, k, H, x.dtype))
+    return Dispatch(op=op, comm=comm, stream=stream, x=x, ids=ids, w=w, T=T, H=H, k=k, E=num_experts,
+                    capacity=capacity)
 
 
 def moe_combine(y, handle, *, comm, out=None, stream=None):
@@ -260,7 +274,8 @@ def sanitize_target():
 
     comm = mkernel.init(MPI.COMM_SELF, workspace_bytes=16 << 20)
     try:
-        T, H, E, k = 100, 2056, 8, 2  # rows of 4112 bytes: two copier pieces; one CTA: several runs per warp
+        # Rows of 4112 bytes: two copier pieces each; 600 pairs: 3 CTAs (their barriers), 2 runs per warp.
+        T, H, E, k = 300, 2056, 8, 2
         rng = np.random.default_rng(0)
         x = rng.integers(-3, 4, size=(T, H)).astype(np.float16)
         ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)

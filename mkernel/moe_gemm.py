@@ -86,30 +86,29 @@ def moe_dispatch_gemm(x, topk_ids, topk_weights, w, *, comm, num_experts, capaci
     ``comm_sms`` CTAs dispatch (default 16), the others run the GEMM. "unfused": moe_dispatch, then
     grouped_gemm on its output, back to back on the stream. Nothing synchronises with the host.
     """
+    import cupy
     from .arrays import as_cupy
 
     op = "moe_dispatch_gemm"
     path, comm_sms = _check_path(op, path, comm_sms, "fused")
-    _moe._check_comm(op, comm)
-    xc, _, _, T, H, k = _moe._check_routing(op, x, topk_ids, topk_weights, num_experts, comm.size, stream)
+    d = _moe.check_dispatch(op, x, topk_ids, topk_weights, comm, num_experts, capacity, stream)
     El = num_experts // comm.size
-    wb, layout, F = _expert_weights(op, as_cupy(w, "w", stream=stream), El, H, xc.dtype, w_layout)
-    cap = _moe.moe_capacity(T, k, comm.size) if capacity is None else capacity
-    out = _tp.prepare_out(op, out, (cap, F), xc.dtype, comm)
+    wb, layout, F = _expert_weights(op, as_cupy(w, "w", stream=stream), El, d.H, d.x.dtype, w_layout)
+    out = _tp.prepare_out(op, out, (d.capacity, F), d.x.dtype, comm)
     if path == "unfused":
-        recv, handle = _moe.moe_dispatch(x, topk_ids, topk_weights, comm=comm, num_experts=num_experts,
-                                         capacity=capacity, stream=stream)
+        with _tp.on_stream(stream):
+            recv = cupy.empty((d.capacity, d.H), dtype=d.x.dtype)
+        handle = _moe.launch_dispatch(d, recv, stream)
         _gemm.grouped_gemm(recv, wb, handle.group_rows, out=out, stream=stream, b_layout=_b_layout_name(layout))
         return out, handle
 
-    d = _moe.prepare_dispatch(op, x, topk_ids, topk_weights, comm, num_experts, capacity, stream)
     args = MkMoeGemmArgs()
-    args.m = d.args
-    _gemm_args(args.g, d.plan["recv"], wb, layout, out, d.plan["group_rows"], d.capacity, H, F, El, d.args.sync)
+    args.m = d.plan_args()
+    _gemm_args(args.g, d.plan["recv"], wb, layout, out, d.plan["group_rows"], d.capacity, d.H, F, El, args.m.sync)
     sms = _tp.sm_count()
     args.gemm_ctas = sms - comm_sms
-    _launch(op, SPEC, KERNEL, layout, xc.dtype, args, sms, stream)
-    return out, d.handle
+    _launch(op, SPEC, KERNEL, layout, d.x.dtype, args, sms, stream)
+    return out, d.handle()
 
 
 def _check_path(op, path, comm_sms, default):
@@ -171,19 +170,19 @@ def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=No
                                     handle.dtype, w_layout)
     if H != handle.H:
         raise ArgumentError(f"{op}: w2 maps F={y2.shape[1]} to {H} columns, not the tokens' H={handle.H}")
+    y2 = check_matrix(y2, "y2", dtypes=(handle.dtype,))
+    if y2.shape[1] % 8:
+        raise ArgumentError(f"{op}: y2's width F = {y2.shape[1]} must be a multiple of 8")
+    out = _tp.prepare_out(op, out, (handle.T, H), handle.dtype, comm)
+    comm.check()
     if path == "unfused":
         with _tp.on_stream(stream):
             z = cupy.empty((handle.capacity, H), dtype=handle.dtype)
         _gemm.grouped_gemm(y2, wb, handle.group_rows, out=z, stream=stream, b_layout=_b_layout_name(layout))
         return _moe.moe_combine(z, handle, comm=comm, out=out, stream=stream)
 
-    y2 = check_matrix(y2, "y2", dtypes=(handle.dtype,))
-    if y2.shape[1] % 8:
-        raise ArgumentError(f"{op}: y2's width F = {y2.shape[1]} must be a multiple of 8")
-    comm.check()
-    plan, cap, El, F = handle._plan, handle.capacity, handle.group_rows.size, y2.shape[1]
-    out = _tp.prepare_out(op, out, (handle.T, H), handle.dtype, comm)
-    key = ("combine staging", F)  # this rank's GEMM output and its tile flags (local memory)
+    plan, cap, El = handle._plan, handle.capacity, handle.group_rows.size
+    key = "combine staging"  # this rank's GEMM output [capacity, H] and its tile flags (local memory)
     if key not in plan:
         with _tp.on_stream(stream):
             plan[key] = (cupy.empty((cap, H), dtype=handle.dtype),
@@ -194,7 +193,7 @@ def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=No
     args.m.topk_w = handle.topk_weights.data.ptr
     args.m.out = out.data.ptr
     args.m.ldo = (out.strides[0] if handle.T > 1 else H * out.itemsize) // out.itemsize
-    _gemm_args(args.g, y2, wb, layout, z, handle.group_rows, cap, F, H, El, args.m.sync)
+    _gemm_args(args.g, y2, wb, layout, z, handle.group_rows, cap, y2.shape[1], H, El, args.m.sync)
     args.g.tile_flags = tile_flags.data.ptr
     counters = plan["counters"].data.ptr
     args.g.sched.tile_counter, args.g.sched.done_count = counters + 4 * CNT_TILE, counters + 4 * CNT_GEMM_DONE
@@ -213,16 +212,17 @@ def sanitize_target():
 
     import mkernel
 
-    comm = mkernel.init(MPI.COMM_SELF, workspace_bytes=16 << 20)
+    comm = mkernel.init(MPI.COMM_SELF, workspace_bytes=32 << 20)
     try:
-        # Rows of 8320 bytes: two copier pieces each; one dispatch CTA: several runs per warp.
-        T, H, F, E, k = 100, 4160, 72, 4, 2
+        # Rows of 8320 bytes: two copier pieces each; 600 pairs over 3 dispatch CTAs (their barriers):
+        # 2-3 runs per warp; 3 returning CTAs.
+        T, H, F, E, k = 300, 4160, 72, 4, 2
         rng = np.random.default_rng(0)
         x = rng.integers(-2, 3, size=(T, H)).astype(np.float16)
         ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
         w = (rng.integers(-1, 2, size=(E, H, F)) * (rng.random((E, H, F)) < 0.02)).astype(np.float16)
         y, h = moe_dispatch_gemm(cupy.asarray(x), cupy.asarray(ids), cupy.ones((T, k), dtype=cupy.float32),
-                                 cupy.asarray(w), comm=comm, num_experts=E, comm_sms=1)
+                                 cupy.asarray(w), comm=comm, num_experts=E, comm_sms=3)
         comm.check()
         rows = [(e, t) for e in range(E) for t in range(T) for j in range(k) if ids[t, j] == e]
         want = np.stack([x[t].astype(np.float64) @ w[e].astype(np.float64) for e, t in rows])
@@ -230,7 +230,7 @@ def sanitize_target():
         if not np.array_equal(y.get()[:len(rows)].astype(np.float64), want):
             raise AssertionError("moe_dispatch_gemm: wrong result")
         w2 = (rng.integers(-1, 2, size=(E, F, H)) * (rng.random((E, F, H)) < 0.1)).astype(np.float16)
-        fused = moe_gemm_combine(y, cupy.asarray(w2), h, comm=comm, comm_sms=1, path="fused")
+        fused = moe_gemm_combine(y, cupy.asarray(w2), h, comm=comm, comm_sms=3, path="fused")
         unfused = moe_gemm_combine(y, cupy.asarray(w2), h, comm=comm, path="unfused")
         comm.check()
         if not np.array_equal(fused.get().view(np.uint16), unfused.get().view(np.uint16)):

@@ -1086,6 +1086,12 @@ def _combine_error_cases(comm, recv, h):
         "gemm_combine y2 rows cap-1": lambda: gc(y2=z((cap - 1, 64))),
         "gemm_combine y2 1-D": lambda: gc(y2=z((cap * 64,))),
         "gemm_combine handle None": lambda: gc(handle=None),
+        "gemm_combine path='both'": lambda: gc(path="both"),
+        "gemm_combine comm_sms=0": lambda: gc(comm_sms=0, path="fused"),
+        "gemm_combine fused y2 float32": lambda: gc(y2=z((cap, 64), np.float32), path="fused"),
+        "gemm_combine fused y2 F=60 (not a multiple of 8)": lambda: gc(y2=z((cap, 60)), w2=z((El, 60, H)),
+                                                                      path="fused"),
+        "gemm_combine fused out [T+1, H]": lambda: gc(out=z((T + 1, H)), path="fused"),
     }
 
 
@@ -1110,6 +1116,9 @@ def _dispatch_gemm_error_cases(comm):
         "w1 2-D": lambda: dg(z((H, 64))),
         "w1 w_layout='nk' on [El, H, F]": lambda: dg(z((El, H, 72)), w_layout="nk"),
         "w1 w_layout='xy'": lambda: dg(z((El, H, 64)), w_layout="xy"),
+        "path='fast'": lambda: dg(z((El, H, 64)), path="fast"),
+        "comm_sms=True": lambda: dg(z((El, H, 64)), comm_sms=True),
+        "capacity 100.0 (a float)": lambda: dg(z((El, H, 64)), capacity=100.0),
     }
 
 

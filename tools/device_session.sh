@@ -7,7 +7,7 @@
 # ringbranch: tests/test_ring_attention.py of branch ring-mixed-nodes, checked out (git worktree add
 # scratch/ring ring-mixed-nodes) and carried as scratch
 # A kernel cache built on a CPU machine (python -m mkernel precompile) is used when carried as .kcache.
-# The copy on the device has no .git: pass BENCH_COMMIT=$(git rev-parse --short HEAD) in the command
+# The copy on the device has no .git of its own (in session 6 it reported the session's first commit, "-dirty"): pass BENCH_COMMIT=$(git rev-parse --short HEAD) in the command
 # so that results JSON name the commit that ran.
 set -u
 OUT=${OUT:-/tmp/mkernel-out}

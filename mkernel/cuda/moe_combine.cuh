@@ -23,11 +23,12 @@ MK_DEV bool moe_credits_all(const MkMoeArgs& a, const MkPeers& peers, u32 Ep) {
 }
 
 // Every thread of a returning CTA, after its last row: the last CTA of the role tells every rank
-// that this rank's rows are all back (retflag[me]).
+// that this rank's rows are all back (retflag[me]), unless this rank recorded an error (a CTA that
+// gave up on a wait returned only part of its rows): then the peers' waits time out and raise.
 MK_DEV void moe_returned(const MkMoeArgs& a, const MkPeers& peers, MoeCtas ctas, u32 Ep) {
   __threadfence_system();
   __syncthreads();
-  if (threadIdx.x == 0 && moe_last_cta(a.counters, MOE_CNT_SENT, ctas))
+  if (threadIdx.x == 0 && moe_last_cta(a.counters, MOE_CNT_SENT, ctas) && !error_recorded(a.sync))
     for (u32 d = 0; d < (u32)a.world; ++d) set_flag(peer_ptr<u32>(peers, d, a.retflag_off) + (u32)a.me, Ep);
 }
 

@@ -315,6 +315,7 @@ MK_DEV bool moe_plan_rows(const MkMoeArgs& a, MoeShared<THREADS>& sh, const MkPe
       st_release_sys(&a.counters[MOE_CNT_PLAN], ok ? MOE_PLAN_OK : MOE_PLAN_FAILED);
     }
   }
+  __syncthreads();  // every thread has read sh.ok above before thread 0 rewrites it
   if (ok && tid == 0)  // rows may go once every owner entered this epoch
     for (u32 d = 0; d < W && sh.ok; ++d) sh.ok = credits_wait(a.sync, peers, d, Ep) ? 1 : 0;
   __syncthreads();
@@ -366,7 +367,9 @@ MK_DEV void moe_send_rows(const MkMoeArgs& a, MoeShared<THREADS>& sh, const u32*
           const u32 d = e / El;
           a.esent[e] = 0;  // every count of this launch is in: zero for the next one
           __threadfence_system();
-          set_flag(peer_ptr<u32>(peers, d, a.eflag_off) + me * El + (e - d * El), Ep);
+          // No flag after an error of this rank (a copy wait that timed out stored whatever its
+          // buffer held): the owner's wait then times out and raises instead of using the rows.
+          if (!error_recorded(a.sync)) set_flag(peer_ptr<u32>(peers, d, a.eflag_off) + me * El + (e - d * El), Ep);
         }
       }
     }
@@ -374,7 +377,7 @@ MK_DEV void moe_send_rows(const MkMoeArgs& a, MoeShared<THREADS>& sh, const u32*
   __syncwarp();
   __threadfence_system();
   __syncthreads();
-  if (tid == 0 && moe_last_cta(a.counters, MOE_CNT_SENT, ctas))
+  if (tid == 0 && moe_last_cta(a.counters, MOE_CNT_SENT, ctas) && !error_recorded(a.sync))
     for (u32 d = 0; d < W; ++d) set_flag(peer_ptr<u32>(peers, d, a.rflag_off) + me, Ep);
 }
 
