@@ -15,8 +15,11 @@ or its partners' searches, and so their collectives, would diverge. A key's boun
 (the minimum over ranks) when it is first seen.
 
 Cost: while a key's search runs (about 7-10 calls), each call waits for the previous one's end on
-the host and does one small allgather; afterwards one in ``HOLD_SAMPLE`` calls does. The in-call
-controller (loop 2: moving CTAs between roles inside a launch) is not built yet.
+the host and does one small allgather; afterwards one in ``HOLD_SAMPLE`` calls does. With
+``MKERNEL_SPLIT_PERSIST=1`` rank 0 keeps converged keys on disk (:class:`mkernel.split.SplitMemory`)
+and every rank starts a key from rank 0's saved state (one broadcast when the key is first seen), so
+the first call of a later process on a known key runs its split. The in-call controller (loop 2:
+moving CTAs between roles inside a launch) is not built yet.
 """
 
 import contextlib
@@ -101,9 +104,11 @@ def _states(comm) -> dict:
 
 
 def memory(comm) -> split.SplitMemory:
-    """The communicator's split memory (its keys' searches)."""
+    """The communicator's split memory (its keys' searches); with MKERNEL_SPLIT_PERSIST=1 rank 0's
+    keeps converged keys on disk."""
     if not hasattr(comm, "_split_memory"):
-        comm._split_memory = split.SplitMemory()
+        from . import env
+        comm._split_memory = split.SplitMemory(persist=env.get_int("MKERNEL_SPLIT_PERSIST") == 1 and comm.rank == 0)
     return comm._split_memory
 
 
@@ -116,6 +121,9 @@ def choose(comm, op: str, *, M: int, N: int, K: int, esize: int, comm_items: int
         from mpi4py import MPI
         key = split.split_key(op, (M, N, K), comm.size, f"{comm.num_nodes}x{comm.local_size}", _transport(comm))
         hi = comm.mpi.allreduce(max(1, min(MAX_COMM_CTAS, comm_items, sms - 1)), op=MPI.MIN)
+        # Every rank starts from rank 0's saved state (files of different hosts, or of a rank that
+        # never persisted, would start the ranks' searches apart, and their collectives with them).
+        mem.seed(key, comm.mpi.bcast(mem.saved(key), root=0))
         prior = split.prior(comm_bytes=comm_bytes(op, M, N, K, comm.size, esize, comm.num_nodes), cta_gbps=CTA_GBPS,
                             link_gbps=_link_gbps(comm), gemm_ms=2.0 * M * N * K / (GEMM_TFLOPS * 1e12) * 1e3,
                             total=sms, lo=1, hi=hi)

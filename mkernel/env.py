@@ -60,6 +60,10 @@ VARS = {
         Var("MKERNEL_BUILD_VERBS", "auto",
             "Build time: 0 builds the proxy extension without the verbs transport even where the "
             "rdma-core headers exist; auto builds it when they exist."),
+        Var("MKERNEL_SPLIT_PERSIST", "0",
+            "1: comm_sms='auto' keeps the splits its searches converged to in MKERNEL_CACHE_DIR/split/"
+            "splits.json (rank 0 writes; every rank starts a key from rank 0's saved state), so a new "
+            "process starts a known key at its split. 0: in memory only."),
         Var("MKERNEL_TRACE", "",
             "When set to a path, fused kernels record per-block spans that are written there as "
             "Chrome trace JSON (one track per SM). Free when unset."),

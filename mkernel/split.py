@@ -304,6 +304,24 @@ class SplitMemory:
                 self._save_locked()
             return nxt
 
+    def saved(self, key):
+        """The state saved for ``key`` as this process read it (None: none)."""
+        with self._lock:
+            return self._saved.get(_key_str(key))
+
+    def seed(self, key, entry):
+        """Start ``key``'s search from ``entry`` (a saved state, the same on every rank; None: from
+        the prior) instead of what this process read. Nothing changes once the key's search started
+        (another shape of the same bucket started it, on every rank alike)."""
+        with self._lock:
+            ks = _key_str(key)
+            if ks in self._searches:
+                return
+            if entry is None:
+                self._saved.pop(ks, None)
+            else:
+                self._saved[ks] = entry
+
     def search(self, key):
         """The key's :class:`Search` (None when never chosen)."""
         return self._searches.get(_key_str(key))

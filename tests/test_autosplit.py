@@ -56,7 +56,8 @@ def auto(fake_launch, monkeypatch):  # noqa: F811
 
 def _comm():
     comm = _Comm(2, 1)
-    comm.mpi = types.SimpleNamespace(allgather=lambda x: [x, 1.1 * x], allreduce=lambda x, op=None: x)
+    comm.mpi = types.SimpleNamespace(allgather=lambda x: [x, 1.1 * x], allreduce=lambda x, op=None: x,
+                                     bcast=lambda x, root=0: x)
     return comm
 
 
@@ -132,7 +133,8 @@ def test_two_communicators_keep_their_own_searches(fake_launch, auto):  # noqa: 
     """A rank in two communicators of the same shape (a tensor- and a sequence-parallel group):
     each feeds its own search, so the partners of each stay in step (their collectives match)."""
     tp_comm, sp_comm = _comm(), _comm()
-    sp_comm.mpi = types.SimpleNamespace(allgather=lambda x: [x, 3.0 * x], allreduce=lambda x, op=None: x)
+    sp_comm.mpi = types.SimpleNamespace(allgather=lambda x: [x, 3.0 * x], allreduce=lambda x, op=None: x,
+                                        bcast=lambda x, root=0: x)
     for _ in range(6):
         _rs_call(tp_comm, fake_launch, path="fused")
         _rs_call(sp_comm, fake_launch, path="fused")
@@ -150,3 +152,62 @@ def test_the_bound_is_agreed_when_a_key_is_first_seen(fake_launch, auto):  # noq
     comm.mpi.allreduce = lambda x, op=None: (seen.append(x), min(x, 6))[1]  # the other rank allows 6
     counts = [_rs_call(comm, fake_launch, path="fused") for _ in range(10)]
     assert seen == [64] and max(counts) <= 6
+
+
+def test_persisted_split_starts_a_new_process_at_its_split(fake_launch, auto, monkeypatch, tmp_path):  # noqa: F811
+    """MKERNEL_SPLIT_PERSIST=1: rank 0 saves the converged key; a new communicator (a new process)
+    runs that split on its first call and holds it without searching (no timed call until the
+    HOLD_SAMPLE-th)."""
+    monkeypatch.setenv("MKERNEL_SPLIT_PERSIST", "1")
+    monkeypatch.setenv("MKERNEL_CACHE_DIR", str(tmp_path))
+    comm = _comm()
+    comm.rank = 0  # the writer
+    for _ in range(12):
+        _rs_call(comm, fake_launch, path="fused")
+    key = next(iter(comm._autosplit.values())).key
+    best = autosplit.memory(comm).search(key).best
+    assert autosplit.memory(comm).search(key).converged
+    assert (tmp_path / "split" / "splits.json").exists()
+    fresh = _comm()  # rank 0 of a new process: reads the file
+    fresh.rank = 0
+    entry = {}
+    fresh.mpi.bcast = lambda x, root=0: (entry.update(saved=x), x)[1]
+    timers = auto["timers"]
+    first = [_rs_call(fresh, fake_launch, path="fused") for _ in range(3)]
+    assert first == [best] * 3, (first, best)
+    assert auto["timers"] == timers  # held from the start: nothing timed yet
+    assert autosplit.memory(fresh).search(key).converged
+    peer = _comm()  # rank 1 of that process: nothing read itself, starts from rank 0's broadcast
+    peer.mpi.bcast = lambda x, root=0: entry["saved"]
+    assert entry["saved"] is not None and autosplit.memory(peer).saved(key) is None
+    assert [_rs_call(peer, fake_launch, path="fused") for _ in range(3)] == [best] * 3
+
+
+def test_ranks_start_from_rank_0s_saved_state(fake_launch, auto, monkeypatch, tmp_path):  # noqa: F811
+    """A rank whose own file (another host, or persistence off) differs from rank 0's starts the key
+    from the state rank 0 broadcasts: here rank 0 has none, so this rank ignores its own saved split."""
+    monkeypatch.setenv("MKERNEL_SPLIT_PERSIST", "1")
+    monkeypatch.setenv("MKERNEL_CACHE_DIR", str(tmp_path))
+    comm = _comm()
+    comm.rank = 0
+    for _ in range(12):
+        _rs_call(comm, fake_launch, path="fused")
+    key = next(iter(comm._autosplit.values())).key
+    assert autosplit.memory(comm).search(key).converged and (tmp_path / "split" / "splits.json").exists()
+    other = _comm()  # reads the file rank 0 wrote ...
+    other.mpi.bcast = lambda x, root=0: None  # ... but rank 0 (another host) has nothing saved
+    n0 = _rs_call(other, fake_launch, path="fused")
+    search = autosplit.memory(other).search(key)
+    assert not search.converged and autosplit.memory(other).saved(key) is None
+    assert n0 == next(iter(other._autosplit.values())).prior  # the model's guess, as for a new key
+
+
+def test_non_root_ranks_do_not_write(fake_launch, auto, monkeypatch, tmp_path):  # noqa: F811
+    monkeypatch.setenv("MKERNEL_SPLIT_PERSIST", "1")
+    monkeypatch.setenv("MKERNEL_CACHE_DIR", str(tmp_path))
+    comm = _comm()
+    comm.rank = 1
+    for _ in range(12):
+        _rs_call(comm, fake_launch, path="fused")
+    assert autosplit.memory(comm).search(next(iter(comm._autosplit.values())).key).converged
+    assert not (tmp_path / "split" / "splits.json").exists()
