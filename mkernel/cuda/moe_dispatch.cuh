@@ -11,9 +11,10 @@
 //      checks the capacities and expert ids (every rank sees the same rows, so all decide an error
 //      alike and skip the data); CTA 0 writes the per-expert row counts (group_rows, the grouped
 //      GEMM's) and the verdict counters[MOE_CNT_PLAN] that a fused GEMM waits for;
-//   4. the CTAs' warps walk the send order together (position p by warp p % warps), so rows leave
-//      local expert by local expert: a (source, expert) block is complete early and its flag
-//      eflag[me][le] at the owner (set by the warp that sent its last row) lets the owner's GEMM
+//   4. the CTAs' warps walk the send order together (runs of MOE_SEND_RUN positions dealt to the
+//      warps in turn; each warp's lane 0 moves its rows by TMA bulk copies, MoeCopier), so rows
+//      leave local expert by local expert: a (source, expert) block is complete early and its flag
+//      eflag[me][le] at the owner (set by the warp that completed the block) lets the owner's GEMM
 //      start on it while the later experts' rows are in flight. The last CTA sets rflag[me] on
 //      every rank (all of this rank's rows are there).
 //
@@ -64,27 +65,6 @@ MK_DEV bool moe_wait_all(const MkMoeArgs& a, const MkPeers& p, u64 off, u32 E, u
   for (u32 s = 0; s < p.size; ++s)
     if (!wait_epoch(a.sync, f + s, E, (i32)s, where + s)) return false;
   return true;
-}
-
-MK_DEV uint4 ld_row_v4(const u8* p, bool remote) {
-  return remote ? __ldcg(reinterpret_cast<const uint4*>(p)) : *reinterpret_cast<const uint4*>(p);
-}
-
-// Copies one row of `bytes` (a multiple of 16) with the calling warp. Loads go out MOE_COPY_UNROLL
-// at a time before their stores: a copy is latency-bound otherwise (one 16-byte load in flight per
-// lane: ~1 GB/s a warp, measured as 10 GB/s a CTA in the fused kernel's first run).
-constexpr u32 MOE_COPY_UNROLL = 8;
-MK_DEV void warp_copy_row(u8* dst, const u8* src, u32 bytes, u32 lane, bool src_remote) {
-  constexpr u32 STEP = 32u * 16u;
-  u32 o = lane * 16u;
-  for (; o + (MOE_COPY_UNROLL - 1) * STEP < bytes; o += MOE_COPY_UNROLL * STEP) {
-    uint4 v[MOE_COPY_UNROLL];
-#pragma unroll
-    for (u32 j = 0; j < MOE_COPY_UNROLL; ++j) v[j] = ld_row_v4(src + o + j * STEP, src_remote);
-#pragma unroll
-    for (u32 j = 0; j < MOE_COPY_UNROLL; ++j) st_v4(dst + o + j * STEP, v[j]);
-  }
-  for (; o < bytes; o += STEP) st_v4(dst + o, ld_row_v4(src + o, src_remote));
 }
 
 // Positions of the send order a warp sends between two completions (its flags wait for those).
