@@ -22,6 +22,9 @@ A B C ... A B C ... so that clock drift spreads over all of them):
   slower: bench/NOTES.md);
 - unfused: ``moe_dispatch`` then ``grouped_gemm``; ``grouped_gemm`` then ``moe_combine`` (the
   building blocks back to back);
+- join (``join_ms`` of the dispatch rows): ``moe_dispatch_gemm`` with its dispatch CTAs taking GEMM
+  tiles after their sends (``moe_gemm.JOIN_GEMM``, off by default until measured); its y must equal
+  the default's bit for bit (part of ``counts_match``);
 - baseline: the pairs sorted by expert on the device (cupy.argsort of expert * P + pair index, so
   the order is (destination rank, local expert, pair)), the token rows gathered (cupy.take), NCCL
   all-to-all through cupy.cuda.nccl (ncclGroupStart, send / recv per peer, self included,
@@ -411,6 +414,7 @@ def stage(comm, name, fn, errors, fatal):
 def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, errors, fatal):
     import cupy
     import mkernel
+    mg = sys.modules["mkernel.moe_gemm"]
 
     T, H, F, E, k = shape
     W, me = comm.size, comm.rank
@@ -445,6 +449,13 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
             _, st["h"] = mkernel.moe_dispatch_gemm(x, ids_d, w_d, w1, comm=comm, num_experts=E, capacity=cap,
                                                    out=B["y_mk"], path="fused")
 
+        def mk_dg_join():  # the dispatch CTAs join the GEMM after their sends (moe_gemm.JOIN_GEMM, off by default)
+            mg.JOIN_GEMM = True
+            try:
+                mk_dg()
+            finally:
+                mg.JOIN_GEMM = False
+
         def mk_gc():  # the fused kernel (not the op's default path, which is unfused while the fused one is slower)
             mkernel.moe_gemm_combine(B["y_mk"], w2, st["h"], comm=comm, out=B["out_mk"], path="fused")
 
@@ -458,12 +469,17 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
             mkernel.moe_combine(B["z_uf"], st["h"], comm=comm, out=B["out_uf"])
 
         def check_mkernel():
+            mk_dg_join()  # the join variant must give the default's bits (its y is overwritten next)
+            wait(f"mkernel join {name}")
+            y_join = B["y_mk"].copy()
             mk_dg()
             mk_gc()
             wait(f"mkernel first layer {name}")
             comm.check()
             got = st["h"].counts()
-            counts_ok = bool(np.array_equal(np.asarray(got, dtype=np.int64), L.group_rows))
+            n = int(sum(got))
+            counts_ok = bool(np.array_equal(np.asarray(got, dtype=np.int64), L.group_rows)) and \
+                bool((y_join[:n].view(cupy.uint16) == B["y_mk"][:n].view(cupy.uint16)).all())
             uf_dg()
             uf_gc()
             wait(f"unfused first layer {name}")
@@ -498,7 +514,7 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
         err_uf = max(e for _, e in every)
 
         # the timed variants, interleaved; each combine right after its own dispatch
-        fns = {"mk_dg": mk_dg, "mk_gc": mk_gc, "uf_dg": uf_dg, "uf_gc": uf_gc}
+        fns = {"mk_dg": mk_dg, "mk_gc": mk_gc, "uf_dg": uf_dg, "uf_gc": uf_gc, "mk_dg_join": mk_dg_join}
         if have_baseline and base is not None:
             fns.update(bg_dg=lambda: base.dispatch_gemm("gather"), bg_gc=lambda: base.gemm_combine("gather"),
                        bs_dg=lambda: base.dispatch_gemm("segments"), bs_gc=lambda: base.gemm_combine("segments"))
@@ -538,6 +554,9 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
                             rows_imbalance=max(recv_rows) / max(1e-9, sum(recv_rows) / W),
                             bytes_off_rank_per_gpu=[max(s, rv) * H * dt.itemsize for _, s, rv in traffic],
                             world=W, dtype=dt.name, samples=len(mk), name=f"{sname} {rt}")
+            if op == "moe_dispatch_gemm":  # the join variant, beside the default
+                r["join_ms"] = harness.median(ts["mk_dg_join"])
+                r["join_ci95"] = harness.ci95(ts["mk_dg_join"])
             if t_b is None:
                 r["speedup"] = r["baseline_ms"] = None
             rows.append(r)

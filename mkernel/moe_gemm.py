@@ -42,10 +42,15 @@ SPEC = _register("moe_gemm", "moe_dispatch_gemm.cu", KERNEL)
 COMBINE_SPEC = _register("moe_gemm_combine", "moe_gemm_combine.cu", COMBINE_KERNEL)
 
 
+# moe_dispatch_gemm: the dispatch CTAs take GEMM tiles once their rows are sent. Off until run on a
+# GPU (tests/test_moe_gemm.py runs both settings); prediction in bench/NOTES.md (session 6).
+JOIN_GEMM = False
+
+
 class MkMoeGemmArgs(ctypes.Structure):
     """Mirror of ``MkMoeGemmArgs`` (mkernel/cuda/moe_gemm_args.cuh), 896 bytes (64-byte aligned)."""
     _fields_ = [("g", _gemm.MkGemmArgs), ("m", _moe.MkMoeArgs), ("gemm_ctas", ctypes.c_int32),
-                ("pad", ctypes.c_int32), ("tail", ctypes.c_uint8 * 24)]
+                ("join", ctypes.c_int32), ("tail", ctypes.c_uint8 * 24)]
 
 
 def _expert_weights(op, w, E_local, K, dtype, w_layout):
@@ -107,6 +112,7 @@ def moe_dispatch_gemm(x, topk_ids, topk_weights, w, *, comm, num_experts, capaci
     _gemm_args(args.g, d.plan["recv"], wb, layout, out, d.plan["group_rows"], d.capacity, d.H, F, El, args.m.sync)
     sms = _tp.sm_count()
     args.gemm_ctas = sms - comm_sms
+    args.join = 1 if JOIN_GEMM else 0
     _launch(op, SPEC, KERNEL, layout, d.x.dtype, args, sms, stream)
     return out, d.handle()
 

@@ -2,7 +2,8 @@
 //
 // CTAs [gemm_ctas, grid) run the dispatch role (moe_dispatch.cuh): rows leave local expert by local
 // expert, and the flag eflag[s][le] in the owner's workspace says that every row from rank s to its
-// local expert le is in its receive buffer. CTAs [0, gemm_ctas) run the GEMM engine in grouped
+// local expert le is in its receive buffer. With `join` they then take GEMM tiles too (their SM
+// would idle otherwise: the work-conserving half of moving SMs between roles). CTAs [0, gemm_ctas) run the GEMM engine in grouped
 // mode straight on that receive buffer (A), one group per local expert (B: its weights), into y:
 // they wait for the dispatch's verdict (counters[MOE_CNT_PLAN], after the count rows of every rank
 // are in: the group sizes are then known, and written to group_rows), build the group table from
@@ -88,6 +89,16 @@ __global__ void __launch_bounds__(MOE_GEMM_THREADS, 1) mk_moe_dispatch_gemm_kern
                                                             gridDim.x - (u32)args.gemm_ctas},
                                         mk_smem + MOE_STAGE_OFFSET);
     epoch = sh.epoch;
+    if (args.join) {  // its rows are sent (their copies complete): the SM takes GEMM tiles too
+      __syncthreads();
+      if (threadIdx.x == 0)
+        for (u32 w = 0; w < MoeShared<MOE_GEMM_THREADS>::WARPS; ++w) {
+          mbar_inval(smem_u32(&sh.copy_bar[w][0]));
+          mbar_inval(smem_u32(&sh.copy_bar[w][1]));
+        }
+      __syncthreads();
+      moe_gemm_cta<GemmCfg<DT, BL> >(args);
+    }
   }
   __syncthreads();
   if (threadIdx.x == 0) counters_reset_by_last_block(args.m.counters, MOE_CNT_WORDS, MOE_CNT_DONE);

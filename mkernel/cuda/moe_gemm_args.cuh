@@ -10,5 +10,5 @@ struct MkMoeGemmArgs {
   MkGemmArgs g;
   MkMoeArgs m;
   int gemm_ctas;
-  int pad;
+  int join;  // dispatch: nonzero, the dispatch CTAs join the GEMM once their rows are sent
 };

@@ -12,6 +12,8 @@ MK_DEV void mbar_init(u32 bar, u32 count) {
 // Makes barrier initialisation visible to the async proxy (TMA) and to other threads; follow it
 // with a CTA barrier before any thread or TMA touches the barriers.
 MK_DEV void mbar_fence_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+// Before the barrier's shared memory serves anything else (no arrival or transaction pending).
+MK_DEV void mbar_inval(u32 bar) { asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(bar) : "memory"); }
 
 MK_DEV void mbar_arrive(u32 bar) {
   asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
