@@ -22,9 +22,10 @@ A B C ... A B C ... so that clock drift spreads over all of them):
   slower: bench/NOTES.md);
 - unfused: ``moe_dispatch`` then ``grouped_gemm``; ``grouped_gemm`` then ``moe_combine`` (the
   building blocks back to back);
-- join (``join_ms`` of the dispatch rows): ``moe_dispatch_gemm`` with its dispatch CTAs taking GEMM
-  tiles after their sends (``moe_gemm.JOIN_GEMM``, off by default until measured); its y must equal
-  the default's bit for bit (part of ``counts_match``);
+- join, last for each routing (an untested variant must not cost the rows before it):
+  ``moe_dispatch_gemm`` with its dispatch CTAs taking GEMM tiles after their sends
+  (``moe_gemm.JOIN_GEMM``, off by default until measured); its y must equal the default's bit for
+  bit (``join_bits_match``), then both are timed interleaved (``join_ms``, ``join_default_ms``);
 - baseline: the pairs sorted by expert on the device (cupy.argsort of expert * P + pair index, so
   the order is (destination rank, local expert, pair)), the token rows gathered (cupy.take), NCCL
   all-to-all through cupy.cuda.nccl (ncclGroupStart, send / recv per peer, self included,
@@ -469,17 +470,12 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
             mkernel.moe_combine(B["z_uf"], st["h"], comm=comm, out=B["out_uf"])
 
         def check_mkernel():
-            mk_dg_join()  # the join variant must give the default's bits (its y is overwritten next)
-            wait(f"mkernel join {name}")
-            y_join = B["y_mk"].copy()
             mk_dg()
             mk_gc()
             wait(f"mkernel first layer {name}")
             comm.check()
             got = st["h"].counts()
-            n = int(sum(got))
-            counts_ok = bool(np.array_equal(np.asarray(got, dtype=np.int64), L.group_rows)) and \
-                bool((y_join[:n].view(cupy.uint16) == B["y_mk"][:n].view(cupy.uint16)).all())
+            counts_ok = bool(np.array_equal(np.asarray(got, dtype=np.int64), L.group_rows))
             uf_dg()
             uf_gc()
             wait(f"unfused first layer {name}")
@@ -514,7 +510,7 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
         err_uf = max(e for _, e in every)
 
         # the timed variants, interleaved; each combine right after its own dispatch
-        fns = {"mk_dg": mk_dg, "mk_gc": mk_gc, "uf_dg": uf_dg, "uf_gc": uf_gc, "mk_dg_join": mk_dg_join}
+        fns = {"mk_dg": mk_dg, "mk_gc": mk_gc, "uf_dg": uf_dg, "uf_gc": uf_gc}
         if have_baseline and base is not None:
             fns.update(bg_dg=lambda: base.dispatch_gemm("gather"), bg_gc=lambda: base.gemm_combine("gather"),
                        bs_dg=lambda: base.dispatch_gemm("segments"), bs_gc=lambda: base.gemm_combine("segments"))
@@ -554,9 +550,6 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
                             rows_imbalance=max(recv_rows) / max(1e-9, sum(recv_rows) / W),
                             bytes_off_rank_per_gpu=[max(s, rv) * H * dt.itemsize for _, s, rv in traffic],
                             world=W, dtype=dt.name, samples=len(mk), name=f"{sname} {rt}")
-            if op == "moe_dispatch_gemm":  # the join variant, beside the default
-                r["join_ms"] = harness.median(ts["mk_dg_join"])
-                r["join_ci95"] = harness.ci95(ts["mk_dg_join"])
             if t_b is None:
                 r["speedup"] = r["baseline_ms"] = None
             rows.append(r)
@@ -566,6 +559,32 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
                 print(f"{name:28s} {op:18s} mkernel {t_mk:8.3f} ms  unfused {t_uf:8.3f} ms ({r['vs_unfused']:.3f}x)  "
                       f"baseline {bl} {sp}  bound {b_ms:7.3f} ms  rel err {rel if rel is None else format(rel, '.1e')}",
                       flush=True)
+
+        def join_stage():  # last: an untested variant must not cost the rows above
+            mk_dg()
+            wait(f"default before join {name}")
+            y_default = B["y_mk"].copy()
+            mk_dg_join()
+            wait(f"join {name}")
+            comm.check()
+            n = int(sum(st["h"].counts()))
+            match = bool((y_default[:n].view(cupy.uint16) == B["y_mk"][:n].view(cupy.uint16)).all())
+            if not all(comm.bench_mpi.allgather(match)):
+                return False, None
+            t = timed_interleaved(comm, {"mk_dg": mk_dg, "mk_dg_join": mk_dg_join}, reps)
+            comm.check()
+            return True, t
+
+        ok, res = stage(comm, f"join {name}", join_stage, errors, fatal)
+        r_dg = next(r for r in reversed(rows) if r["op"] == "moe_dispatch_gemm")
+        r_dg["join_bits_match"] = bool(ok and res[0])
+        if ok and res[0]:
+            tj = res[1]
+            r_dg.update(join_ms=harness.median(tj["mk_dg_join"]), join_ci95=harness.ci95(tj["mk_dg_join"]),
+                        join_default_ms=harness.median(tj["mk_dg"]))
+            if me == 0:
+                print(f"{name:28s} join: {r_dg['join_ms']:.3f} ms against the default's {r_dg['join_default_ms']:.3f} ms "
+                      f"in the same run", flush=True)
         base = fns = st = None  # the baseline's buffers go before the next routing's
         cupy.get_default_memory_pool().free_all_blocks()
     return rows

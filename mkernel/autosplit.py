@@ -131,6 +131,7 @@ def choose(comm, op: str, *, M: int, N: int, K: int, esize: int, comm_items: int
     key = st.key
     if st.pending is not None:  # timed on every rank alike (the rule below depends on shared state only)
         n_prev, events = st.pending
+        st.pending = None  # consumed even if what follows raises: no rank may repeat this allgather alone
         ms = max(comm.mpi.allgather(events.elapsed_ms()))
         nxt = mem.observe(key, n_prev, ms)
         log.debug("%s %s: %d comm CTAs took %.3f ms (max over ranks); next %d", op, key[1], n_prev, ms, nxt)

@@ -337,9 +337,14 @@ class SplitMemory:
                 entries[ks] = {"comm_ctas": s.best, "ms": s.s.ref_ns / 1e6, "state": s.state().hex()}
             else:
                 entries.pop(ks, None)
-        self.directory.mkdir(parents=True, exist_ok=True)
         data = json.dumps({"version": version(), "entries": entries}, indent=1, sort_keys=True).encode()
-        _compile._write_atomic(self.path, data)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            _compile._write_atomic(self.path, data)
+        except OSError as e:  # a failing disk must not fail the op on this rank alone (its peers go on)
+            log.warning("split memory: cannot write %s (%s); keeping splits in memory only", self.path, e)
+            self.persist = False
+            return
         self._saved = entries
 
 

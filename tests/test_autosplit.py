@@ -211,3 +211,19 @@ def test_non_root_ranks_do_not_write(fake_launch, auto, monkeypatch, tmp_path): 
         _rs_call(comm, fake_launch, path="fused")
     assert autosplit.memory(comm).search(next(iter(comm._autosplit.values())).key).converged
     assert not (tmp_path / "split" / "splits.json").exists()
+
+
+def test_unwritable_split_file_does_not_fail_the_op(fake_launch, auto, monkeypatch, tmp_path):  # noqa: F811
+    """Rank 0's save failing (no directory can be made there) must not raise on rank 0 alone: its
+    peers would go on to the launch and the next allgather. The memory stays in process only."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("MKERNEL_SPLIT_PERSIST", "1")
+    monkeypatch.setenv("MKERNEL_CACHE_DIR", str(blocker))
+    comm = _comm()
+    comm.rank = 0
+    for _ in range(12):
+        _rs_call(comm, fake_launch, path="fused")
+    mem = autosplit.memory(comm)
+    assert mem.search(next(iter(comm._autosplit.values())).key).converged
+    assert mem.persist is False

@@ -89,13 +89,16 @@ __global__ void __launch_bounds__(MOE_GEMM_THREADS, 1) mk_moe_dispatch_gemm_kern
                                                             gridDim.x - (u32)args.gemm_ctas},
                                         mk_smem + MOE_STAGE_OFFSET);
     epoch = sh.epoch;
-    if (args.join) {  // its rows are sent (their copies complete): the SM takes GEMM tiles too
-      __syncthreads();
+    // Its rows are sent (their copies complete): the SM takes GEMM tiles too. Not after an error on
+    // this rank: a copier wait that gave up may have left a bulk load in flight into this memory.
+    const bool failed = __syncthreads_or(threadIdx.x == 0 && error_recorded(args.m.sync)) != 0;
+    if (args.join && !failed) {
       if (threadIdx.x == 0)
         for (u32 w = 0; w < MoeShared<MOE_GEMM_THREADS>::WARPS; ++w) {
           mbar_inval(smem_u32(&sh.copy_bar[w][0]));
           mbar_inval(smem_u32(&sh.copy_bar[w][1]));
         }
+      fence_proxy_async_smem();  // the dispatch's generic stores here before the GEMM's TMA loads
       __syncthreads();
       moe_gemm_cta<GemmCfg<DT, BL> >(args);
     }
