@@ -5,7 +5,9 @@
 # Steps (default: info suite main sanitizer gemm transport); finer ones: runtime runtime2 queue queue2
 # mpi2 gemmtest tp attention ring ringbench tpbench tpnodes moebench controller controllernodes (the last six want 2 GPUs)
 # ringbranch: tests/test_ring_attention.py of branch ring-mixed-nodes, checked out (git worktree add
-# scratch/ring ring-mixed-nodes) and carried as scratch
+# scratch/ring ring-mixed-nodes) and carried as scratch; moebranch: the same for moe-combine-rows at
+# scratch/mcr (its fused-combine tests and bench/moe.py, results under $OUT/mcr). moe: the MoE tests at
+# 1 and 2 ranks; moebench1: bench/moe.py at world 1.
 # A kernel cache built on a CPU machine (python -m mkernel precompile) is used when carried as .kcache.
 # The copy on the device has no .git of its own (in session 6 it reported the session's first commit, "-dirty"): pass BENCH_COMMIT=$(git rev-parse --short HEAD) in the command
 # so that results JSON name the commit that ran.
@@ -49,6 +51,11 @@ for s in $steps; do
     tpbench) step tpbench 400 $MPI2 python3 bench/tp.py ;;
     tpnodes) step tpnodes 300 $MPI2 python3 bench/tp.py --nodes 2 ;;
     moebench) step moebench 300 $MPI2 python3 bench/moe.py ;;
+    moebench1) step moebench1 200 python3 bench/moe.py ;;
+    moe) step moe 200 bash -c "$PYT -m gpu tests/test_moe.py tests/test_moe_gemm.py && \
+      $MPI2 $PYT -m 'gpu and mpi and not slow' tests/test_moe.py tests/test_moe_gemm.py" ;;
+    moebranch) step moebranch 300 bash -c "cd scratch/mcr && python3 setup.py build_ext --inplace >/dev/null && \
+      PYTHONPATH=\$PWD $PYT -m gpu tests/test_moe_gemm.py && PYTHONPATH=\$PWD python3 bench/moe.py --out \$OUT/mcr" ;;
     ringbranch) step ringbranch 400 bash -c "cd scratch/ring && python3 setup.py build_ext --inplace >/dev/null && \
       PYTHONPATH=\$PWD $PYT -m gpu tests/test_ring_attention.py && PYTHONPATH=\$PWD $MPI2 $PYT -m 'gpu and mpi' tests/test_ring_attention.py" ;;
     controller) step controller 500 $MPI2 python3 bench/controller.py ;;
