@@ -9,8 +9,9 @@
 # scratch/mcr (its fused-combine tests and bench/moe.py, results under $OUT/mcr). moe: the MoE tests at
 # 1 and 2 ranks; moebench1: bench/moe.py at world 1.
 # A kernel cache built on a CPU machine (python -m mkernel precompile) is used when carried as .kcache.
-# The copy on the device has no .git of its own (in session 6 it reported the session's first commit, "-dirty"): pass BENCH_COMMIT=$(git rev-parse --short HEAD) in the command
-# so that results JSON name the commit that ran.
+# The copy on the device has no .git of its own (in session 6 git there reported the session's first
+# commit, "-dirty"): write BENCH_COMMIT=<local HEAD's hash> into the command (a literal: a
+# $(git rev-parse ...) would run on the device) so that results JSON name the commit that ran.
 set -u
 OUT=${OUT:-/tmp/mkernel-out}
 LOGS=$(mktemp -d)/logs  # only the tarball, the summary and results JSON go to $OUT (8 files come back)
