@@ -168,7 +168,7 @@ def _args(comm, plan, op, T, k, E, H):
     return a
 
 
-def _launch(comm, op, expr, args, ctas, stream, smem=0):
+def _launch(op, expr, args, ctas, stream, smem=0):
     from .launch import launch_persistent, persistent_grid
 
     fn = _compile.module(SPEC).function(expr)
@@ -200,7 +200,7 @@ def launch_dispatch(d, out, stream):
     a.out = out.data.ptr
     a.ldo = (out.strides[0] if d.capacity > 1 else d.H * out.itemsize) // out.itemsize
     ctas = max(1, min(d.plan["sms"], -(-d.T * d.k // PAIRS_PER_CTA)))
-    _launch(d.comm, d.op, "mk_moe_dispatch_kernel", a, ctas, stream, smem=DISPATCH_SMEM)
+    _launch(d.op, "mk_moe_dispatch_kernel", a, ctas, stream, smem=DISPATCH_SMEM)
     return d.handle()
 
 
@@ -259,7 +259,7 @@ def moe_combine(y, handle, *, comm, out=None, stream=None):
     a.topk_w = handle.topk_weights.data.ptr
     a.out, a.ldo = out.data.ptr, (out.strides[0] if handle.T > 1 else handle.H * y.itemsize) // y.itemsize
     ctas = max(1, min(plan["sms"], -(-handle.capacity // ROWS_PER_CTA), max(1, handle.T)))
-    _launch(comm, op, f"mk_moe_combine_kernel<{DT[handle.dtype.name]}>", a, ctas, stream)
+    _launch(op, f"mk_moe_combine_kernel<{DT[handle.dtype.name]}>", a, ctas, stream)
     return out
 
 

@@ -154,19 +154,26 @@ def test_the_bound_is_agreed_when_a_key_is_first_seen(fake_launch, auto):  # noq
     assert seen == [64] and max(counts) <= 6
 
 
+def _converged_with_persistence(fake_launch, monkeypatch, cache_dir, rank):  # noqa: F811
+    """MKERNEL_SPLIT_PERSIST=1 with the cache at cache_dir; 12 calls of one shape on a fresh
+    communicator of this rank (the search converges). Returns (comm, key)."""
+    monkeypatch.setenv("MKERNEL_SPLIT_PERSIST", "1")
+    monkeypatch.setenv("MKERNEL_CACHE_DIR", str(cache_dir))
+    comm = _comm()
+    comm.rank = rank
+    for _ in range(12):
+        _rs_call(comm, fake_launch, path="fused")
+    key = next(iter(comm._autosplit.values())).key
+    assert autosplit.memory(comm).search(key).converged
+    return comm, key
+
+
 def test_persisted_split_starts_a_new_process_at_its_split(fake_launch, auto, monkeypatch, tmp_path):  # noqa: F811
     """MKERNEL_SPLIT_PERSIST=1: rank 0 saves the converged key; a new communicator (a new process)
     runs that split on its first call and holds it without searching (no timed call until the
     HOLD_SAMPLE-th)."""
-    monkeypatch.setenv("MKERNEL_SPLIT_PERSIST", "1")
-    monkeypatch.setenv("MKERNEL_CACHE_DIR", str(tmp_path))
-    comm = _comm()
-    comm.rank = 0  # the writer
-    for _ in range(12):
-        _rs_call(comm, fake_launch, path="fused")
-    key = next(iter(comm._autosplit.values())).key
+    comm, key = _converged_with_persistence(fake_launch, monkeypatch, tmp_path, rank=0)  # the writer
     best = autosplit.memory(comm).search(key).best
-    assert autosplit.memory(comm).search(key).converged
     assert (tmp_path / "split" / "splits.json").exists()
     fresh = _comm()  # rank 0 of a new process: reads the file
     fresh.rank = 0
@@ -186,14 +193,8 @@ def test_persisted_split_starts_a_new_process_at_its_split(fake_launch, auto, mo
 def test_ranks_start_from_rank_0s_saved_state(fake_launch, auto, monkeypatch, tmp_path):  # noqa: F811
     """A rank whose own file (another host, or persistence off) differs from rank 0's starts the key
     from the state rank 0 broadcasts: here rank 0 has none, so this rank ignores its own saved split."""
-    monkeypatch.setenv("MKERNEL_SPLIT_PERSIST", "1")
-    monkeypatch.setenv("MKERNEL_CACHE_DIR", str(tmp_path))
-    comm = _comm()
-    comm.rank = 0
-    for _ in range(12):
-        _rs_call(comm, fake_launch, path="fused")
-    key = next(iter(comm._autosplit.values())).key
-    assert autosplit.memory(comm).search(key).converged and (tmp_path / "split" / "splits.json").exists()
+    _, key = _converged_with_persistence(fake_launch, monkeypatch, tmp_path, rank=0)
+    assert (tmp_path / "split" / "splits.json").exists()
     other = _comm()  # reads the file rank 0 wrote ...
     other.mpi.bcast = lambda x, root=0: None  # ... but rank 0 (another host) has nothing saved
     n0 = _rs_call(other, fake_launch, path="fused")
@@ -203,13 +204,7 @@ def test_ranks_start_from_rank_0s_saved_state(fake_launch, auto, monkeypatch, tm
 
 
 def test_non_root_ranks_do_not_write(fake_launch, auto, monkeypatch, tmp_path):  # noqa: F811
-    monkeypatch.setenv("MKERNEL_SPLIT_PERSIST", "1")
-    monkeypatch.setenv("MKERNEL_CACHE_DIR", str(tmp_path))
-    comm = _comm()
-    comm.rank = 1
-    for _ in range(12):
-        _rs_call(comm, fake_launch, path="fused")
-    assert autosplit.memory(comm).search(next(iter(comm._autosplit.values())).key).converged
+    _converged_with_persistence(fake_launch, monkeypatch, tmp_path, rank=1)
     assert not (tmp_path / "split" / "splits.json").exists()
 
 
@@ -218,12 +213,5 @@ def test_unwritable_split_file_does_not_fail_the_op(fake_launch, auto, monkeypat
     peers would go on to the launch and the next allgather. The memory stays in process only."""
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
-    monkeypatch.setenv("MKERNEL_SPLIT_PERSIST", "1")
-    monkeypatch.setenv("MKERNEL_CACHE_DIR", str(blocker))
-    comm = _comm()
-    comm.rank = 0
-    for _ in range(12):
-        _rs_call(comm, fake_launch, path="fused")
-    mem = autosplit.memory(comm)
-    assert mem.search(next(iter(comm._autosplit.values())).key).converged
-    assert mem.persist is False
+    comm, _ = _converged_with_persistence(fake_launch, monkeypatch, blocker, rank=0)
+    assert autosplit.memory(comm).persist is False

@@ -40,7 +40,7 @@ MK_DEV void tp_push_cta(const TpArgs& a) {
   const u32 sends = (N - 1) * chunks;
   const u8* src = reinterpret_cast<const u8*>(a.a_local);
   for (;;) {  // this rank's chunks to its node (own buffer first), then across the network
-    const u32 item = tp_claim(&a.counters[TP_CNT_PUSH], &s_item, threadIdx.x, TpBarCta());
+    const u32 item = tp_claim(&a.counters[TP_CNT_PUSH], &s_item, threadIdx.x, MkBarCta());
     if (item >= L * chunks) break;
     const u32 i = item / chunks, c = item - i * chunks;
     const u32 d = (l + i) % L;
@@ -62,7 +62,7 @@ MK_DEV void tp_push_cta(const TpArgs& a) {
     }
   }
   for (;;) {  // several nodes: the chunks of blocks j * L + l that arrived, into this node
-    const u32 item = tp_claim(&a.counters[TP_CNT_FORWARD], &s_item, threadIdx.x, TpBarCta());
+    const u32 item = tp_claim(&a.counters[TP_CNT_FORWARD], &s_item, threadIdx.x, MkBarCta());
     if (item >= (N - 1) * chunks) break;
     const u32 i = item / chunks, c = item - i * chunks;
     const u32 j = (n + N - 1 - i) % N, o = j * L + l;

@@ -107,6 +107,22 @@ MK_DEV GemmSmem<Cfg> gemm_smem_carve(u8* dyn) {
   return sm;
 }
 
+// The tile space of the engine's arguments: plain (table null: sched.num_tiles tiles) or grouped
+// over a table build_group_table filled from args.group_rows (its tiles: tile_base[num_groups]).
+template <class Cfg>
+MK_DEV MkTileSpace<Cfg::UNIT_M> gemm_tile_space(const MkGemmArgs& args, const MkGroupTable* table) {
+  MkTileSpace<Cfg::UNIT_M> space;
+  space.table = table;
+  space.m = args.m;
+  space.n = args.n;
+  space.tiles_n = args.sched.tiles_n;
+  space.group_m = args.sched.group_m > 0 ? args.sched.group_m : 1u;
+  space.by_n = args.sched.group_n;
+  space.num_groups = table ? (u32)args.num_groups : 1u;
+  space.num_tiles = table ? table->tile_base[space.num_groups] : args.sched.num_tiles;
+  return space;
+}
+
 // All threads of the CTA: barrier initialisation, the epoch, the group table. Ends with __syncthreads.
 // Clustered: the tile space counts units of CLUSTER M-tiles, and the barrier at the end spans the
 // cluster (no CTA's multicast or remote arrival may reach a barrier not yet initialised).
@@ -130,22 +146,12 @@ MK_DEV MkTileSpace<Cfg::UNIT_M> gemm_setup(const MkGemmArgs& args, const GemmSme
     tma_prefetch_desc(&args.b);
     tma_prefetch_desc(&args.c);
   }
-  MkTileSpace<Cfg::UNIT_M> space;
-  space.table = sm.table;
-  space.m = args.m;
-  space.n = args.n;
-  space.tiles_n = args.sched.tiles_n;
-  space.group_m = args.sched.group_m > 0 ? args.sched.group_m : 1u;
-  space.by_n = args.sched.group_n;
-  space.num_groups = GROUPED ? (u32)args.num_groups : 1u;
   if (GROUPED) {
-    build_group_table<Cfg::UNIT_M>(sm.table, args.group_rows, space.num_groups, args.m, space.tiles_n);
-    space.num_tiles = sm.table->tile_base[space.num_groups];
+    build_group_table<Cfg::UNIT_M>(sm.table, args.group_rows, (u32)args.num_groups, args.m, args.sched.tiles_n);
   } else {
     if (Cfg::CLUSTER > 1) cluster_sync(); else __syncthreads();
-    space.num_tiles = args.sched.num_tiles;
   }
-  return space;
+  return gemm_tile_space<Cfg>(args, GROUPED ? sm.table : nullptr);
 }
 
 // Warpgroup 0, one thread: takes tiles from a tile source, publishes them in the tile ring and

@@ -88,7 +88,3 @@ MK_DEV void moe_weighted_sum(const MkMoeArgs& a, const MkPeers& peers, u32 part,
     }
   }
 }
-
-struct MoeBarCta {
-  MK_DEV void operator()() const { __syncthreads(); }
-};

@@ -52,16 +52,16 @@ MK_DEV u32 moe_gemm_cta(const MkMoeGemmArgs& args) {
   extern __shared__ __align__(1024) u8 mk_smem[];  // no static shared memory: the GEMM's layout takes all
   const MkMoeArgs& a = args.m;
   const GemmSmem<Cfg> sm = gemm_smem_carve<Cfg, true>(mk_smem);
-  MkTileSpace<Cfg::UNIT_M> space = gemm_setup<Cfg, false>(args.g, sm);  // barriers, epoch
+  gemm_setup<Cfg, false>(args.g, sm);  // barriers, epoch (the group table follows the verdict)
   const u32 epoch = sm.bars->epoch;
   // The group sizes are known (and in group_rows) once the dispatch decided; thread 0 waits.
   const bool ok = __syncthreads_or(threadIdx.x == 0 &&
                                    wait_flag(a.sync, &a.counters[MOE_CNT_PLAN], [](u32 v) { return v != 0u; },
                                              MOE_PLAN_OK, -1, MOE_WAIT_PLAN) &&
                                    ld_acquire_sys(&a.counters[MOE_CNT_PLAN]) == MOE_PLAN_OK) != 0;
-  space.num_groups = (u32)a.e_local;
-  build_group_table<Cfg::UNIT_M>(sm.table, a.group_rows, space.num_groups, args.g.m, space.tiles_n);
-  space.num_tiles = ok ? sm.table->tile_base[space.num_groups] : 0u;
+  build_group_table<Cfg::UNIT_M>(sm.table, a.group_rows, (u32)args.g.num_groups, args.g.m, args.g.sched.tiles_n);
+  MkTileSpace<Cfg::UNIT_M> space = gemm_tile_space<Cfg>(args.g, sm.table);
+  if (!ok) space.num_tiles = 0;
   if (threadIdx.x < 128) {
     setmaxnreg_dec<Cfg::PRODUCER_REGS>();
     if (threadIdx.x == 0) {
@@ -91,8 +91,7 @@ __global__ void __launch_bounds__(MOE_GEMM_THREADS, 1) mk_moe_dispatch_gemm_kern
     epoch = sh.epoch;
     // Its rows are sent (their copies complete): the SM takes GEMM tiles too. Not after an error on
     // this rank: a copier wait that gave up may have left a bulk load in flight into this memory.
-    const bool failed = __syncthreads_or(threadIdx.x == 0 && error_recorded(args.m.sync)) != 0;
-    if (args.join && !failed) {
+    if (args.join && !__syncthreads_or(threadIdx.x == 0 && error_recorded(args.m.sync))) {
       if (threadIdx.x == 0)
         for (u32 w = 0; w < MoeShared<MOE_GEMM_THREADS>::WARPS; ++w) {
           mbar_inval(smem_u32(&sh.copy_bar[w][0]));

@@ -25,25 +25,6 @@ struct MoeReturnShared {
   int back;
 };
 
-// Consumer warpgroups of a GEMM CTA (named barrier 1: the engine uses none).
-struct MoeBarConsumers {
-  MK_DEV void operator()() const { named_bar_sync(1, 256); }
-};
-
-template <class Cfg>
-MK_DEV MkTileSpace<Cfg::BM> moe_tile_space(const MkGemmArgs& g, const MkGroupTable* table) {
-  MkTileSpace<Cfg::BM> space;
-  space.table = table;
-  space.m = g.m;
-  space.n = g.n;
-  space.tiles_n = g.sched.tiles_n;
-  space.group_m = g.sched.group_m > 0 ? g.sched.group_m : 1u;
-  space.by_n = g.sched.group_n;
-  space.num_groups = (u32)g.num_groups;
-  space.num_tiles = table->tile_base[space.num_groups];
-  return space;
-}
-
 // A returning CTA: the GEMM's tiles as their flags arrive, each row's slice to its source.
 template <class Cfg>
 MK_DEV void moe_return_tiles(const MkMoeGemmArgs& args, MoeReturnShared& rs, const MkPeers& peers, MoeCtas ctas,
@@ -52,7 +33,7 @@ MK_DEV void moe_return_tiles(const MkMoeGemmArgs& args, MoeReturnShared& rs, con
   const MkGemmArgs& g = args.g;
   const u32 tid = threadIdx.x;
   build_group_table<Cfg::BM>(&rs.table, g.group_rows, (u32)g.num_groups, g.m, g.sched.tiles_n);
-  const MkTileSpace<Cfg::BM> space = moe_tile_space<Cfg>(g, &rs.table);
+  const MkTileSpace<Cfg::UNIT_M> space = gemm_tile_space<Cfg>(g, &rs.table);
   if (tid == 0) rs.ok = moe_credits_all(a, peers, Ep) ? 1 : 0;
   __syncthreads();
   if (!rs.ok) return;
@@ -114,14 +95,14 @@ __global__ void __launch_bounds__(MOE_GC_THREADS, 1) mk_moe_gemm_combine_kernel(
       gemm_consumer<Cfg>(args.g, sm, (int)(threadIdx.x / 128) - 1, epi);
       epi.finish();
       // The pipeline's shared memory is free now: its first word broadcasts the weighted sum's wait.
-      moe_weighted_sum<DT>(a, peers, blockIdx.x, gridDim.x, threadIdx.x - 128, 256, MoeBarConsumers(),
+      moe_weighted_sum<DT>(a, peers, blockIdx.x, gridDim.x, threadIdx.x - 128, 256, MkBarConsumers(),
                            reinterpret_cast<volatile int*>(sm.base), epoch);
     }
   } else {
     MoeReturnShared& rs = *reinterpret_cast<MoeReturnShared*>(mk_smem);
     epoch = launch_epoch(a.sync);
     moe_return_tiles<Cfg>(args, rs, peers, MoeCtas{blockIdx.x - G, gridDim.x - G}, epoch);
-    moe_weighted_sum<DT>(a, peers, blockIdx.x, gridDim.x, threadIdx.x, MOE_GC_THREADS, MoeBarCta(), &rs.back, epoch);
+    moe_weighted_sum<DT>(a, peers, blockIdx.x, gridDim.x, threadIdx.x, MOE_GC_THREADS, MkBarCta(), &rs.back, epoch);
   }
   __syncthreads();
   if (threadIdx.x == 0) counters_reset_by_last_block(a.counters, MOE_CNT_WORDS, MOE_CNT_DONE);

@@ -137,6 +137,15 @@ MK_DEV void named_bar_arrive(u32 id, u32 threads) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Barriers of a whole CTA, and of the two consumer warpgroups of a GEMM CTA (named barrier 1; the
+// engine itself uses no named barrier): for work a fused kernel shares between either group.
+struct MkBarCta {
+  MK_DEV void operator()() const { __syncthreads(); }
+};
+struct MkBarConsumers {
+  MK_DEV void operator()() const { named_bar_sync(1, 256); }
+};
+
 // --------------------------------------------------------------------- register reallocation
 template <u32 N>
 MK_DEV void setmaxnreg_inc() {

@@ -162,15 +162,6 @@ MK_DEV u32 tp_claim(unsigned int* counter, u32* s_item, u32 tid, Bar bar) {
   return *s_item;
 }
 
-// Barrier of a whole CTA, and of the two consumer warpgroups of a GEMM CTA (named barrier 1; the
-// GEMM engine uses no named barrier).
-struct TpBarCta {
-  MK_DEV void operator()() const { __syncthreads(); }
-};
-struct TpBarConsumers {
-  MK_DEV void operator()() const { named_bar_sync(1, 256); }
-};
-
 struct TpNoJoin {
   MK_DEV void operator()(const TpArgs&, u32) const {}
 };

@@ -276,7 +276,7 @@ MK_DEV void tp_reduce_cta(const TpArgs& a) {
   if (threadIdx.x == 0) s_epoch = launch_epoch(a.g.sync);
   __syncthreads();
   const u32 E = s_epoch;
-  tp_reduce_work<DT, OP>(a, E, threadIdx.x, blockDim.x, TpBarCta());
+  tp_reduce_work<DT, OP>(a, E, threadIdx.x, blockDim.x, MkBarCta());
   if (threadIdx.x == 0) tp_counters_done(a);
   launch_exit(a.g.sync, E);
 }
@@ -327,7 +327,7 @@ MK_DEV void tp_partial_cta(const TpArgs& a) {
 template <int DT, int OP>
 struct TpJoinReduce {
   MK_DEV void operator()(const TpArgs& a, u32 E) const {
-    if (a.join) tp_reduce_work<DT, OP>(a, E, threadIdx.x - 128, 256, TpBarConsumers());
+    if (a.join) tp_reduce_work<DT, OP>(a, E, threadIdx.x - 128, 256, MkBarConsumers());
   }
 };
 
