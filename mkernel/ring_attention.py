@@ -56,7 +56,8 @@ class MkRingArgs(ctypes.Structure):
                 ("tiles_per_step", ctypes.c_uint32), ("chunk_rows", ctypes.c_uint32),
                 ("queue", _proxy.QueueArgs), ("pflags", ctypes.c_void_p), ("stage_off", ctypes.c_uint64),
                 ("next_remote", ctypes.c_int32), ("prev_remote", ctypes.c_int32), ("chunks", ctypes.c_uint32),
-                ("chunk_bytes", ctypes.c_uint32), ("kv_bytes", ctypes.c_uint64), ("pad", ctypes.c_uint32 * 16)]
+                ("chunk_bytes", ctypes.c_uint32), ("kv_bytes", ctypes.c_uint64), ("local", ctypes.c_int32),
+                ("lrank", ctypes.c_int32), ("pad", ctypes.c_uint32 * 14)]
 
 
 def _rows_contiguous(x):
@@ -116,12 +117,11 @@ def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, return_ls
         raise ArgumentError(f"ring_attention needs comm= an mkernel Communicator (mkernel.init()); got "
                             f"{type(comm).__name__}")
     W = comm.size
-    one_node = comm.num_nodes == 1
-    remote = not one_node  # every neighbour on another node: blocks go through the proxy
-    if not one_node and comm.num_nodes != comm.size:
-        raise ArgumentError(f"ring_attention between nodes takes one rank per node so far (this communicator "
-                            f"has {comm.size} ranks on {comm.num_nodes} nodes); several ranks per node and "
-                            f"several nodes together are not built yet")
+    remote = comm.num_nodes > 1  # the ranks at a node's ends send / receive blocks through the proxy
+    node_of = comm.topology.node_of
+    if node_of != tuple(r // comm.local_size for r in range(W)):
+        raise ArgumentError(f"ring_attention: the ring follows the ranks and needs them node-major (rank = node * "
+                            f"ranks_per_node + local rank); this communicator's nodes are {node_of}")
     if W > MAX_WORLD:
         raise ArgumentError(f"ring_attention: at most {MAX_WORLD} ranks; this communicator has {W}")
     if comm_sms is None:
@@ -174,7 +174,7 @@ def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, return_ls
     a.q_blocks = -(-S // _attn.BLOCK_M)
     a.scale, a.scale_log2 = scale, scale * _attn.LOG2E
     half = S // 2
-    me = comm.rank  # one node: the local rank; one rank per node: the ring's order is the ranks'
+    me = comm.rank  # the ring's order is the ranks' (node-major)
     a.qpos = (_attn.MkAttnPos(half, me * half, (2 * W - 1 - me) * half - half, 0) if causal
               else _attn.positions(me * S))
     a.kpos = a.qpos  # (per step in the kernel; this one only fills the end-of-work tile)
@@ -195,20 +195,23 @@ def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, return_ls
     r.out_stride_b = o4.strides[0] // o4.itemsize if B > 1 else S * Hq * D
     r.out_stride_s = o4.strides[1] // o4.itemsize if S > 1 else Hq * D
     r.world, r.me, r.attn_ctas, r.zigzag = W, me, grid - comm_ctas, int(bool(causal))
+    r.local, r.lrank = comm.local_size, comm.local_rank
     r.tiles_per_step = plan["tiles"]
     r.chunk_rows = max(1, CHUNK_BYTES // (Hkv * D * k4.itemsize))
     if remote:
         stage = plan["stage"]
-        # a CuPy copy: its first use loads a module, which must not happen behind a launch of ours
-        _tp.quiesced_first_use(comm, plan, ("stage copy", k4.dtype.str, k4.strides, v4.strides))
-        with _tp.on_stream(stream):  # the block of step 0 must lie in a registered region
-            stage[0][...] = k4
-            stage[1][...] = v4
+        if node_of[(me + 1) % W] != comm.node:  # only a rank sending across reads the staged block
+            # a CuPy copy: its first use loads a module, which must not happen behind a launch of ours
+            _tp.quiesced_first_use(comm, plan, ("stage copy", k4.dtype.str, k4.strides, v4.strides))
+            with _tp.on_stream(stream):  # the block of step 0 must lie in a registered region
+                stage[0][...] = k4
+                stage[1][...] = v4
         base = plan["pflags"].offset
         r.queue = comm.proxy_queue_args(flag_base=base)
         r.pflags = comm.proxy_flags[0] + 4 * base
         r.stage_off = comm.offset_of(stage)
-        r.next_remote = r.prev_remote = 1
+        r.next_remote = int(node_of[(me + 1) % W] != comm.node)
+        r.prev_remote = int(node_of[(me - 1) % W] != comm.node)
         r.kv_bytes = 2 * half_bytes
         cap = PROXY_CHUNK_FLAGS // (W - 1)
         chunk = max(2 * CHUNK_BYTES, -(-r.kv_bytes // cap))

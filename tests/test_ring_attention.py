@@ -693,6 +693,18 @@ def test_more_than_two_ranks_on_one_node(request, ranks):
     ends after step 0; from 3 on a forwarder also writes at step 1 (a wait there for a FREE flag
     that no rank sets went unseen until session 5); 3 is the ring with no FREE flag at all, 4 the
     first whose forwarder writes a slot its next rank has read in this launch."""
+    _ranks_in_child_job(request, ranks, gpus_per_node=None, nodes=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nodes,per_node", [(2, 2), (3, 2), (2, 3)])
+def test_several_ranks_per_node_between_nodes(request, nodes, per_node):
+    """nodes x per_node ranks (a child mpiexec, sharing the GPUs): blocks move over NVLink inside a
+    node and through the proxy from the last rank of one node to the first of the next."""
+    _ranks_in_child_job(request, nodes * per_node, gpus_per_node=per_node, nodes=nodes)
+
+
+def _ranks_in_child_job(request, ranks, gpus_per_node, nodes):
     import mkernel
     from mpi4py import MPI
     from test_transport import _relaunch
@@ -701,10 +713,10 @@ def test_more_than_two_ranks_on_one_node(request, ranks):
         return
     world = MPI.COMM_WORLD
     if world.Get_size() != ranks:
-        pytest.skip(f"{ranks} ranks on one node")
+        pytest.skip(f"{ranks} ranks")
 
     def make():
-        root = mkernel.init(world, workspace_bytes=64 << 20)
+        root = mkernel.init(world, gpus_per_node=gpus_per_node, transport="host", workspace_bytes=64 << 20)
         return root, root
 
-    _against_engine(make, world, nodes=1)
+    _against_engine(make, world, nodes=nodes)

@@ -21,13 +21,12 @@
 #include "queue.cuh"
 #include "attn_mainloop.cuh"
 
-// The node's ranks (IPC-mapped workspaces): the whole ring on one node; only this rank when its
-// neighbours are on other nodes (one rank per node), where ring ranks index no peer table.
-MK_DEV MkPeers ring_peers(const MkRingArgs& r) {
-  return r.next_remote ? MkPeers{r.peer_base, 1u, 0u} : MkPeers{r.peer_base, (u32)r.world, (u32)r.me};
-}
+// The node's ranks (IPC-mapped workspaces). The ring is node-major, so a ring rank on this node is
+// peer rank % local; a neighbour on another node is reached through the proxy (next_remote,
+// prev_remote): only the ranks at a node's ends, so each block crosses each node boundary once.
+MK_DEV MkPeers ring_peers(const MkRingArgs& r) { return MkPeers{r.peer_base, (u32)r.local, (u32)r.lrank}; }
 MK_DEV u32* ring_flags(const MkRingArgs& r, u32 rank) {
-  return peer_ptr<u32>(ring_peers(r), r.next_remote ? 0u : rank, r.flags_off);
+  return peer_ptr<u32>(ring_peers(r), rank % (u32)r.local, r.flags_off);
 }
 MK_DEV u32 ring_src(const MkRingArgs& r, u32 step) { return ((u32)r.me + (u32)r.world - step) % (u32)r.world; }
 
@@ -216,7 +215,7 @@ MK_DEV void ring_forward_cta(const MkRingArgs& r, u32 E) {
                        : wait_remote_epoch(r.a.sync, r.queue, r.pflags + RING_PF_CREDIT, E, (i32)next, 0x5500u);
       } else if (ok && step != 1) {
         ok = step >= 2 ? wait_epoch(r.a.sync, ring_flags(r, me) + RING_FLAG_FREE + (step - 1), E, (i32)next, 0x5500u + step)
-                       : credits_wait(r.a.sync, peers, next, E);
+                       : credits_wait(r.a.sync, peers, next % (u32)r.local, E);
       }
       s_ok = ok ? 1 : 0;
     }
@@ -227,10 +226,11 @@ MK_DEV void ring_forward_cta(const MkRingArgs& r, u32 E) {
       continue;
     }
     const int slot = (int)((step + 1) % 2);
-    u8* dk = peer_ptr<u8>(peers, next, r.kslot_off[slot]);
-    u8* dv = peer_ptr<u8>(peers, next, r.vslot_off[slot]);
-    const u8* sk = step == 0 ? reinterpret_cast<const u8*>(r.k_own) : peer_ptr<u8>(peers, me, r.kslot_off[step % 2]);
-    const u8* sv = step == 0 ? reinterpret_cast<const u8*>(r.v_own) : peer_ptr<u8>(peers, me, r.vslot_off[step % 2]);
+    const u32 dl = next % (u32)r.local, ml = (u32)r.lrank;
+    u8* dk = peer_ptr<u8>(peers, dl, r.kslot_off[slot]);
+    u8* dv = peer_ptr<u8>(peers, dl, r.vslot_off[slot]);
+    const u8* sk = step == 0 ? reinterpret_cast<const u8*>(r.k_own) : peer_ptr<u8>(peers, ml, r.kslot_off[step % 2]);
+    const u8* sv = step == 0 ? reinterpret_cast<const u8*>(r.v_own) : peer_ptr<u8>(peers, ml, r.vslot_off[step % 2]);
     const i64 sb = step == 0 ? r.own_stride_b : (i64)S * row_bytes;
     const i64 ss = step == 0 ? r.own_stride_s : (i64)row_bytes;
     for (;;) {
