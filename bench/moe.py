@@ -22,10 +22,9 @@ A B C ... A B C ... so that clock drift spreads over all of them):
   slower: bench/NOTES.md);
 - unfused: ``moe_dispatch`` then ``grouped_gemm``; ``grouped_gemm`` then ``moe_combine`` (the
   building blocks back to back);
-- join, last for each routing (an untested variant must not cost the rows before it):
-  ``moe_dispatch_gemm`` with its dispatch CTAs taking GEMM tiles after their sends
-  (``moe_gemm.JOIN_GEMM``, off by default until measured); its y must equal the default's bit for
-  bit (``join_bits_match``), then both are timed interleaved (``join_ms``, ``join_default_ms``);
+- join, last for each routing: ``moe_dispatch_gemm`` with and without its dispatch CTAs taking
+  GEMM tiles after their sends (``moe_gemm.JOIN_GEMM``, on by default); the two y must be equal bit
+  for bit (``join_bits_match``), then both are timed interleaved (``join_ms``, ``nojoin_ms``);
 - baseline: the pairs sorted by expert on the device (cupy.argsort of expert * P + pair index, so
   the order is (destination rank, local expert, pair)), the token rows gathered (cupy.take), NCCL
   all-to-all through cupy.cuda.nccl (ncclGroupStart, send / recv per peer, self included,
@@ -450,12 +449,12 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
             _, st["h"] = mkernel.moe_dispatch_gemm(x, ids_d, w_d, w1, comm=comm, num_experts=E, capacity=cap,
                                                    out=B["y_mk"], path="fused")
 
-        def mk_dg_join():  # the dispatch CTAs join the GEMM after their sends (moe_gemm.JOIN_GEMM, off by default)
-            mg.JOIN_GEMM = True
+        def mk_dg_with(join):  # the dispatch CTAs join the GEMM after their sends, or not (moe_gemm.JOIN_GEMM)
+            default, mg.JOIN_GEMM = mg.JOIN_GEMM, join
             try:
                 mk_dg()
             finally:
-                mg.JOIN_GEMM = False
+                mg.JOIN_GEMM = default
 
         def mk_gc():  # the fused kernel (not the op's default path, which is unfused while the fused one is slower)
             mkernel.moe_gemm_combine(B["y_mk"], w2, st["h"], comm=comm, out=B["out_mk"], path="fused")
@@ -560,18 +559,19 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
                       f"baseline {bl} {sp}  bound {b_ms:7.3f} ms  rel err {rel if rel is None else format(rel, '.1e')}",
                       flush=True)
 
-        def join_stage():  # last: an untested variant must not cost the rows above
-            mk_dg()
-            wait(f"default before join {name}")
-            y_default = B["y_mk"].copy()
-            mk_dg_join()
+        def join_stage():  # last: a variant must not cost the rows above
+            mk_dg_with(False)
+            wait(f"no join {name}")
+            y_nojoin = B["y_mk"].copy()
+            mk_dg_with(True)
             wait(f"join {name}")
             comm.check()
             n = int(sum(st["h"].counts()))
-            match = bool((y_default[:n].view(cupy.uint16) == B["y_mk"][:n].view(cupy.uint16)).all())
+            match = bool((y_nojoin[:n].view(cupy.uint16) == B["y_mk"][:n].view(cupy.uint16)).all())
             if not all(comm.bench_mpi.allgather(match)):
                 return False, None
-            t = timed_interleaved(comm, {"mk_dg": mk_dg, "mk_dg_join": mk_dg_join}, reps)
+            t = timed_interleaved(comm, {"join": lambda: mk_dg_with(True), "nojoin": lambda: mk_dg_with(False)},
+                                  reps)
             comm.check()
             return True, t
 
@@ -580,10 +580,10 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
         r_dg["join_bits_match"] = bool(ok and res[0])
         if ok and res[0]:
             tj = res[1]
-            r_dg.update(join_ms=harness.median(tj["mk_dg_join"]), join_ci95=harness.ci95(tj["mk_dg_join"]),
-                        join_default_ms=harness.median(tj["mk_dg"]))
+            r_dg.update(join_ms=harness.median(tj["join"]), join_ci95=harness.ci95(tj["join"]),
+                        nojoin_ms=harness.median(tj["nojoin"]), nojoin_ci95=harness.ci95(tj["nojoin"]))
             if me == 0:
-                print(f"{name:28s} join: {r_dg['join_ms']:.3f} ms against the default's {r_dg['join_default_ms']:.3f} ms "
+                print(f"{name:28s} join: {r_dg['join_ms']:.3f} ms, without it {r_dg['nojoin_ms']:.3f} ms "
                       f"in the same run", flush=True)
         base = fns = st = None  # the baseline's buffers go before the next routing's
         cupy.get_default_memory_pool().free_all_blocks()

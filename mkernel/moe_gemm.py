@@ -42,9 +42,9 @@ SPEC = _register("moe_gemm", "moe_dispatch_gemm.cu", KERNEL)
 COMBINE_SPEC = _register("moe_gemm_combine", "moe_gemm_combine.cu", COMBINE_KERNEL)
 
 
-# moe_dispatch_gemm: the dispatch CTAs take GEMM tiles once their rows are sent. Off until run on a
-# GPU (tests/test_moe_gemm.py runs both settings); prediction in bench/NOTES.md (session 6).
-JOIN_GEMM = False
+# moe_dispatch_gemm: the dispatch CTAs take GEMM tiles once their rows are sent (bit-identical y;
+# 3-7% faster at world 1 on the H200, bench/NOTES.md session 7; tests/test_moe_gemm.py runs both).
+JOIN_GEMM = True
 
 
 class MkMoeGemmArgs(ctypes.Structure):

@@ -3,9 +3,10 @@
 // CTAs [0, gemm_ctas) run the GEMM engine in grouped mode (A: y2, B: the experts' weights, one group
 // per local expert with the dispatch's group_rows) into a staging buffer z of this rank, each tile's
 // flag (tile_flags[id] = epoch) set once its stores are performed. CTAs [gemm_ctas, grid) claim
-// tiles in the GEMM's own order (counters[MOE_CNT_RET]), wait for a tile's flag and send each of its
-// rows' 256-column slice to row t * k + j of the row's source's return buffer (meta word of the
-// dispatch), so the return trip starts with the first finished tiles; the last of them sets
+// M-tiles in the GEMM's group order (counters[MOE_CNT_RET]), wait until every N-tile of one is
+// stored and send each of its rows whole, by bulk copies, to row t * k + j of the row's source's
+// return buffer (meta word of the dispatch), so the return trip starts with the first finished
+// row blocks; the last of them sets
 // retflag[me] on every rank. Then every CTA (the GEMM CTAs' consumer warpgroups after their last
 // tile) sums its share of this rank's tokens (moe_combine.cuh): the same sums, in the same order,
 // as mk_moe_combine_kernel.
@@ -15,61 +16,77 @@
 #include "moe_gemm_args.cuh"
 
 constexpr u32 MOE_GC_THREADS = 384;  // the GEMM engine's CTA
-constexpr u32 MOE_RET_UNROLL = 8;    // 16-byte vectors a returning thread has in flight
+constexpr u32 MOE_GC_WARPS = MOE_GC_THREADS / 32;
+constexpr u32 MOE_RET_CHUNK = 8192;  // bytes of one copier buffer of a returning warp
 
-// A returning CTA's shared state (in the dynamic shared memory the GEMM CTAs use for the pipeline).
+// A returning CTA's shared state (in the dynamic shared memory the GEMM CTAs use for the pipeline),
+// then its warps' copier buffers at MOE_RET_STAGE_OFFSET.
 struct MoeReturnShared {
   MkGroupTable table;
+  u64 copy_bar[MOE_GC_WARPS][2];
   u32 claim;
   int ok;
   int back;
 };
+constexpr u32 MOE_RET_STAGE_OFFSET = (sizeof(MoeReturnShared) + 127u) & ~127u;
 
-// A returning CTA: the GEMM's tiles as their flags arrive, each row's slice to its source.
+// A returning CTA: M-tiles (a group's 128-row blocks, in the GEMM's group order) claimed one by
+// one; once every N-tile of one is stored (tiles_n flags), its rows are whole in z and each leaves
+// as one row (H * 2 bytes) for row t * k + j of its source's return buffer, by the warps' bulk
+// copiers (a warp per row), the copies of one M-tile overlapping the wait for the next.
 template <class Cfg>
-MK_DEV void moe_return_tiles(const MkMoeGemmArgs& args, MoeReturnShared& rs, const MkPeers& peers, MoeCtas ctas,
-                             u32 Ep) {
+MK_DEV void moe_return_rows(const MkMoeGemmArgs& args, MoeReturnShared& rs, u8* stage, const MkPeers& peers,
+                            MoeCtas ctas, u32 Ep) {
   const MkMoeArgs& a = args.m;
   const MkGemmArgs& g = args.g;
-  const u32 tid = threadIdx.x;
+  const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   build_group_table<Cfg::BM>(&rs.table, g.group_rows, (u32)g.num_groups, g.m, g.sched.tiles_n);
   const MkTileSpace<Cfg::UNIT_M> space = gemm_tile_space<Cfg>(g, &rs.table);
-  if (tid == 0) rs.ok = moe_credits_all(a, peers, Ep) ? 1 : 0;
+  if (tid == 0) {
+    rs.ok = moe_credits_all(a, peers, Ep) ? 1 : 0;
+    for (u32 w = 0; w < MOE_GC_WARPS; ++w) {
+      mbar_init(smem_u32(&rs.copy_bar[w][0]), 1);
+      mbar_init(smem_u32(&rs.copy_bar[w][1]), 1);
+    }
+    mbar_fence_init();
+  }
   __syncthreads();
   if (!rs.ok) return;
   const u32* meta = peer_ptr<const u32>(peers, (u32)a.me, a.meta_off);
   const u8* z = reinterpret_cast<const u8*>(g.c_ptr);
-  const u64 row_bytes = (u64)a.H * 2u, ldz_bytes = (u64)g.ldc * 2u;
+  const u32 row_bytes = (u32)a.H * 2u;
+  const u64 ldz_bytes = (u64)g.ldc * 2u;
+  const u32 tiles_n = space.tiles_n, units = space.num_tiles / tiles_n;  // a group's tiles: M-tiles x tiles_n
+  MoeCopier<MOE_RET_CHUNK> copier{smem_u32(stage) + warp * 2u * MOE_RET_CHUNK, smem_u32(&rs.copy_bar[warp][0]),
+                                  a.sync};
   for (;;) {
     if (tid == 0) rs.claim = atomicAdd(&a.counters[MOE_CNT_RET], 1u);
     __syncthreads();
-    const u32 pos = rs.claim;
-    if (pos >= space.num_tiles) break;
-    const MkTile t = space.template decode<Cfg::BN>(space.builtin_id(pos));
-    if (tid == 0) rs.ok = wait_epoch(a.sync, g.tile_flags + t.id, Ep, -1, MOE_WAIT_TILE_STORED + t.id) ? 1 : 0;
+    const u32 unit = rs.claim;
+    if (unit >= units) break;
+    const MkTile t = space.template decode<Cfg::BN>(unit * tiles_n);  // its first N-tile: rows m0 .. m0 + rows
+    if (tid == 0) {
+      int good = 1;
+      for (u32 nt = 0; nt < tiles_n && good; ++nt)
+        good = wait_epoch(a.sync, g.tile_flags + t.id + nt, Ep, -1, MOE_WAIT_TILE_STORED + t.id + nt) ? 1 : 0;
+      rs.ok = good;
+    }
     __syncthreads();
     if (!rs.ok) break;
-    const u32 vpr = (u32)min(Cfg::BN, g.n - t.n0) / 8u;  // 16-byte vectors of a row's slice
-    const u32 n = (u32)t.rows * vpr;
-    for (u32 v0 = tid; v0 < n; v0 += MOE_GC_THREADS * MOE_RET_UNROLL) {
-      uint4 val[MOE_RET_UNROLL];
-      u8* dst[MOE_RET_UNROLL];
-#pragma unroll
-      for (u32 u = 0; u < MOE_RET_UNROLL; ++u) {
-        const u32 v = v0 + u * MOE_GC_THREADS;
-        if (v >= n) break;
-        const u32 r = v / vpr, c = v - r * vpr;
+    if (lane == 0) {
+      fence_proxy_async_global();  // the bulk loads (async proxy) after the flags' acquire
+      for (u32 r = warp; r < (u32)t.rows; r += MOE_GC_WARPS) {
         const u32 row = (u32)t.m0 + r;
         const u32 m = meta[row];
-        const u64 col = (u64)t.n0 * 2u + c * 16u;
-        val[u] = __ldcg(reinterpret_cast<const uint4*>(z + row * ldz_bytes + col));
-        dst[u] = peer_ptr<u8>(peers, m >> 24, a.ret_off) + (u64)(m & 0xFFFFFFu) * row_bytes + col;
+        u8* dst = peer_ptr<u8>(peers, m >> 24, a.ret_off) + (u64)(m & 0xFFFFFFu) * row_bytes;
+        const u8* src = z + row * ldz_bytes;
+        for (u32 o = 0; o < row_bytes; o += MOE_RET_CHUNK) copier.put(dst + o, src + o, min(MOE_RET_CHUNK, row_bytes - o));
       }
-#pragma unroll
-      for (u32 u = 0; u < MOE_RET_UNROLL; ++u)
-        if (v0 + u * MOE_GC_THREADS < n) st_v4(dst[u], val[u]);
     }
+    __syncthreads();  // rs.claim and rs.ok are read before thread 0 writes them again
   }
+  if (lane == 0) copier.finish();
+  __syncwarp();
   moe_returned(a, peers, ctas, Ep);
 }
 
@@ -101,7 +118,7 @@ __global__ void __launch_bounds__(MOE_GC_THREADS, 1) mk_moe_gemm_combine_kernel(
   } else {
     MoeReturnShared& rs = *reinterpret_cast<MoeReturnShared*>(mk_smem);
     epoch = launch_epoch(a.sync);
-    moe_return_tiles<Cfg>(args, rs, peers, MoeCtas{blockIdx.x - G, gridDim.x - G}, epoch);
+    moe_return_rows<Cfg>(args, rs, mk_smem + MOE_RET_STAGE_OFFSET, peers, MoeCtas{blockIdx.x - G, gridDim.x - G}, epoch);
     moe_weighted_sum<DT>(a, peers, blockIdx.x, gridDim.x, threadIdx.x, MOE_GC_THREADS, MkBarCta(), &rs.back, epoch);
   }
   __syncthreads();
@@ -110,4 +127,5 @@ __global__ void __launch_bounds__(MOE_GC_THREADS, 1) mk_moe_gemm_combine_kernel(
 }
 
 static_assert(gemm_smem_bytes<GemmCfg<0, 0>, true>() == 231768, "update gemm.SMEM_GROUPED");
-static_assert(sizeof(MoeReturnShared) <= 231768, "a returning CTA's state fits");
+static_assert(MOE_RET_STAGE_OFFSET + MOE_GC_WARPS * 2u * MOE_RET_CHUNK <= 231768 - 1024,
+              "a returning CTA's state and copier buffers fit in the GEMM's shared memory");
