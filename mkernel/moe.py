@@ -10,12 +10,16 @@ token's rank and sums a token's rows weighted by its routing weights in fp32, in
 one rounding: bitwise reproducible.
 
 Status (docs/MOE.md): dispatch and combine are one persistent kernel each (``mkernel/cuda/moe.cu``);
-the GEMM-carrying ops and their fused kernels are in :mod:`mkernel.moe_gemm`. One node only.
+the GEMM-carrying ops and their fused kernels are in :mod:`mkernel.moe_gemm`. Between nodes
+(node-major ranks) an exchange kernel before the dispatch and a partial-sum kernel after the combine
+(:mod:`mkernel.moe_nodes`) send each token once per destination node; inside a node the kernels
+above run over the tokens a rank owns and forwards.
 """
 
 import ctypes
 
 from . import compile as _compile
+from . import moe_nodes as _nodes
 from . import tp as _tp
 from .errors import ArgumentError
 from .sync import MkSync
@@ -36,7 +40,7 @@ SPEC = _compile.register("moe", "moe.cu", ("mk_moe_dispatch_kernel", "mk_moe_com
 
 
 class MkMoeArgs(ctypes.Structure):
-    """Mirror of ``MkMoeArgs`` (mkernel/cuda/moe_args.cuh), 288 bytes."""
+    """Mirror of ``MkMoeArgs`` (mkernel/cuda/moe_args.cuh), 320 bytes."""
     _fields_ = [("sync", MkSync), ("peer_base", ctypes.c_void_p), ("counts_off", ctypes.c_uint64),
                 ("cflag_off", ctypes.c_uint64), ("recv_off", ctypes.c_uint64), ("meta_off", ctypes.c_uint64),
                 ("rflag_off", ctypes.c_uint64), ("ret_off", ctypes.c_uint64), ("retflag_off", ctypes.c_uint64),
@@ -47,7 +51,9 @@ class MkMoeArgs(ctypes.Structure):
                 ("counters", ctypes.c_void_p), ("ldx", ctypes.c_int64), ("ldo", ctypes.c_int64),
                 ("ldy", ctypes.c_int64), ("T", ctypes.c_int32), ("H", ctypes.c_int32), ("k", ctypes.c_int32),
                 ("E", ctypes.c_int32), ("e_local", ctypes.c_int32), ("world", ctypes.c_int32),
-                ("me", ctypes.c_int32), ("capacity", ctypes.c_int32)]
+                ("me", ctypes.c_int32), ("capacity", ctypes.c_int32), ("vseg", ctypes.c_void_p),
+                ("xfwd", ctypes.c_void_p), ("fwd_rows", ctypes.c_int64), ("nseg", ctypes.c_int32),
+                ("partial_out", ctypes.c_int32)]
 
 
 def moe_capacity(max_tokens: int, top_k: int, world: int) -> int:
@@ -65,9 +71,9 @@ class MoeHandle:
     the routing weights, the per-expert counts. Valid until the next dispatch on the communicator
     (which reuses the buffers); ``group_rows`` (device int32 [E_local]) feeds ``grouped_gemm``."""
 
-    def __init__(self, plan, generation, topk_weights, T, k, H, dtype):
-        self._plan, self._generation = plan, generation
-        self.topk_weights, self.T, self.k, self.H, self.dtype = topk_weights, T, k, H, dtype
+    def __init__(self, plan, generation, topk_weights, T, k, H, dtype, E, nodes=None):
+        self._plan, self._generation, self._nodes = plan, generation, nodes
+        self.topk_weights, self.T, self.k, self.H, self.dtype, self.E = topk_weights, T, k, H, dtype, E
         self.group_rows = plan["group_rows"]
         self.capacity = plan["capacity"]
 
@@ -101,8 +107,8 @@ def _check_comm(op, comm):
 
     if not isinstance(comm, Communicator):
         raise ArgumentError(f"{op} needs comm=, an mkernel.Communicator (mkernel.init()); got {type(comm).__name__}")
-    if comm.num_nodes != 1 or comm.size != comm.local_size:
-        raise ArgumentError(f"{op}: works inside one node for now (this communicator spans {comm.num_nodes} nodes)")
+    if comm.num_nodes > 1:
+        _nodes.check_layout(op, comm)
     if comm.size > MAX_WORLD:
         raise ArgumentError(f"{op}: at most {MAX_WORLD} ranks; this communicator has {comm.size}")
 
@@ -135,7 +141,7 @@ def _check_routing(op, x, topk_ids, topk_weights, num_experts, world, stream):
 def _plan(op, comm, H, dtype, k, E, capacity, stream):
     import cupy
 
-    W = comm.size
+    W, E = comm.local_size, E // comm.num_nodes  # the node's ranks and experts (between nodes: moe_nodes.py)
     key = ("buffers", "moe", H, dtype.name, k, E, capacity)
     _tp.agree_call(op, comm, key + ("moe",), f"capacity {capacity} rows")
     sizes = [("counts", (W * (E + 2),), cupy.uint32), ("cflag", (W,), cupy.uint32), ("rflag", (W,), cupy.uint32),
@@ -153,6 +159,7 @@ def _plan(op, comm, H, dtype, k, E, capacity, stream):
 
 
 def _args(comm, plan, op, T, k, E, H):
+    """The node's kernels' arguments (E: the node's experts, plan["E"])."""
     a = MkMoeArgs()
     a.sync = comm.sync_args(op)
     a.peer_base = comm.peer_table.data.ptr
@@ -164,7 +171,7 @@ def _args(comm, plan, op, T, k, E, H):
     a.group_rows, a.received = plan["group_rows"].data.ptr, plan["received"].data.ptr
     a.counters = plan["counters"].data.ptr
     a.T, a.H, a.k, a.E = T, H, k, E
-    a.e_local, a.world, a.me, a.capacity = E // comm.size, comm.size, comm.local_rank, plan["capacity"]
+    a.e_local, a.world, a.me, a.capacity = E // comm.local_size, comm.local_size, comm.local_rank, plan["capacity"]
     return a
 
 
@@ -199,7 +206,9 @@ def launch_dispatch(d, out, stream):
     a = d.plan_args()
     a.out = out.data.ptr
     a.ldo = (out.strides[0] if d.capacity > 1 else d.H * out.itemsize) // out.itemsize
-    ctas = max(1, min(d.plan["sms"], -(-d.T * d.k // PAIRS_PER_CTA)))
+    pairs = d.capacity if d.nodes is not None else d.T * d.k  # between nodes: counted on the device
+    ctas = max(1, min(d.plan["sms"], -(-pairs // PAIRS_PER_CTA)))
+    d.exchange()
     _launch(d.op, "mk_moe_dispatch_kernel", a, ctas, stream, smem=DISPATCH_SMEM)
     return d.handle()
 
@@ -210,20 +219,30 @@ class Dispatch:
 
     def __init__(self, **kw):
         self.__dict__.update(kw)
-        self.plan = None
+        self.plan = self.nodes = None
 
     def plan_args(self) -> MkMoeArgs:
-        """Agrees the call across ranks, plans the buffers (collective) and fills the dispatch's arguments."""
+        """Agrees the call across ranks, plans the buffers (collective) and fills the arguments of the
+        node's dispatch (between nodes: over the virtual tokens the exchange leaves)."""
         self.plan = _plan(self.op, self.comm, self.H, self.x.dtype, self.k, self.E, self.capacity, self.stream)
-        a = _args(self.comm, self.plan, self.op, self.T, self.k, self.E, self.H)
+        a = _args(self.comm, self.plan, self.op, self.T, self.k, self.plan["E"], self.H)
         a.x, a.ldx = self.x.data.ptr, (self.x.strides[0] if self.T > 1 else self.H * self.x.itemsize) // self.x.itemsize
         a.topk_ids = self.ids.data.ptr
+        if self.comm.num_nodes > 1:
+            self.nodes = _nodes.plan(self.op, self.comm, self.H, self.x.dtype, self.k, self.E, self.capacity)
+            _nodes.set_virtual(a, self.nodes, self.comm)
         return a
+
+    def exchange(self):
+        """Between nodes, the exchange kernel, launched just before the node's dispatch (after plan_args)."""
+        if self.nodes is not None:
+            _nodes.exchange(self, self.nodes, self.stream)
 
     def handle(self) -> "MoeHandle":
         """The launched dispatch's handle: the plan's next generation (earlier handles of the plan go stale)."""
         self.plan["generation"] += 1
-        return MoeHandle(self.plan, self.plan["generation"], self.w, self.T, self.k, self.H, self.x.dtype)
+        return MoeHandle(self.plan, self.plan["generation"], self.w, self.T, self.k, self.H, self.x.dtype, self.E,
+                         self.nodes)
 
 
 def check_dispatch(op, x, topk_ids, topk_weights, comm, num_experts, capacity, stream) -> Dispatch:
@@ -256,10 +275,19 @@ def moe_combine(y, handle, *, comm, out=None, stream=None):
     out = _tp.prepare_out(op, out, (handle.T, handle.H), handle.dtype, comm)
     a = _args(comm, plan, op, handle.T, handle.k, plan["E"], handle.H)
     a.y, a.ldy = y.data.ptr, (y.strides[0] if y.shape[0] > 1 else handle.H * y.itemsize) // y.itemsize
-    a.topk_w = handle.topk_weights.data.ptr
-    a.out, a.ldo = out.data.ptr, (out.strides[0] if handle.T > 1 else handle.H * y.itemsize) // y.itemsize
-    ctas = max(1, min(plan["sms"], -(-handle.capacity // ROWS_PER_CTA), max(1, handle.T)))
+    nodes = handle._nodes
+    if nodes is None:
+        a.topk_w = handle.topk_weights.data.ptr
+        a.out, a.ldo = out.data.ptr, (out.strides[0] if handle.T > 1 else handle.H * y.itemsize) // y.itemsize
+        tokens = handle.T
+    else:  # the node's sums of the virtual tokens (fp32), then the nodes' sums of this rank's tokens
+        _nodes.set_virtual(a, nodes, comm)
+        a.topk_w, a.out, a.ldo, a.partial_out = nodes["vw"].data.ptr, nodes["part"].data.ptr, handle.H, 1
+        tokens = nodes["fwd_rows"]
+    ctas = max(1, min(plan["sms"], -(-handle.capacity // ROWS_PER_CTA), max(1, tokens)))
     _launch(op, f"mk_moe_combine_kernel<{DT[handle.dtype.name]}>", a, ctas, stream)
+    if nodes is not None:
+        _nodes.partials(op, comm, handle, out, stream)
     return out
 
 

@@ -48,9 +48,9 @@ JOIN_GEMM = True
 
 
 class MkMoeGemmArgs(ctypes.Structure):
-    """Mirror of ``MkMoeGemmArgs`` (mkernel/cuda/moe_gemm_args.cuh), 896 bytes (64-byte aligned)."""
+    """Mirror of ``MkMoeGemmArgs`` (mkernel/cuda/moe_gemm_args.cuh), 960 bytes (64-byte aligned)."""
     _fields_ = [("g", _gemm.MkGemmArgs), ("m", _moe.MkMoeArgs), ("gemm_ctas", ctypes.c_int32),
-                ("join", ctypes.c_int32), ("tail", ctypes.c_uint8 * 24)]
+                ("join", ctypes.c_int32), ("tail", ctypes.c_uint8 * 56)]
 
 
 def _expert_weights(op, w, E_local, K, dtype, w_layout):
@@ -113,6 +113,7 @@ def moe_dispatch_gemm(x, topk_ids, topk_weights, w, *, comm, num_experts, capaci
     sms = _tp.sm_count()
     args.gemm_ctas = sms - comm_sms
     args.join = 1 if JOIN_GEMM else 0
+    d.exchange()
     _launch(op, SPEC, KERNEL, layout, d.x.dtype, args, sms, stream)
     return out, d.handle()
 
@@ -180,6 +181,9 @@ def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=No
     if y2.shape[1] % 8:
         raise ArgumentError(f"{op}: y2's width F = {y2.shape[1]} must be a multiple of 8")
     out = _tp.prepare_out(op, out, (handle.T, H), handle.dtype, comm)
+    if path == "fused" and comm.num_nodes > 1:
+        raise ArgumentError(f"{op}: the fused kernel works inside one node; between nodes use path='unfused' "
+                            f"(the default)")
     comm.check()
     if path == "unfused":
         with _tp.on_stream(stream):

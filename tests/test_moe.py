@@ -293,14 +293,14 @@ def _layer_reference(P, me):
 
 # ======================================================================================== CPU
 def test_args_layout_matches_host_compiler(tmp_path):
-    """MkMoeArgs (moe.py) against the C struct of moe_args.cuh, as g++ lays it out (288 bytes)."""
+    """MkMoeArgs (moe.py) against the C struct of moe_args.cuh, as g++ lays it out (320 bytes)."""
     import ctypes
 
     from c_layout import assert_same_layout
 
     m = mmoe
     assert_same_layout("moe_args.cuh", m.MkMoeArgs, tmp_path)
-    assert ctypes.sizeof(m.MkMoeArgs) == 288
+    assert ctypes.sizeof(m.MkMoeArgs) == 320
 
 
 def test_fused_args_layout_matches_host_compiler(tmp_path):
@@ -317,7 +317,7 @@ def test_fused_args_layout_matches_host_compiler(tmp_path):
     py = {k: v for k, v in py_offsets(mirror).items() if k not in ("alignof", "tail")}
     assert c.pop("alignof") == 64
     assert c == py, "MkMoeGemmArgs mirror differs from moe_gemm_args.cuh"
-    assert ctypes.sizeof(mirror) == 896
+    assert ctypes.sizeof(mirror) == 960
 
 
 def _c_constants(header, names, tmp_path):
@@ -355,6 +355,24 @@ def test_constants_match_the_headers(tmp_path):
     assert set(m.SPEC.name_expressions) == {"mk_moe_dispatch_kernel", "mk_moe_combine_kernel<0>",
                                             "mk_moe_combine_kernel<1>"}
     assert m.DT == {"bfloat16": 0, "float16": 1}  # the combine template argument (0: bf16 in moe.cu)
+
+
+def test_node_args_layout_and_constants(tmp_path):
+    """Between nodes: MkMoeNodeArgs (moe_nodes.py) against moe_nodes_args.cuh as g++ lays it out,
+    and the constants both sides use."""
+    from c_layout import assert_same_layout
+    from mkernel.compile import CUDA_DIR
+
+    n = importlib.import_module("mkernel.moe_nodes")
+    assert_same_layout("moe_nodes_args.cuh", n.MkMoeNodeArgs, tmp_path)
+    c = _c_constants("moe_nodes_args.cuh", ["MOE_MAX_NODES", "MOE_PF_WORDS", "MOE_NCNT_WORDS",
+                                            "MOE_GROW_WORDS(10)"], tmp_path)
+    assert c["MOE_MAX_NODES"] == n.MAX_NODES and c["MOE_PF_WORDS"] == n.PF_WORDS
+    assert c["MOE_NCNT_WORDS"] == n.CNT_WORDS and c["MOE_GROW_WORDS"] == n.grow_words(10)
+    cu = (CUDA_DIR / "moe_nodes.cu").read_text()
+    assert int(re.search(r"MOE_NODE_THREADS\s*=\s*(\d+)", cu).group(1)) == n.THREADS
+    assert set(n.SPEC.name_expressions) == {"mk_moe_exchange_kernel", "mk_moe_partials_kernel<0>",
+                                            "mk_moe_partials_kernel<1>"}
 
 
 def test_moe_capacity():

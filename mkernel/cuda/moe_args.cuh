@@ -7,6 +7,7 @@
 #define MOE_MAX_WORLD 8
 #define MOE_MAX_EXPERTS 512  // global experts (shared-memory tables of the kernels)
 #define MOE_MAX_TOPK 8
+#define MOE_MAX_NODES 8
 
 // Words of one rank's count row: pairs per global expert, then its token count, then how many of its
 // expert ids were out of range (every rank reads every row, so all decide an error alike).
@@ -52,5 +53,14 @@ struct MkMoeArgs {
   long long ldx, ldo, ldy; // row strides (elements)
   int T, H, k, E;          // this rank's tokens, hidden size, experts per token, global experts
   int e_local, world, me, capacity;
+  // Between nodes (moe_nodes.cu, docs/MOE.md "Between nodes"): the kernels above run on the node's
+  // ranks (world, me, E: the node's), over virtual tokens: this rank's T, then the tokens of the
+  // same-index ranks of the other nodes that it forwards (segment i: vseg[i] .. vseg[i + 1], rows at
+  // xfwd + i * fwd_rows); topk_ids / topk_w are then the virtual pairs' (-1: not this node's).
+  const unsigned int* vseg;  // [nseg + 1]: vseg[0] = T, vseg[nseg] = virtual tokens (written on the device)
+  const void* xfwd;          // forwarded rows (16-bit, H per row)
+  long long fwd_rows;        // rows per forwarded segment
+  int nseg;                  // forwarded segments (nodes - 1); 0 inside one node
+  int partial_out;           // combine: out is fp32 [virtual tokens, H] partials (ldo in floats)
 };
 

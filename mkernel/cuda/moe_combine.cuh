@@ -53,6 +53,8 @@ MK_DEV void moe_returned(const MkMoeArgs& a, const MkPeers& peers, MoeCtas ctas,
 // tokens split evenly): out[t] = sum over j ascending of w[t, j] * ret[t * k + j], fp32, one
 // rounding. A worker is nthr threads (tid in [0, nthr)) that meet at bar(); `slot` is a shared word
 // to broadcast thread 0's wait. (A whole CTA; or a GEMM CTA's consumer warpgroups after their tiles.)
+// Between nodes (a.nseg): over the virtual tokens, pairs of other nodes (id -1) skipped, and with
+// a.partial_out the fp32 sums are stored unrounded (moe_nodes.cu adds the nodes' partials).
 template <int DT, class Bar>
 MK_DEV void moe_weighted_sum(const MkMoeArgs& a, const MkPeers& peers, u32 part, u32 parts, u32 tid, u32 nthr,
                              Bar bar, volatile int* slot, u32 Ep) {
@@ -65,11 +67,12 @@ MK_DEV void moe_weighted_sum(const MkMoeArgs& a, const MkPeers& peers, u32 part,
   const u8* ret = peer_ptr<const u8>(peers, (u32)a.me, a.ret_off);
   u8* out = reinterpret_cast<u8*>(a.out);
   u32 lo, hi;
-  cta_range((u32)a.T, MoeCtas{part, parts}, lo, hi);
+  cta_range(moe_tokens(a), MoeCtas{part, parts}, lo, hi);
   for (u32 t = lo + warp; t < hi; t += nthr / 32) {
     for (u32 o = lane * 16u; o < row_bytes; o += 32u * 16u) {
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       for (u32 j = 0; j < K; ++j) {
+        if (a.nseg && a.topk_ids[(u64)t * K + j] < 0) continue;  // another node's pair: no row here
         const float w = a.topk_w[(u64)t * K + j];
         const uint4 v = __ldcg(reinterpret_cast<const uint4*>(ret + ((u64)t * K + j) * row_bytes + o));
         const u32 words[4] = {v.x, v.y, v.z, v.w};
@@ -78,6 +81,12 @@ MK_DEV void moe_weighted_sum(const MkMoeArgs& a, const MkPeers& peers, u32 part,
           acc[2 * q] = fmaf(w, half_to_float<DT>((u16)(words[q] & 0xFFFFu)), acc[2 * q]);
           acc[2 * q + 1] = fmaf(w, half_to_float<DT>((u16)(words[q] >> 16)), acc[2 * q + 1]);
         }
+      }
+      if (a.partial_out) {
+        float4* p = reinterpret_cast<float4*>(out + (u64)t * (u64)a.ldo * 4u + o * 2u);
+        p[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+        p[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+        continue;
       }
       uint4 r;
       r.x = pack2<DT>(acc[0], acc[1]);

@@ -52,6 +52,18 @@ MK_DEV void cta_range(u32 n, MoeCtas c, u32& lo, u32& hi) {
 // Global loads of data other CTAs or ranks wrote during this launch: past L1, which is not coherent.
 MK_DEV u32 ld_cg(const u32* p) { return __ldcg(p); }
 
+// Tokens the kernel routes or sums: this rank's, or between nodes the virtual tokens (this rank's,
+// then those it forwards), counted on the device by the exchange (moe_nodes.cu).
+MK_DEV u32 moe_tokens(const MkMoeArgs& a) { return a.nseg ? a.vseg[a.nseg] : (u32)a.T; }
+
+// The row of virtual token t: this rank's x, or a forwarded segment's (vseg: a copy of a.vseg).
+MK_DEV const u8* moe_token_row(const MkMoeArgs& a, const u32* vseg, u32 t) {
+  if (t < (u32)a.T) return reinterpret_cast<const u8*>(a.x) + (u64)t * (u64)a.ldx * 2u;
+  u32 i = 0;
+  while (i + 1 < (u32)a.nseg && t >= vseg[i + 1]) ++i;
+  return reinterpret_cast<const u8*>(a.xfwd) + ((u64)i * (u64)a.fwd_rows + (t - vseg[i])) * (u64)a.H * 2u;
+}
+
 // Thread 0: this CTA's writes (every thread fenced them) are published: counts this CTA on
 // counters[c] and returns true in the CTA of the role that finished last.
 MK_DEV bool moe_last_cta(unsigned int* counters, u32 c, MoeCtas ctas) {
@@ -121,6 +133,7 @@ struct MoeShared {
   u32 sbase[MOE_MAX_EXPERTS];      // first position of expert e's pairs in the send order
   u32 rowbase[MOE_MAX_EXPERTS];    // step 3: first row of this rank's pairs to expert e at its owner
   u16 wcnt[WARPS][MOE_MAX_EXPERTS];  // a chunk's pairs per (warp, expert), then the warp's base
+  u32 vseg[MOE_MAX_NODES];         // between nodes: a.vseg (the forwarded segments' first tokens)
   u32 mine;                        // this rank's pairs with a valid expert id
   u32 total_me;                    // rows this rank receives
   u32 bad;                         // pairs of this CTA with an expert id out of range
@@ -214,7 +227,7 @@ MK_DEV bool moe_rank_pairs(const MkMoeArgs& a, MoeShared<THREADS>& sh, MoeCtas c
 template <u32 THREADS>
 MK_DEV bool moe_send_counts(const MkMoeArgs& a, MoeShared<THREADS>& sh, const MkPeers& peers, u32 Ep) {
   const u32 tid = threadIdx.x, E = (u32)a.E, W = (u32)a.world, me = (u32)a.me, RW = MOE_ROW_WORDS(E);
-  const u32 P = (u32)a.T * (u32)a.k;
+  const u32 T = moe_tokens(a), P = T * (u32)a.k;
   for (u32 d = 0; d < W; ++d) {
     if (tid == 0) sh.ok = credits_wait(a.sync, peers, d, Ep) ? 1 : 0;
     __syncthreads();
@@ -222,8 +235,10 @@ MK_DEV bool moe_send_counts(const MkMoeArgs& a, MoeShared<THREADS>& sh, const Mk
     u32* row = peer_ptr<u32>(peers, d, a.counts_off) + (u64)me * RW;
     for (u32 e = tid; e < E; e += THREADS) row[e] = sh.total[e];
     if (tid == 0) {
-      row[MOE_ROW_T(E)] = (u32)a.T;
-      row[MOE_ROW_BAD(E)] = P - sh.mine;  // pairs whose id was out of range
+      row[MOE_ROW_T(E)] = T;
+      // pairs whose id was out of range; between nodes -1 marks another node's pair (the exchange
+      // checked every id)
+      row[MOE_ROW_BAD(E)] = a.nseg ? 0u : P - sh.mine;
     }
     __threadfence_system();
     __syncthreads();
@@ -319,7 +334,6 @@ MK_DEV void moe_send_rows(const MkMoeArgs& a, MoeShared<THREADS>& sh, const u32*
     sh.ok = wait_at_least(a.sync, &a.counters[MOE_CNT_ORDER], ctas.n, -1, MOE_WAIT_ORDER) ? 1 : 0;
   __syncthreads();
   if (!sh.ok) return;
-  const u8* x = reinterpret_cast<const u8*>(a.x);
   const u32 n = sh.mine, step = ctas.n * WARPS * MOE_SEND_RUN;
   // A warp sends runs of MOE_SEND_RUN consecutive positions (one fence per run), the runs dealt to
   // the warps in turn.
@@ -332,7 +346,7 @@ MK_DEV void moe_send_rows(const MkMoeArgs& a, MoeShared<THREADS>& sh, const u32*
       const u32 d = e / El;
       const u32 row = sh.rowbase[e] + (p - sh.sbase[e]);
       u8* dst = peer_ptr<u8>(peers, d, a.recv_off) + (u64)row * row_bytes;
-      const u8* src = x + (u64)(i / K) * (u64)a.ldx * 2u;
+      const u8* src = moe_token_row(a, sh.vseg, i / K);
       for (u32 o = 0; o < row_bytes; o += Sh::CHUNK) copier.put(dst + o, src + o, min(Sh::CHUNK, row_bytes - o));
       peer_ptr<u32>(peers, d, a.meta_off)[row] = (me << 24) | i;
     }
@@ -376,10 +390,11 @@ MK_DEV bool moe_dispatch_role(const MkMoeArgs& a, MoeShared<THREADS>& sh, MoeCta
     }
     mbar_fence_init();
   }
+  for (u32 i = tid; a.nseg && i <= (u32)a.nseg; i += THREADS) sh.vseg[i] = a.vseg[i];
   __syncthreads();
   const u32 Ep = sh.epoch;
   u32 lo, hi;
-  cta_range((u32)a.T * (u32)a.k, ctas, lo, hi);
+  cta_range(moe_tokens(a) * (u32)a.k, ctas, lo, hi);
   bool ok = moe_rank_pairs<THREADS>(a, sh, ctas, lo, hi);
   if (ok && ctas.idx == 0) ok = moe_send_counts<THREADS>(a, sh, peers, Ep);
   // sh.total is overwritten with all ranks' rows by step 3: keep this rank's counts (in `hist`,

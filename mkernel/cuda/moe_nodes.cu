@@ -1,0 +1,360 @@
+// Expert parallelism between nodes (mkernel/moe_nodes.py; design: docs/MOE.md "Between nodes").
+// A token crosses the network once per destination node and fans out inside it:
+//
+// mk_moe_exchange_kernel, before the node's dispatch: every rank (n, l) sends its count row to
+// every rank (same node: NVLink; others: a proxy WRITE), and to rank (j, l) of every other node j
+// the bundle of its tokens with a pair on node j, in token order (rows, and per token its k expert
+// ids as node j numbers them, -1 for pairs elsewhere, and weights), staged in xsend / dsend and
+// written by two WRITEs. Every rank checks the capacities and ids of every rank from the count
+// rows alike, then builds its virtual tokens (its own, then the bundles it received, node by
+// node): the ids and weights the node's dispatch and combine (moe.cu, moe_dispatch_gemm.cu) run on.
+//
+// mk_moe_partials_kernel, after the node's combine (which left every virtual token's weighted sum
+// of its node's pairs in part, fp32): each bundle's sums go back to their source as one WRITE,
+// and every rank adds, per token, the sums of all nodes in node order (its own at its place),
+// rounding once: a fixed order, so bitwise reproducible.
+#include "queue.cuh"
+#include "moe_nodes_args.cuh"
+#include "moe_combine.cuh"
+
+constexpr u32 MOE_NODE_THREADS = 512;
+constexpr u32 MOE_NODE_WARPS = MOE_NODE_THREADS / 32;
+
+// Wait ids of these kernels (MkStatus::where).
+enum : u32 {
+  MOE_WAIT_NCREDIT = 0xC000u, MOE_WAIT_GCOUNT = 0xC100u, MOE_WAIT_BUNDLE = 0xC200u, MOE_WAIT_FLUSH = 0xC300u,
+  MOE_WAIT_PCREDIT = 0xC400u, MOE_WAIT_PART = 0xC500u
+};
+
+MK_DEV MkPeers node_peers(const MkMoeNodeArgs& a) { return MkPeers{a.peer_base, (u32)a.local, (u32)a.lrank}; }
+MK_DEV u32 node_rank(const MkMoeNodeArgs& a, u32 j) { return j * (u32)a.local + (u32)a.lrank; }
+// Segment of node j in this rank's [N - 1] arrays, and of node `from` in node j's.
+MK_DEV u32 seg_of(u32 j, u32 node) { return j < node ? j : j - 1; }
+MK_DEV const u32* grow(const MkMoeNodeArgs& a, u32 s) {
+  return peer_ptr<const u32>(node_peers(a), (u32)a.lrank, a.gcounts_off) + (u64)s * MOE_GROW_WORDS((u32)a.E);
+}
+
+// Thread 0: the epoch-E flag of a proxy flag this rank's queue knows.
+MK_DEV bool wait_pf(const MkMoeNodeArgs& a, u32 flag, u32 E, u32 peer, u32 where) {
+  return wait_remote_epoch(a.sync, a.queue, a.pflags + flag, E, (i32)peer, where);
+}
+
+// Every thread: every token of this rank is scanned (by every CTA: T * k ids, cheap) for the
+// nodes its pairs go to; token t's row in its bundle to node j is the number of earlier tokens
+// with a pair on j. A CTA stages the rows and routing words of the warps' token ranges dealt to it;
+// CTA 0 also counts the pairs per expert. Leaves the bundles' sizes in s_base.
+MK_DEV void stage_bundles(const MkMoeNodeArgs& a, u32* s_base, u32 (*s_wcnt)[MOE_MAX_NODES], u32* s_hist, u32* s_bad) {
+  const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const u32 T = (u32)a.T, K = (u32)a.k, E = (u32)a.E, N = (u32)a.nodes, node = (u32)a.node;
+  const u32 epn = E / N, row_bytes = (u32)a.H * 2u, R = (u32)a.fwd_rows;
+  const bool stage = T <= R;  // else a capacity error (every rank sees this T): stage nothing
+  u8* xsend = peer_ptr<u8>(node_peers(a), (u32)a.lrank, a.xsend_off);
+  u32* dsend = peer_ptr<u32>(node_peers(a), (u32)a.lrank, a.dsend_off);
+  for (u32 c0 = 0; c0 < T; c0 += MOE_NODE_THREADS) {
+    const u32 t = c0 + tid;
+    u32 mask = 0;
+    if (t < T)
+      for (u32 j = 0; j < K; ++j) {
+        const int e = a.topk_ids[(u64)t * K + j];
+        if (e >= 0 && (u32)e < E) {
+          mask |= 1u << ((u32)e / epn);
+          if (blockIdx.x == 0) atomicAdd(&s_hist[e], 1u);
+        } else if (blockIdx.x == 0) {
+          atomicAdd(s_bad, 1u);
+        }
+      }
+    u32 pre[MOE_MAX_NODES];
+    for (u32 j = 0; j < N; ++j) {
+      const u32 b = __ballot_sync(0xFFFFFFFFu, (mask >> j) & 1u);
+      pre[j] = __popc(b & ((1u << lane) - 1u));
+      if (lane == 0) s_wcnt[warp][j] = __popc(b);
+    }
+    __syncthreads();
+    u32 slot[MOE_MAX_NODES];
+    for (u32 j = 0; j < N; ++j) {
+      u32 s = s_base[j] + pre[j];
+      for (u32 w = 0; w < warp; ++w) s += s_wcnt[w][j];
+      slot[j] = s;
+    }
+    const bool mine = ((c0 / MOE_NODE_THREADS) * MOE_NODE_WARPS + warp) % gridDim.x == blockIdx.x;
+    if (stage && mine) {
+      for (u32 j = 0; j < N; ++j) {
+        if (j == node) continue;
+        const u32 sg = seg_of(j, node);
+        const bool in = (mask >> j) & 1u;
+        if (t < T) a.slots[(u64)sg * R + t] = in ? (int)slot[j] : -1;
+        if (in) {  // the token's routing words as node j numbers its experts
+          u32* d = dsend + ((u64)sg * R + slot[j]) * 2u * K;
+          for (u32 q = 0; q < K; ++q) {
+            const int e = a.topk_ids[(u64)t * K + q];
+            const bool there = e >= 0 && (u32)e < E && (u32)e / epn == j;
+            d[q] = there ? (u32)e - j * epn : 0xFFFFFFFFu;
+            d[K + q] = __float_as_uint(a.topk_w[(u64)t * K + q]);
+          }
+        }
+        u32 todo = __ballot_sync(0xFFFFFFFFu, in);
+        while (todo) {  // the warp copies its tokens' rows one by one
+          const u32 l = __ffs(todo) - 1u;
+          todo &= todo - 1u;
+          const u32 tl = __shfl_sync(0xFFFFFFFFu, t, l), sl = __shfl_sync(0xFFFFFFFFu, slot[j], l);
+          warp_copy_row(xsend + ((u64)sg * R + sl) * row_bytes,
+                        reinterpret_cast<const u8*>(a.x) + (u64)tl * (u64)a.ldx * 2u, row_bytes, lane);
+        }
+      }
+    }
+    __syncthreads();
+    if (tid < N) {
+      u32 s = 0;
+      for (u32 w = 0; w < MOE_NODE_WARPS; ++w) s += s_wcnt[w][tid];
+      s_base[tid] += s;
+    }
+    __syncthreads();
+  }
+}
+
+// CTA 0, every thread: this rank's count row to every rank (after each one's credit).
+MK_DEV void send_count_row(const MkMoeNodeArgs& a, const u32* s_base, const u32* s_hist, u32 bad, u32 E, int* s_ok) {
+  const u32 tid = threadIdx.x, W = (u32)a.world, RW = MOE_GROW_WORDS((u32)a.E), me = (u32)a.me;
+  const MkPeers peers = node_peers(a);
+  u32* own = peer_ptr<u32>(peers, (u32)a.lrank, a.gcounts_off) + (u64)me * RW;
+  for (u32 e = tid; e < (u32)a.E; e += MOE_NODE_THREADS) own[e] = s_hist[e];
+  if (tid < MOE_MAX_NODES) own[MOE_GROW_BUNDLE((u32)a.E, tid)] = tid < (u32)a.nodes && tid != (u32)a.node ? s_base[tid] : 0u;
+  if (tid == 0) {
+    own[MOE_GROW_T((u32)a.E)] = (u32)a.T;
+    own[MOE_GROW_BAD((u32)a.E)] = bad;
+  }
+  __threadfence_system();
+  __syncthreads();
+  for (u32 d = 0; d < (u32)a.local; ++d) {  // the node's ranks, this one included
+    if (tid == 0) *s_ok = credits_wait(a.sync, peers, d, E) ? 1 : 0;
+    __syncthreads();
+    if (!*s_ok) return;
+    if (d != (u32)a.lrank) {
+      u32* row = peer_ptr<u32>(peers, d, a.gcounts_off) + (u64)me * RW;
+      for (u32 i = tid; i < RW; i += MOE_NODE_THREADS) row[i] = own[i];
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (tid == 0) set_flag(peer_ptr<u32>(peers, d, a.gcflag_off) + me, E);
+    __syncthreads();
+  }
+  if (tid == 0)
+    for (u32 r = 0; r < W && *s_ok; ++r) {
+      if (r / (u32)a.local == (u32)a.node) continue;
+      const u64 off = a.gcounts_off + (u64)me * RW * 4u;
+      *s_ok = wait_pf(a, MOE_PF_CREDIT + r, E, r, MOE_WAIT_NCREDIT + r) &&
+              queue_push(a.sync, a.queue, mk_write_cmd(r, MK_WORKSPACE_REGION, off, MK_WORKSPACE_REGION, off, RW * 4u,
+                                                       MOE_PF_GCOUNT + me, E));
+    }
+  __syncthreads();
+}
+
+// The last CTA's thread 0: the bundles to their forwarders (two WRITEs each, after the credit).
+MK_DEV bool send_bundles(const MkMoeNodeArgs& a, const u32* s_base, u32 E) {
+  const u32 N = (u32)a.nodes, node = (u32)a.node, K = (u32)a.k, R = (u32)a.fwd_rows;
+  const u64 row_bytes = (u64)a.H * 2u, desc_bytes = 8u * K;
+  if ((u32)a.T > R) return true;  // nothing staged: the count rows carry the capacity error
+  for (u32 j = 0; j < N; ++j) {
+    const u32 n = s_base[j];
+    if (j == node || n == 0) continue;
+    const u32 r = node_rank(a, j), sg = seg_of(j, node), there = seg_of(node, j);
+    if (!wait_pf(a, MOE_PF_CREDIT + r, E, r, MOE_WAIT_NCREDIT + r)) return false;
+    if (!queue_push(a.sync, a.queue, mk_write_cmd(r, MK_WORKSPACE_REGION, a.dsend_off + (u64)sg * R * desc_bytes,
+                                                  MK_WORKSPACE_REGION, a.drecv_off + (u64)there * R * desc_bytes,
+                                                  (u32)(n * desc_bytes), MOE_PF_DESC + node, E)) ||
+        !queue_push(a.sync, a.queue, mk_write_cmd(r, MK_WORKSPACE_REGION, a.xsend_off + (u64)sg * R * row_bytes,
+                                                  MK_WORKSPACE_REGION, a.xrecv_off + (u64)there * R * row_bytes,
+                                                  (u32)(n * row_bytes), MOE_PF_ROWS + node, E)))
+      return false;
+  }
+  return true;
+}
+
+// The last CTA's thread 0: every rank's count row, then the verdict every rank reaches alike.
+MK_DEV bool check_rows(const MkMoeNodeArgs& a, u32 E) {
+  const u32 W = (u32)a.world, L = (u32)a.local, El = (u32)a.e_local, K = (u32)a.k, Ea = (u32)a.E;
+  const u32 cap = (u32)a.capacity, N = (u32)a.nodes;
+  for (u32 s = 0; s < W; ++s) {
+    const bool ok = s / L == (u32)a.node
+                        ? wait_epoch(a.sync, peer_ptr<const u32>(node_peers(a), (u32)a.lrank, a.gcflag_off) + s, E,
+                                     (i32)s, MOE_WAIT_GCOUNT + s)
+                        : wait_pf(a, MOE_PF_GCOUNT + s, E, s, MOE_WAIT_GCOUNT + s);
+    if (!ok) return false;
+  }
+  u32 where = 0, expected = 0, seen = 0;
+  for (u32 d = 0; d < W && !where; ++d) {  // rows each owner receives
+    u32 rows = 0;
+    for (u32 s = 0; s < W; ++s)
+      for (u32 e = d * El; e < (d + 1) * El; ++e) rows += ld_cg(grow(a, s) + e);
+    if (rows > cap) { where = MOE_ERR_CAPACITY; expected = cap; seen = rows; }
+  }
+  for (u32 s = 0; s < W && !where; ++s) {
+    const u32* row = grow(a, s);
+    const u32 bad = ld_cg(row + MOE_GROW_BAD(Ea));
+    u32 vt = ld_cg(row + MOE_GROW_T(Ea));  // rank s's virtual tokens: its own and those it forwards
+    for (u32 n = 0; n < N; ++n)
+      if (n != s / L) vt += ld_cg(grow(a, n * L + s % L) + MOE_GROW_BUNDLE(Ea, s / L));
+    if (bad) { where = MOE_ERR_EXPERT_ID; expected = Ea; seen = bad; }
+    else if ((u64)vt * K > cap) { where = MOE_ERR_CAPACITY; expected = cap; seen = vt * K; }
+  }
+  if (where) record_error(a.sync, MK_ERR_INPUT, -1, where, expected, seen, 0);
+  return !where;
+}
+
+__global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_exchange_kernel(const __grid_constant__ MkMoeNodeArgs a) {
+  __shared__ u32 s_base[MOE_MAX_NODES], s_wcnt[MOE_NODE_WARPS][MOE_MAX_NODES], s_hist[MOE_MAX_EXPERTS], s_bad;
+  __shared__ u32 s_epoch, s_vseg[MOE_MAX_NODES];
+  __shared__ int s_ok, s_last;
+  const u32 tid = threadIdx.x, N = (u32)a.nodes, node = (u32)a.node, K = (u32)a.k, L = (u32)a.local;
+  bool ok;
+  if (tid == 0) {
+    s_epoch = launch_epoch(a.sync);
+    if (blockIdx.x == 0) {  // this rank entered the epoch: for the node's ranks and the other nodes'
+      credits_announce(node_peers(a), s_epoch);
+      for (u32 r = 0; r < (u32)a.world; ++r)
+        if (r / L != node) queue_push(a.sync, a.queue, mk_signal_cmd(r, MOE_PF_CREDIT + (u32)a.me, s_epoch, MK_FLAG_SET));
+    }
+    s_bad = 0;
+  }
+  for (u32 i = tid; i < MOE_MAX_EXPERTS; i += MOE_NODE_THREADS) s_hist[i] = 0;
+  if (tid < MOE_MAX_NODES) s_base[tid] = 0;
+  __syncthreads();
+  const u32 E = s_epoch;
+  stage_bundles(a, s_base, s_wcnt, s_hist, &s_bad);
+  if (blockIdx.x == 0) send_count_row(a, s_base, s_hist, s_bad, E, &s_ok);  // (a failure is recorded)
+  __threadfence_system();  // the staged rows and words, before the last CTA's WRITEs read them
+  __syncthreads();
+  if (tid == 0) {
+    s_last = atomicAdd(&a.counters[MOE_NCNT_STAGED], 1u) == gridDim.x - 1;
+    __threadfence();
+  }
+  __syncthreads();
+  if (s_last) {
+    if (tid == 0) {
+      ok = !error_recorded(a.sync) && send_bundles(a, s_base, E) && check_rows(a, E);
+      u32 v = (u32)a.T;  // the virtual tokens' segments; nothing to route after a failure
+      s_vseg[0] = ok ? v : 0u;
+      for (u32 n = 0, i = 1; n < N; ++n) {
+        if (n == node) continue;
+        const u32 cnt = ok ? ld_cg(grow(a, node_rank(a, n)) + MOE_GROW_BUNDLE((u32)a.E, node)) : 0u;
+        if (cnt && !(wait_pf(a, MOE_PF_DESC + n, E, node_rank(a, n), MOE_WAIT_BUNDLE + n) &&
+                     wait_pf(a, MOE_PF_ROWS + n, E, node_rank(a, n), MOE_WAIT_BUNDLE + 0x10u + n)))
+          ok = false;
+        v += cnt;
+        s_vseg[i++] = ok ? v : 0u;
+      }
+      s_ok = ok ? 1 : 0;
+    }
+    __syncthreads();
+    const u32 epn = (u32)a.E / N, R = (u32)a.fwd_rows, T = s_ok ? (u32)a.T : 0u, VT = s_vseg[N - 1];
+    const u32* drecv = peer_ptr<const u32>(node_peers(a), (u32)a.lrank, a.drecv_off);
+    for (u32 p = tid; p < VT * K; p += MOE_NODE_THREADS) {  // the virtual pairs
+      const u32 t = p / K, q = p - t * K;
+      int e;
+      float w;
+      if (t < T) {  // own: the pairs on this node, in its numbering
+        const int g = a.topk_ids[p];
+        e = g >= 0 && (u32)g < (u32)a.E && (u32)g / epn == node ? g - (int)(node * epn) : -1;
+        w = a.topk_w[p];
+      } else {
+        u32 i = 1;
+        while (i + 1 < N && t >= s_vseg[i]) ++i;
+        const u32* d = drecv + ((u64)(i - 1) * R + (t - s_vseg[i - 1])) * 2u * K;
+        e = (int)__ldcg(d + q);
+        w = __uint_as_float(__ldcg(d + K + q));
+      }
+      a.vids[p] = e;
+      a.vw[p] = w;
+    }
+    if (tid < N) a.vseg[tid] = s_vseg[tid];
+    if (tid == 0) *a.verdict = s_ok ? MOE_PLAN_OK : MOE_PLAN_FAILED;
+    if (tid == 0) {  // every command applied at its destination before the next launch restages
+      for (u32 r = 0; r < (u32)a.world; ++r)
+        if (r / L != node) queue_push(a.sync, a.queue, mk_flush_cmd(r, MOE_PF_FLUSH + r, E));
+      for (u32 r = 0; r < (u32)a.world; ++r)
+        if (r / L != node && !wait_pf(a, MOE_PF_FLUSH + r, E, r, MOE_WAIT_FLUSH + r)) break;
+    }
+  }
+  __syncthreads();
+  if (tid == 0) counters_reset_by_last_block(a.counters, MOE_NCNT_WORDS, MOE_NCNT_DONE);
+  launch_exit(a.sync, E);
+}
+
+// After the node's combine: each forwarded bundle's sums back to its source; then every token of
+// this rank, out[t] = round(sum over nodes j ascending of node j's sum of t's pairs).
+template <int DT>
+__global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_partials_kernel(const __grid_constant__ MkMoeNodeArgs a) {
+  __shared__ u32 s_epoch;
+  __shared__ int s_ok;
+  const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, N = (u32)a.nodes, node = (u32)a.node;
+  const u32 R = (u32)a.fwd_rows, H = (u32)a.H;
+  const u64 part_row = (u64)H * 4u;
+  if (tid == 0) {
+    s_epoch = launch_epoch(a.sync);
+    if (blockIdx.x == 0)  // this rank's precv may be written: its previous sums are done
+      for (u32 j = 0; j < N; ++j)
+        if (j != node) queue_push(a.sync, a.queue, mk_signal_cmd(node_rank(a, j), MOE_PF_PCREDIT + node, s_epoch, MK_FLAG_SET));
+    bool ok = *a.verdict == MOE_PLAN_OK;
+    if (ok && blockIdx.x == 0)  // the sums of the tokens this rank forwarded, to their sources
+      for (u32 j = 0; j < N && ok; ++j) {
+        if (j == node) continue;
+        const u32 i = seg_of(j, node) + 1, n = a.vseg[i] - a.vseg[i - 1];  // forwarded segment i - 1
+        if (!n) continue;
+        const u32 r = node_rank(a, j);
+        ok = wait_pf(a, MOE_PF_PCREDIT + j, s_epoch, r, MOE_WAIT_PCREDIT + j) &&
+             queue_push(a.sync, a.queue, mk_write_cmd(r, MK_WORKSPACE_REGION, a.part_off + (u64)a.vseg[i - 1] * part_row,
+                                                      MK_WORKSPACE_REGION, a.precv_off + (u64)seg_of(node, j) * R * part_row,
+                                                      (u32)(n * part_row), MOE_PF_PART + node, s_epoch));
+      }
+    const u32* own = peer_ptr<const u32>(node_peers(a), (u32)a.lrank, a.gcounts_off) + (u64)a.me * MOE_GROW_WORDS((u32)a.E);
+    for (u32 j = 0; j < N && ok; ++j)  // the other nodes' sums of this rank's tokens
+      if (j != node && own[MOE_GROW_BUNDLE((u32)a.E, j)])
+        ok = wait_pf(a, MOE_PF_PART + j, s_epoch, node_rank(a, j), MOE_WAIT_PART + j);
+    s_ok = ok ? 1 : 0;
+  }
+  __syncthreads();
+  const u32 E = s_epoch;
+  if (s_ok) {
+    const u8* part = peer_ptr<const u8>(node_peers(a), (u32)a.lrank, a.part_off);
+    const u8* precv = peer_ptr<const u8>(node_peers(a), (u32)a.lrank, a.precv_off);
+    u8* out = reinterpret_cast<u8*>(a.out);
+    u32 lo, hi;
+    cta_range((u32)a.T, MoeCtas{blockIdx.x, gridDim.x}, lo, hi);
+    for (u32 t = lo + warp; t < hi; t += MOE_NODE_WARPS)
+      for (u32 o = lane * 8u; o < H; o += 32u * 8u) {  // 8 elements a lane
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (u32 j = 0; j < N; ++j) {
+          const float* src;
+          if (j == node) {
+            src = reinterpret_cast<const float*>(part + (u64)t * part_row) + o;
+          } else {
+            const u32 sg = seg_of(j, node);
+            const int s = a.slots[(u64)sg * R + t];
+            if (s < 0) continue;
+            src = reinterpret_cast<const float*>(precv + ((u64)sg * R + (u32)s) * part_row) + o;
+          }
+          const float4 v0 = __ldcg(reinterpret_cast<const float4*>(src)), v1 = __ldcg(reinterpret_cast<const float4*>(src) + 1);
+          acc[0] += v0.x; acc[1] += v0.y; acc[2] += v0.z; acc[3] += v0.w;
+          acc[4] += v1.x; acc[5] += v1.y; acc[6] += v1.z; acc[7] += v1.w;
+        }
+        uint4 r;
+        r.x = pack2<DT>(acc[0], acc[1]);
+        r.y = pack2<DT>(acc[2], acc[3]);
+        r.z = pack2<DT>(acc[4], acc[5]);
+        r.w = pack2<DT>(acc[6], acc[7]);
+        *reinterpret_cast<uint4*>(out + ((u64)t * (u64)a.ldo + o) * 2u) = r;
+      }
+  }
+  __syncthreads();
+  if (blockIdx.x == 0 && tid == 0 && *a.verdict == MOE_PLAN_OK) {  // part is rewritten by the next combine
+    for (u32 j = 0; j < N; ++j)
+      if (j != node) queue_push(a.sync, a.queue, mk_flush_cmd(node_rank(a, j), MOE_PF_PFLUSH + j, E));
+    for (u32 j = 0; j < N; ++j)
+      if (j != node && !wait_pf(a, MOE_PF_PFLUSH + j, E, node_rank(a, j), MOE_WAIT_FLUSH + 0x80u + j)) break;
+  }
+  __syncthreads();
+  if (tid == 0) counters_reset_by_last_block(a.counters, MOE_NCNT_WORDS, MOE_NCNT_DONE);
+  launch_exit(a.sync, E);
+}
+
+static_assert(sizeof(MkMoeNodeArgs) % 8 == 0, "MkMoeNodeArgs: mkernel/moe_nodes.py mirrors it");
