@@ -128,9 +128,7 @@ def _run_dispatch_combine(comm, P):
     recv, h = mkernel.moe_dispatch(dev(x), dev(ids), dev(w), comm=comm, num_experts=P["E"], capacity=P["cap"],
                                    out=recv_out)
     _sync(comm, "moe_dispatch between nodes")
-    msg = _check_dispatch(P, me, recv, h)
-    if msg:
-        return f"dispatch: {msg}"
+    msg = _check_dispatch(P, me, recv, h)  # reported after the combine: every rank makes every call
     y = host(recv).astype(np.float64)
     start = 0
     for le, n in enumerate(np.asarray(h.counts())):
@@ -139,6 +137,8 @@ def _run_dispatch_combine(comm, P):
     out = poisoned((x.shape[0], P["H"]), P["dtn"])
     mkernel.moe_combine(dev(y.astype(DT[P["dtn"]])), h, comm=comm, out=out)
     _sync(comm, "moe_combine between nodes")
+    if msg:
+        return f"dispatch: {msg}"
     want = _combine_ref(P, me).astype(DT[P["dtn"]])
     bad = np.flatnonzero(~(bits(out) == want.view(np.uint16)).all(axis=1))
     if bad.size:
@@ -159,30 +159,34 @@ def _run_gemm_ops(comm, P):
     x, ids, w = P["inp"][me]
     W1 = _weights(P, (P["E"], P["H"], F))
     W2 = _weights(P, (P["E"], F, P["H"]), density=0.1, seed="w2")
-    ys = {}
-    for path in ("fused", "unfused"):
+    recv = poisoned((P["cap"], P["H"]), P["dtn"])  # the rows the GEMM works on, for its reference
+    _, h = mkernel.moe_dispatch(dev(x), dev(ids), dev(w), comm=comm, num_experts=P["E"], capacity=P["cap"], out=recv)
+    _sync(comm, "moe_dispatch between nodes")
+    counts = np.asarray(h.counts())
+    n = int(counts.sum())
+    rows, start = host(recv).astype(np.float64), 0
+    want = np.zeros((n, F))
+    for le, c in enumerate(counts):
+        want[start:start + c] = rows[start:start + c] @ W1[me * El + le].astype(np.float64)
+        start += c
+    ys, msgs = {}, []  # every rank makes every call; the first message is reported
+    for path in ("fused", "unfused"):  # a dispatch makes the previous handle stale: keep only the last
         y = poisoned((P["cap"], F), P["dtn"])
         _, h = mkernel.moe_dispatch_gemm(dev(x), dev(ids), dev(w), dev(W1[me * El:(me + 1) * El]), comm=comm,
                                          num_experts=P["E"], capacity=P["cap"], out=y, path=path)
         _sync(comm, f"moe_dispatch_gemm ({path}) between nodes")
-        ys[path] = (y, h)
-    n = int(sum(np.asarray(ys["fused"][1].counts())))
-    yf, yu = bits(ys["fused"][0])[:n], bits(ys["unfused"][0])[:n]
+        if not np.array_equal(np.asarray(h.counts()), counts):
+            msgs.append(f"moe_dispatch_gemm ({path}): counts {np.asarray(h.counts()).tolist()} != {counts.tolist()}")
+        ys[path] = y
+    yf, yu = bits(ys["fused"])[:n], bits(ys["unfused"])[:n]
     if not np.array_equal(yf, yu):
-        return f"moe_dispatch_gemm: fused and unfused differ in {int((~(yf == yu).all(axis=1)).sum())} of {n} rows"
-    recv = poisoned((P["cap"], P["H"]), P["dtn"])
-    _, h = mkernel.moe_dispatch(dev(x), dev(ids), dev(w), comm=comm, num_experts=P["E"], capacity=P["cap"], out=recv)
-    _sync(comm, "moe_dispatch between nodes")
-    rows, start = host(recv).astype(np.float64), 0
-    want = np.zeros((n, F))
-    for le, c in enumerate(np.asarray(h.counts())):
-        want[start:start + c] = rows[start:start + c] @ W1[me * El + le].astype(np.float64)
-        start += c
-    if not np.array_equal(host(ys["unfused"][0])[:n].astype(np.float64), want):
-        return "moe_dispatch_gemm: y differs from the float64 GEMM of the received rows"
-    y, h = ys["fused"]
-    out = mkernel.moe_gemm_combine(y, dev(W2[me * El:(me + 1) * El]), h, comm=comm)
+        msgs.append(f"moe_dispatch_gemm: fused and unfused differ in {int((~(yf == yu).all(axis=1)).sum())} of {n} rows")
+    if not np.array_equal(host(ys["fused"])[:n].astype(np.float64), want):
+        msgs.append("moe_dispatch_gemm: y differs from the float64 GEMM of the received rows")
+    out = mkernel.moe_gemm_combine(ys["unfused"], dev(W2[me * El:(me + 1) * El]), h, comm=comm)
     _sync(comm, "moe_gemm_combine between nodes")
+    if msgs:
+        return msgs[0]
     ref = _combine_ref(P, me, gemm=(W1.astype(np.float64), W2.astype(np.float64)))
     got = host(out).astype(np.float64)
     err = np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)
