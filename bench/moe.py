@@ -53,7 +53,13 @@ experts / top-8 and >= 1.1x the unfused building blocks there; >= 1.05x the base
 F 14336 / 8 experts / top-2 (T 4096). Rank 0 writes bench/results/moe_dispatch_gemm-<W>gpu.json and
 moe_gemm_combine-<W>gpu.json (bench/harness.py), prints tables, the goals and a SUMMARY line last.
 
-    mpirun -n 2 python3 bench/moe.py [--quick] [--reps N]
+``--nodes N`` emulates N nodes (``gpus_per_node = W / N``) over ``--transport`` (default host).
+There the issue's baseline is mkernel's unfused building blocks over the same transport
+(baseline_ms = unfused_ms; goal: dispatch+GEMM >= 1.4x at H 7168 / F 2048 / 64 experts / top-8),
+and only moe_dispatch_gemm is timed (the fused GEMM + combine works inside a node only; between
+nodes moe_gemm_combine is its unfused blocks). Results: ``...-<W>gpu-<N>node.json``.
+
+    mpirun -n 2 python3 bench/moe.py [--quick] [--reps N] [--nodes 2 [--transport host]]
 """
 
 import argparse
@@ -90,6 +96,9 @@ WORKSPACE_MARGIN = 64 << 20
 GOALS = [("vs baseline at H 7168/F 2048/64 experts/top-8", (7168, 2048, 64, 8), 4096, "speedup", 1.30),
          ("vs unfused at H 7168/F 2048/64 experts/top-8", (7168, 2048, 64, 8), 4096, "vs_unfused", 1.10),
          ("vs baseline at H 4096/F 14336/8 experts/top-2", (4096, 14336, 8, 2), 4096, "speedup", 1.05)]
+# between emulated nodes (--nodes): against the unfused blocks over the same transport, dispatch+GEMM only
+NODE_GOALS = [("vs unfused between nodes at H 7168/F 2048/64 experts/top-8", (7168, 2048, 64, 8), 4096, "speedup",
+               1.40)]
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -152,14 +161,19 @@ def routing(kind, T, E, k, seed):
     return np.ascontiguousarray(ids), np.ascontiguousarray(w.astype(np.float32))
 
 
-def plan_bytes(T, H, E, k, W, itemsize):
-    """Symmetric workspace the MoE plan of one shape takes (mkernel/moe.py _plan), allocation by
-    allocation rounded up as the heap does."""
+def plan_bytes(T, H, E, k, W, itemsize, nodes=1):
+    """Symmetric workspace the MoE plan of one shape takes (mkernel/moe.py _plan, and between nodes
+    mkernel/moe_nodes.py plan), allocation by allocation rounded up as the heap does."""
     import mkernel
+    from mkernel import moe_nodes
     from mkernel.symmetric import ALIGN
 
     cap = mkernel.moe_capacity(T, k, W)
     sizes = [W * (E + 2) * 4, W * 4, W * 4, W * 4, cap * 4, cap * H * itemsize, cap * H * itemsize]
+    if nodes > 1:
+        R = moe_nodes.fwd_rows(cap, k)
+        sizes += [W * moe_nodes.grow_words(E) * 4, W * 4, (nodes - 1) * R * H * itemsize, (nodes - 1) * R * 2 * k * 4,
+                  (nodes - 1) * R * H * itemsize, (nodes - 1) * R * 2 * k * 4, R * H * 4, (nodes - 1) * R * H * 4]
     return sum(-(-s // ALIGN) * ALIGN for s in sizes)
 
 
@@ -411,7 +425,7 @@ def stage(comm, name, fn, errors, fatal):
 
 
 # ----------------------------------------------------------------------------------- one shape
-def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, errors, fatal):
+def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, errors, fatal, nodes=1):
     import cupy
     import mkernel
     mg = sys.modules["mkernel.moe_gemm"]
@@ -456,8 +470,10 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
             finally:
                 mg.JOIN_GEMM = default
 
-        def mk_gc():  # the fused kernel (not the op's default path, which is unfused while the fused one is slower)
-            mkernel.moe_gemm_combine(B["y_mk"], w2, st["h"], comm=comm, out=B["out_mk"], path="fused")
+        def mk_gc():  # the fused kernel (not the op's default path, which is unfused while the fused one is slower;
+            # between nodes only the unfused path exists)
+            mkernel.moe_gemm_combine(B["y_mk"], w2, st["h"], comm=comm, out=B["out_mk"],
+                                     path="fused" if nodes == 1 else "unfused")
 
         def uf_dg():
             recv, st["h"] = mkernel.moe_dispatch(x, ids_d, w_d, comm=comm, num_experts=E, capacity=cap,
@@ -526,6 +542,8 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
         traffic = [L.rank_traffic(r) for r in range(W)]
         recv_rows = [t[0] for t in traffic]
         for op, sfx in zip(OPS, ("dg", "gc")):
+            if nodes > 1 and op != "moe_dispatch_gemm":
+                continue
             mk, uf = ts[f"mk_{sfx}"], ts[f"uf_{sfx}"]
             t_mk, t_uf = harness.median(mk), harness.median(uf)
             t_bg = harness.median(ts[f"bg_{sfx}"]) if f"bg_{sfx}" in ts else None
@@ -549,7 +567,9 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
                             rows_imbalance=max(recv_rows) / max(1e-9, sum(recv_rows) / W),
                             bytes_off_rank_per_gpu=[max(s, rv) * H * dt.itemsize for _, s, rv in traffic],
                             world=W, dtype=dt.name, samples=len(mk), name=f"{sname} {rt}")
-            if t_b is None:
+            if nodes > 1:  # the issue's baseline between nodes: the unfused blocks over the same transport
+                r.update(baseline_ms=t_uf, speedup=r["vs_unfused"], baseline_mode="unfused blocks")
+            elif t_b is None:
                 r["speedup"] = r["baseline_ms"] = None
             rows.append(r)
             if me == 0:
@@ -597,11 +617,11 @@ TABLE = [("name", "T x H x F x E x k routing", None), ("mkernel_ms", "mkernel ms
          ("fraction_of_bound", "of bound", ".3f"), ("rel_err", "rel err", ".1e")]
 
 
-def goal_verdicts(rows, W, shared, baseline_note):
-    """[(text, verdict)] of every goal for both ops."""
+def goal_verdicts(rows, W, shared, baseline_note, nodes=1):
+    """[(text, verdict)] of every goal for both ops (between nodes: the dispatch+GEMM goal)."""
     out = []
-    for gname, (H, F, E, k), T, key, least in GOALS:
-        for op in OPS:
+    for gname, (H, F, E, k), T, key, least in (GOALS if nodes == 1 else NODE_GOALS):
+        for op in (OPS if nodes == 1 else OPS[:1]):
             rs = [r for r in rows if r["op"] == op and tuple(r["shape"]) == (T, H, F, E, k)]
             label = f"{op} {gname} >= {least:.2f}x"
             if shared:
@@ -628,6 +648,8 @@ def main():
     ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     ap.add_argument("--link-gbs", type=float, default=LINK_GBS, help="NVLink GB/s per GPU and direction for the bound")
     ap.add_argument("--out", default=None, help="results directory (default bench/results)")
+    ap.add_argument("--nodes", type=int, default=1, help="emulated nodes (gpus_per_node = ranks / nodes)")
+    ap.add_argument("--transport", default="host", help="between emulated nodes: host or tcp")
     args = ap.parse_args()
 
     harness.require_gpu("bench/moe.py")
@@ -646,8 +668,12 @@ def main():
     routings = ROUTINGS[:1] if args.quick else ROUTINGS
     reps = (args.reps or QUICK_REPS) if args.quick else max(20, args.reps or harness.REPS)
     W0 = MPI.COMM_WORLD.Get_size()
-    ws = CONTROL_BYTES + max(plan_bytes(T, H, E, k, W0, dt.itemsize) for T, H, F, E, k in shapes) + WORKSPACE_MARGIN
-    comm = mkernel.init(workspace_bytes=ws)
+    nodes = args.nodes
+    if nodes < 1 or W0 % nodes:
+        sys.exit(f"bench/moe.py: --nodes {nodes} does not divide the {W0} ranks")
+    ws = CONTROL_BYTES + max(plan_bytes(T, H, E, k, W0, dt.itemsize, nodes) for T, H, F, E, k in shapes) + WORKSPACE_MARGIN
+    comm = (mkernel.init(workspace_bytes=ws) if nodes == 1 else
+            mkernel.init(workspace_bytes=ws, gpus_per_node=W0 // nodes, transport=args.transport))
     # the benchmark's own collectives on a duplicate: never matched against one inside an op
     comm.bench_mpi = comm.mpi.Dup()
     W, me = comm.size, comm.rank
@@ -661,7 +687,11 @@ def main():
     shared = not tp.gpus_distinct(comm)
     physical = len(set(comm.bench_mpi.allgather((comm.topology.host, comm.device_id))))
     baseline_note = None
-    if shared:
+    if nodes > 1:
+        baseline_note = (f"between {nodes} emulated nodes ({args.transport} transport) the baseline is mkernel's "
+                         "unfused blocks over the same transport (baseline_ms = unfused_ms); results checked "
+                         "against the same pipeline with an MPI host exchange")
+    elif shared:
         baseline_note = (f"the {W} ranks share {physical} GPU(s): NCCL needs one GPU per rank, so the NCCL baseline "
                          "was skipped (baseline_ms and speedup are null; results checked against the same pipeline "
                          "with an MPI host exchange); timings of ranks sharing a GPU are not meaningful for speed")
@@ -688,7 +718,8 @@ def main():
     rows, errors, stopped = [], {}, None
     for si, shape in enumerate(shapes):
         try:
-            rows += bench_shape(comm, si, shape, routings, dt, reps, have_baseline, args.link_gbs, errors, fatal)
+            rows += bench_shape(comm, si, shape, routings, dt, reps, have_baseline, args.link_gbs, errors, fatal,
+                                nodes)
         except Stop as e:
             stopped = str(e)
             if me == 0:
@@ -699,7 +730,8 @@ def main():
 
     if me == 0:
         n_rows = len(shapes) * len(routings)
-        common = dict(gpus=W, nodes=1, transport="nvlink", out_dir=args.out, reps=reps, errors=errors,
+        common = dict(gpus=W, nodes=nodes, transport="nvlink" if nodes == 1 else f"nvlink+{args.transport}",
+                      out_dir=args.out, reps=reps, errors=errors,
                       stopped_after=stopped, physical_gpus=physical, shared_gpu=shared, baseline_note=baseline_note,
                       workspace_bytes=ws, link_gbs=args.link_gbs, peak_tflops=PEAK_TFLOPS,
                       baseline="device sort (cupy.argsort of expert * P + pair) + cupy.take of the token rows, NCCL "
@@ -712,19 +744,19 @@ def main():
                       bound_definition=f"max over ranks of max(2 * rows received * H * F at {PEAK_TFLOPS} TFLOP/s, "
                                        f"max(bytes sent to, received from other ranks) at {args.link_gbs} GB/s)",
                       goals=[{"name": g[0], "H_F_E_k": list(g[1]), "T": g[2], "metric": g[3], "at_least": g[4]}
-                             for g in GOALS])
+                             for g in (GOALS if nodes == 1 else NODE_GOALS)])
         paths = []
-        for op in OPS:
+        for op in (OPS if nodes == 1 else OPS[:1]):
             op_rows = [r for r in rows if r["op"] == op]
             paths.append(harness.write(op, op_rows, **common))
             print(f"\n== {op} ({W} ranks) -> {paths[-1]}")
             print(harness.table(op_rows, TABLE))
-        verdicts = goal_verdicts(rows, W, shared, baseline_note)
+        verdicts = goal_verdicts(rows, W, shared, baseline_note, nodes)
         print()
         for label, v in verdicts:
             print(f"goal {label}: {v}")
         parts = [f"{W} ranks" + (f" sharing {physical} GPU(s): speed claims need one GPU per rank" if shared else ""),
-                 f"{len(rows) // len(OPS)}/{n_rows} rows"]
+                 f"{len(rows) // (len(OPS) if nodes == 1 else 1)}/{n_rows} rows"]
         for label, v in verdicts:
             parts.append(f"{label}: {v}")
         if rows:

@@ -141,3 +141,42 @@ def partials(op, comm, handle, out, stream):
     a.out, a.ldo = out.data.ptr, (out.strides[0] if handle.T > 1 else handle.H * out.itemsize) // out.itemsize
     ctas = max(1, min(_tp.sm_count(), -(-handle.T // PARTIAL_TOKENS_PER_CTA)))
     _launch(op, f"mk_moe_partials_kernel<{_tp.DT[handle.dtype.name]}>", a, ctas, stream)
+
+
+def sanitize_target():
+    """Dispatch, combine and the fused dispatch + GEMM once on MPI.COMM_WORLD as one emulated node
+    per rank (run it with 2 ranks: tools/sanitize.sh does), integer inputs; raises on a wrong result."""
+    import numpy as np
+    import cupy
+    from mpi4py import MPI
+
+    import mkernel
+
+    world = MPI.COMM_WORLD
+    comm = mkernel.init(world, gpus_per_node=1, transport="host", workspace_bytes=32 << 20)
+    try:
+        W, me = comm.size, comm.rank
+        T, H, F, E, k = 70, 264, 72, 2 * W, 2  # 70 tokens: three warps' ranges, a partial one
+        rng = np.random.default_rng(11 + me)
+        x = rng.integers(-2, 3, size=(T, H)).astype(np.float16)
+        ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+        w = np.full((T, k), 0.5, dtype=np.float32)
+        cap = mkernel.moe_capacity(T, k, W)
+        recv, h = mkernel.moe_dispatch(cupy.asarray(x), cupy.asarray(ids), cupy.asarray(w), comm=comm,
+                                       num_experts=E, capacity=cap)
+        out = mkernel.moe_combine(recv, h, comm=comm)
+        cupy.cuda.runtime.deviceSynchronize()
+        comm.check()
+        if not np.array_equal(out.get().astype(np.float64), x.astype(np.float64) * (0.5 * k)):
+            raise AssertionError(f"moe between nodes, rank {me}: wrong dispatch + combine")
+        w1 = cupy.asarray(rng.integers(-1, 2, size=(E // W, H, F)).astype(np.float16))
+        y, h = mkernel.moe_dispatch_gemm(cupy.asarray(x), cupy.asarray(ids), cupy.asarray(w), w1, comm=comm,
+                                         num_experts=E, capacity=cap, comm_sms=2)
+        y_blocks = mkernel.grouped_gemm(recv, w1, h.group_rows)
+        cupy.cuda.runtime.deviceSynchronize()
+        comm.check()
+        n = int(h.received())
+        if not np.array_equal(y.get()[:n].view(np.uint16), y_blocks.get()[:n].view(np.uint16)):
+            raise AssertionError(f"moe_dispatch_gemm between nodes, rank {me}: differs from its blocks")
+    finally:
+        comm.close()

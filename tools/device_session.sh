@@ -8,7 +8,7 @@
 # scratch/ring ring-mixed-nodes) and carried as scratch; moebranch: the same for moe-combine-rows at
 # scratch/mcr (its fused-combine tests and bench/moe.py, results under $OUT/mcr). moe: the MoE tests at
 # 1 and 2 ranks; moebench1: bench/moe.py at world 1; moenodes: tests/test_moe_nodes_gpu.py (its
-# child jobs at 3 and 4 ranks, then 2 ranks as 2 nodes).
+# child jobs at 3 and 4 ranks, then 2 ranks as 2 nodes); moebenchnodes: bench/moe.py --nodes 2 (2 GPUs).
 # A kernel cache built on a CPU machine (python -m mkernel precompile) is used when carried as .kcache.
 # The copy on the device has no .git of its own (in session 6 git there reported the session's first
 # commit, "-dirty"): write BENCH_COMMIT=<local HEAD's hash> into the command (a literal: a
@@ -56,6 +56,7 @@ for s in $steps; do
     moebench1) step moebench1 200 python3 bench/moe.py ;;
     moe) step moe 200 bash -c "$PYT -m gpu tests/test_moe.py tests/test_moe_gemm.py && \
       $MPI2 $PYT -m 'gpu and mpi and not slow' tests/test_moe.py tests/test_moe_gemm.py" ;;
+    moebenchnodes) step moebenchnodes 300 $MPI2 python3 bench/moe.py --nodes 2 ;;
     moenodes) step moenodes 400 bash -c "$PYT -m gpu tests/test_moe_nodes_gpu.py; \
       $MPI2 $PYT -m 'gpu and mpi' tests/test_moe_nodes_gpu.py" ;;
     moebranch) step moebranch 300 bash -c "cd scratch/mcr && python3 setup.py build_ext --inplace >/dev/null && \
