@@ -40,7 +40,8 @@ A B C ... A B C ... so that clock drift spreads over all of them):
   pipeline with the exchange done through MPI on host copies.
 
 Checked before timing: mkernel's rows after dispatch + GEMM1 against the baseline's (the same
-per-expert row sets in the same documented order: local expert, source rank, pair order), the
+per-expert row sets in the same documented order: local expert, source rank, pair order; between
+nodes, where an expert's rows are ordered by forwarding rank, through the layer's output only), the
 full layer's output [T, H] (dispatch -> GEMM1 -> GEMM2 -> combine) against the baseline's
 (relative Frobenius norm, max over ranks, < 1e-2), the unfused blocks' output against the fused
 ops', and handle.counts() against the host's counts.
@@ -551,7 +552,9 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
             mode = None if t_bg is None else ("gather" if t_bg <= t_bs else "segments")
             t_b = None if mode is None else min(t_bg, t_bs)
             b_key = None if mode is None else ("bg_" if mode == "gather" else "bs_") + sfx
-            rel = err_rows if op == "moe_dispatch_gemm" else err_layer
+            # between nodes an expert's rows are ordered by forwarding rank, not as the baseline's
+            # (docs/MOE.md): its y is then checked through the whole layer's output
+            rel = err_rows if op == "moe_dispatch_gemm" and nodes == 1 else err_layer
             r = harness.row(list(shape), t_mk, t_b or 0.0, b_ms, routing=rt, op=op, unfused_ms=t_uf,
                             vs_unfused=t_uf / t_mk if t_mk else None,
                             mkernel_ci95=harness.ci95(mk), unfused_ci95=harness.ci95(uf),
