@@ -14,17 +14,13 @@ __global__ void __launch_bounds__(384, 1) mk_attention_kernel(const __grid_const
   extern __shared__ __align__(1024) u8 mk_smem[];
   const AttnSmem<Cfg> sm = attn_smem_carve<Cfg>(mk_smem);
   attn_setup<Cfg>(args, sm);
-  if (threadIdx.x < 128) {
-    setmaxnreg_dec<Cfg::PRODUCER_REGS>();
-    if (threadIdx.x == 0) {
-      const AttnTileSpace space{args, args.sched.num_tiles};
-      attn_producer<Cfg>(args, sm, AttnPlainTiles<Cfg>{args, space});
-      sched_finish(args.sched);
-    }
-  } else {
-    setmaxnreg_inc<Cfg::CONSUMER_REGS>();
-    attn_consumer<Cfg>(args, sm, (int)(threadIdx.x / 128) - 1, AttnStoreEpi<Cfg>{args, sm});
-  }
+  warpgroup_roles<Cfg>(
+      [&] {
+        const AttnTileSpace space{args, args.sched.num_tiles};
+        attn_producer<Cfg>(args, sm, AttnPlainTiles<Cfg>{args, space});
+        sched_finish(args.sched);
+      },
+      [&](int wg) { attn_consumer<Cfg>(args, sm, wg, AttnStoreEpi<Cfg>{args, sm}); });
   launch_exit(args.sync, sm.bars->epoch);  // read at the end: not held in a register all along
 }
 

@@ -19,18 +19,16 @@ MK_DEV void gemm_cta(const MkGemmArgs& args) {
   const GemmSmem<Cfg> sm = gemm_smem_carve<Cfg, GROUPED>(mk_smem);
   const MkTileSpace<Cfg::UNIT_M> space = gemm_setup<Cfg, GROUPED>(args, sm);
   const u32 epoch = sm.bars->epoch;
-  if (threadIdx.x < 128) {
-    setmaxnreg_dec<Cfg::PRODUCER_REGS>();
-    if (threadIdx.x == 0) {
-      gemm_producer<Cfg, GROUPED>(args, sm, space);
-      sched_finish(args.sched);
-    }
-  } else {
-    setmaxnreg_inc<Cfg::CONSUMER_REGS>();
-    MkTmaEpilogue<OUT, Cfg, GROUPED> epi{args, sm, epoch, MkGemmDest{args}};
-    gemm_consumer<Cfg>(args, sm, (int)(threadIdx.x / 128) - 1, epi);
-    epi.finish();
-  }
+  warpgroup_roles<Cfg>(
+      [&] {
+        gemm_producer<Cfg, GROUPED>(args, sm, space);
+        sched_finish(args.sched);
+      },
+      [&](int wg) {
+        MkTmaEpilogue<OUT, Cfg, GROUPED> epi{args, sm, epoch, MkGemmDest{args}};
+        gemm_consumer<Cfg>(args, sm, wg, epi);
+        epi.finish();
+      });
   if (CLUSTER > 1) cluster_sync();  // no CTA leaves while another can still write into it
   launch_exit(args.sync, epoch);
 }

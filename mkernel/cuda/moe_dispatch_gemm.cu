@@ -62,18 +62,16 @@ MK_DEV u32 moe_gemm_cta(const MkMoeGemmArgs& args) {
   build_group_table<Cfg::UNIT_M>(sm.table, a.group_rows, (u32)args.g.num_groups, args.g.m, args.g.sched.tiles_n);
   MkTileSpace<Cfg::UNIT_M> space = gemm_tile_space<Cfg>(args.g, sm.table);
   if (!ok) space.num_tiles = 0;
-  if (threadIdx.x < 128) {
-    setmaxnreg_dec<Cfg::PRODUCER_REGS>();
-    if (threadIdx.x == 0) {
-      MoeTiles<Cfg> src{a, space, epoch};
-      gemm_producer_loop<Cfg>(args.g, sm, src);
-    }
-  } else {
-    setmaxnreg_inc<Cfg::CONSUMER_REGS>();
-    MkTmaEpilogue<Cfg::DT, Cfg, true> epi{args.g, sm, epoch, MkGemmDest{args.g}};
-    gemm_consumer<Cfg>(args.g, sm, (int)(threadIdx.x / 128) - 1, epi);
-    epi.finish();
-  }
+  warpgroup_roles<Cfg>(
+      [&] {
+        MoeTiles<Cfg> src{a, space, epoch};
+        gemm_producer_loop<Cfg>(args.g, sm, src);
+      },
+      [&](int wg) {
+        MkTmaEpilogue<Cfg::DT, Cfg, true> epi{args.g, sm, epoch, MkGemmDest{args.g}};
+        gemm_consumer<Cfg>(args.g, sm, wg, epi);
+        epi.finish();
+      });
   return epoch;
 }
 

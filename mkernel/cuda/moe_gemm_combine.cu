@@ -103,18 +103,16 @@ __global__ void __launch_bounds__(MOE_GC_THREADS, 1) mk_moe_gemm_combine_kernel(
     const MkTileSpace<Cfg::UNIT_M> space = gemm_setup<Cfg, true>(args.g, sm);  // the group table of group_rows
     epoch = sm.bars->epoch;
     if (blockIdx.x == 0 && threadIdx.x == 0) credits_announce(peers, epoch);  // this rank entered the epoch
-    if (threadIdx.x < 128) {
-      setmaxnreg_dec<Cfg::PRODUCER_REGS>();
-      if (threadIdx.x == 0) gemm_producer<Cfg, true>(args.g, sm, space);
-    } else {
-      setmaxnreg_inc<Cfg::CONSUMER_REGS>();
-      MkTmaEpilogue<Cfg::DT, Cfg, true> epi{args.g, sm, epoch, MkGemmDest{args.g}};
-      gemm_consumer<Cfg>(args.g, sm, (int)(threadIdx.x / 128) - 1, epi);
-      epi.finish();
-      // The pipeline's shared memory is free now: its first word broadcasts the weighted sum's wait.
-      moe_weighted_sum<DT>(a, peers, blockIdx.x, gridDim.x, threadIdx.x - 128, 256, MkBarConsumers(),
-                           reinterpret_cast<volatile int*>(sm.base), epoch);
-    }
+    warpgroup_roles<Cfg>([&] { gemm_producer<Cfg, true>(args.g, sm, space); },
+                         [&](int wg) {
+                           MkTmaEpilogue<Cfg::DT, Cfg, true> epi{args.g, sm, epoch, MkGemmDest{args.g}};
+                           gemm_consumer<Cfg>(args.g, sm, wg, epi);
+                           epi.finish();
+                           // The pipeline's shared memory is free now: its first word broadcasts the
+                           // weighted sum's wait.
+                           moe_weighted_sum<DT>(a, peers, blockIdx.x, gridDim.x, threadIdx.x - 128, 256,
+                                                MkBarConsumers(), reinterpret_cast<volatile int*>(sm.base), epoch);
+                         });
   } else {
     MoeReturnShared& rs = *reinterpret_cast<MoeReturnShared*>(mk_smem);
     epoch = launch_epoch(a.sync);

@@ -273,16 +273,12 @@ __global__ void __launch_bounds__(384, 1) mk_ring_attention_kernel(const __grid_
         queue_push(a.sync, r.queue, mk_signal_cmd(((u32)r.me + (u32)r.world - 1) % (u32)r.world, RING_PF_CREDIT, E,
                                                   MK_FLAG_SET));
     }
-    if (threadIdx.x < 128) {
-      setmaxnreg_dec<Cfg::PRODUCER_REGS>();
-      if (threadIdx.x == 0) {
-        const AttnTileSpace space{a, a.sched.num_tiles};
-        attn_producer<Cfg>(a, sm, RingTiles<Cfg>{r, space, E});
-      }
-    } else {
-      setmaxnreg_inc<Cfg::CONSUMER_REGS>();
-      attn_consumer<Cfg>(a, sm, (int)(threadIdx.x / 128) - 1, RingMergeEpi<Cfg>{r, E});
-    }
+    warpgroup_roles<Cfg>(
+        [&] {
+          const AttnTileSpace space{a, a.sched.num_tiles};
+          attn_producer<Cfg>(a, sm, RingTiles<Cfg>{r, space, E});
+        },
+        [&](int wg) { attn_consumer<Cfg>(a, sm, wg, RingMergeEpi<Cfg>{r, E}); });
     __syncthreads();  // the consumers' merges count in the step counters: reset only after them
     if (threadIdx.x == 0) {
       sched_finish(a.sched);

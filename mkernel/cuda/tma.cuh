@@ -155,3 +155,18 @@ template <u32 N>
 MK_DEV void setmaxnreg_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
 }
+
+// The warp-specialised CTA of the GEMM and attention engines: the first warpgroup gives registers
+// back (Cfg::PRODUCER_REGS) and its thread 0 runs produce(); the others take them
+// (Cfg::CONSUMER_REGS) and run consume(wg), wg = 0, 1, ... their consumer index. The budgets
+// must fit the launch's register pool (mk_cta_register_pool, common.cuh).
+template <class Cfg, class Produce, class Consume>
+MK_DEV void warpgroup_roles(Produce&& produce, Consume&& consume) {
+  if (threadIdx.x < 128) {
+    setmaxnreg_dec<Cfg::PRODUCER_REGS>();
+    if (threadIdx.x == 0) produce();
+  } else {
+    setmaxnreg_inc<Cfg::CONSUMER_REGS>();
+    consume((int)(threadIdx.x / 128) - 1);
+  }
+}

@@ -175,20 +175,18 @@ MK_DEV void tp_gemm_cta(const TpArgs& args, Join join = Join()) {
   const GemmSmem<Cfg> sm = gemm_smem_carve<Cfg, false>(mk_smem);
   gemm_setup<Cfg, false>(args.g, sm);  // barriers, epoch; its tile space is not used
   const u32 epoch = sm.bars->epoch;
-  if (threadIdx.x < 128) {
-    setmaxnreg_dec<Cfg::PRODUCER_REGS>();
-    if (threadIdx.x == 0) {
-      TpTiles<Cfg, OP> src{args, epoch};
-      gemm_producer_loop<Cfg>(args.g, sm, src);
-    }
-  } else {
-    setmaxnreg_inc<Cfg::CONSUMER_REGS>();
-    TpEpilogue<Cfg, OP> epi{args.g, sm, epoch, TpDest<OP>{args, epoch}};
-    gemm_consumer<Cfg>(args.g, sm, (int)(threadIdx.x / 128) - 1, epi);
-    epi.finish();  // this CTA's flags are published before it waits for anybody's
-    __syncwarp();
-    join(args, epoch);
-  }
+  warpgroup_roles<Cfg>(
+      [&] {
+        TpTiles<Cfg, OP> src{args, epoch};
+        gemm_producer_loop<Cfg>(args.g, sm, src);
+      },
+      [&](int wg) {
+        TpEpilogue<Cfg, OP> epi{args.g, sm, epoch, TpDest<OP>{args, epoch}};
+        gemm_consumer<Cfg>(args.g, sm, wg, epi);
+        epi.finish();  // this CTA's flags are published before it waits for anybody's
+        __syncwarp();
+        join(args, epoch);
+      });
   __syncthreads();
   if (threadIdx.x == 0) tp_counters_done(args);
   launch_exit(args.g.sync, epoch);
