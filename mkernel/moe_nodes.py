@@ -76,6 +76,9 @@ def plan(op, comm, H, dtype, k, E, capacity):
 
     W, N = comm.size, comm.num_nodes
     R = fwd_rows(capacity, k)
+    if R * H * 4 >= 1 << 32:  # a bundle's rows and its sums each go as one WRITE (32-bit sizes)
+        raise ArgumentError(f"{op}: between nodes a bundle of up to capacity / k = {R} tokens x H = {H} (its fp32 "
+                            f"sums: {R * H * 4} bytes) must stay under 4 GiB; pass a smaller capacity")
     key = ("buffers", "moe_nodes", H, dtype.name, k, E, capacity)
     sizes = [("gcounts", (W * grow_words(E),), cupy.uint32), ("gcflag", (W,), cupy.uint32),
              ("xsend", ((N - 1) * R, H), dtype), ("dsend", ((N - 1) * R * 2 * k,), cupy.uint32),

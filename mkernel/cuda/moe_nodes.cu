@@ -38,6 +38,12 @@ MK_DEV const u32* grow(const MkMoeNodeArgs& a, u32 s) {
 MK_DEV bool wait_pf(const MkMoeNodeArgs& a, u32 flag, u32 E, u32 peer, u32 where) {
   return wait_remote_epoch(a.sync, a.queue, a.pflags + flag, E, (i32)peer, where);
 }
+// Thread 0: a credit (CREDIT, PCREDIT) at epoch E or later. The peer may already be in a later
+// launch: one that found an input error skips its waits and leaves early, and its host may queue
+// the next call; an exact wait would then time out here instead of reaching the same verdict.
+MK_DEV bool wait_credit(const MkMoeNodeArgs& a, u32 flag, u32 E, u32 peer, u32 where) {
+  return wait_remote_at_least(a.sync, a.queue, a.pflags + flag, E, (i32)peer, where);
+}
 
 // Every thread: every token of this rank is scanned (by every CTA: T * k ids, cheap) for the
 // nodes its pairs go to; token t's row in its bundle to node j is the number of earlier tokens
@@ -142,7 +148,7 @@ MK_DEV void send_count_row(const MkMoeNodeArgs& a, const u32* s_base, const u32*
     for (u32 r = 0; r < W && *s_ok; ++r) {
       if (r / (u32)a.local == (u32)a.node) continue;
       const u64 off = a.gcounts_off + (u64)me * RW * 4u;
-      *s_ok = wait_pf(a, MOE_PF_CREDIT + r, E, r, MOE_WAIT_NCREDIT + r) &&
+      *s_ok = wait_credit(a, MOE_PF_CREDIT + r, E, r, MOE_WAIT_NCREDIT + r) &&
               queue_push(a.sync, a.queue, mk_write_cmd(r, MK_WORKSPACE_REGION, off, MK_WORKSPACE_REGION, off, RW * 4u,
                                                        MOE_PF_GCOUNT + me, E));
     }
@@ -158,7 +164,7 @@ MK_DEV bool send_bundles(const MkMoeNodeArgs& a, const u32* s_base, u32 E) {
     const u32 n = s_base[j];
     if (j == node || n == 0) continue;
     const u32 r = node_rank(a, j), sg = seg_of(j, node), there = seg_of(node, j);
-    if (!wait_pf(a, MOE_PF_CREDIT + r, E, r, MOE_WAIT_NCREDIT + r)) return false;
+    if (!wait_credit(a, MOE_PF_CREDIT + r, E, r, MOE_WAIT_NCREDIT + r)) return false;
     if (!queue_push(a.sync, a.queue, mk_write_cmd(r, MK_WORKSPACE_REGION, a.dsend_off + (u64)sg * R * desc_bytes,
                                                   MK_WORKSPACE_REGION, a.drecv_off + (u64)there * R * desc_bytes,
                                                   (u32)(n * desc_bytes), MOE_PF_DESC + node, E)) ||
@@ -301,7 +307,7 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_partials_kernel(co
         const u32 i = seg_of(j, node) + 1, n = a.vseg[i] - a.vseg[i - 1];  // forwarded segment i - 1
         if (!n) continue;
         const u32 r = node_rank(a, j);
-        ok = wait_pf(a, MOE_PF_PCREDIT + j, s_epoch, r, MOE_WAIT_PCREDIT + j) &&
+        ok = wait_credit(a, MOE_PF_PCREDIT + j, s_epoch, r, MOE_WAIT_PCREDIT + j) &&
              queue_push(a.sync, a.queue, mk_write_cmd(r, MK_WORKSPACE_REGION, a.part_off + (u64)a.vseg[i - 1] * part_row,
                                                       MK_WORKSPACE_REGION, a.precv_off + (u64)seg_of(node, j) * R * part_row,
                                                       (u32)(n * part_row), MOE_PF_PART + node, s_epoch));
