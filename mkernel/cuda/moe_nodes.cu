@@ -69,23 +69,30 @@ MK_DEV void stage_bundles(const MkMoeNodeArgs& a, u32* s_base, u32 (*s_wcnt)[MOE
           atomicAdd(s_bad, 1u);
         }
       }
+    // Per-node arrays indexed by unrolled loops only (registers, not local memory).
     u32 pre[MOE_MAX_NODES];
-    for (u32 j = 0; j < N; ++j) {
-      const u32 b = __ballot_sync(0xFFFFFFFFu, (mask >> j) & 1u);
+#pragma unroll
+    for (u32 j = 0; j < MOE_MAX_NODES; ++j) {
+      const u32 b = __ballot_sync(0xFFFFFFFFu, j < N && ((mask >> j) & 1u));
       pre[j] = __popc(b & ((1u << lane) - 1u));
-      if (lane == 0) s_wcnt[warp][j] = __popc(b);
+      if (lane == 0 && j < N) s_wcnt[warp][j] = __popc(b);
     }
     __syncthreads();
     u32 slot[MOE_MAX_NODES];
-    for (u32 j = 0; j < N; ++j) {
-      u32 s = s_base[j] + pre[j];
-      for (u32 w = 0; w < warp; ++w) s += s_wcnt[w][j];
+#pragma unroll
+    for (u32 j = 0; j < MOE_MAX_NODES; ++j) {
+      u32 s = pre[j];
+      if (j < N) {
+        s += s_base[j];
+        for (u32 w = 0; w < warp; ++w) s += s_wcnt[w][j];
+      }
       slot[j] = s;
     }
     const bool mine = ((c0 / MOE_NODE_THREADS) * MOE_NODE_WARPS + warp) % gridDim.x == blockIdx.x;
     if (stage && mine) {
-      for (u32 j = 0; j < N; ++j) {
-        if (j == node) continue;
+#pragma unroll
+      for (u32 j = 0; j < MOE_MAX_NODES; ++j) {
+        if (j >= N || j == node) continue;
         const u32 sg = seg_of(j, node);
         const bool in = (mask >> j) & 1u;
         if (t < T) a.slots[(u64)sg * R + t] = in ? (int)slot[j] : -1;
