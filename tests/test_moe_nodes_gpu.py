@@ -15,7 +15,8 @@ by case and rank) for the float64 reference:
   (H <= 128, entries in {-2..2} and {-1, 0, 1}: exact), then moe_gemm_combine within 1e-2 of the
   float64 layer;
 - each case twice, interleaved with the others (stale flags, epochs), with T differing per rank,
-  a rank with T = 0, skewed routing, repeated experts in a token, top-1 and top-8;
+  a rank with T = 0, skewed routing, repeated experts in a token, experts that receive nothing,
+  top-1 and top-8;
 - the bytes the proxy sent for one dispatch + combine equal to the minimum: the count rows, each
   token once per other node with a pair there (row and 8k bytes of routing), its fp32 sums back;
 - errors found on the device (capacity, expert ids) raise on every rank (a communicator per case).
@@ -40,6 +41,7 @@ CASES = [
     ("zipf top-8", lambda r, W: 80 - 30 * (r % 2), 128, 4, 8, "zipf", "fp16"),
     ("top-1, a rank without tokens", lambda r, W: 0 if r == W - 1 else 200, 96, 3, 1, "uniform", "bf16"),
     ("repeated experts", lambda r, W: 50, 64, 1, 4, "repeat", "bf16"),
+    ("odd experts empty", lambda r, W: 64, 64, 4, 2, "even", "fp16"),
 ]
 F = 72  # the first GEMM's width (part of one N-tile)
 HANG_S = 60.0
@@ -58,6 +60,8 @@ def _problem(case, W):
         elif routing == "zipf":
             p = 1.0 / np.arange(1, E + 1) ** 1.2
             ids = np.stack([rng.choice(E, size=k, replace=False, p=p / p.sum()) for _ in range(T)])
+        elif routing == "even":  # only even experts: every odd one receives nothing, on every rank
+            ids = np.stack([2 * rng.permutation(E // 2)[:k] for _ in range(T)])
         else:  # the same expert may appear twice in a token
             ids = rng.integers(0, E, size=(T, k))
         w = rng.choice(np.array([0.5, 1.0, 2.0], dtype=np.float32), size=(T, k))
