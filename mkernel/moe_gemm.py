@@ -156,10 +156,11 @@ def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=No
     routing weights: out [T, H], the same bits as ``moe_combine(grouped_gemm(y2, w2))``.
 
     path: "unfused" (default): grouped_gemm, then moe_combine, back to back on the stream. "fused": one
-    kernel; ``comm_sms`` CTAs (default 16) send every GEMM tile's rows as soon as the tile is stored.
-    The fused kernel is the default's equal in every bit, and today the slower (at world 1 on the H200:
-    0.62x at 4096 x 7168 x 2048 x 64 x 8, 0.94x at 4096 x 4096 x 14336 x 8 x 2; bench/NOTES.md), so it
-    is opt-in until it is faster.
+    kernel; ``comm_sms`` CTAs (default 16) send the rows of every M-tile as soon as its N-tiles are
+    stored. The fused kernel is the default's equal in every bit, and today the slower (at world 1 on
+    the H200: 0.89-0.95x at 4096 x 7168 x 2048 x 64 x 8, 0.92-0.93x at 4096 x 4096 x 14336 x 8 x 2;
+    bench/NOTES.md), so it is opt-in until it is faster; inside one node only (between nodes the
+    unfused path serves).
     """
     import cupy
     from .arrays import as_cupy, check_matrix
