@@ -172,9 +172,8 @@ def plan_bytes(T, H, E, k, W, itemsize, nodes=1):
     cap = mkernel.moe_capacity(T, k, W)
     sizes = [W * (E + 2) * 4, W * 4, W * 4, W * 4, cap * 4, cap * H * itemsize, cap * H * itemsize]
     if nodes > 1:
-        R = moe_nodes.fwd_rows(cap, k)
-        sizes += [W * moe_nodes.grow_words(E) * 4, W * 4, (nodes - 1) * R * H * itemsize, (nodes - 1) * R * 2 * k * 4,
-                  (nodes - 1) * R * H * itemsize, (nodes - 1) * R * 2 * k * 4, R * H * 4, (nodes - 1) * R * H * 4]
+        dt = np.dtype(f"f{itemsize}")  # only the item size matters here
+        sizes += [int(np.prod(shape)) * d.itemsize for _, shape, d in moe_nodes.buffer_sizes(W, nodes, H, dt, k, E, cap)]
     return sum(-(-s // ALIGN) * ALIGN for s in sizes)
 
 
@@ -526,7 +525,8 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
         err_uf = max(e for _, e in every)
 
         # the timed variants, interleaved; each combine right after its own dispatch
-        fns = {"mk_dg": mk_dg, "mk_gc": mk_gc, "uf_dg": uf_dg, "uf_gc": uf_gc}
+        fns = ({"mk_dg": mk_dg, "mk_gc": mk_gc, "uf_dg": uf_dg, "uf_gc": uf_gc} if nodes == 1 else
+               {"mk_dg": mk_dg, "uf_dg": uf_dg})  # between nodes moe_gemm_combine is the unfused blocks
         if have_baseline and base is not None:
             fns.update(bg_dg=lambda: base.dispatch_gemm("gather"), bg_gc=lambda: base.gemm_combine("gather"),
                        bs_dg=lambda: base.dispatch_gemm("segments"), bs_gc=lambda: base.gemm_combine("segments"))
@@ -652,7 +652,7 @@ def main():
     ap.add_argument("--link-gbs", type=float, default=LINK_GBS, help="NVLink GB/s per GPU and direction for the bound")
     ap.add_argument("--out", default=None, help="results directory (default bench/results)")
     ap.add_argument("--nodes", type=int, default=1, help="emulated nodes (gpus_per_node = ranks / nodes)")
-    ap.add_argument("--transport", default="host", help="between emulated nodes: host or tcp")
+    ap.add_argument("--transport", default="host", choices=("host", "tcp"), help="between emulated nodes")
     args = ap.parse_args()
 
     harness.require_gpu("bench/moe.py")

@@ -107,8 +107,8 @@ def _check_comm(op, comm):
 
     if not isinstance(comm, Communicator):
         raise ArgumentError(f"{op} needs comm=, an mkernel.Communicator (mkernel.init()); got {type(comm).__name__}")
-    if comm.num_nodes > 1:
-        _nodes.check_layout(op, comm)
+    if comm.num_nodes > 1:  # node j owns the experts of its ranks
+        _tp.check_node_major(op, comm)
     if comm.size > MAX_WORLD:
         raise ArgumentError(f"{op}: at most {MAX_WORLD} ranks; this communicator has {comm.size}")
 
@@ -253,6 +253,8 @@ def check_dispatch(op, x, topk_ids, topk_weights, comm, num_experts, capacity, s
     capacity = moe_capacity(T, k, comm.size) if capacity is None else capacity
     if not isinstance(capacity, int) or isinstance(capacity, bool) or not 1 <= capacity <= MAX_ROWS:
         raise ArgumentError(f"{op}: capacity must be 1..{MAX_ROWS} rows; got {capacity!r}")
+    if comm.num_nodes > 1:
+        _nodes.check_sizes(op, H, k, capacity)
     return Dispatch(op=op, comm=comm, stream=stream, x=x, ids=ids, w=w, T=T, H=H, k=k, E=num_experts,
                     capacity=capacity)
 

@@ -168,6 +168,9 @@ def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=No
     op = "moe_gemm_combine"
     path, comm_sms = _check_path(op, path, comm_sms, "unfused")
     _moe._check_comm(op, comm)
+    if path == "fused" and comm.num_nodes > 1:
+        raise ArgumentError(f"{op}: the fused kernel works inside one node; between nodes use path='unfused' "
+                            f"(the default)")
     if not isinstance(handle, _moe.MoeHandle):
         raise ArgumentError(f"{op}: handle must be the MoeHandle of moe_dispatch; got {type(handle).__name__}")
     handle._check()
@@ -182,9 +185,6 @@ def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=No
     if y2.shape[1] % 8:
         raise ArgumentError(f"{op}: y2's width F = {y2.shape[1]} must be a multiple of 8")
     out = _tp.prepare_out(op, out, (handle.T, H), handle.dtype, comm)
-    if path == "fused" and comm.num_nodes > 1:
-        raise ArgumentError(f"{op}: the fused kernel works inside one node; between nodes use path='unfused' "
-                            f"(the default)")
     comm.check()
     if path == "unfused":
         with _tp.on_stream(stream):

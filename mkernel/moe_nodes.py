@@ -22,6 +22,8 @@ from .errors import ArgumentError
 from .sync import MkSync
 
 MAX_NODES = 8       # MOE_MAX_NODES
+MAX_WRITE_BYTES = 1 << 32  # a proxy command's size is 32 bits: a bundle's rows and its sums go as one WRITE each
+PARTIAL_BYTES = 4   # the node sums travel in fp32
 THREADS = 512       # MOE_NODE_THREADS
 PF_WORDS = 64       # MOE_PF_WORDS: the plan's proxy flags
 CNT_WORDS = 2       # MOE_NCNT_WORDS
@@ -52,15 +54,13 @@ class MkMoeNodeArgs(ctypes.Structure):
                                               "nodes", "local", "lrank", "fwd_rows", "pad")]
 
 
-def check_layout(op, comm):
-    """Between nodes: node-major ranks, the same number on every node."""
-    node_of = comm.topology.node_of
-    if node_of != tuple(r // comm.local_size for r in range(comm.size)):
-        raise ArgumentError(f"{op}: between nodes the experts' owners must be node-major (rank = node * "
-                            f"ranks_per_node + local rank, the same number of ranks on every node); this "
-                            f"communicator's nodes are {node_of}")
-    if comm.num_nodes > MAX_NODES:
-        raise ArgumentError(f"{op}: at most {MAX_NODES} nodes; this communicator spans {comm.num_nodes}")
+def check_sizes(op, H, k, capacity):
+    """Between nodes, before anything collective: a bundle's fp32 sums fit one WRITE (32-bit sizes)."""
+    R = fwd_rows(capacity, k)
+    if R * H * PARTIAL_BYTES >= MAX_WRITE_BYTES:
+        raise ArgumentError(f"{op}: between nodes a bundle of up to capacity / k = {R} tokens x H = {H} (its fp32 "
+                            f"sums: {R * H * PARTIAL_BYTES} bytes) must stay under {MAX_WRITE_BYTES} bytes (one "
+                            f"WRITE); pass a smaller capacity")
 
 
 def fwd_rows(capacity, k):
@@ -69,21 +69,28 @@ def fwd_rows(capacity, k):
     return max(1, capacity // k)
 
 
+def buffer_sizes(W, N, H, dtype, k, E, capacity):
+    """[(name, shape, dtype)] of the symmetric buffers between nodes (bench/moe.py sizes its
+    workspace from it too)."""
+    import numpy as np
+
+    R = fwd_rows(capacity, k)
+    u32, f32 = np.dtype(np.uint32), np.dtype(np.float32)
+    return [("gcounts", (W * grow_words(E),), u32), ("gcflag", (W,), u32),
+            ("xsend", ((N - 1) * R, H), dtype), ("dsend", ((N - 1) * R * 2 * k,), u32),
+            ("xrecv", ((N - 1) * R, H), dtype), ("drecv", ((N - 1) * R * 2 * k,), u32),
+            ("part", (R, H), f32), ("precv", ((N - 1) * R, H), f32)]
+
+
 def plan(op, comm, H, dtype, k, E, capacity):
     """The symmetric buffers, local scratch and proxy flags between nodes of one (H, dtype, k, E,
     capacity), collective the first time."""
     import cupy
 
-    W, N = comm.size, comm.num_nodes
+    N = comm.num_nodes
     R = fwd_rows(capacity, k)
-    if R * H * 4 >= 1 << 32:  # a bundle's rows and its sums each go as one WRITE (32-bit sizes)
-        raise ArgumentError(f"{op}: between nodes a bundle of up to capacity / k = {R} tokens x H = {H} (its fp32 "
-                            f"sums: {R * H * 4} bytes) must stay under 4 GiB; pass a smaller capacity")
     key = ("buffers", "moe_nodes", H, dtype.name, k, E, capacity)
-    sizes = [("gcounts", (W * grow_words(E),), cupy.uint32), ("gcflag", (W,), cupy.uint32),
-             ("xsend", ((N - 1) * R, H), dtype), ("dsend", ((N - 1) * R * 2 * k,), cupy.uint32),
-             ("xrecv", ((N - 1) * R, H), dtype), ("drecv", ((N - 1) * R * 2 * k,), cupy.uint32),
-             ("part", (R, H), cupy.float32), ("precv", ((N - 1) * R, H), cupy.float32)]
+    sizes = buffer_sizes(comm.size, N, H, dtype, k, E, capacity)
     p = _tp.plan_buffers(op, comm, key, sizes, counter_words=CNT_WORDS)
     if "pflags" not in p:
         p.update(fwd_rows=R, vids=cupy.empty(R * k, dtype=cupy.int32), vw=cupy.empty(R * k, dtype=cupy.float32),

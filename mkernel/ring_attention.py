@@ -119,9 +119,7 @@ def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, return_ls
     W = comm.size
     remote = comm.num_nodes > 1  # the ranks at a node's ends send / receive blocks through the proxy
     node_of = comm.topology.node_of
-    if node_of != tuple(r // comm.local_size for r in range(W)):
-        raise ArgumentError(f"ring_attention: the ring follows the ranks and needs them node-major (rank = node * "
-                            f"ranks_per_node + local rank); this communicator's nodes are {node_of}")
+    _tp.check_node_major("ring_attention", comm)  # the ring follows the ranks
     if W > MAX_WORLD:
         raise ArgumentError(f"ring_attention: at most {MAX_WORLD} ranks; this communicator has {W}")
     if comm_sms is None:

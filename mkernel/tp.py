@@ -147,15 +147,21 @@ def check_inputs(op, a, b, b_layout, stream):
     return a, layout, b_arr, N
 
 
+def check_node_major(op, comm):
+    """Nodes of equal size and node-major ranks (rank = node * ranks_per_node + local rank), as every
+    path between nodes assumes. Every rank sees the same node_of, so all raise alike."""
+    L = comm.local_size
+    if comm.size % L or comm.topology.node_of != tuple(r // L for r in range(comm.size)):
+        raise ArgumentError(f"{op}: needs node-major ranks (rank = node * ranks_per_node + local rank) and the "
+                            f"same number of ranks on every node; this communicator's nodes are "
+                            f"{comm.topology.node_of} (launch ranks by node, or split with key=rank)")
+
+
 def check_comm(op, comm):
     """Any number of nodes of equal size (the hierarchical paths); ranks must be node-major."""
     if comm is None:
         raise ArgumentError(f"{op} needs comm= (mkernel.init())")
-    L = comm.local_size
-    if comm.topology.node_of != tuple(r // L for r in range(comm.size)):
-        raise ArgumentError(f"{op}: needs node-major ranks (rank = node * ranks_per_node + local rank); this "
-                            f"communicator's nodes are {comm.topology.node_of} (launch ranks by node, or "
-                            f"split with key=rank)")
+    check_node_major(op, comm)
     if comm.size > MAX_WORLD:
         raise ArgumentError(f"{op}: at most {MAX_WORLD} ranks; this communicator has {comm.size}")
 

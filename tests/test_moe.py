@@ -375,6 +375,43 @@ def test_node_args_layout_and_constants(tmp_path):
                                             "mk_moe_partials_kernel<1>"}
 
 
+def _fake_comm(node_of, local_size):
+    """A Communicator with only the attributes the argument checks read (no GPU, no MPI)."""
+    import types
+
+    from mkernel.comm import Communicator
+
+    c = object.__new__(Communicator)
+    c.size, c.rank, c.local_size, c.local_rank = len(node_of), 0, local_size, 0
+    c.num_nodes, c.node = len(set(node_of)), node_of[0]
+    c.topology = types.SimpleNamespace(node_of=tuple(node_of))
+    return c
+
+
+def test_between_nodes_refusals(monkeypatch):
+    """Between nodes, before anything collective: node-major ranks of equal nodes (MoE, ring
+    attention and the TP ops share the check), the fused GEMM + combine refused, a bundle's sums
+    within one 32-bit WRITE."""
+    from mkernel import tp
+
+    n = importlib.import_module("mkernel.moe_nodes")
+    mmoe._check_comm("moe_dispatch", _fake_comm((0, 0, 1, 1), 2))  # node-major: accepted
+    for node_of, L in (((0, 1, 0, 1), 2), ((0, 0, 0, 1), 3), ((1, 1, 0, 0), 2)):
+        with pytest.raises(ArgumentError, match="node-major"):
+            mmoe._check_comm("moe_dispatch", _fake_comm(node_of, L))
+        with pytest.raises(ArgumentError, match="node-major"):
+            tp.check_node_major("ring_attention", _fake_comm(node_of, L))
+    mg = importlib.import_module("mkernel.moe_gemm")
+    monkeypatch.setattr(tp, "sm_count", lambda: 132)  # comm_sms is checked against it (no GPU here)
+    with pytest.raises(ArgumentError, match="inside one node"):
+        mg.moe_gemm_combine(None, None, None, comm=_fake_comm((0, 1), 1), path="fused")
+    n.check_sizes("moe_dispatch", 8192, 2, 1 << 17)  # sums of 65536 tokens x 8192: 2 GiB
+    with pytest.raises(ArgumentError, match="WRITE"):
+        n.check_sizes("moe_dispatch", 8192, 1, 1 << 17)  # 4 GiB
+    src = (Path(mmoe.__file__).parent / "ring_attention.py").read_text()
+    assert 'check_node_major("ring_attention", comm)' in src
+
+
 def test_moe_capacity():
     m = mmoe
     assert m.moe_capacity(100, 2, 4) == 800

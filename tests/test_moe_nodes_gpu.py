@@ -221,6 +221,15 @@ def _minimum_bytes(comm, P):
     return total
 
 
+def _guarded(fn, *args):
+    """fn(*args)'s message, or the exception it raised as one: every rank reaches the next
+    collective check instead of leaving its partners waiting in it."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001  (reported through _collective_check on every rank)
+        return f"{type(e).__name__}: {e}"
+
+
 def _collective_check(comm, name, msg):
     msgs = WORLD.allgather(msg)
     bad = [f"rank {r}: {m}" for r, m in enumerate(msgs) if m]
@@ -233,14 +242,14 @@ def _run_all(comm, make_comm):
     for rep in range(2):
         for P in problems:
             before = _sent(comm)
-            msg = _run_dispatch_combine(comm, P)
+            msg = _guarded(_run_dispatch_combine, comm, P)
             if msg is None and rep == 1:  # the plan's setup traffic is behind us
                 sent, want = _sent(comm) - before, _minimum_bytes(comm, P)
                 if sent != want:
                     msg = f"sent {sent} bytes between nodes, the minimum is {want}"
             _collective_check(comm, f"{P['name']} (repeat {rep})", msg)
     for P in problems[:2]:
-        _collective_check(comm, f"{P['name']}: GEMM ops", _run_gemm_ops(comm, P))
+        _collective_check(comm, f"{P['name']}: GEMM ops", _guarded(_run_gemm_ops, comm, P))
     _device_errors(make_comm, problems[0])
 
 
@@ -256,30 +265,40 @@ def _device_errors(make_comm, P):
     for what, cap, i, exc in (("capacity", need - 1, ids, CapacityError), ("expert id", P["cap"], bad_ids, ArgumentError)):
         c = make_comm()
         try:
-            mkernel.moe_dispatch(dev(x), dev(i), dev(w), comm=c, num_experts=P["E"], capacity=cap)
             try:
+                mkernel.moe_dispatch(dev(x), dev(i), dev(w), comm=c, num_experts=P["E"], capacity=cap)
                 _sync(c, f"moe_dispatch with a bad {what}")
                 msg = f"no error for a bad {what}"
-            except exc as e:
-                msg = None if "moe_dispatch" in str(e) else f"the error does not name the op: {e}"
+            except Exception as e:  # noqa: BLE001  (any other exception is a failure, reported on every rank)
+                msg = (None if isinstance(e, exc) and "moe_dispatch" in str(e)
+                       else f"expected {exc.__name__} naming moe_dispatch, got {type(e).__name__}: {e}")
             _collective_check(c, f"device error ({what})", msg)
         finally:
             c.close()
 
 
-def _nodes_job(request, nodes, per_node, transport="host"):
-    if _relaunch(request, n=nodes * per_node):
-        return
-    if WORLD.Get_size() != nodes * per_node:
-        pytest.skip(f"{nodes * per_node} ranks as {nodes} nodes x {per_node}")
+WORKSPACE = 192 << 20
+
+
+def _in_nodes(nodes, per_node, transport):
+    """_run_all on WORLD as nodes x per_node ranks (gpus_per_node emulates the nodes)."""
     def make_comm():
-        return mkernel.init(WORLD, gpus_per_node=per_node, transport=transport, workspace_bytes=192 << 20)
+        return mkernel.init(WORLD, gpus_per_node=per_node, transport=transport, workspace_bytes=WORKSPACE)
     comm = make_comm()
     try:
         assert comm.num_nodes == nodes and comm.local_size == per_node
         _run_all(comm, make_comm)
     finally:
         comm.close()
+
+
+def _nodes_job(request, nodes, per_node):
+    """A child job of nodes x per_node ranks (from the 1-rank pass), host transport."""
+    if _relaunch(request, n=nodes * per_node):
+        return
+    if WORLD.Get_size() != nodes * per_node:
+        pytest.skip(f"{nodes * per_node} ranks as {nodes} nodes x {per_node}")
+    _in_nodes(nodes, per_node, "host")
 
 
 @pytest.mark.gpu
@@ -290,14 +309,7 @@ def test_moe_between_two_emulated_nodes(transport):
     """2 ranks as 2 nodes x 1: every pair of another node's expert crosses the network."""
     if WORLD.Get_size() != 2:
         pytest.skip("pairs exactly two ranks")
-    def make_comm():
-        return mkernel.init(WORLD, gpus_per_node=1, transport=transport, workspace_bytes=192 << 20)
-    comm = make_comm()
-    try:
-        assert comm.num_nodes == 2
-        _run_all(comm, make_comm)
-    finally:
-        comm.close()
+    _in_nodes(2, 1, transport)
 
 
 @pytest.mark.gpu

@@ -41,7 +41,8 @@ for s in $steps; do
     queue2) step queue2 90 $MPI2 $PYT -m "gpu and mpi" tests/test_queue_gpu.py ;;
     mpi2) step mpi2 150 $MPI2 $PYT -m "gpu and mpi and not slow" tests/test_comm_gpu.py tests/test_queue_gpu.py ;;
     gemmtest) step gemmtest 150 $PYT -s tests/test_gemm.py tests/test_gemm_compile.py ;;
-    tp) step tp 150 bash -c "$PYT -m 'gpu and not (mpi and multi_gpu)' tests/test_tp_gpu.py; $MPI2 $PYT -m 'gpu and mpi' tests/test_tp_gpu.py" ;;
+    tp) step tp 150 bash -c "$PYT -m 'gpu and not (mpi and multi_gpu)' tests/test_tp_gpu.py; r=\$?; \
+      $MPI2 $PYT -m 'gpu and mpi' tests/test_tp_gpu.py && exit \$r" ;;
     tpdiag) step tpdiag 60 python3 tools/tp_diag.py ;;
     main) step main 60 $MPI2 python3 -m mkernel --quick ;;
     sanitizer) step sanitizer 180 bash tools/sanitize.sh ;;
@@ -57,8 +58,8 @@ for s in $steps; do
     moe) step moe 200 bash -c "$PYT -m gpu tests/test_moe.py tests/test_moe_gemm.py && \
       $MPI2 $PYT -m 'gpu and mpi and not slow' tests/test_moe.py tests/test_moe_gemm.py" ;;
     moebenchnodes) step moebenchnodes 300 $MPI2 python3 bench/moe.py --nodes 2 ;;
-    moenodes) step moenodes 400 bash -c "$PYT -m gpu tests/test_moe_nodes_gpu.py; \
-      $MPI2 $PYT -m 'gpu and mpi' tests/test_moe_nodes_gpu.py" ;;
+    moenodes) step moenodes 400 bash -c "$PYT -m gpu tests/test_moe_nodes_gpu.py; r=\$?; \
+      $MPI2 $PYT -m 'gpu and mpi' tests/test_moe_nodes_gpu.py && exit \$r" ;;
     moebranch) step moebranch 300 bash -c "cd scratch/mcr && python3 setup.py build_ext --inplace >/dev/null && \
       PYTHONPATH=\$PWD $PYT -m gpu tests/test_moe_gemm.py && PYTHONPATH=\$PWD python3 bench/moe.py --out \$OUT/mcr" ;;
     ringbranch) step ringbranch 400 bash -c "cd scratch/ring && python3 setup.py build_ext --inplace >/dev/null && \

@@ -56,11 +56,17 @@ MK_DEV u32 ld_cg(const u32* p) { return __ldcg(p); }
 // then those it forwards), counted on the device by the exchange (moe_nodes.cu).
 MK_DEV u32 moe_tokens(const MkMoeArgs& a) { return a.nseg ? a.vseg[a.nseg] : (u32)a.T; }
 
+// The forwarded segment i (of nseg) that holds virtual token t >= vseg[0]: vseg[i] <= t < vseg[i + 1].
+MK_DEV u32 moe_fwd_segment(const u32* vseg, u32 nseg, u32 t) {
+  u32 i = 0;
+  while (i + 1 < nseg && t >= vseg[i + 1]) ++i;
+  return i;
+}
+
 // The row of virtual token t: this rank's x, or a forwarded segment's (vseg: a copy of a.vseg).
 MK_DEV const u8* moe_token_row(const MkMoeArgs& a, const u32* vseg, u32 t) {
   if (t < (u32)a.T) return reinterpret_cast<const u8*>(a.x) + (u64)t * (u64)a.ldx * 2u;
-  u32 i = 0;
-  while (i + 1 < (u32)a.nseg && t >= vseg[i + 1]) ++i;
+  const u32 i = moe_fwd_segment(vseg, (u32)a.nseg, t);
   return reinterpret_cast<const u8*>(a.xfwd) + ((u64)i * (u64)a.fwd_rows + (t - vseg[i])) * (u64)a.H * 2u;
 }
 

@@ -22,8 +22,8 @@ constexpr u32 MOE_NODE_WARPS = MOE_NODE_THREADS / 32;
 
 // Wait ids of these kernels (MkStatus::where).
 enum : u32 {
-  MOE_WAIT_NCREDIT = 0xC000u, MOE_WAIT_GCOUNT = 0xC100u, MOE_WAIT_BUNDLE = 0xC200u, MOE_WAIT_FLUSH = 0xC300u,
-  MOE_WAIT_PCREDIT = 0xC400u, MOE_WAIT_PART = 0xC500u
+  MOE_WAIT_NCREDIT = 0xC000u, MOE_WAIT_GCOUNT = 0xC100u, MOE_WAIT_DESC = 0xC200u, MOE_WAIT_BUNDLE_ROWS = 0xC280u,
+  MOE_WAIT_FLUSH = 0xC300u, MOE_WAIT_PFLUSH = 0xC380u, MOE_WAIT_PCREDIT = 0xC400u, MOE_WAIT_PART = 0xC500u
 };
 
 MK_DEV MkPeers node_peers(const MkMoeNodeArgs& a) { return MkPeers{a.peer_base, (u32)a.local, (u32)a.lrank}; }
@@ -250,8 +250,8 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_exchange_kernel(co
       for (u32 n = 0, i = 1; n < N; ++n) {
         if (n == node) continue;
         const u32 cnt = ok ? ld_cg(grow(a, node_rank(a, n)) + MOE_GROW_BUNDLE((u32)a.E, node)) : 0u;
-        if (cnt && !(wait_pf(a, MOE_PF_DESC + n, E, node_rank(a, n), MOE_WAIT_BUNDLE + n) &&
-                     wait_pf(a, MOE_PF_ROWS + n, E, node_rank(a, n), MOE_WAIT_BUNDLE + 0x10u + n)))
+        if (cnt && !(wait_pf(a, MOE_PF_DESC + n, E, node_rank(a, n), MOE_WAIT_DESC + n) &&
+                     wait_pf(a, MOE_PF_ROWS + n, E, node_rank(a, n), MOE_WAIT_BUNDLE_ROWS + n)))
           ok = false;
         v += cnt;
         s_vseg[i++] = ok ? v : 0u;
@@ -270,9 +270,8 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_exchange_kernel(co
         e = g >= 0 && (u32)g < (u32)a.E && (u32)g / epn == node ? g - (int)(node * epn) : -1;
         w = a.topk_w[p];
       } else {
-        u32 i = 1;
-        while (i + 1 < N && t >= s_vseg[i]) ++i;
-        const u32* d = drecv + ((u64)(i - 1) * R + (t - s_vseg[i - 1])) * 2u * K;
+        const u32 f = moe_fwd_segment(s_vseg, N - 1, t);
+        const u32* d = drecv + ((u64)f * R + (t - s_vseg[f])) * 2u * K;
         e = (int)__ldcg(d + q);
         w = __uint_as_float(__ldcg(d + K + q));
       }
@@ -363,7 +362,7 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_partials_kernel(co
     for (u32 j = 0; j < N; ++j)
       if (j != node) queue_push(a.sync, a.queue, mk_flush_cmd(node_rank(a, j), MOE_PF_PFLUSH + j, E));
     for (u32 j = 0; j < N; ++j)
-      if (j != node && !wait_pf(a, MOE_PF_PFLUSH + j, E, node_rank(a, j), MOE_WAIT_FLUSH + 0x80u + j)) break;
+      if (j != node && !wait_pf(a, MOE_PF_PFLUSH + j, E, node_rank(a, j), MOE_WAIT_PFLUSH + j)) break;
   }
   __syncthreads();
   if (tid == 0) counters_reset_by_last_block(a.counters, MOE_NCNT_WORDS, MOE_NCNT_DONE);

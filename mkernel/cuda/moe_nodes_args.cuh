@@ -17,9 +17,11 @@
 // row and bundle buffers may be written), GCOUNT + s (s's count row arrived), DESC / ROWS + n (node
 // n's bundle of routing words / rows arrived), FLUSH + r (this rank's commands to r applied),
 // PCREDIT + n, PART + n, PFLUSH + n: the same for the partial sums going back.
+// Each kind has MOE_MAX_WORLD slots (ranks or nodes: at most that many).
 enum {
-  MOE_PF_CREDIT = 0, MOE_PF_GCOUNT = 8, MOE_PF_DESC = 16, MOE_PF_ROWS = 24, MOE_PF_FLUSH = 32,
-  MOE_PF_PCREDIT = 40, MOE_PF_PART = 48, MOE_PF_PFLUSH = 56, MOE_PF_WORDS = 64
+  MOE_PF_CREDIT = 0, MOE_PF_GCOUNT = MOE_MAX_WORLD, MOE_PF_DESC = 2 * MOE_MAX_WORLD, MOE_PF_ROWS = 3 * MOE_MAX_WORLD,
+  MOE_PF_FLUSH = 4 * MOE_MAX_WORLD, MOE_PF_PCREDIT = 5 * MOE_MAX_WORLD, MOE_PF_PART = 6 * MOE_MAX_WORLD,
+  MOE_PF_PFLUSH = 7 * MOE_MAX_WORLD, MOE_PF_WORDS = 8 * MOE_MAX_WORLD
 };
 
 // Counters of one plan (zero between launches): the exchange's CTAs done staging, the CTAs done.
