@@ -1,4 +1,4 @@
-"""Expert parallelism inside a node: ``moe_dispatch`` / ``moe_combine`` and the GEMM-carrying
+"""Expert parallelism: ``moe_dispatch`` / ``moe_combine`` and the GEMM-carrying
 ``moe_dispatch_gemm`` / ``moe_gemm_combine`` (design: docs/MOE.md).
 
 Experts are owned in contiguous blocks of ``num_experts / world``. Dispatch sends every (token,
@@ -7,7 +7,9 @@ local expert, then by source rank, then in the source's pair order (``t * k + j`
 ``capacity`` rows. Per-expert counts stay on the device (``handle.group_rows``, the grouped GEMM's
 ``group_rows``): nothing on this path synchronises with the host. Combine sends each row back to its
 token's rank and sums a token's rows weighted by its routing weights in fp32, in pair order, with
-one rounding: bitwise reproducible.
+one rounding: bitwise reproducible. Between nodes the order of an expert's rows is by forwarding
+rank of the owner's node, then pair order of its virtual tokens, and combine adds the nodes' fp32
+sums in node order: a fixed order too, not the one-node bits (docs/MOE.md "Between nodes").
 
 Status (docs/MOE.md): dispatch and combine are one persistent kernel each (``mkernel/cuda/moe.cu``);
 the GEMM-carrying ops and their fused kernels are in :mod:`mkernel.moe_gemm`. Between nodes
@@ -193,7 +195,9 @@ def moe_dispatch(x, topk_ids, topk_weights, *, comm, num_experts, capacity=None,
     untouched), grouped by local expert; the handle for combine. capacity defaults to
     ``moe_capacity(T, k, world)``; every rank must use the same. Errors found on the device (a
     capacity exceeded, an expert id out of range) are raised by the next ``comm.check()`` or mkernel
-    op on the communicator, on every rank: nothing is dropped silently.
+    op on the communicator, on every rank: nothing is dropped silently. Between nodes the capacity
+    also bounds the pairs a rank forwards (its tokens and the ones it forwards, times k), and the
+    bundle buffers hold capacity / k tokens per other node: pass a capacity near the need.
     """
     op = "moe_dispatch"
     d = check_dispatch(op, x, topk_ids, topk_weights, comm, num_experts, capacity, stream)
@@ -263,7 +267,8 @@ def moe_combine(y, handle, *, comm, out=None, stream=None):
     """Returns each row of ``y`` ([capacity, H], rows as dispatch received them: after the experts)
     to its token's rank and sums a token's rows weighted by its routing weights: out [T, H] (the
     dispatch's dtype), ``out[t] = sum_j topk_weights[t, j] * row(t, j)`` in fp32, j ascending, one
-    rounding (bitwise reproducible)."""
+    rounding (bitwise reproducible). Between nodes: each node's pairs summed so (in fp32), then the
+    nodes' sums in node order, one rounding; the weights are the ones dispatch was given."""
     from .arrays import as_cupy, check_matrix
 
     op = "moe_combine"

@@ -5,8 +5,9 @@ communication CTAs dispatch (rows leave local expert by local expert) while its 
 experts' grouped GEMM straight on the receive buffer, each tile once the rows it holds have arrived.
 
 ``moe_gemm_combine``: one persistent kernel (``mkernel/cuda/moe_gemm_combine.cu``) whose GEMM CTAs
-run the experts' second grouped GEMM into a staging buffer while its communication CTAs send every
-finished tile's rows back to their sources; then every CTA sums its share of the tokens.
+run the experts' second grouped GEMM into a staging buffer while its communication CTAs send the
+whole rows of every finished M-tile back to their sources; then every CTA sums its share of the
+tokens (inside one node; between nodes the unfused path).
 
 ``path="unfused"`` runs the building blocks instead (``moe_dispatch`` then ``grouped_gemm``;
 ``grouped_gemm`` then ``moe_combine``), the comparison the benchmark reports. Default paths: fused for

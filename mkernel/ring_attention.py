@@ -1,18 +1,20 @@
-"""Ring attention inside a node: ``ring_attention`` (design: docs/RING_ATTENTION.md).
+"""Ring attention: ``ring_attention`` (design: docs/RING_ATTENTION.md).
 
 Sequence parallelism: each rank holds ``S_local`` rows of the sequence and attends its queries to
 every rank's keys and values. One persistent kernel (``mkernel/cuda/ring_attention.cu``): most CTAs
 run the attention engine (``mkernel.attention``'s kernel) over tiles (step, batch, head, query
 block), step s against the key/value block of rank (me - s) mod world; a few CTAs forward each
-block to the next rank over NVLink (two receive slots in the symmetric workspace, flow-controlled
-by per-step flags) while the others compute. Partial results merge in fp32 by the log-sum-exp
+block to the next rank (two receive slots in the symmetric workspace, flow-controlled by per-step
+flags) while the others compute: over NVLink inside a node; between nodes the ring is node-major
+and a node's last rank sends through ``comm.proxy`` to the next node's first. Partial results merge in fp32 by the log-sum-exp
 rule, in step order, so results are bitwise reproducible.
 
 Layout: causal attention uses the zigzag layout (``mkernel.shard_sequence(x, rank, world,
 causal=True)``): the global sequence in 2 * world chunks, rank r holding chunks r and
 2 * world - 1 - r, so every rank has the same causal work. Non-causal: any split (contiguous).
 
-Verified so far with 2 ranks sharing one GPU (correctness); see README for what ran where.
+Verified with 2 to 6 ranks sharing one GPU, inside a node and as emulated nodes (correctness);
+see README for what ran where.
 """
 
 import ctypes
