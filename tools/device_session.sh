@@ -4,9 +4,9 @@
 #   source .whl/prepare.sh || exit 1; bash tools/device_session.sh [steps...]
 # Steps (default: info suite main sanitizer gemm transport); finer ones: runtime runtime2 queue queue2
 # mpi2 gemmtest tp attention ring ringbench tpbench tpnodes moebench controller controllernodes (the last six want 2 GPUs)
-# ringbranch: tests/test_ring_attention.py of branch ring-mixed-nodes, checked out (git worktree add
-# scratch/ring ring-mixed-nodes) and carried as scratch; moebranch: the same for moe-combine-rows at
-# scratch/mcr (its fused-combine tests and bench/moe.py, results under $OUT/mcr). moe: the MoE tests at
+# branchsuite / branchtpbench: the GPU suite / bench/tp.py of a branch checked out at scratch/branch
+# (git worktree add scratch/branch <branch>; carry scratch), results under $OUT/branch (the A/B of
+# branch tp-copy-batched against main's tpbench). moe: the MoE tests at
 # 1 and 2 ranks; moebench1: bench/moe.py at world 1; moenodes: tests/test_moe_nodes_gpu.py (its
 # child jobs at 3 and 4 ranks, then 2 ranks as 2 nodes); moebenchnodes: bench/moe.py --nodes 2 (2 GPUs).
 # A kernel cache built on a CPU machine (python -m mkernel precompile) is used when carried as .kcache.
@@ -60,10 +60,10 @@ for s in $steps; do
     moebenchnodes) step moebenchnodes 300 $MPI2 python3 bench/moe.py --nodes 2 ;;
     moenodes) step moenodes 400 bash -c "$PYT -m gpu tests/test_moe_nodes_gpu.py; r=\$?; \
       $MPI2 $PYT -m 'gpu and mpi' tests/test_moe_nodes_gpu.py && exit \$r" ;;
-    moebranch) step moebranch 300 bash -c "cd scratch/mcr && python3 setup.py build_ext --inplace >/dev/null && \
-      PYTHONPATH=\$PWD $PYT -m gpu tests/test_moe_gemm.py && PYTHONPATH=\$PWD python3 bench/moe.py --out \$OUT/mcr" ;;
-    ringbranch) step ringbranch 400 bash -c "cd scratch/ring && python3 setup.py build_ext --inplace >/dev/null && \
-      PYTHONPATH=\$PWD $PYT -m gpu tests/test_ring_attention.py && PYTHONPATH=\$PWD $MPI2 $PYT -m 'gpu and mpi' tests/test_ring_attention.py" ;;
+    branchsuite) step branchsuite 420 bash -c "cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null && \
+      PYTHONPATH=\$PWD bash tests/run_gpu.sh" ;;
+    branchtpbench) step branchtpbench 400 bash -c "cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null && \
+      PYTHONPATH=\$PWD $MPI2 python3 bench/tp.py --out \$OUT/branch" ;;
     controller) step controller 500 $MPI2 python3 bench/controller.py ;;
     controllernodes) step controllernodes 500 $MPI2 python3 bench/controller.py --nodes 2 ;;
     *) summary+=("unknown step $s") ;;
