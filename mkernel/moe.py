@@ -109,8 +109,7 @@ def _check_comm(op, comm):
 
     if not isinstance(comm, Communicator):
         raise ArgumentError(f"{op} needs comm=, an mkernel.Communicator (mkernel.init()); got {type(comm).__name__}")
-    if comm.num_nodes > 1:  # node j owns the experts of its ranks
-        _tp.check_node_major(op, comm)
+    _tp.check_node_major(op, comm)  # between nodes, node j owns the experts of its ranks
     if comm.size > MAX_WORLD:
         raise ArgumentError(f"{op}: at most {MAX_WORLD} ranks; this communicator has {comm.size}")
 

@@ -219,7 +219,6 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_exchange_kernel(co
   __shared__ u32 s_epoch, s_vseg[MOE_MAX_NODES];
   __shared__ int s_ok, s_last;
   const u32 tid = threadIdx.x, N = (u32)a.nodes, node = (u32)a.node, K = (u32)a.k, L = (u32)a.local;
-  bool ok;
   if (tid == 0) {
     s_epoch = launch_epoch(a.sync);
     if (blockIdx.x == 0) {  // this rank entered the epoch: for the node's ranks and the other nodes'
@@ -244,7 +243,7 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_exchange_kernel(co
   __syncthreads();
   if (s_last) {
     if (tid == 0) {
-      ok = !error_recorded(a.sync) && send_bundles(a, s_base, E) && check_rows(a, E);
+      bool ok = !error_recorded(a.sync) && send_bundles(a, s_base, E) && check_rows(a, E);
       u32 v = (u32)a.T;  // the virtual tokens' segments; nothing to route after a failure
       s_vseg[0] = ok ? v : 0u;
       for (u32 n = 0, i = 1; n < N; ++n) {
