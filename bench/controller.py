@@ -81,6 +81,7 @@ def bench_shape(op, comm, M, N, K, dt):
     for _ in range(REPS):
         for v in variants:
             times[v].append(one_ms(comm, lambda v=v: call(v)))
+    record = tp.controller_stats(comm)  # the in-call controller's record of the last "auto" call
     med = {v: harness.median(t) for v, t in times.items()}
     best_n = min(statics, key=lambda n: med[n])
     worst_n = max(statics, key=lambda n: med[n])
@@ -92,7 +93,7 @@ def bench_shape(op, comm, M, N, K, dt):
         best_static_ms=med[best_n], best_static_sms=best_n, best_static_ci95=harness.ci95(times[best_n]),
         worst_static_ms=med[worst_n], worst_static_sms=worst_n, worst_static_ci95=harness.ci95(times[worst_n]),
         first_call_ms=first, controller_ms=med["auto"], controller_ci95=harness.ci95(times["auto"]),
-        controller_sms=search.best, controller_converged=search.converged,
+        controller_sms=search.best, controller_converged=search.converged, controller_record=record,
         static_ms={str(n): med[n] for n in statics}, static_ci95={str(n): harness.ci95(times[n]) for n in statics},
         bound_note="max(GEMM at tensor peak, bytes over the modelled link)", op=op, reps=REPS)
 

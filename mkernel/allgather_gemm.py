@@ -84,7 +84,7 @@ def allgather_gemm(a, b, *, comm, out=None, stream=None, return_gathered=False, 
     gemm_ctas, comm_ctas = tp.grid_split(OP, n, W * tiles_blk, (L + nodes - 1) * tiles_mb, tp.sm_count())
     if chosen == "unfused":  # the kernel only gathers; the GEMM follows it
         gemm_ctas = 0
-    args.gemm_ctas = gemm_ctas
+    tp.set_split(args, plan, gemm_ctas, tp.controller_mode(OP, comm_sms, chosen), comm)
     with autosplit.timed(token, stream):
         tp.launch_fused(comm, OP, SPEC, KERNEL, args, a.dtype, layout, gemm_ctas + comm_ctas, stream)
     if chosen == "unfused":
@@ -111,11 +111,13 @@ def sanitize_target():
         M, K, N = 200, 136, 264
         a = rng.integers(-2, 3, size=(M, K)).astype(np.float16)
         b = rng.integers(-2, 3, size=(K, N)).astype(np.float16)
-        out, gathered = allgather_gemm(cupy.asarray(a), cupy.asarray(b), comm=comm, path="fused",
-                                       return_gathered=True)
-        cupy.cuda.runtime.deviceSynchronize()
-        comm.check()
-        tp.check_result(out, a.astype(np.float64) @ b.astype(np.float64), "allgather_gemm", 0.0)
-        tp.check_result(gathered, a.astype(np.float64), "allgather_gemm gathered A", 0.0)
+        for controller in ("off", "pattern"):  # pushers only; odd GEMM CTAs pushing between their tiles
+            with tp.controller_setting(controller):
+                out, gathered = allgather_gemm(cupy.asarray(a), cupy.asarray(b), comm=comm, path="fused",
+                                               return_gathered=True, comm_sms=1)
+            cupy.cuda.runtime.deviceSynchronize()
+            comm.check()
+            tp.check_result(out, a.astype(np.float64) @ b.astype(np.float64), f"allgather_gemm {controller}", 0.0)
+            tp.check_result(gathered, a.astype(np.float64), f"allgather_gemm {controller} gathered A", 0.0)
     finally:
         comm.close()

@@ -126,7 +126,7 @@ def gemm_reduce(op, spec, kernel, allreduce, a, b, *, comm, out, stream, b_layou
     comm_items = (W + nodes - 1 if allreduce else nodes) * tiles_blk
     n, token = tp.resolve_comm_sms(op, comm, comm_sms, chosen, M=M, N=N, K=K, esize=esize, comm_items=comm_items)
     gemm_ctas, comm_ctas = tp.grid_split(op, n, W * tiles_blk, comm_items, tp.sm_count())
-    args.gemm_ctas = gemm_ctas
+    tp.set_split(args, plan, gemm_ctas, tp.controller_mode(op, comm_sms, chosen), comm)
     args.join = int(join)
     with autosplit.timed(token, stream):
         tp.launch_fused(comm, op, spec, kernel, args, a.dtype, layout, gemm_ctas + comm_ctas, stream)
@@ -152,10 +152,13 @@ def _sanitize(op_fn):
         M, K, N = 200, 136, 264  # off-grid in every dimension
         a = rng.integers(-2, 3, size=(M, K)).astype(np.float16)
         b = rng.integers(-2, 3, size=(K, N)).astype(np.float16)
-        for join in (False, True):  # dedicated reducers only; the GEMM CTAs joining them
-            out = op_fn(cupy.asarray(a), cupy.asarray(b), comm=comm, path="fused", join=join)
+        # dedicated reducers only; the GEMM CTAs joining them; odd GEMM CTAs reducing between tiles
+        for join, controller in ((False, "off"), (True, "off"), (False, "pattern")):
+            with tp.controller_setting(controller):
+                out = op_fn(cupy.asarray(a), cupy.asarray(b), comm=comm, path="fused", join=join, comm_sms=1)
             cupy.cuda.runtime.deviceSynchronize()
             comm.check()
-            tp.check_result(out, a.astype(np.float64) @ b.astype(np.float64), f"{op_fn.__name__} join={join}", 0.0)
+            tp.check_result(out, a.astype(np.float64) @ b.astype(np.float64),
+                            f"{op_fn.__name__} join={join} controller={controller}", 0.0)
     finally:
         comm.close()

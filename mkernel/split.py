@@ -57,6 +57,11 @@ void mk_split_ctl_init_c(MkSplitCtl* c, int total, int lo, int hi, int n, int st
   mk_split_ctl_init(*c, total, lo, hi, n, step, h, st);
 }
 int mk_split_ctl_step_c(MkSplitCtl* c, const MkSplitWindow* w) { return mk_split_ctl_step(*c, *w); }
+void mk_split_window_c(MkSplitWindow* w, unsigned long long dt, int g, int c, unsigned long long turn,
+                       unsigned long long gs, unsigned long long cs, unsigned long long gd, unsigned long long cd,
+                       unsigned long long gl, unsigned long long cl) {
+  *w = mk_split_window(dt, g, c, turn, gs, cs, gd, cd, gl, cl);
+}
 }
 """
 
@@ -130,6 +135,8 @@ def library():
         lib.mk_split_search_observe_c.argtypes = [ctypes.POINTER(MkSplitSearch), ctypes.c_int, ctypes.c_uint64]
         lib.mk_split_ctl_init_c.argtypes = [ctypes.POINTER(MkSplitCtl)] + [ctypes.c_int] * 5 + [ctypes.c_uint] * 2
         lib.mk_split_ctl_step_c.argtypes = [ctypes.POINTER(MkSplitCtl), ctypes.POINTER(MkSplitWindow)]
+        lib.mk_split_window_c.argtypes = ([ctypes.POINTER(MkSplitWindow), ctypes.c_uint64, ctypes.c_int, ctypes.c_int] +
+                                          [ctypes.c_uint64] * 7)
         for i, cls in enumerate((MkSplitSearch, MkSplitCtl, MkSplitWindow, MkSplitModel)):
             if lib.mk_split_sizeof(i) != ctypes.sizeof(cls):  # the mirrors must match the header
                 raise MKernelError(f"{cls.__name__} mirror is {ctypes.sizeof(cls)} bytes; the header's is "
@@ -205,6 +212,17 @@ class Controller:
     @property
     def n_comm(self) -> int:
         return self.c.n_comm
+
+
+def window(*, dt_ns, gemm_ctas, comm_ctas, turn_ns=0, gemm_stall_ns=0, comm_stall_ns=0, gemm_done, comm_done,
+           gemm_left, comm_left) -> dict:
+    """The MkSplitWindow the fused kernels' controller builds from one window's counters
+    (mk_split_window), as a dict of its fields."""
+    w = MkSplitWindow()
+    library().mk_split_window_c(ctypes.byref(w), int(dt_ns), int(gemm_ctas), int(comm_ctas), int(turn_ns),
+                                int(gemm_stall_ns), int(comm_stall_ns), int(gemm_done), int(comm_done),
+                                int(gemm_left), int(comm_left))
+    return {f: getattr(w, f) for f, _ in MkSplitWindow._fields_}
 
 
 def ms_to_ns(ms: float) -> int:

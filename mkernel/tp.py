@@ -58,6 +58,14 @@ PATHS = ("fused", "fallback", "gemm", "unfused")
 # RS / AR: the GEMM CTAs' consumers join the reduction after their last tile (besides the comm_sms
 # dedicated CTAs). Off until validated on a GPU (tests/test_tp_gpu.py runs both settings).
 JOIN_REDUCE = False
+# The in-call controller (tp_controller.cuh; docs/CONTROLLER.md): "auto" adapts inside every call
+# whose comm_sms is "auto" (an integer pins a static split); "always" adapts in every fused call,
+# starting from its comm_sms (tests, benchmarks); "pattern" lends every odd GEMM CTA in every fused
+# call (tests: the turn path without timing); "off" never.
+CONTROLLER = "auto"
+CONTROLLER_SETTINGS = ("auto", "always", "pattern", "off")
+CTL_OFF, CTL_ADAPT, CTL_PATTERN = 0, 1, 2  # TP_CTL_*
+CTL_LEND_SHARE = 2  # the controller lends at most gemm_ctas / CTL_LEND_SHARE GEMM CTAs
 DT = {"bfloat16": 0, "float16": 1}
 B_NK, B_KN = 0, 1
 # Default communication CTAs (comm_sms) per op: reducers (RS), reducers + copiers (AR), pushers (AG).
@@ -66,6 +74,11 @@ DEFAULT_COMM_SMS = {"gemm_reduce_scatter": 8, "gemm_allreduce": 16, "allgather_g
 # this much K (provisional: replaced by measured crossovers of bench/tp.py on 2 x H200).
 FUSE_MIN_TILES = 32
 FUSE_MIN_K = 512
+
+
+def _split_ctl():
+    from .split import MkSplitCtl
+    return MkSplitCtl
 
 
 def _gemm_module():
@@ -85,7 +98,23 @@ class TpArgs(ctypes.Structure):
                 ("lrank", ctypes.c_int32), ("node", ctypes.c_int32), ("xgroup", ctypes.c_uint32),
                 ("xgroups", ctypes.c_uint32), ("queue", _proxy.QueueArgs), ("pflags", ctypes.c_void_p),
                 ("stage_off", ctypes.c_uint64), ("xrecv_off", ctypes.c_uint64), ("xgath_off", ctypes.c_uint64),
-                ("partial", ctypes.c_void_p), ("ldp", ctypes.c_int64), ("pad", ctypes.c_int32 * 18)]
+                ("partial", ctypes.c_void_p), ("ldp", ctypes.c_int64), ("ctl", ctypes.c_void_p),
+                ("ctl_mode", ctypes.c_int32), ("ctl_lend_max", ctypes.c_int32), ("pad", ctypes.c_int32 * 14)]
+
+
+class TpCtlStats(ctypes.Structure):
+    """Mirror of ``TpCtlStats`` (tp_args.cuh): one launch's controller record."""
+    _fields_ = [(f, ctypes.c_uint32) for f in ("turns", "steps", "windows", "lent_peak", "lent_last", "gemm_ctas",
+                                              "comm_ctas", "launches")]
+
+
+class TpCtl(ctypes.Structure):
+    """Mirror of ``TpCtl`` (tp_args.cuh): a plan's controller state in device memory."""
+    _fields_ = [("lock", ctypes.c_uint32), ("lent", ctypes.c_uint32), ("tiles_at", ctypes.c_uint32),
+                ("items_at", ctypes.c_uint32), ("window_start", ctypes.c_uint64), ("turn_ns", ctypes.c_uint64),
+                ("comm_stall_ns", ctypes.c_uint64), ("gemm_stall_ns", ctypes.c_uint64), ("turns", ctypes.c_uint32),
+                ("steps", ctypes.c_uint32), ("windows", ctypes.c_uint32), ("lent_peak", ctypes.c_uint32),
+                ("ctl", _split_ctl()), ("pad", ctypes.c_uint32 * 6), ("last", TpCtlStats)]
 
 
 def register(op: str, source: str, kernel: str):
@@ -256,6 +285,7 @@ def plan_buffers(op, comm, key, sizes, counter_words=CNT_WORDS + 1):
         if arr.dtype == cupy.uint32:
             arr.data.memset_async(0, arr.nbytes)  # a memset, not a kernel: see quiesced_first_use
     plan["counters"] = cupy.zeros(counter_words, dtype=cupy.uint32)
+    plan["ctl"] = cupy.zeros(ctypes.sizeof(TpCtl) // 4, dtype=cupy.uint32)  # TpCtl, zero before the first launch
     cupy.cuda.runtime.deviceSynchronize()  # zeroed before this rank announces any credit
     cache[key] = plan
     return plan
@@ -335,6 +365,56 @@ def resolve_comm_sms(op, comm, comm_sms, chosen, *, M, N, K, esize, comm_items):
         return DEFAULT_COMM_SMS[op], None
     from . import autosplit
     return autosplit.choose(comm, op, M=M, N=N, K=K, esize=esize, comm_items=comm_items, sms=sm_count())
+
+
+def controller_mode(op, comm_sms, chosen):
+    """TP_CTL_* of a launch: the controller adapts the calls whose comm_sms is "auto" (CONTROLLER)."""
+    if CONTROLLER not in CONTROLLER_SETTINGS:
+        raise ArgumentError(f"mkernel.tp.CONTROLLER must be one of {CONTROLLER_SETTINGS}; got {CONTROLLER!r}")
+    if chosen != "fused" or CONTROLLER == "off":
+        return CTL_OFF
+    if CONTROLLER == "pattern":
+        return CTL_PATTERN
+    return CTL_ADAPT if comm_sms == "auto" or CONTROLLER == "always" else CTL_OFF
+
+
+def controller_setting(value):
+    """``with tp.controller_setting("pattern"):`` sets CONTROLLER for the calls inside (tests)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def scope():
+        global CONTROLLER
+        old, CONTROLLER = CONTROLLER, value
+        try:
+            controller_mode(None, None, "fused")  # a bad value raises here, not at the next launch
+            yield
+        finally:
+            CONTROLLER = old
+    return scope()
+
+
+def set_split(args, plan, gemm_ctas, mode, comm):
+    """The launch's static split and its controller (mode TP_CTL_*); remembers the plan for
+    :func:`controller_stats`."""
+    args.gemm_ctas = gemm_ctas
+    args.ctl = plan["ctl"].data.ptr
+    args.ctl_mode = mode
+    args.ctl_lend_max = gemm_ctas // CTL_LEND_SHARE
+    op_cache(comm)["_last_ctl"] = plan["ctl"]
+
+
+def controller_stats(comm) -> dict:
+    """The controller's record of the last completed fused launch on ``comm`` (synchronises the
+    device): turns (comm items GEMM CTAs took between tiles), steps, windows, lent_peak, lent_last,
+    gemm_ctas, comm_ctas, launches (of that plan so far). Empty before any fused launch."""
+    ctl = op_cache(comm).get("_last_ctl")
+    if ctl is None:
+        return {}
+    cupy_mod().cuda.runtime.deviceSynchronize()
+    words = ctl.get()
+    state = TpCtl.from_buffer_copy(words.tobytes())
+    return {f: int(getattr(state.last, f)) for f, _ in TpCtlStats._fields_}
 
 
 def fill_common(args, comm, op, *, a_ptr, a_rows, a_row_bytes, dtype, b_arr, layout, K, N, mb, counters):

@@ -21,6 +21,43 @@ rs = importlib.import_module("mkernel.gemm_reduce_scatter")
 MODULES = {"gemm_reduce_scatter": rs, "gemm_allreduce": ar, "allgather_gemm": ag}
 
 
+def test_controller_state_layout_matches_host_compiler(tmp_path):
+    from c_layout import assert_same_layout
+
+    assert_same_layout("tp_args.cuh", tp.TpCtlStats, tmp_path)
+    assert_same_layout("tp_args.cuh", tp.TpCtl, tmp_path)
+    assert tp.TpCtl.last.offset + ctypes.sizeof(tp.TpCtlStats) == ctypes.sizeof(tp.TpCtl)  # tp_ctl_finish
+
+
+@pytest.mark.parametrize("setting,comm_sms,path,mode", [
+    ("auto", "auto", "fused", tp.CTL_ADAPT), ("auto", 8, "fused", tp.CTL_OFF), ("auto", "auto", "unfused", tp.CTL_OFF),
+    ("always", 8, "fused", tp.CTL_ADAPT), ("pattern", 8, "fused", tp.CTL_PATTERN), ("pattern", "auto", "unfused", tp.CTL_OFF), ("off", "auto", "fused", tp.CTL_OFF)])
+def test_controller_mode_follows_comm_sms_and_the_setting(setting, comm_sms, path, mode):
+    with tp.controller_setting(setting):
+        assert tp.controller_mode("gemm_reduce_scatter", comm_sms, path) == mode
+    with pytest.raises(ArgumentError, match="CONTROLLER"):
+        with tp.controller_setting("sometimes"):
+            pass
+    assert tp.CONTROLLER == "auto"
+
+
+def test_auto_split_launches_with_the_adaptive_controller(fake_launch, monkeypatch):
+    from mkernel import autosplit
+    monkeypatch.setattr(autosplit, "choose", lambda comm, op, **kw: (6, None))
+    comm = _Comm(2, 0)
+    M, K, N = 400, 136, 264
+    for fn in (rs.gemm_reduce_scatter, ar.gemm_allreduce):
+        out = _Arr((M, N) if fn is ar.gemm_allreduce else (M // 2, N), "float16", 0x300000)
+        fn(_Arr((M, K), "float16", 0x100000), _Arr((K, N), "float16", 0x200000), comm=comm, out=out, path="fused",
+           comm_sms="auto")
+        args = fake_launch["launch"]["args"]
+        assert args.ctl_mode == tp.CTL_ADAPT and 0 < fake_launch["launch"]["grid"] - args.gemm_ctas <= 6
+    out = _Arr((M, N), "float16", 0x300000)
+    ag.allgather_gemm(_Arr((M // 2, K), "float16", 0x100000), _Arr((K, N), "float16", 0x200000), comm=comm, out=out,
+                      path="fused", comm_sms="auto")
+    assert fake_launch["launch"]["args"].ctl_mode == tp.CTL_ADAPT
+
+
 def test_args_layout_matches_host_compiler(tmp_path):
     from c_layout import c_offsets, py_offsets
 
@@ -202,6 +239,7 @@ def fake_launch(monkeypatch):
             plan[name].size_bytes = tp._nbytes(shape, dt)
             off += -(-plan[name].size_bytes // 1024) * 1024
         plan["counters"] = _Arr((8, 1), "uint32", 0x5000)
+        plan["ctl"] = _Arr((ctypes.sizeof(tp.TpCtl) // 4, 1), "uint32", 0x6000)
         calls["plan"] = plan
         return plan
 
@@ -239,6 +277,9 @@ def test_reduce_scatter_and_allreduce_launch_arguments(fake_launch, world, rank)
             assert args.dst[o].v[0] == comm.heap.peer_base[o] + args.recv_off + rank * mb * N * 2
         assert args.out == out.data.ptr and args.ldo == N and args.g.a.v[0] == a.data.ptr
         assert comm.agreed and comm.agreed[-1][-1] == "fused"
+        # an integer split is static; the controller state is the plan's either way
+        assert args.ctl == plan["ctl"].data.ptr and args.ctl_mode == tp.CTL_OFF
+        assert args.ctl_lend_max == args.gemm_ctas // tp.CTL_LEND_SHARE
 
 
 @pytest.mark.parametrize("allreduce", [False, True], ids=["rs", "ar"])

@@ -335,6 +335,92 @@ def test_auto_split_searches_holds_and_stays_exact(comm, op):
     _collective(comm, body)
 
 
+def _controller_problem(comm, op, seed, M, K, N):
+    """(call(out, **kw) -> the op's output, the exact reference, row0, output shape) for fp16
+    integer inputs (partials of K <= 2048 terms of {-1, 0, 1} are exact in fp16)."""
+    W, dt = comm.size, DTYPES["fp16"]
+    mb = M // W
+    if op == "ag":
+        shards = [_rank_inputs(seed, r, (mb, K), (K, N), dt, True) for r in range(W)]
+        a, b = (_dev(x.astype(dt)) for x in shards[comm.rank])
+        return (lambda out, **kw: allgather_gemm(a, b, comm=comm, out=out, path="fused", **kw),
+                np.vstack([sh[0] for sh in shards]) @ shards[comm.rank][1], 0, (M, N))
+    (a, b), total, _, _, _ = _reduce_problem(comm, seed, M, K, N, "fp16", True)
+    a, b = _dev(a.astype(dt)), _dev(b.astype(dt))
+    fn = gemm_reduce_scatter if op == "rs" else gemm_allreduce
+    ref, row0, shape = (_rows(total, comm, M), comm.rank * mb, (mb, N)) if op == "rs" else (total, 0, (M, N))
+    return (lambda out, **kw: fn(a, b, comm=comm, out=out, path="fused", **kw)), ref, row0, shape
+
+
+@pytest.mark.parametrize("op", ["rs", "ar", "ag"])
+def test_lent_gemm_ctas_take_comm_turns_exactly(comm, op):
+    """tp.CONTROLLER = "pattern": every odd GEMM CTA prefers a ready communication item (RS / AR a
+    reduction, AG a push) to its next tile: the turn path (MK_TILE_COMM in the tile ring, the
+    consumers' one-item step) without timing. One dedicated comm CTA, so items queue up. Two shapes
+    back to back, each twice (the controller state is reset by each launch's last CTA), every
+    output exact per tile; at world 1 the launch record must show turns taken (512 tiles on 131
+    GEMM CTAs, one reducer: the reduction falls behind at once; AG: the pushes are ready from the
+    start)."""
+    from mkernel import tp
+
+    W = comm.size
+    large = (8192, 512, 2048) if W == 1 else (1024 * W, 256, 1024)  # asserted at world 1; elsewhere kept cheap
+    problems = [_controller_problem(comm, op, 50, *large),
+                _controller_problem(comm, op, 51, 200 * W, 120, 264)]  # then off-grid in every dimension
+
+    def body():
+        msgs, turns = [], []
+        for rep in range(2):
+            for i, (call, ref, row0, shape) in enumerate(problems):
+                with tp.controller_setting("pattern"):
+                    got = call(_poisoned(shape, "fp16"), comm_sms=1)
+                _sync(f"pattern {op} shape {i} rep {rep}")
+                comm.check()
+                stats = tp.controller_stats(comm)
+                turns.append(stats["turns"])
+                ok, msg = _check_exact(_host(got), ref, DTYPES["fp16"], f"shape {i} rep {rep}", row0)
+                if not ok:
+                    msgs.append(msg)
+                if stats["comm_ctas"] != 1 or stats["lent_last"] != 0:
+                    msgs.append(f"shape {i} rep {rep}: record {stats}")
+        print(f"rank {comm.rank}: {op} turns per launch {turns}")
+        if W == 1 and not (turns[0] > 0 and turns[2] > 0):
+            msgs.append(f"no comm turns on the large shape: {turns}")
+        return not msgs, "; ".join(msgs)
+
+    _collective(comm, body)
+
+
+@pytest.mark.parametrize("op", ["rs", "ar"])
+def test_adaptive_controller_lends_gemm_ctas_to_a_starved_reduction(comm, op):
+    """tp.CONTROLLER = "always" from one reducer: the reduction (one CTA) cannot keep up with the
+    GEMM (131 CTAs, ~100 us), so the controller's windows must lend GEMM CTAs (asserted at world 1,
+    where the timing is the kernel's own; ranks sharing a GPU are time-sliced); the output stays
+    exact, twice in a row."""
+    from mkernel import tp
+
+    W = comm.size
+    call, ref, row0, shape = _controller_problem(comm, op, 52, *((8192, 2048, 2048) if W == 1 else (1024 * W, 512, 1024)))
+
+    def body():
+        msgs, records = [], []
+        for rep in range(2):
+            with tp.controller_setting("always"):
+                got = call(_poisoned(shape, "fp16"), comm_sms=1)
+            _sync(f"adaptive {op} rep {rep}")
+            comm.check()
+            records.append(tp.controller_stats(comm))
+            ok, msg = _check_exact(_host(got), ref, DTYPES["fp16"], f"rep {rep}", row0)
+            if not ok:
+                msgs.append(msg)
+        print(f"rank {comm.rank}: {op} controller records {records}")
+        if comm.size == 1 and not all(r["windows"] > 0 and r["lent_peak"] > 0 and r["turns"] > 0 for r in records):
+            msgs.append(f"the controller lent nothing: {records}")
+        return not msgs, "; ".join(msgs)
+
+    _collective(comm, body)
+
+
 def test_back_to_back_launches_alternating_ops_and_shapes(comm):
     """48 launches queued without synchronisation (the 1000-launch version is marked slow)."""
     _back_to_back(comm, 48)
@@ -349,6 +435,8 @@ def test_thousand_back_to_back_launches(comm):
 
 def _back_to_back(comm, n):
     import cupy
+
+    from mkernel import tp
 
     W = comm.size
     kind, dt = "bf16", BF16
@@ -373,17 +461,19 @@ def _back_to_back(comm, n):
             op = ("rs", "ar", "ag")[(i // 2) % 3]
             s = i % 4
             M, N = p["M"], p["N"]
-            if op == "rs":
-                out = gemm_reduce_scatter(p["a"][s], p["b"], comm=comm, out=_poisoned((M // W, N), kind), path="fused",
-                                          join=bool(i % 4 == 0))
-                want = scales[s] * _rows(p["total"], comm, M)
-            elif op == "ar":
-                out = gemm_allreduce(p["a"][s], p["b"], comm=comm, out=_poisoned((M, N), kind), path="fused",
-                                     join=bool(i % 4 == 2))
-                want = scales[s] * p["total"]
-            else:
-                out = allgather_gemm(p["sa"][s], p["sb"], comm=comm, out=_poisoned((M, N), kind), path="fused")
-                want = scales[s] * p["ag_ref"]
+            # every fifth launch with lent GEMM CTAs (no controller state may leak between launches)
+            with tp.controller_setting("pattern" if i % 5 == 3 else tp.CONTROLLER):
+                if op == "rs":
+                    out = gemm_reduce_scatter(p["a"][s], p["b"], comm=comm, out=_poisoned((M // W, N), kind),
+                                              path="fused", join=bool(i % 4 == 0))
+                    want = scales[s] * _rows(p["total"], comm, M)
+                elif op == "ar":
+                    out = gemm_allreduce(p["a"][s], p["b"], comm=comm, out=_poisoned((M, N), kind), path="fused",
+                                         join=bool(i % 4 == 2))
+                    want = scales[s] * p["total"]
+                else:
+                    out = allgather_gemm(p["sa"][s], p["sb"], comm=comm, out=_poisoned((M, N), kind), path="fused")
+                    want = scales[s] * p["ag_ref"]
             launches.append((i, op, out, want))
         _sync(f"{n} back-to-back launches")
         comm.check()

@@ -9,60 +9,100 @@
 // their flag in its own workspace, their rows and flags into its node's peers'. So each shard
 // crosses the network once per node. CTAs [0, gemm_ctas) run the GEMM over the gathered rows in
 // arrival order; the producer waits for a chunk's flag before its TMA loads, so the GEMM starts
-// with the first local chunk and overlaps the rest of the gather.
+// with the first local chunk and overlaps the rest of the gather. GEMM CTAs the controller lent
+// (tp_controller.cuh) also push chunks between their tiles (TpPushTurn).
 #include "tp_reduce.cuh"
 
 // Copies `rows` rows of k elements (16-byte vectors) from src (row stride lds elements) to dst
-// (row stride k), by the whole CTA.
-MK_DEV void tp_copy_rows(u8* dst, const u8* src, u32 rows, u64 k, u64 lds) {
+// (row stride k), by a group of nthr threads (tid in [0, nthr)).
+MK_DEV void tp_copy_rows(u8* dst, const u8* src, u32 rows, u64 k, u64 lds, u32 tid, u32 nthr) {
   const u32 vpr = (u32)(k / 8);  // 16-byte vectors per row (k % 8 == 0)
-  for (u32 v = threadIdx.x; v < rows * vpr; v += blockDim.x) {
+  for (u32 v = tid; v < rows * vpr; v += nthr) {
     const u32 r = v / vpr;
     const u64 col = (u64)(v - r * vpr) * 8u;
     st_v4(dst + ((u64)r * k + col) * 2, ld_cg_v4(src + ((u64)r * lds + col) * 2));
   }
 }
 
-MK_DEV void tp_push_cta(const TpArgs& a) {
-  __shared__ u32 s_item, s_epoch, s_credited;
-  __shared__ int s_ok;
-  if (threadIdx.x == 0) {
-    s_epoch = launch_epoch(a.g.sync);
-    s_credited = 0;
-  }
-  __syncthreads();
-  const u32 E = s_epoch;
+MK_DEV u32 tp_push_items(const TpArgs& a) { return (u32)a.local * (u32)a.tiles_mb; }
+
+// Push item `item` (this rank's chunk c to local rank d: its own buffer first, then lrank + 1, ...)
+// by a group of nthr threads that synchronise with bar(): the receiver's credit, the rows, the
+// chunk's flag there and, once the chunk is in this rank's own buffer between nodes, its WRITE to
+// every other node. Returns false when a wait failed (the error is recorded).
+template <class Bar>
+MK_DEV bool tp_push_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, Bar bar, TpCommShared* sh) {
   const u32 me = (u32)a.me, chunks = (u32)a.tiles_mb;
   const u32 L = (u32)a.local, N = (u32)a.nodes, l = (u32)a.lrank, n = (u32)a.node;
   const MkPeers peers = tp_peers(a);
   const u64 k = (u64)a.g.k, row_bytes = k * 2;
-  const u32 launch = N > 1 ? ld_relaxed_sys(&a.counters[TP_CNT_LAUNCHES]) + 1 : 0;
-  const u32 sends = (N - 1) * chunks;
-  const u8* src = reinterpret_cast<const u8*>(a.a_local);
-  for (;;) {  // this rank's chunks to its node (own buffer first), then across the network
-    const u32 item = tp_claim(&a.counters[TP_CNT_PUSH], &s_item, threadIdx.x, MkBarCta());
-    if (item >= L * chunks) break;
-    const u32 i = item / chunks, c = item - i * chunks;
-    const u32 d = (l + i) % L;
-    if (threadIdx.x == 0) s_ok = credits_wait(a.g.sync, peers, d, E) ? 1 : 0;
-    __syncthreads();
-    if (!s_ok) break;
-    const u32 rows = min(128u, (u32)a.mb - c * 128u);
-    const u64 dst_off = a.ga_off + ((u64)me * (u64)a.mb + c * 128u) * row_bytes;
-    tp_copy_rows(peer_ptr<u8>(peers, d, dst_off), src + (u64)c * 128u * (u64)a.lda * 2, rows, k, (u64)a.lda);
-    __threadfence_system();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      set_flag(peer_ptr<u32>(peers, d, a.aflag_off) + me * chunks + c, E);
-      if (d == l)  // in this rank's own buffer now: a registered source for the other nodes
-        for (u32 j = 0; j < N; ++j)
-          if (j != n && tp_remote_credit(a, j, E, &s_credited))
-            tp_send_tile(a, j, dst_off, dst_off, rows * (u32)row_bytes, TP_PF_ARRIVED + n * a.xgroups + c / a.xgroup,
-                         sends, E);
-    }
+  const u32 i = item / chunks, c = item - i * chunks;
+  const u32 d = (l + i) % L;
+  if (tid == 0) {
+    const u64 start = tp_ctl_clock(a);
+    sh->ok = credits_wait(a.g.sync, peers, d, E) ? 1 : 0;
+    tp_ctl_wait(a, &a.ctl->comm_stall_ns, start);
   }
-  for (;;) {  // several nodes: the chunks of blocks j * L + l that arrived, into this node
-    const u32 item = tp_claim(&a.counters[TP_CNT_FORWARD], &s_item, threadIdx.x, MkBarCta());
+  bar();
+  if (!sh->ok) return false;
+  const u32 rows = min(128u, (u32)a.mb - c * 128u);
+  const u64 dst_off = a.ga_off + ((u64)me * (u64)a.mb + c * 128u) * row_bytes;
+  const u8* src = reinterpret_cast<const u8*>(a.a_local) + (u64)c * 128u * (u64)a.lda * 2;
+  tp_copy_rows(peer_ptr<u8>(peers, d, dst_off), src, rows, k, (u64)a.lda, tid, nthr);
+  __threadfence_system();
+  bar();
+  if (tid == 0) {
+    set_flag(peer_ptr<u32>(peers, d, a.aflag_off) + me * chunks + c, E);
+    if (d == l)  // in this rank's own buffer now: a registered source for the other nodes
+      for (u32 j = 0; j < N; ++j)
+        if (j != n && tp_remote_credit(a, j, E, &sh->credited))
+          tp_send_tile(a, j, dst_off, dst_off, rows * (u32)row_bytes, TP_PF_ARRIVED + n * a.xgroups + c / a.xgroup,
+                       (N - 1) * chunks, E);
+  }
+  return true;
+}
+
+// A lent GEMM CTA's turn in AG: the next push of this rank's shard (always ready but for the
+// receiver's credit, which every rank announces at entry).
+struct TpPushTurn {
+  static MK_DEV bool ready(const TpArgs& a, u32) { return ld_volatile(&a.counters[TP_CNT_PUSH]) < tp_push_items(a); }
+  static MK_DEV void run(const TpArgs& a, u32 E, TpCommShared* sh) {
+    const u32 tid = threadIdx.x - 128;
+    const u64 start = globaltimer_ns();
+    const MkBarConsumers bar;
+    bar();  // the group's previous use of sh->item is over
+    if (tid == 0)
+      sh->item = tp_try_claim(&a.counters[TP_CNT_PUSH], [&](u32 v) { return v < tp_push_items(a); });
+    bar();
+    const u32 item = sh->item;
+    const bool took = item != TP_CTL_NO_ITEM && tp_push_item(a, E, item, tid, 256, bar, sh);
+    if (tid == 0) tp_ctl_turn_done(a, start, took);
+  }
+};
+
+MK_DEV void tp_push_cta(const TpArgs& a) {
+  __shared__ u32 s_epoch;
+  __shared__ TpCommShared comm;
+  if (threadIdx.x == 0) {
+    s_epoch = launch_epoch(a.g.sync);
+    tp_comm_shared_init(&comm);
+  }
+  __syncthreads();
+  const u32 E = s_epoch;
+  const u32 chunks = (u32)a.tiles_mb;
+  const u32 L = (u32)a.local, N = (u32)a.nodes, l = (u32)a.lrank, n = (u32)a.node;
+  const MkPeers peers = tp_peers(a);
+  const u64 k = (u64)a.g.k, row_bytes = k * 2;
+  const u32 launch = N > 1 ? ld_relaxed_sys(&a.counters[TP_CNT_LAUNCHES]) + 1 : 0;
+  bool ok = true;
+  while (ok) {  // this rank's chunks to its node (own buffer first), then across the network
+    const u32 item = tp_claim(&a.counters[TP_CNT_PUSH], &comm.item, threadIdx.x, MkBarCta());
+    if (item >= tp_push_items(a)) break;
+    ok = tp_push_item(a, E, item, threadIdx.x, blockDim.x, MkBarCta(), &comm);
+    if (threadIdx.x == 0) tp_ctl_tick<TP_OP_AG>(a);
+  }
+  while (ok) {  // several nodes: the chunks of blocks j * L + l that arrived, into this node
+    const u32 item = tp_claim(&a.counters[TP_CNT_FORWARD], &comm.item, threadIdx.x, MkBarCta());
     if (item >= (N - 1) * chunks) break;
     const u32 i = item / chunks, c = item - i * chunks;
     const u32 j = (n + N - 1 - i) % N, o = j * L + l;
@@ -72,15 +112,15 @@ MK_DEV void tp_push_cta(const TpArgs& a) {
                                       launch * min(a.xgroup, chunks - g * a.xgroup), (i32)o, 0x60000u + c) ? 1 : 0;
       for (u32 p = 0; p < L && good; ++p)
         if (p != l) good = credits_wait(a.g.sync, peers, p, E) ? 1 : 0;
-      s_ok = good;
+      comm.ok = good;
       __threadfence();
     }
     __syncthreads();
-    if (!s_ok) break;
+    if (!comm.ok) break;
     const u32 rows = min(128u, (u32)a.mb - c * 128u);
     const u64 off = a.ga_off + ((u64)o * (u64)a.mb + c * 128u) * row_bytes;
     for (u32 p = 0; p < L; ++p)
-      if (p != l) tp_copy_rows(peer_ptr<u8>(peers, p, off), peer_ptr<u8>(peers, l, off), rows, k, k);
+      if (p != l) tp_copy_rows(peer_ptr<u8>(peers, p, off), peer_ptr<u8>(peers, l, off), rows, k, k, threadIdx.x, blockDim.x);
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0)
@@ -95,7 +135,7 @@ template <int DT, int BL>
 __global__ void __launch_bounds__(384, 1) mk_allgather_gemm_kernel(const __grid_constant__ TpArgs args) {
   if (blockIdx.x == 0 && threadIdx.x == 0) tp_announce(args);
   if ((int)blockIdx.x < args.gemm_ctas)
-    tp_gemm_cta<GemmCfg<DT, BL>, TP_OP_AG>(args);
+    tp_gemm_cta<GemmCfg<DT, BL>, TP_OP_AG, TpNoJoin, TpPushTurn>(args);
   else
     tp_push_cta(args);
 }

@@ -76,6 +76,8 @@ MK_DEV void store2_global(void* p, float a, float b, u32 op) {
 //   bool add()                          reduce-add into the destination instead of storing
 //   void before_store(const MkTile&)    lane 0 of a warp with rows in the tile, before its stores
 //   void published(u32 id)              after the tile's flag was set (tests count them)
+//   void comm_turn(const MkTile&)       every consumer thread, for an MK_TILE_COMM entry of the ring
+//                                       (after this CTA's pending tile flags are published)
 template <int OUT, class Cfg, bool GROUPED, class Dest>
 struct MkTileEpilogue {
   static constexpr int ESIZE = OUT == MK_OUT_F32 ? 4 : 2;
@@ -190,6 +192,13 @@ struct MkTileEpilogue {
     }
   }
 
+  // A communication turn between two tiles: this warp's pending tile first (the turn may reduce it).
+  MK_DEV void comm_turn(const MkTile& t) {
+    if (dest.flags() && (threadIdx.x & 31) == 0) flush();
+    __syncwarp();
+    dest.comm_turn(t);
+  }
+
   // After the last tile: publish what is pending; the CTA may not exit while a TMA store still
   // reads its shared memory.
   MK_DEV void finish() {
@@ -212,6 +221,7 @@ struct MkGemmDest {
   MK_DEV void published(u32 id) const {
     if (args.tile_counts) atomicAdd(&args.tile_counts[id], 1u);
   }
+  MK_DEV void comm_turn(const MkTile&) const {}  // the engine's sources never claim turns
 };
 
 template <int OUT, class Cfg, bool GROUPED>

@@ -157,7 +157,8 @@ MK_DEV MkTileSpace<Cfg::UNIT_M> gemm_setup(const MkGemmArgs& args, const GemmSme
 // Warpgroup 0, one thread: takes tiles from a tile source, publishes them in the tile ring and
 // streams their k-blocks. Publishes MK_TILE_DONE last. A source (the engine's scheduler below, or a
 // fused op's own order) provides:
-//   u32 claim()                         the next claim (a position or a tile id)
+//   u32 claim()                         the next claim (a position or a tile id), or MK_TILE_COMM:
+//                                       a communication turn for the consumers (no loads)
 //   bool done(u32 claim)                no tiles are left
 //   MkTile decode(u32 claim)            the claim's tile
 //   void before_loads(const MkTile&)    runs before the tile reaches the consumers and its loads
@@ -220,17 +221,18 @@ MK_DEV void gemm_producer_loop(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, 
     MkTile t;
     if (rank == 0) {
       const u32 claim = src.claim();
-      const bool done = src.done(claim);
+      const bool turn = claim == MK_TILE_COMM;
+      const bool done = !turn && src.done(claim);
       mbar_wait_timed(smem_u32(&bars->tempty[r]), ((tile_it / Cfg::RING) & 1) ^ 1, args.sync, MK_WAIT_TILE);
-      if (done) {
+      if (done || turn) {
         t.m0 = t.n0 = t.rows = t.group = 0;
-        t.id = MK_TILE_DONE;
+        t.id = turn ? MK_TILE_COMM : MK_TILE_DONE;
         t.pad[0] = t.pad[1] = 0;
       } else {
         t = src.decode(claim);
       }
       t.seq = tile_it;
-      if (!done) src.before_loads(t);
+      if (!done && !turn) src.before_loads(t);
       for (u32 q = 1; q < (u32)Cfg::CLUSTER; ++q)
         gemm_ring_put<Cfg>(sm, r, cluster_part<Cfg::BM, Cfg::CLUSTER>(t, q, args.sched.tiles_n), q);
       t = cluster_part<Cfg::BM, Cfg::CLUSTER>(t, 0, args.sched.tiles_n);
@@ -243,6 +245,7 @@ MK_DEV void gemm_producer_loop(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, 
     }
     ++tile_it;
     if (t.id == MK_TILE_DONE) break;
+    if (t.id == MK_TILE_COMM) continue;
     const i32 bi = src.b_index(t);
     for (int kb = 0; kb < kblocks; ++kb, ++it) {
       const int s = it % Cfg::STAGES;
@@ -301,6 +304,8 @@ MK_DEV void gemm_release_stage(const GemmSmem<Cfg>& sm, int s) {
 //                      wgmmas of k-block min(2, kblocks - 1) are issued (the tensor cores are
 //                      busy): where an epilogue finishes deferred work (TMA store completion and
 //                      the previous tile's flag) without stalling the MMA pipe.
+//   epi.comm_turn(t)   an MK_TILE_COMM entry of the ring, every consumer thread (a fused op's
+//                      communication turn, between two tiles)
 template <class Cfg, class Epi>
 MK_DEV void gemm_consumer(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, int wg, Epi& epi) {
   GemmBars<Cfg>* bars = sm.bars;
@@ -320,6 +325,10 @@ MK_DEV void gemm_consumer(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, int w
       mbar_arrive(smem_u32(&bars->tempty[r]));
     ++tile_it;
     if (t.id == MK_TILE_DONE) break;
+    if (t.id == MK_TILE_COMM) {
+      epi.comm_turn(t);
+      continue;
+    }
     const u64 t_start = args.sync.trace_events ? globaltimer_ns() : 0;
 
     for (int kb = 0; kb < kblocks; ++kb, ++it) {

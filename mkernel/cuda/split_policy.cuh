@@ -78,6 +78,28 @@ struct MkSplitWindow {
   u64 gemm_left, comm_left;          // tasks not yet claimed
 };
 
+// A window as the fused kernels count it: its length, the role sizes, the CTA-ns GEMM CTAs spent on
+// communication turns, the measured waits, claims and what is left. Busy CTA-ns per role are the
+// role's CTAs times the window, turns moved from the GEMM side to the comm side, waits taken out
+// (each clamped so that noise in the timers cannot wrap an unsigned count).
+MK_SPLIT_FN u64 mk_split_sub(u64 a, u64 b) { return a > b ? a - b : 0ull; }
+MK_SPLIT_FN MkSplitWindow mk_split_window(u64 dt_ns, i32 gemm_ctas, i32 comm_ctas, u64 turn_ns, u64 gemm_stall_ns,
+                                          u64 comm_stall_ns, u64 gemm_done, u64 comm_done, u64 gemm_left,
+                                          u64 comm_left) {
+  MkSplitWindow w;
+  const u64 gemm_ns = mk_split_sub((u64)gemm_ctas * dt_ns, turn_ns);
+  const u64 comm_ns = (u64)comm_ctas * dt_ns + turn_ns;
+  w.gemm_stall_ns = gemm_stall_ns < gemm_ns ? gemm_stall_ns : gemm_ns;
+  w.comm_stall_ns = comm_stall_ns < comm_ns ? comm_stall_ns : comm_ns;
+  w.gemm_busy_ns = gemm_ns - w.gemm_stall_ns;
+  w.comm_busy_ns = comm_ns - w.comm_stall_ns;
+  w.gemm_done = gemm_done;
+  w.comm_done = comm_done;
+  w.gemm_left = gemm_left;
+  w.comm_left = comm_left;
+  return w;
+}
+
 struct MkSplitCtl {
   i32 total;          // CTAs in both roles
   i32 lo, hi;         // bounds on comm CTAs

@@ -23,6 +23,9 @@
 constexpr u32 MK_TILE_DONE = 0xFFFFFFFFu;
 constexpr u32 MK_TILE_YIELD = 0xFFFFFFFEu;
 constexpr u32 MK_TILE_NONE = 0xFFFFFFFDu;  // a clustered unit's part past the last row: computed, never stored
+// A fused op's communication turn in the tile ring (a claim of its tile source): the producer issues
+// no loads for it, the consumers run the epilogue's comm_turn() and go on with the ring.
+constexpr u32 MK_TILE_COMM = 0xFFFFFFFCu;
 
 // One tile as the producer hands it to the consumers (through the shared-memory tile ring).
 struct MkTile {
@@ -112,7 +115,7 @@ struct MkTileSpace {
 // (the plain tile ids, so flags and tile counts mean the same), MK_TILE_NONE with 0 rows past M.
 template <int BM, int CLUSTER>
 MK_DEV MkTile cluster_part(MkTile unit, u32 q, u32 tiles_n) {
-  if (CLUSTER == 1 || unit.id == MK_TILE_DONE) return unit;
+  if (CLUSTER == 1 || unit.id == MK_TILE_DONE || unit.id == MK_TILE_COMM) return unit;
   const u32 mu = unit.id / tiles_n;
   const i32 rows = unit.rows - (i32)q * BM;
   unit.m0 += (i32)q * BM;

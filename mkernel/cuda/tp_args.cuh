@@ -4,6 +4,7 @@
 // compares the two layouts with g++). Plain fixed-width fields only.
 #include "gemm_args.cuh"
 #include "queue_layout.cuh"
+#include "split_policy.cuh"
 
 // Ranks of one node a fused TP op supports (one output tensor map per destination block).
 #define TP_MAX_WORLD 8
@@ -26,6 +27,41 @@ enum { TP_CNT_TILE = 0, TP_CNT_DONE = 1, TP_CNT_REDUCE = 2, TP_CNT_COPY = 3, TP_
 //   (ADD 1 per tile: launch P of the plan is complete at P * tiles in the group);
 //   ARRIVED + (nodes + j) * xgroups + g (AR): reduced tiles of block j * local + lrank, group g.
 enum { TP_PF_CREDIT = 0, TP_PF_FLUSH = TP_MAX_WORLD, TP_PF_ARRIVED = 2 * TP_MAX_WORLD };
+
+// The in-call controller (TpArgs::ctl_mode, tp_controller.cuh): off (the split is static), adaptive
+// (windows of counters step mk_split_ctl_step, which lends GEMM CTAs to communication), or a fixed
+// pattern for tests (every odd GEMM CTA lent from the start: the turn path without timing).
+enum { TP_CTL_OFF = 0, TP_CTL_ADAPT = 1, TP_CTL_PATTERN = 2 };
+
+// One launch's controller record, copied by the launch's last CTA (TpCtl::last; the host reads it).
+struct TpCtlStats {
+  unsigned int turns;      // communication items GEMM CTAs took between their tiles
+  unsigned int steps;      // controller steps that changed the number of lent GEMM CTAs
+  unsigned int windows;    // windows the controller evaluated
+  unsigned int lent_peak;  // most GEMM CTAs lent at once
+  unsigned int lent_last;  // GEMM CTAs lent at the end
+  unsigned int gemm_ctas;  // the launch's static split
+  unsigned int comm_ctas;
+  unsigned int launches;   // launches recorded so far
+};
+
+// A plan's controller state (device memory, zero before the first launch). The live part is reset
+// by each launch's last CTA (after every CTA's last claim), so a launch starts from zero without
+// the host; only the lock holder touches ctl, window_start and the *_at fields.
+struct TpCtl {
+  unsigned int lock;               // try-lock: the thread that takes it steps the controller
+  unsigned int lent;               // GEMM CTAs [gemm_ctas - lent, gemm_ctas) prefer ready comm items
+  unsigned int tiles_at;           // GEMM tile claims at the window's start
+  unsigned int items_at;           // comm item claims at the window's start
+  unsigned long long window_start; // globaltimer at the window's start; 0 before the launch's first tick
+  unsigned long long turn_ns;      // window sums (atomics): CTA-ns of GEMM CTAs' comm turns,
+  unsigned long long comm_stall_ns;//   comm CTAs waiting on their inputs,
+  unsigned long long gemm_stall_ns;//   GEMM producers waiting on theirs (AG arrivals)
+  unsigned int turns, steps, windows, lent_peak;  // this launch so far
+  MkSplitCtl ctl;                  // the policy's state
+  unsigned int pad[6];
+  TpCtlStats last;                 // the last completed launch's record
+};
 
 struct TpArgs {
   // The GEMM engine's arguments: a (TMA map of A: the local A for RS/AR, the gathered-A buffer
@@ -73,5 +109,8 @@ struct TpArgs {
                                  // partial [W * mb][n], computed before the launch; CTAs [0, gemm_ctas)
                                  // then copy its tiles where the GEMM epilogue would store them
   long long ldp;                 // partial's row stride (elements)
-  int pad[18];                   // explicit tail: sizeof is a multiple of 64
+  TpCtl* ctl;                    // the plan's controller state
+  int ctl_mode;                  // TP_CTL_*
+  int ctl_lend_max;              // adaptive: at most this many GEMM CTAs lent at once
+  int pad[14];                   // explicit tail: sizeof is a multiple of 64
 };

@@ -22,6 +22,7 @@
 #include "gemm_mainloop.cuh"
 #include "gemm_epilogue.cuh"
 #include "tp_args.cuh"
+#include "tp_controller.cuh"
 
 constexpr u32 TP_GROUP_M = 16;  // inside a block, tiles run in groups of 16 M-tiles (L2 reuse)
 
@@ -69,22 +70,51 @@ MK_DEV MkTile tp_decode(const TpArgs& a, u32 pos) {
   return t;
 }
 
+// Per-CTA state of the communication work a group of threads does (shared memory; one per CTA,
+// shared by a GEMM CTA's turns and its join).
+struct TpCommShared {
+  u32 item;      // the group's claimed item (every thread of the group reads it)
+  u32 credited;  // bit j: rank (j, lrank)'s remote credit for this epoch was seen (several nodes)
+  u32 local_ok;  // AR: every local peer's credit was seen (their gather buffers may be written)
+  int ok;        // the group's last wait succeeded
+};
+MK_DEV void tp_comm_shared_init(TpCommShared* sh) {
+  sh->item = 0;
+  sh->credited = 0;
+  sh->local_ok = 0;
+  sh->ok = 1;
+}
+
+// What a lent GEMM CTA does between two tiles (tp_controller.cuh): ready(args, E) on the producer
+// thread (a comm item can run without waiting), run(args, E, shared) on the 256 consumer threads
+// (claim it if still there, run it). RS / AR: TpReduceTurn (tp_reduce.cuh); AG: TpPushTurn.
+struct TpNoTurn {
+  static MK_DEV bool ready(const TpArgs&, u32) { return false; }
+  static MK_DEV void run(const TpArgs&, u32, TpCommShared*) {}
+};
+
 // The tile source of the fused kernels for the engine's producer loop: tiles claimed from
-// counters[TP_CNT_TILE] in the TP order; for AG, before a tile's loads, the wait on the arrival flag
-// of its A chunk (block o, M-tile mt), then a proxy fence so the TMA (async proxy) sees the rows
-// that peers stored (generic proxy). B is a single matrix.
-template <class Cfg, int OP>
+// counters[TP_CNT_TILE] in the TP order, or, for a lent CTA with a comm item ready, a turn; for AG,
+// before a tile's loads, the wait on the arrival flag of its A chunk (block o, M-tile mt), then a
+// proxy fence so the TMA (async proxy) sees the rows that peers stored (generic proxy). B is a
+// single matrix.
+template <class Cfg, int OP, class Turn = TpNoTurn>
 struct TpTiles {
   const TpArgs& args;
   u32 epoch;
-  MK_DEV u32 claim() const { return atomicAdd(&args.counters[TP_CNT_TILE], 1u); }
+  MK_DEV u32 claim() const {
+    if (args.ctl_mode != TP_CTL_OFF && tp_ctl_lent(args) && Turn::ready(args, epoch)) return MK_TILE_COMM;
+    return atomicAdd(&args.counters[TP_CNT_TILE], 1u);
+  }
   MK_DEV bool done(u32 pos) const { return pos >= (u32)args.world * tp_tiles_blk(args); }
   MK_DEV MkTile decode(u32 pos) const { return tp_decode<OP, Cfg::BM, Cfg::BN>(args, pos); }
   MK_DEV void before_loads(const MkTile& t) const {
     if (OP != TP_OP_AG) return;
     const u32 mt = t.id / (u32)args.tiles_n;
     const u32* flag = peer_ptr<u32>(tp_peers(args), (u32)args.lrank, args.aflag_off) + (u32)t.group * (u32)args.tiles_mb + mt;
+    const u64 start = tp_ctl_clock(args);
     wait_epoch(args.g.sync, flag, epoch, t.group, mt);  // on a timeout the error is recorded; go on
+    tp_ctl_wait(args, &args.ctl->gemm_stall_ns, start);
     fence_proxy_async_global();
   }
   MK_DEV i32 b_index(const MkTile&) const { return 0; }
@@ -94,11 +124,12 @@ struct TpTiles {
 // receive slot recv[lrank][o / local] of rank o % local of this node for RS / AR, a block of the
 // local output for AG) at block-local rows, and (RS / AR) the tile's flag in that rank's workspace,
 // rflag[lrank][o / local][tl]. Before the first store into a rank in this launch, a warp's leader
-// waits for its credit.
-template <int OP>
+// waits for its credit. A turn (MK_TILE_COMM) runs Turn with the CTA's comm state.
+template <int OP, class Turn = TpNoTurn>
 struct TpDest {
   const TpArgs& args;
   u32 epoch;
+  TpCommShared* comm = nullptr;
   u32 credited = 0;  // leader: bit o set once rank o's credit for this epoch was seen
 
   MK_DEV const TmaDesc* map(const MkTile& t) const { return &args.dst[t.group]; }
@@ -119,11 +150,12 @@ struct TpDest {
     credited |= 1u << d;
   }
   MK_DEV void published(u32) const {}
+  MK_DEV void comm_turn(const MkTile&) const { Turn::run(args, epoch, comm); }
 };
 
 // Outputs are in the input dtype (MK_OUT_BF16 / MK_OUT_F16 have the MK_DT_* values).
-template <class Cfg, int OP>
-using TpEpilogue = MkTileEpilogue<Cfg::DT, Cfg, false, TpDest<OP> >;
+template <class Cfg, int OP, class Turn>
+using TpEpilogue = MkTileEpilogue<Cfg::DT, Cfg, false, TpDest<OP, Turn> >;
 
 // ------------------------------------------------------------------------------ communication
 // 16-byte global accesses. Data that peers wrote is read through L2 (.cg), never a stale L1 line.
@@ -147,9 +179,13 @@ MK_DEV void unpack2(u32 w, float& lo, float& hi) {
   }
 }
 
-// Every CTA, thread 0, after its last claim: the last CTA resets the plan's counters and counts the launch.
+// Every CTA, thread 0, after its last claim: the last CTA resets the plan's counters and the
+// controller's live state, and counts the launch.
 MK_DEV void tp_counters_done(const TpArgs& a) {
-  if (counters_reset_by_last_block(a.counters, TP_CNT_WORDS, TP_CNT_DONE)) atomicAdd(&a.counters[TP_CNT_LAUNCHES], 1u);
+  if (counters_reset_by_last_block(a.counters, TP_CNT_WORDS, TP_CNT_DONE)) {
+    tp_ctl_finish(a);
+    atomicAdd(&a.counters[TP_CNT_LAUNCHES], 1u);
+  }
 }
 
 // Claim of the next item of a counter by a group of threads (the CTA, or the 256 consumer
@@ -163,29 +199,32 @@ MK_DEV u32 tp_claim(unsigned int* counter, u32* s_item, u32 tid, Bar bar) {
 }
 
 struct TpNoJoin {
-  MK_DEV void operator()(const TpArgs&, u32) const {}
+  MK_DEV void operator()(const TpArgs&, u32, TpCommShared*) const {}
 };
 
 // A GEMM CTA of a fused kernel: the engine's setup and consumers, the TP producer and epilogue.
-// After their last tile, the consumer threads (256) run join(args, epoch) (RS / AR: they join the
-// reduction). The CTA's counter bookkeeping is its last act before launch_exit.
-template <class Cfg, int OP, class Join = TpNoJoin>
+// Between tiles, a lent CTA's consumers take Turn's comm items; after their last tile, the consumer
+// threads (256) run join(args, epoch, comm) (RS / AR: they join the reduction). The CTA's counter
+// bookkeeping is its last act before launch_exit.
+template <class Cfg, int OP, class Join = TpNoJoin, class Turn = TpNoTurn>
 MK_DEV void tp_gemm_cta(const TpArgs& args, Join join = Join()) {
   extern __shared__ __align__(1024) u8 mk_smem[];
+  __shared__ TpCommShared comm;
+  if (threadIdx.x == 0) tp_comm_shared_init(&comm);  // before gemm_setup's barrier
   const GemmSmem<Cfg> sm = gemm_smem_carve<Cfg, false>(mk_smem);
   gemm_setup<Cfg, false>(args.g, sm);  // barriers, epoch; its tile space is not used
   const u32 epoch = sm.bars->epoch;
   warpgroup_roles<Cfg>(
       [&] {
-        TpTiles<Cfg, OP> src{args, epoch};
+        TpTiles<Cfg, OP, Turn> src{args, epoch};
         gemm_producer_loop<Cfg>(args.g, sm, src);
       },
       [&](int wg) {
-        TpEpilogue<Cfg, OP> epi{args.g, sm, epoch, TpDest<OP>{args, epoch}};
+        TpEpilogue<Cfg, OP, Turn> epi{args.g, sm, epoch, TpDest<OP, Turn>{args, epoch, &comm}};
         gemm_consumer<Cfg>(args.g, sm, wg, epi);
         epi.finish();  // this CTA's flags are published before it waits for anybody's
         __syncwarp();
-        join(args, epoch);
+        join(args, epoch, &comm);
       });
   __syncthreads();
   if (threadIdx.x == 0) tp_counters_done(args);

@@ -17,7 +17,8 @@
 // into every peer's gather buffer (gath[me], flag gflag[me][tl]), then copies the peers' reduced
 // tiles from its own gather buffer into `out` as their flags arrive (counter TP_CNT_COPY).
 // Waits: reducers wait on GEMM tiles only, copiers on reducers only, and the GEMM on credits only:
-// no cycle.
+// no cycle. GEMM CTAs the controller lent (tp_controller.cuh) take reduction items between their
+// tiles only when the item's inputs are already in (TpReduceTurn): a turn never waits on a tile.
 #include "tp_epilogue.cuh"
 #include "queue.cuh"
 
@@ -66,15 +67,35 @@ MK_DEV bool tp_remote_credit(const TpArgs& a, u32 j, u32 E, u32* credited) {
   return ok;
 }
 
+// Several nodes: the arrival counter (first of its kind: `base`) of tile tl from node j, and the
+// count it reaches once launch `launch` of the plan delivered every tile of tl's group.
+MK_DEV const u32* tp_arrival_flag(const TpArgs& a, u32 base, u32 j, u32 tl) {
+  return a.pflags + base + j * a.xgroups + tl / a.xgroup;
+}
+MK_DEV u32 tp_arrival_target(const TpArgs& a, u32 tl, u32 launch) {
+  const u32 g = tl / a.xgroup;
+  return launch * min(a.xgroup, tp_tiles_blk(a) - g * a.xgroup);
+}
+
 // Reducer thread 0, several nodes: the arrival counters (first: `base`) of tile tl from every other node.
 MK_DEV bool tp_remote_arrivals(const TpArgs& a, u32 base, u32 tl, u32 launch) {
-  const u32 tb = tp_tiles_blk(a), g = tl / a.xgroup, tiles = min(a.xgroup, tb - g * a.xgroup);
   for (u32 j = 0; j < (u32)a.nodes; ++j)
     if (j != (u32)a.node &&
-        !wait_remote_at_least(a.g.sync, a.queue, a.pflags + base + j * a.xgroups + g, launch * tiles,
+        !wait_remote_at_least(a.g.sync, a.queue, tp_arrival_flag(a, base, j, tl), tp_arrival_target(a, tl, launch),
                               (i32)(j * a.local + a.lrank), 0x30000u + tl))
       return false;
   return true;
+}
+
+// Thread 0, AR: every local peer entered this epoch, so its gather buffer may be written (once per
+// group state).
+MK_DEV bool tp_local_credits(const TpArgs& a, u32 E, TpCommShared* sh) {
+  if (sh->local_ok) return true;
+  bool good = true;
+  for (u32 p = 0; p < (u32)a.local && good; ++p)
+    if (p != (u32)a.lrank) good = credits_wait(a.g.sync, tp_peers(a), p, E);
+  sh->local_ok = good ? 1u : 0u;
+  return good;
 }
 
 // Reducer thread 0, several nodes, after the launch's last WRITE: FLUSH to every destination and
@@ -88,9 +109,6 @@ MK_DEV void tp_remote_flush(const TpArgs& a, u32 E) {
       return;
 }
 
-// The reduction (and, AR, the gather copies) by a group of nthr threads (tid in [0, nthr)) that
-// synchronise with bar(): a communication CTA from the start, or a GEMM CTA's consumers after
-// their tiles. Items are claimed from the shared counters, so any number of groups cooperate.
 // Tile tl of a block: its rows, columns, and 16-byte vectors per row (n % 8 == 0).
 struct TpTileShape {
   u32 mt, nt, rows, cols, vpr;
@@ -111,11 +129,49 @@ MK_DEV void tp_send_tile(const TpArgs& a, u32 j, u64 src_off, u64 dst_off, u32 b
   if (atomicAdd(&a.counters[TP_CNT_SENT], 1u) + 1 == sends) tp_remote_flush(a, E);
 }
 
+// Reduction item `item` of this rank: node block j (other nodes' first, own last) and tile tl.
+struct TpReduceItem {
+  u32 j, tl;
+  bool own;
+  MK_DEV TpReduceItem(const TpArgs& a, u32 item) {
+    const u32 tb = tp_tiles_blk(a), N = (u32)a.nodes, n = (u32)a.node;
+    const u32 i = item / tb;
+    j = (n + 1 + i) % N;
+    own = j == n;
+    tl = tp_block_tile(item - i * tb, (u32)a.tiles_mb, (u32)a.tiles_n);
+  }
+};
+
+MK_DEV u32 tp_launch_count(const TpArgs& a) {  // this launch's number (targets of the counting flags between nodes)
+  return a.nodes > 1 ? ld_relaxed_sys(&a.counters[TP_CNT_LAUNCHES]) + 1 : 0u;
+}
+
+// Whether reduction item `item` can run without waiting: every local sender's partial of its tile
+// is in and, between nodes, the other nodes' partials (own block) or the destination's credit (a
+// node partial to send). A lent GEMM CTA takes only such items.
+MK_DEV bool tp_reduce_ready(const TpArgs& a, u32 E, u32 item) {
+  const u32 tb = tp_tiles_blk(a), N = (u32)a.nodes, L = (u32)a.local;
+  if (item >= N * tb) return false;
+  const TpReduceItem it(a, item);
+  const u32* rflag = peer_ptr<u32>(tp_peers(a), (u32)a.lrank, a.rflag_off);
+  for (u32 s = 0; s < L; ++s)
+    if (ld_acquire_sys(rflag + (s * N + it.j) * tb + it.tl) != E) return false;
+  if (N == 1) return true;
+  if (!it.own) return ld_acquire_sys(a.pflags + TP_PF_CREDIT + it.j) == E;
+  const u32 launch = tp_launch_count(a);
+  for (u32 jj = 0; jj < N; ++jj)
+    if (jj != (u32)a.node &&
+        !epoch_reached(ld_acquire_sys(tp_arrival_flag(a, TP_PF_ARRIVED, jj, it.tl)), tp_arrival_target(a, it.tl, launch)))
+      return false;
+  return true;
+}
+
+// One claimed reduction item by a group of nthr threads (tid in [0, nthr)) that synchronise with
+// bar(): the waits for its inputs (thread 0), the fp32 sums, the stores, flags and sends. Returns
+// false when a wait failed (the error is recorded).
 template <int DT, int OP, class Bar>
-MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar) {
-  __shared__ u32 s_item, s_credited;
-  __shared__ int s_ok;
-  const u32 W = (u32)a.world, me = (u32)a.me, tb = tp_tiles_blk(a);
+MK_DEV bool tp_reduce_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, Bar bar, TpCommShared* sh) {
+  const u32 me = (u32)a.me, tb = tp_tiles_blk(a);
   const u32 L = (u32)a.local, N = (u32)a.nodes, l = (u32)a.lrank, n = (u32)a.node;
   const MkPeers peers = tp_peers(a);
   const u64 ncol = (u64)a.g.n;
@@ -123,87 +179,93 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar) {
   const u8* recv = peer_ptr<u8>(peers, l, a.recv_off);        // [L senders][N blocks][mb][n]
   const u32* rflag = peer_ptr<u32>(peers, l, a.rflag_off);    // [L][N][tb]
   const u8* xrecv = peer_ptr<u8>(peers, l, a.xrecv_off);      // [N][tb] compact tiles (N > 1)
-  const u8* xgath = peer_ptr<u8>(peers, l, a.xgath_off);      // AR: [N][tb] compact reduced tiles (N > 1)
   u8* stage = peer_ptr<u8>(peers, l, a.stage_off);            // [N][tb] compact tiles (N > 1)
-  const u32 launch = N > 1 ? ld_relaxed_sys(&a.counters[TP_CNT_LAUNCHES]) + 1 : 0;
   const u32 sends = (OP == TP_OP_AR ? 2u : 1u) * (N - 1) * tb;  // WRITEs of this rank per launch
   const u32 gathered = TP_PF_ARRIVED + N * a.xgroups;         // AR: counters of reduced tiles, by node
   u8* out = reinterpret_cast<u8*>(a.out);
-  bool ok = true;
-  if (tid == 0) s_credited = 0;
-  if (OP == TP_OP_AR) {  // every local peer's gather buffer may be written once it entered this epoch
-    bar();
-    if (tid == 0) {
-      int good = 1;
-      for (u32 p = 0; p < L; ++p)
-        if (p != l) good &= credits_wait(a.g.sync, peers, p, E) ? 1 : 0;
-      s_ok = good;
-    }
-    bar();
-    ok = s_ok != 0;
+  const TpReduceItem it(a, item);
+  const u32 j = it.j, tl = it.tl;
+  const bool own = it.own;
+  if (tid == 0) {
+    const u64 start = tp_ctl_clock(a);
+    bool good = OP != TP_OP_AR || tp_local_credits(a, E, sh);
+    for (u32 s = 0; s < L && good; ++s) good = wait_epoch(a.g.sync, rflag + (s * N + j) * tb + tl, E, (i32)(n * L + s), tl);
+    if (good && N > 1)
+      good = own ? tp_remote_arrivals(a, TP_PF_ARRIVED, tl, tp_launch_count(a)) : tp_remote_credit(a, j, E, &sh->credited);
+    tp_ctl_wait(a, &a.ctl->comm_stall_ns, start);
+    __threadfence();
+    sh->ok = good ? 1 : 0;
   }
+  bar();
+  if (!sh->ok) return false;
+  const TpTileShape ts(a, tl);
+  const u64 tile_off = ((u64)j * tb + tl) * TP_TILE_BYTES;  // own: the reduced tile to send (AR)
+  for (u32 v = tid; v < ts.rows * ts.vpr; v += nthr) {
+    const u32 r = v / ts.vpr, c = (v - r * ts.vpr) * 8u;
+    const u64 row = ts.mt * 128u + r, col = ts.nt * 256u + c;
+    const u64 off = (row * ncol + col) * 2;
+    const u64 compact = ((u64)r * ts.cols + c) * 2;
+    float s[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) s[e] = 0.f;
+    if (own) {  // node order; inside this node, rank order
+      for (u32 jj = 0; jj < N; ++jj) {
+        if (jj == n) tp_add_partials<DT>(s, recv + j * blk_bytes + off, N * blk_bytes, L);
+        else tp_add_partials<DT>(s, xrecv + ((u64)jj * tb + tl) * TP_TILE_BYTES + compact, 0, 1);
+      }
+    } else {
+      tp_add_partials<DT>(s, recv + j * blk_bytes + off, N * blk_bytes, L);
+    }
+    const uint4 sum = tp_pack8<DT>(s);
+    if (!own || (OP == TP_OP_AR && N > 1)) st_v4(stage + tile_off + compact, sum);
+    if (!own) continue;
+    const u64 orow = OP == TP_OP_AR ? (u64)me * (u64)a.mb + row : row;
+    st_v4(out + (orow * (u64)a.ldo + col) * 2, sum);
+    if (OP == TP_OP_AR)
+      for (u32 p = 0; p < L; ++p)
+        if (p != l) st_v4(peer_ptr<u8>(peers, p, a.gath_off) + me * blk_bytes + off, sum);
+  }
+  if (!own || OP == TP_OP_AR) {
+    __threadfence_system();  // each thread's stores before the flags and WRITEs (cumulative with the barrier)
+    bar();
+  }
+  if (tid == 0) {
+    const u32 g = tl / a.xgroup, bytes = ts.rows * ts.cols * 2;
+    if (!own)  // the node partial, counted in its owner's arrivals
+      tp_send_tile(a, j, a.stage_off + tile_off, a.xrecv_off + ((u64)n * tb + tl) * TP_TILE_BYTES, bytes,
+                   TP_PF_ARRIVED + n * a.xgroups + g, sends, E);
+    if (own && OP == TP_OP_AR) {  // the reduced tile: to this node's peers, and once to every other node
+      for (u32 p = 0; p < L; ++p)
+        if (p != l) set_flag(peer_ptr<u32>(peers, p, a.gflag_off) + me * tb + tl, E);
+      for (u32 jj = 0; jj < N; ++jj)
+        if (jj != n && tp_remote_credit(a, jj, E, &sh->credited))
+          tp_send_tile(a, jj, a.stage_off + tile_off, a.xgath_off + ((u64)n * tb + tl) * TP_TILE_BYTES, bytes,
+                       gathered + n * a.xgroups + g, sends, E);
+    }
+  }
+  return true;
+}
+
+// The reduction (and, AR, the gather copies) by a group of nthr threads (tid in [0, nthr)) that
+// synchronise with bar(): a communication CTA from the start, or a GEMM CTA's consumers after
+// their tiles. Items are claimed from the shared counters, so any number of groups cooperate.
+template <int DT, int OP, class Bar>
+MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, TpCommShared* sh) {
+  const u32 W = (u32)a.world, me = (u32)a.me, tb = tp_tiles_blk(a);
+  const u32 L = (u32)a.local, N = (u32)a.nodes, l = (u32)a.lrank, n = (u32)a.node;
+  const MkPeers peers = tp_peers(a);
+  const u64 ncol = (u64)a.g.n;
+  const u64 blk_bytes = (u64)a.mb * ncol * 2;  // one row block of 16-bit elements
+  const u8* xgath = peer_ptr<u8>(peers, l, a.xgath_off);      // AR: [N][tb] compact reduced tiles (N > 1)
+  const u32 gathered = TP_PF_ARRIVED + N * a.xgroups;         // AR: counters of reduced tiles, by node
+  u8* out = reinterpret_cast<u8*>(a.out);
+  bool ok = true;
   // Reduce: blocks j * L + l (other nodes' first, own last).
   while (ok) {
-    const u32 item = tp_claim(&a.counters[TP_CNT_REDUCE], &s_item, tid, bar);
+    const u32 item = tp_claim(&a.counters[TP_CNT_REDUCE], &sh->item, tid, bar);
     if (item >= N * tb) break;
-    const u32 i = item / tb;
-    const u32 j = (n + 1 + i) % N;
-    const bool own = j == n;
-    const u32 tl = tp_block_tile(item - i * tb, (u32)a.tiles_mb, (u32)a.tiles_n);
-    if (tid == 0) {
-      int good = 1;
-      for (u32 s = 0; s < L && good; ++s) good = wait_epoch(a.g.sync, rflag + (s * N + j) * tb + tl, E, (i32)(n * L + s), tl) ? 1 : 0;
-      if (good && N > 1) good = (own ? tp_remote_arrivals(a, TP_PF_ARRIVED, tl, launch) : tp_remote_credit(a, j, E, &s_credited)) ? 1 : 0;
-      __threadfence();
-      s_ok = good;
-    }
-    bar();
-    if (!s_ok) break;
-    const TpTileShape ts(a, tl);
-    const u64 tile_off = ((u64)j * tb + tl) * TP_TILE_BYTES;  // own: the reduced tile to send (AR)
-    for (u32 v = tid; v < ts.rows * ts.vpr; v += nthr) {
-      const u32 r = v / ts.vpr, c = (v - r * ts.vpr) * 8u;
-      const u64 row = ts.mt * 128u + r, col = ts.nt * 256u + c;
-      const u64 off = (row * ncol + col) * 2;
-      const u64 compact = ((u64)r * ts.cols + c) * 2;
-      float s[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) s[e] = 0.f;
-      if (own) {  // node order; inside this node, rank order
-        for (u32 jj = 0; jj < N; ++jj) {
-          if (jj == n) tp_add_partials<DT>(s, recv + j * blk_bytes + off, N * blk_bytes, L);
-          else tp_add_partials<DT>(s, xrecv + ((u64)jj * tb + tl) * TP_TILE_BYTES + compact, 0, 1);
-        }
-      } else {
-        tp_add_partials<DT>(s, recv + j * blk_bytes + off, N * blk_bytes, L);
-      }
-      const uint4 sum = tp_pack8<DT>(s);
-      if (!own || (OP == TP_OP_AR && N > 1)) st_v4(stage + tile_off + compact, sum);
-      if (!own) continue;
-      const u64 orow = OP == TP_OP_AR ? (u64)me * (u64)a.mb + row : row;
-      st_v4(out + (orow * (u64)a.ldo + col) * 2, sum);
-      if (OP == TP_OP_AR)
-        for (u32 p = 0; p < L; ++p)
-          if (p != l) st_v4(peer_ptr<u8>(peers, p, a.gath_off) + me * blk_bytes + off, sum);
-    }
-    if (!own || OP == TP_OP_AR) {
-      __threadfence_system();  // each thread's stores before the flags and WRITEs (cumulative with the barrier)
-      bar();
-    }
-    if (tid == 0) {
-      const u32 g = tl / a.xgroup, bytes = ts.rows * ts.cols * 2;
-      if (!own)  // the node partial, counted in its owner's arrivals
-        tp_send_tile(a, j, a.stage_off + tile_off, a.xrecv_off + ((u64)n * tb + tl) * TP_TILE_BYTES, bytes,
-                     TP_PF_ARRIVED + n * a.xgroups + g, sends, E);
-      if (own && OP == TP_OP_AR) {  // the reduced tile: to this node's peers, and once to every other node
-        for (u32 p = 0; p < L; ++p)
-          if (p != l) set_flag(peer_ptr<u32>(peers, p, a.gflag_off) + me * tb + tl, E);
-        for (u32 jj = 0; jj < N; ++jj)
-          if (jj != n && tp_remote_credit(a, jj, E, &s_credited))
-            tp_send_tile(a, jj, a.stage_off + tile_off, a.xgath_off + ((u64)n * tb + tl) * TP_TILE_BYTES, bytes,
-                         gathered + n * a.xgroups + g, sends, E);
-      }
-    }
+    ok = tp_reduce_item<DT, OP>(a, E, item, tid, nthr, bar, sh);
+    if (tid == 0) tp_ctl_tick<OP>(a);
   }
   if (OP != TP_OP_AR) {
     bar();
@@ -211,19 +273,21 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar) {
   }
   // AR, several nodes: forward the reduced tiles of blocks jj * L + l that arrived from node jj into
   // `out` and to this node's peers (their gather buffers), so each crosses the network once per node.
+  const u32 launch = tp_launch_count(a);
   while (ok && N > 1) {
-    const u32 item = tp_claim(&a.counters[TP_CNT_FORWARD], &s_item, tid, bar);
+    const u32 item = tp_claim(&a.counters[TP_CNT_FORWARD], &sh->item, tid, bar);
     if (item >= (N - 1) * tb) break;
     const u32 i = item / tb;
     const u32 jj = (n + 1 + i) % N, o = jj * L + l;
     const u32 tl = tp_block_tile(item - i * tb, (u32)a.tiles_mb, (u32)a.tiles_n);
     if (tid == 0) {
-      s_ok = wait_remote_at_least(a.g.sync, a.queue, a.pflags + gathered + jj * a.xgroups + tl / a.xgroup,
-                                  launch * min(a.xgroup, tb - tl / a.xgroup * a.xgroup), (i32)o, 0x50000u + tl) ? 1 : 0;
+      sh->ok = tp_local_credits(a, E, sh) &&
+               wait_remote_at_least(a.g.sync, a.queue, tp_arrival_flag(a, gathered, jj, tl),
+                                    tp_arrival_target(a, tl, launch), (i32)o, 0x50000u + tl) ? 1 : 0;
       __threadfence();
     }
     bar();
-    if (!s_ok) break;
+    if (!sh->ok) break;
     const TpTileShape ts(a, tl);
     const u8* src = xgath + ((u64)jj * tb + tl) * TP_TILE_BYTES;
     for (u32 v = tid; v < ts.rows * ts.vpr; v += nthr) {
@@ -244,7 +308,7 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar) {
   const u8* gath = peer_ptr<u8>(peers, l, a.gath_off);
   const u32* gflag = peer_ptr<u32>(peers, l, a.gflag_off);
   while (ok) {
-    const u32 item = tp_claim(&a.counters[TP_CNT_COPY], &s_item, tid, bar);
+    const u32 item = tp_claim(&a.counters[TP_CNT_COPY], &sh->item, tid, bar);
     if (item >= (W - N) * tb) break;
     u32 i = item / tb, o = me;
     for (u32 d = 0, seen = 0; seen <= i; ++d) {  // the i-th block after me whose local index is not l
@@ -253,11 +317,11 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar) {
     }
     const u32 tl = tp_block_tile(item - i * tb, (u32)a.tiles_mb, (u32)a.tiles_n);
     if (tid == 0) {
-      s_ok = wait_epoch(a.g.sync, gflag + o * tb + tl, E, (i32)o, 0x10000u + tl) ? 1 : 0;
+      sh->ok = wait_epoch(a.g.sync, gflag + o * tb + tl, E, (i32)o, 0x10000u + tl) ? 1 : 0;
       __threadfence();
     }
     bar();
-    if (!s_ok) break;
+    if (!sh->ok) break;
     const TpTileShape ts(a, tl);
     for (u32 v = tid; v < ts.rows * ts.vpr; v += nthr) {
       const u32 r = v / ts.vpr;
@@ -269,14 +333,36 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar) {
   bar();
 }
 
+// A lent GEMM CTA's turn in RS / AR: the next reduction item, if it is (still) ready.
+template <int DT, int OP>
+struct TpReduceTurn {
+  static MK_DEV bool ready(const TpArgs& a, u32 E) { return tp_reduce_ready(a, E, ld_volatile(&a.counters[TP_CNT_REDUCE])); }
+  static MK_DEV void run(const TpArgs& a, u32 E, TpCommShared* sh) {
+    const u32 tid = threadIdx.x - 128;
+    const u64 start = globaltimer_ns();
+    const MkBarConsumers bar;
+    bar();  // the group's previous use of sh->item is over
+    if (tid == 0)
+      sh->item = tp_try_claim(&a.counters[TP_CNT_REDUCE], [&](u32 v) { return tp_reduce_ready(a, E, v); });
+    bar();
+    const u32 item = sh->item;
+    const bool took = item != TP_CTL_NO_ITEM && tp_reduce_item<DT, OP>(a, E, item, tid, 256, bar, sh);
+    if (tid == 0) tp_ctl_turn_done(a, start, took);
+  }
+};
+
 // A communication CTA of GEMM+RS / GEMM+AR: reduces from the start.
 template <int DT, int OP>
 MK_DEV void tp_reduce_cta(const TpArgs& a) {
   __shared__ u32 s_epoch;
-  if (threadIdx.x == 0) s_epoch = launch_epoch(a.g.sync);
+  __shared__ TpCommShared comm;
+  if (threadIdx.x == 0) {
+    s_epoch = launch_epoch(a.g.sync);
+    tp_comm_shared_init(&comm);
+  }
   __syncthreads();
   const u32 E = s_epoch;
-  tp_reduce_work<DT, OP>(a, E, threadIdx.x, blockDim.x, MkBarCta());
+  tp_reduce_work<DT, OP>(a, E, threadIdx.x, blockDim.x, MkBarCta(), &comm);
   if (threadIdx.x == 0) tp_counters_done(a);
   launch_exit(a.g.sync, E);
 }
@@ -326,8 +412,8 @@ MK_DEV void tp_partial_cta(const TpArgs& a) {
 // The consumers of a GEMM CTA join the reduction once their tiles are stored (args.join).
 template <int DT, int OP>
 struct TpJoinReduce {
-  MK_DEV void operator()(const TpArgs& a, u32 E) const {
-    if (a.join) tp_reduce_work<DT, OP>(a, E, threadIdx.x - 128, 256, MkBarConsumers());
+  MK_DEV void operator()(const TpArgs& a, u32 E, TpCommShared* sh) const {
+    if (a.join) tp_reduce_work<DT, OP>(a, E, threadIdx.x - 128, 256, MkBarConsumers(), sh);
   }
 };
 
@@ -341,5 +427,5 @@ MK_DEV void tp_reduce_kernel_body(const TpArgs& args) {
   else if (args.partial)
     tp_partial_cta<OP>(args);
   else
-    tp_gemm_cta<GemmCfg<DT, BL>, OP>(args, TpJoinReduce<DT, OP>());
+    tp_gemm_cta<GemmCfg<DT, BL>, OP, TpJoinReduce<DT, OP>, TpReduceTurn<DT, OP> >(args);
 }
