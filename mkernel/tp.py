@@ -104,8 +104,8 @@ class TpArgs(ctypes.Structure):
 
 class TpCtlStats(ctypes.Structure):
     """Mirror of ``TpCtlStats`` (tp_args.cuh): one launch's controller record."""
-    _fields_ = [(f, ctypes.c_uint32) for f in ("turns", "steps", "windows", "lent_peak", "lent_last", "gemm_ctas",
-                                              "comm_ctas", "launches")]
+    _fields_ = [(f, ctypes.c_uint32) for f in ("turns", "steps", "windows", "gemm_windows", "lent_peak", "lent_last",
+                                              "gemm_ctas", "comm_ctas", "launches")] + [("pad", ctypes.c_uint32 * 3)]
 
 
 class TpCtl(ctypes.Structure):
@@ -113,8 +113,9 @@ class TpCtl(ctypes.Structure):
     _fields_ = [("lock", ctypes.c_uint32), ("lent", ctypes.c_uint32), ("tiles_at", ctypes.c_uint32),
                 ("items_at", ctypes.c_uint32), ("window_start", ctypes.c_uint64), ("turn_ns", ctypes.c_uint64),
                 ("comm_stall_ns", ctypes.c_uint64), ("gemm_stall_ns", ctypes.c_uint64), ("turns", ctypes.c_uint32),
-                ("steps", ctypes.c_uint32), ("windows", ctypes.c_uint32), ("lent_peak", ctypes.c_uint32),
-                ("ctl", _split_ctl()), ("pad", ctypes.c_uint32 * 6), ("last", TpCtlStats)]
+                ("steps", ctypes.c_uint32), ("windows", ctypes.c_uint32), ("gemm_windows", ctypes.c_uint32),
+                ("lent_peak", ctypes.c_uint32), ("ctl", _split_ctl()), ("pad", ctypes.c_uint32 * 5),
+                ("last", TpCtlStats)]
 
 
 def register(op: str, source: str, kernel: str):
@@ -406,15 +407,16 @@ def set_split(args, plan, gemm_ctas, mode, comm):
 
 def controller_stats(comm) -> dict:
     """The controller's record of the last completed fused launch on ``comm`` (synchronises the
-    device): turns (comm items GEMM CTAs took between tiles), steps, windows, lent_peak, lent_last,
-    gemm_ctas, comm_ctas, launches (of that plan so far). Empty before any fused launch."""
+    device): turns (comm items GEMM CTAs took between tiles), steps, windows, gemm_windows (windows
+    with GEMM tiles left, where a move is possible), lent_peak, lent_last, gemm_ctas, comm_ctas,
+    launches (of that plan so far). Empty before any fused launch."""
     ctl = op_cache(comm).get("_last_ctl")
     if ctl is None:
         return {}
     cupy_mod().cuda.runtime.deviceSynchronize()
     words = ctl.get()
     state = TpCtl.from_buffer_copy(words.tobytes())
-    return {f: int(getattr(state.last, f)) for f, _ in TpCtlStats._fields_}
+    return {f: int(getattr(state.last, f)) for f, _ in TpCtlStats._fields_ if f != "pad"}
 
 
 def fill_common(args, comm, op, *, a_ptr, a_rows, a_row_bytes, dtype, b_arr, layout, K, N, mb, counters):

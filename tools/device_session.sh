@@ -4,6 +4,7 @@
 #   source .whl/prepare.sh || exit 1; bash tools/device_session.sh [steps...]
 # Steps (default: info suite main sanitizer gemm transport); finer ones: runtime runtime2 queue queue2
 # mpi2 gemmtest tp attention ring ringbench tpbench tpnodes moebench controller controllernodes (the last six want 2 GPUs)
+# controller1: bench/controller.py at world 1 (the comm is a local tile copy; the mechanism, not the issue's rows).
 # branchsuite / branchtpbench: the GPU suite / bench/tp.py of a branch checked out at scratch/branch
 # (git worktree add scratch/branch <branch>; carry scratch), results under $OUT/branch (the A/B of
 # branch tp-copy-batched against main's tpbench). moe: the MoE tests at
@@ -65,6 +66,7 @@ for s in $steps; do
     branchtpbench) step branchtpbench 400 bash -c "cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null && \
       PYTHONPATH=\$PWD $MPI2 python3 bench/tp.py --out \$OUT/branch" ;;
     controller) step controller 500 $MPI2 python3 bench/controller.py ;;
+    controller1) step controller1 500 python3 bench/controller.py ;;
     controllernodes) step controllernodes 500 $MPI2 python3 bench/controller.py --nodes 2 ;;
     *) summary+=("unknown step $s") ;;
   esac

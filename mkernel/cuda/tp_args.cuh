@@ -38,11 +38,13 @@ struct TpCtlStats {
   unsigned int turns;      // communication items GEMM CTAs took between their tiles
   unsigned int steps;      // controller steps that changed the number of lent GEMM CTAs
   unsigned int windows;    // windows the controller evaluated
+  unsigned int gemm_windows;  // of those, windows with GEMM tiles left to claim (where a move is possible)
   unsigned int lent_peak;  // most GEMM CTAs lent at once
   unsigned int lent_last;  // GEMM CTAs lent at the end
   unsigned int gemm_ctas;  // the launch's static split
   unsigned int comm_ctas;
   unsigned int launches;   // launches recorded so far
+  unsigned int pad[3];
 };
 
 // A plan's controller state (device memory, zero before the first launch). The live part is reset
@@ -57,9 +59,9 @@ struct TpCtl {
   unsigned long long turn_ns;      // window sums (atomics): CTA-ns of GEMM CTAs' comm turns,
   unsigned long long comm_stall_ns;//   comm CTAs waiting on their inputs,
   unsigned long long gemm_stall_ns;//   GEMM producers waiting on theirs (AG arrivals)
-  unsigned int turns, steps, windows, lent_peak;  // this launch so far
+  unsigned int turns, steps, windows, gemm_windows, lent_peak;  // this launch so far
   MkSplitCtl ctl;                  // the policy's state
-  unsigned int pad[6];
+  unsigned int pad[5];
   TpCtlStats last;                 // the last completed launch's record
 };
 

@@ -25,7 +25,7 @@
 #include "signals.cuh"
 #include "tp_args.cuh"
 
-constexpr u64 TP_CTL_WINDOW_NS = 20000;       // ~20 us: tens of tile completions at full width
+constexpr u64 TP_CTL_WINDOW_NS = 10000;       // 10 us: ~50 tile completions at full width (~25 us tiles)
 constexpr i32 TP_CTL_STEP_MAX = 8;            // the largest move of one step (halves at reversals)
 constexpr u32 TP_CTL_HYST_PERMILLE = 125;     // no move within 12.5% of the current count
 constexpr u32 TP_CTL_STALL_PERMILLE = 300;    // a role waiting 30% of its time is starved
@@ -121,6 +121,7 @@ MK_DEV void tp_ctl_tick(const TpArgs& a) {
                                             tiles_total - tiles, items_total - items);
     const u32 lent = (u32)(mk_split_ctl_step(ctl, w) - comm_ctas);
     st_volatile(&c->windows, ld_volatile(&c->windows) + 1);
+    if (tiles < tiles_total) st_volatile(&c->gemm_windows, ld_volatile(&c->gemm_windows) + 1);
     if (lent != ld_volatile(&c->lent)) {
       st_volatile(&c->steps, ld_volatile(&c->steps) + 1);
       st_volatile(&c->lent_peak, max(lent, ld_volatile(&c->lent_peak)));
@@ -146,11 +147,13 @@ MK_DEV void tp_ctl_finish(const TpArgs& a) {
   s.turns = ld_volatile(&c->turns);
   s.steps = ld_volatile(&c->steps);
   s.windows = ld_volatile(&c->windows);
+  s.gemm_windows = ld_volatile(&c->gemm_windows);
   s.lent_peak = ld_volatile(&c->lent_peak);
   s.lent_last = ld_volatile(&c->lent);
   s.gemm_ctas = (u32)a.gemm_ctas;
   s.comm_ctas = gridDim.x - (u32)a.gemm_ctas;
   s.launches = ld_volatile(&c->last.launches) + 1;
+  s.pad[0] = s.pad[1] = s.pad[2] = 0;
   const u32* w = reinterpret_cast<const u32*>(&s);
   for (u32 i = 0; i < sizeof(TpCtlStats) / 4; ++i) st_volatile(reinterpret_cast<u32*>(&c->last) + i, w[i]);
   u32* live = reinterpret_cast<u32*>(c);  // everything before `last`, the struct's final field
