@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 import tp as tp_bench  # noqa: E402  (bench/tp.py: the shapes)
 
-GRID = (2, 4, 6, 8, 12, 16, 24, 32, 48)
+GRID = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 REPS = 50
 SEARCH_CALLS = 16  # enough for the search to hold (it holds after at most 10 observations)
 
@@ -69,6 +69,7 @@ def bench_shape(op, comm, M, N, K, dt):
     harness.wait(f"{op} warm-up")
     comm._autosplit, comm._split_memory = {}, split.SplitMemory()  # a fresh key: its first call runs the prior
     first = one_ms(comm, lambda: call("auto"))
+    first_record = tp.controller_stats(comm)
     for _ in range(SEARCH_CALLS):
         call("auto")
     harness.wait(f"{op} search")
@@ -92,7 +93,7 @@ def bench_shape(op, comm, M, N, K, dt):
         (M, N, K), med["auto"], med[best_n], bound,
         best_static_ms=med[best_n], best_static_sms=best_n, best_static_ci95=harness.ci95(times[best_n]),
         worst_static_ms=med[worst_n], worst_static_sms=worst_n, worst_static_ci95=harness.ci95(times[worst_n]),
-        first_call_ms=first, controller_ms=med["auto"], controller_ci95=harness.ci95(times["auto"]),
+        first_call_ms=first, first_call_record=first_record, controller_ms=med["auto"], controller_ci95=harness.ci95(times["auto"]),
         controller_sms=search.best, controller_converged=search.converged, controller_record=record,
         static_ms={str(n): med[n] for n in statics}, static_ci95={str(n): harness.ci95(times[n]) for n in statics},
         bound_note="max(GEMM at tensor peak, bytes over the modelled link)", op=op, reps=REPS)
@@ -110,6 +111,7 @@ def plot(op, rows, path):
         hi = [r["static_ci95"][str(n)][1] - r["static_ms"][str(n)] for n in ns]
         line = ax.errorbar(ns, ys, yerr=[lo, hi], marker="o", ms=3, capsize=2, label=f"{tuple(r['shape'])}")
         ax.plot([r["controller_sms"]], [r["controller_ms"]], marker="*", ms=12, color=line[0].get_color())
+    ax.set_yscale("log")  # too few comm CTAs costs up to 20x: a linear axis hides the optimum
     ax.set_xlabel("communication CTAs (static)")
     ax.set_ylabel("ms per call (median, 95% CI)")
     ax.set_title(f"{op}: static splits; star = comm_sms='auto'")
@@ -122,6 +124,7 @@ def main():
     import numpy as np
 
     import mkernel
+    from mkernel import tp
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--op", default="all", choices=("all",) + tp_bench.OPS)
@@ -149,6 +152,8 @@ def main():
                 if comm.rank == 0:
                     print(f"== {op} {M}x{N}x{K}: not run: {e}")
                 continue
+            finally:
+                tp.release_buffers(comm)  # every rank, after every shape: the next one's buffers fit
             r = op_rows[-1]
             if comm.rank == 0:
                 print(f"{op:20s} {M}x{N}x{K}: best static {r['best_static_ms']:.3f} ms at {r['best_static_sms']}, "
@@ -159,14 +164,21 @@ def main():
             suffix = f"-{args.nodes}node" if args.nodes > 1 else ""
             plot(op, op_rows, Path(args.out or harness.RESULTS) / f"controller-{op}-{W}gpu{suffix}.png")
         rows += op_rows
-    if comm.rank == 0 and rows:
+        if comm.rank == 0 and rows:  # after every op: a run cut short still leaves its rows
+            write(rows, W, args, comm)
+    comm.close()
+
+
+def write(rows, W, args, comm):
+    if rows:
         ratios = [r["controller_ms"] / r["best_static_ms"] for r in rows]
         geomean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
-        path = harness.write("controller", rows, gpus=W, nodes=args.nodes, out_dir=args.out,
-                             transport=(comm.stats()["proxy"] or args.transport) if args.nodes > 1 else "nvlink",
-                             geomean_vs_best_static=geomean, grid=list(GRID))
+        transport = (comm.stats()["proxy"] or args.transport) if args.nodes > 1 else "nvlink" if W > 1 else "local"
+        note = ("world 1: the comm CTAs reduce (copy) the GEMM's own tiles into out; the split mechanism on "
+                "one GPU, not the issue's 2-GPU rows") if W == 1 else ""
+        path = harness.write("controller", rows, gpus=W, nodes=args.nodes, out_dir=args.out, transport=transport,
+                             geomean_vs_best_static=geomean, grid=list(GRID), note=note)
         print(f"SUMMARY controller: geomean controller / best static {geomean:.3f} over {len(rows)} rows -> {path}")
-    comm.close()
 
 
 if __name__ == "__main__":

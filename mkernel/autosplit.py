@@ -18,8 +18,9 @@ Cost: while a key's search runs (about 7-10 calls), each call waits for the prev
 the host and does one small allgather; afterwards one in ``HOLD_SAMPLE`` calls does. With
 ``MKERNEL_SPLIT_PERSIST=1`` rank 0 keeps converged keys on disk (:class:`mkernel.split.SplitMemory`)
 and every rank starts a key from rank 0's saved state (one broadcast when the key is first seen), so
-the first call of a later process on a known key runs its split. The in-call controller (loop 2:
-moving CTAs between roles inside a launch) is not built yet.
+the first call of a later process on a known key runs its split. Inside each "auto" call the in-call
+controller (loop 2, tp_controller.cuh) lends GEMM CTAs to communication when it falls behind; the
+search sees the call times with that inside.
 """
 
 import contextlib
@@ -31,9 +32,11 @@ log = get_logger("autosplit")
 
 HOLD_SAMPLE = 16  # once a key holds, every this-many-th call is timed (drift re-opens the search)
 MAX_COMM_CTAS = 64  # the search's upper bound (the GEMM needs the rest)
-# The prior's model (docs/CONTROLLER.md): one pushing CTA moves ~46 GB/s over NVLink, all of them
-# together ~365 GB/s; between nodes the transport's rate bounds it. The GEMM at ~650 TFLOP/s.
-CTA_GBPS = 46.0
+# The prior's model (docs/CONTROLLER.md): the comm CTAs load and store cta_bytes() (their copies and
+# reductions, local traffic included) at CTA_GBPS each, and the link carries comm_bytes() at its
+# rate (NVLink ~365 GB/s one way; between nodes the transport's). CTA_GBPS: bytes loaded + stored
+# per comm CTA and second, measured at world 1 (bench/NOTES.md). The GEMM at ~650 TFLOP/s.
+CTA_GBPS = 12.0
 NVLINK_GBPS = 365.0
 TRANSPORT_GBPS = {"host": 20.0, "tcp": 1.5, "verbs": 25.0}
 GEMM_TFLOPS = 650.0
@@ -49,6 +52,40 @@ def comm_bytes(op: str, M: int, N: int, K: int, world: int, esize: int, nodes: i
         return blocks * (M // world) * K * esize
     once = blocks * (M // world) * N * esize
     return 2 * once if op == "gemm_allreduce" else once
+
+
+def cta_bytes(op: str, M: int, N: int, K: int, world: int, esize: int, nodes: int = 1) -> int:
+    """Bytes one rank's comm CTAs load and store in one call (a copy counts its load and its store).
+    RS: each of this rank's node blocks sums its local ranks' partials into a store (out, or the
+    stage of a node partial to send), the own block also loads the other nodes' partials; AR also
+    stores its reduced block into its local peers' gather buffers, forwards the other nodes'
+    reduced blocks into its node and copies the other local ranks' blocks into out; AG copies its
+    shard into every local rank's buffer and forwards the other nodes' shards to its local peers."""
+    L = world // nodes
+    if op == "allgather_gemm":
+        shard = (M // world) * K * esize
+        return 2 * shard * (L + (nodes - 1) * (L - 1))
+    blk = (M // world) * N * esize
+    rs = blk * (nodes * (L + 1) + nodes - 1)
+    if op != "gemm_allreduce":
+        return rs
+    own = blk * ((L - 1) + (1 if nodes > 1 else 0))
+    forwards = blk * (nodes - 1) * (L + 1)
+    copies = blk * 2 * (world - nodes)
+    return rs + own + forwards + copies
+
+
+def prior_for(op: str, M: int, N: int, K: int, world: int, esize: int, nodes: int, link_gbps: float, sms: int,
+              hi: int) -> int:
+    """The model's first guess of comm CTAs: the smallest n minimising max(the GEMM on sms - n CTAs,
+    cta_bytes over n CTAs, comm_bytes over the link)."""
+    cb = cta_bytes(op, M, N, K, world, esize, nodes)
+    lb = comm_bytes(op, M, N, K, world, esize, nodes)
+    # split.prior's comm time is bytes / min(n * cta_rate, link_rate): with bytes = cta_bytes and the
+    # link rate scaled to CTA bytes it is max(cta_bytes / (n * cta_rate), comm_bytes / link_rate).
+    link_scaled = link_gbps * cb / lb if lb else 1e9
+    return split.prior(comm_bytes=cb, cta_gbps=CTA_GBPS, link_gbps=link_scaled,
+                       gemm_ms=2.0 * M * N * K / (GEMM_TFLOPS * 1e12) * 1e3, total=sms, lo=1, hi=hi)
 
 
 def _transport(comm) -> str:
@@ -124,9 +161,7 @@ def choose(comm, op: str, *, M: int, N: int, K: int, esize: int, comm_items: int
         # Every rank starts from rank 0's saved state (files of different hosts, or of a rank that
         # never persisted, would start the ranks' searches apart, and their collectives with them).
         mem.seed(key, comm.mpi.bcast(mem.saved(key), root=0))
-        prior = split.prior(comm_bytes=comm_bytes(op, M, N, K, comm.size, esize, comm.num_nodes), cta_gbps=CTA_GBPS,
-                            link_gbps=_link_gbps(comm), gemm_ms=2.0 * M * N * K / (GEMM_TFLOPS * 1e12) * 1e3,
-                            total=sms, lo=1, hi=hi)
+        prior = prior_for(op, M, N, K, comm.size, esize, comm.num_nodes, _link_gbps(comm), sms, hi)
         st = _states(comm)[(op, M, N, K)] = _KeyState(key, hi, prior)
     key = st.key
     if st.pending is not None:  # timed on every rank alike (the rule below depends on shared state only)

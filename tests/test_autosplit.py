@@ -83,9 +83,7 @@ def test_auto_converges_to_the_best_split_and_then_samples(fake_launch, auto):  
     times = {n: _curve(n) for n in range(1, 65)}
     assert _curve(search.best) <= 1.03 * min(times.values()), (search.best, counts)
     assert abs(search.best - BEST) <= 3
-    prior = split.prior(comm_bytes=autosplit.comm_bytes("gemm_reduce_scatter", 8192, 4096, 1024, 2, 2),
-                        cta_gbps=autosplit.CTA_GBPS, link_gbps=autosplit.NVLINK_GBPS,
-                        gemm_ms=2.0 * 8192 * 4096 * 1024 / (autosplit.GEMM_TFLOPS * 1e12) * 1e3, total=132, hi=64)
+    prior = autosplit.prior_for("gemm_reduce_scatter", 8192, 4096, 1024, 2, 2, 1, autosplit.NVLINK_GBPS, 132, 64)
     assert counts[0] == prior  # the first call on a new key runs the model's guess
     # every observation is the max over ranks (the second rank is 10% slower) of that call's count
     assert all(ms == pytest.approx(1.1 * _curve(n)) for n, ms in auto["observed"])
@@ -119,6 +117,21 @@ def test_allgather_gemm_auto_stays_within_its_items(fake_launch, auto):  # noqa:
         ag.allgather_gemm(a, b, comm=comm, out=out, comm_sms="auto", path="fused")
         seen.add(_launched_comm_ctas(fake_launch))
     assert seen <= {1, 2} and auto["timers"] >= 2
+
+
+def test_cta_bytes_per_op():
+    blk, shard = 4096 * 4096 * 2, 4096 * 1024 * 2  # M / W rows of N (or K) 16-bit columns at W = 2
+    # world 1: the reducer loads the partial and stores it (the prior is no longer "nothing to move")
+    assert autosplit.cta_bytes("gemm_reduce_scatter", 8192, 4096, 1024, 1, 2) == 2 * 2 * blk
+    assert autosplit.cta_bytes("gemm_reduce_scatter", 8192, 4096, 1024, 2, 2) == 3 * blk  # 2 partials in, 1 out
+    # AR: + the reduced block into the peer's gather buffer, + the peer's block copied into out
+    assert autosplit.cta_bytes("gemm_allreduce", 8192, 4096, 1024, 2, 2) == 3 * blk + blk + 2 * blk
+    assert autosplit.cta_bytes("allgather_gemm", 8192, 4096, 1024, 2, 2) == 2 * 2 * shard
+    # 2 nodes x 1: RS sums 1 partial per node block into a store, the own block adds the other node's
+    assert autosplit.cta_bytes("gemm_reduce_scatter", 8192, 4096, 1024, 2, 2, nodes=2) == (2 * 2 + 1) * blk
+    # W = 1: the GEMM (~0.85 ms) and 256 MiB of copies at 12 GB/s a CTA balance near 26 CTAs
+    n = autosplit.prior_for("gemm_reduce_scatter", 8192, 8192, 4096, 1, 2, 1, autosplit.NVLINK_GBPS, 132, 64)
+    assert 16 <= n <= 40, n
 
 
 def test_comm_bytes_per_op():

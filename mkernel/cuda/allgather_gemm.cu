@@ -17,11 +17,16 @@
 // (row stride k), by a group of nthr threads (tid in [0, nthr)).
 MK_DEV void tp_copy_rows(u8* dst, const u8* src, u32 rows, u64 k, u64 lds, u32 tid, u32 nthr) {
   const u32 vpr = (u32)(k / 8);  // 16-byte vectors per row (k % 8 == 0)
-  for (u32 v = tid; v < rows * vpr; v += nthr) {
-    const u32 r = v / vpr;
-    const u64 col = (u64)(v - r * vpr) * 8u;
-    st_v4(dst + ((u64)r * k + col) * 2, ld_cg_v4(src + ((u64)r * lds + col) * 2));
-  }
+  tp_copy_vectors<TP_IN_FLIGHT>(
+      rows * vpr, tid, nthr,
+      [&](u32 v) {
+        const u32 r = v / vpr;
+        return src + ((u64)r * lds + (u64)(v - r * vpr) * 8u) * 2;
+      },
+      [&](u32 v, uint4 x) {
+        const u32 r = v / vpr;
+        st_v4(dst + ((u64)r * k + (u64)(v - r * vpr) * 8u) * 2, x);
+      });
 }
 
 MK_DEV u32 tp_push_items(const TpArgs& a) { return (u32)a.local * (u32)a.tiles_mb; }

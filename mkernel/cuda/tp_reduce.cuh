@@ -22,19 +22,33 @@
 #include "tp_epilogue.cuh"
 #include "queue.cuh"
 
-// s += `count` partials of 8 elements, `stride_bytes` apart, in order (deterministic).
-template <int DT>
-MK_DEV void tp_add_partials(float (&s)[8], const u8* first, u64 stride_bytes, u32 count) {
-  for (u32 p = 0; p < count; ++p) {
-    const uint4 v = ld_cg_v4(first + p * stride_bytes);
-    const u32 w[4] = {v.x, v.y, v.z, v.w};
+// s[u] += the 8 elements of x[u] (u < count), in the input dtype.
+template <int DT, u32 U>
+MK_DEV void tp_add_vectors(float (&s)[U][8], const uint4 (&x)[U], u32 count) {
+#pragma unroll
+  for (u32 u = 0; u < U; ++u) {
+    if (u >= count) break;
+    const u32 w[4] = {x[u].x, x[u].y, x[u].z, x[u].w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       float lo, hi;
       unpack2<DT>(w[i], lo, hi);
-      s[2 * i] += lo;
-      s[2 * i + 1] += hi;
+      s[u][2 * i] += lo;
+      s[u][2 * i + 1] += hi;
     }
+  }
+}
+
+// s[u] += partials p = 0 .. count - 1 of vector u (u < vecs), at base + p * stride + off[u], in p
+// order (deterministic); the loads of all vecs vectors of one partial are in flight together.
+template <int DT, u32 U>
+MK_DEV void tp_add_partials(float (&s)[U][8], const u8* base, u64 stride, u32 count, const u64 (&off)[U], u32 vecs) {
+  for (u32 p = 0; p < count; ++p) {
+    uint4 x[U];
+#pragma unroll
+    for (u32 u = 0; u < U; ++u)
+      if (u < vecs) x[u] = ld_cg_v4(base + p * stride + off[u]);
+    tp_add_vectors<DT, U>(s, x, vecs);
   }
 }
 
@@ -167,9 +181,10 @@ MK_DEV bool tp_reduce_ready(const TpArgs& a, u32 E, u32 item) {
 }
 
 // One claimed reduction item by a group of nthr threads (tid in [0, nthr)) that synchronise with
-// bar(): the waits for its inputs (thread 0), the fp32 sums, the stores, flags and sends. Returns
-// false when a wait failed (the error is recorded).
-template <int DT, int OP, class Bar>
+// bar(): the waits for its inputs (thread 0), the fp32 sums, the stores, flags and sends; U vectors
+// in flight per thread (a GEMM CTA's consumers, whose accumulators stay live, afford fewer than a
+// comm CTA). Returns false when a wait failed (the error is recorded).
+template <int DT, int OP, u32 U, class Bar>
 MK_DEV bool tp_reduce_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, Bar bar, TpCommShared* sh) {
   const u32 me = (u32)a.me, tb = tp_tiles_blk(a);
   const u32 L = (u32)a.local, N = (u32)a.nodes, l = (u32)a.lrank, n = (u32)a.node;
@@ -200,30 +215,41 @@ MK_DEV bool tp_reduce_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, 
   if (!sh->ok) return false;
   const TpTileShape ts(a, tl);
   const u64 tile_off = ((u64)j * tb + tl) * TP_TILE_BYTES;  // own: the reduced tile to send (AR)
-  for (u32 v = tid; v < ts.rows * ts.vpr; v += nthr) {
-    const u32 r = v / ts.vpr, c = (v - r * ts.vpr) * 8u;
-    const u64 row = ts.mt * 128u + r, col = ts.nt * 256u + c;
-    const u64 off = (row * ncol + col) * 2;
-    const u64 compact = ((u64)r * ts.cols + c) * 2;
-    float s[8];
+  const u32 nv = ts.rows * ts.vpr;
+  for (u32 v0 = tid; v0 < nv; v0 += U * nthr) {  // U vectors per thread at a time
+    const u32 vecs = min(U, (nv - v0 + nthr - 1) / nthr);
+    u64 off[U], compact[U];  // of vector u: in a row block, in a compact tile
+    float s[U][8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) s[e] = 0.f;
+    for (u32 u = 0; u < U; ++u) {
+      const u32 v = v0 + u * nthr, r = v / ts.vpr, c = (v - r * ts.vpr) * 8u;
+      off[u] = (((u64)ts.mt * 128u + r) * ncol + ts.nt * 256u + c) * 2;
+      compact[u] = ((u64)r * ts.cols + c) * 2;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) s[u][e] = 0.f;
+    }
     if (own) {  // node order; inside this node, rank order
       for (u32 jj = 0; jj < N; ++jj) {
-        if (jj == n) tp_add_partials<DT>(s, recv + j * blk_bytes + off, N * blk_bytes, L);
-        else tp_add_partials<DT>(s, xrecv + ((u64)jj * tb + tl) * TP_TILE_BYTES + compact, 0, 1);
+        if (jj == n) tp_add_partials<DT, U>(s, recv + j * blk_bytes, N * blk_bytes, L, off, vecs);
+        else tp_add_partials<DT, U>(s, xrecv + ((u64)jj * tb + tl) * TP_TILE_BYTES, 0, 1, compact, vecs);
       }
     } else {
-      tp_add_partials<DT>(s, recv + j * blk_bytes + off, N * blk_bytes, L);
+      tp_add_partials<DT, U>(s, recv + j * blk_bytes, N * blk_bytes, L, off, vecs);
     }
-    const uint4 sum = tp_pack8<DT>(s);
-    if (!own || (OP == TP_OP_AR && N > 1)) st_v4(stage + tile_off + compact, sum);
-    if (!own) continue;
-    const u64 orow = OP == TP_OP_AR ? (u64)me * (u64)a.mb + row : row;
-    st_v4(out + (orow * (u64)a.ldo + col) * 2, sum);
-    if (OP == TP_OP_AR)
-      for (u32 p = 0; p < L; ++p)
-        if (p != l) st_v4(peer_ptr<u8>(peers, p, a.gath_off) + me * blk_bytes + off, sum);
+#pragma unroll
+    for (u32 u = 0; u < U; ++u) {
+      if (u >= vecs) break;
+      const uint4 sum = tp_pack8<DT>(s[u]);
+      if (!own || (OP == TP_OP_AR && N > 1)) st_v4(stage + tile_off + compact[u], sum);
+      if (!own) continue;
+      const u32 v = v0 + u * nthr, r = v / ts.vpr;
+      const u64 row = ts.mt * 128u + r, col = ts.nt * 256u + (v - r * ts.vpr) * 8u;
+      const u64 orow = OP == TP_OP_AR ? (u64)me * (u64)a.mb + row : row;
+      st_v4(out + (orow * (u64)a.ldo + col) * 2, sum);
+      if (OP == TP_OP_AR)
+        for (u32 p = 0; p < L; ++p)
+          if (p != l) st_v4(peer_ptr<u8>(peers, p, a.gath_off) + me * blk_bytes + off[u], sum);
+    }
   }
   if (!own || OP == TP_OP_AR) {
     __threadfence_system();  // each thread's stores before the flags and WRITEs (cumulative with the barrier)
@@ -249,7 +275,7 @@ MK_DEV bool tp_reduce_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, 
 // The reduction (and, AR, the gather copies) by a group of nthr threads (tid in [0, nthr)) that
 // synchronise with bar(): a communication CTA from the start, or a GEMM CTA's consumers after
 // their tiles. Items are claimed from the shared counters, so any number of groups cooperate.
-template <int DT, int OP, class Bar>
+template <int DT, int OP, u32 U, class Bar>
 MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, TpCommShared* sh) {
   const u32 W = (u32)a.world, me = (u32)a.me, tb = tp_tiles_blk(a);
   const u32 L = (u32)a.local, N = (u32)a.nodes, l = (u32)a.lrank, n = (u32)a.node;
@@ -264,7 +290,7 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, T
   while (ok) {
     const u32 item = tp_claim(&a.counters[TP_CNT_REDUCE], &sh->item, tid, bar);
     if (item >= N * tb) break;
-    ok = tp_reduce_item<DT, OP>(a, E, item, tid, nthr, bar, sh);
+    ok = tp_reduce_item<DT, OP, U>(a, E, item, tid, nthr, bar, sh);
     if (tid == 0) tp_ctl_tick<OP>(a);
   }
   if (OP != TP_OP_AR) {
@@ -290,14 +316,19 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, T
     if (!sh->ok) break;
     const TpTileShape ts(a, tl);
     const u8* src = xgath + ((u64)jj * tb + tl) * TP_TILE_BYTES;
-    for (u32 v = tid; v < ts.rows * ts.vpr; v += nthr) {
-      const u32 r = v / ts.vpr, c = (v - r * ts.vpr) * 8u;
-      const u64 row = ts.mt * 128u + r, col = ts.nt * 256u + c;
-      const uint4 x = ld_cg_v4(src + ((u64)r * ts.cols + c) * 2);
-      st_v4(out + (((u64)o * (u64)a.mb + row) * (u64)a.ldo + col) * 2, x);
-      for (u32 p = 0; p < L; ++p)
-        if (p != l) st_v4(peer_ptr<u8>(peers, p, a.gath_off) + o * blk_bytes + (row * ncol + col) * 2, x);
-    }
+    tp_copy_vectors<U>(
+        ts.rows * ts.vpr, tid, nthr,
+        [&](u32 v) {
+          const u32 r = v / ts.vpr;
+          return src + ((u64)r * ts.cols + (v - r * ts.vpr) * 8u) * 2;
+        },
+        [&](u32 v, uint4 x) {
+          const u32 r = v / ts.vpr;
+          const u64 row = ts.mt * 128u + r, col = ts.nt * 256u + (v - r * ts.vpr) * 8u;
+          st_v4(out + (((u64)o * (u64)a.mb + row) * (u64)a.ldo + col) * 2, x);
+          for (u32 p = 0; p < L; ++p)
+            if (p != l) st_v4(peer_ptr<u8>(peers, p, a.gath_off) + o * blk_bytes + (row * ncol + col) * 2, x);
+        });
     __threadfence_system();
     bar();
     if (tid == 0)
@@ -323,12 +354,23 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, T
     bar();
     if (!sh->ok) break;
     const TpTileShape ts(a, tl);
-    for (u32 v = tid; v < ts.rows * ts.vpr; v += nthr) {
+    const auto at = [&](u32 v, u64& row, u64& col) {
       const u32 r = v / ts.vpr;
-      const u64 row = ts.mt * 128u + r, col = ts.nt * 256u + (v - r * ts.vpr) * 8u;
-      const uint4 x = ld_cg_v4(gath + o * blk_bytes + (row * ncol + col) * 2);
-      st_v4(out + (((u64)o * (u64)a.mb + row) * (u64)a.ldo + col) * 2, x);
-    }
+      row = ts.mt * 128u + r;
+      col = ts.nt * 256u + (v - r * ts.vpr) * 8u;
+    };
+    tp_copy_vectors<U>(
+        ts.rows * ts.vpr, tid, nthr,
+        [&](u32 v) {
+          u64 row, col;
+          at(v, row, col);
+          return gath + o * blk_bytes + (row * ncol + col) * 2;
+        },
+        [&](u32 v, uint4 x) {
+          u64 row, col;
+          at(v, row, col);
+          st_v4(out + (((u64)o * (u64)a.mb + row) * (u64)a.ldo + col) * 2, x);
+        });
   }
   bar();
 }
@@ -346,7 +388,7 @@ struct TpReduceTurn {
       sh->item = tp_try_claim(&a.counters[TP_CNT_REDUCE], [&](u32 v) { return tp_reduce_ready(a, E, v); });
     bar();
     const u32 item = sh->item;
-    const bool took = item != TP_CTL_NO_ITEM && tp_reduce_item<DT, OP>(a, E, item, tid, 256, bar, sh);
+    const bool took = item != TP_CTL_NO_ITEM && tp_reduce_item<DT, OP, TP_IN_FLIGHT_GEMM>(a, E, item, tid, 256, bar, sh);
     if (tid == 0) tp_ctl_turn_done(a, start, took);
   }
 };
@@ -362,7 +404,7 @@ MK_DEV void tp_reduce_cta(const TpArgs& a) {
   }
   __syncthreads();
   const u32 E = s_epoch;
-  tp_reduce_work<DT, OP>(a, E, threadIdx.x, blockDim.x, MkBarCta(), &comm);
+  tp_reduce_work<DT, OP, TP_IN_FLIGHT>(a, E, threadIdx.x, blockDim.x, MkBarCta(), &comm);
   if (threadIdx.x == 0) tp_counters_done(a);
   launch_exit(a.g.sync, E);
 }
@@ -395,11 +437,22 @@ MK_DEV void tp_partial_cta(const TpArgs& a) {
     const u32 o = (u32)t.group, L = (u32)a.local, cols = min(256u, (u32)(ncol - (u64)t.n0)), vpr = cols / 8u;
     u8* dst = peer_ptr<u8>(peers, o % L, a.recv_off) + (((u64)a.lrank * a.nodes + o / L) * (u64)a.mb + (u64)dest.row(t)) * ncol * 2;
     const u8* src = reinterpret_cast<const u8*>(a.partial) + (u64)t.m0 * (u64)a.ldp * 2;
-    for (u32 v = threadIdx.x; v < (u32)t.rows * vpr; v += blockDim.x) {
-      const u32 r = v / vpr;
-      const u64 col = (u64)t.n0 + (v - r * vpr) * 8u;
-      st_v4(dst + ((u64)r * ncol + col) * 2, ld_cg_v4(src + ((u64)r * (u64)a.ldp + col) * 2));
-    }
+    const auto col_of = [&](u32 v, u32& r) {
+      r = v / vpr;
+      return (u64)t.n0 + (v - r * vpr) * 8u;
+    };
+    tp_copy_vectors<TP_IN_FLIGHT>(
+        (u32)t.rows * vpr, threadIdx.x, blockDim.x,
+        [&](u32 v) {
+          u32 r;
+          const u64 col = col_of(v, r);
+          return src + ((u64)r * (u64)a.ldp + col) * 2;
+        },
+        [&](u32 v, uint4 x) {
+          u32 r;
+          const u64 col = col_of(v, r);
+          st_v4(dst + ((u64)r * ncol + col) * 2, x);
+        });
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) set_flag(dest.flag(t), E);
@@ -413,7 +466,7 @@ MK_DEV void tp_partial_cta(const TpArgs& a) {
 template <int DT, int OP>
 struct TpJoinReduce {
   MK_DEV void operator()(const TpArgs& a, u32 E, TpCommShared* sh) const {
-    if (a.join) tp_reduce_work<DT, OP>(a, E, threadIdx.x - 128, 256, MkBarConsumers(), sh);
+    if (a.join) tp_reduce_work<DT, OP, TP_IN_FLIGHT_GEMM>(a, E, threadIdx.x - 128, 256, MkBarConsumers(), sh);
   }
 };
 
