@@ -3,8 +3,9 @@ for the three fused TP ops on bench/tp.py's shapes, one node or ``--nodes N`` em
 
 Per (op, shape): the first call on a fresh key (the model's prior) is timed alone; the search then
 runs until it holds; then every static count of GRID and the held auto split run interleaved,
-REPS times each (so that drift hits all variants alike), one CUDA-event time per call, the max
-over ranks. Reported per row: the median and 95% confidence interval of each variant, the best
+REPS times each (so that drift hits all variants alike), one CUDA-event time per call behind a spin
+kernel that hides the host's work for the call (the first call's host time, the key's setup, is
+reported apart), the max over ranks. Reported per row: the median and 95% confidence interval of each variant, the best
 and worst static split, the first call, the controller's split and time; top level the geomean of
 controller / best static. Differences inside the confidence intervals are not claims.
 
@@ -45,30 +46,43 @@ def op_call(op, comm, M, N, K, dt):
     return lambda n: fn(a, b, comm=comm, out=out, path="fused", comm_sms=n)
 
 
-def one_ms(comm, fn):
-    """One call's CUDA-event time, the max over ranks (the op ends when its slowest rank does)."""
+def one_ms(comm, fn, lead_ns):
+    """One call's CUDA-event time, the max over ranks (the op ends when its slowest rank does), with
+    the host's work for the call hidden behind a spin kernel of lead_ns (harness.hidden_launch_ms):
+    the split's effect on the GPU, not Python's. Also returns the call's host time (ms, this rank)."""
+    import time
+
     import cupy
     from mpi4py import MPI
 
     stream = cupy.cuda.get_current_stream()
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    harness.spin(lead_ns)
     start.record(stream)
+    t0 = time.perf_counter()
     fn()
+    host_ms = (time.perf_counter() - t0) * 1e3
     stop.record(stream)
     stop.synchronize()
     comm.check()
-    return comm.mpi.allreduce(cupy.cuda.get_elapsed_time(start, stop), op=MPI.MAX)
+    return comm.mpi.allreduce(cupy.cuda.get_elapsed_time(start, stop), op=MPI.MAX), host_ms
+
+
+FIRST_LEAD_NS = 50_000_000  # the first call on a key agrees its bound and computes the prior on the host
 
 
 def bench_shape(op, comm, M, N, K, dt):
+    from mpi4py import MPI
+
     from mkernel import autosplit, split, tp
 
     call = op_call(op, comm, M, N, K, dt)
     for n in GRID[:2]:  # compile, allocate the plan
         call(n)
     harness.wait(f"{op} warm-up")
+    lead = comm.mpi.allreduce(harness.launch_lead_ns(lambda: call(GRID[0])), op=MPI.MAX)
     comm._autosplit, comm._split_memory = {}, split.SplitMemory()  # a fresh key: its first call runs the prior
-    first = one_ms(comm, lambda: call("auto"))
+    first, first_host_ms = one_ms(comm, lambda: call("auto"), FIRST_LEAD_NS)
     first_record = tp.controller_stats(comm)
     for _ in range(SEARCH_CALLS):
         call("auto")
@@ -81,7 +95,7 @@ def bench_shape(op, comm, M, N, K, dt):
     times = {v: [] for v in variants}
     for _ in range(REPS):
         for v in variants:
-            times[v].append(one_ms(comm, lambda v=v: call(v)))
+            times[v].append(one_ms(comm, lambda v=v: call(v), lead)[0])
     record = tp.controller_stats(comm)  # the in-call controller's record of the last "auto" call
     med = {v: harness.median(t) for v, t in times.items()}
     best_n = min(statics, key=lambda n: med[n])
@@ -93,7 +107,7 @@ def bench_shape(op, comm, M, N, K, dt):
         (M, N, K), med["auto"], med[best_n], bound,
         best_static_ms=med[best_n], best_static_sms=best_n, best_static_ci95=harness.ci95(times[best_n]),
         worst_static_ms=med[worst_n], worst_static_sms=worst_n, worst_static_ci95=harness.ci95(times[worst_n]),
-        first_call_ms=first, first_call_record=first_record, controller_ms=med["auto"], controller_ci95=harness.ci95(times["auto"]),
+        first_call_ms=first, first_call_host_ms=first_host_ms, first_call_record=first_record, controller_ms=med["auto"], controller_ci95=harness.ci95(times["auto"]),
         controller_sms=search.best, controller_converged=search.converged, controller_record=record,
         static_ms={str(n): med[n] for n in statics}, static_ci95={str(n): harness.ci95(times[n]) for n in statics},
         bound_note="max(GEMM at tensor peak, bytes over the modelled link)", op=op, reps=REPS)

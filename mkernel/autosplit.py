@@ -36,7 +36,7 @@ MAX_COMM_CTAS = 64  # the search's upper bound (the GEMM needs the rest)
 # reductions, local traffic included) at CTA_GBPS each, and the link carries comm_bytes() at its
 # rate (NVLink ~365 GB/s one way; between nodes the transport's). CTA_GBPS: bytes loaded + stored
 # per comm CTA and second, measured at world 1 (bench/NOTES.md). The GEMM at ~650 TFLOP/s.
-CTA_GBPS = 12.0
+CTA_GBPS = 20.0
 NVLINK_GBPS = 365.0
 TRANSPORT_GBPS = {"host": 20.0, "tcp": 1.5, "verbs": 25.0}
 GEMM_TFLOPS = 650.0
