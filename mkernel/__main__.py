@@ -26,6 +26,11 @@ def _cmd_precompile(args):
         t = time.perf_counter()
         c = kcompile.compile_spec(kcompile.REGISTRY[name])
         print(f"{name:32s} {c.spec.source:24s} {time.perf_counter() - t:6.2f} s  key {c.key[:16]}")
+    if not args.kernels:  # the split policy's host library too (comm_sms="auto"): no g++ run at a first call
+        from . import split
+        t = time.perf_counter()
+        split.library()
+        print(f"{'split policy (host library)':32s} {'split_policy.cuh':24s} {time.perf_counter() - t:6.2f} s")
     print(f"cache: {kcompile.cache_dir()}")
     return 0
 

@@ -22,8 +22,9 @@ def gemm_reduce_scatter(a, b, *, comm, out=None, stream=None, b_layout=None, com
     K_r and N multiples of 8; M a multiple of the world size (uneven M raises ArgumentError).
     Partials travel in the input dtype; each output element is the fp32 sum of the W partials in
     rank order, rounded once: bitwise reproducible run to run. ``deterministic=False`` is accepted
-    and currently takes the same (deterministic) path. ``comm_sms``: CTAs that reduce (default 8), or ``"auto"``: the split search
-    of :mod:`mkernel.autosplit` picks it per shape from the calls' times.
+    and currently takes the same (deterministic) path. ``comm_sms``: ``"auto"`` (default): the split search of
+    :mod:`mkernel.autosplit` picks the CTAs that reduce per shape from the calls' times, and inside each
+    call the controller lends GEMM CTAs to the reduction when it falls behind; an integer pins them.
     ``path``: None (automatic: fused, or cupy.matmul + NCCL for small shapes on distinct GPUs,
     or a plain GEMM at world 1), 'fused', 'fallback', 'gemm' (world 1) or 'unfused' (cupy.matmul,
     then this op's own collective: the benchmarks' baseline for overlap). ``out``: optional

@@ -128,7 +128,11 @@ def library():
         path = Path(env.get("MKERNEL_CACHE_DIR")) / "host" / f"split_policy-{key}.so"
         if not path.is_file():
             _build(cxx, path)
-        lib = ctypes.CDLL(str(path))
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError:  # a cache carried from another machine whose C library this one lacks: build here
+            _build(cxx, path)
+            lib = ctypes.CDLL(str(path))
         lib.mk_split_sizeof.restype = ctypes.c_uint64
         lib.mk_split_prior_c.argtypes = [ctypes.POINTER(MkSplitModel)]
         lib.mk_split_search_init_c.argtypes = [ctypes.POINTER(MkSplitSearch)] + [ctypes.c_int] * 3

@@ -68,7 +68,9 @@ CTL_OFF, CTL_ADAPT, CTL_PATTERN = 0, 1, 2  # TP_CTL_*
 CTL_LEND_SHARE = 2  # the controller lends at most gemm_ctas / CTL_LEND_SHARE GEMM CTAs
 DT = {"bfloat16": 0, "float16": 1}
 B_NK, B_KN = 0, 1
-# Default communication CTAs (comm_sms) per op: reducers (RS), reducers + copiers (AR), pushers (AG).
+# comm_sms=None is "auto" (the split search across calls, the controller inside each); these static
+# counts serve the unfused baseline and "auto" off the fused path: reducers (RS), reducers + copiers
+# (AR), pushers (AG).
 DEFAULT_COMM_SMS = {"gemm_reduce_scatter": 8, "gemm_allreduce": 16, "allgather_gemm": 8}
 # Fusion is chosen on distinct GPUs when the GEMM has at least this many output tiles per rank and
 # this much K (provisional: replaced by measured crossovers of bench/tp.py on 2 x H200).
@@ -347,11 +349,10 @@ def grid_split(op, comm_sms, total_tiles, comm_items, sms):
 
 
 def check_comm_sms(op, comm_sms):
-    """An integer pins the split; "auto" lets the key's split search choose it (mkernel.autosplit)."""
-    if comm_sms is None:
-        return DEFAULT_COMM_SMS[op]
-    if comm_sms == "auto":
-        return comm_sms
+    """An integer pins the split; "auto" (the default, None) lets the key's split search choose it
+    (mkernel.autosplit) and the in-call controller adapt it."""
+    if comm_sms is None or comm_sms == "auto":
+        return "auto"
     if not isinstance(comm_sms, int) or isinstance(comm_sms, bool) or comm_sms < 1:
         raise ArgumentError(f"{op}: comm_sms must be a positive integer or 'auto'; got {comm_sms!r}")
     return comm_sms

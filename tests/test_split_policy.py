@@ -293,6 +293,26 @@ def test_controller_starved_comm_gives_ctas_back_and_idle_windows_change_nothing
     assert c.step(**dict(w, comm_done=0)) == n and c.step(**dict(w, gemm_left=0)) == n
 
 
+def test_kernel_window_moves_turns_to_comm_and_takes_waits_out():
+    """mk_split_window (what the TP kernels' controller feeds the step): per-role CTA-ns are the role's
+    CTAs times the window, the lent CTAs' turns moved from the GEMM to the comm side, waits taken out,
+    every difference clamped at zero."""
+    w = split.window(dt_ns=10_000, gemm_ctas=124, comm_ctas=8, turn_ns=30_000, gemm_stall_ns=5_000,
+                     comm_stall_ns=20_000, gemm_done=50, comm_done=7, gemm_left=900, comm_left=300)
+    assert w["gemm_busy_ns"] == 124 * 10_000 - 30_000 - 5_000 and w["gemm_stall_ns"] == 5_000
+    assert w["comm_busy_ns"] == 8 * 10_000 + 30_000 - 20_000 and w["comm_stall_ns"] == 20_000
+    assert (w["gemm_done"], w["comm_done"], w["gemm_left"], w["comm_left"]) == (50, 7, 900, 300)
+    # timer noise larger than the window: nothing wraps below zero
+    w = split.window(dt_ns=1_000, gemm_ctas=2, comm_ctas=1, turn_ns=5_000, gemm_stall_ns=9_000, comm_stall_ns=99_000,
+                     gemm_done=1, comm_done=1, gemm_left=1, comm_left=1)
+    assert w["gemm_busy_ns"] == 0 and w["gemm_stall_ns"] == 0
+    assert w["comm_busy_ns"] == 0 and w["comm_stall_ns"] == 1_000 + 5_000
+    # a starved reduction (one comm CTA, a GEMM of 131) asks the step for more comm CTAs
+    c = split.Controller(132, 1, 66, 1)
+    w = split.window(dt_ns=10_000, gemm_ctas=131, comm_ctas=1, gemm_done=60, comm_done=5, gemm_left=400, comm_left=500)
+    assert c.step(**w) > 1
+
+
 # ------------------------------------------------------------------------------- memory
 def test_memory_choose_observe_persist_reload(tmp_path):
     f, pr = curve("ar", 8192, 8192, 4096, 8)

@@ -114,7 +114,7 @@ def test_grid_split():
     assert tp.grid_split("gemm_reduce_scatter", 8, 6, 3, 132) == (6, 3)  # no idle CTAs
     with pytest.raises(ArgumentError):
         tp.grid_split("gemm_reduce_scatter", 132, 10, 10, 132)
-    assert tp.check_comm_sms("allgather_gemm", None) == tp.DEFAULT_COMM_SMS["allgather_gemm"]
+    assert tp.check_comm_sms("allgather_gemm", None) == "auto"  # the default: the split search and the controller
     for bad in (0, -1, 2.5, "8"):
         with pytest.raises(ArgumentError):
             tp.check_comm_sms("allgather_gemm", bad)
@@ -213,6 +213,14 @@ class _Comm:
         return QueueArgs(0, 0, 0, None, 0, 0, flag_base)
 
 
+@pytest.fixture(autouse=True)
+def _auto_asks_for_the_static_counts(monkeypatch):
+    """This module's launches with comm_sms "auto" (the default) get the static counts from the
+    split search (tests/test_autosplit.py runs the real one on the same fakes)."""
+    from mkernel import autosplit
+    monkeypatch.setattr(autosplit, "choose", lambda comm, op, **kw: (tp.DEFAULT_COMM_SMS[op], None))
+
+
 @pytest.fixture
 def fake_launch(monkeypatch):
     import mkernel.arrays
@@ -277,9 +285,11 @@ def test_reduce_scatter_and_allreduce_launch_arguments(fake_launch, world, rank)
             assert args.dst[o].v[0] == comm.heap.peer_base[o] + args.recv_off + rank * mb * N * 2
         assert args.out == out.data.ptr and args.ldo == N and args.g.a.v[0] == a.data.ptr
         assert comm.agreed and comm.agreed[-1][-1] == "fused"
-        # an integer split is static; the controller state is the plan's either way
-        assert args.ctl == plan["ctl"].data.ptr and args.ctl_mode == tp.CTL_OFF
+        # the default "auto" adapts inside the call; an integer split is static
+        assert args.ctl == plan["ctl"].data.ptr and args.ctl_mode == tp.CTL_ADAPT
         assert args.ctl_lend_max == args.gemm_ctas // tp.CTL_LEND_SHARE
+        fn(a, b, comm=comm, out=out, path="fused", comm_sms=3)
+        assert fake_launch["launch"]["args"].ctl_mode == tp.CTL_OFF and fake_launch["launch"]["grid"] == tiles + 3
 
 
 @pytest.mark.parametrize("allreduce", [False, True], ids=["rs", "ar"])

@@ -464,18 +464,23 @@ def _back_to_back(comm, n):
             op = ("rs", "ar", "ag")[(i // 2) % 3]
             s = i % 4
             M, N = p["M"], p["N"]
-            # every fifth launch with lent GEMM CTAs (no controller state may leak between launches)
+            # static splits (comm_sms "auto" would wait for each call while its search runs: these
+            # launches stay queued); every fifth launch with lent GEMM CTAs (no controller state may
+            # leak between launches)
+            n_comm = tp.DEFAULT_COMM_SMS
             with tp.controller_setting("pattern" if i % 5 == 3 else tp.CONTROLLER):
                 if op == "rs":
                     out = gemm_reduce_scatter(p["a"][s], p["b"], comm=comm, out=_poisoned((M // W, N), kind),
-                                              path="fused", join=bool(i % 4 == 0))
+                                              path="fused", join=bool(i % 4 == 0),
+                                              comm_sms=n_comm["gemm_reduce_scatter"])
                     want = scales[s] * _rows(p["total"], comm, M)
                 elif op == "ar":
                     out = gemm_allreduce(p["a"][s], p["b"], comm=comm, out=_poisoned((M, N), kind), path="fused",
-                                         join=bool(i % 4 == 2))
+                                         join=bool(i % 4 == 2), comm_sms=n_comm["gemm_allreduce"])
                     want = scales[s] * p["total"]
                 else:
-                    out = allgather_gemm(p["sa"][s], p["sb"], comm=comm, out=_poisoned((M, N), kind), path="fused")
+                    out = allgather_gemm(p["sa"][s], p["sb"], comm=comm, out=_poisoned((M, N), kind), path="fused",
+                                         comm_sms=n_comm["allgather_gemm"])
                     want = scales[s] * p["ag_ref"]
             launches.append((i, op, out, want))
         _sync(f"{n} back-to-back launches")
