@@ -7,7 +7,7 @@
 # controller1: bench/controller.py at world 1 (the comm is a local tile copy; the mechanism, not the rows).
 # branchsuite / branchtpbench: the GPU suite / bench/tp.py of a branch checked out at scratch/branch
 # (git worktree add scratch/branch <branch>; carry scratch), results under $OUT/branch (the A/B of
-# branch tp-copy-batched against main's tpbench). moe: the MoE tests at
+# a branch against main's tpbench). moe: the MoE tests at
 # 1 and 2 ranks; moebench1: bench/moe.py at world 1; moenodes: tests/test_moe_nodes_gpu.py (its
 # child jobs at 3 and 4 ranks, then 2 ranks as 2 nodes); moebenchnodes: bench/moe.py --nodes 2 (2 GPUs).
 # A kernel cache built on a CPU machine (python -m mkernel precompile) is used when carried as .kcache.
