@@ -410,7 +410,9 @@ def controller_stats(comm) -> dict:
     """The controller's record of the last completed fused launch on ``comm`` (synchronises the
     device): turns (comm items GEMM CTAs took between tiles), steps, windows, gemm_windows (windows
     with GEMM tiles left, where a move is possible), lent_peak, lent_last, gemm_ctas, comm_ctas,
-    launches (of that plan so far). Empty before any fused launch."""
+    launches (of that plan so far). Empty before any fused launch. The plan is the one the last
+    fused call on ``comm`` planned (its record is the previous launch's if that call raised before
+    launching); in the "pattern" mode the lent counts stay 0 (no windows)."""
     ctl = op_cache(comm).get("_last_ctl")
     if ctl is None:
         return {}

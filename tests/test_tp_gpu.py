@@ -465,10 +465,11 @@ def _back_to_back(comm, n):
             s = i % 4
             M, N = p["M"], p["N"]
             # static splits (comm_sms "auto" would wait for each call while its search runs: these
-            # launches stay queued); every fifth launch with lent GEMM CTAs (no controller state may
-            # leak between launches)
+            # launches stay queued); every fifth launch with lent GEMM CTAs in the fixed pattern and
+            # every fifth with the adaptive controller (its windows, lock and lent count must not leak
+            # into the next launch)
             n_comm = tp.DEFAULT_COMM_SMS
-            with tp.controller_setting("pattern" if i % 5 == 3 else tp.CONTROLLER):
+            with tp.controller_setting({3: "pattern", 1: "always"}.get(i % 5, tp.CONTROLLER)):
                 if op == "rs":
                     out = gemm_reduce_scatter(p["a"][s], p["b"], comm=comm, out=_poisoned((M // W, N), kind),
                                               path="fused", join=bool(i % 4 == 0),

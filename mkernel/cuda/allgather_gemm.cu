@@ -14,10 +14,11 @@
 #include "tp_reduce.cuh"
 
 // Copies `rows` rows of k elements (16-byte vectors) from src (row stride lds elements) to dst
-// (row stride k), by a group of nthr threads (tid in [0, nthr)).
+// (row stride k), by a group of nthr threads (tid in [0, nthr)), U vectors in flight per thread.
+template <u32 U>
 MK_DEV void tp_copy_rows(u8* dst, const u8* src, u32 rows, u64 k, u64 lds, u32 tid, u32 nthr) {
   const u32 vpr = (u32)(k / 8);  // 16-byte vectors per row (k % 8 == 0)
-  tp_copy_vectors<TP_IN_FLIGHT>(
+  tp_copy_vectors<U>(
       rows * vpr, tid, nthr,
       [&](u32 v) {
         const u32 r = v / vpr;
@@ -35,7 +36,7 @@ MK_DEV u32 tp_push_items(const TpArgs& a) { return (u32)a.local * (u32)a.tiles_m
 // by a group of nthr threads that synchronise with bar(): the receiver's credit, the rows, the
 // chunk's flag there and, once the chunk is in this rank's own buffer between nodes, its WRITE to
 // every other node. Returns false when a wait failed (the error is recorded).
-template <class Bar>
+template <u32 U, class Bar>
 MK_DEV bool tp_push_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, Bar bar, TpCommShared* sh) {
   const u32 me = (u32)a.me, chunks = (u32)a.tiles_mb;
   const u32 L = (u32)a.local, N = (u32)a.nodes, l = (u32)a.lrank, n = (u32)a.node;
@@ -53,7 +54,7 @@ MK_DEV bool tp_push_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, Ba
   const u32 rows = min(128u, (u32)a.mb - c * 128u);
   const u64 dst_off = a.ga_off + ((u64)me * (u64)a.mb + c * 128u) * row_bytes;
   const u8* src = reinterpret_cast<const u8*>(a.a_local) + (u64)c * 128u * (u64)a.lda * 2;
-  tp_copy_rows(peer_ptr<u8>(peers, d, dst_off), src, rows, k, (u64)a.lda, tid, nthr);
+  tp_copy_rows<U>(peer_ptr<u8>(peers, d, dst_off), src, rows, k, (u64)a.lda, tid, nthr);
   __threadfence_system();
   bar();
   if (tid == 0) {
@@ -68,7 +69,7 @@ MK_DEV bool tp_push_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, Ba
 }
 
 // A lent GEMM CTA's turn in AG: the next push of this rank's shard (always ready but for the
-// receiver's credit, which every rank announces at entry).
+// receiver's credit, which every rank announces at entry), 2 vectors in flight per consumer thread.
 struct TpPushTurn {
   static MK_DEV bool ready(const TpArgs& a, u32) { return ld_volatile(&a.counters[TP_CNT_PUSH]) < tp_push_items(a); }
   static MK_DEV void run(const TpArgs& a, u32 E, TpCommShared* sh) {
@@ -80,7 +81,7 @@ struct TpPushTurn {
       sh->item = tp_try_claim(&a.counters[TP_CNT_PUSH], [&](u32 v) { return v < tp_push_items(a); });
     bar();
     const u32 item = sh->item;
-    const bool took = item != TP_CTL_NO_ITEM && tp_push_item(a, E, item, tid, 256, bar, sh);
+    const bool took = item != TP_CTL_NO_ITEM && tp_push_item<TP_IN_FLIGHT_GEMM>(a, E, item, tid, 256, bar, sh);
     if (tid == 0) tp_ctl_turn_done(a, start, took);
   }
 };
@@ -103,7 +104,7 @@ MK_DEV void tp_push_cta(const TpArgs& a) {
   while (ok) {  // this rank's chunks to its node (own buffer first), then across the network
     const u32 item = tp_claim(&a.counters[TP_CNT_PUSH], &comm.item, threadIdx.x, MkBarCta());
     if (item >= tp_push_items(a)) break;
-    ok = tp_push_item(a, E, item, threadIdx.x, blockDim.x, MkBarCta(), &comm);
+    ok = tp_push_item<TP_IN_FLIGHT>(a, E, item, threadIdx.x, blockDim.x, MkBarCta(), &comm);
     if (threadIdx.x == 0) tp_ctl_tick<TP_OP_AG>(a);
   }
   while (ok) {  // several nodes: the chunks of blocks j * L + l that arrived, into this node
@@ -125,7 +126,9 @@ MK_DEV void tp_push_cta(const TpArgs& a) {
     const u32 rows = min(128u, (u32)a.mb - c * 128u);
     const u64 off = a.ga_off + ((u64)o * (u64)a.mb + c * 128u) * row_bytes;
     for (u32 p = 0; p < L; ++p)
-      if (p != l) tp_copy_rows(peer_ptr<u8>(peers, p, off), peer_ptr<u8>(peers, l, off), rows, k, k, threadIdx.x, blockDim.x);
+      if (p != l)
+        tp_copy_rows<TP_IN_FLIGHT>(peer_ptr<u8>(peers, p, off), peer_ptr<u8>(peers, l, off), rows, k, k, threadIdx.x,
+                                   blockDim.x);
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0)

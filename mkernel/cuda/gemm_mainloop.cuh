@@ -327,6 +327,7 @@ MK_DEV void gemm_consumer(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, int w
     if (t.id == MK_TILE_DONE) break;
     if (t.id == MK_TILE_COMM) {
       epi.comm_turn(t);
+      __syncwarp();  // the turn's leader branches: converge before the next tile's .aligned wgmma
       continue;
     }
     const u64 t_start = args.sync.trace_events ? globaltimer_ns() : 0;

@@ -69,8 +69,8 @@ MK_SPLIT_FN i32 mk_split_prior(const MkSplitModel& m) {
 }
 
 // ------------------------------------------------------------------------------ in-call step
-// One window of counters, summed over the CTAs of each role (device: atomics into a small array
-// that the controller warp reads and clears at each window).
+// One window of counters, summed over the CTAs of each role (device: mk_split_window from the TP
+// kernels' claim counters and atomics, read and cleared by the thread that steps the controller).
 struct MkSplitWindow {
   u64 gemm_done, comm_done;          // tasks (tiles / reduction items) finished in the window
   u64 gemm_busy_ns, comm_busy_ns;    // CTA-ns spent on those tasks
@@ -142,7 +142,8 @@ MK_SPLIT_FN u32 mk_split_share(u64 part, u64 other) {  // part / (part + other) 
   return s ? (u32)((part >> 8) * 1000ull / ((s >> 8) + 1)) : 0u;
 }
 
-// Returns (and stores) the new comm CTA count. The caller applies it at tile boundaries (role words).
+// Returns (and stores) the new comm CTA count. The caller applies it at tile boundaries (the TP
+// kernels: GEMM CTAs lent to communication, tp_controller.cuh).
 MK_SPLIT_FN i32 mk_split_ctl_step(MkSplitCtl& c, const MkSplitWindow& w) {
   // No GEMM work left: the tail belongs to the join path; a window without completions says nothing.
   if (w.gemm_left == 0 || w.gemm_done == 0 || w.comm_done == 0) return c.n_comm;

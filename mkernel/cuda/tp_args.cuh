@@ -49,7 +49,8 @@ struct TpCtlStats {
 
 // A plan's controller state (device memory, zero before the first launch). The live part is reset
 // by each launch's last CTA (after every CTA's last claim), so a launch starts from zero without
-// the host; only the lock holder touches ctl, window_start and the *_at fields.
+// the host; only the lock holder writes ctl, window_start and the *_at fields (every ticking
+// thread reads window_start), and lent (every GEMM producer reads it).
 struct TpCtl {
   unsigned int lock;               // try-lock: the thread that takes it steps the controller
   unsigned int lent;               // GEMM CTAs [gemm_ctas - lent, gemm_ctas) prefer ready comm items

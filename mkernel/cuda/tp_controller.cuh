@@ -6,14 +6,16 @@
 // checks whether a communication item can run without waiting and, if so, claims a turn
 // (MK_TILE_COMM in the tile ring) instead of its next tile; its consumers take that item between two
 // tiles. With no ready item it goes on with GEMM tiles: a lent CTA never idles, and never waits on a
-// tile that it (or a CTA that is waiting like it) would have to compute.
+// tile that it (or a CTA that is waiting like it) would have to compute; a turn waits at most for
+// credits, which every rank announces at launch entry.
 //
-// Windows. At task boundaries (a producer before its claim, a comm group's leader after an item) a
-// thread that sees a window of TP_CTL_WINDOW_NS passed takes the try-lock, builds the window's
+// Windows. After each item a comm group's leader (a comm CTA's thread 0, or a joined GEMM CTA's
+// consumer leader) that sees a window of TP_CTL_WINDOW_NS passed takes the try-lock, builds the window's
 // MkSplitWindow (the claim counters' progress, what is left, the CTA-ns lent CTAs spent on turns, the
 // measured waits) and steps the policy (mk_split_ctl_step: work balance, stall rules, damping); the
-// comm CTA count it returns, minus the static comm CTAs, is the new `lent`. The policy's bounds keep
-// at least ctl_lend_max GEMM CTAs unlent, so every rank keeps computing the tiles its peers wait for.
+// comm CTA count it returns, minus the static comm CTAs, is the new `lent`: at most ctl_lend_max
+// (gemm_ctas / 2), so every rank keeps GEMM CTAs computing the tiles its peers wait for. The
+// pattern mode lends every odd GEMM CTA without windows (its record's lent counts stay 0).
 //
 // Ranks need not agree: which CTA reduces or pushes an item changes who does the work and when, not
 // what crosses the wire (tiles, flags and bytes are fixed by tile ids).
@@ -95,12 +97,12 @@ template <int OP>
 MK_DEV void tp_ctl_tick(const TpArgs& a) {
   if (a.ctl_mode != TP_CTL_ADAPT) return;
   TpCtl* c = a.ctl;
-  const u64 now = globaltimer_ns();
   const u64 seen = ld_volatile(&c->window_start);
-  if (seen != 0 && now - seen < TP_CTL_WINDOW_NS) return;
+  if (seen != 0 && (i64)(globaltimer_ns() - seen) < (i64)TP_CTL_WINDOW_NS) return;  // signed: a later start
   if (atomicCAS(&c->lock, 0u, 1u) != 0u) return;
   __threadfence();
   const u64 start = ld_volatile(&c->window_start);
+  const u64 now = globaltimer_ns();  // after the lock: never before the start another holder stored
   const i32 comm_ctas = (i32)gridDim.x - a.gemm_ctas;
   const u32 tiles_total = (u32)a.world * (u32)a.tiles_mb * (u32)a.tiles_n, items_total = tp_ctl_items<OP>(a);
   const u32 tiles = min(ld_volatile(&a.counters[TP_CNT_TILE]), tiles_total);
@@ -113,7 +115,7 @@ MK_DEV void tp_ctl_tick(const TpArgs& a) {
     atomicExch(&c->turn_ns, 0ull);
     atomicExch(&c->comm_stall_ns, 0ull);
     atomicExch(&c->gemm_stall_ns, 0ull);
-  } else if (now - start >= TP_CTL_WINDOW_NS) {
+  } else if ((i64)(now - start) >= (i64)TP_CTL_WINDOW_NS) {
     ctl = tp_ctl_load(&c->ctl);
     const MkSplitWindow w = mk_split_window(now - start, a.gemm_ctas, comm_ctas, atomicExch(&c->turn_ns, 0ull),
                                             atomicExch(&c->gemm_stall_ns, 0ull), atomicExch(&c->comm_stall_ns, 0ull),

@@ -73,12 +73,14 @@ MK_DEV MkTile tp_decode(const TpArgs& a, u32 pos) {
 // Per-CTA state of the communication work a group of threads does (shared memory; one per CTA,
 // shared by a GEMM CTA's turns and its join).
 struct TpCommShared {
+  u32 queued;    // turns the producer put in the tile ring that the consumers have not finished (<= 1)
   u32 item;      // the group's claimed item (every thread of the group reads it)
   u32 credited;  // bit j: rank (j, lrank)'s remote credit for this epoch was seen (several nodes)
   u32 local_ok;  // AR: every local peer's credit was seen (their gather buffers may be written)
   int ok;        // the group's last wait succeeded
 };
 MK_DEV void tp_comm_shared_init(TpCommShared* sh) {
+  sh->queued = 0;
   sh->item = 0;
   sh->credited = 0;
   sh->local_ok = 0;
@@ -94,7 +96,9 @@ struct TpNoTurn {
 };
 
 // The tile source of the fused kernels for the engine's producer loop: tiles claimed from
-// counters[TP_CNT_TILE] in the TP order, or, for a lent CTA with a comm item ready, a turn; for AG,
+// counters[TP_CNT_TILE] in the TP order, or, for a lent CTA with a comm item ready and no turn of
+// its own still queued (the item counter moves only when a turn runs: a second marker would find
+// the same item gone), a turn; for AG,
 // before a tile's loads, the wait on the arrival flag of its A chunk (block o, M-tile mt), then a
 // proxy fence so the TMA (async proxy) sees the rows that peers stored (generic proxy). B is a
 // single matrix.
@@ -102,8 +106,13 @@ template <class Cfg, int OP, class Turn = TpNoTurn>
 struct TpTiles {
   const TpArgs& args;
   u32 epoch;
+  TpCommShared* comm;
   MK_DEV u32 claim() const {
-    if (args.ctl_mode != TP_CTL_OFF && tp_ctl_lent(args) && Turn::ready(args, epoch)) return MK_TILE_COMM;
+    if (args.ctl_mode != TP_CTL_OFF && tp_ctl_lent(args) && *reinterpret_cast<volatile u32*>(&comm->queued) == 0 &&
+        Turn::ready(args, epoch)) {
+      atomicAdd(&comm->queued, 1u);
+      return MK_TILE_COMM;
+    }
     return atomicAdd(&args.counters[TP_CNT_TILE], 1u);
   }
   MK_DEV bool done(u32 pos) const { return pos >= (u32)args.world * tp_tiles_blk(args); }
@@ -150,7 +159,10 @@ struct TpDest {
     credited |= 1u << d;
   }
   MK_DEV void published(u32) const {}
-  MK_DEV void comm_turn(const MkTile&) const { Turn::run(args, epoch, comm); }
+  MK_DEV void comm_turn(const MkTile&) const {
+    Turn::run(args, epoch, comm);
+    if (threadIdx.x == 128) atomicSub(&comm->queued, 1u);  // after the group's last barrier of the turn
+  }
 };
 
 // Outputs are in the input dtype (MK_OUT_BF16 / MK_OUT_F16 have the MK_DT_* values).
@@ -238,7 +250,7 @@ MK_DEV void tp_gemm_cta(const TpArgs& args, Join join = Join()) {
   const u32 epoch = sm.bars->epoch;
   warpgroup_roles<Cfg>(
       [&] {
-        TpTiles<Cfg, OP, Turn> src{args, epoch};
+        TpTiles<Cfg, OP, Turn> src{args, epoch, &comm};
         gemm_producer_loop<Cfg>(args.g, sm, src);
       },
       [&](int wg) {

@@ -18,7 +18,8 @@
 // tiles from its own gather buffer into `out` as their flags arrive (counter TP_CNT_COPY).
 // Waits: reducers wait on GEMM tiles only, copiers on reducers only, and the GEMM on credits only:
 // no cycle. GEMM CTAs the controller lent (tp_controller.cuh) take reduction items between their
-// tiles only when the item's inputs are already in (TpReduceTurn): a turn never waits on a tile.
+// tiles only when the item's inputs are already in (TpReduceTurn): a turn never waits on a tile
+// (at most on credits, announced by every rank at entry).
 #include "tp_epilogue.cuh"
 #include "queue.cuh"
 
