@@ -71,7 +71,9 @@ MK_DEV bool tp_push_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, Ba
 // A lent GEMM CTA's turn in AG: the next push of this rank's shard (always ready but for the
 // receiver's credit, which every rank announces at entry), 2 vectors in flight per consumer thread.
 struct TpPushTurn {
-  static MK_DEV bool ready(const TpArgs& a, u32) { return ld_volatile(&a.counters[TP_CNT_PUSH]) < tp_push_items(a); }
+  static MK_DEV bool ready(const TpArgs& a, u32, u32 ahead) {
+    return ld_volatile(&a.counters[TP_CNT_PUSH]) + ahead < tp_push_items(a);
+  }
   static MK_DEV void run(const TpArgs& a, u32 E, TpCommShared* sh) {
     const u32 tid = threadIdx.x - 128;
     const u64 start = globaltimer_ns();

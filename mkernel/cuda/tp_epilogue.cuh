@@ -73,7 +73,7 @@ MK_DEV MkTile tp_decode(const TpArgs& a, u32 pos) {
 // Per-CTA state of the communication work a group of threads does (shared memory; one per CTA,
 // shared by a GEMM CTA's turns and its join).
 struct TpCommShared {
-  u32 queued;    // turns the producer put in the tile ring that the consumers have not finished (<= 1)
+  u32 queued;    // turns the producer put in the tile ring that the consumers have not finished
   u32 item;      // the group's claimed item (every thread of the group reads it)
   u32 credited;  // bit j: rank (j, lrank)'s remote credit for this epoch was seen (several nodes)
   u32 local_ok;  // AR: every local peer's credit was seen (their gather buffers may be written)
@@ -87,18 +87,20 @@ MK_DEV void tp_comm_shared_init(TpCommShared* sh) {
   sh->ok = 1;
 }
 
-// What a lent GEMM CTA does between two tiles (tp_controller.cuh): ready(args, E) on the producer
-// thread (a comm item can run without waiting), run(args, E, shared) on the 256 consumer threads
-// (claim it if still there, run it). RS / AR: TpReduceTurn (tp_reduce.cuh); AG: TpPushTurn.
+// What a lent GEMM CTA does between two tiles (tp_controller.cuh): ready(args, E, ahead) on the
+// producer thread (the item `ahead` places after the next unclaimed one can run without waiting:
+// the turns already queued in this CTA's tile ring will take those before it), run(args, E,
+// shared) on the 256 consumer threads (claim the next ready item if one is left, run it). RS / AR:
+// TpReduceTurn (tp_reduce.cuh); AG: TpPushTurn.
 struct TpNoTurn {
-  static MK_DEV bool ready(const TpArgs&, u32) { return false; }
+  static MK_DEV bool ready(const TpArgs&, u32, u32) { return false; }
   static MK_DEV void run(const TpArgs&, u32, TpCommShared*) {}
 };
 
 // The tile source of the fused kernels for the engine's producer loop: tiles claimed from
-// counters[TP_CNT_TILE] in the TP order, or, for a lent CTA with a comm item ready and no turn of
-// its own still queued (the item counter moves only when a turn runs: a second marker would find
-// the same item gone), a turn; for AG,
+// counters[TP_CNT_TILE] in the TP order, or, for a lent CTA, a turn when a comm item is ready for
+// it (the item counter moves only when a turn runs, so with q turns queued in the ring it asks for
+// the item q places ahead: no marker is queued for an item another marker will take); for AG,
 // before a tile's loads, the wait on the arrival flag of its A chunk (block o, M-tile mt), then a
 // proxy fence so the TMA (async proxy) sees the rows that peers stored (generic proxy). B is a
 // single matrix.
@@ -108,8 +110,8 @@ struct TpTiles {
   u32 epoch;
   TpCommShared* comm;
   MK_DEV u32 claim() const {
-    if (args.ctl_mode != TP_CTL_OFF && tp_ctl_lent(args) && *reinterpret_cast<volatile u32*>(&comm->queued) == 0 &&
-        Turn::ready(args, epoch)) {
+    if (args.ctl_mode != TP_CTL_OFF && tp_ctl_lent(args) &&
+        Turn::ready(args, epoch, *reinterpret_cast<volatile u32*>(&comm->queued))) {
       atomicAdd(&comm->queued, 1u);
       return MK_TILE_COMM;
     }

@@ -379,7 +379,9 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, T
 // A lent GEMM CTA's turn in RS / AR: the next reduction item, if it is (still) ready.
 template <int DT, int OP>
 struct TpReduceTurn {
-  static MK_DEV bool ready(const TpArgs& a, u32 E) { return tp_reduce_ready(a, E, ld_volatile(&a.counters[TP_CNT_REDUCE])); }
+  static MK_DEV bool ready(const TpArgs& a, u32 E, u32 ahead) {
+    return tp_reduce_ready(a, E, ld_volatile(&a.counters[TP_CNT_REDUCE]) + ahead);
+  }
   static MK_DEV void run(const TpArgs& a, u32 E, TpCommShared* sh) {
     const u32 tid = threadIdx.x - 128;
     const u64 start = globaltimer_ns();
