@@ -16,7 +16,10 @@ Every output starts poisoned with NaN, so an element nobody wrote fails. Checks:
 - off-grid shapes (rows per rank, N and K not multiples of the tile);
 - gemm_allreduce: identical bits on every rank; allgather_gemm: the gathered A returned bitwise;
 - 48 (and, marked slow, 1000) back-to-back launches cycling over the three ops and two shapes with distinct inputs, all
-  queued before one synchronisation, each output checked bitwise, the epoch advanced by 48;
+  queued before one synchronisation, each output checked bitwise, the epoch advanced by 48 (every
+  fifth launch with GEMM CTAs lent in a fixed pattern, every fifth with the adaptive controller);
+- the in-call controller: lent GEMM CTAs' comm turns exact per tile (fixed pattern, two shapes
+  twice; at world 1 turns must happen), the adaptive mode lending CTAs to a starved reduction;
 - argument errors raise mkernel.ArgumentError before launch, including shapes that disagree
   across ranks;
 - examples/tp_mlp.py (CuPy, and JAX through DLPack where JAX has a GPU) against one GPU.
