@@ -184,15 +184,14 @@ def main():
 
 
 def write(rows, W, args, comm):
-    if rows:
-        ratios = [r["controller_ms"] / r["best_static_ms"] for r in rows]
-        geomean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
-        transport = (comm.stats()["proxy"] or args.transport) if args.nodes > 1 else "nvlink" if W > 1 else "local"
-        note = ("world 1: the comm CTAs reduce (copy) the GEMM's own tiles into out; the split mechanism on "
-                "one GPU, not the issue's 2-GPU rows") if W == 1 else ""
-        path = harness.write("controller", rows, gpus=W, nodes=args.nodes, out_dir=args.out, transport=transport,
-                             geomean_vs_best_static=geomean, grid=list(GRID), note=note)
-        print(f"SUMMARY controller: geomean controller / best static {geomean:.3f} over {len(rows)} rows -> {path}")
+    ratios = [r["controller_ms"] / r["best_static_ms"] for r in rows]
+    geomean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+    transport = (comm.stats()["proxy"] or args.transport) if args.nodes > 1 else "nvlink" if W > 1 else "local"
+    note = ("world 1: the comm CTAs reduce (copy) the GEMM's own tiles into out; the split mechanism on "
+            "one GPU, not the issue's 2-GPU rows") if W == 1 else ""
+    path = harness.write("controller", rows, gpus=W, nodes=args.nodes, out_dir=args.out, transport=transport,
+                         geomean_vs_best_static=geomean, grid=list(GRID), note=note)
+    print(f"SUMMARY controller: geomean controller / best static {geomean:.3f} over {len(rows)} rows -> {path}")
 
 
 if __name__ == "__main__":

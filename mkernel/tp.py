@@ -18,6 +18,7 @@ CuPy is imported inside functions, so that importing this module (and registerin
 needs neither a GPU nor CuPy.
 """
 
+import contextlib
 import ctypes
 import importlib
 
@@ -380,20 +381,16 @@ def controller_mode(op, comm_sms, chosen):
     return CTL_ADAPT if comm_sms == "auto" or CONTROLLER == "always" else CTL_OFF
 
 
+@contextlib.contextmanager
 def controller_setting(value):
     """``with tp.controller_setting("pattern"):`` sets CONTROLLER for the calls inside (tests)."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def scope():
-        global CONTROLLER
-        old, CONTROLLER = CONTROLLER, value
-        try:
-            controller_mode(None, None, "fused")  # a bad value raises here, not at the next launch
-            yield
-        finally:
-            CONTROLLER = old
-    return scope()
+    global CONTROLLER
+    old, CONTROLLER = CONTROLLER, value
+    try:
+        controller_mode(None, None, "fused")  # a bad value raises here, not at the next launch
+        yield
+    finally:
+        CONTROLLER = old
 
 
 def set_split(args, plan, gemm_ctas, mode, comm):

@@ -10,7 +10,7 @@
 // crosses the network once per node. CTAs [0, gemm_ctas) run the GEMM over the gathered rows in
 // arrival order; the producer waits for a chunk's flag before its TMA loads, so the GEMM starts
 // with the first local chunk and overlaps the rest of the gather. GEMM CTAs the controller lent
-// (tp_controller.cuh) also push chunks between their tiles (TpPushTurn).
+// (tp_controller.cuh) also push chunks between their tiles (TpTurn, TpPushItems).
 #include "tp_reduce.cuh"
 
 // Copies `rows` rows of k elements (16-byte vectors) from src (row stride lds elements) to dst
@@ -29,8 +29,6 @@ MK_DEV void tp_copy_rows(u8* dst, const u8* src, u32 rows, u64 k, u64 lds, u32 t
         st_v4(dst + ((u64)r * k + (u64)(v - r * vpr) * 8u) * 2, x);
       });
 }
-
-MK_DEV u32 tp_push_items(const TpArgs& a) { return (u32)a.local * (u32)a.tiles_mb; }
 
 // Push item `item` (this rank's chunk c to local rank d: its own buffer first, then lrank + 1, ...)
 // by a group of nthr threads that synchronise with bar(): the receiver's credit, the rows, the
@@ -68,23 +66,13 @@ MK_DEV bool tp_push_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, Ba
   return true;
 }
 
-// A lent GEMM CTA's turn in AG: the next push of this rank's shard (always ready but for the
+// A lent GEMM CTA's turns in AG (TpTurn): pushes of this rank's shard (always ready but for the
 // receiver's credit, which every rank announces at entry), 2 vectors in flight per consumer thread.
-struct TpPushTurn {
-  static MK_DEV bool ready(const TpArgs& a, u32, u32 ahead) {
-    return ld_volatile(&a.counters[TP_CNT_PUSH]) + ahead < tp_push_items(a);
-  }
-  static MK_DEV void run(const TpArgs& a, u32 E, TpCommShared* sh) {
-    const u32 tid = threadIdx.x - 128;
-    const u64 start = globaltimer_ns();
-    const MkBarConsumers bar;
-    bar();  // the group's previous use of sh->item is over
-    if (tid == 0)
-      sh->item = tp_try_claim(&a.counters[TP_CNT_PUSH], [&](u32 v) { return v < tp_push_items(a); });
-    bar();
-    const u32 item = sh->item;
-    const bool took = item != TP_CTL_NO_ITEM && tp_push_item<TP_IN_FLIGHT_GEMM>(a, E, item, tid, 256, bar, sh);
-    if (tid == 0) tp_ctl_turn_done(a, start, took);
+struct TpPushItems {
+  static MK_DEV bool ready(const TpArgs& a, u32, u32 item) { return item < tp_ctl_items<TP_OP_AG>(a); }
+  template <class Bar>
+  static MK_DEV bool run(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, Bar bar, TpCommShared* sh) {
+    return tp_push_item<TP_IN_FLIGHT_GEMM>(a, E, item, tid, nthr, bar, sh);
   }
 };
 
@@ -101,11 +89,11 @@ MK_DEV void tp_push_cta(const TpArgs& a) {
   const u32 L = (u32)a.local, N = (u32)a.nodes, l = (u32)a.lrank, n = (u32)a.node;
   const MkPeers peers = tp_peers(a);
   const u64 k = (u64)a.g.k, row_bytes = k * 2;
-  const u32 launch = N > 1 ? ld_relaxed_sys(&a.counters[TP_CNT_LAUNCHES]) + 1 : 0;
+  const u32 launch = tp_launch_count(a);
   bool ok = true;
   while (ok) {  // this rank's chunks to its node (own buffer first), then across the network
     const u32 item = tp_claim(&a.counters[TP_CNT_PUSH], &comm.item, threadIdx.x, MkBarCta());
-    if (item >= tp_push_items(a)) break;
+    if (item >= tp_ctl_items<TP_OP_AG>(a)) break;
     ok = tp_push_item<TP_IN_FLIGHT>(a, E, item, threadIdx.x, blockDim.x, MkBarCta(), &comm);
     if (threadIdx.x == 0) tp_ctl_tick<TP_OP_AG>(a);
   }
@@ -145,7 +133,7 @@ template <int DT, int BL>
 __global__ void __launch_bounds__(384, 1) mk_allgather_gemm_kernel(const __grid_constant__ TpArgs args) {
   if (blockIdx.x == 0 && threadIdx.x == 0) tp_announce(args);
   if ((int)blockIdx.x < args.gemm_ctas)
-    tp_gemm_cta<GemmCfg<DT, BL>, TP_OP_AG, TpNoJoin, TpPushTurn>(args);
+    tp_gemm_cta<GemmCfg<DT, BL>, TP_OP_AG, TpNoJoin, TpTurn<TP_OP_AG, TpPushItems> >(args);
   else
     tp_push_cta(args);
 }

@@ -90,11 +90,33 @@ MK_DEV void tp_comm_shared_init(TpCommShared* sh) {
 // What a lent GEMM CTA does between two tiles (tp_controller.cuh): ready(args, E, ahead) on the
 // producer thread (the item `ahead` places after the next unclaimed one can run without waiting:
 // the turns already queued in this CTA's tile ring will take those before it), run(args, E,
-// shared) on the 256 consumer threads (claim the next ready item if one is left, run it). RS / AR:
-// TpReduceTurn (tp_reduce.cuh); AG: TpPushTurn.
+// shared) on the 256 consumer threads (claim the next ready item if one is left, run it).
 struct TpNoTurn {
   static MK_DEV bool ready(const TpArgs&, u32, u32) { return false; }
   static MK_DEV void run(const TpArgs&, u32, TpCommShared*) {}
+};
+
+// The turn over the op's comm items (counter tp_ctl_counter<OP>()). Items provides
+//   static bool ready(args, E, item)                          item can run without waiting
+//   static bool run(args, E, item, tid, nthr, bar, shared)    the one-item step (false: a wait failed)
+// RS / AR: TpReduceItems (tp_reduce.cuh); AG: TpPushItems (allgather_gemm.cu).
+template <int OP, class Items>
+struct TpTurn {
+  static MK_DEV bool ready(const TpArgs& a, u32 E, u32 ahead) {
+    return Items::ready(a, E, ld_volatile(&a.counters[tp_ctl_counter<OP>()]) + ahead);
+  }
+  static MK_DEV void run(const TpArgs& a, u32 E, TpCommShared* sh) {
+    const u32 tid = threadIdx.x - 128;
+    const u64 start = globaltimer_ns();
+    const MkBarConsumers bar;
+    bar();  // the group's previous use of sh->item is over
+    if (tid == 0)
+      sh->item = tp_try_claim(&a.counters[tp_ctl_counter<OP>()], [&](u32 v) { return Items::ready(a, E, v); });
+    bar();
+    const u32 item = sh->item;
+    const bool took = item != TP_CTL_NO_ITEM && Items::run(a, E, item, tid, 256u, bar, sh);
+    if (tid == 0) tp_ctl_turn_done(a, start, took);
+  }
 };
 
 // The tile source of the fused kernels for the engine's producer loop: tiles claimed from

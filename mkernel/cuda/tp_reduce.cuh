@@ -18,7 +18,7 @@
 // tiles from its own gather buffer into `out` as their flags arrive (counter TP_CNT_COPY).
 // Waits: reducers wait on GEMM tiles only, copiers on reducers only, and the GEMM on credits only:
 // no cycle. GEMM CTAs the controller lent (tp_controller.cuh) take reduction items between their
-// tiles only when the item's inputs are already in (TpReduceTurn): a turn never waits on a tile
+// tiles only when the item's inputs are already in (TpTurn, TpReduceItems): a turn never waits on a tile
 // (at most on credits, announced by every rank at entry).
 #include "tp_epilogue.cuh"
 #include "queue.cuh"
@@ -376,23 +376,13 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, T
   bar();
 }
 
-// A lent GEMM CTA's turn in RS / AR: the next reduction item, if it is (still) ready.
+// A lent GEMM CTA's turns in RS / AR (TpTurn): reduction items, 2 vectors in flight per consumer thread.
 template <int DT, int OP>
-struct TpReduceTurn {
-  static MK_DEV bool ready(const TpArgs& a, u32 E, u32 ahead) {
-    return tp_reduce_ready(a, E, ld_volatile(&a.counters[TP_CNT_REDUCE]) + ahead);
-  }
-  static MK_DEV void run(const TpArgs& a, u32 E, TpCommShared* sh) {
-    const u32 tid = threadIdx.x - 128;
-    const u64 start = globaltimer_ns();
-    const MkBarConsumers bar;
-    bar();  // the group's previous use of sh->item is over
-    if (tid == 0)
-      sh->item = tp_try_claim(&a.counters[TP_CNT_REDUCE], [&](u32 v) { return tp_reduce_ready(a, E, v); });
-    bar();
-    const u32 item = sh->item;
-    const bool took = item != TP_CTL_NO_ITEM && tp_reduce_item<DT, OP, TP_IN_FLIGHT_GEMM>(a, E, item, tid, 256, bar, sh);
-    if (tid == 0) tp_ctl_turn_done(a, start, took);
+struct TpReduceItems {
+  static MK_DEV bool ready(const TpArgs& a, u32 E, u32 item) { return tp_reduce_ready(a, E, item); }
+  template <class Bar>
+  static MK_DEV bool run(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, Bar bar, TpCommShared* sh) {
+    return tp_reduce_item<DT, OP, TP_IN_FLIGHT_GEMM>(a, E, item, tid, nthr, bar, sh);
   }
 };
 
@@ -483,5 +473,5 @@ MK_DEV void tp_reduce_kernel_body(const TpArgs& args) {
   else if (args.partial)
     tp_partial_cta<OP>(args);
   else
-    tp_gemm_cta<GemmCfg<DT, BL>, OP, TpJoinReduce<DT, OP>, TpReduceTurn<DT, OP> >(args);
+    tp_gemm_cta<GemmCfg<DT, BL>, OP, TpJoinReduce<DT, OP>, TpTurn<OP, TpReduceItems<DT, OP> > >(args);
 }
