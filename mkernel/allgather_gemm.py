@@ -38,7 +38,7 @@ def allgather_gemm(a, b, *, comm, out=None, stream=None, return_gathered=False, 
         raise ArgumentError(f"{OP}: return_gathered must be True or False")
     out = tp.prepare_out(OP, out, (M, N), a.dtype, comm)
     chosen, reason = tp.choose_path(OP, comm, path, rows=M, N=N, K=K)
-    key = (OP, mb, N, K, a.dtype.name, layout, comm_sms, chosen)  # same shard shape on every rank
+    key = (OP, mb, N, K, a.dtype.name, layout, chosen)  # same shard shape; comm_sms may differ by rank
     tp.agree_call(OP, comm, key, reason)
 
     if chosen == "gemm":

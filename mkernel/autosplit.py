@@ -2,25 +2,24 @@
 :mod:`mkernel.split` (docs/CONTROLLER.md, loop 1) wired into the calls.
 
 Each call on a key (op, shape bucket, world, topology, transport) launches with the number of
-communication CTAs that the key's search asks for, timed by two CUDA events on its stream. The next
-call on the key (every call while the search runs, every ``HOLD_SAMPLE``-th once it holds, to see
-drift) waits for that call's end event, takes the max over ranks of its time with one allgather
-(the op ends when its slowest rank does) and feeds it to the search. Every rank feeds the same
-time, so every rank's search makes the same moves; the count would not have to agree anyway: which
-CTA reduces or pushes a tile changes who does the work and when, not what crosses the wire.
+communication CTAs that the key's search asks for; a timed call records two CUDA events around its
+launch. A later call on the key feeds the search the times of earlier calls whose end event has
+fired (``cudaEventQuery``): the host never waits for the GPU and no rank talks to another, so a
+call only launches and returns, and a dead peer cannot hang the host here.
 
-Each communicator has its own search memory (:func:`memory`): a rank in two communicators of the
-same shape (tensor- and sequence-parallel groups) must not feed one search with both groups' times,
-or its partners' searches, and so their collectives, would diverge. A key's bounds are agreed
-(the minimum over ranks) when it is first seen.
+Each rank searches on its own times. The count need not agree across ranks: which CTA reduces or
+pushes a tile changes who does the work and when, not what crosses the wire (tiles, flags and bytes
+are fixed by tile ids; tests/test_tp_gpu.py runs ranks pinned to different counts). A rank's
+kernel time includes its waits for the others, so every rank sees the op's pace.
 
-Cost: while a key's search runs (about 7-10 calls), each call waits for the previous one's end on
-the host and does one small allgather; afterwards one in ``HOLD_SAMPLE`` calls does. With
-``MKERNEL_SPLIT_PERSIST=1`` rank 0 keeps converged keys on disk (:class:`mkernel.split.SplitMemory`)
-and every rank starts a key from rank 0's saved state (one broadcast when the key is first seen), so
-the first call of a later process on a known key runs its split. Inside each "auto" call the in-call
-controller (loop 2, tp_controller.cuh) lends GEMM CTAs to communication when it falls behind; the
-search sees the call times with that inside.
+Each communicator has its own search memory (:func:`memory`): the two groups a rank belongs to
+(tensor- and sequence-parallel) have different partners and so different curves. While a key's
+search runs (about 7-10 calls) every call is timed, afterwards one in ``HOLD_SAMPLE`` (to see
+drift). With ``MKERNEL_SPLIT_PERSIST=1`` converged keys are kept on disk
+(:class:`mkernel.split.SplitMemory`; rank 0 writes, every rank reads), so a later process starts a
+known key at its split. Inside each "auto" call the in-call controller (loop 2, tp_controller.cuh)
+lends GEMM CTAs to communication when it falls behind; the search sees the call times with that
+inside.
 """
 
 import contextlib
@@ -103,12 +102,20 @@ def _link_gbps(comm) -> float:
 
 
 class _KeyState:
-    """One (op, M, N, K) of a communicator: its split key, the agreed bound, the model's prior."""
+    """One (op, M, N, K) of a communicator: its split key, this rank's bound, the model's prior, and
+    the timed calls whose end has not been seen yet (oldest first)."""
 
     def __init__(self, key, hi, prior):
-        self.key, self.hi, self.prior = key, hi, prior  # hi: the same on every rank
-        self.pending = None  # (count, start event, end event) of the last timed call
+        self.key, self.hi, self.prior = key, hi, prior
+        self.pending = []  # [(count, timer)]
         self.calls = 0
+
+    def collect(self, mem):
+        """Feeds the search every pending call that has ended, in launch order; never waits."""
+        while self.pending and self.pending[0][1].ended():
+            n, events = self.pending.pop(0)
+            nxt = mem.observe(self.key, n, events.elapsed_ms())
+            log.debug("%s: %d comm CTAs took %.3f ms; next %d", self.key[:2], n, events.elapsed_ms(), nxt)
 
 
 class _Events:
@@ -125,13 +132,16 @@ class _Events:
     def after(self):
         self.end.record(self.stream)
 
+    def ended(self) -> bool:
+        return self.end.done  # cudaEventQuery: never blocks
+
     def elapsed_ms(self) -> float:
         import cupy
-        self.end.synchronize()
         return cupy.cuda.get_elapsed_time(self.start, self.end)
 
 
 timer = _Events
+MAX_PENDING = 8  # timed calls in flight per key; beyond this a call is not timed
 
 
 def _states(comm) -> dict:
@@ -141,40 +151,29 @@ def _states(comm) -> dict:
 
 
 def memory(comm) -> split.SplitMemory:
-    """The communicator's split memory (its keys' searches); with MKERNEL_SPLIT_PERSIST=1 rank 0's
-    keeps converged keys on disk."""
+    """The communicator's split memory (its keys' searches); with MKERNEL_SPLIT_PERSIST=1 every rank
+    starts known keys from the file and rank 0 keeps converged keys there."""
     if not hasattr(comm, "_split_memory"):
         from . import env
-        comm._split_memory = split.SplitMemory(persist=env.get_int("MKERNEL_SPLIT_PERSIST") == 1 and comm.rank == 0)
+        persist = env.get_int("MKERNEL_SPLIT_PERSIST") == 1
+        comm._split_memory = split.SplitMemory(persist=persist, write=comm.rank == 0)
     return comm._split_memory
 
 
 def choose(comm, op: str, *, M: int, N: int, K: int, esize: int, comm_items: int, sms: int):
-    """(comm CTAs for this call, a token for :func:`timed`). Collective while the key's search runs
-    (an allgather of the previous call's time): every rank calls the ops in the same order."""
+    """(comm CTAs for this call, a token for :func:`timed`). Local: no collective, no wait."""
     mem = memory(comm)
     st = _states(comm).get((op, M, N, K))
-    if st is None:  # first call on the shape (on every rank alike): its key, agreed bound, prior
-        from mpi4py import MPI
+    if st is None:
         key = split.split_key(op, (M, N, K), comm.size, f"{comm.num_nodes}x{comm.local_size}", _transport(comm))
-        hi = comm.mpi.allreduce(max(1, min(MAX_COMM_CTAS, comm_items, sms - 1)), op=MPI.MIN)
-        # Every rank starts from rank 0's saved state (files of different hosts, or of a rank that
-        # never persisted, would start the ranks' searches apart, and their collectives with them).
-        mem.seed(key, comm.mpi.bcast(mem.saved(key), root=0))
+        hi = max(1, min(MAX_COMM_CTAS, comm_items, sms - 1))
         prior = prior_for(op, M, N, K, comm.size, esize, comm.num_nodes, _link_gbps(comm), sms, hi)
         st = _states(comm)[(op, M, N, K)] = _KeyState(key, hi, prior)
-    key = st.key
-    if st.pending is not None:  # timed on every rank alike (the rule below depends on shared state only)
-        n_prev, events = st.pending
-        st.pending = None  # consumed even if what follows raises: no rank may repeat this allgather alone
-        ms = max(comm.mpi.allgather(events.elapsed_ms()))
-        nxt = mem.observe(key, n_prev, ms)
-        log.debug("%s %s: %d comm CTAs took %.3f ms (max over ranks); next %d", op, key[1], n_prev, ms, nxt)
-    st.pending = None
-    n = mem.choose(key, st.prior, lo=1, hi=st.hi)
+    st.collect(mem)
+    n = mem.choose(st.key, st.prior, lo=1, hi=st.hi)
     st.calls += 1
-    timed_now = not mem.search(key).converged or st.calls % HOLD_SAMPLE == 0
-    return n, (st, n, timed_now)
+    sampled = not mem.search(st.key).converged or st.calls % HOLD_SAMPLE == 0
+    return n, (st, n, sampled and len(st.pending) < MAX_PENDING)
 
 
 @contextlib.contextmanager
@@ -189,4 +188,4 @@ def timed(token, stream):
     events.before()
     yield
     events.after()
-    st.pending = (n, events)
+    st.pending.append((n, events))

@@ -12,9 +12,8 @@ controller run the same code.
   after it, per key :func:`split_key` (op, shape bucket, world, topology, transport); optionally saved
   as JSON (atomic replace) so that the next process starts from the converged split.
 
-Agreement across ranks: the search is deterministic, so ranks that start from the same state and are
-given the same observations choose the same split. ``observe`` must therefore be given the same ``ms``
-on every rank: the caller reduces it first (the max over ranks: the op ends when its slowest rank does).
+Ranks need not agree on a split (the fused kernels are exact whatever count each rank runs): each
+rank's search works on its own times.
 """
 
 import ctypes
@@ -259,15 +258,17 @@ def _key_str(key) -> str:
 class SplitMemory:
     """Per key, the search state: ``choose`` before a call, ``observe`` after it.
 
-    ``persist=True`` keeps converged keys in ``directory`` (default ``MKERNEL_CACHE_DIR/split``) as
-    ``splits.json``, replaced atomically; a key loaded from it starts held at its converged split
-    (and re-opens its search if the times it sees changed a lot). Thread-safe.
+    ``persist=True`` reads converged keys from ``directory`` (default ``MKERNEL_CACHE_DIR/split``),
+    ``splits.json``: a key loaded from it starts held at its converged split (and re-opens its search
+    if the times it sees changed a lot); with ``write`` (one rank of a job) it also keeps the keys
+    it converges there, replaced atomically. Thread-safe.
     """
 
     FILE = "splits.json"
 
-    def __init__(self, persist: bool = False, directory=None):
+    def __init__(self, persist: bool = False, directory=None, write: bool = True):
         self.persist = persist
+        self.write = write
         self.directory = Path(directory) if directory is not None else Path(env.get("MKERNEL_CACHE_DIR")) / "split"
         self._searches = {}
         self._saved = {}  # key string -> entry, as read from disk
@@ -305,13 +306,13 @@ class SplitMemory:
 
     def choose(self, key, prior: int, lo: int = 1, hi: int = 64) -> int:
         """The comm CTA count for the next call on ``key`` (``prior``: the model guess, used when the
-        key is new; ``lo``/``hi``: bounds). Deterministic: the same on every rank fed the same times."""
+        key is new; ``lo``/``hi``: bounds)."""
         with self._lock:
             return self._search(key, prior, lo, hi).pending
 
     def observe(self, key, comm_ctas: int, ms: float) -> int:
-        """Records a call on ``key`` that ran ``comm_ctas`` and took ``ms``, which must be the same on
-        every rank (the max over ranks). Returns the count for the next call."""
+        """Records a call on ``key`` that ran ``comm_ctas`` and took ``ms``. Returns the count for the
+        next call."""
         with self._lock:
             ks = _key_str(key)
             s = self._searches.get(ks)
@@ -322,7 +323,7 @@ class SplitMemory:
             if s.converged and not was[0]:
                 log.debug("split %s converged to %d comm CTAs (%.3f ms, %d calls)", key, s.best,
                           s.s.ref_ns / 1e6, s.s.observations)
-            if self.persist and ((s.converged, s.s.reopens) != was):
+            if self.persist and self.write and ((s.converged, s.s.reopens) != was):
                 self._save_locked()
             return nxt
 
@@ -330,19 +331,6 @@ class SplitMemory:
         """The state saved for ``key`` as this process read it (None: none)."""
         with self._lock:
             return self._saved.get(_key_str(key))
-
-    def seed(self, key, entry):
-        """Start ``key``'s search from ``entry`` (a saved state, the same on every rank; None: from
-        the prior) instead of what this process read. Nothing changes once the key's search started
-        (another shape of the same bucket started it, on every rank alike)."""
-        with self._lock:
-            ks = _key_str(key)
-            if ks in self._searches:
-                return
-            if entry is None:
-                self._saved.pop(ks, None)
-            else:
-                self._saved[ks] = entry
 
     def search(self, key):
         """The key's :class:`Search` (None when never chosen)."""

@@ -1,12 +1,10 @@
 """CPU: ``comm_sms="auto"`` wired into the fused TP ops (mkernel.autosplit): each call launches
-the count the key's split search asks for, the previous call's time (max over ranks) feeds the
-search, and once it holds only every HOLD_SAMPLE-th call is timed. The launches are faked
-(test_tp_compile's fixtures); a call's "time" comes from a synthetic cost curve of the comm CTA
-count it launched with."""
+the count the key's split search asks for, the times of earlier calls that have ended feed the
+search (never a wait, never a collective), and once it holds only every HOLD_SAMPLE-th call is
+timed. The launches are faked (test_tp_compile's fixtures); a call's "time" comes from a synthetic
+cost curve of the comm CTA count it launched with."""
 
 import importlib
-import types
-
 import pytest
 from test_tp_compile import _Arr, _Comm, fake_launch  # noqa: F401  (fake_launch is a fixture)
 
@@ -25,9 +23,10 @@ def _curve(n):
 
 @pytest.fixture
 def auto(fake_launch, monkeypatch):  # noqa: F811
-    """A timer that reads the faked launch's comm CTA count; an allgather that reports a second,
-    10% slower rank (each test's communicator has a fresh split memory). Returns the record."""
-    record = {"timers": 0, "observed": []}
+    """A timer that reads the faked launch's comm CTA count (each test's communicator has a fresh
+    split memory); ``record["running"]`` timers report that their call has not ended yet. Returns
+    the record."""
+    record = {"timers": 0, "observed": [], "running": 0}
 
     class Timer:
         def __init__(self, stream):
@@ -39,6 +38,9 @@ def auto(fake_launch, monkeypatch):  # noqa: F811
         def after(self):
             launch = fake_launch["launch"]
             self.n = launch["grid"] - launch["args"].gemm_ctas
+
+        def ended(self):
+            return record["running"] == 0
 
         def elapsed_ms(self):
             return _curve(self.n)
@@ -54,10 +56,16 @@ def auto(fake_launch, monkeypatch):  # noqa: F811
     return record
 
 
+class _NoCollective:
+    """comm.mpi for the call path: any collective is a failure."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"comm.mpi.{name} called on the call path of comm_sms='auto'")
+
+
 def _comm():
     comm = _Comm(2, 1)
-    comm.mpi = types.SimpleNamespace(allgather=lambda x: [x, 1.1 * x], allreduce=lambda x, op=None: x,
-                                     bcast=lambda x, root=0: x)
+    comm.mpi = _NoCollective()
     return comm
 
 
@@ -85,16 +93,40 @@ def test_auto_converges_to_the_best_split_and_then_samples(fake_launch, auto):  
     assert abs(search.best - BEST) <= 3
     prior = autosplit.prior_for("gemm_reduce_scatter", 8192, 4096, 1024, 2, 2, 1, autosplit.NVLINK_GBPS, 132, 64)
     assert counts[0] == prior  # the first call on a new key runs the model's guess
-    # every observation is the max over ranks (the second rank is 10% slower) of that call's count
-    assert all(ms == pytest.approx(1.1 * _curve(n)) for n, ms in auto["observed"])
+    # every observation is this rank's own time of that call's count
+    assert all(ms == pytest.approx(_curve(n)) for n, ms in auto["observed"])
     assert [n for n, _ in auto["observed"]] == counts[:len(auto["observed"])]
     # holding: only every HOLD_SAMPLE-th call is timed, and it runs the held count
     timers = auto["timers"]
     held = [_rs_call(comm, fake_launch, path="fused") for _ in range(2 * autosplit.HOLD_SAMPLE)]
     assert set(held) == {search.best}
     assert auto["timers"] - timers == 2
-    # "auto" is what the ranks agree on (the counts follow from shared times), once per key
-    assert {k[6] for k in comm.agreed} == {"auto"} and len(set(comm.agreed)) == 1
+    # one agreement per key, on the shapes and the path; each rank's count is its own
+    assert len(set(comm.agreed)) == 1 and "auto" not in next(iter(comm.agreed))
+
+
+def test_auto_never_waits_for_a_call_to_end(fake_launch, auto):  # noqa: F811
+    """Calls whose end has not been seen are not observed yet: the next calls launch the search's
+    current count without waiting, and the times are fed in launch order once they are in."""
+    comm = _comm()
+    auto["running"] = 1
+    counts = [_rs_call(comm, fake_launch, path="fused") for _ in range(5)]
+    assert auto["observed"] == [] and len(set(counts)) == 1  # nothing seen yet: the prior, five times
+    st = next(iter(comm._autosplit.values()))
+    assert len(st.pending) == 5
+    auto["running"] = 0
+    nxt = _rs_call(comm, fake_launch, path="fused")
+    assert [n for n, _ in auto["observed"]] == counts  # all five, oldest first
+    assert nxt == autosplit.memory(comm).search(st.key).pending
+
+
+def test_auto_bounds_the_calls_it_keeps_timing(fake_launch, auto):  # noqa: F811
+    """With the GPU far behind, at most MAX_PENDING calls per key are timed at once."""
+    comm = _comm()
+    auto["running"] = 1
+    for _ in range(3 * autosplit.MAX_PENDING):
+        _rs_call(comm, fake_launch, path="fused")
+    assert auto["timers"] == autosplit.MAX_PENDING
 
 
 def test_auto_is_only_for_the_fused_path(fake_launch, auto, monkeypatch):  # noqa: F811
@@ -146,8 +178,6 @@ def test_two_communicators_keep_their_own_searches(fake_launch, auto):  # noqa: 
     """A rank in two communicators of the same shape (a tensor- and a sequence-parallel group):
     each feeds its own search, so the partners of each stay in step (their collectives match)."""
     tp_comm, sp_comm = _comm(), _comm()
-    sp_comm.mpi = types.SimpleNamespace(allgather=lambda x: [x, 3.0 * x], allreduce=lambda x, op=None: x,
-                                        bcast=lambda x, root=0: x)
     for _ in range(6):
         _rs_call(tp_comm, fake_launch, path="fused")
         _rs_call(sp_comm, fake_launch, path="fused")
@@ -158,13 +188,16 @@ def test_two_communicators_keep_their_own_searches(fake_launch, auto):  # noqa: 
     assert tp_obs == sp_obs == 5  # each its own five observations, none of the other's
 
 
-def test_the_bound_is_agreed_when_a_key_is_first_seen(fake_launch, auto):  # noqa: F811
-    """Ranks on different GPUs (other SM counts) search within the same bound: the minimum."""
+def test_the_bound_is_this_ranks_own(fake_launch, auto):  # noqa: F811
+    """The search's bound comes from this rank's SM count alone (counts need not agree)."""
     comm = _comm()
-    seen = []
-    comm.mpi.allreduce = lambda x, op=None: (seen.append(x), min(x, 6))[1]  # the other rank allows 6
-    counts = [_rs_call(comm, fake_launch, path="fused") for _ in range(10)]
-    assert seen == [64] and max(counts) <= 6
+    counts = []
+    for _ in range(10):
+        rs.gemm_reduce_scatter(_Arr((8192, 1024), "float16", 0x100000), _Arr((1024, 4096), "float16", 0x200000),
+                               comm=comm, out=_Arr((4096, 4096), "float16", 0x300000), comm_sms="auto", path="fused")
+        counts.append(_launched_comm_ctas(fake_launch))
+    st = next(iter(comm._autosplit.values()))
+    assert st.hi == min(autosplit.MAX_COMM_CTAS, tp.sm_count() - 1) and max(counts) <= st.hi
 
 
 def _converged_with_persistence(fake_launch, monkeypatch, cache_dir, rank):  # noqa: F811
@@ -182,38 +215,20 @@ def _converged_with_persistence(fake_launch, monkeypatch, cache_dir, rank):  # n
 
 
 def test_persisted_split_starts_a_new_process_at_its_split(fake_launch, auto, monkeypatch, tmp_path):  # noqa: F811
-    """MKERNEL_SPLIT_PERSIST=1: rank 0 saves the converged key; a new communicator (a new process)
-    runs that split on its first call and holds it without searching (no timed call until the
-    HOLD_SAMPLE-th)."""
+    """MKERNEL_SPLIT_PERSIST=1: rank 0 saves the converged key; a new communicator (a new process),
+    on any rank, reads it and runs that split on its first call, held without searching (no timed
+    call until the HOLD_SAMPLE-th)."""
     comm, key = _converged_with_persistence(fake_launch, monkeypatch, tmp_path, rank=0)  # the writer
     best = autosplit.memory(comm).search(key).best
     assert (tmp_path / "split" / "splits.json").exists()
-    fresh = _comm()  # rank 0 of a new process: reads the file
-    fresh.rank = 0
-    entry = {}
-    fresh.mpi.bcast = lambda x, root=0: (entry.update(saved=x), x)[1]
-    timers = auto["timers"]
-    first = [_rs_call(fresh, fake_launch, path="fused") for _ in range(3)]
-    assert first == [best] * 3, (first, best)
-    assert auto["timers"] == timers  # held from the start: nothing timed yet
-    assert autosplit.memory(fresh).search(key).converged
-    peer = _comm()  # rank 1 of that process: nothing read itself, starts from rank 0's broadcast
-    peer.mpi.bcast = lambda x, root=0: entry["saved"]
-    assert entry["saved"] is not None and autosplit.memory(peer).saved(key) is None
-    assert [_rs_call(peer, fake_launch, path="fused") for _ in range(3)] == [best] * 3
-
-
-def test_ranks_start_from_rank_0s_saved_state(fake_launch, auto, monkeypatch, tmp_path):  # noqa: F811
-    """A rank whose own file (another host, or persistence off) differs from rank 0's starts the key
-    from the state rank 0 broadcasts: here rank 0 has none, so this rank ignores its own saved split."""
-    _, key = _converged_with_persistence(fake_launch, monkeypatch, tmp_path, rank=0)
-    assert (tmp_path / "split" / "splits.json").exists()
-    other = _comm()  # reads the file rank 0 wrote ...
-    other.mpi.bcast = lambda x, root=0: None  # ... but rank 0 (another host) has nothing saved
-    n0 = _rs_call(other, fake_launch, path="fused")
-    search = autosplit.memory(other).search(key)
-    assert not search.converged and autosplit.memory(other).saved(key) is None
-    assert n0 == next(iter(other._autosplit.values())).prior  # the model's guess, as for a new key
+    for rank in (0, 1):
+        fresh = _comm()
+        fresh.rank = rank
+        timers = auto["timers"]
+        first = [_rs_call(fresh, fake_launch, path="fused") for _ in range(3)]
+        assert first == [best] * 3, (rank, first, best)
+        assert auto["timers"] == timers  # held from the start: nothing timed yet
+        assert autosplit.memory(fresh).search(key).converged
 
 
 def test_non_root_ranks_do_not_write(fake_launch, auto, monkeypatch, tmp_path):  # noqa: F811
@@ -222,8 +237,8 @@ def test_non_root_ranks_do_not_write(fake_launch, auto, monkeypatch, tmp_path): 
 
 
 def test_unwritable_split_file_does_not_fail_the_op(fake_launch, auto, monkeypatch, tmp_path):  # noqa: F811
-    """Rank 0's save failing (no directory can be made there) must not raise on rank 0 alone: its
-    peers would go on to the launch and the next allgather. The memory stays in process only."""
+    """Rank 0's save failing (no directory can be made there) must not fail the op: the memory stays
+    in process only."""
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
     comm, _ = _converged_with_persistence(fake_launch, monkeypatch, blocker, rank=0)
