@@ -55,7 +55,8 @@ class Communicator:
     """A group of ranks, one GPU each (several ranks may share one GPU).
 
     Attributes: ``rank``, ``size``, ``node``, ``num_nodes``, ``local_rank`` and ``local_size``
-    (inside the node), ``device_id``, ``topology``, ``mpi`` (the mpi4py communicator)."""
+    (inside the node), ``device_id``, ``gpus_shared`` (some ranks share a GPU), ``topology``,
+    ``mpi`` (the mpi4py communicator)."""
 
     # Regions of the root's proxy: the root's symmetric workspace (an offset names the same buffer
     # on every rank, so commands carry offsets; a sub-communicator's are shifted into it), and the
@@ -115,6 +116,8 @@ class Communicator:
 
         self.device = cupy.cuda.Device(self.device_id)
         self.device.use()
+        devices = self.mpi.allgather((self.topology.host, self.device_id))
+        self.gpus_shared = len(set(devices)) != len(devices)  # some ranks share a GPU (NCCL cannot run)
         # Agree on the size first: a workspace of different sizes would break symmetric offsets.
         self.agree(("workspace", "bytes"), self._workspace_bytes)
         if self._parent is None:
@@ -220,8 +223,7 @@ class Communicator:
         if self._nccl is None:
             from cupy.cuda import nccl
 
-            devices = self.mpi.allgather((self.topology.host, self.device_id))
-            if len(set(devices)) != len(devices):
+            if self.gpus_shared:
                 raise ArgumentError("NCCL needs one GPU per rank, and ranks of this communicator share a GPU")
             uid = self.mpi.bcast(nccl.get_unique_id() if self.rank == 0 else None)
             with self.device:

@@ -217,12 +217,8 @@ def prepare_out(op, out, shape, dtype, comm):
 
 
 def gpus_distinct(comm) -> bool:
-    """True when every rank has a GPU of its own (collective the first time; cached)."""
-    cache = op_cache(comm)
-    if "_distinct" not in cache:
-        devs = comm.mpi.allgather((comm.topology.host, comm.device_id))
-        cache["_distinct"] = len(set(devs)) == len(devs)
-    return cache["_distinct"]
+    """True when every rank has a GPU of its own."""
+    return not comm.gpus_shared
 
 
 def op_cache(comm) -> dict:

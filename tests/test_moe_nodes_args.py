@@ -43,7 +43,7 @@ class _FakeComm(Communicator):
         self.num_nodes, self.node = nodes, rank // local
         self.topology = types.SimpleNamespace(node_of=tuple(r // local for r in range(nodes * local)))
         self.heap = types.SimpleNamespace(base=HEAP, nbytes=1 << 36)
-        self._agreed, self._op_buffers = {}, {"_distinct": False}
+        self._agreed, self._op_buffers, self.gpus_shared = {}, {}, True
 
     def check(self):
         pass

@@ -123,7 +123,7 @@ def test_grid_split():
 class _FakeComm:
     def __init__(self, size, distinct=True):
         self.size = size
-        self._op_buffers = {"_distinct": distinct}
+        self._op_buffers, self.gpus_shared = {}, not distinct
 
 
 def test_path_choice_is_a_function_of_shapes_and_topology():
@@ -188,7 +188,7 @@ class _Comm:
         self.flag_blocks = []
         self.peer_table = types.SimpleNamespace(data=_Ptr(0xABC000))
         self._agreed = {}
-        self._op_buffers = {"_distinct": False}
+        self._op_buffers, self.gpus_shared = {}, True
         self.agreed = []
 
     def agree(self, key, value):
