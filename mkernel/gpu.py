@@ -1,5 +1,7 @@
 """What GPUs this process sees, without raising when there are none."""
 
+import os
+
 from .errors import NoGPUError
 
 REQUIRED_CC = (9, 0)
@@ -36,3 +38,13 @@ def require_hopper(device_id: int = None) -> None:
     if cc != REQUIRED_CC:
         raise NoGPUError(f"GPU {dev.id} has compute capability {cc[0]}.{cc[1]}; mkernel's kernels are "
                          f"built for sm_90a (H100/H200) only")
+
+
+def mps_client() -> bool:
+    """True when CUDA runs this process as an MPS client: a control daemon answers in its pipe
+    directory, or it was given a share of the SMs. Its kernels then share the GPU's SMs with the
+    other clients' kernels at the same time."""
+    if os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"):
+        return True
+    pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+    return os.path.exists(os.path.join(pipe, "control"))

@@ -43,9 +43,25 @@ def max_resident_blocks(fn, block_threads: int, smem: int) -> int:
     return driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, block_threads, smem)
 
 
+# Under MPS a persistent grid counts on this fraction of the client's SMs: two clients given 50%
+# each (66 SMs) were not resident at once with 66 CTAs each, but were with 60 (bench/NOTES.md).
+MPS_RESIDENT_FRACTION = 7 / 8
+_sms = {}
+
+
 def sm_count() -> int:
+    """SMs whose CTAs a persistent grid may count on being resident at once: the device's (under
+    MPS the client's share, less a margin)."""
     import cupy
-    return cupy.cuda.Device().attributes["MultiProcessorCount"]
+
+    dev = cupy.cuda.runtime.getDevice()
+    n = _sms.get(dev)
+    if n is None:
+        from .gpu import mps_client
+
+        n = cupy.cuda.Device(dev).attributes["MultiProcessorCount"]
+        n = _sms[dev] = max(1, int(n * MPS_RESIDENT_FRACTION)) if mps_client() else n
+    return n
 
 
 _grids = {}

@@ -17,3 +17,48 @@ def test_plan_cache_hit_miss_and_eviction(monkeypatch):
     assert cache.launch("b") is False
     assert cache.launch("a") and cache.launch("c")
     assert len(calls) == 3
+
+
+def test_mps_client_detection(monkeypatch, tmp_path):
+    from mkernel import gpu
+
+    monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert not gpu.mps_client()
+    (tmp_path / "control").touch()  # a daemon's control pipe
+    assert gpu.mps_client()
+    (tmp_path / "control").unlink()
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "50")
+    assert gpu.mps_client()
+
+
+def test_persistent_grids_keep_a_margin_under_mps(monkeypatch):
+    """Under MPS a persistent grid counts on 7/8 of the client's SMs (two clients' full shares were
+    not resident at once); otherwise on all of them."""
+    import types
+
+    from mkernel import gpu
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        runtime=types.SimpleNamespace(getDevice=lambda: 0),
+        Device=lambda dev: types.SimpleNamespace(attributes={"MultiProcessorCount": 66})))
+    monkeypatch.setitem(__import__("sys").modules, "cupy", fake)
+    for mps, want in ((False, 66), (True, 57)):
+        monkeypatch.setattr(ml, "_sms", {})
+        monkeypatch.setattr(gpu, "mps_client", lambda mps=mps: mps)
+        assert ml.sm_count() == want
+
+
+def test_child_jobs_get_their_share_of_the_gpu_under_mps(monkeypatch):
+    from mkernel import gpu, testing
+
+    monkeypatch.setattr(gpu, "device_count", lambda: 1)
+    monkeypatch.setattr(gpu, "mps_client", lambda: False)
+    env, extra = testing.mpi_child_env(4, {"A": "1"})
+    assert env == {"A": "1"} and extra == []
+    monkeypatch.setattr(gpu, "mps_client", lambda: True)
+    env, extra = testing.mpi_child_env(4, {"A": "1"})
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25" and extra == ["-x", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]
+    monkeypatch.setattr(gpu, "device_count", lambda: 2)
+    env, _ = testing.mpi_child_env(2, {"CUDA_MPS_PIPE_DIRECTORY": "/x"})
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "100"

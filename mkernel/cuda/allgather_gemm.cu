@@ -131,7 +131,7 @@ MK_DEV void tp_push_cta(const TpArgs& a) {
 
 template <int DT, int BL>
 __global__ void __launch_bounds__(384, 1) mk_allgather_gemm_kernel(const __grid_constant__ TpArgs args) {
-  if (blockIdx.x == 0 && threadIdx.x == 0) tp_announce(args);
+  if (threadIdx.x == 0) tp_announce(args);
   if ((int)blockIdx.x < args.gemm_ctas)
     tp_gemm_cta<GemmCfg<DT, BL>, TP_OP_AG, TpNoJoin, TpTurn<TP_OP_AG, TpPushItems> >(args);
   else

@@ -15,7 +15,7 @@ enum { TP_OP_RS = 0, TP_OP_AR = 1, TP_OP_AG = 2 };
 // Device counters of one (op, shape) plan, zero between launches (the last CTA resets them), then
 // one that is never reset: the plan's launches so far (targets of the counting flags between nodes).
 enum { TP_CNT_TILE = 0, TP_CNT_DONE = 1, TP_CNT_REDUCE = 2, TP_CNT_COPY = 3, TP_CNT_PUSH = 4, TP_CNT_SENT = 5,
-       TP_CNT_FORWARD = 6, TP_CNT_WORDS = 8, TP_CNT_LAUNCHES = TP_CNT_WORDS };
+       TP_CNT_FORWARD = 6, TP_CNT_ENTER = 7, TP_CNT_WORDS = 8, TP_CNT_LAUNCHES = TP_CNT_WORDS };
 
 // A node partial crossing the network: one tile, compact (rows x cols of the tile, row-major).
 #define TP_TILE_BYTES (128 * 256 * 2)

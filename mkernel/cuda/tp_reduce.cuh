@@ -63,9 +63,11 @@ MK_DEV uint4 tp_pack8(const float (&s)[8]) {
   return r;
 }
 
-// Block 0 thread 0 at launch entry: this rank entered the epoch, for its node's peers (credits)
-// and for the ranks (j, lrank) of the other nodes, the ones that WRITE into this rank.
+// Thread 0 of every CTA at launch entry; the first CTA to run says this rank entered the epoch,
+// for its node's peers (credits) and for the ranks (j, lrank) of the other nodes that WRITE into
+// this rank. Not a fixed CTA: one that is not resident (a GPU shared under MPS) would hold every peer.
 MK_DEV void tp_announce(const TpArgs& a) {
+  if (atomicAdd(&a.counters[TP_CNT_ENTER], 1u) != 0) return;
   const u32 E = launch_epoch(a.g.sync);
   credits_announce(tp_peers(a), E);
   for (u32 j = 0; j < (u32)a.nodes; ++j)
@@ -464,10 +466,10 @@ struct TpJoinReduce {
 };
 
 // The fused kernel of GEMM+RS / GEMM+AR. One CTA per SM, 384 threads, TP_SMEM_BYTES of dynamic
-// shared memory; all CTAs must be resident (launched cooperatively).
+// shared memory. Work is claimed from counters, so any CTAs that are resident finish it.
 template <int DT, int BL, int OP>
 MK_DEV void tp_reduce_kernel_body(const TpArgs& args) {
-  if (blockIdx.x == 0 && threadIdx.x == 0) tp_announce(args);
+  if (threadIdx.x == 0) tp_announce(args);
   if ((int)blockIdx.x >= args.gemm_ctas)
     tp_reduce_cta<DT, OP>(args);
   else if (args.partial)
