@@ -18,3 +18,55 @@ def sync_or_exit(what: str, timeout_s: float = 30.0, stream=None) -> None:
             print(f"\nHANG: {what} did not finish in {timeout_s} s; exiting", flush=True)
             os._exit(3)
         time.sleep(0.0005)
+
+
+class StreamHold:
+    """Holds a stream: a one-thread kernel spins until :meth:`release` (or ``timeout_s``), so that
+    work queued behind it cannot start. Tests use it to show that calls only launch and return."""
+
+    def __init__(self, stream=None, timeout_s: float = 60.0):
+        import ctypes
+
+        import cupy
+        import numpy as np
+
+        self._ptr = cupy.cuda.runtime.hostAlloc(4, 2)  # mapped: the kernel polls it across PCIe
+        self._word = ctypes.c_uint32.from_address(self._ptr)
+        self._word.value = 0
+        kernel = cupy.RawKernel(r"""
+extern "C" __global__ void mk_test_hold(const volatile unsigned int* go, unsigned long long ns) {
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (*go == 0 && t - t0 < ns);
+}""", "mk_test_hold")
+        with stream if stream is not None else cupy.cuda.get_current_stream():
+            kernel((1,), (1,), (self._ptr, np.uint64(int(timeout_s * 1e9))))
+            self.started = cupy.cuda.Event()
+            self.started.record()
+
+    def release(self):
+        self._word.value = 1
+
+    def close(self):
+        import cupy
+
+        if self._ptr:
+            self.release()
+            cupy.cuda.runtime.deviceSynchronize()
+            cupy.cuda.runtime.freeHost(self._ptr)
+            self._ptr = 0
+
+
+def mpi_child_env(n: int, env: dict = None) -> tuple:
+    """(environment, extra mpirun arguments) for a child job of ``n`` ranks on this machine's GPUs.
+    Under MPS each rank gets its share of a GPU's SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE): clients
+    that each count on all of them cannot run their persistent kernels at once."""
+    from .gpu import device_count, mps_client
+
+    env = dict(os.environ if env is None else env)
+    if not mps_client():
+        return env, []
+    gpus = max(1, device_count())
+    env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, min(100, 100 * gpus // n)))
+    return env, ["-x", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] + (
+        ["-x", "CUDA_MPS_PIPE_DIRECTORY"] if "CUDA_MPS_PIPE_DIRECTORY" in env else [])

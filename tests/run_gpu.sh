@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
 # The GPU suite, on a machine with one or two H200s (mkernel installed, e.g. by .whl/prepare.sh):
 # every gpu-marked test at one rank, then the ones meaningful at several ranks (marked mpi) at two
-# ranks (one GPU each, or sharing GPU 0) and at four (sharing the GPUs): several code paths only
-# exist from three ranks on (a ring of four steps, blocks owned by a rank that is neither me nor
-# my one peer), and a bug there went unseen for sessions while the suite stopped at two.
+# and at four ranks: several code paths only exist from three ranks on.
+#
+# Ranks that share a GPU run under CUDA MPS (tools/mps.sh) by default, so that they truly run at
+# once (2 ranks at 50% of the SMs, 4 at 25%); time-sliced ranks move in lockstep and hide races.
+# The daemon is started if none runs and stopped only if this script started it. One client's GPU
+# fault takes down every client: after a pass that saw one, the daemon is restarted (and it is said).
+#   MKERNEL_SUITE_MPS=0         run the multi-rank passes time-sliced instead
+#   MKERNEL_SUITE_TIMESLICED=1  add a time-sliced 2-rank pass (needs a daemon this script may stop)
+#   MKERNEL_SUITE_PASSES="1 2 4" the passes to run, in order (rank counts)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -12,16 +18,46 @@ export MKERNEL_CACHE_DIR=${MKERNEL_CACHE_DIR:-$HOME/.cache/mkernel} PYTHONPATH=$
 # Each pass has a wall-clock limit: a rank left inside a collective its peer never reaches (a test
 # bug) would otherwise hold the machine until the caller's own limit.
 LIMIT=${MKERNEL_SUITE_PASS_TIMEOUT_S:-300}
+source tools/mps.sh
+ngpus=$("$PY" -c "import cupy; print(cupy.cuda.runtime.getDeviceCount())" 2>/dev/null || echo 1)
+use_mps=0
+if [ "${MKERNEL_SUITE_MPS:-1}" = 1 ] && [ "$ngpus" -lt 4 ]; then  # the 4-rank pass shares GPUs
+  if mps_start; then use_mps=1; else echo "run_gpu.sh: MPS could not start: time-sliced passes"; fi
+fi
 rc=0
-pass_rc() {  # the pass's status into rc; a pass stopped by its limit says so
-  local r=$1
-  [ "$r" = 124 ] && echo "run_gpu.sh: the $2 pass ran past ${LIMIT} s (MKERNEL_SUITE_PASS_TIMEOUT_S) and was stopped"
+log=$(mktemp)
+pass() {  # pass NAME RANKS CMD...: runs one pass, records its status, restarts MPS after a GPU fault
+  local name=$1 n=$2; shift 2
+  local pct=100
+  [ "$use_mps" = 1 ] && [ "$n" -gt "$ngpus" ] && pct=$((100 * ngpus / n))  # ranks per GPU share its SMs
+  echo "== $name pass ($n rank(s), $([ "$use_mps" = 1 ] && echo "MPS, ${pct}% of the SMs each" || echo time-sliced)) =="
+  if [ "$use_mps" = 1 ]; then export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct; else unset CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; fi
+  timeout -k 10 "$LIMIT" "$@" 2>&1 | tee "$log"
+  local r=${PIPESTATUS[0]}
+  [ "$r" = 124 ] && echo "run_gpu.sh: the $name pass ran past ${LIMIT} s (MKERNEL_SUITE_PASS_TIMEOUT_S) and was stopped"
   [ "$r" != 0 ] && rc=$r
+  if [ "$use_mps" = 1 ] && grep -qE "cudaErrorLaunchFailure|cudaErrorIllegalAddress|CUDA_ERROR_LAUNCH_FAILED|CUDA_ERROR_ILLEGAL|cudaErrorDevicesUnavailable" "$log"; then
+    echo "run_gpu.sh: the $name pass saw a GPU fault: restarting the MPS daemon"
+    mps_restart || { echo "run_gpu.sh: MPS did not restart"; use_mps=0; }
+  fi
   return 0
 }
-timeout -k 10 "$LIMIT" "$PY" -m pytest -q -m "gpu and not (mpi and multi_gpu)" tests "$@"; pass_rc $? "1-rank"
-for n in 2 4; do
-  timeout -k 10 "$LIMIT" mpirun -n $n --oversubscribe -x NCCL_NVLS_ENABLE -x PYTHONPATH -x MKERNEL_CACHE_DIR \
-    "$PY" -m pytest -q -m "gpu and mpi and not slow" tests "$@"; pass_rc $? "$n-rank"
+MPIRUN=(mpirun --oversubscribe -x NCCL_NVLS_ENABLE -x PYTHONPATH -x MKERNEL_CACHE_DIR -x CUDA_MPS_PIPE_DIRECTORY)
+for n in ${MKERNEL_SUITE_PASSES:-1 2 4}; do
+  if [ "$n" = 1 ]; then
+    pass 1-rank 1 "$PY" -m pytest -q -m "gpu and not (mpi and multi_gpu)" tests "$@"
+  else
+    pass "$n-rank" "$n" "${MPIRUN[@]}" $([ "$use_mps" = 1 ] && echo -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) -n "$n" "$PY" -m pytest -q -m "gpu and mpi and not slow" tests "$@"
+  fi
 done
+if [ "${MKERNEL_SUITE_TIMESLICED:-0}" = 1 ]; then
+  if [ "$use_mps" = 1 ] && [ "$MKERNEL_MPS_STARTED" != 1 ]; then
+    echo "run_gpu.sh: an MPS daemon this script did not start is running: no time-sliced pass"
+  else
+    mps_stop; use_mps=0
+    pass "2-rank time-sliced" 2 "${MPIRUN[@]}" -n 2 "$PY" -m pytest -q -m "gpu and mpi and not slow" tests "$@"
+  fi
+fi
+mps_stop
+rm -f "$log"
 exit $rc

@@ -229,8 +229,10 @@ def test_a_dead_rank_makes_the_survivor_raise_within_30_s():
     ver = subprocess.run(["mpirun", "--version"], capture_output=True, text=True).stdout
     if "Open MPI) 5" in ver or "v5." in ver:
         mca = ["--mca", "prte_abort_on_non_zero_status", "0"]
-    env = dict(os.environ, MKERNEL_TIMEOUT_S="10")
-    cmd = ["mpirun", "-n", "2", "--oversubscribe", *mca, "-x", "MKERNEL_TIMEOUT_S", "-x", "NCCL_NVLS_ENABLE",
+    from mkernel.testing import mpi_child_env
+
+    env, mps = mpi_child_env(2, dict(os.environ, MKERNEL_TIMEOUT_S="10"))
+    cmd = ["mpirun", "-n", "2", "--oversubscribe", *mca, *mps, "-x", "MKERNEL_TIMEOUT_S", "-x", "NCCL_NVLS_ENABLE",
            sys.executable, str(script)]
     t = time.monotonic()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)

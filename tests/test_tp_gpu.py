@@ -633,3 +633,62 @@ def test_example_tp_mlp_with_jax_arrays(comm):
         pytest.skip("JAX with a GPU backend is not installed")
     ex = _example()
     _collective(comm, lambda: ex.run(comm, use_jax=True))
+
+
+@pytest.mark.parametrize("op", ["rs", "ar", "ag"])
+def test_ranks_pinned_to_different_counts_stay_exact(comm, op):
+    """comm_sms need not agree across ranks (which CTA reduces or pushes a tile changes who does
+    the work, not what crosses the wire): rank r runs 1 + 7 r comm CTAs, every output exact."""
+    call, ref, row0, shape = _controller_problem(comm, op, 41, 1024 * comm.size, 256, 2048)
+    kind = "fp16"
+
+    def body():
+        msgs = []
+        for i in range(3):
+            got = call(_poisoned(shape, kind), comm_sms=1 + 7 * comm.rank)
+            _sync(f"{op} with rank-dependent comm_sms, call {i}")
+            comm.check()
+            ok, msg = _check_exact(_host(got), ref, DTYPES[kind], f"call {i}", row0)
+            if not ok:
+                msgs.append(msg)
+        return not msgs, "; ".join(msgs)
+
+    _collective(comm, body)
+
+
+@pytest.mark.parametrize("op", ["rs", "ar", "ag"])
+def test_steady_state_calls_only_launch_and_return(comm, op):
+    """After a shape's first call, 200 calls (comm_sms="auto", the default) queued behind a kernel
+    that holds the stream all return before it is released: no call waits for the GPU or for a
+    peer. Then every launch runs, and the last output is exact."""
+    from mkernel.testing import StreamHold
+
+    call, ref, row0, shape = _controller_problem(comm, op, 43, 512 * comm.size, 256, 1024)
+    kind = "fp16"
+
+    def body():
+        out = _poisoned(shape, kind)
+        for _ in range(3):  # the first call agrees and allocates; then the search has events to see
+            call(out)
+            _sync(f"{op} warm-up")
+        comm.check()
+        comm.mpi.Barrier()
+        hold = StreamHold(timeout_s=60)
+        try:
+            import time
+            t0 = time.monotonic()
+            for _ in range(200):
+                call(out)
+            host_s = time.monotonic() - t0
+            held = not hold.started.done
+        finally:
+            hold.release()
+        _sync(f"{op} after release")
+        hold.close()
+        comm.check()
+        ok, msg = _check_exact(_host(out), ref, DTYPES[kind], "after 200 held calls", row0)
+        if not held:
+            return False, f"the hold ended before the 200 calls returned ({host_s:.1f} s on the host)"
+        return ok, msg or f"200 calls queued in {host_s * 1e3:.0f} ms"
+
+    _collective(comm, body)

@@ -29,8 +29,11 @@ MPI_ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CO
 
 
 def _mpiexec(n, args, timeout, extra=()):
-    cmd = ["mpiexec", "-n", str(n), "--oversubscribe", *extra, sys.executable, *args]
-    return subprocess.run(cmd, env=MPI_ENV, capture_output=True, text=True, timeout=timeout,
+    from mkernel.testing import mpi_child_env
+
+    env, mps = mpi_child_env(n, MPI_ENV)
+    cmd = ["mpiexec", "-n", str(n), "--oversubscribe", *mps, *extra, sys.executable, *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -30,7 +30,13 @@ step() {  # step NAME TIMEOUT CMD...
   summary+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - t0)) "$(tail -1 "$LOGS/$name.log" | cut -c1-150)")")
   echo "${summary[-1]}"
 }
+# Two ranks on one GPU run under MPS (50% of the SMs each: at once, not time-sliced) unless
+# MKERNEL_SESSION_MPS=0; tests/run_gpu.sh manages MPS for the suite itself.
+source tools/mps.sh
 MPI2="mpirun -n 2 --oversubscribe -x MKERNEL_CACHE_DIR -x NCCL_NVLS_ENABLE -x PYTHONPATH"
+if [ "${MKERNEL_SESSION_MPS:-1}" = 1 ] && mps_start; then
+  MPI2="env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 $MPI2 -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+fi
 PYT="python3 -m pytest -q -p no:cacheprovider"
 for s in $steps; do
   case $s in
@@ -72,6 +78,7 @@ for s in $steps; do
   esac
   tar -C "$(dirname "$LOGS")" -czf "$OUT/logs.tar.gz" logs  # after every step: a cut-off run still reports
 done
+mps_stop
 grep -h "compiling " "$LOGS"/*.log | sort | uniq -c > "$LOGS/compiles.txt" || true
 cp bench/results/*.json bench/results/*.png "$OUT"/ 2>/dev/null
 tar -C "$(dirname "$LOGS")" -czf "$OUT/logs.tar.gz" logs
