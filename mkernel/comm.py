@@ -22,7 +22,7 @@ import hashlib
 import weakref
 
 from . import collectives, env, topology
-from .errors import ArgumentError, ClosedError, MKernelError, PeerError
+from .errors import ArgumentError, ClosedError, MKernelError, PeerError, peer_failures
 from .log import get_logger, set_rank
 
 log = get_logger("comm")
@@ -30,6 +30,7 @@ log = get_logger("comm")
 TRANSPORTS = ("auto", "verbs", "host", "tcp")
 _roots = []  # weak references to the communicators init() made, in creation order
 _atexit_registered = False
+_finalize_unsafe = False  # a peer did not answer after a failure: MPI_Finalize would wait for it
 
 
 def init(mpi_comm=None, gpus_per_node=None, transport="auto", workspace_bytes=None) -> "Communicator":
@@ -66,6 +67,7 @@ class Communicator:
     PROXY_FLAG_RANGES = 16
     PROXY_QUEUE_CAPACITY = 1 << 14
     SPLIT_WORKSPACE_FRACTION = 4  # split()'s default workspace: this fraction of its parent's
+    PEER_CHECK_S = 5.0  # close() after a failure: how long peers have to answer
 
     def __init__(self, mpi_comm, *, gpus_per_node=None, transport="auto", workspace_bytes=None,
                  _parent=None):
@@ -130,6 +132,7 @@ class Communicator:
         self._root_ranks = numpy.array(self.mpi.allgather(self._root.rank), dtype=numpy.uint16)
         self._root_ranks_dev = None if self._parent is None else cupy.asarray(self._root_ranks)
         self.sync = SyncState(self.rank)
+        self._failures_at_start = peer_failures()
         self.trace = Trace(self.rank)
         log.debug("rank %d: node %d/%d, local rank %d/%d, GPU %d, workspace %d bytes", self.rank, self.node,
                   self.num_nodes, self.local_rank, self.local_size, self.device_id, self.heap.nbytes)
@@ -363,6 +366,8 @@ class Communicator:
                 import cupy
                 cupy.cuda.runtime.deviceSynchronize()
                 self.trace.write()
+                if failed or peer_failures() > self._failures_at_start:
+                    failed = not self._peers_alive()
                 failed = self._stop_proxy(failed)
                 failed = self._release_heap(failed)
                 self.sync.close()
@@ -378,6 +383,19 @@ class Communicator:
                 except Exception:  # MPI may already be finalizing
                     pass
 
+    def _peers_alive(self) -> bool:
+        """After a failure: one barrier that gives up after min(timeout, PEER_CHECK_S). Peers that
+        answer are closing too (their kernels are done), so the usual release is safe; otherwise a
+        peer is dead or stuck, and MPI_Finalize would wait for it forever: the process then leaves
+        without it (:func:`_close_all`)."""
+        try:
+            collectives.barrier(self.mpi, min(env.get_float("MKERNEL_TIMEOUT_S"), self.PEER_CHECK_S),
+                                "checking which peers are alive after a failure")
+            return True
+        except PeerError as e:
+            log.error("rank %d: %s", self.rank, e)
+            return not _peer_lost()
+
     def _stop_proxy(self, failed):
         """Stops and frees the proxy (root), after a timed barrier so that no peer still sends to
         this rank (skipped after a failure). Returns whether a peer failed."""
@@ -391,7 +409,7 @@ class Communicator:
             try:
                 self._allgather_bytes(b"\0", "stopping the proxy")
             except PeerError:
-                failed = True
+                failed = _peer_lost()
         proxy.close()
         queue.close()
         cupy.cuda.runtime.freeHost(ptr)
@@ -405,7 +423,7 @@ class Communicator:
             try:
                 self._allgather_bytes(b"\0", "releasing the workspace")
             except PeerError:
-                failed = True
+                failed = _peer_lost()
         if not failed:
             self.heap.close()
         return failed
@@ -464,9 +482,17 @@ def _world():
     return MPI.COMM_WORLD
 
 
+def _peer_lost() -> bool:
+    """A peer did not answer while closing: MPI_Finalize would wait for it (see _close_all)."""
+    global _finalize_unsafe
+    _finalize_unsafe = True
+    return True
+
+
 def _close_all():
     """At exit, in creation order on every rank (closing is collective): roots, each closing its
-    sub-communicators first."""
+    sub-communicators first. If a peer died (it did not answer after a failure), MPI_Finalize,
+    which mpi4py runs after this, would wait for it forever: the process leaves now, status 1."""
     for ref in list(_roots):
         c = ref()
         if c is None:
@@ -475,3 +501,15 @@ def _close_all():
             c.close()
         except Exception as e:  # at exit, report instead of raising
             log.warning("closing %r at exit failed: %s", c, e)
+    if _finalize_unsafe:
+        import os
+        import sys
+
+        log.error("a peer did not answer after a failure: leaving without MPI_Finalize (it would wait for "
+                  "the peer forever), exit status 1")
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.flush()
+            except Exception:  # noqa: BLE001  (a closed stream at exit)
+                pass
+        os._exit(1)

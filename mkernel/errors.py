@@ -25,11 +25,26 @@ class NoRDMADeviceError(MKernelError):
     """The verbs transport was asked for, but no active RDMA port (or no libibverbs) exists here."""
 
 
-class PeerError(MKernelError):
+_peer_failures = [0]  # PeerError / TimeoutError raised in this process so far
+
+
+def peer_failures() -> int:
+    """How many PeerError / TimeoutError this process has made (a communicator that saw one may
+    have a dead peer: its close() checks before waiting for anyone)."""
+    return _peer_failures[0]
+
+
+class _PeerFailure(MKernelError):
+    def __init__(self, *args):
+        super().__init__(*args)
+        _peer_failures[0] += 1
+
+
+class PeerError(_PeerFailure):
     """A peer rank failed, disconnected or stopped answering; names the op, rank and peer."""
 
 
-class TimeoutError(MKernelError, builtins.TimeoutError):
+class TimeoutError(_PeerFailure, builtins.TimeoutError):
     """A device spin-wait or a proxy wait ran past its limit; names the op, rank and peer."""
 
 
