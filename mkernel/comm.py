@@ -118,7 +118,7 @@ class Communicator:
 
         self.device = cupy.cuda.Device(self.device_id)
         self.device.use()
-        devices = self.mpi.allgather((self.topology.host, self.device_id))
+        devices = collectives.allgather_object(self.mpi, (self.topology.host, self.device_id), "comparing GPUs")
         self.gpus_shared = len(set(devices)) != len(devices)  # some ranks share a GPU (NCCL cannot run)
         # Agree on the size first: a workspace of different sizes would break symmetric offsets.
         self.agree(("workspace", "bytes"), self._workspace_bytes)
