@@ -114,8 +114,9 @@ class _KeyState:
         """Feeds the search every pending call that has ended, in launch order; never waits."""
         while self.pending and self.pending[0][1].ended():
             n, events = self.pending.pop(0)
-            nxt = mem.observe(self.key, n, events.elapsed_ms())
-            log.debug("%s: %d comm CTAs took %.3f ms; next %d", self.key[:2], n, events.elapsed_ms(), nxt)
+            ms = events.elapsed_ms()
+            nxt = mem.observe(self.key, n, ms)
+            log.debug("%s: %d comm CTAs took %.3f ms; next %d", self.key[:2], n, ms, nxt)
 
 
 class _Events:

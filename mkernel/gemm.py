@@ -20,7 +20,7 @@ import threading
 from . import compile as _compile
 from .errors import ArgumentError, NoGPUError
 from . import tma as _tma
-from .launch import PlanCache
+from .launch import PlanCache, device_sms as _num_sms  # all SMs: its CTAs never wait on each other
 from .sync import MkStatus, MkSync, SyncState  # noqa: F401  (MkStatus: the layout test)
 
 # ---------------------------------------------------------------------------- kernel registry
@@ -212,18 +212,6 @@ def _prepare_out(cupy, out, shape, a, out_dtype):
         raise ArgumentError(f"out must have shape {tuple(shape)}; got {out.shape}")
     _check_2d_rowmajor(out, "out")
     return out, out_code
-
-
-_sm_counts = {}
-
-
-def _num_sms():
-    cupy = _cupy()
-    dev = cupy.cuda.runtime.getDevice()
-    n = _sm_counts.get(dev)
-    if n is None:
-        n = _sm_counts[dev] = cupy.cuda.Device(dev).attributes["MultiProcessorCount"]
-    return n
 
 
 def default_ctas(num_tiles: int, num_sms: int) -> int:

@@ -46,22 +46,27 @@ def max_resident_blocks(fn, block_threads: int, smem: int) -> int:
 # Under MPS a persistent grid counts on this fraction of the client's SMs: two clients given 50%
 # each (66 SMs) were not resident at once with 66 CTAs each, but were with 60 (bench/NOTES.md).
 MPS_RESIDENT_FRACTION = 7 / 8
-_sms = {}
+_device_sms = {}
 
 
-def sm_count() -> int:
-    """SMs whose CTAs a persistent grid may count on being resident at once: the device's (under
-    MPS the client's share, less a margin)."""
+def device_sms() -> int:
+    """The current device's SMs (under MPS the client's share), read once per device."""
     import cupy
 
     dev = cupy.cuda.runtime.getDevice()
-    n = _sms.get(dev)
+    n = _device_sms.get(dev)
     if n is None:
-        from .gpu import mps_client
-
-        n = cupy.cuda.Device(dev).attributes["MultiProcessorCount"]
-        n = _sms[dev] = max(1, int(n * MPS_RESIDENT_FRACTION)) if mps_client() else n
+        n = _device_sms[dev] = cupy.cuda.Device(dev).attributes["MultiProcessorCount"]
     return n
+
+
+def sm_count() -> int:
+    """SMs whose CTAs a persistent grid may count on being resident at once: :func:`device_sms`,
+    under MPS less a margin."""
+    from .gpu import mps_client
+
+    n = device_sms()
+    return max(1, int(n * MPS_RESIDENT_FRACTION)) if mps_client() else n
 
 
 _grids = {}

@@ -44,7 +44,7 @@ def test_persistent_grids_keep_a_margin_under_mps(monkeypatch):
         Device=lambda dev: types.SimpleNamespace(attributes={"MultiProcessorCount": 66})))
     monkeypatch.setitem(__import__("sys").modules, "cupy", fake)
     for mps, want in ((False, 66), (True, 57)):
-        monkeypatch.setattr(ml, "_sms", {})
+        monkeypatch.setattr(ml, "_device_sms", {})
         monkeypatch.setattr(gpu, "mps_client", lambda mps=mps: mps)
         assert ml.sm_count() == want
 
