@@ -73,9 +73,8 @@ _grids = {}
 
 
 def persistent_grid(fn, block_threads: int, smem: int, blocks: int = None, what: str = "kernel") -> int:
-    """The grid of a persistent kernel: ``blocks`` (default: as many as fit), checked to be resident
-    all at once, since its blocks wait on each other. Launch it with ``cooperative=True`` where other
-    kernels (NCCL's) may hold SMs: a cooperative launch fails instead of deadlocking."""
+    """The grid of a persistent kernel: ``blocks`` (default: as many as fit on :func:`sm_count`
+    SMs), checked to fit at once."""
     from .errors import ArgumentError, MKernelError
 
     key = (fn.ptr, block_threads, smem, blocks)  # occupancy is a driver query: once per function
@@ -97,11 +96,17 @@ def persistent_grid(fn, block_threads: int, smem: int, blocks: int = None, what:
 _cooperative = [True]  # until a driver refuses a cooperative launch in this process
 
 
-def launch_persistent(fn, grid, block, args, *, smem: int, stream=None, what: str = "kernel"):
-    """Launches a kernel whose blocks wait on each other (grid from persistent_grid): cooperatively,
-    so that a launch that cannot be resident beside other kernels (NCCL's) fails instead of
-    deadlocking; where the driver refuses cooperative launches, normally from then on (logged)."""
-    if _cooperative[0]:
+def launch_persistent(fn, grid, block, args, *, smem: int, all_resident: bool, stream=None, what: str = "kernel"):
+    """Launches a persistent kernel (grid from persistent_grid).
+
+    all_resident=True: its blocks wait on each other (a barrier of the grid), so all must be
+    resident at once: a cooperative launch, which fails instead of deadlocking beside other kernels
+    (where the driver refuses cooperative launches, normally from then on, logged).
+    all_resident=False: any resident subset of its blocks finishes the work (roles and items are
+    claimed at run time): a plain launch. A cooperative launch waits until its whole grid fits, and
+    on a GPU shared under MPS the SMs it waits for may be held by a peer's kernel that waits for
+    this one: ranks then stall until their timeout (bench/NOTES.md, session 10)."""
+    if all_resident and _cooperative[0]:
         try:
             launch(fn, grid, block, args, smem=smem, stream=stream, cooperative=True)
             return

@@ -181,7 +181,7 @@ def _launch(op, expr, args, ctas, stream, smem=0):
 
     fn = _compile.module(SPEC).function(expr)
     persistent_grid(fn, THREADS, smem, blocks=ctas, what=op)  # the dispatch's CTAs meet at a grid barrier
-    launch_persistent(fn, (ctas,), (THREADS,), args, smem=smem, stream=stream, what=op)
+    launch_persistent(fn, (ctas,), (THREADS,), args, smem=smem, all_resident=True, stream=stream, what=op)
 
 
 def moe_dispatch(x, topk_ids, topk_weights, *, comm, num_experts, capacity=None, out=None, stream=None):

@@ -130,7 +130,7 @@ def _launch(op, expr, a, ctas, stream):
     from .launch import launch_persistent
 
     fn = _compile.module(SPEC).function(expr)
-    launch_persistent(fn, (ctas,), (THREADS,), a, smem=0, stream=stream, what=op)
+    launch_persistent(fn, (ctas,), (THREADS,), a, smem=0, all_resident=True, stream=stream, what=op)
 
 
 def exchange(d, p, stream):

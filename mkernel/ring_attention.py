@@ -29,7 +29,7 @@ from .errors import ArgumentError
 _attn = importlib.import_module("mkernel.attention")
 
 MAX_WORLD = 8             # RING_MAX_WORLD
-CNT_WORDS = 1 + 3 * MAX_WORLD
+CNT_WORDS = 2 + 3 * MAX_WORLD
 FLAG_WORDS = 2 * MAX_WORLD
 DEFAULT_COMM_SMS = 8      # forwarding CTAs: NVLink push saturates near 8 SMs (shared/device/README.md)
 CHUNK_BYTES = 256 << 10   # bytes of K (and as many of V) per forwarding chunk
@@ -217,7 +217,8 @@ def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, return_ls
         chunk = max(2 * CHUNK_BYTES, -(-r.kv_bytes // cap))
         r.chunk_bytes = -(-chunk // 16) * 16
         r.chunks = -(-r.kv_bytes // r.chunk_bytes)
-    launch_persistent(fn, (grid,), (_attn.THREADS,), r, smem=smem, stream=stream, what="ring_attention")
+    launch_persistent(fn, (grid,), (_attn.THREADS,), r, smem=smem, all_resident=False, stream=stream,
+                      what="ring_attention")
     if return_lse:
         return out, (lse[0] if q.ndim == 3 else lse)
     return out

@@ -12,7 +12,8 @@ enum {
   RING_CNT_CLAIM = 1,              // [RING_MAX_WORLD] forwarding chunks claimed, per step
   RING_CNT_SENT = 1 + RING_MAX_WORLD,       // [RING_MAX_WORLD] forwarding chunks copied, per step
   RING_CNT_STEP = 1 + 2 * RING_MAX_WORLD,   // [RING_MAX_WORLD] tile halves merged (+1 forward), per step
-  RING_CNT_WORDS = 1 + 3 * RING_MAX_WORLD
+  RING_CNT_ARRIVE = 1 + 3 * RING_MAX_WORLD, // CTAs started (a CTA's role is its arrival rank)
+  RING_CNT_WORDS = 2 + 3 * RING_MAX_WORLD
 };
 
 // Flags in the symmetric workspace (uint32 words at flags_off of every rank), set to the epoch.

@@ -3,11 +3,14 @@
 // Each rank holds S local rows of the sequence (causal: zigzag, chunks me and 2W-1-me). Step s
 // attends the local queries to the key/value block of rank (me - s) mod W: step 0 to the rank's
 // own, step s >= 1 to receive slot s % 2 of the symmetric workspace.
-// CTAs [attn_ctas, grid) forward: at step s (0..W-2) they copy the block of step s (own, or slot
+// A CTA's role is its arrival rank (counter RING_CNT_ARRIVE), not its index: the first
+// grid - attn_ctas to start forward, so forwarders run whichever CTAs are resident (a GPU shared
+// under MPS may run part of the grid only), and the first of them announces this rank's credit.
+// Forwarders: at step s (0..W-2) they copy the block of step s (own, or slot
 // s % 2 once it arrived) into rank me+1's slot (s+1) % 2 and set its flag ARRIVED[s+1] = E. Before
 // writing a slot they wait until rank me+1 is done with it: from step s = 2 on, its flag FREE[s-1]
 // (here) is E; at steps 0 and 1 its credit (it entered epoch E, so it finished the last launch).
-// CTAs [0, attn_ctas) run the attention engine over tiles (step, batch, head, query block) in step
+// The other CTAs run the attention engine over tiles (step, batch, head, query block) in step
 // order; the producer waits for ARRIVED[step] before loading a step's keys. The epilogue merges
 // each half tile into fp32 accumulators (log-sum-exp rule) after the same half tile of the
 // previous step (tile_flags), and at the last step writes the normalised output and the lse.
@@ -190,12 +193,21 @@ MK_DEV void ring_send_remote(const MkRingArgs& r, u32 step, u32 E, u32* s_item) 
   }
 }
 
+// This rank entered epoch E: its node's peers may write its slots, and so may the previous rank
+// on another node (through the proxy).
+MK_DEV void ring_announce(const MkRingArgs& r, u32 E) {
+  credits_announce(ring_peers(r), E);
+  if (r.prev_remote)
+    queue_push(r.a.sync, r.queue, mk_signal_cmd(((u32)r.me + (u32)r.world - 1) % (u32)r.world, RING_PF_CREDIT, E,
+                                                MK_FLAG_SET));
+}
+
 template <int D>
-MK_DEV void ring_forward_cta(const MkRingArgs& r, u32 E) {
+MK_DEV void ring_forward_cta(const MkRingArgs& r, u32 E, u32 role) {
   __shared__ u32 s_item;
   __shared__ int s_ok;
   const u32 W = (u32)r.world, me = (u32)r.me, next = (me + 1) % W;
-  const bool receiver = r.prev_remote && (int)blockIdx.x == r.attn_ctas;
+  const bool receiver = r.prev_remote && role == 0;
   const MkPeers peers = ring_peers(r);
   const u32 S = (u32)r.a.seq_kv, rows = (u32)r.a.batch * S;
   const u32 row_bytes = (u32)r.a.heads_kv * D * 2, vpr = row_bytes / 16;
@@ -263,16 +275,14 @@ __global__ void __launch_bounds__(384, 1) mk_ring_attention_kernel(const __grid_
   using Cfg = AttnCfg<DT, D, CAUSAL>;
   extern __shared__ __align__(1024) u8 mk_smem[];
   const MkAttnArgs& a = r.a;
-  if ((int)blockIdx.x < r.attn_ctas) {
+  __shared__ u32 s_role;
+  if (threadIdx.x == 0) s_role = atomicAdd(&r.counters[RING_CNT_ARRIVE], 1u);
+  __syncthreads();
+  const u32 role = s_role, forwarders = gridDim.x - (u32)r.attn_ctas;
+  if (role >= forwarders) {
     const AttnSmem<Cfg> sm = attn_smem_carve<Cfg>(mk_smem);
     attn_setup<Cfg>(a, sm);
     const u32 E = sm.bars->epoch;
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-      credits_announce(ring_peers(r), E);
-      if (r.prev_remote)  // the previous rank may write my step-1 slot of this epoch
-        queue_push(a.sync, r.queue, mk_signal_cmd(((u32)r.me + (u32)r.world - 1) % (u32)r.world, RING_PF_CREDIT, E,
-                                                  MK_FLAG_SET));
-    }
     warpgroup_roles<Cfg>(
         [&] {
           const AttnTileSpace space{a, a.sched.num_tiles};
@@ -287,10 +297,13 @@ __global__ void __launch_bounds__(384, 1) mk_ring_attention_kernel(const __grid_
     launch_exit(a.sync, sm.bars->epoch);
   } else {
     __shared__ u32 s_epoch;
-    if (threadIdx.x == 0) s_epoch = launch_epoch(a.sync);
+    if (threadIdx.x == 0) {
+      s_epoch = launch_epoch(a.sync);
+      if (role == 0) ring_announce(r, s_epoch);
+    }
     __syncthreads();
     const u32 E = s_epoch;
-    ring_forward_cta<D>(r, E);
+    ring_forward_cta<D>(r, E, role);
     __syncthreads();
     if (threadIdx.x == 0) {
       sched_finish(a.sched);

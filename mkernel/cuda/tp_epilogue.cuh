@@ -240,6 +240,7 @@ MK_DEV void unpack2(u32 w, float& lo, float& hi) {
 // Every CTA, thread 0, after its last claim: the last CTA resets the plan's counters and the
 // controller's live state, and counts the launch.
 MK_DEV void tp_counters_done(const TpArgs& a) {
+  trace_span(a.g.sync, MK_ROLE_CONTROL, 0x40000000u | blockIdx.x, globaltimer_ns());  // when each CTA left
   if (counters_reset_by_last_block(a.counters, TP_CNT_WORDS, TP_CNT_DONE)) {
     tp_ctl_finish(a);
     atomicAdd(&a.counters[TP_CNT_LAUNCHES], 1u);

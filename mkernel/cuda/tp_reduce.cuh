@@ -67,9 +67,13 @@ MK_DEV uint4 tp_pack8(const float (&s)[8]) {
 // for its node's peers (credits) and for the ranks (j, lrank) of the other nodes that WRITE into
 // this rank. Not a fixed CTA: one that is not resident (a GPU shared under MPS) would hold every peer.
 MK_DEV void tp_announce(const TpArgs& a) {
-  if (atomicAdd(&a.counters[TP_CNT_ENTER], 1u) != 0) return;
+  const u64 t0 = a.g.sync.trace_events ? globaltimer_ns() : 0;
+  const bool first = atomicAdd(&a.counters[TP_CNT_ENTER], 1u) == 0;
+  trace_span(a.g.sync, MK_ROLE_CONTROL, blockIdx.x, t0);  // when and on which SM each CTA started
+  if (!first) return;
   const u32 E = launch_epoch(a.g.sync);
   credits_announce(tp_peers(a), E);
+  trace_span(a.g.sync, MK_ROLE_CONTROL, 0x80000000u | E, t0);
   for (u32 j = 0; j < (u32)a.nodes; ++j)
     if (j != (u32)a.node)
       queue_push(a.g.sync, a.queue, mk_signal_cmd(j * a.local + a.lrank, TP_PF_CREDIT + a.node, E, MK_FLAG_SET));
