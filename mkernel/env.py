@@ -44,6 +44,10 @@ VARS = {
             "the host raises as mkernel.TimeoutError (naming op, rank and peer)."),
         Var("MKERNEL_WORKSPACE_BYTES", str(256 << 20),
             "Default size of the symmetric workspace allocated on every rank."),
+        Var("MKERNEL_WORKSPACE_SHARING", "auto",
+            "How the node's ranks map each other's workspace: 'auto' (cuMem allocations shared as file "
+            "descriptors, which outlive a rank that dies; legacy CUDA IPC where the driver cannot) or "
+            "'ipc' (legacy CUDA IPC: a dead rank's workspace is freed under its peers' kernels)."),
         Var("MKERNEL_TCP_CONNECTIONS", "4",
             "TCP transport: connections per peer (1 to 16); frames of one peer are spread over them."),
         Var("MKERNEL_HOST_RUN_CHUNKS", "4",

@@ -1,5 +1,7 @@
 """Symmetric GPU memory: one pool per process, the same size on every rank, mapped into every peer
-of the node through CUDA IPC, with a device-side table of the peers' base pointers.
+of the node (cuMem allocations shared as file descriptors, :mod:`mkernel.vmm`, which outlive a
+rank that dies; legacy CUDA IPC where the driver cannot), with a device-side table of the peers'
+base pointers.
 
 The communicator made by ``mkernel.init`` owns the pool (its workspace); a sub-communicator from
 ``split`` gets a range of its parent's workspace as its own (an arena: no second allocation, no
@@ -12,7 +14,7 @@ communicators hold in a shared pool never break that.
 import threading
 import weakref
 
-from . import collectives
+from . import collectives, env
 from .errors import ArgumentError, ClosedError, MKernelError
 
 ALIGN = 1024  # TMA with 128-byte swizzle wants 1024-byte aligned shared tiles; keep global buffers so too
@@ -41,6 +43,7 @@ class SymmetricHeap:
         self.peer_base, self.local_rank = peer_base, local_rank
         self.peer_table = cupy.array(peer_base, dtype=cupy.uint64)
         self._parent_range = parent_range  # an arena's range of its parent (None: owns its allocation)
+        self._maps = None  # vmm.Mapping of every node rank's workspace (None: legacy CUDA IPC)
         self._lock = threading.Lock()
         self._ranges = FreeList(CONTROL_BYTES, nbytes - CONTROL_BYTES)
         self.live = 0
@@ -55,6 +58,16 @@ class SymmetricHeap:
         nbytes = _round_up(max(nbytes, 2 * CONTROL_BYTES), ALIGN)
         if node_mpi.size > MAX_LOCAL:
             raise ArgumentError(f"{node_mpi.size} ranks in one node; mkernel supports at most {MAX_LOCAL}")
+        shared = _shareable(node_mpi, nbytes, device_id) if env.get("MKERNEL_WORKSPACE_SHARING") == "auto" else None
+        if shared is not None:
+            nbytes, maps = shared
+            base = maps[node_mpi.rank].ptr
+            rt.memset(base, 0, nbytes)
+            rt.deviceSynchronize()
+            node_mpi.Barrier()  # zeroed everywhere before any peer's first write
+            heap = cls(base, nbytes, device_id, [m.ptr for m in maps], node_mpi.rank)
+            heap._maps = maps
+            return heap
         base = rt.malloc(nbytes)  # a whole allocation of its own: IPC exports allocation bases
         rt.memset(base, 0, nbytes)
         rt.deviceSynchronize()
@@ -113,7 +126,11 @@ class SymmetricHeap:
 
         if self._parent_range is None:
             for p, ptr in enumerate(self.peer_base):
-                if p != self.local_rank:
+                if p == self.local_rank:
+                    continue
+                if self._maps is not None:
+                    self._maps[p].close()
+                else:
                     cupy.cuda.runtime.ipcCloseMemHandle(ptr)
         self.peer_base = []
         self.peer_table = None
@@ -135,7 +152,10 @@ class SymmetricHeap:
             self.base = 0
         elif self.base:
             import cupy
-            cupy.cuda.runtime.free(self.base)
+            if self._maps is not None:
+                self._maps[self.local_rank].close()
+            else:
+                cupy.cuda.runtime.free(self.base)
             self.base = 0
 
 
@@ -207,3 +227,39 @@ def check_owner(heap: SymmetricHeap, arr) -> int:
     if not (heap.base + CONTROL_BYTES <= ptr < heap.base + heap.nbytes):
         raise ArgumentError("the array is not in this communicator's symmetric workspace (use comm.empty)")
     return ptr - heap.base
+
+
+def _shareable(node_mpi, nbytes: int, device_id: int):
+    """(nbytes rounded up to the allocation granularity, every node rank's vmm.Mapping) of a new
+    workspace shared as file descriptors, or None where a rank of the node cannot make one (the
+    node then falls back to CUDA IPC together). Collective over the node."""
+    import os
+    import uuid
+
+    from . import vmm
+    from .log import get_logger
+
+    own, why = None, ""
+    try:
+        nbytes = _round_up(nbytes, vmm.granularity(device_id))
+        own = vmm.create(nbytes, device_id)
+    except (MKernelError, OSError, AttributeError) as e:
+        why = str(e)
+    oks = node_mpi.allgather(own is not None)
+    if not all(oks):
+        if own is not None:
+            own.close()
+        get_logger("symmetric").info("workspace through legacy CUDA IPC (cuMem sharing unavailable on node ranks "
+                                     "%s: %s)", [r for r, ok in enumerate(oks) if not ok], why or "a peer's")
+        return None
+    fd = vmm.export_fd(own)
+    token = node_mpi.bcast(uuid.uuid4().hex if node_mpi.rank == 0 else None)
+    fds = vmm.exchange_fds(node_mpi, token, fd) if node_mpi.size > 1 else [fd]
+    maps = []
+    try:
+        for p, f in enumerate(fds):
+            maps.append(own if p == node_mpi.rank else vmm.import_fd(f, nbytes, device_id))
+    finally:
+        for f in fds:
+            os.close(f)
+    return nbytes, maps

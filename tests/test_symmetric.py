@@ -74,3 +74,56 @@ def test_taking_a_range_that_is_not_free_is_an_error():
     fl.take_at(ALIGN, ALIGN)
     with pytest.raises(mkernel.MKernelError, match="out of step"):
         fl.take_at(0, 2 * ALIGN)
+
+
+@pytest.mark.mpi
+def test_workspace_descriptors_reach_every_node_rank():
+    """vmm.exchange_fds (how cuMem workspaces are shared): every rank passes a descriptor of a file
+    only it wrote; each gets a working descriptor of every peer's file, its own unchanged. At any
+    rank count; twice (fresh sockets each time)."""
+    import os
+    import tempfile
+    import uuid
+
+    from mpi4py import MPI
+
+    from mkernel import vmm
+
+    world = MPI.COMM_WORLD
+    for rep in range(2):
+        token = world.bcast(uuid.uuid4().hex if world.rank == 0 else None)
+        with tempfile.TemporaryFile() as f:
+            f.write(f"rank {world.rank} rep {rep}".encode())
+            f.flush()
+            fds = vmm.exchange_fds(world, token, f.fileno())
+            assert fds[world.rank] == f.fileno()
+            for p, fd in enumerate(fds):
+                assert os.pread(fd, 64, 0) == f"rank {p} rep {rep}".encode()
+                if p != world.rank:
+                    os.close(fd)
+        world.Barrier()
+
+
+def test_cumem_structs_match_cuda_h(tmp_path):
+    """The ctypes mirrors of CUmemAllocationProp and CUmemAccessDesc (mkernel.vmm) against cuda.h."""
+    import ctypes
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from mkernel import vmm
+
+    inc = next((Path(p) for p in ("/usr/local/cuda/include", "/usr/include") if (Path(p) / "cuda.h").exists()), None)
+    cxx = shutil.which("g++")
+    if inc is None or cxx is None:
+        pytest.skip("needs cuda.h and g++")
+    src = tmp_path / "l.cpp"
+    src.write_text('#include <cuda.h>\n#include <cstdio>\n#include <cstddef>\nint main() { std::printf("%zu %zu %zu %zu '
+                   '%zu\\n", sizeof(CUmemAllocationProp), offsetof(CUmemAllocationProp, location), '
+                   'offsetof(CUmemAllocationProp, win32HandleMetaData), offsetof(CUmemAllocationProp, allocFlags), '
+                   'sizeof(CUmemAccessDesc)); }\n')
+    subprocess.run([cxx, "-I", str(inc), str(src), "-o", str(tmp_path / "l")], check=True)
+    got = [int(x) for x in subprocess.run([str(tmp_path / "l")], capture_output=True, text=True, check=True).stdout.split()]
+    assert got == [ctypes.sizeof(vmm._Prop), vmm._Prop.location.offset, vmm._Prop.win32HandleMetaData.offset,
+                   vmm._Prop.allocFlags.offset, ctypes.sizeof(vmm._Access)]
+    assert vmm._HANDLE_TYPE_POSIX_FD == 1 and vmm._ALLOCATION_TYPE_PINNED == 1 and vmm._ACCESS_READWRITE == 3
