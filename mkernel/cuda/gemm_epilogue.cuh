@@ -74,7 +74,8 @@ MK_DEV void store2_global(void* p, float a, float b, u32 op) {
 //   u32* flag(const MkTile&)            where the tile's flag goes (nullptr: no flag)
 //   bool flags()                        whether tiles have flags at all
 //   bool add()                          reduce-add into the destination instead of storing
-//   void before_store(const MkTile&)    lane 0 of a warp with rows in the tile, before its stores
+//   bool before_store(const MkTile&)    lane 0 of a warp with rows in the tile, before its stores;
+//                                       false (a wait failed): the warp stores and flags nothing
 //   void published(u32 id)              after the tile's flag was set (tests count them)
 //   void comm_turn(const MkTile&)       every consumer thread, for an MK_TILE_COMM entry of the ring
 //                                       (after this CTA's pending tile flags are published)
@@ -126,7 +127,7 @@ struct MkTileEpilogue {
     u32* flag = dest.flag(t);
     if (!(GROUPED && t.rows < Cfg::BM)) {
       if (wrow < t.rows) {
-        if (leader) dest.before_store(t);
+        const bool ok = !leader || dest.before_store(t);  // lane 0 alone stores (TMA) and flags
         const TmaDesc* map = dest.map(t);
         const i32 row = dest.row(t) + wrow;
         const u32 r0 = lane >> 2;  // this thread's rows in the warp's box: r0 and r0 + 8 (same r % 8)
@@ -154,7 +155,7 @@ struct MkTileEpilogue {
           }
           fence_proxy_async_smem();
           __syncwarp();
-          if (leader) {
+          if (leader && ok) {
             if (dest.add())
               tma_add_2d(map, buf, t.n0 + q * CW, row);
             else
@@ -162,7 +163,7 @@ struct MkTileEpilogue {
             bulk_commit();
           }
         }
-        if (flag != nullptr && leader) {  // completed and published by after_issue() / finish()
+        if (flag != nullptr && leader && ok) {  // completed and published by after_issue() / finish()
           pending_flag = flag;
           pending_id = t.id;
           pending_seq = t.seq;
@@ -217,7 +218,7 @@ struct MkGemmDest {
   MK_DEV u32* flag(const MkTile& t) const { return args.tile_flags ? args.tile_flags + t.id : nullptr; }
   MK_DEV bool flags() const { return args.tile_flags != nullptr; }
   MK_DEV bool add() const { return args.epi_op == MK_EPI_ADD; }
-  MK_DEV void before_store(const MkTile&) const {}
+  MK_DEV bool before_store(const MkTile&) const { return true; }
   MK_DEV void published(u32 id) const {
     if (args.tile_counts) atomicAdd(&args.tile_counts[id], 1u);
   }

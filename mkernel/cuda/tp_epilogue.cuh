@@ -175,12 +175,15 @@ struct TpDest {
   }
   MK_DEV bool flags() const { return OP != TP_OP_AG; }
   MK_DEV bool add() const { return false; }
-  MK_DEV void before_store(const MkTile& t) {
+  // A rank whose credit never came may be gone or stalled: nothing is written into it after that
+  // (a resumed rank must time out, not find this launch's tiles and flags).
+  MK_DEV bool before_store(const MkTile& t) {
     const u32 d = (u32)t.group % (u32)args.local;
-    if (OP == TP_OP_AG || ((credited >> d) & 1u)) return;
-    credits_wait(args.g.sync, tp_peers(args), d, epoch);
+    if (OP == TP_OP_AG || ((credited >> d) & 1u)) return true;
+    if (!credits_wait(args.g.sync, tp_peers(args), d, epoch)) return false;
     fence_proxy_async_global();
     credited |= 1u << d;
+    return true;
   }
   MK_DEV void published(u32) const {}
   MK_DEV void comm_turn(const MkTile&) const {
