@@ -231,8 +231,19 @@ def save_plot(fig, path):
     return path
 
 
+def result_name(op, gpus, nodes=1, ranks_per_gpu=1):
+    """bench/results/ file name: <op>-<N>gpu, or <op>-<N>rank-mps for ranks sharing GPUs under MPS
+    (-timesliced without it: lockstep figures, kept apart), then -<nodes>node between nodes."""
+    from mkernel.gpu import mps_client
+
+    base = f"{op}-{gpus}gpu"
+    if ranks_per_gpu > 1:
+        base = f"{op}-{gpus * ranks_per_gpu}rank-" + ("mps" if mps_client() else "timesliced")
+    return base + (f"-{nodes}node" if nodes > 1 else "") + ".json"
+
+
 def write(op, rows, *, gpus, nodes=1, transport="none", out_dir=None, **extra):
-    name = f"{op}-{gpus}gpu" + (f"-{nodes}node" if nodes > 1 else "") + ".json"
+    name = result_name(op, gpus, nodes, extra.get("ranks_per_gpu", 1))
     doc = {"op": op, "device": device_name(), "gpus": gpus, "nodes": nodes, "transport": transport,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "commit": commit(), "rows": rows}

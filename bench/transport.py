@@ -4,12 +4,14 @@ and TCP transports between 2 ranks acting as 2 nodes, both directions at once.
 
     mpiexec -n 2 python3 bench/transport.py [--quick]
 
-Rows (bench/results/transport-<gpus>gpu.json), one per measurement: ``transport``, ``bytes``,
+Rows (bench/results/transport-<gpus>gpu.json, or transport-2rank-mps.json for 2 ranks sharing a GPU
+under MPS), one per measurement: ``transport``, ``bytes``,
 ``GBps`` (payload per direction per rank), ``limit_GBps`` (what the same run measures for the
 underlying link) and ``peer_GBps`` (NCCL's figure for that transport); the queue rows carry
 ``commands_per_s``. Limits:
-- host: cupy copies D2H and H2D at once with pinned memory (the PCIe rate), divided by the ranks
-  that share one GPU's link (each rank's payload crosses D2H on the sender and H2D on the receiver).
+- host: cudaMemcpyAsync D2H and H2D at once with pinned memory by both ranks at once (per rank per
+  direction: ranks sharing one GPU share its link; each rank's payload crosses D2H on the sender
+  and H2D on the receiver), the slower rank's rate.
 - tcp: raw loopback TCP, same number of connections, both directions at once, timed the same way.
 NCCL numbers are the issue's reference measurements (NCCL refuses two ranks on one GPU).
 """
@@ -84,7 +86,8 @@ def queue_rate(batch, blocks, warps, iters, reps):
 
 
 def pcie_rate(nbytes, reps):
-    """GB/s of each direction while D2H and H2D copies run at once (pinned host memory)."""
+    """GB/s of each direction of this rank while every rank copies D2H and H2D at once (pinned host
+    memory; each repetition starts together): what one rank's payload can cross per direction."""
     import cupy
 
     dev_a, dev_b = cupy.empty(nbytes, cupy.uint8), cupy.empty(nbytes, cupy.uint8)
@@ -93,6 +96,7 @@ def pcie_rate(nbytes, reps):
     times = []
     for _ in range(reps):
         cupy.cuda.runtime.deviceSynchronize()
+        WORLD.Barrier()
         t = time.perf_counter()
         cupy.cuda.runtime.memcpyAsync(pa, dev_a.data.ptr, nbytes, 2, s1.ptr)  # D2H
         cupy.cuda.runtime.memcpyAsync(dev_b.data.ptr, pb, nbytes, 1, s2.ptr)  # H2D
@@ -244,12 +248,12 @@ def main():
     WORLD.Barrier()
     pcie = {}
 
-    def host_limit(nbytes):
+    def host_limit(nbytes):  # the slower rank's rate with both copying at once
         if nbytes not in pcie:
-            pcie[nbytes] = WORLD.bcast(pcie_rate(nbytes, reps) if rank == 0 else None)
-        return pcie[nbytes] / ranks_per_gpu
+            pcie[nbytes] = min(WORLD.allgather(pcie_rate(nbytes, reps)))
+        return pcie[nbytes]
 
-    for n in sizes:  # measured before the transport runs, with rank 1 idle
+    for n in sizes:  # measured in the same run, before the transport's
         host_limit(n)
     for run in HOST_RUNS:  # chunks per copy: fewer, bigger copies against a shorter tail (bench/NOTES.md)
         section(f"host run {run}", lambda: transport_rows("host", sizes, reps, "gpu", host_limit, NCCL_SHM_GBPS,
