@@ -9,7 +9,7 @@ Importing mkernel needs neither a GPU nor CuPy; CuPy is imported when an op firs
 
 from ._version import __version__
 from .errors import (ArgumentError, CapacityError, ClosedError, CompileError, MKernelError, NoGPUError,
-                     NoRDMADeviceError, PeerError, TimeoutError)
+                     NoRDMADeviceError, PeerError, TimeoutError, WorkspaceError)
 from . import compile  # noqa: F401  (the kernel registry; the modules below register into it)
 from .comm import Communicator, init
 from . import selftest  # noqa: F401
@@ -30,5 +30,5 @@ __all__ = [
     "gemm_reduce_scatter", "gemm_allreduce", "allgather_gemm", "attention", "ring_attention", "shard_sequence", "unshard_sequence",
     "moe_dispatch", "moe_combine", "moe_dispatch_gemm", "moe_gemm_combine", "moe_capacity", "MoeHandle",
     "MKernelError", "ArgumentError", "CapacityError", "ClosedError", "CompileError", "NoGPUError",
-    "NoRDMADeviceError", "PeerError", "TimeoutError",
+    "NoRDMADeviceError", "PeerError", "TimeoutError", "WorkspaceError",
 ]

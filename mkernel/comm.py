@@ -22,7 +22,7 @@ import hashlib
 import weakref
 
 from . import collectives, env, topology
-from .errors import ArgumentError, ClosedError, MKernelError, PeerError, peer_failures
+from .errors import ArgumentError, ClosedError, MKernelError, PeerError, WorkspaceError, peer_failures
 from .log import get_logger, set_rank
 
 log = get_logger("comm")
@@ -162,8 +162,47 @@ class Communicator:
         shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
         dtype = numpy.dtype(dtype)
         nbytes = int(numpy.prod(shape, dtype=numpy.int64)) * dtype.itemsize
-        rng = self.heap.alloc_symmetric(self.mpi, nbytes, "allocating symmetric memory", agree=(shape, dtype.str))
+        agree = (shape, dtype.str)
+        try:
+            rng = self.heap.alloc_symmetric(self.mpi, nbytes, "allocating symmetric memory", agree=agree)
+        except WorkspaceError as e:  # every rank fails alike (the same free ranges were intersected)
+            self._grow_for(nbytes, e)
+            rng = self.heap.alloc_symmetric(self.mpi, nbytes, "allocating symmetric memory", agree=agree)
         return self.heap.array(rng, shape, dtype)
+
+    def _grow_for(self, nbytes: int, exhausted: Exception):
+        """Grows the workspace in place so that ``nbytes`` fit, or raises WorkspaceError saying why it
+        cannot. Collective: every rank of the communicator grows to the same size."""
+        import uuid
+
+        from .symmetric import grown_size, max_workspace_bytes
+
+        blockers, want = [], None
+        if self._root is not self:
+            blockers.append("a sub-communicator's workspace is a fixed range of its root's (pass a larger "
+                            "workspace_bytes to split())")
+        elif not self.heap.growable:
+            blockers.append("the workspace is mapped through legacy CUDA IPC, which cannot grow "
+                            "(MKERNEL_WORKSPACE_SHARING)")
+        elif self._proxy is not None:
+            blockers.append("the proxy between nodes is running and its regions are fixed (pass a larger "
+                            "workspace_bytes to mkernel.init)")
+        else:
+            cap = max_workspace_bytes()
+            want = grown_size(self.heap.nbytes, nbytes, self.heap.granularity(), cap)
+            if want is None:
+                blockers.append(f"growing past MKERNEL_WORKSPACE_MAX_BYTES ({cap}) would be needed")
+        views = collectives.allgather_object(self.mpi, (blockers, want), "growing the workspace")
+        reasons = [f"rank {r}: {'; '.join(b)}" for r, (b, _) in enumerate(views) if b]
+        if reasons:
+            raise WorkspaceError(f"{exhausted}, and it cannot grow: {reasons[0]}"
+                                 + (f" (and {len(reasons) - 1} more ranks)" if len(reasons) > 1 else ""))
+        want = max(w for _, w in views)
+        token = self.node_mpi.bcast(uuid.uuid4().hex if self.node_mpi.rank == 0 else None)
+        old = self.heap.nbytes
+        self.heap.grow(self.node_mpi, want, token)
+        log.info("rank %d: workspace grown in place from %d to %d bytes for an allocation of %d", self.rank, old,
+                 want, nbytes)
 
     def offset_of(self, arr) -> int:
         """The symmetric offset of an array from :meth:`empty` (raises if it is not one, or is closed)."""

@@ -44,6 +44,9 @@ VARS = {
             "the host raises as mkernel.TimeoutError (naming op, rank and peer)."),
         Var("MKERNEL_WORKSPACE_BYTES", str(256 << 20),
             "Default size of the symmetric workspace allocated on every rank."),
+        Var("MKERNEL_WORKSPACE_MAX_BYTES", "0",
+            "Most the symmetric workspace may grow to when an op or comm.empty() finds no room (it grows "
+            "in place, at a shape's first call, collectively). 0: the device's memory."),
         Var("MKERNEL_WORKSPACE_SHARING", "auto",
             "How the node's ranks map each other's workspace: 'auto' (cuMem allocations shared as file "
             "descriptors, which outlive a rank that dies; legacy CUDA IPC where the driver cannot) or "

@@ -53,6 +53,11 @@ class CapacityError(MKernelError):
     detected on the device by every rank alike, raised by the next check on the communicator."""
 
 
+class WorkspaceError(MKernelError):
+    """No range of the symmetric workspace is large enough, and it could not grow (a legacy-IPC or
+    sub-communicator workspace, a running proxy, or MKERNEL_WORKSPACE_MAX_BYTES reached)."""
+
+
 class ClosedError(MKernelError):
     """The communicator (or memory it owned) was used after ``close()``."""
 
@@ -67,4 +72,5 @@ __all__ = [
     "TimeoutError",
     "ClosedError",
     "CapacityError",
+    "WorkspaceError",
 ]

@@ -15,7 +15,7 @@ import threading
 import weakref
 
 from . import collectives, env
-from .errors import ArgumentError, ClosedError, MKernelError
+from .errors import ArgumentError, ClosedError, MKernelError, WorkspaceError
 
 ALIGN = 1024  # TMA with 128-byte swizzle wants 1024-byte aligned shared tiles; keep global buffers so too
 CONTROL_BYTES = 1 << 20  # at offset 0: the runtime's flags; words [0, MAX_LOCAL) are credits (peers.cuh)
@@ -43,7 +43,7 @@ class SymmetricHeap:
         self.peer_base, self.local_rank = peer_base, local_rank
         self.peer_table = cupy.array(peer_base, dtype=cupy.uint64)
         self._parent_range = parent_range  # an arena's range of its parent (None: owns its allocation)
-        self._maps = None  # vmm.Mapping of every node rank's workspace (None: legacy CUDA IPC)
+        self._regions = None  # vmm.Region of every node rank's workspace (None: legacy CUDA IPC)
         self._lock = threading.Lock()
         self._ranges = FreeList(CONTROL_BYTES, nbytes - CONTROL_BYTES)
         self.live = 0
@@ -60,13 +60,13 @@ class SymmetricHeap:
             raise ArgumentError(f"{node_mpi.size} ranks in one node; mkernel supports at most {MAX_LOCAL}")
         shared = _shareable(node_mpi, nbytes, device_id) if env.get("MKERNEL_WORKSPACE_SHARING") == "auto" else None
         if shared is not None:
-            nbytes, maps = shared
-            base = maps[node_mpi.rank].ptr
+            nbytes, regions = shared
+            base = regions[node_mpi.rank].ptr
             rt.memset(base, 0, nbytes)
             rt.deviceSynchronize()
             node_mpi.Barrier()  # zeroed everywhere before any peer's first write
-            heap = cls(base, nbytes, device_id, [m.ptr for m in maps], node_mpi.rank)
-            heap._maps = maps
+            heap = cls(base, nbytes, device_id, [r.ptr for r in regions], node_mpi.rank)
+            heap._regions = regions
             return heap
         base = rt.malloc(nbytes)  # a whole allocation of its own: IPC exports allocation bases
         rt.memset(base, 0, nbytes)
@@ -113,6 +113,33 @@ class SymmetricHeap:
             if self.closed and self.live == 0:
                 self._release_base()
 
+    @property
+    def growable(self) -> bool:
+        """A root workspace of cuMem allocations: it can grow in place (:meth:`grow`)."""
+        return self._regions is not None and self._parent_range is None and not self.closed
+
+    def granularity(self) -> int:
+        from . import vmm
+        return vmm.granularity(self.device_id)
+
+    def grow(self, node_mpi, nbytes: int, token: str):
+        """Maps more memory at the end of every node rank's workspace, to ``nbytes`` in all: the base,
+        the offsets and every array stay valid. Collective over the node (the caller makes every rank
+        of the communicator grow to the same size); ``token`` names the node's sockets."""
+        import cupy
+
+        from . import vmm
+
+        old = self.nbytes
+        vmm.add_node_chunk(node_mpi, self._regions, nbytes - old, self.device_id, token)
+        cupy.cuda.runtime.memset(self.base + old, 0, nbytes - old)
+        cupy.cuda.runtime.deviceSynchronize()
+        node_mpi.Barrier()  # zeroed everywhere before any peer's first write
+        with self._lock:
+            self.nbytes = nbytes
+            self._ranges.total = nbytes - CONTROL_BYTES
+            self._ranges.give(old, nbytes - old)
+
     def array(self, rng: Lease, shape, dtype):
         import cupy
 
@@ -128,8 +155,8 @@ class SymmetricHeap:
             for p, ptr in enumerate(self.peer_base):
                 if p == self.local_rank:
                     continue
-                if self._maps is not None:
-                    self._maps[p].close()
+                if self._regions is not None:
+                    self._regions[p].close()
                 else:
                     cupy.cuda.runtime.ipcCloseMemHandle(ptr)
         self.peer_base = []
@@ -152,8 +179,8 @@ class SymmetricHeap:
             self.base = 0
         elif self.base:
             import cupy
-            if self._maps is not None:
-                self._maps[self.local_rank].close()
+            if self._regions is not None:
+                self._regions[self.local_rank].close()
             else:
                 cupy.cuda.runtime.free(self.base)
             self.base = 0
@@ -170,9 +197,8 @@ def take_symmetric(free_lists, nbytes: int, total: int, align: int = ALIGN):
     for off, avail in common:
         if avail >= size:
             return off, size
-    raise MKernelError(f"symmetric workspace exhausted: {nbytes} bytes wanted, {total} in all, and no range that "
-                       f"large is free on every rank; pass a larger workspace_bytes to mkernel.init (or "
-                       f"MKERNEL_WORKSPACE_BYTES), or to split()")
+    raise WorkspaceError(f"symmetric workspace exhausted: {nbytes} bytes wanted, {total} in all, and no range that "
+                         f"large is free on every rank")
 
 
 def _intersect(a, b):
@@ -230,36 +256,48 @@ def check_owner(heap: SymmetricHeap, arr) -> int:
 
 
 def _shareable(node_mpi, nbytes: int, device_id: int):
-    """(nbytes rounded up to the allocation granularity, every node rank's vmm.Mapping) of a new
-    workspace shared as file descriptors, or None where a rank of the node cannot make one (the
-    node then falls back to CUDA IPC together). Collective over the node."""
-    import os
+    """(nbytes rounded up to the allocation granularity, every node rank's vmm.Region) of a new
+    workspace of cuMem allocations shared as file descriptors, each region reserving address space
+    up to MKERNEL_WORKSPACE_MAX_BYTES to grow into; None where a rank of the node cannot make one
+    (the node then falls back to CUDA IPC together). Collective over the node."""
     import uuid
 
     from . import vmm
     from .log import get_logger
 
-    own, why = None, ""
+    regions, why = [], ""
     try:
-        nbytes = _round_up(nbytes, vmm.granularity(device_id))
-        own = vmm.create(nbytes, device_id)
+        g = vmm.granularity(device_id)
+        nbytes = _round_up(nbytes, g)
+        reserve = _round_up(max(nbytes, max_workspace_bytes()), g)
+        regions = [vmm.Region(reserve, device_id) for _ in range(node_mpi.size)]
     except (MKernelError, OSError, AttributeError) as e:
         why = str(e)
-    oks = node_mpi.allgather(own is not None)
+    oks = node_mpi.allgather(not why)
     if not all(oks):
-        if own is not None:
-            own.close()
+        for r in regions:
+            r.close()
         get_logger("symmetric").info("workspace through legacy CUDA IPC (cuMem sharing unavailable on node ranks "
                                      "%s: %s)", [r for r, ok in enumerate(oks) if not ok], why or "a peer's")
         return None
-    fd = vmm.export_fd(own)
     token = node_mpi.bcast(uuid.uuid4().hex if node_mpi.rank == 0 else None)
-    fds = vmm.exchange_fds(node_mpi, token, fd) if node_mpi.size > 1 else [fd]
-    maps = []
-    try:
-        for p, f in enumerate(fds):
-            maps.append(own if p == node_mpi.rank else vmm.import_fd(f, nbytes, device_id))
-    finally:
-        for f in fds:
-            os.close(f)
-    return nbytes, maps
+    vmm.add_node_chunk(node_mpi, regions, nbytes, device_id, token)
+    return nbytes, regions
+
+
+def max_workspace_bytes() -> int:
+    """MKERNEL_WORKSPACE_MAX_BYTES, or the device's memory when it is 0: what a workspace may grow to."""
+    import cupy
+
+    cap = int(env.get("MKERNEL_WORKSPACE_MAX_BYTES"))
+    return cap if cap > 0 else cupy.cuda.Device().mem_info[1]
+
+
+def grown_size(current: int, wanted: int, granularity: int, cap: int):
+    """The workspace size after growing for an allocation of ``wanted`` bytes that found no room:
+    at least double (few growths over a run), at least room for it past the current end, a multiple
+    of ``granularity``, at most ``cap``; None when even the minimum exceeds ``cap``."""
+    need = _round_up(current + _round_up(wanted, ALIGN), granularity)
+    if need > cap:
+        return None
+    return max(need, min(_round_up(2 * current, granularity), cap // granularity * granularity))

@@ -25,7 +25,7 @@ import importlib
 from . import compile as _compile
 from . import proxy as _proxy
 from . import tma as _tma
-from .errors import ArgumentError, MKernelError
+from .errors import ArgumentError, MKernelError, WorkspaceError
 from .log import get_logger
 
 log = get_logger("tp")
@@ -277,10 +277,8 @@ def plan_buffers(op, comm, key, sizes, counter_words=CNT_WORDS + 1):
     try:
         for name, shape, dt in sizes:
             plan[name] = comm.empty(shape, dt)
-    except MKernelError as e:
-        raise MKernelError(f"{op}: needs {need} bytes of symmetric workspace for this shape, more than is "
-                           f"free of the {comm.heap.nbytes}; pass a larger workspace_bytes to mkernel.init "
-                           f"(or set MKERNEL_WORKSPACE_BYTES), or call comm.grow_workspace() ({e})") from e
+    except WorkspaceError as e:
+        raise WorkspaceError(f"{op}: needs {need} bytes of symmetric workspace for this shape ({e})") from e
     for name, arr in plan.items():
         if arr.dtype == cupy.uint32:
             arr.data.memset_async(0, arr.nbytes)  # a memset, not a kernel: see quiesced_first_use

@@ -11,6 +11,7 @@ token the node agrees on; ranks of one node share a network namespace.
 """
 
 import ctypes
+import os
 import socket
 
 from .errors import MKernelError
@@ -71,43 +72,51 @@ def granularity(device: int) -> int:
     return g.value
 
 
-class Mapping:
-    """``nbytes`` of one physical allocation mapped at ``ptr`` with read-write access from ``device``;
-    :meth:`close` unmaps it and drops this process's reference (the memory goes with the last one)."""
+class Region:
+    """A reserved range of ``reserve`` virtual bytes at ``ptr`` into which whole allocations are
+    mapped back to back from offset 0 (``nbytes`` so far), read-write from ``device``. Growing maps
+    another allocation at the end: the base and everything mapped stay where they are. :meth:`close`
+    unmaps them and drops this process's references (each allocation goes with its last one)."""
 
-    def __init__(self, handle: int, nbytes: int, device: int):
-        cu = _cuda()
-        self.handle, self.nbytes, self.ptr = handle, nbytes, 0
+    def __init__(self, reserve: int, device: int):
+        self.reserve, self.device, self.nbytes, self.ptr, self._chunks = reserve, device, 0, 0, []
         ptr = ctypes.c_uint64()
-        try:
-            _check("cuMemAddressReserve", cu.cuMemAddressReserve(ctypes.byref(ptr), ctypes.c_size_t(nbytes),
-                                                                 ctypes.c_size_t(0), ctypes.c_uint64(0),
-                                                                 ctypes.c_ulonglong(0)))
-            self.ptr = ptr.value
-            _check("cuMemMap", cu.cuMemMap(ctypes.c_uint64(self.ptr), ctypes.c_size_t(nbytes), ctypes.c_size_t(0),
-                                           ctypes.c_ulonglong(handle), ctypes.c_ulonglong(0)))
-            self._mapped = True
-            access = _Access(_Location(_LOCATION_TYPE_DEVICE, device), _ACCESS_READWRITE)
-            _check("cuMemSetAccess", cu.cuMemSetAccess(ctypes.c_uint64(self.ptr), ctypes.c_size_t(nbytes),
-                                                       ctypes.byref(access), ctypes.c_size_t(1)))
-        except MKernelError:
-            self.close()
-            raise
+        _check("cuMemAddressReserve", _cuda().cuMemAddressReserve(ctypes.byref(ptr), ctypes.c_size_t(reserve),
+                                                                  ctypes.c_size_t(0), ctypes.c_uint64(0),
+                                                                  ctypes.c_ulonglong(0)))
+        self.ptr = ptr.value
+
+    def map(self, handle: int, nbytes: int):
+        """Maps allocation ``handle`` (``nbytes``) at offset ``self.nbytes``; the region takes the handle."""
+        cu = _cuda()
+        if self.nbytes + nbytes > self.reserve:
+            cu.cuMemRelease(ctypes.c_ulonglong(handle))
+            raise MKernelError(f"the workspace's reserved {self.reserve} bytes of address space are full")
+        at = self.ptr + self.nbytes
+        rc = cu.cuMemMap(ctypes.c_uint64(at), ctypes.c_size_t(nbytes), ctypes.c_size_t(0), ctypes.c_ulonglong(handle),
+                         ctypes.c_ulonglong(0))
+        if rc != 0:
+            cu.cuMemRelease(ctypes.c_ulonglong(handle))
+            _check("cuMemMap", rc)
+        self._chunks.append((at, nbytes, handle))
+        access = _Access(_Location(_LOCATION_TYPE_DEVICE, self.device), _ACCESS_READWRITE)
+        _check("cuMemSetAccess", cu.cuMemSetAccess(ctypes.c_uint64(at), ctypes.c_size_t(nbytes), ctypes.byref(access),
+                                                   ctypes.c_size_t(1)))
+        self.nbytes += nbytes
 
     def close(self):
         cu = _cuda()
+        for at, nbytes, handle in reversed(self._chunks):
+            cu.cuMemUnmap(ctypes.c_uint64(at), ctypes.c_size_t(nbytes))
+            cu.cuMemRelease(ctypes.c_ulonglong(handle))
+        self._chunks = []
         if self.ptr:
-            if getattr(self, "_mapped", False):
-                cu.cuMemUnmap(ctypes.c_uint64(self.ptr), ctypes.c_size_t(self.nbytes))
-            cu.cuMemAddressFree(ctypes.c_uint64(self.ptr), ctypes.c_size_t(self.nbytes))
+            cu.cuMemAddressFree(ctypes.c_uint64(self.ptr), ctypes.c_size_t(self.reserve))
             self.ptr = 0
-        if self.handle:
-            cu.cuMemRelease(ctypes.c_ulonglong(self.handle))
-            self.handle = 0
 
 
-def create(nbytes: int, device: int) -> Mapping:
-    """A new allocation of ``nbytes`` (a multiple of :func:`granularity`) on ``device``, mapped here."""
+def create(nbytes: int, device: int) -> int:
+    """A new allocation of ``nbytes`` (a multiple of :func:`granularity`) on ``device``: its handle."""
     h = ctypes.c_ulonglong()
     rc = 1
     for rdma in (True, False):  # RDMA-capable where the device can (a NIC may register it), else plain
@@ -116,23 +125,27 @@ def create(nbytes: int, device: int) -> Mapping:
         if rc == 0:
             break
     _check("cuMemCreate", rc)
-    return Mapping(h.value, nbytes, device)
+    return h.value
 
 
-def export_fd(m: Mapping) -> int:
+def release(handle: int):
+    _cuda().cuMemRelease(ctypes.c_ulonglong(handle))
+
+
+def export_fd(handle: int) -> int:
     fd = ctypes.c_int(-1)
     _check("cuMemExportToShareableHandle",
-           _cuda().cuMemExportToShareableHandle(ctypes.byref(fd), ctypes.c_ulonglong(m.handle), _HANDLE_TYPE_POSIX_FD,
+           _cuda().cuMemExportToShareableHandle(ctypes.byref(fd), ctypes.c_ulonglong(handle), _HANDLE_TYPE_POSIX_FD,
                                                 ctypes.c_ulonglong(0)))
     return fd.value
 
 
-def import_fd(fd: int, nbytes: int, device: int) -> Mapping:
-    """Maps a peer's allocation, given its descriptor, with access from this process's ``device``."""
+def import_fd(fd: int) -> int:
+    """This process's handle of a peer's allocation, given its descriptor."""
     h = ctypes.c_ulonglong()
     _check("cuMemImportFromShareableHandle",
            _cuda().cuMemImportFromShareableHandle(ctypes.byref(h), ctypes.c_void_p(fd), _HANDLE_TYPE_POSIX_FD))
-    return Mapping(h.value, nbytes, device)
+    return h.value
 
 
 def exchange_fds(node_mpi, token: str, fd: int) -> list:
@@ -174,3 +187,22 @@ def exchange_fds(node_mpi, token: str, fd: int) -> list:
             c.close()
     out[me] = fd
     return out
+
+
+def add_node_chunk(node_mpi, regions: list, nbytes: int, device: int, token: str):
+    """Every rank of ``node_mpi`` makes an allocation of ``nbytes``; each maps every rank's at the end
+    of that rank's region (``regions[p]``). Collective over the node; ``token`` names its sockets."""
+    own = create(nbytes, device)
+    try:
+        fd = export_fd(own)
+    except MKernelError:
+        release(own)
+        raise
+    fds = [fd]
+    try:
+        fds = exchange_fds(node_mpi, token, fd) if node_mpi.size > 1 else [fd]
+        for p, f in enumerate(fds):
+            regions[p].map(own if p == node_mpi.rank else import_fd(f), nbytes)
+    finally:
+        for f in fds:
+            os.close(f)

@@ -117,6 +117,42 @@ def test_grow_workspace_replaces_it_collectively(comm):
     assert all_ranks(comm.mpi, ok)
 
 
+def test_workspace_grows_in_place_when_an_allocation_finds_no_room(comm):
+    """comm.empty of more than is free grows a cuMem workspace in place: the arrays from before keep
+    their offsets and data, the new one lies past the old end, every rank reads through its node
+    peers' mappings what they wrote into both, and an op then runs on the grown workspace."""
+    import cupy
+
+    root = mkernel.init(comm.mpi, workspace_bytes=4 << 20)
+    try:
+        if not root.heap.growable:
+            pytest.skip("the workspace is mapped through legacy CUDA IPC here (it cannot grow)")
+        old = root.heap.nbytes
+        a = root.empty(1 << 18, np.uint32)  # 1 MiB of the 3 MiB past the control area
+        a[...] = cupy.arange(1 << 18, dtype=cupy.uint32) + root.rank
+        off_a = root.offset_of(a)
+        b = root.empty(3 << 20, np.uint8)  # more than is left
+        b[...] = root.rank + 1
+        cupy.cuda.runtime.deviceSynchronize()
+        comm.mpi.Barrier()
+        ok = root.heap.nbytes >= 2 * old and root.offset_of(a) == off_a and root.offset_of(b) + b.size > old
+        for p, base in enumerate(root.heap.peer_base):
+            r = root.node_mpi.allgather(root.rank)[p]
+            pa = cupy.ndarray((1 << 18,), cupy.uint32, cupy.cuda.MemoryPointer(
+                cupy.cuda.UnownedMemory(base + off_a, 1 << 20, root), 0))
+            pb = cupy.ndarray((b.size,), cupy.uint8, cupy.cuda.MemoryPointer(
+                cupy.cuda.UnownedMemory(base + root.offset_of(b), b.size, root), 0))
+            ok &= bool((pa == cupy.arange(1 << 18, dtype=cupy.uint32) + r).all()) and bool((pb == r + 1).all())
+        comm.mpi.Barrier()
+        del a, b
+        p = Protocol(root, WORDS)
+        ok &= _exchange_arrives(root, p)
+        del p
+    finally:
+        root.close()
+    assert all_ranks(comm.mpi, ok)
+
+
 def test_two_thousand_launches_never_see_a_flag_without_its_data(comm, proto):
     e0 = comm.sync.epoch()
     for _ in range(2000):

@@ -62,11 +62,85 @@ def test_ranks_with_different_holdings_get_a_range_free_on_all():
             shared.append((off, size))
 
 
-def test_exhaustion_is_an_actionable_error():
+def test_exhaustion_is_a_workspace_error():
     fl = FreeList(0, 4 * ALIGN)
     _take([fl], 3 * ALIGN)
-    with pytest.raises(mkernel.MKernelError, match="workspace_bytes"):
+    with pytest.raises(mkernel.WorkspaceError, match="2048 bytes wanted"):
         _take([fl], 2 * ALIGN)
+
+
+def test_grown_size_doubles_fits_the_request_and_respects_the_cap():
+    from mkernel.symmetric import grown_size
+
+    MiB, g = 1 << 20, 2 << 20
+    assert grown_size(256 * MiB, 10 * MiB, g, 1 << 40) == 512 * MiB  # at least double
+    assert grown_size(256 * MiB, 300 * MiB, g, 1 << 40) == 556 * MiB  # room for it past the end
+    assert grown_size(256 * MiB, 10 * MiB, g, 300 * MiB) == 300 * MiB  # doubling stops at the cap
+    assert grown_size(256 * MiB, 100 * MiB, g, 300 * MiB) is None  # the request itself passes it
+    assert grown_size(256 * MiB, 1, g, 1 << 40) % g == 0
+
+
+class _FakeHeap:
+    """The heap interface Communicator.empty and _grow_for use, over a FreeList (no GPU)."""
+
+    def __init__(self, nbytes, growable=True):
+        from mkernel.symmetric import CONTROL_BYTES, take_symmetric
+
+        self.nbytes, self.growable, self.grown, self.base = nbytes, growable, [], 0
+        self._take = take_symmetric
+        self.free = FreeList(CONTROL_BYTES, nbytes - CONTROL_BYTES)
+
+    def granularity(self):
+        return 2 << 20
+
+    def alloc_symmetric(self, mpi, nbytes, what, agree=None):
+        views = mpi.allgather(self.free.free)
+        off, size = self._take(views, nbytes, self.nbytes)
+        self.free.take_at(off, size)
+        return off, size
+
+    def array(self, rng, shape, dtype):
+        return rng
+
+    def grow(self, node_mpi, nbytes, token):
+        self.grown.append((nbytes, token is not None))
+        self.free.give(self.nbytes, nbytes - self.nbytes)
+        self.nbytes = nbytes
+
+
+def _fake_comm(heap, proxy=None, sub=False):
+    from mpi4py import MPI
+
+    c = mkernel.Communicator.__new__(mkernel.Communicator)
+    c._closed, c.heap, c._proxy, c.rank = False, heap, proxy, MPI.COMM_WORLD.rank
+    c.mpi = c.node_mpi = MPI.COMM_WORLD
+    c._root = object() if sub else c
+    return c
+
+
+@pytest.mark.mpi
+def test_empty_grows_the_workspace_in_place_when_it_is_full(monkeypatch):
+    """comm.empty: a request no free range holds grows the workspace (every rank to the same size,
+    at least double) and succeeds at the old end; it raises WorkspaceError naming why where the
+    workspace cannot grow (legacy IPC, a sub-communicator, a running proxy, the cap). Any rank count."""
+    monkeypatch.setenv("MKERNEL_WORKSPACE_MAX_BYTES", str(1 << 30))
+    MiB = 1 << 20
+    heap = _FakeHeap(8 * MiB)
+    comm = _fake_comm(heap)
+    first = comm.empty(5 * MiB, "uint8")
+    second = comm.empty(6 * MiB, "uint8")  # no room left: grows 8 -> 16 MiB
+    assert heap.grown == [(16 * MiB, True)] and second[0] >= first[0] + first[1]
+    comm.empty(64 * MiB, "uint8")  # past double: grows to fit
+    assert heap.nbytes >= 8 * MiB + 6 * MiB + 64 * MiB and len(heap.grown) == 2
+    for fake, kw, why in [(_FakeHeap(8 * MiB, growable=False), {}, "legacy CUDA IPC"),
+                          (_FakeHeap(8 * MiB), {"sub": True}, "sub-communicator"),
+                          (_FakeHeap(8 * MiB), {"proxy": ("running",)}, "proxy")]:
+        with pytest.raises(mkernel.WorkspaceError, match=why):
+            _fake_comm(fake, **kw).empty(16 * MiB, "uint8")
+        assert not fake.grown
+    monkeypatch.setenv("MKERNEL_WORKSPACE_MAX_BYTES", str(12 * MiB))
+    with pytest.raises(mkernel.WorkspaceError, match="MKERNEL_WORKSPACE_MAX_BYTES"):
+        _fake_comm(_FakeHeap(8 * MiB)).empty(16 * MiB, "uint8")
 
 
 def test_taking_a_range_that_is_not_free_is_an_error():
