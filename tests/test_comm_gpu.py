@@ -109,9 +109,7 @@ def test_grow_workspace_replaces_it_collectively(comm):
             root.grow_workspace(2 << 20)
         root.grow_workspace(32 << 20)
         ok = root.heap.nbytes >= 32 << 20
-        p = Protocol(root, WORDS)
-        ok &= _exchange_arrives(root, p)
-        del p
+        ok &= _exchange_arrives(root, Protocol(root, WORDS))  # (its arrays are freed before close)
     finally:
         root.close()
     assert all_ranks(comm.mpi, ok)
@@ -145,9 +143,7 @@ def test_workspace_grows_in_place_when_an_allocation_finds_no_room(comm):
             ok &= bool((pa == cupy.arange(1 << 18, dtype=cupy.uint32) + r).all()) and bool((pb == r + 1).all())
         comm.mpi.Barrier()
         del a, b
-        p = Protocol(root, WORDS)
-        ok &= _exchange_arrives(root, p)
-        del p
+        ok &= _exchange_arrives(root, Protocol(root, WORDS))  # (its arrays are freed before close)
     finally:
         root.close()
     assert all_ranks(comm.mpi, ok)
