@@ -226,7 +226,8 @@ def main():
     print()
     print(report(rows, len(shapes), errors, baseline_note, path, time.time() - t_start), flush=True)
 
-TABLE = [("name", "shape (S H_q/H_kv D mask)", None), ("mkernel_ms", "mkernel ms", ".3f"), ("baseline_ms", "cudnn ms", ".3f"),
+TABLE = [("name", "shape (S H_q/H_kv D mask)", None), ("mkernel_ms", "mkernel ms", ".3f"),
+         ("baseline_ms", "cudnn ms", ".3f"),
          ("tflops", "TF/s", ".1f"), ("cudnn_tflops", "cudnn TF/s", ".1f"), ("fraction_of_cudnn", "of cudnn", ".3f"),
          ("speedup", "speedup", ".3f"), ("fraction_of_bound", "of peak", ".2f"), ("rel_err", "rel err", ".1e")]
 

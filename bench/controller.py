@@ -107,7 +107,8 @@ def bench_shape(op, comm, M, N, K, dt):
         (M, N, K), med["auto"], med[best_n], bound,
         best_static_ms=med[best_n], best_static_sms=best_n, best_static_ci95=harness.ci95(times[best_n]),
         worst_static_ms=med[worst_n], worst_static_sms=worst_n, worst_static_ci95=harness.ci95(times[worst_n]),
-        first_call_ms=first, first_call_host_ms=first_host_ms, first_call_record=first_record, controller_ms=med["auto"], controller_ci95=harness.ci95(times["auto"]),
+        first_call_ms=first, first_call_host_ms=first_host_ms, first_call_record=first_record,
+        controller_ms=med["auto"], controller_ci95=harness.ci95(times["auto"]),
         controller_sms=search.best, controller_converged=search.converged, controller_record=record,
         static_ms={str(n): med[n] for n in statics}, static_ci95={str(n): harness.ci95(times[n]) for n in statics},
         bound_note="max(GEMM at tensor peak, bytes over the modelled link)", op=op, reps=REPS)

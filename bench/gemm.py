@@ -6,8 +6,9 @@ transposed view of a row-major [N, K] weight (w.T, both libraries read it in pla
 the number of SMs given to the GEMM (132 down to 66); the cost of per-tile flags; grouped mode
 (32 groups of ~1024 rows, H 7168 / F 2048) against one cupy.matmul per group. Median of 30
 CUDA-event timings after warm-up; each main row times the clustered kernel, the unclustered one and
-cuBLAS interleaved in 3 rounds, and mkernel_ms is the kernel gemm() picks by default. Writes bench/results/gemm-1gpu.json; prints a table, and a
-compact summary last. Every mkernel result is checked against cuBLAS's before it is timed.
+cuBLAS interleaved in 3 rounds, and mkernel_ms is the kernel gemm() picks by default. Writes
+bench/results/gemm-1gpu.json; prints a table, and a compact summary last. Every mkernel result is
+checked against cuBLAS's before it is timed.
 
     python3 bench/gemm.py [--quick]
 """
@@ -65,7 +66,8 @@ def plot(result, path):
         ax.bar(xs + off, [r.get(key) or 0 for r in rows], width=0.26, label=name)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.axhline(0.95, color="r", lw=0.8, ls="--", label="goal 0.95 (main shapes)")
-    ax.set_xticks(xs, [f"{'x'.join(map(str, r['shape']))}\n{r['layout']}{'' if r['main'] else ' (extra)'}" for r in rows],
+    ax.set_xticks(xs, [f"{'x'.join(map(str, r['shape']))}\n{r['layout']}{'' if r['main'] else ' (extra)'}"
+                       for r in rows],
                   fontsize=6.5, rotation=60, ha="right")
     ax.set_ylim(0.5, 1.2)
     ax.set_ylabel("cuBLAS time / mkernel time")
@@ -160,7 +162,8 @@ def main():
             sp_cl = f"{r['clustered_speedup']:.3f}" if t_cb else "n/a"
             sp_one = f"{r['unclustered_speedup']:.3f}" if t_cb else "n/a"
             print(f"{M:6d} {N:6d} {K:6d} {layout}  mkernel {t_mk:8.3f} ms {r['tflops']:6.1f} TF/s  cublas {cb}  "
-                  f"speedup {sp} (clustered {t_cl:.3f} ms {sp_cl}, unclustered {t_one:.3f} ms {sp_one}{'' if clustered else '; default unclustered'})  "
+                  f"speedup {sp} (clustered {t_cl:.3f} ms {sp_cl}, unclustered {t_one:.3f} ms {sp_one}"
+                  f"{'' if clustered else '; default unclustered'})  "
                   f"err {err if err is None else format(err, '.1e')}", flush=True)
 
     for shape in (MAIN_SHAPES[:2] if opts.quick else MAIN_SHAPES + EXTRA_SHAPES):

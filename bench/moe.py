@@ -173,7 +173,8 @@ def plan_bytes(T, H, E, k, W, itemsize, nodes=1):
     sizes = [W * (E + 2) * 4, W * 4, W * 4, W * 4, cap * 4, cap * H * itemsize, cap * H * itemsize]
     if nodes > 1:
         dt = np.dtype(f"f{itemsize}")  # only the item size matters here
-        sizes += [int(np.prod(shape)) * d.itemsize for _, shape, d in moe_nodes.buffer_sizes(W, nodes, H, dt, k, E, cap)]
+        sizes += [int(np.prod(shape)) * d.itemsize
+                  for _, shape, d in moe_nodes.buffer_sizes(W, nodes, H, dt, k, E, cap)]
     return sum(-(-s // ALIGN) * ALIGN for s in sizes)
 
 
@@ -674,7 +675,8 @@ def main():
     nodes = args.nodes
     if nodes < 1 or W0 % nodes:
         sys.exit(f"bench/moe.py: --nodes {nodes} does not divide the {W0} ranks")
-    ws = CONTROL_BYTES + max(plan_bytes(T, H, E, k, W0, dt.itemsize, nodes) for T, H, F, E, k in shapes) + WORKSPACE_MARGIN
+    ws = (CONTROL_BYTES + max(plan_bytes(T, H, E, k, W0, dt.itemsize, nodes) for T, H, F, E, k in shapes)
+          + WORKSPACE_MARGIN)
     comm = (mkernel.init(workspace_bytes=ws) if nodes == 1 else
             mkernel.init(workspace_bytes=ws, gpus_per_node=W0 // nodes, transport=args.transport))
     # the benchmark's own collectives on a duplicate: never matched against one inside an op
@@ -738,8 +740,8 @@ def main():
                       stopped_after=stopped, physical_gpus=physical, shared_gpu=shared, baseline_note=baseline_note,
                       workspace_bytes=ws, link_gbs=args.link_gbs, peak_tflops=PEAK_TFLOPS,
                       baseline="device sort (cupy.argsort of expert * P + pair) + cupy.take of the token rows, NCCL "
-                               "grouped send/recv all-to-all (self included; counts exchanged once on the host, outside "
-                               "timing), cupy.matmul per local expert; reverse: cupy.matmul per local expert, "
+                               "grouped send/recv all-to-all (self included; counts exchanged once on the host, "
+                               "outside timing), cupy.matmul per local expert; reverse: cupy.matmul per local expert, "
                                "all-to-all back, fp32 weighted sum in one CuPy elementwise kernel. Layouts 'gather' "
                                "(a message per peer + cupy.take regrouping) and 'segments' (a message per (peer, "
                                "expert)); baseline_ms is the faster",

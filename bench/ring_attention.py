@@ -182,7 +182,8 @@ class Baseline:
     def _merge(self, acc, lse_acc, o, lse):
         S_seg = acc.shape[0]
         if self.bf16:
-            self.k_["merge_bf16"](o.view("uint16"), lse_acc, lse, np.int64(S_seg), np.int64(self.H), np.int64(self.D), acc)
+            self.k_["merge_bf16"](o.view("uint16"), lse_acc, lse, np.int64(S_seg), np.int64(self.H), np.int64(self.D),
+                                  acc)
         else:
             self.k_["merge_fp16"](o, lse_acc, lse, np.int64(S_seg), np.int64(self.H), np.int64(self.D), acc)
         self.k_["lse"](lse, lse_acc)
@@ -250,8 +251,10 @@ def sampled_reference(comm, row, q, rows, S, Hq, Hkv, D, dt, causal):
     l_ = cupy.zeros((Hq, n), dtype=cupy.float32)
     acc = cupy.zeros((Hq, n, D), dtype=cupy.float32)
     for p in range(W):
-        kh = cupy.repeat(harness.as_float(harness.rand((S, Hkv, D), _seed(row, p, 1), dt)).transpose(1, 0, 2), g, axis=0)
-        vh = cupy.repeat(harness.as_float(harness.rand((S, Hkv, D), _seed(row, p, 2), dt)).transpose(1, 0, 2), g, axis=0)
+        kh = cupy.repeat(harness.as_float(harness.rand((S, Hkv, D), _seed(row, p, 1), dt)).transpose(1, 0, 2), g,
+                         axis=0)
+        vh = cupy.repeat(harness.as_float(harness.rand((S, Hkv, D), _seed(row, p, 2), dt)).transpose(1, 0, 2), g,
+                         axis=0)
         s = cupy.matmul(qh, kh.transpose(0, 2, 1)) * np.float32(scale)  # [H_q, n, S]
         if causal:
             pos_k = cupy.asarray(global_positions(p, W, S, causal=True))
@@ -447,7 +450,8 @@ def main():
             if me == 0:
                 sp = f"{r['speedup']:.3f}x" if r["speedup"] is not None else "n/a"
                 bl = "n/a" if r["baseline_ms"] is None else f"{r['baseline_ms']:9.3f} ms"
-                print(f"{name:14s} mkernel {r['mkernel_ms']:9.3f} ms  baseline {bl}  speedup {sp}  bound {r['bound_ms']:9.3f} ms  of bound {r['fraction_of_bound']:.3f}  "
+                print(f"{name:14s} mkernel {r['mkernel_ms']:9.3f} ms  baseline {bl}  speedup {sp}  "
+                      f"bound {r['bound_ms']:9.3f} ms  of bound {r['fraction_of_bound']:.3f}  "
                       f"err vs ref {r['ref_rel_err_mkernel']:.1e}", flush=True)
         cupy.get_default_memory_pool().free_all_blocks()
         tp.release_buffers(comm)  # every rank, same point (synchronises)

@@ -141,7 +141,8 @@ def transport_rows(transport, sizes, reps, memory, limit, peer_gbps, goal, ranks
         regions, kind, dev = (sp, dp), "host", None
     queue = CommandQueue(1 << 10)
     rows = []
-    with Proxy(WORLD, node_ids=[0, 1], transport=transport, cuda_device=dev, bind_address="127.0.0.1", **extra) as proxy:
+    with Proxy(WORLD, node_ids=[0, 1], transport=transport, cuda_device=dev, bind_address="127.0.0.1",
+               **extra) as proxy:
         proxy.register(0, regions[0], big, kind)
         proxy.register(1, regions[1], big, kind)
         proxy.register_flags(2, flags_ptr, 16)
@@ -155,10 +156,12 @@ def transport_rows(transport, sizes, reps, memory, limit, peer_gbps, goal, ranks
             flags[:] = 0
             gbps = nbytes / t / 1e9
             lim = limit(nbytes)
-            rows.append({"transport": transport, "bytes": nbytes, "GBps": gbps, "limit_GBps": lim, "peer_GBps": peer_gbps,
+            rows.append({"transport": transport, "bytes": nbytes, "GBps": gbps, "limit_GBps": lim,
+                         "peer_GBps": peer_gbps,
                          "fraction_of_limit": gbps / lim if lim else None, "memory": memory, "directions": 2,
                          "goal": f">= {goal:.0%} of limit_GBps and > peer_GBps",
-                         "meets_goal": bool(lim and gbps >= goal * lim and gbps > peer_gbps), "ranks_per_gpu": ranks_per_gpu,
+                         "meets_goal": bool(lim and gbps >= goal * lim and gbps > peer_gbps),
+                         "ranks_per_gpu": ranks_per_gpu,
                          **extra})
             if rank == 0:
                 opts = " ".join(f"{k}={v}" for k, v in extra.items())
@@ -271,7 +274,8 @@ def main():
                              ranks_per_gpu=ranks_per_gpu, peer_source="the issue's NCCL reference figures",
                              errors=merged)
         print(harness.table(rows, [("transport", "transport", ""), ("memory", "memory", ""), ("bytes", "bytes", "d"),
-                                   ("GBps", "GB/s", ".2f"), ("limit_GBps", "limit", ".2f"), ("peer_GBps", "NCCL", ".2f"),
+                                   ("GBps", "GB/s", ".2f"), ("limit_GBps", "limit", ".2f"),
+                                   ("peer_GBps", "NCCL", ".2f"),
                                    ("commands_per_s", "cmd/s", ".3g"), ("meets_goal", "goal", "")]))
         print(f"wrote {path}" + (f"; {len(merged)} section(s) failed" if merged else ""))
         sys.exit(1 if merged else 0)

@@ -27,7 +27,8 @@ from . import split  # noqa: F401  (the SM-split policy; registers its compile-c
 
 __all__ = [
     "__version__", "init", "Communicator", "gemm", "grouped_gemm",
-    "gemm_reduce_scatter", "gemm_allreduce", "allgather_gemm", "attention", "ring_attention", "shard_sequence", "unshard_sequence",
+    "gemm_reduce_scatter", "gemm_allreduce", "allgather_gemm", "attention", "ring_attention",
+    "shard_sequence", "unshard_sequence",
     "moe_dispatch", "moe_combine", "moe_dispatch_gemm", "moe_gemm_combine", "moe_capacity", "MoeHandle",
     "MKernelError", "ArgumentError", "CapacityError", "ClosedError", "CompileError", "NoGPUError",
     "NoRDMADeviceError", "PeerError", "TimeoutError", "WorkspaceError",

@@ -152,7 +152,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     """Softmax attention forward: ``out[b, i, h] = sum_j softmax_j(scale * q[b, i, h] . k[b, j, hk]) v[b, j, hk]``.
 
     q: ``[S_q, H_q, D]`` or ``[B, S_q, H_q, D]``; k, v: ``[S_kv, H_kv, D]`` or ``[B, S_kv, H_kv, D]``
-    (CuPy arrays, or any GPU array with ``__dlpack__`` / ``__cuda_array_interface__``); bfloat16 or float16; D in (64, 128); H_q % H_kv == 0 (hk = h // (H_q // H_kv)).
+    (CuPy arrays, or any GPU array with ``__dlpack__`` / ``__cuda_array_interface__``); bfloat16 or float16;
+    D in (64, 128); H_q % H_kv == 0 (hk = h // (H_q // H_kv)).
     causal: query i sees key j iff ``j <= i + causal_offset`` (default ``S_kv - S_q``).
     softmax_scale: default ``1 / sqrt(D)``. out: optional, q's shape and dtype.
     sms: CTAs of the persistent kernel (default: all SMs, at most one per tile).
@@ -232,8 +233,8 @@ def reference(q, k, v, *, causal=False):
         s = xp.where(xp.arange(Skv)[None, None, :] <= xp.arange(Sq)[None, :, None] + Skv - Sq, s, -xp.inf)
     m = s.max(-1, keepdims=True)
     p = xp.exp(s - xp.where(xp.isfinite(m), m, 0))
-    l = p.sum(-1, keepdims=True)
-    return (p @ vh / xp.where(l > 0, l, 1)).transpose(1, 0, 2)
+    denom = p.sum(-1, keepdims=True)
+    return (p @ vh / xp.where(denom > 0, denom, 1)).transpose(1, 0, 2)
 
 
 def sanitize_target():

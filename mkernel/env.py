@@ -96,6 +96,7 @@ def markdown() -> str:
             "and knob mkernel reads is here.", "",
             "| variable | default | meaning |", "| --- | --- | --- |"]
     for v in VARS.values():
-        default = "`~/.cache/mkernel`" if v.name == "MKERNEL_CACHE_DIR" else (f"`{v.default}`" if v.default else "(unset)")
+        default = ("`~/.cache/mkernel`" if v.name == "MKERNEL_CACHE_DIR"
+                   else (f"`{v.default}`" if v.default else "(unset)"))
         rows.append(f"| `{v.name}` | {default} | {v.doc} |")
     return "\n".join(rows) + "\n"

@@ -63,7 +63,8 @@ def kernel_expr(dt: int, layout: int, out: int, grouped: bool, cluster: bool = F
 
 EXPRESSIONS = tuple(kernel_expr(dt, bl, out, g)
                     for dt in (0, 1) for bl in (B_NK, B_KN) for out in (dt, OUT_F32) for g in (False, True)) + \
-    tuple(kernel_expr(dt, bl, out, False, cluster=True) for dt in (0, 1) for bl in (B_NK, B_KN) for out in (dt, OUT_F32))
+    tuple(kernel_expr(dt, bl, out, False, cluster=True)
+          for dt in (0, 1) for bl in (B_NK, B_KN) for out in (dt, OUT_F32))
 SPEC = _compile.register("gemm", "gemm.cu", EXPRESSIONS, hot=True)
 
 
@@ -480,7 +481,8 @@ def grouped_gemm(a, b, group_rows, *, out=None, stream=None, b_layout=None, out_
 
 def sanitize_target():
     """The engine once at a shape off the tile grid in every dimension, both B layouts, with and
-    without clusters, integer inputs (exact); raises on a wrong result. tools/sanitize.sh runs it under compute-sanitizer."""
+    without clusters, integer inputs (exact); raises on a wrong result. tools/sanitize.sh runs it
+    under compute-sanitizer."""
     import numpy as np
 
     cupy = _cupy()

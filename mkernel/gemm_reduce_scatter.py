@@ -94,7 +94,8 @@ def gemm_reduce(op, spec, kernel, allreduce, a, b, *, comm, out, stream, b_layou
     if nodes > 1:  # compact tiles: node partials to send (by destination node; AR: the reduced own block
         # at this node's index) and received (by source node); AR: reduced tiles received
         tiles = (nodes, tiles_blk, tp.TILE_BYTES // 2)
-        sizes += [("stage", tiles, a.dtype), ("xrecv", tiles, a.dtype)] + ([("xgath", tiles, a.dtype)] if allreduce else [])
+        sizes += [("stage", tiles, a.dtype), ("xrecv", tiles, a.dtype)] + (
+            [("xgath", tiles, a.dtype)] if allreduce else [])
     plan = tp.plan_buffers(op, comm, ("buffers", op, M, N, a.dtype.name), sizes)  # shared by layouts
     args = tp.TpArgs()
     tp.fill_common(args, comm, op, a_ptr=a.data.ptr, a_rows=M, a_row_bytes=tp._row_stride(a), dtype=a.dtype,

@@ -66,7 +66,8 @@ def collect() -> list:
     lines.append("NVRTC " + _try(lambda: "%d.%d" % kcompile.nvrtc.version() + f" at {kcompile.nvrtc.location()}"))
     lines.append("CUDA driver " + _try(lambda: _cuda_version(__import__("cupy").cuda.runtime.driverGetVersion())))
     lines.append("NCCL " + _try(_nccl_version))
-    lines.append("MPI " + _try(lambda: __import__("mpi4py.MPI", fromlist=["MPI"]).Get_library_version().splitlines()[0].strip()))
+    lines.append("MPI " + _try(lambda: __import__("mpi4py.MPI", fromlist=["MPI"])
+                               .Get_library_version().splitlines()[0].strip()))
     count = gpu.device_count()
     lines.append(f"GPUs: {count}" + ("" if count else f" ({gpu.describe_missing()})"))
     if count:

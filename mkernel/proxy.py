@@ -204,7 +204,8 @@ class Proxy:
         self.tcp_connections = int(tcp_connections or env.get("MKERNEL_TCP_CONNECTIONS"))
         self.host_run_chunks = int(host_run_chunks or env.get("MKERNEL_HOST_RUN_CHUNKS"))
         if not 1 <= self.host_run_chunks <= 16:
-            raise ArgumentError(f"host_run_chunks (MKERNEL_HOST_RUN_CHUNKS) must be 1 to 16; got {self.host_run_chunks}")
+            raise ArgumentError(f"host_run_chunks (MKERNEL_HOST_RUN_CHUNKS) must be 1 to 16; "
+                                f"got {self.host_run_chunks}")
         self.shuffle_seed = shuffle_seed
         self._ffi, self._lib = _ext()
         self._p = self._lib.mk_proxy_create(self.rank, self.nranks, TRANSPORTS.index(self.transport), self.timeout_s)
@@ -238,7 +239,8 @@ class Proxy:
         """Makes [address, address + nbytes) a target (and source) of commands under `region_id`."""
         if kind not in _KIND:
             raise ArgumentError(f"region kind {kind!r} is not 'host' or 'cuda'")
-        self._setup(self._lib.mk_proxy_register(self._p, region_id, address, nbytes, _KIND[kind]), f"register({region_id})")
+        self._setup(self._lib.mk_proxy_register(self._p, region_id, address, nbytes, _KIND[kind]),
+                    f"register({region_id})")
 
     def register_flags(self, region_id: int, address: int, count: int):
         """The u32 flag array peers' WRITE/SIGNAL set and this rank's FLUSHes complete into (host memory)."""
@@ -354,8 +356,10 @@ class Proxy:
                 magic, proof, their_rank = _ACK.unpack(_recv_exact(s, _ACK.size))
             except (OSError, ConnectionError) as e:
                 raise PeerError(f"rank {self.rank}: rank {peer} did not acknowledge the TCP handshake: {e}") from e
-            if magic != _MAGIC_ACK or their_rank != peer or not hmac.compare_digest(proof, hmac.new(secret, nonce, "sha256").digest()):
-                raise PeerError(f"rank {self.rank}: the listener of rank {peer} failed the handshake (wrong job secret)")
+            if (magic != _MAGIC_ACK or their_rank != peer
+                    or not hmac.compare_digest(proof, hmac.new(secret, nonce, "sha256").digest())):
+                raise PeerError(f"rank {self.rank}: the listener of rank {peer} failed the handshake "
+                                f"(wrong job secret)")
             done.append((peer, s))
         return done
 
@@ -482,7 +486,8 @@ class Proxy:
         self._lib.mk_proxy_get_stats(self._p, s, per)
         fields = ("bytes_sent", "bytes_received", "writes", "signals", "flushes")
         return {"commands": s.commands, "frames_rejected": s.frames_rejected,
-                "verify": {"distinct": s.verify_distinct, "duplicates": s.verify_duplicates, "corrupt": s.verify_corrupt},
+                "verify": {"distinct": s.verify_distinct, "duplicates": s.verify_duplicates,
+                           "corrupt": s.verify_corrupt},
                 "peers": {r: {f: getattr(per[r], f) for f in fields} for r in range(self.nranks)}}
 
     def verify_commands(self, expected: int):
@@ -521,7 +526,8 @@ QUEUE_TEST = _compile.register("queue_test", "queue_test.cu",
 
 class QueueStressArgs(ctypes.Structure):
     """Mirrors of queue_test_args.cuh (a CPU test compares them)."""
-    _fields_ = [("sync", MkSync), ("queue", QueueArgs), ("iters", ctypes.c_uint32), ("bad_first_command", ctypes.c_uint32)]
+    _fields_ = [("sync", MkSync), ("queue", QueueArgs), ("iters", ctypes.c_uint32),
+                ("bad_first_command", ctypes.c_uint32)]
 
 
 class TileExchangeArgs(ctypes.Structure):

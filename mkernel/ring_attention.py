@@ -6,8 +6,8 @@ run the attention engine (``mkernel.attention``'s kernel) over tiles (step, batc
 block), step s against the key/value block of rank (me - s) mod world; a few CTAs forward each
 block to the next rank (two receive slots in the symmetric workspace, flow-controlled by per-step
 flags) while the others compute: over NVLink inside a node; between nodes the ring is node-major
-and a node's last rank sends through ``comm.proxy`` to the next node's first. Partial results merge in fp32 by the log-sum-exp
-rule, in step order, so results are bitwise reproducible.
+and a node's last rank sends through ``comm.proxy`` to the next node's first. Partial results
+merge in fp32 by the log-sum-exp rule, in step order, so results are bitwise reproducible.
 
 Layout: causal attention uses the zigzag layout (``mkernel.shard_sequence(x, rank, world,
 causal=True)``): the global sequence in 2 * world chunks, rank r holding chunks r and

@@ -41,8 +41,8 @@ class Protocol:
     def args(self, *, rounds=1, consume_delay_ns=0, skip_credit=False, host_area=0, timeout_s=None):
         c = self.comm
         return RuntimeTestArgs(c.sync_args("test", timeout_s), c.peer_table.data.ptr, c.offset_of(self.flags),
-                               c.offset_of(self.slots), self.mismatches.data.ptr, self.first.data.ptr, host_area, c.local_size,
-                               c.local_rank, self.words, rounds, consume_delay_ns, int(skip_credit))
+                               c.offset_of(self.slots), self.mismatches.data.ptr, self.first.data.ptr, host_area,
+                               c.local_size, c.local_rank, self.words, rounds, consume_delay_ns, int(skip_credit))
 
     def run(self, kernel: str, grid=1, stream=None, **kw):
         launch(self.module.function(kernel), (grid,), (BLOCK,), self.args(**kw), stream=stream)
@@ -59,7 +59,7 @@ class Protocol:
             return "no mismatch"
         epoch, sender, index, seen = (int(x) for x in f[1:])
         def pat(e):
-            return int((np.uint32((e * 2654435761) & 0xFFFFFFFF) ^ np.uint32(sender << 24) ^ np.uint32(index)))
+            return int(np.uint32((e * 2654435761) & 0xFFFFFFFF) ^ np.uint32(sender << 24) ^ np.uint32(index))
         which = {pat(epoch - 1): "the previous epoch's (stale read)", pat(epoch + 1): "the next epoch's (overwrite)"}
         return (f"epoch {epoch}, from rank {sender}, word {index}: saw {seen:#x}, expected {pat(epoch):#x}; "
                 f"it is {which.get(seen, 'neither neighbour epoch')} value")

@@ -135,8 +135,8 @@ def unshard_sequence(parts, *, causal=True, axis=0):
 
     parts: a list (or tuple, or an array stacked along a new first axis) of ``world`` arrays in
     rank order, all of one type (NumPy or CuPy), dtype and shape, each with ``S_local`` rows along
-    ``axis`` (even for causal=True: a zigzag part is two chunks of ``S_local / 2`` rows). Returns a new C-contiguous array with
-    ``world * S_local`` rows along ``axis``.
+    ``axis`` (even for causal=True: a zigzag part is two chunks of ``S_local / 2`` rows). Returns a
+    new C-contiguous array with ``world * S_local`` rows along ``axis``.
     """
     if isinstance(parts, (str, bytes)) or not hasattr(parts, "__len__"):
         raise ArgumentError(f"parts must be a list of every rank's array (in rank order); got {type(parts).__name__}")

@@ -51,7 +51,9 @@ unsigned long long mk_split_sizeof(int which) {
 }
 int mk_split_prior_c(const MkSplitModel* m) { return mk_split_prior(*m); }
 void mk_split_search_init_c(MkSplitSearch* s, int lo, int hi, int prior) { mk_split_search_init(*s, lo, hi, prior); }
-int mk_split_search_observe_c(MkSplitSearch* s, int n, unsigned long long ns) { return mk_split_search_observe(*s, n, ns); }
+int mk_split_search_observe_c(MkSplitSearch* s, int n, unsigned long long ns) {
+  return mk_split_search_observe(*s, n, ns);
+}
 void mk_split_ctl_init_c(MkSplitCtl* c, int total, int lo, int hi, int n, int step, unsigned h, unsigned st) {
   mk_split_ctl_init(*c, total, lo, hi, n, step, h, st);
 }
@@ -88,7 +90,8 @@ class MkSplitPoint(ctypes.Structure):
 class MkSplitSearch(ctypes.Structure):
     _fields_ = [("version", ctypes.c_uint32)] + [
         (f, ctypes.c_int32) for f in ("lo", "hi", "phase", "pending", "best", "a", "b", "step", "confirms")] + [
-        (f, ctypes.c_uint32) for f in ("observations", "npts", "drift", "max_obs", "reopen_permille", "reopen_calls")] + [
+        (f, ctypes.c_uint32)
+        for f in ("observations", "npts", "drift", "max_obs", "reopen_permille", "reopen_calls")] + [
         ("ref_ns", ctypes.c_uint64), ("reopens", ctypes.c_uint32), ("prior", ctypes.c_int32),
         ("pts", MkSplitPoint * 24)]
 

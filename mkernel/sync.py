@@ -44,8 +44,8 @@ def error_from_status(st: MkStatus) -> Exception:
                             f"MKERNEL_TIMEOUT_S if it is only slow.")
     if st.code == ERR_INPUT and st.where == MOE_ERR_CAPACITY:
         return CapacityError(f"{op}: a rank would receive (or send) {st.seen} rows, more than the capacity of "
-                             f"{st.expected}; nothing was sent. Pass a larger capacity (mkernel.moe_capacity(max_tokens, "
-                             f"k, world) never overflows), the same on every rank.")
+                             f"{st.expected}; nothing was sent. Pass a larger capacity "
+                             f"(mkernel.moe_capacity(max_tokens, k, world) never overflows), the same on every rank.")
     if st.code == ERR_INPUT and st.where == MOE_ERR_EXPERT_ID:
         return ArgumentError(f"{op}: {st.seen} expert ids lie outside 0..{st.expected - 1} (checked on the device "
                              f"on every rank; nothing was sent)")

@@ -279,7 +279,7 @@ def plan_buffers(op, comm, key, sizes, counter_words=CNT_WORDS + 1):
             plan[name] = comm.empty(shape, dt)
     except WorkspaceError as e:
         raise WorkspaceError(f"{op}: needs {need} bytes of symmetric workspace for this shape ({e})") from e
-    for name, arr in plan.items():
+    for _name, arr in plan.items():
         if arr.dtype == cupy.uint32:
             arr.data.memset_async(0, arr.nbytes)  # a memset, not a kernel: see quiesced_first_use
     plan["counters"] = cupy.zeros(counter_words, dtype=cupy.uint32)
@@ -450,9 +450,9 @@ def quiesced_first_use(comm, plan, key):
     device (ops of ours may run on other streams): the caller then runs host-launched work whose
     first use loads a CUDA module (cuBLAS picks a new kernel, CuPy a new elementwise kernel). A
     module load waits for the device to go idle and meanwhile blocks every CUDA call of the
-    process, the proxy thread's copies included; a kernel in flight that waits on the proxy then never finishes (measured on
-    the H200: allgather_gemm between nodes stalled in most fresh processes). So nothing of ours
-    may be in flight when such work first runs."""
+    process, the proxy thread's copies included; a kernel in flight that waits on the proxy then
+    never finishes (measured on the H200: allgather_gemm between nodes stalled in most fresh
+    processes). So nothing of ours may be in flight when such work first runs."""
     if comm.num_nodes == 1 or key in plan.setdefault("loaded", set()):
         return False
     plan["loaded"].add(key)

@@ -68,7 +68,8 @@ def _prop(device, rdma=False):
 def granularity(device: int) -> int:
     g = ctypes.c_size_t()
     _check("cuMemGetAllocationGranularity",
-           _cuda().cuMemGetAllocationGranularity(ctypes.byref(g), ctypes.byref(_prop(device)), _GRANULARITY_RECOMMENDED))
+           _cuda().cuMemGetAllocationGranularity(ctypes.byref(g), ctypes.byref(_prop(device)),
+                                                 _GRANULARITY_RECOMMENDED))
     return g.value
 
 

@@ -18,6 +18,7 @@ export PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
 # pytest exits 5 when a selection holds no test: not a failure for the MPI passes.
 pytest_ok() { local rc=0; "$@" || rc=$?; [ "$rc" -eq 5 ] && rc=0; return "$rc"; }
 
+"$PY" -m ruff check .  # lint (pyproject.toml [tool.ruff]): fails the command like a failing test
 pytest_ok "$PY" -m pytest -q "$@"
 for n in 2 4; do
   echo "== MPI tests at $n ranks =="

@@ -429,8 +429,8 @@ def feature_sms_strides_stream():
         res = m.attention(qv, kv, vv, out=out_view, return_lse=True, **kw)
         _sync(what)
         ok = res[0] is out_view and (_bits(out_view) == _bits(ref)).all() and (_bits(res[1]) == _bits(ref_lse)).all()
-        ok = ok and _check_against_reference(f"{what} (contiguous copy)", ref, qv, kv, vv, causal=kw.get("causal", False),
-                                             lse=ref_lse)
+        ok = ok and _check_against_reference(f"{what} (contiguous copy)", ref, qv, kv, vv,
+                                             causal=kw.get("causal", False), lse=ref_lse)
         if out_buf is not None:  # what lies around the output view must be untouched
             after = _bits(out_buf)
             mask = np.ones(out_buf.shape, dtype=bool)
@@ -457,7 +457,8 @@ def feature_sms_strides_stream():
     kb, vb = _rand_dev((2, 400, 2, 128), BF16, 35), _rand_dev((2, 400, 2, 128), BF16, 36)
     same_as_contiguous("q padded rows + every other batch", big[::2, :, :, :128], kb, vb, causal=True)
     # --- a strided output: the upper half of the heads of a [B, S, 2H, D] buffer
-    q2, k2, v2 = _rand_dev((2, 200, 4, 64), BF16, 37), _rand_dev((2, 300, 4, 64), BF16, 38), _rand_dev((2, 300, 4, 64), BF16, 39)
+    q2, k2, v2 = (_rand_dev((2, 200, 4, 64), BF16, 37), _rand_dev((2, 300, 4, 64), BF16, 38),
+                  _rand_dev((2, 300, 4, 64), BF16, 39))
     buf = _poisoned((2, 200, 8, 64), "bf16")
     same_as_contiguous("strided out [B,S,2H,D][:,:,H:]", q2, k2, v2, out_buf=buf,
                        out_index=(slice(None), slice(None), slice(4, 8)), causal=True)

@@ -30,7 +30,8 @@ def _valid_model(magic, type_, flag_op, region, pad, nbytes, write_bytes, id_, f
         return False
     if type_ == DATA:
         size = REGIONS.get(region)
-        return nbytes <= PAYLOAD_MAX and nbytes <= write_bytes and size is not None and offset <= size and nbytes <= size - offset
+        return (nbytes <= PAYLOAD_MAX and nbytes <= write_bytes and size is not None and offset <= size
+                and nbytes <= size - offset)
     if type_ == SIGNAL:
         return nbytes == 0 and flagged
     if type_ in (FLUSH, FLUSH_ACK, BYE):
@@ -71,8 +72,10 @@ _MEM = _Memory()
 _PROXY = _MEM.proxy()
 
 u32 = st.integers(0, 2**32 - 1)
-edge32 = st.one_of(st.integers(0, 8), st.sampled_from([PAYLOAD_MAX - 1, PAYLOAD_MAX, PAYLOAD_MAX + 1, 2**31, 2**32 - 1]), u32)
-edge64 = st.one_of(st.integers(0, 5000), st.sampled_from([2**48 - 1, 2**63, 2**64 - 1, 2**64 - 4096]), st.integers(0, 2**64 - 1))
+edge32 = st.one_of(st.integers(0, 8),
+                   st.sampled_from([PAYLOAD_MAX - 1, PAYLOAD_MAX, PAYLOAD_MAX + 1, 2**31, 2**32 - 1]), u32)
+edge64 = st.one_of(st.integers(0, 5000), st.sampled_from([2**48 - 1, 2**63, 2**64 - 1, 2**64 - 4096]),
+                   st.integers(0, 2**64 - 1))
 fields = st.tuples(st.sampled_from([MAGIC, MAGIC ^ 1, 0]), st.integers(0, 7), st.integers(0, 3), st.integers(0, 255),
                    st.sampled_from([0, 0, 0, 1]), edge32, edge32, u32, st.integers(0, NFLAGS + 2), u32,
                    st.sampled_from([0, 0, 0, 1]), edge64)
@@ -100,7 +103,8 @@ def _data_frame(region, offset, nbytes, flag_id, value, write_id):
 
 
 # Well-formed DATA headers that reach just past a region's end: the frames a bounds bug would obey.
-out_of_bounds = st.tuples(st.sampled_from(sorted(REGIONS)), st.integers(0, 2 * GUARD), st.integers(1, 2 * GUARD)).filter(
+out_of_bounds = st.tuples(st.sampled_from(sorted(REGIONS)), st.integers(0, 2 * GUARD),
+                          st.integers(1, 2 * GUARD)).filter(
     lambda w: w[1] + w[2] > REGIONS[w[0]]).map(lambda w: (MAGIC, DATA, 0, w[0], 0, w[2], w[2], 0, 0, 0, 0, w[1]))
 hostile_frames = st.one_of(out_of_bounds, fields.filter(lambda f: not _valid_model(*f)))
 

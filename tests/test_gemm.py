@@ -93,7 +93,8 @@ class _Fake:
             self.ptr = ptr
 
     def __init__(self, shape, dtype=BF16, strides=None, ptr=0x10000):
-        self.shape, self.dtype, self.itemsize, self.ndim = tuple(shape), np.dtype(dtype), np.dtype(dtype).itemsize, len(shape)
+        self.shape, self.dtype, self.itemsize, self.ndim = (tuple(shape), np.dtype(dtype), np.dtype(dtype).itemsize,
+                                                            len(shape))
         if strides is None:
             strides, acc = [], self.itemsize
             for d in reversed(shape):

@@ -713,7 +713,8 @@ def _dispatch_body(comm, c):
     if recv is not buf:
         return False, "moe_dispatch did not return the given out"
     if h.capacity != P.cap or h.group_rows.shape != (P.El,) or str(h.group_rows.dtype) != "int32":
-        return False, f"handle: capacity {h.capacity} (want {P.cap}), group_rows {h.group_rows.dtype} {h.group_rows.shape}"
+        return False, (f"handle: capacity {h.capacity} (want {P.cap}), "
+                       f"group_rows {h.group_rows.dtype} {h.group_rows.shape}")
     ok, msg = _check_recv(P, me, recv, h)
     if not (_bits(x) == x_bits).all():
         ok, msg = False, msg + "; X MODIFIED"

@@ -9,9 +9,10 @@ GPU, 1 rank and under mpirun (marked gpu and mpi):
   wrong (expert, source) block and 128-row tile named; rows past received still poisoned; the counts
   (handle.counts(), received()) right; and the unfused path (moe_dispatch then grouped_gemm) bitwise
   equal to the fused one; moe_gemm_combine of that y (w2 in {-1, 0, 1}) bitwise equal to grouped_gemm +
-  moe_combine (exact in test_moe), no token left poisoned. Every routing of test_moe's dispatch cases (uniform, Zipf, top-1..8, repeated
-  experts, empty experts and ranks, T = 0 on a rank, T per rank, a capacity exactly the need and above
-  it), El up to 64, F 72 (a part of one N-tile) and 264 (two), w1 [El, H, F] and [El, F, H];
+  moe_combine (exact in test_moe), no token left poisoned. Every routing of test_moe's dispatch cases
+  (uniform, Zipf, top-1..8, repeated experts, empty experts and ranks, T = 0 on a rank, T per rank, a
+  capacity exactly the need and above it), El up to 64, F 72 (a part of one N-tile) and 264 (two),
+  w1 [El, H, F] and [El, F, H];
 - 12 dispatch+GEMM and 12 GEMM+combine launches queued without synchronisation, alternating two inputs
   of one shape and a second shape (plans of their own), each bitwise equal to its solo run; the epoch
   moves by 24 (test_fused_repeated);
@@ -245,4 +246,4 @@ def test_fused_kernel_has_no_static_shared_memory(spec):
     from mkernel import compile as mkc
 
     log = mkc.compile_spec(mkc.REGISTRY[spec]).log
-    assert "ptxas info" in log and "bytes smem" not in log, [l for l in log.splitlines() if "smem" in l]
+    assert "ptxas info" in log and "bytes smem" not in log, [line for line in log.splitlines() if "smem" in line]

@@ -184,7 +184,8 @@ def _run_gemm_ops(comm, P):
         ys[path] = y
     yf, yu = bits(ys["fused"])[:n], bits(ys["unfused"])[:n]
     if not np.array_equal(yf, yu):
-        msgs.append(f"moe_dispatch_gemm: fused and unfused differ in {int((~(yf == yu).all(axis=1)).sum())} of {n} rows")
+        msgs.append(f"moe_dispatch_gemm: fused and unfused differ in {int((~(yf == yu).all(axis=1)).sum())} "
+                    f"of {n} rows")
     if not np.array_equal(host(ys["fused"])[:n].astype(np.float64), want):
         msgs.append("moe_dispatch_gemm: y differs from the float64 GEMM of the received rows")
     out = mkernel.moe_gemm_combine(ys["unfused"], dev(W2[me * El:(me + 1) * El]), h, comm=comm)
@@ -207,7 +208,7 @@ def _minimum_bytes(comm, P):
     """What one dispatch + combine must send from this rank between nodes."""
     from mkernel import moe_nodes
 
-    L, N, node, l, k, H = comm.local_size, comm.num_nodes, comm.node, comm.local_rank, P["k"], P["H"]
+    L, N, node, local_rank, k, H = comm.local_size, comm.num_nodes, comm.node, comm.local_rank, P["k"], P["H"]
     epn = P["E"] // N
     total = (comm.size - L) * moe_nodes.grow_words(P["E"]) * 4
     _, ids, _ = P["inp"][comm.rank]
@@ -216,7 +217,7 @@ def _minimum_bytes(comm, P):
             continue
         bundle = int(((ids // epn) == j).any(axis=1).sum())
         total += bundle * (H * 2 + 8 * k)
-        _, ids_j, _ = P["inp"][j * L + l]  # tokens rank (j, l) sends here: their sums go back
+        _, ids_j, _ = P["inp"][j * L + local_rank]  # tokens rank (j, local_rank) sends here: their sums go back
         total += int(((ids_j // epn) == node).any(axis=1).sum()) * H * 4
     return total
 
@@ -262,7 +263,8 @@ def _device_errors(make_comm, P):
     bad_ids = ids.copy()
     if me == 0 and bad_ids.size:
         bad_ids[0, 0] = P["E"] + 3
-    for what, cap, i, exc in (("capacity", need - 1, ids, CapacityError), ("expert id", P["cap"], bad_ids, ArgumentError)):
+    for what, cap, i, exc in (("capacity", need - 1, ids, CapacityError),
+                              ("expert id", P["cap"], bad_ids, ArgumentError)):
         c = make_comm()
         try:
             try:

@@ -11,7 +11,8 @@ import pytest
 from mpi4py import MPI
 
 from mkernel.errors import MKernelError, TimeoutError
-from mkernel.proxy import _CMD, NOP, WRITE, CommandQueue, Proxy, QueueArgs, QueueHeader, QueueStressArgs, TileExchangeArgs
+from mkernel.proxy import (_CMD, NOP, WRITE, CommandQueue, Proxy, QueueArgs, QueueHeader, QueueStressArgs,
+                           TileExchangeArgs)
 from c_layout import assert_same_layout
 
 CUDA_DIR = Path(__file__).resolve().parents[1] / "mkernel" / "cuda"
@@ -23,11 +24,13 @@ CMD_FIELDS = ["seq", "type", "flag_op", "peer", "bytes", "flag_value", "flag_id"
 def _c_layout(tmp_path):
     """sizeof and offsetof of the command and header, as gcc compiles queue_layout.cuh as C (the proxy's view)."""
     lines = [f'P("MkCmd.{f}", offsetof(struct MkCmd, {f}));' for f in CMD_FIELDS]
-    lines += [f'P("MkQueueHeader.{f}", offsetof(struct MkQueueHeader, {f}));' for f in ("tail", "error", "capacity", "reserve")]
+    lines += [f'P("MkQueueHeader.{f}", offsetof(struct MkQueueHeader, {f}));'
+              for f in ("tail", "error", "capacity", "reserve")]
     lines += ['P("sizeof MkCmd", sizeof(struct MkCmd));', 'P("sizeof MkQueueHeader", sizeof(struct MkQueueHeader));']
     src = tmp_path / "layout.c"
     src.write_text('#include <stdio.h>\n#include <stddef.h>\n#include "queue_layout.cuh"\n'
-                   '#define P(n, v) printf("%s %zu\\n", n, (size_t)(v))\nint main(void) {\n' + "\n".join(lines) + "\nreturn 0; }\n")
+                   '#define P(n, v) printf("%s %zu\\n", n, (size_t)(v))\nint main(void) {\n'
+                   + "\n".join(lines) + "\nreturn 0; }\n")
     subprocess.run(["gcc", "-x", "c", "-I", str(CUDA_DIR), str(src), "-o", str(tmp_path / "layout")], check=True)
     out = subprocess.run([str(tmp_path / "layout")], check=True, capture_output=True, text=True).stdout
     return {line.rsplit(" ", 1)[0]: int(line.rsplit(" ", 1)[1]) for line in out.splitlines()}
@@ -83,8 +86,8 @@ def test_many_producers_none_lost_or_duplicated(capacity, threads, per_thread):
 
 
 def _push_verify_nop(queue, i, timeout_s=5):
-    queue.push(NOP, 0, (i * 2654435761) & 0xFFFFFFFF, src=(0, i >> 32), dst=(0, ~i & 0xFFFFFFFF), flag=(0, i & 0xFFFFFFFF, 0),
-               timeout_s=timeout_s)
+    queue.push(NOP, 0, (i * 2654435761) & 0xFFFFFFFF, src=(0, i >> 32), dst=(0, ~i & 0xFFFFFFFF),
+               flag=(0, i & 0xFFFFFFFF, 0), timeout_s=timeout_s)
 
 
 def test_back_pressure_never_overwrites_unread_commands():

@@ -640,7 +640,8 @@ def _against_engine(make_comm, world, nodes):
                 ref, ref_lse = mkernel.attention(qg, kg, vg, causal=causal, return_lse=True)
                 want = mkernel.shard_sequence(ref, me, W, causal=causal).astype(cupy.float32)
                 want_lse = mkernel.shard_sequence(ref_lse, me, W, causal=causal, axis=1)
-                q, k, v = (cupy.ascontiguousarray(mkernel.shard_sequence(x, me, W, causal=causal)) for x in (qg, kg, vg))
+                q, k, v = (cupy.ascontiguousarray(mkernel.shard_sequence(x, me, W, causal=causal))
+                           for x in (qg, kg, vg))
                 for rep in range(3):
                     out = cupy.full(q.shape, float("nan"), dtype=BF16)
                     o, lse = _ring()(q, k, v, comm=comm, causal=causal, out=out, return_lse=True)

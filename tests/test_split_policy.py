@@ -106,7 +106,8 @@ def family():
                         f, _ = curve(op, M, N, KK, W, link, gm, cliff)
                         for noise in (0.0, 0.02, 0.05):
                             name = f"{op} {M}x{N}x{KK} W{W} link{link} gemm{gm} cliff{cliff} noise{noise}"
-                            out.append((name, f, pr, noise, zlib.crc32(name.encode()), (link, gm, cliff) == (1, 1, None)))
+                            out.append((name, f, pr, noise, zlib.crc32(name.encode()),
+                                        (link, gm, cliff) == (1, 1, None)))
     return out
 
 

@@ -192,12 +192,14 @@ def test_cumem_structs_match_cuda_h(tmp_path):
     if inc is None or cxx is None:
         pytest.skip("needs cuda.h and g++")
     src = tmp_path / "l.cpp"
-    src.write_text('#include <cuda.h>\n#include <cstdio>\n#include <cstddef>\nint main() { std::printf("%zu %zu %zu %zu '
-                   '%zu\\n", sizeof(CUmemAllocationProp), offsetof(CUmemAllocationProp, location), '
+    src.write_text('#include <cuda.h>\n#include <cstdio>\n#include <cstddef>\n'
+                   'int main() { std::printf("%zu %zu %zu %zu %zu\\n", '
+                   'sizeof(CUmemAllocationProp), offsetof(CUmemAllocationProp, location), '
                    'offsetof(CUmemAllocationProp, win32HandleMetaData), offsetof(CUmemAllocationProp, allocFlags), '
                    'sizeof(CUmemAccessDesc)); }\n')
     subprocess.run([cxx, "-I", str(inc), str(src), "-o", str(tmp_path / "l")], check=True)
-    got = [int(x) for x in subprocess.run([str(tmp_path / "l")], capture_output=True, text=True, check=True).stdout.split()]
+    got = [int(x) for x in
+           subprocess.run([str(tmp_path / "l")], capture_output=True, text=True, check=True).stdout.split()]
     assert got == [ctypes.sizeof(vmm._Prop), vmm._Prop.location.offset, vmm._Prop.win32HandleMetaData.offset,
                    vmm._Prop.allocFlags.offset, ctypes.sizeof(vmm._Access)]
     assert vmm._HANDLE_TYPE_POSIX_FD == 1 and vmm._ALLOCATION_TYPE_PINNED == 1 and vmm._ACCESS_READWRITE == 3

@@ -31,7 +31,8 @@ def test_controller_state_layout_matches_host_compiler(tmp_path):
 
 @pytest.mark.parametrize("setting,comm_sms,path,mode", [
     ("auto", "auto", "fused", tp.CTL_ADAPT), ("auto", 8, "fused", tp.CTL_OFF), ("auto", "auto", "unfused", tp.CTL_OFF),
-    ("always", 8, "fused", tp.CTL_ADAPT), ("pattern", 8, "fused", tp.CTL_PATTERN), ("pattern", "auto", "unfused", tp.CTL_OFF), ("off", "auto", "fused", tp.CTL_OFF)])
+    ("always", 8, "fused", tp.CTL_ADAPT), ("pattern", 8, "fused", tp.CTL_PATTERN),
+    ("pattern", "auto", "unfused", tp.CTL_OFF), ("off", "auto", "fused", tp.CTL_OFF)])
 def test_controller_mode_follows_comm_sms_and_the_setting(setting, comm_sms, path, mode):
     with tp.controller_setting(setting):
         assert tp.controller_mode("gemm_reduce_scatter", comm_sms, path) == mode
@@ -227,7 +228,8 @@ def fake_launch(monkeypatch):
 
     calls = {"maps": [], "launch": None}
     monkeypatch.setattr(mkernel.arrays, "as_cupy", lambda x, name, stream=None: x)
-    monkeypatch.setattr(tp, "prepare_out", lambda op, out, shape, dtype, comm: (out, calls.setdefault("out_shape", shape))[0])
+    monkeypatch.setattr(tp, "prepare_out",
+                        lambda op, out, shape, dtype, comm: (out, calls.setdefault("out_shape", shape))[0])
 
     def encode(dtype, ptr, dims, strides, box, swizzle=3, l2=3):
         _tma.check_tiled(dtype, ptr, dims, strides, box, swizzle)

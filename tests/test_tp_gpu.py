@@ -404,7 +404,8 @@ def test_adaptive_controller_lends_gemm_ctas_to_a_starved_reduction(comm, op):
 
     tp.release_buffers(comm)  # every rank: the earlier tests' plans leave too little workspace for this one
     W = comm.size
-    call, ref, row0, shape = _controller_problem(comm, op, 52, *((8192, 2048, 4096) if W == 1 else (1024 * W, 512, 1024)))
+    call, ref, row0, shape = _controller_problem(comm, op, 52,
+                                                 *((8192, 2048, 4096) if W == 1 else (1024 * W, 512, 1024)))
 
     def body():
         msgs, records = [], []

@@ -110,7 +110,8 @@ def _proxy_state(comm, op):
     peers = {p: (s["writes"], s["signals"], s["bytes_sent"], s["bytes_received"])
              for p, s in comm.stats().get("peers", {}).items() if s["writes"] or s["signals"]}
     flags = [comm.proxy_flags[1][v["pflags"].offset:v["pflags"].offset + 24].tolist()
-             for k, v in _tp.op_cache(comm).items() if isinstance(k, tuple) and k[:2] == ("buffers", op) and "pflags" in v]
+             for k, v in _tp.op_cache(comm).items()
+             if isinstance(k, tuple) and k[:2] == ("buffers", op) and "pflags" in v]
     try:
         comm.proxy.check()
         proxy_error = "none"

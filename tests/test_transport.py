@@ -114,7 +114,8 @@ def _exchange(transport, **proxy_options):
                 assert v == 1000 + k
                 lo = s * slice_bytes + dst_off[k]
                 got, want = dst[lo:lo + SIZES[k]], sources[s][src_off[k]:src_off[k] + SIZES[k]]
-                assert np.array_equal(got, want), f"flag of write {k} ({SIZES[k]} B) from rank {s} was seen before its data"
+                assert np.array_equal(got, want), (f"flag of write {k} ({SIZES[k]} B) from rank {s} "
+                                                   "was seen before its data")
                 pending.discard((s, k))
         for q in peers:  # FLUSH: every earlier command to q is applied there
             proxy.wait_flag(flags, flush_flag(q), 7)
@@ -228,7 +229,7 @@ def test_killed_rank_makes_others_raise(transport):
         pytest.skip("launches its own mpiexec job, so it runs from the one-rank pass")
     r = _mpiexec(3, [os.path.abspath(__file__), "kill", transport], timeout=90, extra=["--with-ft", "ulfm"])
     lines = re.findall(r"SURVIVOR (\d) raised (\w+) after ([\d.]+) s: (.*)", r.stdout)
-    assert sorted(int(l[0]) for l in lines) == [0, 2], f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    assert sorted(int(line[0]) for line in lines) == [0, 2], f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     for _, kind, seconds, msg in lines:
         assert kind == "PeerError" and float(seconds) < 30, (kind, seconds, msg)
         assert "rank 1" in msg and "peer 1" in msg

@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _verbs_headers():
-    r = subprocess.run(["cc", "-fsyntax-only", "-x", "c", "-"], input=b"#include <infiniband/verbs.h>\n#include <infiniband/efadv.h>\n",
-                       capture_output=True)
+    r = subprocess.run(["cc", "-fsyntax-only", "-x", "c", "-"],
+                       input=b"#include <infiniband/verbs.h>\n#include <infiniband/efadv.h>\n", capture_output=True)
     return r.returncode == 0
 
 
@@ -67,8 +67,9 @@ def test_auto_picks_tcp_across_hosts(request, monkeypatch):
 
 @pytest.mark.slow
 def test_builds_and_imports_without_verbs_headers(tmp_path):
-    build = subprocess.run([sys.executable, str(ROOT / "mkernel/verbs/build_proxy.py"), str(tmp_path)], capture_output=True,
-                           text=True, env=dict(os.environ, MKERNEL_BUILD_VERBS="0"), cwd=tmp_path, timeout=300)
+    build = subprocess.run([sys.executable, str(ROOT / "mkernel/verbs/build_proxy.py"), str(tmp_path)],
+                           capture_output=True, text=True, env=dict(os.environ, MKERNEL_BUILD_VERBS="0"), cwd=tmp_path,
+                           timeout=300)
     assert build.returncode == 0, build.stderr[-3000:]
     assert "without the verbs transport" in build.stderr
     so = build.stdout.strip().splitlines()[-1]

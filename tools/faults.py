@@ -150,7 +150,7 @@ def check(op, scenario, text, wall, timeout):
     m = re.search(r"\[\s*([\d.]+)\] rank 0: RAISED (\w+) after ([\d.]+) s: (.*)", text)
     if not m:
         return False, "the survivor did not report (hung, or crashed)"
-    at, kind, after, msg = float(m[1]), m[2], float(m[3]), m[4]
+    kind, after, msg = m[2], float(m[3]), m[4]
     if kind not in ("PeerError", "TimeoutError"):
         return False, f"survivor raised {kind}: {msg[:120]}"
     if after > timeout + 5:

@@ -64,7 +64,8 @@ def main():
         windows = ", ".join(f"r{r} [{(c[3] - t0) / 1e6:.0f}, {(c[4] - t0) / 1e6:.0f}] ms" for r, c in enumerate(case))
         overlap = max(0, min(c[4] for c in case) - max(c[3] for c in case)) / 1e6
         shared = len(set.intersection(*(c[2] for c in case)))
-        print(f"grid {grid:4d} {'cooperative' if coop else 'plain      '}: {windows}; all at once for {overlap:.0f} ms; "
+        print(f"grid {grid:4d} {'cooperative' if coop else 'plain      '}: {windows}; "
+              f"all at once for {overlap:.0f} ms; "
               f"SM ids seen by every client: {shared}")
 
 
