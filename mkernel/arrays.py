@@ -9,7 +9,7 @@ concrete JAX arrays.
 
 import numpy as np
 
-from .errors import ArgumentError
+from .errors import ArgumentError, NoGPUError
 
 try:
     import ml_dtypes
@@ -18,6 +18,16 @@ except ImportError:  # ml_dtypes is a dependency; keep import-time failure out o
     BFLOAT16 = None
 FLOAT16 = np.dtype(np.float16)
 HALF_TYPES = tuple(d for d in (BFLOAT16, FLOAT16) if d is not None)
+DT = {"bfloat16": 0, "float16": 1}  # the kernels' input dtype codes by NumPy name (MK_DT_*, wgmma.cuh)
+
+
+def cupy_mod():
+    """CuPy, imported when an op first runs; NoGPUError where it is not installed."""
+    try:
+        import cupy
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        raise NoGPUError("mkernel's GPU ops need CuPy (cupy-cuda13x)") from e
+    return cupy
 
 
 def as_cupy(x, name: str, *, stream=None):

@@ -23,7 +23,8 @@ import math
 from . import compile as _compile
 from . import tma as _tma
 from .launch import PlanCache
-from .errors import ArgumentError, NoGPUError
+from .arrays import DT, cupy_mod
+from .errors import ArgumentError
 from .gemm import MkGemmSched, workspace as _gemm_workspace, _num_sms, _check_device
 from .sync import MkSync
 
@@ -32,7 +33,6 @@ log = logging.getLogger("mkernel.attention")
 BLOCK_M, BLOCK_N = 128, 128  # query rows per tile, keys per block (AttnCfg)
 THREADS = 384
 HEAD_DIMS = (64, 128)
-DT = {"bfloat16": 0, "float16": 1}
 # Dynamic shared memory per head dim (attention.cu static_asserts them).
 SMEM = {128: 197848, 64: 99544}
 LOG2E = 1.4426950408889634
@@ -68,14 +68,6 @@ class MkAttnArgs(ctypes.Structure):
                 ("seq_q", ctypes.c_int32), ("seq_kv", ctypes.c_int32), ("q_blocks", ctypes.c_uint32),
                 ("scale_log2", ctypes.c_float), ("scale", ctypes.c_float),
                 ("qpos", MkAttnPos), ("kpos", MkAttnPos)]
-
-
-def _cupy():
-    try:
-        import cupy
-    except ImportError as e:  # pragma: no cover - depends on the machine
-        raise NoGPUError("mkernel.attention needs CuPy (cupy-cuda13x)") from e
-    return cupy
 
 
 def _as4d(x, what):
@@ -160,7 +152,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     Returns out, or ``(out, lse)`` with return_lse: lse float32 ``[B, H_q, S_q]`` (``[H_q, S_q]``
     for 3-D inputs), the natural-log log-sum-exp of the scaled scores of each row.
     """
-    cupy = _cupy()
+    cupy = cupy_mod()
     _check_device(cupy)
     s = stream if stream is not None else cupy.cuda.get_current_stream()
     key = None
@@ -223,7 +215,7 @@ def reference(q, k, v, *, causal=False):
     offset. For checks (the sanitizer target, the main job), not for speed."""
     import numpy
 
-    xp = numpy if isinstance(q, numpy.ndarray) else _cupy()
+    xp = numpy if isinstance(q, numpy.ndarray) else cupy_mod()
     Sq, Hq, D = q.shape
     Skv, Hkv, _ = k.shape
     kh = xp.repeat(k.transpose(1, 2, 0), Hq // Hkv, axis=0)  # [H_q, D, S_kv]
@@ -243,7 +235,7 @@ def sanitize_target():
     it under compute-sanitizer."""
     import numpy as np
 
-    cupy = _cupy()
+    cupy = cupy_mod()
     rng = np.random.default_rng(0)
     for D in HEAD_DIMS:
         for causal in (False, True):

@@ -18,7 +18,8 @@ import ctypes
 import threading
 
 from . import compile as _compile
-from .errors import ArgumentError, NoGPUError
+from .arrays import DT, cupy_mod
+from .errors import ArgumentError
 from . import tma as _tma
 from .launch import PlanCache, device_sms as _num_sms  # all SMs: its CTAs never wait on each other
 from .sync import MkStatus, MkSync, SyncState  # noqa: F401  (MkStatus: the layout test)
@@ -28,7 +29,6 @@ BM, BN, BK = 128, 256, 64
 THREADS = 384
 STAGES = 4
 MAX_GROUPS = 128
-DT = {"bfloat16": 0, "float16": 1}
 B_NK, B_KN = 0, 1
 OUT_BF16, OUT_F16, OUT_F32 = 0, 1, 2
 EPI_STORE, EPI_ADD = 0, 1
@@ -136,12 +136,6 @@ def check(stream=None) -> None:
 
 
 # ------------------------------------------------------------------------------- validation
-def _cupy():
-    try:
-        import cupy
-    except ImportError as e:  # pragma: no cover - depends on the machine
-        raise NoGPUError("mkernel.gemm needs CuPy (cupy-cuda13x)") from e
-    return cupy
 
 
 def _dtype_name(x):
@@ -367,7 +361,7 @@ def gemm(a, b, *, out=None, stream=None, b_layout=None, out_dtype=None, accumula
     neither wins reliably at the shapes measured), ``cluster`` (None: by shape (use_cluster);
     True / False: the clustered kernel or not; clustered, ``sms`` must be even).
     """
-    cupy = _cupy()
+    cupy = cupy_mod()
     key = None
     if out is not None and isinstance(a, cupy.ndarray) and isinstance(b, cupy.ndarray) \
             and isinstance(out, cupy.ndarray):
@@ -430,7 +424,7 @@ def grouped_gemm(a, b, group_rows, *, out=None, stream=None, b_layout=None, out_
     group after group: base(g) + mt * ceil(N/256) + nt with base(g) = sum of ceil(rows/128) *
     ceil(N/256) over the earlier groups; at most grouped_tiles_bound(M, N, G) of them.
     """
-    cupy = _cupy()
+    cupy = cupy_mod()
     _check_device(cupy)
     for x, what in ((a, "a"), (b, "b"), (group_rows, "group_rows")):
         if not isinstance(x, cupy.ndarray):
@@ -485,7 +479,7 @@ def sanitize_target():
     under compute-sanitizer."""
     import numpy as np
 
-    cupy = _cupy()
+    cupy = cupy_mod()
     rng = np.random.default_rng(0)
     M, K, N = 200, 136, 264
     a = rng.integers(-2, 3, size=(M, K)).astype(np.float16)

@@ -23,6 +23,7 @@ import ctypes
 from . import compile as _compile
 from . import moe_nodes as _nodes
 from . import tp as _tp
+from .arrays import DT
 from .errors import ArgumentError
 from .sync import MkSync
 
@@ -35,7 +36,6 @@ CNT_WORDS = 8          # MOE_CNT_WORDS
 PAIRS_PER_CTA = 256    # dispatch: pairs each CTA routes (its grid: ceil(pairs / this), at most the SMs)
 ROWS_PER_CTA = 64      # combine: rows each CTA returns
 DISPATCH_SMEM = 16 * 2 * 4096  # the dispatch copiers' buffers (MoeShared<512>::STAGE_BYTES)
-DT = {"bfloat16": 0, "float16": 1}
 
 SPEC = _compile.register("moe", "moe.cu", ("mk_moe_dispatch_kernel", "mk_moe_combine_kernel<0>",
                                           "mk_moe_combine_kernel<1>"))

@@ -25,6 +25,7 @@ import importlib
 from . import compile as _compile
 from . import proxy as _proxy
 from . import tma as _tma
+from .arrays import DT, cupy_mod  # noqa: F401  (tp.DT, tp.cupy_mod: the ops below use them through tp)
 from .errors import ArgumentError, MKernelError, WorkspaceError
 from .log import get_logger
 
@@ -67,7 +68,6 @@ CONTROLLER = "auto"
 CONTROLLER_SETTINGS = ("auto", "always", "pattern", "off")
 CTL_OFF, CTL_ADAPT, CTL_PATTERN = 0, 1, 2  # TP_CTL_*
 CTL_LEND_SHARE = 2  # the controller lends at most gemm_ctas / CTL_LEND_SHARE GEMM CTAs
-DT = {"bfloat16": 0, "float16": 1}
 B_NK, B_KN = 0, 1
 # comm_sms=None is "auto" (the split search across calls, the controller inside each); these static
 # counts serve the unfused baseline and "auto" off the fused path: reducers (RS), reducers + copiers
@@ -132,13 +132,6 @@ def kernel_expr(kernel: str, dt: int, layout: int) -> str:
 
 
 # ------------------------------------------------------------------------------- arguments
-def cupy_mod():
-    try:
-        import cupy
-    except ImportError as e:  # pragma: no cover
-        from .errors import NoGPUError
-        raise NoGPUError("mkernel's tensor-parallel ops need CuPy") from e
-    return cupy
 
 
 def check_inputs(op, a, b, b_layout, stream):
