@@ -105,7 +105,7 @@ def launch_persistent(fn, grid, block, args, *, smem: int, all_resident: bool, s
     all_resident=False: any resident subset of its blocks finishes the work (roles and items are
     claimed at run time): a plain launch. A cooperative launch waits until its whole grid fits, and
     on a GPU shared under MPS the SMs it waits for may be held by a peer's kernel that waits for
-    this one: ranks then stall until their timeout (bench/NOTES.md, session 10)."""
+    this one: ranks then stall until their timeout (bench/NOTES.md)."""
     if all_resident and _cooperative[0]:
         try:
             launch(fn, grid, block, args, smem=smem, stream=stream, cooperative=True)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Do two ranks' persistent grids run at once on a GPU shared under MPS? (bench/NOTES.md, session 10)
+"""Do two ranks' persistent grids run at once on a GPU shared under MPS? (see bench/NOTES.md)
 
     source tools/mps.sh; mps_start
     CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 mpirun -n 2 -x CUDA_MPS_PIPE_DIRECTORY \\
