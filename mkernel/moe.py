@@ -32,7 +32,7 @@ MAX_EXPERTS = 512      # MOE_MAX_EXPERTS
 MAX_TOPK = 8           # MOE_MAX_TOPK
 MAX_ROWS = 1 << 24     # meta words hold t * k + j in 24 bits
 THREADS = 512          # MOE_THREADS
-CNT_WORDS = 8          # MOE_CNT_WORDS
+CNT_WORDS = 13         # MOE_CNT_WORDS
 PAIRS_PER_CTA = 256    # dispatch: pairs each CTA routes (its grid: ceil(pairs / this), at most the SMs)
 ROWS_PER_CTA = 64      # combine: rows each CTA returns
 DISPATCH_SMEM = 16 * 2 * 4096  # the dispatch copiers' buffers (MoeShared<512>::STAGE_BYTES)
@@ -181,8 +181,9 @@ def _launch(op, expr, args, ctas, stream, smem=0):
     from .launch import launch_persistent, persistent_grid
 
     fn = _compile.module(SPEC).function(expr)
-    persistent_grid(fn, THREADS, smem, blocks=ctas, what=op)  # the dispatch's CTAs meet at a grid barrier
-    launch_persistent(fn, (ctas,), (THREADS,), args, smem=smem, all_resident=True, stream=stream, what=op)
+    persistent_grid(fn, THREADS, smem, blocks=ctas, what=op)
+    # roles by arrival, work claimed: any resident part of the grid finishes (docs/MOE.md "Residency")
+    launch_persistent(fn, (ctas,), (THREADS,), args, smem=smem, stream=stream)
 
 
 def moe_dispatch(x, topk_ids, topk_weights, *, comm, num_experts, capacity=None, out=None, stream=None):

@@ -147,9 +147,9 @@ def _launch(op, spec, kernel, layout, dtype, args, grid, stream):
     from .launch import launch_persistent, persistent_grid
 
     fn = _compile.module(spec).function(f"{kernel}<{_gemm.DT[dtype.name]},{layout}>")
-    persistent_grid(fn, THREADS, _gemm.SMEM_GROUPED, blocks=grid, what=op)  # all CTAs resident: they wait on each other
-    launch_persistent(fn, (grid,), (THREADS,), args, smem=_gemm.SMEM_GROUPED, all_resident=True, stream=stream,
-                      what=op)
+    persistent_grid(fn, THREADS, _gemm.SMEM_GROUPED, blocks=grid, what=op)
+    # roles by arrival, work claimed: any resident part of the grid finishes (docs/MOE.md "Residency")
+    launch_persistent(fn, (grid,), (THREADS,), args, smem=_gemm.SMEM_GROUPED, stream=stream)
 
 
 def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=None, comm_sms=None, path=None):

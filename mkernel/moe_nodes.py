@@ -26,7 +26,7 @@ MAX_WRITE_BYTES = 1 << 32  # a proxy command's size is 32 bits: a bundle's rows 
 PARTIAL_BYTES = 4   # the node sums travel in fp32
 THREADS = 512       # MOE_NODE_THREADS
 PF_WORDS = 64       # MOE_PF_WORDS: the plan's proxy flags
-CNT_WORDS = 2       # MOE_NCNT_WORDS
+CNT_WORDS = 3       # MOE_NCNT_WORDS
 TOKENS_PER_CTA = 32  # the exchange stages a warp's 32 tokens per unit; CTAs beyond T / 32 idle
 PARTIAL_TOKENS_PER_CTA = 16  # the final sums: a warp per token
 EXCHANGE_MAX_CTAS = 64  # every CTA scans all T * k ids (cheap): more would only repeat that scan
@@ -130,7 +130,7 @@ def _launch(op, expr, a, ctas, stream):
     from .launch import launch_persistent
 
     fn = _compile.module(SPEC).function(expr)
-    launch_persistent(fn, (ctas,), (THREADS,), a, smem=0, all_resident=True, stream=stream, what=op)
+    launch_persistent(fn, (ctas,), (THREADS,), a, smem=0, stream=stream)
 
 
 def exchange(d, p, stream):

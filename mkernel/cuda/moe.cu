@@ -8,6 +8,7 @@
 //
 // Dispatch (mk_moe_dispatch_kernel): the dispatch role (moe_dispatch.cuh, steps 1-4) on every
 // CTA, then every CTA waits for all rflags and copies its stripe of the received rows to `out`.
+// Every CTA's role and items go by arrival and claims: any resident part of the grid finishes.
 // (mk_moe_dispatch_gemm_kernel, moe_dispatch_gemm.cu, runs the same role beside a grouped GEMM.)
 // Combine: rows go back to t * k + j of their source's return buffer (retflag as above), then a
 // warp per token sums its k rows in fp32, j ascending, and rounds once.
@@ -24,7 +25,7 @@ __global__ void __launch_bounds__(MOE_THREADS, 1) mk_moe_dispatch_kernel(const _
   extern __shared__ __align__(128) u8 moe_stage[];  // the copiers' buffers: MoeShared<>::STAGE_BYTES
   const u32 tid = threadIdx.x;
   const MkPeers peers = moe_peers(a);
-  const MoeCtas ctas{blockIdx.x, gridDim.x};
+  const MoeCtas ctas{moe_arrival(a, &sh.claim), gridDim.x};
   if (moe_dispatch_role<MOE_THREADS>(a, sh, ctas, moe_stage)) {
     if (tid == 0) sh.ok = moe_wait_all(a, peers, a.rflag_off, sh.epoch, MOE_WAIT_ROWS) ? 1 : 0;
     __syncthreads();
@@ -44,19 +45,22 @@ __global__ void __launch_bounds__(MOE_THREADS, 1) mk_moe_dispatch_kernel(const _
   launch_exit(a.sync, sh.epoch);
 }
 
-// The standalone combine: the received rows back to their sources (a warp per row), then the
-// weighted sum of every token (moe_combine.cuh).
+// Rows of the received buffer a combine CTA claims at a time.
+constexpr u32 MOE_RET_ROWS = 4 * MOE_WARPS;
+
+// The standalone combine: the received rows back to their sources (blocks of MOE_RET_ROWS claimed
+// in order, a warp per row), then the weighted sum of every token (moe_combine.cuh).
 template <int DT>
 __global__ void __launch_bounds__(MOE_THREADS, 1) mk_moe_combine_kernel(const __grid_constant__ MkMoeArgs a) {
-  __shared__ u32 s_epoch;
+  __shared__ u32 s_epoch, s_slot;
   __shared__ int s_ok, s_back;
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const MkPeers peers = moe_peers(a);
-  const MoeCtas ctas{blockIdx.x, gridDim.x};
+  const u32 first = moe_arrival(a, &s_slot) == 0;
   const u32 row_bytes = (u32)a.H * 2u;
   if (tid == 0) {
     s_epoch = launch_epoch(a.sync);
-    if (blockIdx.x == 0) credits_announce(peers, s_epoch);
+    if (first) credits_announce(peers, s_epoch);
     s_ok = moe_credits_all(a, peers, s_epoch) ? 1 : 0;
   }
   __syncthreads();
@@ -64,14 +68,22 @@ __global__ void __launch_bounds__(MOE_THREADS, 1) mk_moe_combine_kernel(const __
   if (s_ok) {
     const u32* meta = peer_ptr<const u32>(peers, (u32)a.me, a.meta_off);
     const u8* y = reinterpret_cast<const u8*>(a.y);
-    u32 lo, hi;
-    cta_range((u32)a.received[0], ctas, lo, hi);
-    for (u32 i = lo + warp; i < hi; i += MOE_WARPS) {
-      const u32 m = ld_cg(&meta[i]);
-      warp_copy_row(peer_ptr<u8>(peers, m >> 24, a.ret_off) + (u64)(m & 0xFFFFFFu) * row_bytes,
-                    y + (u64)i * (u64)a.ldy * 2u, row_bytes, lane);
+    const u32 n = (u32)a.received[0];
+    u32 mine = 0;  // rows this CTA returned
+    for (;;) {
+      if (tid == 0) s_slot = atomicAdd(&a.counters[MOE_CNT_RET], 1u) * MOE_RET_ROWS;
+      __syncthreads();
+      const u32 lo = s_slot, hi = min(n, lo + MOE_RET_ROWS);
+      __syncthreads();  // every thread has read s_slot
+      if (lo >= n) break;
+      for (u32 i = lo + warp; i < hi; i += MOE_WARPS) {
+        const u32 m = ld_cg(&meta[i]);
+        warp_copy_row(peer_ptr<u8>(peers, m >> 24, a.ret_off) + (u64)(m & 0xFFFFFFu) * row_bytes,
+                      y + (u64)i * (u64)a.ldy * 2u, row_bytes, lane);
+      }
+      mine += hi - lo;
     }
-    moe_returned(a, peers, ctas, Ep);
+    moe_returned(a, peers, mine, n, Ep);
   }
   if (s_ok) moe_weighted_sum<DT>(a, peers, blockIdx.x, gridDim.x, tid, MOE_THREADS, MkBarCta(), &s_back, Ep);
   __syncthreads();

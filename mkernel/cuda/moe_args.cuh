@@ -15,12 +15,14 @@
 #define MOE_ROW_BAD(E) ((E) + 1)
 #define MOE_ROW_WORDS(E) ((E) + 2)
 
-// Device counters of one plan, zero between launches (the last CTA resets them): the dispatch
-// CTAs' two barriers, their (or combine's) sends, the CTAs done, step 3's verdict (moe_dispatch.cuh),
-// a fused GEMM's next tile, the fused combine's next tile to return and its GEMM's finished CTAs.
+// Device counters of one plan, zero between launches (the last CTA resets them). A CTA takes its
+// role by arrival (ARRIVE) and every piece of work is claimed (CLAIM_*, RUN, TILE, RET), so any
+// resident subset of the grid finishes (docs/MOE.md "Residency"): HIST and ORDER count the chunks
+// counted and ranked, SENT and RETURNED the rows sent and returned, PLAN is step 3's verdict.
 enum {
   MOE_CNT_HIST = 0, MOE_CNT_SENT = 1, MOE_CNT_DONE = 2, MOE_CNT_ORDER = 3, MOE_CNT_PLAN = 4, MOE_CNT_TILE = 5,
-  MOE_CNT_RET = 6, MOE_CNT_GEMM_DONE = 7, MOE_CNT_WORDS = 8
+  MOE_CNT_RET = 6, MOE_CNT_GEMM_DONE = 7, MOE_CNT_ARRIVE = 8, MOE_CNT_CLAIM_HIST = 9, MOE_CNT_CLAIM_ORDER = 10,
+  MOE_CNT_RUN = 11, MOE_CNT_RETURNED = 12, MOE_CNT_WORDS = 13
 };
 
 // MkStatus::where of the errors the kernels detect in their inputs (MK_ERR_INPUT).
@@ -46,7 +48,7 @@ struct MkMoeArgs {
   const void* y;           // combine: [capacity, H] rows to return (as received), row stride ldy
   int* send_order;         // [capacity] scratch: this rank's pair indices in send order
   unsigned int* esent;     // [E] scratch, zero between launches: rows sent per expert
-  unsigned int* hist;      // [grid][E] scratch: pairs per expert in each CTA's range
+  unsigned int* hist;      // [chunks][E] scratch: pairs per expert in each chunk of pairs
   int* group_rows;         // [E_local]: rows received per local expert (the grouped GEMM's counts)
   int* received;           // [1]: rows received in all (combine reads it)
   unsigned int* counters;  // MOE_CNT_WORDS words, zero between launches

@@ -39,14 +39,16 @@ MK_DEV bool moe_credits_all(const MkMoeArgs& a, const MkPeers& peers, u32 Ep) {
   return true;
 }
 
-// Every thread of a returning CTA, after its last row: the last CTA of the role tells every rank
-// that this rank's rows are all back (retflag[me]), unless this rank recorded an error (a CTA that
-// gave up on a wait returned only part of its rows): then the peers' waits time out and raise.
-MK_DEV void moe_returned(const MkMoeArgs& a, const MkPeers& peers, MoeCtas ctas, u32 Ep) {
+// Every thread of a returning CTA, after its last row (`mine` rows of the `n` to return): once all
+// are back, retflag[me] on every rank (moe_all_done; none after an error of this rank: a CTA that
+// gave up on a wait returned only part of its rows, and the peers' waits then time out and raise).
+MK_DEV void moe_returned(const MkMoeArgs& a, const MkPeers& peers, u32 mine, u32 n, u32 Ep) {
   __threadfence_system();
   __syncthreads();
-  if (threadIdx.x == 0 && moe_last_cta(a.counters, MOE_CNT_SENT, ctas) && !error_recorded(a.sync))
-    for (u32 d = 0; d < (u32)a.world; ++d) set_flag(peer_ptr<u32>(peers, d, a.retflag_off) + (u32)a.me, Ep);
+  if (threadIdx.x == 0) {
+    if (mine) atomicAdd(&a.counters[MOE_CNT_RETURNED], mine);
+    moe_all_done(a, peers, MOE_CNT_RETURNED, n, a.retflag_off, Ep);
+  }
 }
 
 // Once every rank's rows are back, a warp per token of this worker's share (`part` of `parts`,

@@ -1,22 +1,24 @@
 #pragma once
 // The dispatch role of the expert-parallel kernels (design: docs/MOE.md), run by a set of CTAs
-// (MoeCtas: all of mk_moe_dispatch_kernel's, the communication CTAs of mk_moe_dispatch_gemm_kernel)
-// of THREADS threads each:
-//   1. each CTA counts the pairs of its range per expert (hist[cta][e]); barrier of the CTAs;
-//   2. each CTA ranks its pairs among this rank's pairs to the same expert (earlier CTAs' counts,
-//      then warp by warp with __match_any_sync: deterministic) and writes each pair's index at its
-//      place in the send order (send_order); CTA 0 sends the count row to every rank (after its
-//      credit) and sets cflag[me] there;
+// (MoeCtas: all of mk_moe_dispatch_kernel's, the first arrivals of mk_moe_dispatch_gemm_kernel) of
+// THREADS threads each, ctas.idx being the CTA's arrival rank among them. Work is claimed, never
+// dealt by index, so that any resident subset of the CTAs finishes (docs/MOE.md "Residency"):
+//   1. the pairs form ctas.n chunks; CTAs claim chunks and count each one's pairs per expert
+//      (hist[chunk][e]); every CTA waits until every chunk is counted;
+//   2. CTAs claim chunks again and rank each one's pairs among this rank's pairs to the same expert
+//      (earlier chunks' counts, then warp by warp with __match_any_sync: deterministic), writing each
+//      pair's index at its place in the send order (send_order); the first CTA sends the count row
+//      to every rank (after its credit) and sets cflag[me] there;
 //   3. every CTA waits for all count rows, computes where this rank's rows go at their owners,
 //      checks the capacities and expert ids (every rank sees the same rows, so all decide an error
-//      alike and skip the data); CTA 0 writes the per-expert row counts (group_rows, the grouped
-//      GEMM's) and the verdict counters[MOE_CNT_PLAN] that a fused GEMM waits for;
-//   4. the CTAs' warps walk the send order together (runs of MOE_SEND_RUN positions dealt to the
-//      warps in turn; each warp's lane 0 moves its rows by TMA bulk copies, MoeCopier), so rows
+//      alike and skip the data); the first CTA writes the per-expert row counts (group_rows, the
+//      grouped GEMM's) and the verdict counters[MOE_CNT_PLAN] that a fused GEMM waits for;
+//   4. once every chunk is ranked, the CTAs' warps claim runs of MOE_SEND_RUN positions of the send
+//      order in turn (each warp's lane 0 moves its rows by TMA bulk copies, MoeCopier), so rows
 //      leave local expert by local expert: a (source, expert) block is complete early and its flag
 //      eflag[me][le] at the owner (set by the warp that completed the block) lets the owner's GEMM
-//      start on it while the later experts' rows are in flight. The last CTA sets rflag[me] on
-//      every rank (all of this rank's rows are there).
+//      start on it while the later experts' rows are in flight. Once every run is sent, rflag[me]
+//      is set on every rank (all of this rank's rows are there).
 //
 // Send order: local expert index le ascending, then owner d = me, me + 1, ... (mod W), then the
 // pair order t * k + j: every owner gets its first experts first.
@@ -33,13 +35,24 @@ enum : u32 {
   MOE_WAIT_TILE_STORED = 0xB0000u  // + tile id (the fused combine's wait for a GEMM tile)
 };
 
-// Verdict of step 3 (counters[MOE_CNT_PLAN]): zero until CTA 0 decided.
+// Verdict of step 3 (counters[MOE_CNT_PLAN]): zero until the first CTA decided.
 enum : u32 { MOE_PLAN_OK = 1, MOE_PLAN_FAILED = 2 };
 
 // The CTAs running one role: this one's index among them and their number.
 struct MoeCtas {
   u32 idx, n;
 };
+
+// Every thread: this CTA's arrival rank in the launch (roles go by arrival, not by index: a CTA
+// that has arrived runs, so the first arrivals' duties are done whatever part of the grid is
+// resident). `slot`: a shared word.
+MK_DEV u32 moe_arrival(const MkMoeArgs& a, volatile u32* slot) {
+  if (threadIdx.x == 0) *slot = atomicAdd(&a.counters[MOE_CNT_ARRIVE], 1u);
+  __syncthreads();
+  const u32 r = *slot;
+  __syncthreads();
+  return r;
+}
 
 MK_DEV MkPeers moe_peers(const MkMoeArgs& a) { return MkPeers{a.peer_base, (u32)a.world, (u32)a.me}; }
 
@@ -70,11 +83,13 @@ MK_DEV const u8* moe_token_row(const MkMoeArgs& a, const u32* vseg, u32 t) {
   return reinterpret_cast<const u8*>(a.xfwd) + ((u64)i * (u64)a.fwd_rows + (t - vseg[i])) * (u64)a.H * 2u;
 }
 
-// Thread 0: this CTA's writes (every thread fenced them) are published: counts this CTA on
-// counters[c] and returns true in the CTA of the role that finished last.
-MK_DEV bool moe_last_cta(unsigned int* counters, u32 c, MoeCtas ctas) {
+// Thread 0 of every CTA of a role, after its share: once counters[c] (items done, each counted
+// after its writes' system fence) reaches n, flag[me] = E on every rank (whichever CTAs see it;
+// with n = 0, all). Not after an error of this rank: the peers' waits then time out and raise.
+MK_DEV void moe_all_done(const MkMoeArgs& a, const MkPeers& peers, u32 c, u32 n, u64 flag_off, u32 E) {
+  if (atomicAdd(&a.counters[c], 0u) != n || error_recorded(a.sync)) return;
   __threadfence_system();
-  return atomicAdd(&counters[c], 1u) == ctas.n - 1;
+  for (u32 d = 0; d < (u32)a.world; ++d) set_flag(peer_ptr<u32>(peers, d, flag_off) + (u32)a.me, E);
 }
 
 // Thread 0: waits for the epoch-E flag of every rank in the array at `off` of this rank's workspace.
@@ -142,58 +157,17 @@ struct MoeShared {
   u32 vseg[MOE_MAX_NODES];         // between nodes: a.vseg (the forwarded segments' first tokens)
   u32 mine;                        // this rank's pairs with a valid expert id
   u32 total_me;                    // rows this rank receives
-  u32 bad;                         // pairs of this CTA with an expert id out of range
+  u32 claim;                       // the CTA's last claim (moe_claim)
   u32 epoch;
   int ok;
 };
 
-// Steps 1-2 for this CTA's pairs [lo, hi): send_order[sbase[e] + rank] = i, rank = pairs before i
-// (in order) to its expert; sh.total and sh.sbase of every expert.
+// Step 2 for the pairs [lo, hi) of one chunk, sh.hist[e] holding the pairs of earlier chunks to e:
+// every pair's index at its place in the send order, warp by warp (__match_any_sync: deterministic).
 template <u32 THREADS>
-MK_DEV bool moe_rank_pairs(const MkMoeArgs& a, MoeShared<THREADS>& sh, MoeCtas ctas, u32 lo, u32 hi) {
+MK_DEV void moe_rank_chunk(const MkMoeArgs& a, MoeShared<THREADS>& sh, u32 lo, u32 hi) {
   constexpr u32 WARPS = MoeShared<THREADS>::WARPS;
-  const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const u32 E = (u32)a.E, El = (u32)a.e_local, W = (u32)a.world, me = (u32)a.me;
-  for (u32 e = tid; e < E; e += THREADS) sh.hist[e] = 0;
-  for (u32 i = tid; i < WARPS * MOE_MAX_EXPERTS; i += THREADS) (&sh.wcnt[0][0])[i] = 0;
-  if (tid == 0) sh.bad = 0;
-  __syncthreads();
-  for (u32 i = lo + tid; i < hi; i += THREADS) {
-    const int e = a.topk_ids[i];
-    if (e >= 0 && (u32)e < E) atomicAdd(&sh.hist[e], 1u); else atomicAdd(&sh.bad, 1u);
-  }
-  __syncthreads();
-  for (u32 e = tid; e < E; e += THREADS) a.hist[(u64)ctas.idx * E + e] = sh.hist[e];
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) {
-    atomicAdd(&a.counters[MOE_CNT_HIST], 1u);
-    sh.ok = wait_at_least(a.sync, &a.counters[MOE_CNT_HIST], ctas.n, -1, MOE_WAIT_GRID) ? 1 : 0;
-  }
-  __syncthreads();
-  if (!sh.ok) return false;
-  for (u32 e = tid; e < E; e += THREADS) {  // running rank: the pairs of earlier CTAs; the totals
-    u32 b = 0, t = 0;
-    for (u32 c = 0; c < ctas.n; ++c) {
-      const u32 h = ld_cg(&a.hist[(u64)c * E + e]);
-      b += c < ctas.idx ? h : 0u;
-      t += h;
-    }
-    sh.hist[e] = b;
-    sh.total[e] = t;
-  }
-  __syncthreads();
-  if (tid == 0) {  // the send order's expert bases: local index, then owner from this rank on
-    u32 p = 0;
-    for (u32 le = 0; le < El; ++le)
-      for (u32 q = 0; q < W; ++q) {
-        const u32 e = ((me + q) % W) * El + le;
-        sh.sbase[e] = p;
-        p += sh.total[e];
-      }
-    sh.mine = p;
-  }
-  __syncthreads();
+  const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, E = (u32)a.E;
   for (u32 c0 = lo; c0 < hi; c0 += THREADS) {
     const u32 i = c0 + tid;
     int e = i < hi ? a.topk_ids[i] : -1;
@@ -223,13 +197,80 @@ MK_DEV bool moe_rank_pairs(const MkMoeArgs& a, MoeShared<THREADS>& sh, MoeCtas c
     for (u32 x = tid; x < E; x += THREADS) sh.hist[x] = sh.rowbase[x];
     __syncthreads();
   }
-  __threadfence();
+}
+
+// Thread 0 claims the next item of counters[c] for the CTA; every thread gets it (sh.claim).
+template <u32 THREADS>
+MK_DEV u32 moe_claim(const MkMoeArgs& a, MoeShared<THREADS>& sh, u32 c) {
+  __syncthreads();  // every thread has read the previous claim
+  if (threadIdx.x == 0) sh.claim = atomicAdd(&a.counters[c], 1u);
   __syncthreads();
-  if (tid == 0) atomicAdd(&a.counters[MOE_CNT_ORDER], 1u);  // send_order of this CTA's pairs written
+  return sh.claim;
+}
+
+// Steps 1-2. The role's pairs form ctas.n chunks, claimed in order twice: (1) each chunk's pairs
+// per expert into hist[chunk][e]; once every chunk is counted (chunks are held by running CTAs
+// only, so the wait ends with any resident subset), (2) each chunk's pairs ranked: send_order[sbase[e]
+// + rank] = i, rank = pairs before i (in order) to its expert. Leaves sh.total and sh.sbase.
+template <u32 THREADS>
+MK_DEV bool moe_rank_pairs(const MkMoeArgs& a, MoeShared<THREADS>& sh, MoeCtas ctas) {
+  constexpr u32 WARPS = MoeShared<THREADS>::WARPS;
+  const u32 tid = threadIdx.x;
+  const u32 E = (u32)a.E, El = (u32)a.e_local, W = (u32)a.world, me = (u32)a.me;
+  const u32 P = moe_tokens(a) * (u32)a.k;
+  for (u32 i = tid; i < WARPS * MOE_MAX_EXPERTS; i += THREADS) (&sh.wcnt[0][0])[i] = 0;
+  for (u32 c; (c = moe_claim<THREADS>(a, sh, MOE_CNT_CLAIM_HIST)) < ctas.n;) {
+    u32 lo, hi;
+    cta_range(P, MoeCtas{c, ctas.n}, lo, hi);
+    for (u32 e = tid; e < E; e += THREADS) sh.hist[e] = 0;
+    __syncthreads();
+    for (u32 i = lo + tid; i < hi; i += THREADS) {
+      const int e = a.topk_ids[i];
+      if (e >= 0 && (u32)e < E) atomicAdd(&sh.hist[e], 1u);
+    }
+    __syncthreads();
+    for (u32 e = tid; e < E; e += THREADS) a.hist[(u64)c * E + e] = sh.hist[e];
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) atomicAdd(&a.counters[MOE_CNT_HIST], 1u);
+  }
+  if (tid == 0) sh.ok = wait_at_least(a.sync, &a.counters[MOE_CNT_HIST], ctas.n, -1, MOE_WAIT_GRID) ? 1 : 0;
+  __syncthreads();
+  if (!sh.ok) return false;
+  for (u32 e = tid; e < E; e += THREADS) {  // this rank's pairs per expert
+    u32 t = 0;
+    for (u32 c = 0; c < ctas.n; ++c) t += ld_cg(&a.hist[(u64)c * E + e]);
+    sh.total[e] = t;
+  }
+  __syncthreads();
+  if (tid == 0) {  // the send order's expert bases: local index, then owner from this rank on
+    u32 p = 0;
+    for (u32 le = 0; le < El; ++le)
+      for (u32 q = 0; q < W; ++q) {
+        const u32 e = ((me + q) % W) * El + le;
+        sh.sbase[e] = p;
+        p += sh.total[e];
+      }
+    sh.mine = p;
+  }
+  for (u32 ch; (ch = moe_claim<THREADS>(a, sh, MOE_CNT_CLAIM_ORDER)) < ctas.n;) {
+    u32 lo, hi;
+    cta_range(P, MoeCtas{ch, ctas.n}, lo, hi);
+    for (u32 e = tid; e < E; e += THREADS) {  // running rank: the pairs of earlier chunks
+      u32 b = 0;
+      for (u32 c = 0; c < ch; ++c) b += ld_cg(&a.hist[(u64)c * E + e]);
+      sh.hist[e] = b;
+    }
+    __syncthreads();
+    moe_rank_chunk<THREADS>(a, sh, lo, hi);
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) atomicAdd(&a.counters[MOE_CNT_ORDER], 1u);  // send_order of this chunk's pairs written
+  }
   return true;
 }
 
-// Step 2, CTA 0: this rank's count row to every rank.
+// Step 2, the first CTA: this rank's count row to every rank.
 template <u32 THREADS>
 MK_DEV bool moe_send_counts(const MkMoeArgs& a, MoeShared<THREADS>& sh, const MkPeers& peers, u32 Ep) {
   const u32 tid = threadIdx.x, E = (u32)a.E, W = (u32)a.world, me = (u32)a.me, RW = MOE_ROW_WORDS(E);
@@ -256,7 +297,7 @@ MK_DEV bool moe_send_counts(const MkMoeArgs& a, MoeShared<THREADS>& sh, const Mk
 
 // Step 3, every CTA of the role: sh.total[e] = rows of expert e from all ranks, sh.rowbase[e] =
 // first row of this rank's pairs to e at its owner, sh.total_me; the input checks; the credits of
-// every owner. CTA 0 also writes group_rows and the verdict for a fused GEMM.
+// every owner. The first CTA also writes group_rows and the verdict for a fused GEMM.
 template <u32 THREADS>
 MK_DEV bool moe_plan_rows(const MkMoeArgs& a, MoeShared<THREADS>& sh, const MkPeers& peers, MoeCtas ctas, u32 Ep,
                           bool ok) {
@@ -325,26 +366,24 @@ MK_DEV bool moe_plan_rows(const MkMoeArgs& a, MoeShared<THREADS>& sh, const MkPe
 
 // Step 4, every CTA of the role: its warps' positions of the send order, copied by each warp's
 // copier through its buffers in `stage` (shared memory, STAGE_BYTES, 128-byte aligned); the
-// per-(source, expert) flags; rflag[me] everywhere from the last CTA. `mine`: this rank's pairs per
-// expert (step 1).
+// per-(source, expert) flags; rflag[me] everywhere once every run is sent. `mine`: this rank's pairs
+// per expert (step 1).
 template <u32 THREADS>
 MK_DEV void moe_send_rows(const MkMoeArgs& a, MoeShared<THREADS>& sh, const u32* mine, const MkPeers& peers,
                           MoeCtas ctas, u32 Ep, u8* stage) {
   using Sh = MoeShared<THREADS>;
-  constexpr u32 WARPS = Sh::WARPS;
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const u32 W = (u32)a.world, me = (u32)a.me, El = (u32)a.e_local, K = (u32)a.k;
+  const u32 me = (u32)a.me, El = (u32)a.e_local, K = (u32)a.k;
   const u32 row_bytes = (u32)a.H * 2u;
   __syncthreads();  // every thread has read sh.ok (moe_plan_rows) before thread 0 writes it
-  if (tid == 0)  // every CTA's part of send_order is written
+  if (tid == 0)  // every chunk's part of send_order is written
     sh.ok = wait_at_least(a.sync, &a.counters[MOE_CNT_ORDER], ctas.n, -1, MOE_WAIT_ORDER) ? 1 : 0;
   __syncthreads();
   if (!sh.ok) return;
-  const u32 n = sh.mine, step = ctas.n * WARPS * MOE_SEND_RUN;
-  // A warp sends runs of MOE_SEND_RUN consecutive positions (one fence per run), the runs dealt to
-  // the warps in turn.
+  const u32 n = sh.mine;
+  // A warp sends runs of MOE_SEND_RUN consecutive positions (one fence per run), claimed in order.
   MoeCopier<Sh::CHUNK> copier{smem_u32(stage) + warp * 2u * Sh::CHUNK, smem_u32(&sh.copy_bar[warp][0]), a.sync};
-  for (u32 p0 = (ctas.idx * WARPS + warp) * MOE_SEND_RUN; p0 < n && lane == 0; p0 += step) {
+  for (u32 p0; lane == 0 && (p0 = atomicAdd(&a.counters[MOE_CNT_RUN], 1u) * MOE_SEND_RUN) < n;) {
     const u32 p1 = min(n, p0 + MOE_SEND_RUN);
     for (u32 p = p0; p < p1; ++p) {
       const u32 i = (u32)__ldcg(&a.send_order[p]);
@@ -373,12 +412,11 @@ MK_DEV void moe_send_rows(const MkMoeArgs& a, MoeShared<THREADS>& sh, const u32*
         }
       }
     }
+    atomicAdd(&a.counters[MOE_CNT_SENT], p1 - p0);  // after the run's system fence (copier.finish)
   }
   __syncwarp();
-  __threadfence_system();
   __syncthreads();
-  if (tid == 0 && moe_last_cta(a.counters, MOE_CNT_SENT, ctas) && !error_recorded(a.sync))
-    for (u32 d = 0; d < W; ++d) set_flag(peer_ptr<u32>(peers, d, a.rflag_off) + me, Ep);
+  if (tid == 0) moe_all_done(a, peers, MOE_CNT_SENT, n, a.rflag_off, Ep);
 }
 
 // Steps 1-4 by the role's CTAs (sh and the copiers' stage in shared memory). Returns whether the
@@ -399,9 +437,7 @@ MK_DEV bool moe_dispatch_role(const MkMoeArgs& a, MoeShared<THREADS>& sh, MoeCta
   for (u32 i = tid; a.nseg && i <= (u32)a.nseg; i += THREADS) sh.vseg[i] = a.vseg[i];
   __syncthreads();
   const u32 Ep = sh.epoch;
-  u32 lo, hi;
-  cta_range(moe_tokens(a) * (u32)a.k, ctas, lo, hi);
-  bool ok = moe_rank_pairs<THREADS>(a, sh, ctas, lo, hi);
+  bool ok = moe_rank_pairs<THREADS>(a, sh, ctas);
   if (ok && ctas.idx == 0) ok = moe_send_counts<THREADS>(a, sh, peers, Ep);
   // sh.total is overwritten with all ranks' rows by step 3: keep this rank's counts (in `hist`,
   // free after the ranking) for the completion counts of step 4.

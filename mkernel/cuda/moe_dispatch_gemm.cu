@@ -1,15 +1,16 @@
 // MoE dispatch fused with the experts' grouped GEMM (mkernel/moe_gemm.py; design: docs/MOE.md).
 //
-// CTAs [gemm_ctas, grid) run the dispatch role (moe_dispatch.cuh): rows leave local expert by local
-// expert, and the flag eflag[s][le] in the owner's workspace says that every row from rank s to its
-// local expert le is in its receive buffer. With `join` they then take GEMM tiles too (their SM
-// would idle otherwise: the work-conserving half of moving SMs between roles). CTAs [0, gemm_ctas) run the GEMM engine in grouped
+// The first grid - gemm_ctas CTAs to arrive run the dispatch role (moe_dispatch.cuh): rows leave
+// local expert by local expert, and the flag eflag[s][le] in the owner's workspace says that every
+// row from rank s to its local expert le is in its receive buffer. With `join` they then take GEMM
+// tiles too (their SM would idle otherwise). The later arrivals run the GEMM engine in grouped
 // mode straight on that receive buffer (A), one group per local expert (B: its weights), into y:
 // they wait for the dispatch's verdict (counters[MOE_CNT_PLAN], after the count rows of every rank
 // are in: the group sizes are then known, and written to group_rows), build the group table from
 // group_rows and claim tiles group by group (counters[MOE_CNT_TILE]); before a tile's loads the
 // producer waits for the flags of the sources whose rows the tile holds. So the GEMM starts on the
-// first experts' rows while the later ones are in flight.
+// first experts' rows while the later ones are in flight. Dispatch goes to the first arrivals
+// because the GEMM waits on it: any resident part of the grid finishes.
 #include "moe_dispatch.cuh"
 #include "gemm_mainloop.cuh"
 #include "gemm_epilogue.cuh"
@@ -78,14 +79,15 @@ MK_DEV u32 moe_gemm_cta(const MkMoeGemmArgs& args) {
 template <int DT, int BL>
 __global__ void __launch_bounds__(MOE_GEMM_THREADS, 1) mk_moe_dispatch_gemm_kernel(const __grid_constant__ MkMoeGemmArgs args) {
   extern __shared__ __align__(1024) u8 mk_smem[];
+  const u32 ndisp = gridDim.x - (u32)args.gemm_ctas;
+  MoeShared<MOE_GEMM_THREADS>& sh = *reinterpret_cast<MoeShared<MOE_GEMM_THREADS>*>(mk_smem);
+  const u32 arrival = moe_arrival(args.m, &sh.claim);
+  fence_proxy_async_smem();  // that word's generic use before a GEMM CTA's TMA loads
   u32 epoch;
-  if ((int)blockIdx.x < args.gemm_ctas) {
+  if (arrival >= ndisp) {
     epoch = moe_gemm_cta<GemmCfg<DT, BL> >(args);
   } else {  // the GEMM's shared memory is free in a dispatch CTA: its state, then the copiers' buffers
-    MoeShared<MOE_GEMM_THREADS>& sh = *reinterpret_cast<MoeShared<MOE_GEMM_THREADS>*>(mk_smem);
-    moe_dispatch_role<MOE_GEMM_THREADS>(args.m, sh, MoeCtas{blockIdx.x - (u32)args.gemm_ctas,
-                                                            gridDim.x - (u32)args.gemm_ctas},
-                                        mk_smem + MOE_STAGE_OFFSET);
+    moe_dispatch_role<MOE_GEMM_THREADS>(args.m, sh, MoeCtas{arrival, ndisp}, mk_smem + MOE_STAGE_OFFSET);
     epoch = sh.epoch;
     // Its rows are sent (their copies complete): the SM takes GEMM tiles too. Not after an error on
     // this rank: a copier wait that gave up may have left a bulk load in flight into this memory.

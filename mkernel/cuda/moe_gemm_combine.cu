@@ -1,15 +1,15 @@
 // The experts' second grouped GEMM fused with combine (mkernel/moe_gemm.py; design: docs/MOE.md).
 //
-// CTAs [0, gemm_ctas) run the GEMM engine in grouped mode (A: y2, B: the experts' weights, one group
-// per local expert with the dispatch's group_rows) into a staging buffer z of this rank, each tile's
-// flag (tile_flags[id] = epoch) set once its stores are performed. CTAs [gemm_ctas, grid) claim
-// M-tiles in the GEMM's group order (counters[MOE_CNT_RET]), wait until every N-tile of one is
-// stored and send each of its rows whole, by bulk copies, to row t * k + j of the row's source's
-// return buffer (meta word of the dispatch), so the return trip starts with the first finished
-// row blocks; the last of them sets
-// retflag[me] on every rank. Then every CTA (the GEMM CTAs' consumer warpgroups after their last
-// tile) sums its share of this rank's tokens (moe_combine.cuh): the same sums, in the same order,
-// as mk_moe_combine_kernel.
+// The first gemm_ctas CTAs to arrive run the GEMM engine in grouped mode (A: y2, B: the experts'
+// weights, one group per local expert with the dispatch's group_rows) into a staging buffer z of
+// this rank, each tile's flag (tile_flags[id] = epoch) set once its stores are performed; the later
+// arrivals return rows: they claim M-tiles in the GEMM's group order (counters[MOE_CNT_RET]), wait
+// until every N-tile of one is stored and send each of its rows whole, by bulk copies, to row
+// t * k + j of the row's source's return buffer (meta word of the dispatch), so the return trip
+// starts with the first finished row blocks. A GEMM CTA out of tiles returns rows too (the M-tiles
+// it claims are then computed or held by running CTAs: any resident part of the grid finishes).
+// Once every row is back, retflag[me] is set on every rank. Then every CTA sums its share of this
+// rank's tokens (moe_combine.cuh): the same sums, in the same order, as mk_moe_combine_kernel.
 #include "moe_combine.cuh"
 #include "gemm_mainloop.cuh"
 #include "gemm_epilogue.cuh"
@@ -30,13 +30,13 @@ struct MoeReturnShared {
 };
 constexpr u32 MOE_RET_STAGE_OFFSET = (sizeof(MoeReturnShared) + 127u) & ~127u;
 
-// A returning CTA: M-tiles (a group's 128-row blocks, in the GEMM's group order) claimed one by
-// one; once every N-tile of one is stored (tiles_n flags), its rows are whole in z and each leaves
+// Returning rows, every CTA (after its GEMM tiles for a GEMM CTA): M-tiles (a group's 128-row
+// blocks, in the GEMM's group order) claimed one by one; once every N-tile of one is stored (tiles_n flags), its rows are whole in z and each leaves
 // as one row (H * 2 bytes) for row t * k + j of its source's return buffer, by the warps' bulk
 // copiers (a warp per row), the copies of one M-tile overlapping the wait for the next.
 template <class Cfg>
 MK_DEV void moe_return_rows(const MkMoeGemmArgs& args, MoeReturnShared& rs, u8* stage, const MkPeers& peers,
-                            MoeCtas ctas, u32 Ep) {
+                            u32 Ep) {
   const MkMoeArgs& a = args.m;
   const MkGemmArgs& g = args.g;
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -57,6 +57,7 @@ MK_DEV void moe_return_rows(const MkMoeGemmArgs& args, MoeReturnShared& rs, u8* 
   const u32 row_bytes = (u32)a.H * 2u;
   const u64 ldz_bytes = (u64)g.ldc * 2u;
   const u32 tiles_n = space.tiles_n, units = space.num_tiles / tiles_n;  // a group's tiles: M-tiles x tiles_n
+  u32 mine = 0;  // rows this CTA returned
   MoeCopier<MOE_RET_CHUNK> copier{smem_u32(stage) + warp * 2u * MOE_RET_CHUNK, smem_u32(&rs.copy_bar[warp][0]),
                                   a.sync};
   for (;;) {
@@ -83,11 +84,12 @@ MK_DEV void moe_return_rows(const MkMoeGemmArgs& args, MoeReturnShared& rs, u8* 
         for (u32 o = 0; o < row_bytes; o += MOE_RET_CHUNK) copier.put(dst + o, src + o, min(MOE_RET_CHUNK, row_bytes - o));
       }
     }
+    mine += (u32)t.rows;
     __syncthreads();  // rs.claim and rs.ok are read before thread 0 writes them again
   }
   if (lane == 0) copier.finish();
   __syncwarp();
-  moe_returned(a, peers, ctas, Ep);
+  moe_returned(a, peers, mine, (u32)space.row_base(space.num_groups), Ep);
 }
 
 template <int DT, int BL>
@@ -96,34 +98,34 @@ __global__ void __launch_bounds__(MOE_GC_THREADS, 1) mk_moe_gemm_combine_kernel(
   extern __shared__ __align__(1024) u8 mk_smem[];  // no static shared memory (see moe_dispatch_gemm.cu)
   const MkMoeArgs& a = args.m;
   const MkPeers peers = moe_peers(a);
-  const u32 G = (u32)args.gemm_ctas;
+  const GemmSmem<Cfg> sm = gemm_smem_carve<Cfg, true>(mk_smem);
+  MoeReturnShared& rs = *reinterpret_cast<MoeReturnShared*>(sm.base);  // below the GEMM's barriers
+  const u32 arrival = moe_arrival(a, reinterpret_cast<volatile u32*>(sm.base));
+  fence_proxy_async_smem();  // that word's generic use before the stages' TMA loads
   u32 epoch;
-  if (blockIdx.x < G) {
-    const GemmSmem<Cfg> sm = gemm_smem_carve<Cfg, true>(mk_smem);
+  if (arrival < (u32)args.gemm_ctas) {
     const MkTileSpace<Cfg::UNIT_M> space = gemm_setup<Cfg, true>(args.g, sm);  // the group table of group_rows
     epoch = sm.bars->epoch;
-    if (blockIdx.x == 0 && threadIdx.x == 0) credits_announce(peers, epoch);  // this rank entered the epoch
+    if (arrival == 0 && threadIdx.x == 0) credits_announce(peers, epoch);  // this rank entered the epoch
     warpgroup_roles<Cfg>([&] { gemm_producer<Cfg, true>(args.g, sm, space); },
                          [&](int wg) {
                            MkTmaEpilogue<Cfg::DT, Cfg, true> epi{args.g, sm, epoch, MkGemmDest{args.g}};
                            gemm_consumer<Cfg>(args.g, sm, wg, epi);
                            epi.finish();
-                           // The pipeline's shared memory is free now: its first word broadcasts the
-                           // weighted sum's wait.
-                           moe_weighted_sum<DT>(a, peers, blockIdx.x, gridDim.x, threadIdx.x - 128, 256,
-                                                MkBarConsumers(), reinterpret_cast<volatile int*>(sm.base), epoch);
                          });
+    warpgroup_rejoin<MOE_GC_THREADS>();
+    fence_proxy_async_smem();  // the pipeline's async-proxy use of the stages before generic use
+    __syncthreads();
   } else {
-    MoeReturnShared& rs = *reinterpret_cast<MoeReturnShared*>(mk_smem);
     epoch = launch_epoch(a.sync);
-    moe_return_rows<Cfg>(args, rs, mk_smem + MOE_RET_STAGE_OFFSET, peers, MoeCtas{blockIdx.x - G, gridDim.x - G}, epoch);
-    moe_weighted_sum<DT>(a, peers, blockIdx.x, gridDim.x, threadIdx.x, MOE_GC_THREADS, MkBarCta(), &rs.back, epoch);
   }
+  moe_return_rows<Cfg>(args, rs, sm.base + MOE_RET_STAGE_OFFSET, peers, epoch);
+  moe_weighted_sum<DT>(a, peers, blockIdx.x, gridDim.x, threadIdx.x, MOE_GC_THREADS, MkBarCta(), &rs.back, epoch);
   __syncthreads();
   if (threadIdx.x == 0) counters_reset_by_last_block(a.counters, MOE_CNT_WORDS, MOE_CNT_DONE);
   launch_exit(a.sync, epoch);
 }
 
 static_assert(gemm_smem_bytes<GemmCfg<0, 0>, true>() == 231768, "update gemm.SMEM_GROUPED");
-static_assert(MOE_RET_STAGE_OFFSET + MOE_GC_WARPS * 2u * MOE_RET_CHUNK <= 231768 - 1024,
-              "a returning CTA's state and copier buffers fit in the GEMM's shared memory");
+static_assert(MOE_RET_STAGE_OFFSET + MOE_GC_WARPS * 2u * MOE_RET_CHUNK <= GemmCfg<0, 0>::OFF_BAR,
+              "a returning CTA's state and copier buffers lie below the GEMM's barriers");

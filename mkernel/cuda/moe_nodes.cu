@@ -45,11 +45,22 @@ MK_DEV bool wait_credit(const MkMoeNodeArgs& a, u32 flag, u32 E, u32 peer, u32 w
   return wait_remote_at_least(a.sync, a.queue, a.pflags + flag, E, (i32)peer, where);
 }
 
+// Every thread: whether this CTA arrived first in the launch (its duties then run whatever part of
+// the grid is resident: docs/MOE.md "Residency"). `slot`: a shared word.
+MK_DEV bool node_first(const MkMoeNodeArgs& a, volatile u32* slot) {
+  if (threadIdx.x == 0) *slot = atomicAdd(&a.counters[MOE_NCNT_ARRIVE], 1u);
+  __syncthreads();
+  const bool first = *slot == 0;
+  __syncthreads();
+  return first;
+}
+
 // Every thread: every token of this rank is scanned (by every CTA: T * k ids, cheap) for the
 // nodes its pairs go to; token t's row in its bundle to node j is the number of earlier tokens
 // with a pair on j. A CTA stages the rows and routing words of the warps' token ranges dealt to it;
-// CTA 0 also counts the pairs per expert. Leaves the bundles' sizes in s_base.
-MK_DEV void stage_bundles(const MkMoeNodeArgs& a, u32* s_base, u32 (*s_wcnt)[MOE_MAX_NODES], u32* s_hist, u32* s_bad) {
+// the first CTA to arrive also counts the pairs per expert. Leaves the bundles' sizes in s_base.
+MK_DEV void stage_bundles(const MkMoeNodeArgs& a, bool first, u32* s_base, u32 (*s_wcnt)[MOE_MAX_NODES], u32* s_hist,
+                          u32* s_bad) {
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const u32 T = (u32)a.T, K = (u32)a.k, E = (u32)a.E, N = (u32)a.nodes, node = (u32)a.node;
   const u32 epn = E / N, row_bytes = (u32)a.H * 2u, R = (u32)a.fwd_rows;
@@ -64,8 +75,8 @@ MK_DEV void stage_bundles(const MkMoeNodeArgs& a, u32* s_base, u32 (*s_wcnt)[MOE
         const int e = a.topk_ids[(u64)t * K + j];
         if (e >= 0 && (u32)e < E) {
           mask |= 1u << ((u32)e / epn);
-          if (blockIdx.x == 0) atomicAdd(&s_hist[e], 1u);
-        } else if (blockIdx.x == 0) {
+          if (first) atomicAdd(&s_hist[e], 1u);
+        } else if (first) {
           atomicAdd(s_bad, 1u);
         }
       }
@@ -125,7 +136,7 @@ MK_DEV void stage_bundles(const MkMoeNodeArgs& a, u32* s_base, u32 (*s_wcnt)[MOE
   }
 }
 
-// CTA 0, every thread: this rank's count row to every rank (after each one's credit).
+// The first CTA, every thread: this rank's count row to every rank (after each one's credit).
 MK_DEV void send_count_row(const MkMoeNodeArgs& a, const u32* s_base, const u32* s_hist, u32 bad, u32 E, int* s_ok) {
   const u32 tid = threadIdx.x, W = (u32)a.world, RW = MOE_GROW_WORDS((u32)a.E), me = (u32)a.me;
   const MkPeers peers = node_peers(a);
@@ -218,10 +229,12 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_exchange_kernel(co
   __shared__ u32 s_base[MOE_MAX_NODES], s_wcnt[MOE_NODE_WARPS][MOE_MAX_NODES], s_hist[MOE_MAX_EXPERTS], s_bad;
   __shared__ u32 s_epoch, s_vseg[MOE_MAX_NODES];
   __shared__ int s_ok, s_last;
+  __shared__ u32 s_slot;
   const u32 tid = threadIdx.x, N = (u32)a.nodes, node = (u32)a.node, K = (u32)a.k, L = (u32)a.local;
+  const bool first = node_first(a, &s_slot);
   if (tid == 0) {
     s_epoch = launch_epoch(a.sync);
-    if (blockIdx.x == 0) {  // this rank entered the epoch: for the node's ranks and the other nodes'
+    if (first) {  // this rank entered the epoch: for the node's ranks and the other nodes'
       credits_announce(node_peers(a), s_epoch);
       for (u32 r = 0; r < (u32)a.world; ++r)
         if (r / L != node) queue_push(a.sync, a.queue, mk_signal_cmd(r, MOE_PF_CREDIT + (u32)a.me, s_epoch, MK_FLAG_SET));
@@ -232,8 +245,8 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_exchange_kernel(co
   if (tid < MOE_MAX_NODES) s_base[tid] = 0;
   __syncthreads();
   const u32 E = s_epoch;
-  stage_bundles(a, s_base, s_wcnt, s_hist, &s_bad);
-  if (blockIdx.x == 0) send_count_row(a, s_base, s_hist, s_bad, E, &s_ok);  // (a failure is recorded)
+  stage_bundles(a, first, s_base, s_wcnt, s_hist, &s_bad);
+  if (first) send_count_row(a, s_base, s_hist, s_bad, E, &s_ok);  // (a failure is recorded)
   __threadfence_system();  // the staged rows and words, before the last CTA's WRITEs read them
   __syncthreads();
   if (tid == 0) {
@@ -295,18 +308,19 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_exchange_kernel(co
 // this rank, out[t] = round(sum over nodes j ascending of node j's sum of t's pairs).
 template <int DT>
 __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_partials_kernel(const __grid_constant__ MkMoeNodeArgs a) {
-  __shared__ u32 s_epoch;
+  __shared__ u32 s_epoch, s_slot;
   __shared__ int s_ok;
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, N = (u32)a.nodes, node = (u32)a.node;
   const u32 R = (u32)a.fwd_rows, H = (u32)a.H;
   const u64 part_row = (u64)H * 4u;
+  const bool first = node_first(a, &s_slot);
   if (tid == 0) {
     s_epoch = launch_epoch(a.sync);
-    if (blockIdx.x == 0)  // this rank's precv may be written: its previous sums are done
+    if (first)  // this rank's precv may be written: its previous sums are done
       for (u32 j = 0; j < N; ++j)
         if (j != node) queue_push(a.sync, a.queue, mk_signal_cmd(node_rank(a, j), MOE_PF_PCREDIT + node, s_epoch, MK_FLAG_SET));
     bool ok = *a.verdict == MOE_PLAN_OK;
-    if (ok && blockIdx.x == 0)  // the sums of the tokens this rank forwarded, to their sources
+    if (ok && first)  // the sums of the tokens this rank forwarded, to their sources
       for (u32 j = 0; j < N && ok; ++j) {
         if (j == node) continue;
         const u32 i = seg_of(j, node) + 1, n = a.vseg[i] - a.vseg[i - 1];  // forwarded segment i - 1
@@ -357,7 +371,7 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_partials_kernel(co
       }
   }
   __syncthreads();
-  if (blockIdx.x == 0 && tid == 0 && *a.verdict == MOE_PLAN_OK) {  // part is rewritten by the next combine
+  if (first && tid == 0 && *a.verdict == MOE_PLAN_OK) {  // part is rewritten by the next combine
     for (u32 j = 0; j < N; ++j)
       if (j != node) queue_push(a.sync, a.queue, mk_flush_cmd(node_rank(a, j), MOE_PF_PFLUSH + j, E));
     for (u32 j = 0; j < N; ++j)

@@ -25,7 +25,7 @@ enum {
 };
 
 // Counters of one plan (zero between launches): the exchange's CTAs done staging, the CTAs done.
-enum { MOE_NCNT_STAGED = 0, MOE_NCNT_DONE = 1, MOE_NCNT_WORDS = 2 };
+enum { MOE_NCNT_STAGED = 0, MOE_NCNT_DONE = 1, MOE_NCNT_ARRIVE = 2, MOE_NCNT_WORDS = 3 };
 
 struct MkMoeNodeArgs {
   MkSync sync;

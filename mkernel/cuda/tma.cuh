@@ -170,3 +170,12 @@ MK_DEV void warpgroup_roles(Produce&& produce, Consume&& consume) {
     consume((int)(threadIdx.x / 128) - 1);
   }
 }
+
+// After warpgroup_roles, every thread: each warp back to the launch's even share of registers, so
+// that the whole CTA may run common code again (a producer warp keeps too few for it).
+template <u32 THREADS>
+MK_DEV void warpgroup_rejoin() {
+  constexpr u32 EVEN = (u32)mk_cta_register_pool((int)THREADS) / THREADS;
+  __syncwarp();
+  if (threadIdx.x < 128) setmaxnreg_inc<EVEN>(); else setmaxnreg_dec<EVEN>();
+}
