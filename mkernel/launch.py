@@ -93,29 +93,12 @@ def persistent_grid(fn, block_threads: int, smem: int, blocks: int = None, what:
     return blocks
 
 
-_cooperative = [True]  # until a driver refuses a cooperative launch in this process
-
-
-def launch_persistent(fn, grid, block, args, *, smem: int, all_resident: bool, stream=None, what: str = "kernel"):
-    """Launches a persistent kernel (grid from persistent_grid).
-
-    all_resident=True: its blocks wait on each other (a barrier of the grid), so all must be
-    resident at once: a cooperative launch, which fails instead of deadlocking beside other kernels
-    (where the driver refuses cooperative launches, normally from then on, logged).
-    all_resident=False: any resident subset of its blocks finishes the work (roles and items are
-    claimed at run time): a plain launch. A cooperative launch waits until its whole grid fits, and
-    on a GPU shared under MPS the SMs it waits for may be held by a peer's kernel that waits for
+def launch_persistent(fn, grid, block, args, *, smem: int, stream=None):
+    """Launches a persistent kernel (grid from persistent_grid), plainly. Every persistent kernel
+    gives its CTAs roles in arrival order and claims its work from counters, so any resident subset
+    of its blocks finishes. Not cooperatively: a cooperative launch waits until its whole grid fits,
+    and on a GPU shared under MPS the SMs it waits for may be held by a peer's kernel that waits for
     this one: ranks then stall until their timeout (bench/NOTES.md)."""
-    if all_resident and _cooperative[0]:
-        try:
-            launch(fn, grid, block, args, smem=smem, stream=stream, cooperative=True)
-            return
-        except Exception as e:  # noqa: BLE001  (a driver refusing cooperative launches here)
-            from .log import get_logger
-
-            _cooperative[0] = False
-            get_logger("launch").warning("%s: cooperative launch failed (%s); launching normally from now on "
-                                         "(the grid was checked to be resident)", what, e)
     launch(fn, grid, block, args, smem=smem, stream=stream)
 
 

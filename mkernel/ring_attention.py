@@ -217,8 +217,7 @@ def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, return_ls
         chunk = max(2 * CHUNK_BYTES, -(-r.kv_bytes // cap))
         r.chunk_bytes = -(-chunk // 16) * 16
         r.chunks = -(-r.kv_bytes // r.chunk_bytes)
-    launch_persistent(fn, (grid,), (_attn.THREADS,), r, smem=smem, all_resident=False, stream=stream,
-                      what="ring_attention")
+    launch_persistent(fn, (grid,), (_attn.THREADS,), r, smem=smem, stream=stream)
     if return_lse:
         return out, (lse[0] if q.ndim == 3 else lse)
     return out

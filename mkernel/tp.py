@@ -430,7 +430,7 @@ def launch_fused(comm, op, spec, kernel, args, dtype, layout, grid, stream):
     fn = _compile.module(spec).function(kernel_expr(kernel, DT[dtype.name], layout))
     persistent_grid(fn, THREADS, SMEM_BYTES, blocks=grid, what=op)  # checked once per grid (cached)
     args.g.c = args.dst[0]
-    launch_persistent(fn, (grid,), (THREADS,), args, smem=SMEM_BYTES, all_resident=False, stream=stream, what=op)
+    launch_persistent(fn, (grid,), (THREADS,), args, smem=SMEM_BYTES, stream=stream)
 
 
 def sm_count():
