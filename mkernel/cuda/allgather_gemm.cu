@@ -131,11 +131,11 @@ MK_DEV void tp_push_cta(const TpArgs& a) {
 
 template <int DT, int BL>
 __global__ void __launch_bounds__(384, 1) mk_allgather_gemm_kernel(const __grid_constant__ TpArgs args) {
-  if (threadIdx.x == 0) tp_announce(args);
-  if ((int)blockIdx.x < args.gemm_ctas)
-    tp_gemm_cta<GemmCfg<DT, BL>, TP_OP_AG, TpNoJoin, TpTurn<TP_OP_AG, TpPushItems> >(args);
-  else
+  const u32 arrival = tp_arrive(args), pushers = gridDim.x - (u32)args.gemm_ctas;
+  if (arrival < pushers)  // pushers first: the GEMM waits for the rows they bring
     tp_push_cta(args);
+  else
+    tp_gemm_cta<GemmCfg<DT, BL>, TP_OP_AG, TpNoJoin, TpTurn<TP_OP_AG, TpPushItems> >(args, arrival - pushers);
 }
 
 static_assert(TP_SMEM_BYTES == 230736, "update tp.SMEM_BYTES");

@@ -47,10 +47,10 @@ MK_DEV u64 ld_volatile(const u64* p) { return *reinterpret_cast<const volatile u
 template <class T>
 MK_DEV void st_volatile(T* p, T v) { *reinterpret_cast<volatile T*>(p) = v; }
 
-// This GEMM CTA prefers ready comm items to its next tile.
-MK_DEV bool tp_ctl_lent(const TpArgs& a) {
-  if (a.ctl_mode == TP_CTL_PATTERN) return (blockIdx.x & 1u) != 0;
-  return a.ctl_mode == TP_CTL_ADAPT && blockIdx.x + ld_volatile(&a.ctl->lent) >= (u32)a.gemm_ctas;
+// GEMM CTA `cta` (of gemm_ctas) prefers ready comm items to its next tile.
+MK_DEV bool tp_ctl_lent(const TpArgs& a, u32 cta) {
+  if (a.ctl_mode == TP_CTL_PATTERN) return (cta & 1u) != 0;
+  return a.ctl_mode == TP_CTL_ADAPT && cta + ld_volatile(&a.ctl->lent) >= (u32)a.gemm_ctas;
 }
 
 // Claims item v of `counter` if it is ready(v) and nobody took it first; else TP_CTL_NO_ITEM.

@@ -78,6 +78,7 @@ struct TpCommShared {
   u32 credited;  // bit j: rank (j, lrank)'s remote credit for this epoch was seen (several nodes)
   u32 local_ok;  // AR: every local peer's credit was seen (their gather buffers may be written)
   int ok;        // the group's last wait succeeded
+  u32 cta;       // a GEMM CTA's index among the GEMM CTAs (by arrival: tp_arrive)
 };
 MK_DEV void tp_comm_shared_init(TpCommShared* sh) {
   sh->queued = 0;
@@ -85,6 +86,7 @@ MK_DEV void tp_comm_shared_init(TpCommShared* sh) {
   sh->credited = 0;
   sh->local_ok = 0;
   sh->ok = 1;
+  sh->cta = 0;
 }
 
 // What a lent GEMM CTA does between two tiles (tp_controller.cuh): ready(args, E, ahead) on the
@@ -132,7 +134,7 @@ struct TpTiles {
   u32 epoch;
   TpCommShared* comm;
   MK_DEV u32 claim() const {
-    if (args.ctl_mode != TP_CTL_OFF && tp_ctl_lent(args) &&
+    if (args.ctl_mode != TP_CTL_OFF && tp_ctl_lent(args, comm->cta) &&
         Turn::ready(args, epoch, *reinterpret_cast<volatile u32*>(&comm->queued))) {
       atomicAdd(&comm->queued, 1u);
       return MK_TILE_COMM;
@@ -264,15 +266,19 @@ struct TpNoJoin {
   MK_DEV void operator()(const TpArgs&, u32, TpCommShared*) const {}
 };
 
-// A GEMM CTA of a fused kernel: the engine's setup and consumers, the TP producer and epilogue.
+// A GEMM CTA of a fused kernel (`cta`: its index among them): the engine's setup and consumers,
+// the TP producer and epilogue.
 // Between tiles, a lent CTA's consumers take Turn's comm items; after their last tile, the consumer
 // threads (256) run join(args, epoch, comm) (RS / AR: they join the reduction). The CTA's counter
 // bookkeeping is its last act before launch_exit.
 template <class Cfg, int OP, class Join = TpNoJoin, class Turn = TpNoTurn>
-MK_DEV void tp_gemm_cta(const TpArgs& args, Join join = Join()) {
+MK_DEV void tp_gemm_cta(const TpArgs& args, u32 cta, Join join = Join()) {
   extern __shared__ __align__(1024) u8 mk_smem[];
   __shared__ TpCommShared comm;
-  if (threadIdx.x == 0) tp_comm_shared_init(&comm);  // before gemm_setup's barrier
+  if (threadIdx.x == 0) {  // before gemm_setup's barrier
+    tp_comm_shared_init(&comm);
+    comm.cta = cta;
+  }
   const GemmSmem<Cfg> sm = gemm_smem_carve<Cfg, false>(mk_smem);
   gemm_setup<Cfg, false>(args.g, sm);  // barriers, epoch; its tile space is not used
   const u32 epoch = sm.bars->epoch;

@@ -63,20 +63,30 @@ MK_DEV uint4 tp_pack8(const float (&s)[8]) {
   return r;
 }
 
-// Thread 0 of every CTA at launch entry; the first CTA to run says this rank entered the epoch,
-// for its node's peers (credits) and for the ranks (j, lrank) of the other nodes that WRITE into
-// this rank. Not a fixed CTA: one that is not resident (a GPU shared under MPS) would hold every peer.
-MK_DEV void tp_announce(const TpArgs& a) {
-  const u64 t0 = a.g.sync.trace_events ? globaltimer_ns() : 0;
-  const bool first = atomicAdd(&a.counters[TP_CNT_ENTER], 1u) == 0;
-  trace_span(a.g.sync, MK_ROLE_CONTROL, blockIdx.x, t0);  // when and on which SM each CTA started
-  if (!first) return;
+// Thread 0 of the first CTA to arrive (tp_arrive).
+MK_DEV void tp_announce(const TpArgs& a, u64 t0) {
   const u32 E = launch_epoch(a.g.sync);
   credits_announce(tp_peers(a), E);
   trace_span(a.g.sync, MK_ROLE_CONTROL, 0x80000000u | E, t0);
   for (u32 j = 0; j < (u32)a.nodes; ++j)
     if (j != (u32)a.node)
       queue_push(a.g.sync, a.queue, mk_signal_cmd(j * a.local + a.lrank, TP_PF_CREDIT + a.node, E, MK_FLAG_SET));
+}
+
+// Every thread at launch entry: this CTA's arrival rank (its role goes by it, not by its index:
+// an arrived CTA runs, whatever part of the grid is resident). The first CTA to arrive says this
+// rank entered the epoch, for its node's peers (credits) and for the ranks (j, lrank) of the other
+// nodes that WRITE into this rank.
+MK_DEV u32 tp_arrive(const TpArgs& a) {
+  __shared__ u32 s_arrival;
+  if (threadIdx.x == 0) {
+    const u64 t0 = a.g.sync.trace_events ? globaltimer_ns() : 0;
+    s_arrival = atomicAdd(&a.counters[TP_CNT_ENTER], 1u);
+    trace_span(a.g.sync, MK_ROLE_CONTROL, blockIdx.x, t0);  // when and on which SM each CTA started
+    if (s_arrival == 0) tp_announce(a, t0);
+  }
+  __syncthreads();
+  return s_arrival;
 }
 
 // Reducer thread 0, several nodes: before the first WRITE of a launch to rank (j, lrank), its credit.
@@ -470,14 +480,15 @@ struct TpJoinReduce {
 };
 
 // The fused kernel of GEMM+RS / GEMM+AR. One CTA per SM, 384 threads, TP_SMEM_BYTES of dynamic
-// shared memory. Work is claimed from counters, so any CTAs that are resident finish it.
+// shared memory. Roles go by arrival and work is claimed from counters, so any CTAs that are
+// resident finish it.
 template <int DT, int BL, int OP>
 MK_DEV void tp_reduce_kernel_body(const TpArgs& args) {
-  if (threadIdx.x == 0) tp_announce(args);
-  if ((int)blockIdx.x >= args.gemm_ctas)
+  const u32 arrival = tp_arrive(args);  // GEMM first: the reducers wait for its tiles
+  if (arrival >= (u32)args.gemm_ctas)
     tp_reduce_cta<DT, OP>(args);
   else if (args.partial)
     tp_partial_cta<OP>(args);
   else
-    tp_gemm_cta<GemmCfg<DT, BL>, OP, TpJoinReduce<DT, OP>, TpTurn<OP, TpReduceItems<DT, OP> > >(args);
+    tp_gemm_cta<GemmCfg<DT, BL>, OP, TpJoinReduce<DT, OP>, TpTurn<OP, TpReduceItems<DT, OP> > >(args, arrival);
 }
