@@ -21,31 +21,45 @@ def sync_or_exit(what: str, timeout_s: float = 30.0, stream=None) -> None:
 
 
 class StreamHold:
-    """Holds a stream: a one-thread kernel spins until :meth:`release` (or ``timeout_s``), so that
-    work queued behind it cannot start. Tests use it to show that calls only launch and return."""
+    """Holds a stream: a kernel spins until :meth:`release` (or ``timeout_s``), so that work queued
+    behind it cannot start. Tests use it to show that calls only launch and return. With ``ctas``
+    blocks of ``smem`` bytes of shared memory each (one per SM when large), it also holds that many
+    SMs, waiting until every block runs: what is left is all another stream's kernels get (a
+    persistent kernel then runs with part of its grid resident, as beside a peer's under MPS)."""
 
-    def __init__(self, stream=None, timeout_s: float = 60.0):
+    def __init__(self, stream=None, timeout_s: float = 60.0, ctas: int = 1, smem: int = 0):
         import ctypes
 
         import cupy
         import numpy as np
 
-        self._ptr = cupy.cuda.runtime.hostAlloc(4, 2)  # mapped: the kernel polls it across PCIe
-        self._word = ctypes.c_uint32.from_address(self._ptr)
-        self._word.value = 0
+        words = 1 + ctas  # go, then each block's arrival
+        self._ptr = cupy.cuda.runtime.hostAlloc(4 * words, 2)  # mapped: the kernel polls it across PCIe
+        self._words = (ctypes.c_uint32 * words).from_address(self._ptr)
+        ctypes.memset(self._ptr, 0, 4 * words)
         kernel = cupy.RawKernel(r"""
-extern "C" __global__ void mk_test_hold(const volatile unsigned int* go, unsigned long long ns) {
+extern "C" __global__ void mk_test_hold(volatile unsigned int* w, unsigned long long ns) {
   unsigned long long t0, t;
+  if (threadIdx.x) return;
+  w[1 + blockIdx.x] = 1;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (*go == 0 && t - t0 < ns);
+  do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (w[0] == 0 && t - t0 < ns);
 }""", "mk_test_hold")
+        if smem > 48 * 1024:
+            kernel.max_dynamic_shared_size_bytes = smem
         with stream if stream is not None else cupy.cuda.get_current_stream():
-            kernel((1,), (1,), (self._ptr, np.uint64(int(timeout_s * 1e9))))
+            kernel((ctas,), (32,), (self._ptr, np.uint64(int(timeout_s * 1e9))), shared_mem=smem)
             self.started = cupy.cuda.Event()
             self.started.record()
+        t0 = time.time()
+        while ctas > 1 and sum(self._words[1:]) < ctas:
+            if time.time() - t0 > 10:
+                self.close()
+                raise RuntimeError(f"StreamHold: {sum(self._words[1:])} of {ctas} blocks became resident in 10 s")
+            time.sleep(0.001)
 
     def release(self):
-        self._word.value = 1
+        self._words[0] = 1
 
     def close(self):
         import cupy

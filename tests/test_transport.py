@@ -33,15 +33,20 @@ def _mpiexec(n, args, timeout, extra=()):
 
     env, mps = mpi_child_env(n, MPI_ENV)
     cmd = ["mpiexec", "-n", str(n), "--oversubscribe", *mps, *extra, sys.executable, *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    except subprocess.TimeoutExpired as e:  # what the job printed says where it stopped
+        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        raise AssertionError(f"mpiexec -n {n} ran past {timeout} s:\n{out[-4000:]}\n{err[-4000:]}") from None
 
 
 def _relaunch(request, n=2):
     """At one rank, run this very test under mpiexec -n 2 (its own job); returns True if it did."""
     if WORLD.Get_size() > 1:
         return False
-    r = _mpiexec(n, ["-m", "pytest", request.node.nodeid, "-q", "-x", "-p", "no:cacheprovider"], timeout=240)
+    r = _mpiexec(n, ["-m", "pytest", request.node.nodeid, "-v", "-x", "-p", "no:cacheprovider"], timeout=150)
     assert r.returncode == 0, f"under mpiexec -n {n}:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
     return True
 
