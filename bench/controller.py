@@ -81,13 +81,14 @@ def bench_shape(op, comm, M, N, K, dt):
         call(n)
     harness.wait(f"{op} warm-up")
     lead = comm.mpi.allreduce(harness.launch_lead_ns(lambda: call(GRID[0])), op=MPI.MAX)
-    comm._autosplit, comm._split_memory = {}, split.SplitMemory()  # a fresh key: its first call runs the prior
+    comm.plans.state["autosplit.keys"] = {}  # a fresh key: its first call runs the prior
+    comm.plans.state["autosplit.memory"] = split.SplitMemory()
     first, first_host_ms = one_ms(comm, lambda: call("auto"), FIRST_LEAD_NS)
     first_record = tp.controller_stats(comm)
     for _ in range(SEARCH_CALLS):
         call("auto")
     harness.wait(f"{op} search")
-    key = comm._autosplit[(op, M, N, K)].key
+    key = comm.plans.state["autosplit.keys"][(op, M, N, K)].key
     search = autosplit.memory(comm).search(key)
     sms = tp.sm_count()
     statics = [n for n in GRID if n < sms]
@@ -139,7 +140,6 @@ def main():
     import numpy as np
 
     import mkernel
-    from mkernel import tp
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--op", default="all", choices=("all",) + tp_bench.OPS)
@@ -168,7 +168,7 @@ def main():
                     print(f"== {op} {M}x{N}x{K}: not run: {e}")
                 continue
             finally:
-                tp.release_buffers(comm)  # every rank, after every shape: the next one's buffers fit
+                comm.release_plans()  # every rank, after every shape: the next one's buffers fit
             r = op_rows[-1]
             if comm.rank == 0:
                 print(f"{op:20s} {M}x{N}x{K}: best static {r['best_static_ms']:.3f} ms at {r['best_static_sms']}, "

@@ -731,7 +731,7 @@ def main():
                 print(f"# stopping after {stopped}: the ranks may be out of step", flush=True)
             break
         cupy.get_default_memory_pool().free_all_blocks()
-        tp.release_buffers(comm)  # every rank, same point (synchronises)
+        comm.release_plans()  # every rank, same point (synchronises)
 
     if me == 0:
         n_rows = len(shapes) * len(routings)

@@ -454,7 +454,7 @@ def main():
                       f"bound {r['bound_ms']:9.3f} ms  of bound {r['fraction_of_bound']:.3f}  "
                       f"err vs ref {r['ref_rel_err_mkernel']:.1e}", flush=True)
         cupy.get_default_memory_pool().free_all_blocks()
-        tp.release_buffers(comm)  # every rank, same point (synchronises)
+        comm.release_plans()  # every rank, same point (synchronises)
 
     if me == 0:
         path = harness.write("ring_attention", rows, gpus=W, out_dir=args.out, reps=reps, errors=errors,

@@ -216,7 +216,6 @@ def bench_op(op, comm, shapes, dt, rate_gbs):
     the exchange rate. Between nodes (rate_gbs None): baseline the unfused path over the same
     transport, cuBLAS + NCCL beside, the bound from the unfused run's collective."""
     import cupy
-    from mkernel import tp as tp_mod
 
     nodes = comm.num_nodes
     rows_out = []
@@ -256,7 +255,7 @@ def bench_op(op, comm, shapes, dt, rate_gbs):
                                         "cupy.matmul + NCCL" if nodes == 1 else "mkernel unfused, same transport"),
                                     **extra))
         del f
-        tp_mod.release_buffers(comm)  # every rank, same point: the next shape's buffers fit
+        comm.release_plans()  # every rank, same point: the next shape's buffers fit
     return rows_out
 
 

@@ -146,19 +146,18 @@ MAX_PENDING = 8  # timed calls in flight per key; beyond this a call is not time
 
 
 def _states(comm) -> dict:
-    if not hasattr(comm, "_autosplit"):
-        comm._autosplit = {}
-    return comm._autosplit
+    return comm.plans.state.setdefault("autosplit.keys", {})
 
 
 def memory(comm) -> split.SplitMemory:
     """The communicator's split memory (its keys' searches); with MKERNEL_SPLIT_PERSIST=1 every rank
     starts known keys from the file and rank 0 keeps converged keys there."""
-    if not hasattr(comm, "_split_memory"):
+    state = comm.plans.state
+    if "autosplit.memory" not in state:
         from . import env
         persist = env.get_int("MKERNEL_SPLIT_PERSIST") == 1
-        comm._split_memory = split.SplitMemory(persist=persist, write=comm.rank == 0)
-    return comm._split_memory
+        state["autosplit.memory"] = split.SplitMemory(persist=persist, write=comm.rank == 0)
+    return state["autosplit.memory"]
 
 
 def choose(comm, op: str, *, M: int, N: int, K: int, esize: int, comm_items: int, sms: int):

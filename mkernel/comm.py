@@ -24,6 +24,7 @@ import weakref
 from . import collectives, env, topology
 from .errors import ArgumentError, ClosedError, MKernelError, PeerError, WorkspaceError, peer_failures
 from .log import get_logger, set_rank
+from .plans import PlanRegistry
 
 log = get_logger("comm")
 
@@ -89,6 +90,7 @@ class Communicator:
         if mpi_comm is _world():
             set_rank(self.rank)
         self._agreed = {}
+        self.plans = PlanRegistry()  # the ops' plans and state (mkernel/plans.py)
         self._closed = False
         self._nccl = None
         self._proxy = None  # root only: (Proxy, CommandQueue, flags pointer, flags array), started by .proxy
@@ -163,12 +165,32 @@ class Communicator:
         dtype = numpy.dtype(dtype)
         nbytes = int(numpy.prod(shape, dtype=numpy.int64)) * dtype.itemsize
         agree = (shape, dtype.str)
+        what = "allocating symmetric memory"
         try:
-            rng = self.heap.alloc_symmetric(self.mpi, nbytes, "allocating symmetric memory", agree=agree)
+            return self.heap.array(self.heap.alloc_symmetric(self.mpi, nbytes, what, agree=agree), shape, dtype)
         except WorkspaceError as e:  # every rank fails alike (the same free ranges were intersected)
-            self._grow_for(nbytes, e)
-            rng = self.heap.alloc_symmetric(self.mpi, nbytes, "allocating symmetric memory", agree=agree)
-        return self.heap.array(rng, shape, dtype)
+            exhausted = e
+        if len(self.plans):  # the ops' cached plans first: the shapes in use build theirs again
+            log.info("rank %d: releasing %d cached plans for an allocation of %d bytes", self.rank, len(self.plans),
+                     nbytes)
+            self.release_plans()
+            try:
+                return self.heap.array(self.heap.alloc_symmetric(self.mpi, nbytes, what, agree=agree), shape, dtype)
+            except WorkspaceError as e:
+                exhausted = e
+        self._grow_for(nbytes, exhausted)
+        return self.heap.array(self.heap.alloc_symmetric(self.mpi, nbytes, what, agree=agree), shape, dtype)
+
+    def release_plans(self):
+        """Drops the ops' cached plans (their symmetric buffers are freed; each shape's next call
+        builds its plan again). Collective in effect: every rank at the same point of its op
+        sequence. Synchronises the device."""
+        self._check_open()
+        self.plans.clear()
+
+    def agreed(self, key) -> bool:
+        """Whether ``key`` was agreed on (:meth:`agree`) already: its next agreement costs nothing."""
+        return key in self._agreed
 
     def _grow_for(self, nbytes: int, exhausted: Exception):
         """Grows the workspace in place so that ``nbytes`` fit, or raises WorkspaceError saying why it
@@ -367,13 +389,19 @@ class Communicator:
         return common[0]
 
     def stats(self) -> dict:
-        """Counters of the traffic between nodes: the proxy's commands, bytes sent and received per
-        peer rank (``{"proxy": None}`` while no proxy was started). Does not synchronise."""
+        """What this communicator holds and moved: ``workspace`` (its symmetric workspace's
+        ``bytes``, ``in_use`` by live arrays and the ops' buffers, ``high_water``), ``plans``
+        (cached, ``evicted`` so far) and the traffic between nodes: the proxy's commands, bytes
+        sent and received per peer rank (``"proxy": None`` while no proxy was started). Does not
+        synchronise."""
         self._check_open()
+        heap = self.heap
+        out = {"workspace": {"bytes": heap.nbytes, "in_use": heap.in_use, "high_water": heap.high_water},
+               "plans": {"cached": len(self.plans), "evicted": self.plans.evicted}, "proxy": None}
         root = self._root
         if root._proxy is None:
-            return {"proxy": None}
-        out = root._proxy[0].stats()
+            return out
+        out.update(root._proxy[0].stats())
         out["proxy"] = root._proxy[0].transport
         out["peers"] = {r: out["peers"][int(q)] for r, q in enumerate(self._root_ranks)}  # this one's ranks
         return out
@@ -474,15 +502,13 @@ class Communicator:
         are allocated again on next use) and the proxy, if started, is stopped (it starts again on
         next use). Synchronises the device."""
         self._check_open()
-        from . import tp
-
         if not isinstance(workspace_bytes, int) or isinstance(workspace_bytes, bool) or workspace_bytes <= 0:
             raise ArgumentError(f"grow_workspace: workspace_bytes must be a positive integer, got {workspace_bytes!r}")
         self.agree(("grow_workspace", self.heap.nbytes), workspace_bytes, cache=False)
         if workspace_bytes <= self.heap.nbytes:
             raise ArgumentError(f"grow_workspace: {workspace_bytes} bytes is not more than the workspace's "
                                 f"{self.heap.nbytes}")
-        tp.release_buffers(self)  # (synchronises the device)
+        self.release_plans()  # (synchronises the device)
         blockers = []
         if self._root is not self:
             blockers.append("it is a sub-communicator (grow the root's workspace, then split again)")
@@ -494,7 +520,7 @@ class Communicator:
         if any(views):
             raise ArgumentError("grow_workspace: " + "; ".join(f"rank {r}: {', '.join(b)}"
                                                                 for r, b in enumerate(views) if b))
-        if self._stop_proxy(False) or self._release_heap(False):  # (release_buffers synchronised the device)
+        if self._stop_proxy(False) or self._release_heap(False):  # (release_plans synchronised the device)
             raise PeerError(f"rank {self.rank}: a peer did not answer while the workspace was replaced")
         self._workspace_bytes = workspace_bytes
         self._agreed[("workspace", "bytes")] = workspace_bytes

@@ -70,7 +70,7 @@ def _rows_contiguous(x):
 
 def _plan(comm, q4, k4, remote):
     """Buffers of one shape: the receive slots and flags in symmetric memory (tp.plan_buffers: cached
-    on the communicator, allocated collectively, freed by tp.release_buffers), and this rank's fp32
+    in comm.plans, allocated collectively, freed when evicted or by comm.release_plans), and this rank's fp32
     accumulators, tile flags and scheduler words in device memory. Between nodes (remote) also a
     staging copy of this rank's own block (a WRITE source must lie in a registered region)."""
     import cupy

@@ -47,6 +47,8 @@ class SymmetricHeap:
         self._lock = threading.Lock()
         self._ranges = FreeList(CONTROL_BYTES, nbytes - CONTROL_BYTES)
         self.live = 0
+        self.in_use = 0      # bytes of live leases
+        self.high_water = 0  # the most in_use was
         self.closed = False
 
     @classmethod
@@ -104,12 +106,15 @@ class SymmetricHeap:
         with self._lock:
             self._ranges.take_at(offset, size)
             self.live += 1
+            self.in_use += size
+            self.high_water = max(self.high_water, self.in_use)
         return Lease(self._free, offset, size)
 
     def _free(self, offset, size):
         with self._lock:
             self._ranges.give(offset, size)
             self.live -= 1
+            self.in_use -= size
             if self.closed and self.live == 0:
                 self._release_base()
 

@@ -214,12 +214,6 @@ def gpus_distinct(comm) -> bool:
     return not comm.gpus_shared
 
 
-def op_cache(comm) -> dict:
-    if not hasattr(comm, "_op_buffers"):
-        comm._op_buffers = {}
-    return comm._op_buffers
-
-
 def choose_path(op, comm, path, *, rows, N, K):
     """The path of one call and why (before agreement): a function of shapes and topology only."""
     if path is not None and path not in PATHS:
@@ -242,8 +236,9 @@ def choose_path(op, comm, path, *, rows, N, K):
 def agree_call(op, comm, key, reason):
     """Agrees on a call's shapes, options and path (``key``, whose last entry is the path):
     collective the first time the key is seen; ranks that disagree raise ArgumentError together."""
-    first = key not in comm._agreed
+    first = not comm.agreed(key)
     comm.agree(key, key)
+    comm.plans.state.setdefault("tp.last_path", {})[op] = key[-1]
     if first:
         log.debug("%s %s: %s path (%s)", op, key[1:-1], key[-1], reason)
 
@@ -256,12 +251,11 @@ def on_stream(stream):
 
 # ------------------------------------------------------------------------------- buffers
 def plan_buffers(op, comm, key, sizes, counter_words=CNT_WORDS + 1):
-    """Symmetric buffers of one (op, shape key), allocated once (collectively) and cached, plus
-    ``counters`` (device words, zero between launches). Keys start with "buffers" (release_buffers).
+    """The plan of one (op, shape key) in ``comm.plans``: its symmetric buffers, allocated once
+    (collectively) and cached, plus ``counters`` (device words, zero between launches) and ``ctl``.
 
     sizes: [(name, shape, dtype)], flags (uint32) are zeroed before first use."""
-    cache = op_cache(comm)
-    plan = cache.get(key)
+    plan = comm.plans.get(key)
     if plan is not None:
         return plan
     cupy = cupy_mod()
@@ -278,19 +272,7 @@ def plan_buffers(op, comm, key, sizes, counter_words=CNT_WORDS + 1):
     plan["counters"] = cupy.zeros(counter_words, dtype=cupy.uint32)
     plan["ctl"] = cupy.zeros(ctypes.sizeof(TpCtl) // 4, dtype=cupy.uint32)  # TpCtl, zero before the first launch
     cupy.cuda.runtime.deviceSynchronize()  # zeroed before this rank announces any credit
-    cache[key] = plan
-    return plan
-
-
-def release_buffers(comm):
-    """Frees the symmetric buffers every cached (op, shape) plan of ``comm`` holds. Collective in
-    effect: every rank must call it at the same point of its op sequence (offsets stay symmetric),
-    once the ops that used them have completed (it synchronises the device)."""
-    cupy = cupy_mod()
-    cupy.cuda.runtime.deviceSynchronize()
-    cache = op_cache(comm)
-    for key in [k for k in cache if isinstance(k, tuple) and k and k[0] == "buffers"]:
-        del cache[key]
+    return comm.plans.add(key, plan)
 
 
 def _nbytes(shape, dt):
@@ -387,7 +369,7 @@ def set_split(args, plan, gemm_ctas, mode, comm):
     args.ctl = plan["ctl"].data.ptr
     args.ctl_mode = mode
     args.ctl_lend_max = gemm_ctas // CTL_LEND_SHARE
-    op_cache(comm)["_last_ctl"] = plan["ctl"]
+    comm.plans.state["tp.last_ctl"] = plan["ctl"]
 
 
 def controller_stats(comm) -> dict:
@@ -397,7 +379,7 @@ def controller_stats(comm) -> dict:
     launches (of that plan so far). Empty before any fused launch. The plan is the one the last
     fused call on ``comm`` planned (its record is the previous launch's if that call raised before
     launching); in the "pattern" mode the lent counts stay 0 (no windows)."""
-    ctl = op_cache(comm).get("_last_ctl")
+    ctl = comm.plans.state.get("tp.last_ctl")
     if ctl is None:
         return {}
     cupy_mod().cuda.runtime.deviceSynchronize()
@@ -519,10 +501,10 @@ def _main_check(comm, quick, op):
     cupy.cuda.get_current_stream().synchronize()
     comm.check()
     ok = bool(np.array_equal(cupy.asnumpy(out), ref.astype(np.float16)))
-    key = next(k for k in reversed(list(comm._agreed)) if isinstance(k, tuple) and k and k[0] == op)
+    path = comm.plans.state["tp.last_path"][op]
     ms = _time_ms(lambda: fn(a_dev, b_dev, comm=comm, out=out))
     base = None
     if W > 1 and gpus_distinct(comm):
         base = _time_ms(lambda: fn(a_dev, b_dev, comm=comm, path="fallback"))
     return {"op": op, "shape": f"{M}x{N}x{K}", "ok": ok, "mkernel_ms": ms, "baseline_ms": base,
-            "note": f"{key[-1]} path, exact integer check"}
+            "note": f"{path} path, exact integer check"}

@@ -85,7 +85,7 @@ def _rs_call(comm, fake_launch, **kw):  # noqa: F811
 def test_auto_converges_to_the_best_split_and_then_samples(fake_launch, auto):  # noqa: F811
     comm = _comm()
     counts = [_rs_call(comm, fake_launch, path="fused") for _ in range(12)]
-    key = next(iter(comm._autosplit.values())).key
+    key = next(iter(comm.plans.state['autosplit.keys'].values())).key
     search = autosplit.memory(comm).search(key)
     assert search.converged, (counts, search.phase)
     times = {n: _curve(n) for n in range(1, 65)}
@@ -102,7 +102,7 @@ def test_auto_converges_to_the_best_split_and_then_samples(fake_launch, auto):  
     assert set(held) == {search.best}
     assert auto["timers"] - timers == 2
     # one agreement per key, on the shapes and the path; each rank's count is its own
-    assert len(set(comm.agreed)) == 1 and "auto" not in next(iter(comm.agreed))
+    assert len(set(comm.agreements)) == 1 and "auto" not in next(iter(comm.agreements))
 
 
 def test_auto_never_waits_for_a_call_to_end(fake_launch, auto):  # noqa: F811
@@ -112,7 +112,7 @@ def test_auto_never_waits_for_a_call_to_end(fake_launch, auto):  # noqa: F811
     auto["running"] = 1
     counts = [_rs_call(comm, fake_launch, path="fused") for _ in range(5)]
     assert auto["observed"] == [] and len(set(counts)) == 1  # nothing seen yet: the prior, five times
-    st = next(iter(comm._autosplit.values()))
+    st = next(iter(comm.plans.state['autosplit.keys'].values()))
     assert len(st.pending) == 5
     auto["running"] = 0
     nxt = _rs_call(comm, fake_launch, path="fused")
@@ -181,7 +181,7 @@ def test_two_communicators_keep_their_own_searches(fake_launch, auto):  # noqa: 
     for _ in range(6):
         _rs_call(tp_comm, fake_launch, path="fused")
         _rs_call(sp_comm, fake_launch, path="fused")
-    key = next(iter(tp_comm._autosplit.values())).key
+    key = next(iter(tp_comm.plans.state['autosplit.keys'].values())).key
     assert autosplit.memory(tp_comm) is not autosplit.memory(sp_comm)
     tp_obs = autosplit.memory(tp_comm).search(key).s.observations
     sp_obs = autosplit.memory(sp_comm).search(key).s.observations
@@ -196,7 +196,7 @@ def test_the_bound_is_this_ranks_own(fake_launch, auto):  # noqa: F811
         rs.gemm_reduce_scatter(_Arr((8192, 1024), "float16", 0x100000), _Arr((1024, 4096), "float16", 0x200000),
                                comm=comm, out=_Arr((4096, 4096), "float16", 0x300000), comm_sms="auto", path="fused")
         counts.append(_launched_comm_ctas(fake_launch))
-    st = next(iter(comm._autosplit.values()))
+    st = next(iter(comm.plans.state['autosplit.keys'].values()))
     assert st.hi == min(autosplit.MAX_COMM_CTAS, tp.sm_count() - 1) and max(counts) <= st.hi
 
 
@@ -209,7 +209,7 @@ def _converged_with_persistence(fake_launch, monkeypatch, cache_dir, rank):  # n
     comm.rank = rank
     for _ in range(12):
         _rs_call(comm, fake_launch, path="fused")
-    key = next(iter(comm._autosplit.values())).key
+    key = next(iter(comm.plans.state['autosplit.keys'].values())).key
     assert autosplit.memory(comm).search(key).converged
     return comm, key
 

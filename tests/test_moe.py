@@ -62,7 +62,7 @@ order, each guarded (an exception is caught and recorded); after every case the 
 outcomes on a duplicate of the communicator's MPI communicator; if one rank raised where another did
 not, or a peer error or timeout was raised, all ranks stop running cases. Per-case tables are
 printed, then pass / fail is decided with conftest.all_ranks. A device hang ends the process after
-45 s (sync_or_exit). Each test frees its MoE buffers at its end (tp.release_buffers).
+45 s (sync_or_exit). Each test frees its MoE buffers at its end (comm.release_plans).
 
     python3 -m pytest tests/test_moe.py -q -s
     mpirun -n 2 --oversubscribe python3 -m pytest tests/test_moe.py -q -s -m "gpu and mpi"
@@ -635,10 +635,9 @@ def _release(comm):
     """Frees the MoE plans' symmetric buffers (every rank at the same point: the end of a test)."""
     import gc
 
-    from mkernel import tp
 
     gc.collect()  # every rank frees the same ranges now (reference cycles would free them later, unevenly)
-    tp.release_buffers(comm)
+    comm.release_plans()
 
 
 # --------------------------------------------------------------------- the collective driver

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from mkernel.comm import Communicator
+from mkernel.plans import PlanRegistry
 
 mmoe = importlib.import_module("mkernel.moe")
 mnodes = importlib.import_module("mkernel.moe_nodes")
@@ -43,7 +44,7 @@ class _FakeComm(Communicator):
         self.num_nodes, self.node = nodes, rank // local
         self.topology = types.SimpleNamespace(node_of=tuple(r // local for r in range(nodes * local)))
         self.heap = types.SimpleNamespace(base=HEAP, nbytes=1 << 36)
-        self._agreed, self._op_buffers, self.gpus_shared = {}, {}, True
+        self._agreed, self.plans, self.gpus_shared = {}, PlanRegistry(synchronize=lambda: None), True
 
     def check(self):
         pass
@@ -90,11 +91,12 @@ def fake(monkeypatch):
         return a
 
     def plan_buffers(op, comm, key, sizes, counter_words=8):
-        cache = tp.op_cache(comm)
-        if key not in cache:
-            cache[key] = {name: alloc(shape, dt, HEAP) for name, shape, dt in sizes}
-            cache[key]["counters"] = alloc(counter_words, np.uint32)
-        return cache[key]
+        plan = comm.plans.get(key)
+        if plan is None:
+            plan = {name: alloc(shape, dt, HEAP) for name, shape, dt in sizes}
+            plan["counters"] = alloc(counter_words, np.uint32)
+            comm.plans.add(key, plan)
+        return plan
 
     monkeypatch.setattr(mkernel.arrays, "as_cupy", lambda x, name, stream=None: x)
     monkeypatch.setattr(tp, "prepare_out", lambda op, out, shape, dtype, comm: out or alloc(shape, dtype))

@@ -6,6 +6,7 @@ import random
 import pytest
 
 import mkernel
+from mkernel.plans import PlanRegistry
 from mkernel.symmetric import ALIGN, FreeList, take_symmetric
 
 TOTAL = 1 << 24
@@ -115,6 +116,7 @@ def _fake_comm(heap, proxy=None, sub=False):
     c._closed, c.heap, c._proxy, c.rank = False, heap, proxy, MPI.COMM_WORLD.rank
     c.mpi = c.node_mpi = MPI.COMM_WORLD
     c._root = object() if sub else c
+    c.plans = PlanRegistry(synchronize=lambda: None)
     return c
 
 
@@ -141,6 +143,30 @@ def test_empty_grows_the_workspace_in_place_when_it_is_full(monkeypatch):
     monkeypatch.setenv("MKERNEL_WORKSPACE_MAX_BYTES", str(12 * MiB))
     with pytest.raises(mkernel.WorkspaceError, match="MKERNEL_WORKSPACE_MAX_BYTES"):
         _fake_comm(_FakeHeap(8 * MiB)).empty(16 * MiB, "uint8")
+
+
+@pytest.mark.mpi
+def test_empty_releases_cached_plans_before_growing(monkeypatch):
+    """comm.empty: when no free range holds a request, the ops' cached plans are released first
+    (their buffers freed), and the workspace grows only if that is not enough. Any rank count."""
+    monkeypatch.setenv("MKERNEL_WORKSPACE_MAX_BYTES", str(1 << 30))
+    MiB = 1 << 20
+    heap = _FakeHeap(8 * MiB)
+    comm = _fake_comm(heap)
+
+    class Held:  # a plan's buffer: its range goes back when the plan is dropped
+        def __init__(self, rng):
+            self.rng = rng
+
+        def __del__(self):
+            heap.free.give(*self.rng)
+
+    comm.plans.add(("op", 1), {"buf": Held(comm.empty(5 * MiB, "uint8"))})
+    comm.empty(6 * MiB, "uint8")  # fits once the plan is gone: no growth
+    assert not heap.grown and len(comm.plans) == 0
+    comm.plans.add(("op", 2), {"buf": Held(comm.empty(MiB, "uint8"))})
+    comm.empty(8 * MiB, "uint8")  # still too big after the release: grows
+    assert len(heap.grown) == 1 and len(comm.plans) == 0
 
 
 def test_taking_a_range_that_is_not_free_is_an_error():

@@ -11,6 +11,7 @@ import sass
 
 from mkernel import compile as mkc
 from mkernel import tp
+from mkernel.plans import PlanRegistry
 from mkernel.errors import ArgumentError
 
 # The modules (the package exports functions of the same names).
@@ -124,7 +125,7 @@ def test_grid_split():
 class _FakeComm:
     def __init__(self, size, distinct=True):
         self.size = size
-        self._op_buffers, self.gpus_shared = {}, not distinct
+        self.plans, self.gpus_shared = PlanRegistry(synchronize=lambda: None), not distinct
 
 
 def test_path_choice_is_a_function_of_shapes_and_topology():
@@ -189,13 +190,16 @@ class _Comm:
         self.flag_blocks = []
         self.peer_table = types.SimpleNamespace(data=_Ptr(0xABC000))
         self._agreed = {}
-        self._op_buffers, self.gpus_shared = {}, True
-        self.agreed = []
+        self.plans, self.gpus_shared = PlanRegistry(synchronize=lambda: None), True
+        self.agreements = []  # every key agreed on, in order
 
     def agree(self, key, value):
-        self.agreed.append(key)
+        self.agreements.append(key)
         self._agreed[key] = value
         return value
+
+    def agreed(self, key):
+        return key in self._agreed
 
     def sync_args(self, op):
         from mkernel.sync import MkSync
@@ -286,7 +290,7 @@ def test_reduce_scatter_and_allreduce_launch_arguments(fake_launch, world, rank)
         for o in range(world):  # tile of block o -> rank o's slot for this sender
             assert args.dst[o].v[0] == comm.heap.peer_base[o] + args.recv_off + rank * mb * N * 2
         assert args.out == out.data.ptr and args.ldo == N and args.g.a.v[0] == a.data.ptr
-        assert comm.agreed and comm.agreed[-1][-1] == "fused"
+        assert comm.agreements and comm.agreements[-1][-1] == "fused"
         # the default "auto" adapts inside the call; an integer split is static
         assert args.ctl == plan["ctl"].data.ptr and args.ctl_mode == tp.CTL_ADAPT
         assert args.ctl_lend_max == args.gemm_ctas // tp.CTL_LEND_SHARE

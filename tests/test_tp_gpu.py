@@ -329,7 +329,7 @@ def test_auto_split_searches_holds_and_stays_exact(comm, op):
             ok, msg = _check_exact(_host(got), ref, dt, f"auto call {i}", row0)
             if not ok:
                 msgs.append(msg)
-        key = next(st.key for (o, *_), st in comm._autosplit.items() if o == name)
+        key = next(st.key for (o, *_), st in comm.plans.state['autosplit.keys'].items() if o == name)
         search = autosplit.memory(comm).search(key)
         if not search.converged or len(search.points()) < 2 or search.best not in search.points():
             msgs.append(f"search: phase {search.phase}, points {search.points()}, best {search.best}")
@@ -402,7 +402,7 @@ def test_adaptive_controller_lends_gemm_ctas_to_a_starved_reduction(comm, op):
     exact, twice in a row."""
     from mkernel import tp
 
-    tp.release_buffers(comm)  # every rank: the earlier tests' plans leave too little workspace for this one
+    comm.release_plans()  # every rank: the earlier tests' plans leave too little workspace for this one
     W = comm.size
     call, ref, row0, shape = _controller_problem(comm, op, 52,
                                                  *((8192, 2048, 4096) if W == 1 else (1024 * W, 512, 1024)))

@@ -106,11 +106,10 @@ AG_CASES = [(200, 264, 136, "fp16", True), (136, 520, 512, "bf16", False), (256,
 def _proxy_state(comm, op):
     """For failure messages: per peer (writes, signals, bytes sent, received), and each plan of op's
     proxy flags (credits, flushes, first arrival counters)."""
-    from mkernel import tp as _tp
     peers = {p: (s["writes"], s["signals"], s["bytes_sent"], s["bytes_received"])
              for p, s in comm.stats().get("peers", {}).items() if s["writes"] or s["signals"]}
     flags = [comm.proxy_flags[1][v["pflags"].offset:v["pflags"].offset + 24].tolist()
-             for k, v in _tp.op_cache(comm).items()
+             for k, v in comm.plans.items()
              if isinstance(k, tuple) and k[:2] == ("buffers", op) and "pflags" in v]
     try:
         comm.proxy.check()
