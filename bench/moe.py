@@ -23,7 +23,7 @@ A B C ... A B C ... so that clock drift spreads over all of them):
 - unfused: ``moe_dispatch`` then ``grouped_gemm``; ``grouped_gemm`` then ``moe_combine`` (the
   building blocks back to back);
 - join, last for each routing: ``moe_dispatch_gemm`` with and without its dispatch CTAs taking
-  GEMM tiles after their sends (``moe_gemm.JOIN_GEMM``, on by default); the two y must be equal bit
+  GEMM tiles after their sends (config ``moe_join_gemm``, on by default); the two y must be equal bit
   for bit (``join_bits_match``), then both are timed interleaved (``join_ms``, ``nojoin_ms``);
 - baseline: the pairs sorted by expert on the device (cupy.argsort of expert * P + pair index, so
   the order is (destination rank, local expert, pair)), the token rows gathered (cupy.take), NCCL
@@ -429,7 +429,6 @@ def stage(comm, name, fn, errors, fatal):
 def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, errors, fatal, nodes=1):
     import cupy
     import mkernel
-    mg = sys.modules["mkernel.moe_gemm"]
 
     T, H, F, E, k = shape
     W, me = comm.size, comm.rank
@@ -464,12 +463,9 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
             _, st["h"] = mkernel.moe_dispatch_gemm(x, ids_d, w_d, w1, comm=comm, num_experts=E, capacity=cap,
                                                    out=B["y_mk"], path="fused")
 
-        def mk_dg_with(join):  # the dispatch CTAs join the GEMM after their sends, or not (moe_gemm.JOIN_GEMM)
-            default, mg.JOIN_GEMM = mg.JOIN_GEMM, join
-            try:
+        def mk_dg_with(join):  # the dispatch CTAs join the GEMM after their sends, or not (config moe_join_gemm)
+            with mkernel.config.override(moe_join_gemm=join):
                 mk_dg()
-            finally:
-                mg.JOIN_GEMM = default
 
         def mk_gc():  # the fused kernel (not the op's default path, which is unfused while the fused one is slower;
             # between nodes only the unfused path exists)

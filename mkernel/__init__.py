@@ -11,6 +11,7 @@ from ._version import __version__
 from .errors import (ArgumentError, CapacityError, ClosedError, CompileError, MKernelError, NoGPUError,
                      NoRDMADeviceError, PeerError, TimeoutError, WorkspaceError)
 from . import compile  # noqa: F401  (the kernel registry; the modules below register into it)
+from . import config  # noqa: F401  (the tuning knobs: mkernel.config.get / configure / override)
 from .comm import Communicator, init
 from . import selftest  # noqa: F401
 from .gemm import gemm, grouped_gemm

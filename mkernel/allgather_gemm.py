@@ -4,7 +4,7 @@ rows while the GEMM runs on the chunks that have arrived (design: docs/TP.md). I
 without CuPy; the kernels are registered at import.
 """
 
-from . import autosplit, tp
+from . import autosplit, config, tp
 from .errors import ArgumentError
 
 OP = "allgather_gemm"
@@ -112,7 +112,7 @@ def sanitize_target():
         a = rng.integers(-2, 3, size=(M, K)).astype(np.float16)
         b = rng.integers(-2, 3, size=(K, N)).astype(np.float16)
         for controller in ("off", "pattern"):  # pushers only; odd GEMM CTAs pushing between their tiles
-            with tp.controller_setting(controller):
+            with config.override(tp_controller=controller):
                 out, gathered = allgather_gemm(cupy.asarray(a), cupy.asarray(b), comm=comm, path="fused",
                                                return_gathered=True, comm_sms=1)
             cupy.cuda.runtime.deviceSynchronize()

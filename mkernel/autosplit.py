@@ -24,7 +24,7 @@ inside.
 
 import contextlib
 
-from . import split
+from . import config, split
 from .log import get_logger
 
 log = get_logger("autosplit")
@@ -32,13 +32,8 @@ log = get_logger("autosplit")
 HOLD_SAMPLE = 16  # once a key holds, every this-many-th call is timed (drift re-opens the search)
 MAX_COMM_CTAS = 64  # the search's upper bound (the GEMM needs the rest)
 # The prior's model (docs/CONTROLLER.md): the comm CTAs load and store cta_bytes() (their copies and
-# reductions, local traffic included) at CTA_GBPS each, and the link carries comm_bytes() at its
-# rate (NVLink ~365 GB/s one way; between nodes the transport's). CTA_GBPS: bytes loaded + stored
-# per comm CTA and second, measured at world 1 (bench/NOTES.md). The GEMM at ~650 TFLOP/s.
-CTA_GBPS = 20.0
-NVLINK_GBPS = 365.0
-TRANSPORT_GBPS = {"host": 20.0, "tcp": 1.5, "verbs": 25.0}
-GEMM_TFLOPS = 650.0
+# reductions, local traffic included) at config.cta_gbps each, and the link carries comm_bytes() at
+# its rate (config.nvlink_gbps, or between nodes config.transport_gbps[transport]).
 
 
 def comm_bytes(op: str, M: int, N: int, K: int, world: int, esize: int, nodes: int = 1) -> int:
@@ -83,8 +78,9 @@ def prior_for(op: str, M: int, N: int, K: int, world: int, esize: int, nodes: in
     # split.prior's comm time is bytes / min(n * cta_rate, link_rate): with bytes = cta_bytes and the
     # link rate scaled to CTA bytes it is max(cta_bytes / (n * cta_rate), comm_bytes / link_rate).
     link_scaled = link_gbps * cb / lb if lb else 1e9
-    return split.prior(comm_bytes=cb, cta_gbps=CTA_GBPS, link_gbps=link_scaled,
-                       gemm_ms=2.0 * M * N * K / (GEMM_TFLOPS * 1e12) * 1e3, total=sms, lo=1, hi=hi)
+    cfg = config.get()
+    return split.prior(comm_bytes=cb, cta_gbps=cfg.cta_gbps, link_gbps=link_scaled,
+                       gemm_ms=2.0 * M * N * K / (cfg.gemm_tflops * 1e12) * 1e3, total=sms, lo=1, hi=hi)
 
 
 def _transport(comm) -> str:
@@ -97,8 +93,9 @@ def _transport(comm) -> str:
 
 def _link_gbps(comm) -> float:
     if comm.num_nodes == 1:
-        return NVLINK_GBPS
-    return TRANSPORT_GBPS.get(_transport(comm), TRANSPORT_GBPS["host"])
+        return config.get().nvlink_gbps
+    rates = config.get().transport_gbps
+    return rates.get(_transport(comm), rates["host"])
 
 
 class _KeyState:

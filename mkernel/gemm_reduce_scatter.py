@@ -5,7 +5,7 @@ computed by one fused kernel that reduces every output tile as soon as all its p
 Importable without CuPy; the kernels are registered with mkernel.compile at import.
 """
 
-from . import autosplit, tp
+from . import autosplit, config, tp
 from .errors import ArgumentError
 
 OP = "gemm_reduce_scatter"
@@ -29,7 +29,7 @@ def gemm_reduce_scatter(a, b, *, comm, out=None, stream=None, b_layout=None, com
     or a plain GEMM at world 1), 'fused', 'fallback', 'gemm' (world 1) or 'unfused' (cupy.matmul,
     then this op's own collective: the benchmarks' baseline for overlap). ``out``: optional
     ``[M / world, N]`` of the input dtype, outside the symmetric workspace. ``join``: the GEMM
-    CTAs also reduce once their tiles are done (default ``mkernel.tp.JOIN_REDUCE``).
+    CTAs also reduce once their tiles are done (default ``mkernel.config.get().tp_join_reduce``).
 
     Between nodes (node-major ranks, at most 8 in all), hierarchically: each node first sums its
     ranks' partials of every block over NVLink, and only that node partial (rounded to the input
@@ -54,7 +54,7 @@ def gemm_reduce(op, spec, kernel, allreduce, a, b, *, comm, out, stream, b_layou
                             f"pad A to a multiple of {W} rows)")
     if not isinstance(deterministic, bool):
         raise ArgumentError(f"{op}: deterministic must be True or False")
-    join = tp.JOIN_REDUCE if join is None else join
+    join = config.get().tp_join_reduce if join is None else join
     if not isinstance(join, bool):
         raise ArgumentError(f"{op}: join must be None, True or False")
     mb = M // W
@@ -156,7 +156,7 @@ def _sanitize(op_fn):
         b = rng.integers(-2, 3, size=(K, N)).astype(np.float16)
         # dedicated reducers only; the GEMM CTAs joining them; odd GEMM CTAs reducing between tiles
         for join, controller in ((False, "off"), (True, "off"), (False, "pattern")):
-            with tp.controller_setting(controller):
+            with config.override(tp_controller=controller):
                 out = op_fn(cupy.asarray(a), cupy.asarray(b), comm=comm, path="fused", join=join, comm_sms=1)
             cupy.cuda.runtime.deviceSynchronize()
             comm.check()

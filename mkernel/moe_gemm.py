@@ -18,6 +18,7 @@ import ctypes
 import importlib
 
 from . import compile as _compile
+from . import config
 from . import moe as _moe
 from . import tp as _tp
 from .errors import ArgumentError
@@ -26,7 +27,6 @@ _gemm = importlib.import_module("mkernel.gemm")  # the module (mkernel.gemm is a
 
 KERNEL = "mk_moe_dispatch_gemm_kernel"
 THREADS = 384            # MOE_GEMM_THREADS (the GEMM engine's CTA)
-DEFAULT_COMM_SMS = 16    # dispatch CTAs of the fused kernel (bench/NOTES.md: not yet tuned on 2 GPUs)
 PATHS = ("fused", "unfused")
 MAX_EXPERTS_LOCAL = _gemm.MAX_GROUPS  # one GEMM group per local expert
 
@@ -43,9 +43,6 @@ SPEC = _register("moe_gemm", "moe_dispatch_gemm.cu", KERNEL)
 COMBINE_SPEC = _register("moe_gemm_combine", "moe_gemm_combine.cu", COMBINE_KERNEL)
 
 
-# moe_dispatch_gemm: the dispatch CTAs take GEMM tiles once their rows are sent (bit-identical y;
-# 3-7% faster at world 1 on the H200, bench/NOTES.md session 7; tests/test_moe_gemm.py runs both).
-JOIN_GEMM = True
 
 
 class MkMoeGemmArgs(ctypes.Structure):
@@ -113,7 +110,7 @@ def moe_dispatch_gemm(x, topk_ids, topk_weights, w, *, comm, num_experts, capaci
     _gemm_args(args.g, d.plan["recv"], wb, layout, out, d.plan["group_rows"], d.capacity, d.H, F, El, args.m.sync)
     sms = _tp.sm_count()
     args.gemm_ctas = sms - comm_sms
-    args.join = 1 if JOIN_GEMM else 0
+    args.join = 1 if config.get().moe_join_gemm else 0
     d.exchange()
     _launch(op, SPEC, KERNEL, layout, d.x.dtype, args, sms, stream)
     return out, d.handle()
@@ -123,7 +120,7 @@ def _check_path(op, path, comm_sms, default):
     path = default if path is None else path
     if path not in PATHS:
         raise ArgumentError(f"{op}: path must be one of {PATHS}; got {path!r}")
-    comm_sms = DEFAULT_COMM_SMS if comm_sms is None else comm_sms
+    comm_sms = config.get().moe_comm_sms if comm_sms is None else comm_sms
     if not isinstance(comm_sms, int) or isinstance(comm_sms, bool) or not 1 <= comm_sms < _tp.sm_count():
         raise ArgumentError(f"{op}: comm_sms must be an integer in 1..{_tp.sm_count() - 1}; got {comm_sms!r}")
     return path, comm_sms

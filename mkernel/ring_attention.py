@@ -21,6 +21,7 @@ import ctypes
 import importlib
 
 from . import compile as _compile
+from . import config
 from . import proxy as _proxy
 from . import tp as _tp
 from . import tma as _tma
@@ -31,7 +32,6 @@ _attn = importlib.import_module("mkernel.attention")
 MAX_WORLD = 8             # RING_MAX_WORLD
 CNT_WORDS = 2 + 3 * MAX_WORLD
 FLAG_WORDS = 2 * MAX_WORLD
-DEFAULT_COMM_SMS = 8      # forwarding CTAs: NVLink push saturates near 8 SMs (shared/device/README.md)
 CHUNK_BYTES = 256 << 10   # bytes of K (and as many of V) per forwarding chunk
 PF_CHUNK = 1 + 2 * MAX_WORLD  # RING_PF_CHUNK: the first chunk-arrival flag of the proxy flags
 PROXY_CHUNK_FLAGS = 1024  # chunk-arrival flags of one plan (steps x chunks): sets the chunk size
@@ -125,7 +125,7 @@ def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, return_ls
     if W > MAX_WORLD:
         raise ArgumentError(f"ring_attention: at most {MAX_WORLD} ranks; this communicator has {W}")
     if comm_sms is None:
-        comm_sms = DEFAULT_COMM_SMS
+        comm_sms = config.get().ring_comm_sms
     if not isinstance(comm_sms, int) or isinstance(comm_sms, bool) or comm_sms < 1:
         raise ArgumentError(f"ring_attention: comm_sms must be a positive integer; got {comm_sms!r}")
     _attn._check_device(cupy)

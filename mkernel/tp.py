@@ -23,6 +23,7 @@ import ctypes
 import importlib
 
 from . import compile as _compile
+from . import config
 from . import proxy as _proxy
 from . import tma as _tma
 from .arrays import DT, cupy_mod  # noqa: F401  (tp.DT, tp.cupy_mod: the ops below use them through tp)
@@ -57,26 +58,9 @@ def plan_between_nodes(comm, plan, args, items, kinds=1):
     args.xgroups = -(-items // plan["xgroup"])
 SMEM_BYTES = 230736  # TP_SMEM_BYTES (static_assert in every .cu)
 PATHS = ("fused", "fallback", "gemm", "unfused")
-# RS / AR: the GEMM CTAs' consumers join the reduction after their last tile (besides the comm_sms
-# dedicated CTAs). Off until validated on a GPU (tests/test_tp_gpu.py runs both settings).
-JOIN_REDUCE = False
-# The in-call controller (tp_controller.cuh; docs/CONTROLLER.md): "auto" adapts inside every call
-# whose comm_sms is "auto" (an integer pins a static split); "always" adapts in every fused call,
-# starting from its comm_sms (tests, benchmarks); "pattern" lends every odd GEMM CTA in every fused
-# call (tests: the turn path without timing); "off" never.
-CONTROLLER = "auto"
-CONTROLLER_SETTINGS = ("auto", "always", "pattern", "off")
 CTL_OFF, CTL_ADAPT, CTL_PATTERN = 0, 1, 2  # TP_CTL_*
-CTL_LEND_SHARE = 2  # the controller lends at most gemm_ctas / CTL_LEND_SHARE GEMM CTAs
 B_NK, B_KN = 0, 1
-# comm_sms=None is "auto" (the split search across calls, the controller inside each); these static
-# counts serve the unfused baseline and "auto" off the fused path: reducers (RS), reducers + copiers
-# (AR), pushers (AG).
-DEFAULT_COMM_SMS = {"gemm_reduce_scatter": 8, "gemm_allreduce": 16, "allgather_gemm": 8}
-# Fusion is chosen on distinct GPUs when the GEMM has at least this many output tiles per rank and
-# this much K (provisional: replaced by measured crossovers of bench/tp.py on 2 x H200).
-FUSE_MIN_TILES = 32
-FUSE_MIN_K = 512
+# The knobs (fusion crossovers, controller mode, join, default comm CTAs) are mkernel.config's.
 
 
 def _split_ctl():
@@ -228,8 +212,10 @@ def choose_path(op, comm, path, *, rows, N, K):
     if not gpus_distinct(comm):
         return "fused", "ranks share a GPU (NCCL cannot run)"
     tiles = -(-rows // BM) * -(-N // BN)
-    if tiles < FUSE_MIN_TILES or K < FUSE_MIN_K:
-        return "fallback", f"{tiles} output tiles, K {K}: below the fusion crossover ({FUSE_MIN_TILES}, {FUSE_MIN_K})"
+    cfg = config.get()
+    if tiles < cfg.tp_fuse_min_tiles or K < cfg.tp_fuse_min_k:
+        return "fallback", (f"{tiles} output tiles, K {K}: below the fusion crossover ({cfg.tp_fuse_min_tiles}, "
+                            f"{cfg.tp_fuse_min_k})")
     return "fused", f"{tiles} output tiles, K {K}"
 
 
@@ -245,7 +231,6 @@ def agree_call(op, comm, key, reason):
 
 def on_stream(stream):
     """``with on_stream(stream):`` makes CuPy work (matmul, copies) run on ``stream`` when given."""
-    import contextlib
     return stream if stream is not None else contextlib.nullcontext()
 
 
@@ -334,32 +319,20 @@ def resolve_comm_sms(op, comm, comm_sms, chosen, *, M, N, K, esize, comm_items):
     if comm_sms != "auto":
         return comm_sms, None
     if chosen != "fused":
-        return DEFAULT_COMM_SMS[op], None
+        return config.get().tp_comm_sms[op], None
     from . import autosplit
     return autosplit.choose(comm, op, M=M, N=N, K=K, esize=esize, comm_items=comm_items, sms=sm_count())
 
 
 def controller_mode(op, comm_sms, chosen):
-    """TP_CTL_* of a launch: the controller adapts the calls whose comm_sms is "auto" (CONTROLLER)."""
-    if CONTROLLER not in CONTROLLER_SETTINGS:
-        raise ArgumentError(f"mkernel.tp.CONTROLLER must be one of {CONTROLLER_SETTINGS}; got {CONTROLLER!r}")
-    if chosen != "fused" or CONTROLLER == "off":
+    """TP_CTL_* of a launch: the controller adapts the calls whose comm_sms is "auto"
+    (config.tp_controller)."""
+    setting = config.get().tp_controller
+    if chosen != "fused" or setting == "off":
         return CTL_OFF
-    if CONTROLLER == "pattern":
+    if setting == "pattern":
         return CTL_PATTERN
-    return CTL_ADAPT if comm_sms == "auto" or CONTROLLER == "always" else CTL_OFF
-
-
-@contextlib.contextmanager
-def controller_setting(value):
-    """``with tp.controller_setting("pattern"):`` sets CONTROLLER for the calls inside (tests)."""
-    global CONTROLLER
-    old, CONTROLLER = CONTROLLER, value
-    try:
-        controller_mode(None, None, "fused")  # a bad value raises here, not at the next launch
-        yield
-    finally:
-        CONTROLLER = old
+    return CTL_ADAPT if comm_sms == "auto" or setting == "always" else CTL_OFF
 
 
 def set_split(args, plan, gemm_ctas, mode, comm):
@@ -368,7 +341,7 @@ def set_split(args, plan, gemm_ctas, mode, comm):
     args.gemm_ctas = gemm_ctas
     args.ctl = plan["ctl"].data.ptr
     args.ctl_mode = mode
-    args.ctl_lend_max = gemm_ctas // CTL_LEND_SHARE
+    args.ctl_lend_max = gemm_ctas // config.get().tp_lend_share
     comm.plans.state["tp.last_ctl"] = plan["ctl"]
 
 

@@ -8,7 +8,7 @@ import importlib
 import pytest
 from test_tp_compile import _Arr, _Comm, fake_launch  # noqa: F401  (fake_launch is a fixture)
 
-from mkernel import autosplit, split, tp
+from mkernel import autosplit, config, split, tp
 
 rs = importlib.import_module("mkernel.gemm_reduce_scatter")
 ag = importlib.import_module("mkernel.allgather_gemm")
@@ -91,7 +91,7 @@ def test_auto_converges_to_the_best_split_and_then_samples(fake_launch, auto):  
     times = {n: _curve(n) for n in range(1, 65)}
     assert _curve(search.best) <= 1.03 * min(times.values()), (search.best, counts)
     assert abs(search.best - BEST) <= 3
-    prior = autosplit.prior_for("gemm_reduce_scatter", 8192, 4096, 1024, 2, 2, 1, autosplit.NVLINK_GBPS, 132, 64)
+    prior = autosplit.prior_for("gemm_reduce_scatter", 8192, 4096, 1024, 2, 2, 1, config.get().nvlink_gbps, 132, 64)
     assert counts[0] == prior  # the first call on a new key runs the model's guess
     # every observation is this rank's own time of that call's count
     assert all(ms == pytest.approx(_curve(n)) for n, ms in auto["observed"])
@@ -135,7 +135,7 @@ def test_auto_is_only_for_the_fused_path(fake_launch, auto, monkeypatch):  # noq
     monkeypatch.setattr(tp, "quiesced_first_use", lambda *args: False)
     comm = _comm()
     n = _rs_call(comm, fake_launch, path="unfused")
-    assert n == tp.DEFAULT_COMM_SMS["gemm_reduce_scatter"] and auto["timers"] == 0
+    assert n == config.get().tp_comm_sms["gemm_reduce_scatter"] and auto["timers"] == 0
 
 
 def test_allgather_gemm_auto_stays_within_its_items(fake_launch, auto):  # noqa: F811
@@ -162,7 +162,7 @@ def test_cta_bytes_per_op():
     # 2 nodes x 1: RS sums 1 partial per node block into a store, the own block adds the other node's
     assert autosplit.cta_bytes("gemm_reduce_scatter", 8192, 4096, 1024, 2, 2, nodes=2) == (2 * 2 + 1) * blk
     # W = 1: the GEMM (~0.85 ms) and 256 MiB of copies at 20 GB/s a CTA balance near 16 CTAs
-    n = autosplit.prior_for("gemm_reduce_scatter", 8192, 8192, 4096, 1, 2, 1, autosplit.NVLINK_GBPS, 132, 64)
+    n = autosplit.prior_for("gemm_reduce_scatter", 8192, 8192, 4096, 1, 2, 1, config.get().nvlink_gbps, 132, 64)
     assert 12 <= n <= 24, n
 
 

@@ -17,7 +17,7 @@ GPU, 1 rank and under mpirun (marked gpu and mpi):
   of one shape and a second shape (plans of their own), each bitwise equal to its solo run; the epoch
   moves by 24 (test_fused_repeated);
 - comm_sms 1 and 40 give the same bits as the default, both ops (test_fused_split_invariant);
-- the exact cases again with the dispatch CTAs joining the GEMM after their sends (JOIN_GEMM).
+- the exact cases again with the dispatch CTAs joining the GEMM after their sends (config moe_join_gemm).
 Device-detected errors of the fused kernel (capacity, expert ids) are cases of test_moe.test_device_errors.
 """
 
@@ -161,12 +161,12 @@ def _exact_body(comm, c, F, lay):
 
 @collective_cases.gpu_mpi
 @pytest.mark.parametrize("join", [False, True])
-def test_fused_exact(comm, join, monkeypatch):
-    """join: the dispatch CTAs take GEMM tiles once their rows are sent (moe_gemm.JOIN_GEMM)."""
-    monkeypatch.setattr(mmg, "JOIN_GEMM", join)
+def test_fused_exact(comm, join):
+    """join: the dispatch CTAs take GEMM tiles once their rows are sent (config moe_join_gemm)."""
     cases = _exact_cases(comm)
     names = list(cases)
-    results = tm._run_cases(comm, names, lambda n: _exact_body(comm, *cases[n]))
+    with mkernel.config.override(moe_join_gemm=join):
+        results = tm._run_cases(comm, names, lambda n: _exact_body(comm, *cases[n]))
     tm._report_and_decide(comm, f"moe_dispatch_gemm fused (join={join}), exact per (expert, source) block", names,
                           results)
 

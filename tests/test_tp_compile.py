@@ -10,7 +10,7 @@ import pytest
 import sass
 
 from mkernel import compile as mkc
-from mkernel import tp
+from mkernel import config, tp
 from mkernel.plans import PlanRegistry
 from mkernel.errors import ArgumentError
 
@@ -35,12 +35,12 @@ def test_controller_state_layout_matches_host_compiler(tmp_path):
     ("always", 8, "fused", tp.CTL_ADAPT), ("pattern", 8, "fused", tp.CTL_PATTERN),
     ("pattern", "auto", "unfused", tp.CTL_OFF), ("off", "auto", "fused", tp.CTL_OFF)])
 def test_controller_mode_follows_comm_sms_and_the_setting(setting, comm_sms, path, mode):
-    with tp.controller_setting(setting):
+    with config.override(tp_controller=setting):
         assert tp.controller_mode("gemm_reduce_scatter", comm_sms, path) == mode
-    with pytest.raises(ArgumentError, match="CONTROLLER"):
-        with tp.controller_setting("sometimes"):
+    with pytest.raises(ArgumentError, match="tp_controller"):
+        with config.override(tp_controller="sometimes"):
             pass
-    assert tp.CONTROLLER == "auto"
+    assert config.get().tp_controller == "auto"
 
 
 def test_auto_split_launches_with_the_adaptive_controller(fake_launch, monkeypatch):
@@ -223,7 +223,7 @@ def _auto_asks_for_the_static_counts(monkeypatch):
     """This module's launches with comm_sms "auto" (the default) get the static counts from the
     split search (tests/test_autosplit.py runs the real one on the same fakes)."""
     from mkernel import autosplit
-    monkeypatch.setattr(autosplit, "choose", lambda comm, op, **kw: (tp.DEFAULT_COMM_SMS[op], None))
+    monkeypatch.setattr(autosplit, "choose", lambda comm, op, **kw: (config.get().tp_comm_sms[op], None))
 
 
 @pytest.fixture
@@ -283,7 +283,7 @@ def test_reduce_scatter_and_allreduce_launch_arguments(fake_launch, world, rank)
         assert args.tiles_mb == 2 and args.tiles_n == 2 and args.g.k == K and args.g.n == N and args.g.m == M
         tiles = world * 4
         items = (world if allreduce else 1) * 4  # AR: also the copies of the other ranks' reduced blocks
-        assert args.gemm_ctas == tiles and L["grid"] == tiles + min(tp.DEFAULT_COMM_SMS[L["op"]], items)
+        assert args.gemm_ctas == tiles and L["grid"] == tiles + min(config.get().tp_comm_sms[L["op"]], items)
         assert args.recv_off == comm.offset_of(plan["recv"]) and args.rflag_off == comm.offset_of(plan["rflag"])
         if allreduce:
             assert args.gath_off == comm.offset_of(plan["gath"]) and args.gflag_off == comm.offset_of(plan["gflag"])
@@ -293,7 +293,7 @@ def test_reduce_scatter_and_allreduce_launch_arguments(fake_launch, world, rank)
         assert comm.agreements and comm.agreements[-1][-1] == "fused"
         # the default "auto" adapts inside the call; an integer split is static
         assert args.ctl == plan["ctl"].data.ptr and args.ctl_mode == tp.CTL_ADAPT
-        assert args.ctl_lend_max == args.gemm_ctas // tp.CTL_LEND_SHARE
+        assert args.ctl_lend_max == args.gemm_ctas // config.get().tp_lend_share
         fn(a, b, comm=comm, out=out, path="fused", comm_sms=3)
         assert fake_launch["launch"]["args"].ctl_mode == tp.CTL_OFF and fake_launch["launch"]["grid"] == tiles + 3
 
@@ -327,8 +327,8 @@ def test_reduce_ops_between_nodes_launch_arguments(fake_launch, world, nodes, ra
     assert comm.flag_blocks == [tp.PF_ARRIVED + (2 if allreduce else 1) * nodes * tiles_blk]
     assert args.queue.flag_base == 100 and args.pflags == 0x7000000 + 4 * 100
     items = (world + nodes - 1 if allreduce else nodes) * tiles_blk  # AR: also gather copies and forwards
-    assert fake_launch["launch"]["grid"] == world * tiles_blk + min(tp.DEFAULT_COMM_SMS[fake_launch["launch"]["op"]],
-                                                                     items)
+    n_comm = config.get().tp_comm_sms[fake_launch["launch"]["op"]]
+    assert fake_launch["launch"]["grid"] == world * tiles_blk + min(n_comm, items)
     with pytest.raises(ArgumentError, match="node-major"):
         c = _Comm(world, rank, nodes)
         c.topology.node_of = tuple(reversed(c.topology.node_of))
@@ -350,7 +350,7 @@ def test_allgather_gemm_between_nodes_launch_arguments(fake_launch, monkeypatch,
     assert (args.nodes, args.local, args.lrank, args.node) == (nodes, L, rank % L, rank // L)
     assert comm.flag_blocks == [tp.PF_ARRIVED + nodes * chunks] and args.xgroup == 1 and args.xgroups == chunks
     assert args.queue.flag_base == 100 and args.pflags == 0x7000000 + 4 * 100
-    assert fake_launch["launch"]["grid"] == world * chunks * 2 + min(tp.DEFAULT_COMM_SMS["allgather_gemm"],
+    assert fake_launch["launch"]["grid"] == world * chunks * 2 + min(config.get().tp_comm_sms["allgather_gemm"],
                                                                      (L + nodes - 1) * chunks)
 
 
@@ -379,7 +379,7 @@ def test_unfused_path_launches_the_collective_after_a_gemm(fake_launch, monkeypa
     ag.allgather_gemm(_Arr((200, K), "float16", 0x100000), b, comm=_Comm(world, rank, nodes), out=ga_out,
                       path="unfused")
     L = fake_launch["launch"]
-    assert L["args"].gemm_ctas == 0 and L["grid"] == min(tp.DEFAULT_COMM_SMS["allgather_gemm"], (2 + 1) * 2)
+    assert L["args"].gemm_ctas == 0 and L["grid"] == min(config.get().tp_comm_sms["allgather_gemm"], (2 + 1) * 2)
     # the warm-up multiply (cuBLAS loads its kernel before the gather is in flight), then the real one
     assert calls[-2:] == [(fake_launch["plan"]["ga"], ga_out)] * 2 and len(quiesced) == 2
 

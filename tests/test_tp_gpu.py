@@ -33,6 +33,7 @@ from argument_errors import argument_errors
 from gpu_arrays import (dev as _dev, host as _host, poisoned as _poisoned)
 
 import mkernel
+from mkernel import config
 from mkernel.allgather_gemm import allgather_gemm
 from mkernel.gemm_allreduce import gemm_allreduce
 from mkernel.gemm_reduce_scatter import gemm_reduce_scatter
@@ -357,7 +358,7 @@ def _controller_problem(comm, op, seed, M, K, N):
 
 @pytest.mark.parametrize("op", ["rs", "ar", "ag"])
 def test_lent_gemm_ctas_take_comm_turns_exactly(comm, op):
-    """tp.CONTROLLER = "pattern": every odd GEMM CTA prefers a ready communication item (RS / AR a
+    """config tp_controller "pattern": every odd GEMM CTA prefers a ready communication item (RS / AR a
     reduction, AG a push) to its next tile: the turn path (MK_TILE_COMM in the tile ring, the
     consumers' one-item step) without timing. One dedicated comm CTA, so items queue up. Two shapes
     back to back, each twice (the controller state is reset by each launch's last CTA), every
@@ -375,7 +376,7 @@ def test_lent_gemm_ctas_take_comm_turns_exactly(comm, op):
         msgs, turns = [], []
         for rep in range(2):
             for i, (call, ref, row0, shape) in enumerate(problems):
-                with tp.controller_setting("pattern"):
+                with config.override(tp_controller="pattern"):
                     got = call(_poisoned(shape, "fp16"), comm_sms=1)
                 _sync(f"pattern {op} shape {i} rep {rep}")
                 comm.check()
@@ -396,7 +397,7 @@ def test_lent_gemm_ctas_take_comm_turns_exactly(comm, op):
 
 @pytest.mark.parametrize("op", ["rs", "ar"])
 def test_adaptive_controller_lends_gemm_ctas_to_a_starved_reduction(comm, op):
-    """tp.CONTROLLER = "always" from one reducer: the reduction (one CTA) cannot keep up with the
+    """config tp_controller "always" from one reducer: the reduction (one CTA) cannot keep up with the
     GEMM (131 CTAs, ~200 us, ~20 windows), so the controller's windows must lend GEMM CTAs (asserted at world 1,
     where the timing is the kernel's own; ranks sharing a GPU are time-sliced); the output stays
     exact, twice in a row."""
@@ -410,7 +411,7 @@ def test_adaptive_controller_lends_gemm_ctas_to_a_starved_reduction(comm, op):
     def body():
         msgs, records = [], []
         for rep in range(2):
-            with tp.controller_setting("always"):
+            with config.override(tp_controller="always"):
                 got = call(_poisoned(shape, "fp16"), comm_sms=1)
             _sync(f"adaptive {op} rep {rep}")
             comm.check()
@@ -443,7 +444,6 @@ def test_thousand_back_to_back_launches(comm):
 def _back_to_back(comm, n):
     import cupy
 
-    from mkernel import tp
 
     W = comm.size
     kind, dt = "bf16", BF16
@@ -472,8 +472,8 @@ def _back_to_back(comm, n):
             # launches stay queued); every fifth launch with lent GEMM CTAs in the fixed pattern and
             # every fifth with the adaptive controller (its windows, lock and lent count must not leak
             # into the next launch)
-            n_comm = tp.DEFAULT_COMM_SMS
-            with tp.controller_setting({3: "pattern", 1: "always"}.get(i % 5, tp.CONTROLLER)):
+            n_comm = config.get().tp_comm_sms
+            with config.override(tp_controller={3: "pattern", 1: "always"}.get(i % 5, config.get().tp_controller)):
                 if op == "rs":
                     out = gemm_reduce_scatter(p["a"][s], p["b"], comm=comm, out=_poisoned((M // W, N), kind),
                                               path="fused", join=bool(i % 4 == 0),

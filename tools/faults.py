@@ -10,7 +10,9 @@ is proven) and MKERNEL_TIMEOUT_S (default 5). Rank 1 is the victim:
   b  exits between two calls                      emulated nodes, host transport; TP ops only)
   c  exits inside the op (its kernel waits for   e  is stopped (SIGSTOP) between calls; once the
      the survivor, which calls 1 s later)           survivor raised it is resumed, and must raise too
-The survivor calls the op and then comm.check() until it raises. Passes when it raised PeerError
+Under MPS, (c) cannot pass: a client that dies with a kernel in flight faults every client on the
+GPU (docs/ARCHITECTURE.md); run (c) time-sliced. The survivor calls the op and then comm.check()
+until it raises. Passes when it raised PeerError
 or TimeoutError naming the op within timeout + 5 s of its call, its comm.close() returned within
 10 s, and its process ended within 10 s of that (MPI_Finalize included); in (e) the resumed rank
 raised as well. Prints one row per case; exit status 1 if any failed.

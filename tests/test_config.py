@@ -1,0 +1,44 @@
+"""The tuning knobs (mkernel/config.py): one frozen object, set for the process or for a block,
+checked when set."""
+
+import pytest
+
+import mkernel
+from mkernel import config
+from mkernel.errors import ArgumentError
+
+
+def test_override_sets_the_knobs_for_a_block_and_restores_them():
+    base = config.get()
+    with config.override(tp_controller="pattern", moe_join_gemm=False) as cfg:
+        assert config.get() is cfg and cfg.tp_controller == "pattern" and not cfg.moe_join_gemm
+        assert cfg.tp_comm_sms == base.tp_comm_sms  # the rest unchanged
+    assert config.get() is base
+
+
+def test_configure_sets_the_knobs_for_the_process():
+    base = config.get()
+    try:
+        assert config.configure(ring_comm_sms=4).ring_comm_sms == 4 and config.get().ring_comm_sms == 4
+    finally:
+        config._current[0] = base
+
+
+@pytest.mark.parametrize("changes,match", [({"tp_controller": "sometimes"}, "tp_controller"),
+                                           ({"ring_comm_sms": 0}, "ring_comm_sms"),
+                                           ({"tp_join_reduce": 1}, "tp_join_reduce"),
+                                           ({"no_such_knob": 1}, "unknown configuration")])
+def test_bad_values_raise_where_they_are_set(changes, match):
+    with pytest.raises(ArgumentError, match=match):
+        with config.override(**changes):
+            pass
+    assert config.get() == config.Config()
+
+
+def test_the_object_and_its_tables_are_read_only():
+    cfg = config.get()
+    with pytest.raises(Exception):
+        cfg.tp_controller = "off"
+    with pytest.raises(TypeError):
+        cfg.tp_comm_sms["gemm_allreduce"] = 1
+    assert mkernel.config is config
