@@ -270,9 +270,13 @@ def moe_combine(y, handle, *, comm, out=None, stream=None):
     dispatch's dtype), ``out[t] = sum_j topk_weights[t, j] * row(t, j)`` in fp32, j ascending, one
     rounding (bitwise reproducible). Between nodes: each node's pairs summed so (in fp32), then the
     nodes' sums in node order, one rounding; the weights are the ones dispatch was given."""
+    return combine("moe_combine", y, handle, comm=comm, out=out, stream=stream)
+
+
+def combine(op, y, handle, *, comm, out, stream):
+    """moe_combine on behalf of ``op`` (the name its errors and timeouts carry)."""
     from .arrays import as_cupy, check_matrix
 
-    op = "moe_combine"
     _check_comm(op, comm)
     comm.check()
     if not isinstance(handle, MoeHandle):

@@ -189,7 +189,7 @@ def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=No
         with _tp.on_stream(stream):
             z = cupy.empty((handle.capacity, H), dtype=handle.dtype)
         _gemm.grouped_gemm(y2, wb, handle.group_rows, out=z, stream=stream, b_layout=_b_layout_name(layout))
-        return _moe.moe_combine(z, handle, comm=comm, out=out, stream=stream)
+        return _moe.combine(op, z, handle, comm=comm, out=out, stream=stream)
 
     plan, cap, El = handle._plan, handle.capacity, handle.group_rows.size
     key = "combine staging"  # this rank's GEMM output [capacity, H] and its tile flags (local memory)
