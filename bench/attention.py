@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 
 import harness  # noqa: E402
-from harness import PEAK_TFLOPS, hidden_launch_ms as gpu_time_ms, rand, wait  # noqa: E402  (rand: bf16)
+from harness import PEAK_TFLOPS, rand, wait  # noqa: E402  (rand: bf16)
+from harness import hidden_launch_ms as gpu_time_ms  # noqa: E402
 
 GOAL = 0.80          # fraction of cuDNN's TFLOP/s, every row
 MAX_REL_ERR = 1e-2   # mkernel vs cuDNN, relative Frobenius norm
@@ -136,7 +137,7 @@ def main():
     harness.require_gpu("bench/attention.py")
     import cupy
 
-    ma = importlib.import_module("mkernel.attention")  # the module (mkernel.attention is also the function)
+    ma = importlib.import_module("mkernel.engines.attention")  # the module (mkernel.attention is also the function)
 
     reps = QUICK_REPS if opts.quick else max(20, opts.reps)
     shapes = QUICK_SHAPES if opts.quick else MAIN_SHAPES + ([] if opts.no_gqa else GQA_SHAPES)

@@ -1,4 +1,4 @@
-"""Issue 8: the adaptive split (``comm_sms="auto"``, mkernel/autosplit.py) against static splits,
+"""Issue 8: the adaptive split (``comm_sms="auto"``, mkernel/split/search.py) against static splits,
 for the three fused TP ops on bench/tp.py's shapes, one node or ``--nodes N`` emulated nodes.
 
 Per (op, shape): the first call on a fresh key (the model's prior) is timed alone; the search then
@@ -21,8 +21,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness  # noqa: E402
 import tp as tp_bench  # noqa: E402  (bench/tp.py: the shapes)
+
+import harness  # noqa: E402
 
 GRID = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 REPS = 50
@@ -32,6 +33,7 @@ SEARCH_CALLS = 16  # enough for the search to hold (it holds after at most 10 ob
 def op_call(op, comm, M, N, K, dt):
     """call(comm_sms) -> runs the fused op once on this rank's inputs (bench/tp.py's shapes)."""
     import cupy
+
     import mkernel
 
     W, r = comm.size, comm.rank
@@ -74,7 +76,9 @@ FIRST_LEAD_NS = 50_000_000  # the first call on a key agrees its bound and compu
 def bench_shape(op, comm, M, N, K, dt):
     from mpi4py import MPI
 
-    from mkernel import autosplit, split, tp
+    from mkernel.ops import tp
+    from mkernel.split import policy as split
+    from mkernel.split import search as autosplit
 
     call = op_call(op, comm, M, N, K, dt)
     for n in GRID[:2]:  # compile, allocate the plan

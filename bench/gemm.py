@@ -26,7 +26,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 import numpy as np  # noqa: E402
 
 import harness  # noqa: E402
-from harness import PEAK_TFLOPS, hidden_launch_ms as gpu_time_ms, rand, wait  # noqa: E402  (rand: bf16)
+from harness import PEAK_TFLOPS, rand, wait  # noqa: E402  (rand: bf16)
+from harness import hidden_launch_ms as gpu_time_ms  # noqa: E402
 
 PEAK_TBS = 4.8  # H200 HBM3e
 MAIN_SHAPES = [(4096, 8192, 4096), (8192, 8192, 4096), (8192, 8192, 14336), (16384, 8192, 14336),
@@ -97,11 +98,11 @@ def main():
         print(plot(json.loads(src.read_text()), src.with_suffix(".png")))
         return
 
-    import cupy
-
     import importlib
 
-    mg = importlib.import_module("mkernel.gemm")  # the module (mkernel.gemm is also the function)
+    import cupy
+
+    mg = importlib.import_module("mkernel.engines.gemm")  # the module (mkernel.gemm is also the function)
 
     reps = 5 if opts.quick else opts.reps
     t_start = time.time()

@@ -23,7 +23,7 @@ def require_gpu(script):
     """Ends the process with status 2 and one line naming ``script`` when no GPU is usable."""
     import sys
 
-    from mkernel import gpu
+    from mkernel.runtime import gpu
 
     if gpu.device_count() == 0:
         print(f"{script} needs a GPU: {gpu.describe_missing()}", flush=True)
@@ -126,6 +126,7 @@ def hidden_launch_ms(fn, reps=REPS, warmup=WARMUP, timeout_s=300.0):
     hidden: each timed call is queued behind a spin kernel (launch_lead_ns), so the start event
     fires when the work is already in the stream. Returns (median, all timings)."""
     import cupy
+
     from mkernel.testing import sync_or_exit
 
     for _ in range(warmup):
@@ -234,7 +235,7 @@ def save_plot(fig, path):
 def result_name(op, gpus, nodes=1, ranks_per_gpu=1):
     """bench/results/ file name: <op>-<N>gpu, or <op>-<N>rank-mps for ranks sharing GPUs under MPS
     (-timesliced without it: lockstep figures, kept apart), then -<nodes>node between nodes."""
-    from mkernel.gpu import mps_client
+    from mkernel.runtime.gpu import mps_client
 
     base = f"{op}-{gpus}gpu"
     if ranks_per_gpu > 1:

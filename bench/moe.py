@@ -74,8 +74,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import numpy as np  # noqa: E402
 
-import harness  # noqa: E402
 from mkernel.testing import sync_or_exit  # noqa: E402
+
+import harness  # noqa: E402
 
 # [T, H, F, E, k] per rank
 SHAPES = [(4096, 7168, 2048, 64, 8), (4096, 4096, 14336, 8, 2)]
@@ -163,11 +164,11 @@ def routing(kind, T, E, k, seed):
 
 
 def plan_bytes(T, H, E, k, W, itemsize, nodes=1):
-    """Symmetric workspace the MoE plan of one shape takes (mkernel/moe.py _plan, and between nodes
-    mkernel/moe_nodes.py plan), allocation by allocation rounded up as the heap does."""
+    """Symmetric workspace the MoE plan of one shape takes (mkernel/ops/moe.py _plan, and between nodes
+    mkernel/ops/moe_nodes.py plan), allocation by allocation rounded up as the heap does."""
     import mkernel
-    from mkernel import moe_nodes
-    from mkernel.symmetric import ALIGN
+    from mkernel.comm.symmetric import ALIGN
+    from mkernel.ops import moe_nodes
 
     cap = mkernel.moe_capacity(T, k, W)
     sizes = [W * (E + 2) * 4, W * 4, W * 4, W * 4, cap * 4, cap * H * itemsize, cap * H * itemsize]
@@ -303,7 +304,8 @@ class Baseline:
             return self._a2a_mpi(src, dst, sends, recvs)
         import cupy
         from cupy.cuda import nccl
-        from mkernel import tp
+
+        from mkernel.ops import tp
 
         nc, H = self.comm.nccl, self.H
         rb = H * src.itemsize
@@ -428,6 +430,7 @@ def stage(comm, name, fn, errors, fatal):
 # ----------------------------------------------------------------------------------- one shape
 def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, errors, fatal, nodes=1):
     import cupy
+
     import mkernel
 
     T, H, F, E, k = shape
@@ -659,8 +662,8 @@ def main():
     from mpi4py import MPI
 
     import mkernel
-    from mkernel import tp
-    from mkernel.symmetric import CONTROL_BYTES
+    from mkernel.comm.symmetric import CONTROL_BYTES
+    from mkernel.ops import tp
 
     t_start = time.time()
     dt = np.dtype(ml_dtypes.bfloat16) if args.dtype == "bfloat16" else np.dtype(np.float16)

@@ -48,9 +48,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import numpy as np  # noqa: E402
 
-import harness  # noqa: E402
-from mkernel.sequence import global_positions  # noqa: E402
+from mkernel.ops.sequence import global_positions  # noqa: E402
 from mkernel.testing import sync_or_exit  # noqa: E402
+
+import harness  # noqa: E402
 
 HEADS, DIM = 32, 128
 SEQ_QUICK = (4096, 8192)
@@ -161,7 +162,7 @@ class Baseline:
     def __init__(self, comm, q, k, v, out, causal):
         import cupy
 
-        self.attention = importlib.import_module("mkernel.attention").attention
+        self.attention = importlib.import_module("mkernel.engines.attention").attention
         self.comm, self.q, self.k, self.v, self.out, self.causal = comm, q, k, v, out, causal
         self.W, self.me = comm.size, comm.rank
         S, H, D = q.shape
@@ -382,8 +383,9 @@ def main():
 
     import cupy
     import ml_dtypes
+
     import mkernel
-    from mkernel import tp
+    from mkernel.ops import tp
 
     harness.require_gpu("bench/ring_attention.py")
     t_start = time.time()
@@ -392,8 +394,8 @@ def main():
     # never be matched against a collective inside the op.
     comm.bench_mpi = comm.mpi.Dup()
     W, me = comm.size, comm.rank
-    ring = importlib.import_module("mkernel.ring_attention").ring_attention
-    attention = importlib.import_module("mkernel.attention").attention
+    ring = importlib.import_module("mkernel.ops.ring_attention").ring_attention
+    attention = importlib.import_module("mkernel.engines.attention").attention
     dt = np.dtype(ml_dtypes.bfloat16) if args.dtype == "bfloat16" else np.dtype(np.float16)
     reps = QUICK_REPS if args.quick else max(20, args.reps)
     seqs = tuple(int(s) for s in args.seq.split(",")) if args.seq else (SEQ_QUICK if args.quick else SEQ_FULL)

@@ -102,8 +102,9 @@ def _max():
 def setup(op, comm, M, N, K, dt):
     """This rank's inputs and the three callables (mkernel, baseline, chunked)."""
     import cupy
-    import mkernel
     from cupy.cuda import nccl
+
+    import mkernel
 
     W, r = comm.size, comm.rank
     s2 = cupy.cuda.Stream(non_blocking=True)
@@ -291,8 +292,9 @@ def main():
     p.add_argument("--out", default=None, help="results directory (default bench/results)")
     args = p.parse_args()
     import ml_dtypes
-    import mkernel
     from mpi4py import MPI
+
+    import mkernel
 
     W = MPI.COMM_WORLD.size
     if args.nodes < 1 or W % args.nodes:

@@ -51,10 +51,10 @@ def queue_rate(batch, blocks, warps, iters, reps):
     """Commands per second from kernel launch to the proxy's tail covering the last one (verified)."""
     import cupy
 
-    from mkernel.compile import module
-    from mkernel.launch import launch
-    from mkernel.proxy import QUEUE_TEST, CommandQueue, Proxy, QueueStressArgs
-    from mkernel.sync import SyncState
+    from mkernel.comm.proxy import QUEUE_TEST, CommandQueue, Proxy, QueueStressArgs
+    from mkernel.runtime.compile import module
+    from mkernel.runtime.launch import launch
+    from mkernel.runtime.sync import SyncState
 
     fn = module(QUEUE_TEST).function(f"queue_stress<{'true' if batch else 'false'}>")
     total = blocks * warps * iters * 32
@@ -110,7 +110,7 @@ def pcie_rate(nbytes, reps):
 
 def exchange_times(proxy, queue, flags, nbytes, reps, src_region=0, dst_region=1):
     """Per rep: both ranks WRITE nbytes to each other at once; the slower rank's time to see its data."""
-    from mkernel.proxy import FLAG_SET, WRITE
+    from mkernel.comm.proxy import FLAG_SET, WRITE
 
     peer = 1 - WORLD.Get_rank()
     out = []
@@ -127,7 +127,7 @@ def transport_rows(transport, sizes, reps, memory, limit, peer_gbps, goal, ranks
     """extra: Proxy options (tcp_connections), also recorded in every row."""
     import cupy
 
-    from mkernel.proxy import CommandQueue, Proxy, barrier
+    from mkernel.comm.proxy import CommandQueue, Proxy, barrier
 
     rank = WORLD.Get_rank()
     big = max(sizes)

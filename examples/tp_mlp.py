@@ -33,6 +33,7 @@ def weights(T, H, F, seed=0):
 def mlp_block(comm, x_r, w1_r, w2_r):
     """The tensor-parallel block on CuPy (or DLPack) arrays: y_r = relu(x @ W1_r) @ W2_r, reduced."""
     import cupy
+
     import mkernel
 
     h = mkernel.allgather_gemm(x_r, w1_r, comm=comm)

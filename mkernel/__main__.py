@@ -12,22 +12,23 @@ EXIT_NO_GPU = 2
 
 
 def _cmd_info(args):
-    from . import info
+    from mkernel.diagnostics import info
     print("\n".join(info.collect()))
     return 0
 
 
 def _cmd_precompile(args):
     import time
+
     import mkernel  # noqa: F401  (registers every kernel)
-    from . import compile as kcompile
+    from mkernel.runtime import compile as kcompile
     names = args.kernels or sorted(kcompile.REGISTRY)
     for name in names:
         t = time.perf_counter()
         c = kcompile.compile_spec(kcompile.REGISTRY[name])
         print(f"{name:32s} {c.spec.source:24s} {time.perf_counter() - t:6.2f} s  key {c.key[:16]}")
     if not args.kernels:  # the split policy's host library too (comm_sms="auto"): no g++ run at a first call
-        from . import split
+        from mkernel.split import policy as split
         t = time.perf_counter()
         split.library()
         print(f"{'split policy (host library)':32s} {'split_policy.cuh':24s} {time.perf_counter() - t:6.2f} s")
@@ -36,7 +37,7 @@ def _cmd_precompile(args):
 
 
 def _cmd_env(args):
-    from . import env
+    from mkernel.core import env
     if args.markdown:
         sys.stdout.write(env.markdown())
     else:
@@ -46,11 +47,11 @@ def _cmd_env(args):
 
 
 def _cmd_run(args):
-    from . import gpu
+    from mkernel.runtime import gpu
     if gpu.device_count() == 0:
         print(f"mkernel: no GPU: {gpu.describe_missing()}; nothing to run.", file=sys.stderr)
         return EXIT_NO_GPU
-    from . import main_job
+    from mkernel.diagnostics import main_job
     return main_job.run(quick=args.quick)
 
 

@@ -75,7 +75,7 @@ def mpi_child_env(n: int, env: dict = None) -> tuple:
     """(environment, extra mpirun arguments) for a child job of ``n`` ranks on this machine's GPUs.
     Under MPS each rank gets its share of a GPU's SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE): clients
     that each count on all of them cannot run their persistent kernels at once."""
-    from .gpu import device_count, mps_client
+    from mkernel.runtime.gpu import device_count, mps_client
 
     env = dict(os.environ if env is None else env)
     if not mps_client():

@@ -1,6 +1,6 @@
 """What the tests of argument checking share: run callables that must raise mkernel.ArgumentError."""
 
-from mkernel.errors import ArgumentError
+from mkernel.core.errors import ArgumentError
 
 
 def argument_errors(cases):

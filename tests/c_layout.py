@@ -5,7 +5,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from mkernel.compile import CUDA_DIR
+from mkernel.runtime.compile import CUDA_DIR
 
 
 def c_offsets(header: str, struct: str, fields, tmp_path: Path) -> dict:

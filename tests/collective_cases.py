@@ -5,8 +5,10 @@ not, or a peer error or timeout was raised, the ranks may be out of step, so all
 running cases (the rest is recorded as not run). Then a per-case table and a collective decision."""
 
 import pytest
+
+from mkernel.core.errors import ClosedError, PeerError, TimeoutError
+
 from conftest import all_ranks
-from mkernel.errors import ClosedError, PeerError, TimeoutError
 
 # Errors after which a communicator is unusable (the ranks may be out of step): stop running cases.
 FATAL = (TimeoutError, PeerError, ClosedError)

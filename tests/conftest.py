@@ -12,7 +12,7 @@ import pytest
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX beside CuPy: don't take 75% of the GPU
 
-from mkernel import gpu
+from mkernel.runtime import gpu
 
 _SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
 UNDER_MPIEXEC = any(v in os.environ for v in _SIZE_VARS)

@@ -19,6 +19,7 @@ export PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
 pytest_ok() { local rc=0; "$@" || rc=$?; [ "$rc" -eq 5 ] && rc=0; return "$rc"; }
 
 "$PY" -m ruff check .  # lint (pyproject.toml [tool.ruff]): fails the command like a failing test
+"$PY" -c "import sys; from importlinter.cli import lint_imports_command as c; sys.argv[1:] = ['--no-cache']; c()"  # the layers (pyproject.toml [tool.importlinter]): no package imports one above it
 pytest_ok "$PY" -m pytest -q "$@"
 for n in 2 4; do
   echo "== MPI tests at $n ranks =="

@@ -29,24 +29,32 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from argument_errors import argument_errors
 
 import child_cases  # noqa: E402
-from gpu_arrays import (  # the shared device-array and attention helpers (tests/gpu_arrays.py)
-    dev as _dev, host as _host, bits as _bits, poisoned as _poisoned, poison as _poison, kind as _kind,
-    random_qkv as _random_qkv, attention_reference as _attention_reference, host_result as _host_result,
-    compare_attention as _compare, compare_exact as _compare_exact, BF16, DTYPES)
+from argument_errors import argument_errors
+from gpu_arrays import BF16, DTYPES
+from gpu_arrays import attention_reference as _attention_reference
+from gpu_arrays import bits as _bits
+from gpu_arrays import compare_attention as _compare
+from gpu_arrays import compare_exact as _compare_exact
+from gpu_arrays import dev as _dev  # the shared device-array and attention helpers (tests/gpu_arrays.py)
+from gpu_arrays import host as _host
+from gpu_arrays import host_result as _host_result
+from gpu_arrays import kind as _kind
+from gpu_arrays import poison as _poison
+from gpu_arrays import poisoned as _poisoned
+from gpu_arrays import random_qkv as _random_qkv
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mkernel.errors import NoGPUError  # noqa: E402
+from mkernel.core.errors import NoGPUError  # noqa: E402
 from mkernel.testing import sync_or_exit  # noqa: E402
 
 # The module, not the function: mkernel re-exports attention() under the same name. Imported
 # tolerantly so that the tests that do not need it (the wgmma header) still run while it is missing.
 try:
-    ma = importlib.import_module("mkernel.attention")
+    ma = importlib.import_module("mkernel.engines.attention")
     _IMPORT_ERROR = None
 except ImportError as _e:  # pragma: no cover - only while the module is being written
     ma, _IMPORT_ERROR = None, _e
@@ -75,7 +83,7 @@ def test_args_layout_matches_host_compiler(tmp_path):
 
 def test_registration_and_export():
     import mkernel
-    from mkernel import compile as mkc
+    from mkernel.runtime import compile as mkc
 
     m = _module()
     assert mkc.REGISTRY["attention"] is m.SPEC
@@ -96,7 +104,7 @@ def test_wgmma_header_is_generated():
 
 
 def test_no_gpu_error_without_a_gpu():
-    from mkernel import gpu
+    from mkernel.runtime import gpu
 
     if gpu.device_count() > 0:
         pytest.skip("a GPU is visible: the GPU tests cover the real calls")
@@ -334,7 +342,7 @@ def feature_back_to_back():
     equal bitwise the one the same call gave alone (a tile counter left stale by one launch skips or
     repeats tiles of the next)."""
     m = _module()
-    mg = importlib.import_module("mkernel.gemm")
+    mg = importlib.import_module("mkernel.engines.gemm")
     runs = []
     for i, (name, dtn, D, Hq, Hkv, B, Sq, Skv, causal, sms) in enumerate(_b2b_configs()):
         lead = () if B is None else (B,)

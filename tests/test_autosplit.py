@@ -5,13 +5,18 @@ timed. The launches are faked (test_tp_compile's fixtures); a call's "time" come
 cost curve of the comm CTA count it launched with."""
 
 import importlib
+
 import pytest
+
+from mkernel import config
+from mkernel.ops import tp
+from mkernel.split import policy as split
+from mkernel.split import search as autosplit
+
 from test_tp_compile import _Arr, _Comm, fake_launch  # noqa: F401  (fake_launch is a fixture)
 
-from mkernel import autosplit, config, split, tp
-
-rs = importlib.import_module("mkernel.gemm_reduce_scatter")
-ag = importlib.import_module("mkernel.allgather_gemm")
+rs = importlib.import_module("mkernel.ops.gemm_reduce_scatter")
+ag = importlib.import_module("mkernel.ops.allgather_gemm")
 
 BEST = 14  # the curve's optimum
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from mkernel import env, gpu
+from mkernel.core import env
+from mkernel.runtime import gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import mkernel
-from mkernel.selftest import Protocol
+from mkernel.diagnostics.selftest import Protocol
+
 from conftest import UNDER_MPIEXEC, all_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
@@ -277,6 +278,7 @@ def test_a_dead_rank_makes_the_survivor_raise_within_30_s():
 
 def test_trace_mode_writes_chrome_json_with_one_span_per_launch(tmp_path, monkeypatch):
     import json
+
     from mpi4py import MPI
     monkeypatch.setenv("MKERNEL_TRACE", str(tmp_path / "trace-{rank}.json"))
     solo = mkernel.init(MPI.COMM_SELF, workspace_bytes=4 << 20)
@@ -294,7 +296,8 @@ def test_trace_mode_writes_chrome_json_with_one_span_per_launch(tmp_path, monkey
 def test_jax_arrays_come_in_through_dlpack():
     jax = pytest.importorskip("jax")
     import cupy
-    from mkernel.arrays import as_cupy
+
+    from mkernel.runtime.arrays import as_cupy
     x = jax.numpy.arange(12, dtype=jax.numpy.float32).reshape(3, 4) * 2
     y = as_cupy(x, "x")
     assert isinstance(y, cupy.ndarray) and y.shape == (3, 4)
@@ -302,13 +305,13 @@ def test_jax_arrays_come_in_through_dlpack():
 
 
 def test_host_arrays_are_refused_with_a_clear_message():
-    from mkernel.arrays import as_cupy
+    from mkernel.runtime.arrays import as_cupy
     with pytest.raises(mkernel.ArgumentError, match="host memory"):
         as_cupy(np.zeros(4), "x")
 
 
 def test_persistent_grid_refuses_more_blocks_than_can_be_resident(proto):
-    from mkernel import launch
+    from mkernel.runtime import launch
     fn = proto.module.function("exchange")
     fit = launch.persistent_grid(fn, 256, 0, what="exchange")
     assert fit >= launch.sm_count()

@@ -7,7 +7,7 @@ import re
 import pytest
 
 import mkernel
-from mkernel import compile as kc
+from mkernel.runtime import compile as kc
 
 WGMMA_SERIALISED = re.compile(r"C75\d\d")  # C7510-C7515 (warnings), C7520 (an info line)
 SPECS = sorted(kc.REGISTRY)
@@ -75,7 +75,7 @@ def test_compile_error_is_typed(tmp_path, kernel_cache):
 def _compile_in_child(cuda_dir, cache, queue):
     import os
     os.environ["MKERNEL_CACHE_DIR"] = cache
-    from mkernel import compile as kc2
+    from mkernel.runtime import compile as kc2
     spec = kc2.KernelSpec("toy", "toy.cu", ("fill<3>",))
     queue.put(kc2.compile_spec(spec, __import__("pathlib").Path(cuda_dir)).key)
 

@@ -1,11 +1,13 @@
-"""The tuning knobs (mkernel/config.py): one frozen object, set for the process or for a block,
+"""The tuning knobs (mkernel/core/config.py): one frozen object, set for the process or for a block,
 checked when set."""
+
+import dataclasses
 
 import pytest
 
 import mkernel
 from mkernel import config
-from mkernel.errors import ArgumentError
+from mkernel.core.errors import ArgumentError
 
 
 def test_override_sets_the_knobs_for_a_block_and_restores_them():
@@ -37,7 +39,7 @@ def test_bad_values_raise_where_they_are_set(changes, match):
 
 def test_the_object_and_its_tables_are_read_only():
     cfg = config.get()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.tp_controller = "off"
     with pytest.raises(TypeError):
         cfg.tp_comm_sms["gemm_allreduce"] = 1

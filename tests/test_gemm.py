@@ -20,10 +20,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from argument_errors import argument_errors
 
 import child_cases  # noqa: E402
-from gpu_arrays import (dev as _dev, host as _host, poisoned as _poisoned, BF16, DTYPES)
+from argument_errors import argument_errors
+from gpu_arrays import BF16, DTYPES
+from gpu_arrays import dev as _dev
+from gpu_arrays import host as _host
+from gpu_arrays import poisoned as _poisoned
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -31,11 +34,10 @@ sys.path.insert(0, str(ROOT))
 import importlib  # noqa: E402
 
 # The module, not the function: mkernel re-exports gemm() under the same name.
-mg = importlib.import_module("mkernel.gemm")
-from mkernel import tma  # noqa: E402
-from mkernel.errors import ArgumentError  # noqa: E402
+mg = importlib.import_module("mkernel.engines.gemm")
+from mkernel.core.errors import ArgumentError  # noqa: E402
+from mkernel.runtime import tma  # noqa: E402
 from mkernel.testing import sync_or_exit  # noqa: E402
-
 
 
 # ======================================================================================== CPU
@@ -64,7 +66,7 @@ def test_tma_encode_goes_through_the_extension():
     import ctypes
 
     from mkernel import verbs
-    from mkernel.errors import NoGPUError
+    from mkernel.core.errors import NoGPUError
 
     assert hasattr(verbs.lib, "mk_cuda_tensor_map_encode_tiled")
     try:
@@ -78,7 +80,7 @@ def test_tma_encode_goes_through_the_extension():
 
 
 def test_registration():
-    from mkernel import compile as mkc
+    from mkernel.runtime import compile as mkc
 
     assert mkc.REGISTRY["gemm"] is mg.SPEC
     assert len(mg.EXPRESSIONS) == 24  # 16 unclustered (plain and grouped) + 8 clustered (plain)

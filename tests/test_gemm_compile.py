@@ -2,16 +2,16 @@
 ptxas warnings that mean wgmma was serialised (C7510-C7515) or registers were misallocated
 (C7508); the cubin's SASS has HGMMA in every kernel and no local memory (when cuobjdump exists)."""
 
+import importlib
 import re
 
 import pytest
 
+from mkernel.runtime import compile as mkc
+
 import sass
 
-from mkernel import compile as mkc
-import importlib
-
-gemm = importlib.import_module("mkernel.gemm")  # the module (mkernel.gemm is also the function)
+gemm = importlib.import_module("mkernel.engines.gemm")  # the module (mkernel.gemm is also the function)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """launch.PlanCache (CPU): a hit launches the stored plan on the given stream, a miss launches
 nothing, and the least recently used plan goes first."""
 
-from mkernel import launch as ml
+from mkernel.runtime import launch as ml
 
 
 def test_plan_cache_hit_miss_and_eviction(monkeypatch):
@@ -20,7 +20,7 @@ def test_plan_cache_hit_miss_and_eviction(monkeypatch):
 
 
 def test_mps_client_detection(monkeypatch, tmp_path):
-    from mkernel import gpu
+    from mkernel.runtime import gpu
 
     monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
@@ -37,7 +37,7 @@ def test_persistent_grids_keep_a_margin_under_mps(monkeypatch):
     not resident at once); otherwise on all of them."""
     import types
 
-    from mkernel import gpu
+    from mkernel.runtime import gpu
 
     fake = types.SimpleNamespace(cuda=types.SimpleNamespace(
         runtime=types.SimpleNamespace(getDevice=lambda: 0),
@@ -50,7 +50,8 @@ def test_persistent_grids_keep_a_margin_under_mps(monkeypatch):
 
 
 def test_child_jobs_get_their_share_of_the_gpu_under_mps(monkeypatch):
-    from mkernel import gpu, testing
+    from mkernel import testing
+    from mkernel.runtime import gpu
 
     monkeypatch.setattr(gpu, "device_count", lambda: 1)
     monkeypatch.setattr(gpu, "mps_client", lambda: False)

@@ -2,7 +2,9 @@
 
 import pytest
 
-from mkernel import selftest, sync
+from mkernel.diagnostics import selftest
+from mkernel.runtime import sync
+
 from c_layout import assert_same_layout
 
 

@@ -80,20 +80,26 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+
 from argument_errors import argument_errors, refused_before_launch
-from gpu_arrays import (  # the shared device-array helpers (tests/gpu_arrays.py)
-    dev as _dev, host as _host, bits as _bits, poisoned as _poisoned, poison as _poison, BF16, DTYPES, NAN_BITS)
+from gpu_arrays import BF16, DTYPES, NAN_BITS
+from gpu_arrays import bits as _bits
+from gpu_arrays import dev as _dev  # the shared device-array helpers (tests/gpu_arrays.py)
+from gpu_arrays import host as _host
+from gpu_arrays import poison as _poison
+from gpu_arrays import poisoned as _poisoned
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import mkernel  # noqa: E402
-from mkernel.errors import ArgumentError, CapacityError, MKernelError  # noqa: E402
+from mkernel.core.errors import ArgumentError, CapacityError, MKernelError  # noqa: E402
 from mkernel.testing import sync_or_exit  # noqa: E402
+
 import collective_cases  # noqa: E402  (the collective driver: tests/collective_cases.py)
 
 # The module, not the function: mkernel re-exports the function under the same name.
-mmoe = importlib.import_module("mkernel.moe")
+mmoe = importlib.import_module("mkernel.ops.moe")
 
 REL_TOL = 1e-2        # layer: relative Frobenius error of out and of y
 TOKEN_TOL = 5e-2      # layer: relative error of any one token's output row
@@ -311,7 +317,7 @@ def test_fused_args_layout_matches_host_compiler(tmp_path):
 
     from c_layout import c_offsets, py_offsets
 
-    mirror = importlib.import_module("mkernel.moe_gemm").MkMoeGemmArgs
+    mirror = importlib.import_module("mkernel.ops.moe_gemm").MkMoeGemmArgs
     fields = [name for name, *_ in mirror._fields_ if name != "tail"]
     c = c_offsets("moe_gemm_args.cuh", "MkMoeGemmArgs", fields, tmp_path)
     py = {k: v for k, v in py_offsets(mirror).items() if k not in ("alignof", "tail")}
@@ -324,7 +330,7 @@ def _c_constants(header, names, tmp_path):
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no host C++ compiler to read the C constants")
-    from mkernel.compile import CUDA_DIR
+    from mkernel.runtime.compile import CUDA_DIR
     lines = [f'#include "{header}"', "#include <cstdio>", "int main() {"]
     lines += [f'  std::printf("%s %lld\\n", "{n.split("(")[0]}", (long long)({n}));' for n in names]
     lines.append("}")
@@ -337,8 +343,8 @@ def _c_constants(header, names, tmp_path):
 
 
 def test_constants_match_the_headers(tmp_path):
-    from mkernel import sync
-    from mkernel.compile import CUDA_DIR
+    from mkernel.runtime import sync
+    from mkernel.runtime.compile import CUDA_DIR
 
     m = mmoe
     c = _c_constants("moe_args.cuh", ["MOE_MAX_WORLD", "MOE_MAX_EXPERTS", "MOE_MAX_TOPK", "MOE_CNT_WORDS",
@@ -360,10 +366,11 @@ def test_constants_match_the_headers(tmp_path):
 def test_node_args_layout_and_constants(tmp_path):
     """Between nodes: MkMoeNodeArgs (moe_nodes.py) against moe_nodes_args.cuh as g++ lays it out,
     and the constants both sides use."""
-    from c_layout import assert_same_layout
-    from mkernel.compile import CUDA_DIR
+    from mkernel.runtime.compile import CUDA_DIR
 
-    n = importlib.import_module("mkernel.moe_nodes")
+    from c_layout import assert_same_layout
+
+    n = importlib.import_module("mkernel.ops.moe_nodes")
     assert_same_layout("moe_nodes_args.cuh", n.MkMoeNodeArgs, tmp_path)
     c = _c_constants("moe_nodes_args.cuh", ["MOE_MAX_NODES", "MOE_PF_WORDS", "MOE_NCNT_WORDS",
                                             "MOE_GROW_WORDS(10)"], tmp_path)
@@ -379,7 +386,7 @@ def _fake_comm(node_of, local_size):
     """A Communicator with only the attributes the argument checks read (no GPU, no MPI)."""
     import types
 
-    from mkernel.comm import Communicator
+    from mkernel.comm.communicator import Communicator
 
     c = object.__new__(Communicator)
     c.size, c.rank, c.local_size, c.local_rank = len(node_of), 0, local_size, 0
@@ -392,16 +399,16 @@ def test_between_nodes_refusals(monkeypatch):
     """Between nodes, before anything collective: node-major ranks of equal nodes (MoE, ring
     attention and the TP ops share the check), the fused GEMM + combine refused, a bundle's sums
     within one 32-bit WRITE."""
-    from mkernel import tp
+    from mkernel.ops import tp
 
-    n = importlib.import_module("mkernel.moe_nodes")
+    n = importlib.import_module("mkernel.ops.moe_nodes")
     mmoe._check_comm("moe_dispatch", _fake_comm((0, 0, 1, 1), 2))  # node-major: accepted
     for node_of, L in (((0, 1, 0, 1), 2), ((0, 0, 0, 1), 3), ((1, 1, 0, 0), 2)):
         with pytest.raises(ArgumentError, match="node-major"):
             mmoe._check_comm("moe_dispatch", _fake_comm(node_of, L))
         with pytest.raises(ArgumentError, match="node-major"):
             tp.check_node_major("ring_attention", _fake_comm(node_of, L))
-    mg = importlib.import_module("mkernel.moe_gemm")
+    mg = importlib.import_module("mkernel.ops.moe_gemm")
     monkeypatch.setattr(tp, "sm_count", lambda: 132)  # comm_sms is checked against it (no GPU here)
     with pytest.raises(ArgumentError, match="inside one node"):
         mg.moe_gemm_combine(None, None, None, comm=_fake_comm((0, 1), 1), path="fused")
@@ -425,10 +432,10 @@ def test_moe_capacity():
 
 
 def test_module_and_export():
-    from mkernel import errors
+    from mkernel.core import errors
 
     m = mmoe
-    mg = importlib.import_module("mkernel.moe_gemm")
+    mg = importlib.import_module("mkernel.ops.moe_gemm")
     for name in ("moe_dispatch", "moe_combine", "moe_dispatch_gemm", "moe_gemm_combine", "moe_capacity", "MoeHandle"):
         mod = mg if name in ("moe_dispatch_gemm", "moe_gemm_combine") else m
         assert getattr(mkernel, name) is getattr(mod, name), f"mkernel.{name} is not {mod.__name__}.{name}"
@@ -439,7 +446,7 @@ def test_module_and_export():
 
 
 def test_device_errors_map_to_exceptions():
-    from mkernel import sync
+    from mkernel.runtime import sync
 
     for where, cls in ((sync.MOE_ERR_CAPACITY, CapacityError), (sync.MOE_ERR_EXPERT_ID, ArgumentError)):
         st = sync.MkStatus(code=sync.ERR_INPUT, op=sync.OP_ID["moe_dispatch"], rank=1, peer=-1, where=where,
@@ -1188,7 +1195,7 @@ def _argument_body(comm, name):
         recv, h = moe.moe_dispatch(x, ids, w, comm=comm, num_experts=E)  # a valid handle (launched before e0)
         return _expect_argument_errors(comm, _combine_error_cases(comm, recv, h), name)
     if name == "moe_dispatch_gemm bad w1 (raised before the dispatch launches)":
-        # moe_dispatch_gemm validates w1 before it plans or launches anything (mkernel/moe_gemm.py).
+        # moe_dispatch_gemm validates w1 before it plans or launches anything (mkernel/ops/moe_gemm.py).
         return _expect_argument_errors(comm, _dispatch_gemm_error_cases(comm), name)
     raise ValueError(name)
 

@@ -27,12 +27,13 @@ import zlib
 import numpy as np
 import pytest
 
-import collective_cases
 import mkernel
+
+import collective_cases
 import test_moe as tm
 from gpu_arrays import bits, dev, host, poisoned
 
-mmg = importlib.import_module("mkernel.moe_gemm")
+mmg = importlib.import_module("mkernel.ops.moe_gemm")
 
 FS = (72, 264)  # output widths: part of one N-tile, two N-tiles
 
@@ -219,7 +220,7 @@ def _split_body(comm):
     want = _want_y(P, me, W1)
     ok, msgs = True, []
     outs = []
-    from mkernel.launch import sm_count
+    from mkernel.runtime.launch import sm_count
     for sms in (None, 1, min(40, sm_count() - 1)):  # 40, or all but one CTA where fewer SMs count (MPS)
         _, y, h = _run(P, me, W1, 264, "kn", comm, comm_sms=sms)
         outs.append(bits(_combine(P, me, y, h, "kn", comm, comm_sms=sms)[1]))
@@ -245,7 +246,7 @@ def test_fused_kernel_has_no_static_shared_memory(spec):
     """The fused kernels launch with the grouped GEMM's dynamic shared memory (gemm.SMEM_GROUPED, 1 KiB
     under the SM's limit); any static __shared__ variable would be padded to the dynamic part's
     1024-byte alignment and make every launch fail (CUDA_ERROR_INVALID_VALUE)."""
-    from mkernel import compile as mkc
+    from mkernel.runtime import compile as mkc
 
     log = mkc.compile_spec(mkc.REGISTRY[spec]).log
     assert "ptxas info" in log and "bytes smem" not in log, [line for line in log.splitlines() if "smem" in line]

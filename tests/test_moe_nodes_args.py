@@ -1,4 +1,4 @@
-"""CPU: the launch arguments of MoE between nodes (mkernel/moe_nodes.py, used by mkernel.moe), with a
+"""CPU: the launch arguments of MoE between nodes (mkernel/ops/moe_nodes.py, used by mkernel.moe), with a
 fake communicator and recorded launches, no GPU: the node's dispatch and combine run on the node's
 ranks and experts over the virtual tokens; the exchange and partial-sum kernels get the plan's
 buffers, the node layout and their grids. (tests/test_moe_nodes_gpu.py runs the kernels.)"""
@@ -9,12 +9,12 @@ import types
 import numpy as np
 import pytest
 
-from mkernel.comm import Communicator
-from mkernel.plans import PlanRegistry
+from mkernel.comm.communicator import Communicator
+from mkernel.comm.plans import PlanRegistry
 
-mmoe = importlib.import_module("mkernel.moe")
-mnodes = importlib.import_module("mkernel.moe_nodes")
-tp = importlib.import_module("mkernel.tp")
+mmoe = importlib.import_module("mkernel.ops.moe")
+mnodes = importlib.import_module("mkernel.ops.moe_nodes")
+tp = importlib.import_module("mkernel.ops.tp")
 
 HEAP = 1 << 40
 
@@ -54,7 +54,7 @@ class _FakeComm(Communicator):
         return value
 
     def sync_args(self, op, timeout_s=None):
-        from mkernel.sync import MkSync
+        from mkernel.runtime.sync import MkSync
         return MkSync()
 
     def offset_of(self, arr):
@@ -64,7 +64,7 @@ class _FakeComm(Communicator):
         return types.SimpleNamespace(offset=200, size=count)
 
     def proxy_queue_args(self, flag_base=0):
-        from mkernel.proxy import QueueArgs
+        from mkernel.comm.proxy import QueueArgs
         return QueueArgs(0, 0, 0, None, 0, 0, flag_base)
 
     @property
@@ -80,7 +80,8 @@ class _FakeComm(Communicator):
 def fake(monkeypatch):
     """Fake arrays for every allocation, recorded launches."""
     import cupy
-    import mkernel.arrays
+
+    import mkernel.runtime.arrays
 
     calls = {"launches": [], "next": 0x100000}
 
@@ -98,7 +99,7 @@ def fake(monkeypatch):
             comm.plans.add(key, plan)
         return plan
 
-    monkeypatch.setattr(mkernel.arrays, "as_cupy", lambda x, name, stream=None: x)
+    monkeypatch.setattr(mkernel.runtime.arrays, "as_cupy", lambda x, name, stream=None: x)
     monkeypatch.setattr(tp, "prepare_out", lambda op, out, shape, dtype, comm: out or alloc(shape, dtype))
     monkeypatch.setattr(tp, "plan_buffers", plan_buffers)
     monkeypatch.setattr(tp, "sm_count", lambda: 132)

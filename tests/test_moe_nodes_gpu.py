@@ -1,4 +1,4 @@
-"""GPU: expert parallelism between nodes (mkernel/moe_nodes.py, issue 11): moe_dispatch / moe_combine,
+"""GPU: expert parallelism between nodes (mkernel/ops/moe_nodes.py, issue 11): moe_dispatch / moe_combine,
 moe_dispatch_gemm (fused and unfused) and moe_gemm_combine across emulated nodes.
 
 Layouts: 2 ranks as 2 nodes (the 2-rank pass of tests/run_gpu.sh, host and TCP transports); 4 ranks
@@ -26,12 +26,13 @@ import zlib
 
 import numpy as np
 import pytest
-from gpu_arrays import BF16, bits, dev, host, poisoned
-from test_transport import WORLD, _relaunch
 
 import mkernel
-from mkernel.errors import ArgumentError, CapacityError
+from mkernel.core.errors import ArgumentError, CapacityError
 from mkernel.testing import sync_or_exit
+
+from gpu_arrays import BF16, bits, dev, host, poisoned
+from test_transport import WORLD, _relaunch
 
 DT = {"bf16": BF16, "fp16": np.dtype(np.float16)}
 NAN = {"bf16": 0x7FC0, "fp16": 0x7E00}
@@ -206,7 +207,7 @@ def _sent(comm):
 
 def _minimum_bytes(comm, P):
     """What one dispatch + combine must send from this rank between nodes."""
-    from mkernel import moe_nodes
+    from mkernel.ops import moe_nodes
 
     L, N, node, local_rank, k, H = comm.local_size, comm.num_nodes, comm.node, comm.local_rank, P["k"], P["H"]
     epn = P["E"] // N

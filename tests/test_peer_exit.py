@@ -6,8 +6,8 @@ import weakref
 
 import pytest
 
-from mkernel import comm as mcomm
-from mkernel import errors
+from mkernel.comm import communicator as mcomm
+from mkernel.core import errors
 
 
 def test_peer_failures_are_counted():

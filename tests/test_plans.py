@@ -1,9 +1,9 @@
-"""The plan registry (mkernel/plans.py): least recently used plans leave first, the same ones on
+"""The plan registry (mkernel/comm/plans.py): least recently used plans leave first, the same ones on
 every rank for the same call sequence, and only after the device finished their launches."""
 
 import random
 
-from mkernel.plans import PlanRegistry
+from mkernel.comm.plans import PlanRegistry
 
 
 def _registry(n):

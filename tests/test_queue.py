@@ -10,9 +10,19 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from mkernel.errors import MKernelError, TimeoutError
-from mkernel.proxy import (_CMD, NOP, WRITE, CommandQueue, Proxy, QueueArgs, QueueHeader, QueueStressArgs,
-                           TileExchangeArgs)
+from mkernel.comm.proxy import (
+    _CMD,
+    NOP,
+    WRITE,
+    CommandQueue,
+    Proxy,
+    QueueArgs,
+    QueueHeader,
+    QueueStressArgs,
+    TileExchangeArgs,
+)
+from mkernel.core.errors import MKernelError, TimeoutError
+
 from c_layout import assert_same_layout
 
 CUDA_DIR = Path(__file__).resolve().parents[1] / "mkernel" / "cuda"

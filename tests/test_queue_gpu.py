@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mkernel.errors import MKernelError
-from mkernel.proxy import QUEUE_TEST, CommandQueue, Proxy, QueueStressArgs, TileExchangeArgs, barrier
+from mkernel.comm.proxy import QUEUE_TEST, CommandQueue, Proxy, QueueStressArgs, TileExchangeArgs, barrier
+from mkernel.core.errors import MKernelError
+
 from test_transport import _collectively, _relaunch
 
 cupy = pytest.importorskip("cupy", reason="cupy is not installed: the GPU tests need it")
@@ -38,12 +39,12 @@ def _require_gpu():
 
 
 def _function(name):
-    from mkernel.compile import module
+    from mkernel.runtime.compile import module
     return module(QUEUE_TEST).function(name)
 
 
 def _launch(name, grid, block, args):
-    from mkernel.launch import launch
+    from mkernel.runtime.launch import launch
     launch(_function(name), grid, block, args)
 
 
@@ -60,7 +61,7 @@ def _wait_stream(proxy, timeout_s):
 
 
 def _sync(rank):
-    from mkernel.sync import SyncState
+    from mkernel.runtime.sync import SyncState
     return SyncState(rank)
 
 

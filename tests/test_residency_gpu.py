@@ -1,7 +1,7 @@
 """GPU: every persistent kernel finishes with only part of its grid resident.
 
 A kernel on another stream holds all but FREE_SMS of the SMs this rank's persistent grids count on
-(mkernel.launch.sm_count: all of them, or under MPS the part of the client's share that two clients
+(mkernel.runtime.launch.sm_count: all of them, or under MPS the part of the client's share that two clients
 were measured to get at once; mkernel.testing.StreamHold);
 then each op is called on the default stream. Its grid (sized for the whole GPU, or the MPS share)
 can only run a few CTAs at a time, as when a peer's kernel holds SMs under MPS: the call must finish
@@ -15,13 +15,14 @@ import time
 
 import numpy as np
 import pytest
+
+import mkernel
+
+import collective_cases
 import test_moe as tm
 import test_moe_gemm as tmg
 from gpu_arrays import DTYPES, bits, dev, poisoned
 from test_tp_gpu import _controller_problem
-
-import collective_cases
-import mkernel
 
 FREE_SMS = 3
 HOLD_SMEM = 200 * 1024  # one holding block per SM
@@ -68,7 +69,7 @@ CALLS = {"rs": lambda c: _tp(c, "rs"), "ar": lambda c: _tp(c, "ar"), "ag": lambd
 def _body(comm, name):
     import cupy
 
-    from mkernel.launch import sm_count
+    from mkernel.runtime.launch import sm_count
     from mkernel.testing import StreamHold
 
     run = CALLS[name](comm)

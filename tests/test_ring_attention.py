@@ -1,7 +1,7 @@
 """Tests of mkernel.ring_attention (sequence-parallel attention forward over the ranks of a node).
 
 Every rank builds the same global q, k, v from a fixed seed (S_full = S_local * world), takes its
-part with mkernel.sequence.shard_sequence (zigzag for causal, contiguous otherwise), runs
+part with mkernel.ops.sequence.shard_sequence (zigzag for causal, contiguous otherwise), runs
 ring_attention into an output poisoned with NaN (an element nobody wrote fails), and compares with
 a reference computed on the whole global sequence and then sharded the same way: float64 NumPy for
 small problems, float32 CuPy for larger ones. Criteria: relative Frobenius error < 1e-2 of the
@@ -53,22 +53,30 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from argument_errors import refused_before_launch
-from gpu_arrays import (  # the shared device-array and attention helpers (tests/gpu_arrays.py)
-    dev as _dev, bits as _bits, poisoned as _poisoned, poison as _poison, random_qkv as _random_qkv,
-    attention_reference as _attention_reference, host_result as _host_result, compare_attention as _compare,
-    compare_exact as _compare_exact, BF16, DTYPES, REL_TOL)
+from gpu_arrays import BF16, DTYPES, REL_TOL
+from gpu_arrays import attention_reference as _attention_reference
+from gpu_arrays import bits as _bits
+from gpu_arrays import compare_attention as _compare
+from gpu_arrays import compare_exact as _compare_exact
+from gpu_arrays import dev as _dev  # the shared device-array and attention helpers (tests/gpu_arrays.py)
+from gpu_arrays import host_result as _host_result
+from gpu_arrays import poison as _poison
+from gpu_arrays import poisoned as _poisoned
+from gpu_arrays import random_qkv as _random_qkv
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import mkernel  # noqa: E402
-from mkernel.sequence import shard_sequence  # noqa: E402
+from mkernel.ops.sequence import shard_sequence  # noqa: E402
 from mkernel.testing import sync_or_exit  # noqa: E402
+
 import collective_cases  # noqa: E402  (the collective driver: tests/collective_cases.py)
 
 # The module, not the function: mkernel re-exports the function under the same name.
-mra = importlib.import_module("mkernel.ring_attention")
+mra = importlib.import_module("mkernel.ops.ring_attention")
 
 HANG_S = 45.0        # past MKERNEL_TIMEOUT_S (30): a device wait times out and is reported first
 
@@ -90,7 +98,7 @@ def test_args_layout_matches_host_compiler(tmp_path):
     64-byte aligned struct is checked apart (ctypes cannot express alignas(64))."""
     from c_layout import c_offsets, py_offsets
 
-    ma = importlib.import_module("mkernel.attention")
+    ma = importlib.import_module("mkernel.engines.attention")
     for header, cls, align in (("ring_args.cuh", mra.MkRingArgs, 64), ("attn_args.cuh", ma.MkAttnPos, 4)):
         c = c_offsets(header, cls.__name__, [name for name, *_ in cls._fields_], tmp_path)
         py = py_offsets(cls)
@@ -623,8 +631,9 @@ def _against_engine(make_comm, world, nodes):
     each (stale flags), and the proxy's byte counter: the ranks at a node's end send every step's
     block across the network once per launch, the others (and every rank of one node) nothing."""
     import cupy
-    import mkernel
     from mpi4py import MPI
+
+    import mkernel
 
     err = None
     try:
@@ -673,8 +682,9 @@ def test_two_emulated_nodes_through_the_proxy(via_split):
     """2 ranks as 2 nodes (gpus_per_node=1): each key/value block travels as WRITE commands through
     the communicator's proxy. "split": on a rank-reversed sub-communicator, through its root's proxy
     (ranks, offsets, flags translated)."""
-    import mkernel
     from mpi4py import MPI
+
+    import mkernel
 
     world = MPI.COMM_WORLD
     if world.Get_size() != 2:
@@ -706,8 +716,10 @@ def test_several_ranks_per_node_between_nodes(request, nodes, per_node):
 
 
 def _ranks_in_child_job(request, ranks, gpus_per_node, nodes):
-    import mkernel
     from mpi4py import MPI
+
+    import mkernel
+
     from test_transport import _relaunch
 
     if _relaunch(request, n=ranks):

@@ -10,8 +10,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mkernel.errors import ArgumentError
-from mkernel.sequence import global_positions, shard_sequence, unshard_sequence
+from mkernel.core.errors import ArgumentError
+from mkernel.ops.sequence import global_positions, shard_sequence, unshard_sequence
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 WORLDS = (1, 2, 3, 4, 8)

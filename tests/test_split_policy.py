@@ -18,8 +18,8 @@ import zlib
 
 import pytest
 
-from mkernel import compile as kc
-from mkernel import split
+from mkernel.runtime import compile as kc
+from mkernel.split import policy as split
 
 SWEEP = {132: 0.747, 126: 0.798, 120: 0.840, 114: 0.835, 108: 0.869, 102: 0.931, 96: 0.969, 90: 0.965,
          84: 1.030, 78: 1.116, 72: 1.142, 66: 1.219}

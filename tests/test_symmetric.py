@@ -6,8 +6,8 @@ import random
 import pytest
 
 import mkernel
-from mkernel.plans import PlanRegistry
-from mkernel.symmetric import ALIGN, FreeList, take_symmetric
+from mkernel.comm.plans import PlanRegistry
+from mkernel.comm.symmetric import ALIGN, FreeList, take_symmetric
 
 TOTAL = 1 << 24
 
@@ -71,7 +71,7 @@ def test_exhaustion_is_a_workspace_error():
 
 
 def test_grown_size_doubles_fits_the_request_and_respects_the_cap():
-    from mkernel.symmetric import grown_size
+    from mkernel.comm.symmetric import grown_size
 
     MiB, g = 1 << 20, 2 << 20
     assert grown_size(256 * MiB, 10 * MiB, g, 1 << 40) == 512 * MiB  # at least double
@@ -85,7 +85,7 @@ class _FakeHeap:
     """The heap interface Communicator.empty and _grow_for use, over a FreeList (no GPU)."""
 
     def __init__(self, nbytes, growable=True):
-        from mkernel.symmetric import CONTROL_BYTES, take_symmetric
+        from mkernel.comm.symmetric import CONTROL_BYTES, take_symmetric
 
         self.nbytes, self.growable, self.grown, self.base = nbytes, growable, [], 0
         self._take = take_symmetric
@@ -187,7 +187,7 @@ def test_workspace_descriptors_reach_every_node_rank():
 
     from mpi4py import MPI
 
-    from mkernel import vmm
+    from mkernel.comm import vmm
 
     world = MPI.COMM_WORLD
     for rep in range(2):
@@ -211,7 +211,7 @@ def test_cumem_structs_match_cuda_h(tmp_path):
     import subprocess
     from pathlib import Path
 
-    from mkernel import vmm
+    from mkernel.comm import vmm
 
     inc = next((Path(p) for p in ("/usr/local/cuda/include", "/usr/include") if (Path(p) / "cuda.h").exists()), None)
     cxx = shutil.which("g++")

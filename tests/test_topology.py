@@ -3,7 +3,8 @@
 import pytest
 
 import mkernel
-from mkernel import topology
+from mkernel.comm import topology
+
 from conftest import all_ranks
 
 pytestmark = pytest.mark.mpi
@@ -64,14 +65,14 @@ def test_init_checks_arguments_before_touching_a_gpu():
         mkernel.init(workspace_bytes=-5)
 
 
-@pytest.mark.skipif(mkernel.gpu.device_count() > 0, reason="a GPU is visible")
+@pytest.mark.skipif(mkernel.runtime.gpu.device_count() > 0, reason="a GPU is visible")
 def test_init_without_gpu_raises_no_gpu_error(mpi_comm):
     with pytest.raises(mkernel.NoGPUError, match="Hopper"):
         mkernel.init(mpi_comm)
 
 
 def test_timed_collectives_agree_and_give_up(mpi_comm):
-    from mkernel import collectives
+    from mkernel.comm import collectives
     got = collectives.allgather_bytes(mpi_comm, bytes([mpi_comm.rank]) * 4, "testing")
     assert got == [bytes([r]) * 4 for r in range(mpi_comm.size)]
     collectives.barrier(mpi_comm, 30)

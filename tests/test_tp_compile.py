@@ -7,17 +7,18 @@ import importlib
 
 import pytest
 
+from mkernel import config
+from mkernel.comm.plans import PlanRegistry
+from mkernel.core.errors import ArgumentError
+from mkernel.ops import tp
+from mkernel.runtime import compile as mkc
+
 import sass
 
-from mkernel import compile as mkc
-from mkernel import config, tp
-from mkernel.plans import PlanRegistry
-from mkernel.errors import ArgumentError
-
 # The modules (the package exports functions of the same names).
-ag = importlib.import_module("mkernel.allgather_gemm")
-ar = importlib.import_module("mkernel.gemm_allreduce")
-rs = importlib.import_module("mkernel.gemm_reduce_scatter")
+ag = importlib.import_module("mkernel.ops.allgather_gemm")
+ar = importlib.import_module("mkernel.ops.gemm_allreduce")
+rs = importlib.import_module("mkernel.ops.gemm_reduce_scatter")
 
 MODULES = {"gemm_reduce_scatter": rs, "gemm_allreduce": ar, "allgather_gemm": ag}
 
@@ -44,7 +45,7 @@ def test_controller_mode_follows_comm_sms_and_the_setting(setting, comm_sms, pat
 
 
 def test_auto_split_launches_with_the_adaptive_controller(fake_launch, monkeypatch):
-    from mkernel import autosplit
+    from mkernel.split import search as autosplit
     monkeypatch.setattr(autosplit, "choose", lambda comm, op, **kw: (6, None))
     comm = _Comm(2, 0)
     M, K, N = 400, 136, 264
@@ -144,7 +145,9 @@ def test_path_choice_is_a_function_of_shapes_and_topology():
 def test_modules_register_without_cupy_at_import():
     for name, mod in MODULES.items():
         assert mkc.REGISTRY[name] is mod.SPEC
-        assert callable(getattr(mod, name)) and callable(mod.sanitize_target)
+        assert callable(getattr(mod, name))
+    from mkernel.diagnostics import sanitize
+    assert all(callable(getattr(sanitize, f"target_{n}")) for n in MODULES)
 
 
 # ------------------------------------------------- launch arguments, with a fake communicator
@@ -202,7 +205,7 @@ class _Comm:
         return key in self._agreed
 
     def sync_args(self, op):
-        from mkernel.sync import MkSync
+        from mkernel.runtime.sync import MkSync
         return MkSync()
 
     def offset_of(self, arr):
@@ -214,7 +217,7 @@ class _Comm:
         return types.SimpleNamespace(offset=100, size=count)
 
     def proxy_queue_args(self, flag_base=0):
-        from mkernel.proxy import QueueArgs
+        from mkernel.comm.proxy import QueueArgs
         return QueueArgs(0, 0, 0, None, 0, 0, flag_base)
 
 
@@ -222,16 +225,16 @@ class _Comm:
 def _auto_asks_for_the_static_counts(monkeypatch):
     """This module's launches with comm_sms "auto" (the default) get the static counts from the
     split search (tests/test_autosplit.py runs the real one on the same fakes)."""
-    from mkernel import autosplit
+    from mkernel.split import search as autosplit
     monkeypatch.setattr(autosplit, "choose", lambda comm, op, **kw: (config.get().tp_comm_sms[op], None))
 
 
 @pytest.fixture
 def fake_launch(monkeypatch):
-    import mkernel.arrays
+    import mkernel.runtime.arrays
 
     calls = {"maps": [], "launch": None}
-    monkeypatch.setattr(mkernel.arrays, "as_cupy", lambda x, name, stream=None: x)
+    monkeypatch.setattr(mkernel.runtime.arrays, "as_cupy", lambda x, name, stream=None: x)
     monkeypatch.setattr(tp, "prepare_out",
                         lambda op, out, shape, dtype, comm: (out, calls.setdefault("out_shape", shape))[0])
 
@@ -242,7 +245,7 @@ def fake_launch(monkeypatch):
         m.v[0] = ptr
         return m
 
-    from mkernel import tma as _tma
+    from mkernel.runtime import tma as _tma
     monkeypatch.setattr(tp._tma, "encode_tiled", encode)
 
     def plan_buffers(op, comm, key, sizes):

@@ -29,16 +29,19 @@ import hashlib
 
 import numpy as np
 import pytest
-from argument_errors import argument_errors
-from gpu_arrays import (dev as _dev, host as _host, poisoned as _poisoned)
 
 import mkernel
 from mkernel import config
-from mkernel.allgather_gemm import allgather_gemm
-from mkernel.gemm_allreduce import gemm_allreduce
-from mkernel.gemm_reduce_scatter import gemm_reduce_scatter
-from conftest import all_ranks
+from mkernel.ops.allgather_gemm import allgather_gemm
+from mkernel.ops.gemm_allreduce import gemm_allreduce
+from mkernel.ops.gemm_reduce_scatter import gemm_reduce_scatter
 from mkernel.testing import sync_or_exit
+
+from argument_errors import argument_errors
+from conftest import all_ranks
+from gpu_arrays import dev as _dev
+from gpu_arrays import host as _host
+from gpu_arrays import poisoned as _poisoned
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]  # 1-rank pass, and the 2-rank pass (tests/run_gpu.sh)
 
@@ -301,7 +304,7 @@ def test_auto_split_searches_holds_and_stays_exact(comm, op):
     """comm_sms='auto': 14 calls of one shape, each launched with the count its split search asks
     for (they change while it searches); every output exact per tile; afterwards the search holds
     at one of the counts it ran and has tried more than one."""
-    from mkernel import autosplit
+    from mkernel.split import search as autosplit
 
     W, kind = comm.size, "bf16"
     dt = DTYPES[kind]
@@ -365,7 +368,7 @@ def test_lent_gemm_ctas_take_comm_turns_exactly(comm, op):
     output exact per tile; at world 1 the launch record must show turns taken (512 tiles on 131
     GEMM CTAs, one reducer: the reduction falls behind at once; AG: the pushes are ready from the
     start)."""
-    from mkernel import tp
+    from mkernel.ops import tp
 
     W = comm.size
     large = (8192, 512, 2048) if W == 1 else (1024 * W, 256, 1024)  # asserted at world 1; elsewhere kept cheap
@@ -401,7 +404,7 @@ def test_adaptive_controller_lends_gemm_ctas_to_a_starved_reduction(comm, op):
     GEMM (131 CTAs, ~200 us, ~20 windows), so the controller's windows must lend GEMM CTAs (asserted at world 1,
     where the timing is the kernel's own; ranks sharing a GPU are time-sliced); the output stays
     exact, twice in a row."""
-    from mkernel import tp
+    from mkernel.ops import tp
 
     comm.release_plans()  # every rank: the earlier tests' plans leave too little workspace for this one
     W = comm.size
@@ -516,7 +519,7 @@ def test_world_one_fallback_path(comm):
 
 @pytest.mark.multi_gpu
 def test_fallback_path_on_distinct_gpus(comm):
-    from mkernel import tp
+    from mkernel.ops import tp
     if comm.size < 2 or not tp.gpus_distinct(comm):
         pytest.skip("needs 2 ranks on distinct GPUs (NCCL)")
     W = comm.size

@@ -21,15 +21,18 @@ import itertools
 
 import numpy as np
 import pytest
-from gpu_arrays import dev as _dev, host as _host, poisoned as _poisoned
-from test_tp_gpu import DTYPES, _b_arg, _check_close, _check_exact, _collective, _rank_inputs, _reduce_problem, _rows
-from test_transport import WORLD, _relaunch
 
 import mkernel
-from mkernel.allgather_gemm import allgather_gemm
-from mkernel.gemm_allreduce import gemm_allreduce
-from mkernel.gemm_reduce_scatter import gemm_reduce_scatter
+from mkernel.ops.allgather_gemm import allgather_gemm
+from mkernel.ops.gemm_allreduce import gemm_allreduce
+from mkernel.ops.gemm_reduce_scatter import gemm_reduce_scatter
 from mkernel.testing import sync_or_exit
+
+from gpu_arrays import dev as _dev
+from gpu_arrays import host as _host
+from gpu_arrays import poisoned as _poisoned
+from test_tp_gpu import DTYPES, _b_arg, _check_close, _check_exact, _collective, _rank_inputs, _reduce_problem, _rows
+from test_transport import WORLD, _relaunch
 
 # (rows per rank, N, K, dtype, integer inputs, b layout): M = rows x world, so every case runs at
 # any world size; off-grid rows per rank, N and K

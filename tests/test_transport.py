@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mkernel.errors import PeerError, TimeoutError
-from mkernel.proxy import FLAG_ADD, FLAG_SET, FLUSH, SIGNAL, WRITE, CommandQueue, Proxy
+from mkernel.comm.proxy import FLAG_ADD, FLAG_SET, FLUSH, SIGNAL, WRITE, CommandQueue, Proxy
+from mkernel.core.errors import PeerError, TimeoutError
 
 WORLD = MPI.COMM_WORLD
 SIZES = [1, 2, 3, 1000, 4096 + 3, (1 << 19) + 1, (1 << 20) + 7, 3 << 20, 64 << 20]  # one WRITE each, per peer
@@ -251,7 +251,7 @@ def test_tcp_listener_admits_only_the_job_secret():
     import socket as so
     import threading
 
-    from mkernel.proxy import _ACK, _HELLO, _MAGIC_HELLO
+    from mkernel.comm.proxy import _ACK, _HELLO, _MAGIC_HELLO
 
     secret = os.urandom(32)
     proxy = Proxy(MPI.COMM_SELF, transport="tcp")

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from mkernel.errors import NoRDMADeviceError
-from mkernel.proxy import Proxy, probe_rdma, select_transport
+from mkernel.comm.proxy import Proxy, probe_rdma, select_transport
+from mkernel.core.errors import NoRDMADeviceError
+
 from test_transport import _relaunch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,7 +100,7 @@ def _libcuda_loads():
 
 @pytest.mark.skipif(_libcuda_loads(), reason="libcuda is present here: the no-driver path cannot be seen")
 def test_cuda_regions_without_a_driver_say_so():
-    from mkernel.errors import ArgumentError
+    from mkernel.core.errors import ArgumentError
     with pytest.raises(ArgumentError, match="libcuda.so.1 could not be loaded"):
         Proxy(MPI.COMM_SELF, transport="null", cuda_device=0)
     with Proxy(MPI.COMM_SELF, transport="null") as proxy:  # host regions need no driver

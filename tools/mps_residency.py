@@ -17,7 +17,7 @@ import ctypes
 import cupy
 from mpi4py import MPI
 
-from mkernel.launch import launch
+from mkernel.runtime.launch import launch
 
 SRC = r'''
 struct Args { unsigned long long* out; unsigned long long spin_ns; };

@@ -10,9 +10,9 @@ for tool in memcheck racecheck; do
   compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 python3 tools/sanitize_targets.py || rc=$?
   echo "== $tool: ring_attention, 2 ranks =="
   $MPI2 compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
-    python3 -c "from mkernel.ring_attention import sanitize_target; sanitize_target(); print('ring_attention: ok')" || rc=$?
+    python3 -c "from mkernel.diagnostics import sanitize; sanitize.target_ring_attention(); print('ring_attention: ok')" || rc=$?
   echo "== $tool: moe between nodes, 2 ranks as 2 emulated nodes =="
   $MPI2 compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
-    python3 -c "from mkernel.moe_nodes import sanitize_target; sanitize_target(); print('moe_nodes: ok')" || rc=$?
+    python3 -c "from mkernel.diagnostics import sanitize; sanitize.target_moe_nodes(); print('moe_nodes: ok')" || rc=$?
 done
 exit $rc

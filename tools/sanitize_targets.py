@@ -1,14 +1,14 @@
 """Every kernel once at a small shape, for compute-sanitizer (tools/sanitize.sh). Exits non-zero on a
 wrong result, so the sanitizer run also checks the answer."""
 
-import importlib
 import sys
 
 import cupy
 from mpi4py import MPI
 
 import mkernel
-from mkernel.selftest import Protocol
+from mkernel.diagnostics import sanitize
+from mkernel.diagnostics.selftest import Protocol
 
 
 def protocol():
@@ -22,16 +22,7 @@ def protocol():
     comm.close()
 
 
-TARGETS = [protocol]
-# Modules that provide their own small-shape target: sanitize_target() -> None (raises on a wrong result).
-for name in ("mkernel.gemm", "mkernel.proxy", "mkernel.gemm_reduce_scatter", "mkernel.gemm_allreduce",
-             "mkernel.allgather_gemm", "mkernel.attention", "mkernel.moe", "mkernel.moe_gemm"):
-    try:
-        mod = importlib.import_module(name)
-    except ImportError:
-        continue
-    if hasattr(mod, "sanitize_target"):
-        TARGETS.append(mod.sanitize_target)
+TARGETS = [protocol, *sanitize.WORLD1]
 
 for target in TARGETS:
     target()

@@ -12,7 +12,7 @@ from mpi4py import MPI
 import mkernel
 
 comm = mkernel.init(MPI.COMM_SELF, workspace_bytes=256 << 20)
-gemm_mod = importlib.import_module("mkernel.gemm")
+gemm_mod = importlib.import_module("mkernel.engines.gemm")
 SHAPES = [(256, 64, 512), (256, 128, 512), (256, 64, 264), (136, 64, 512), (128, 64, 256), (512, 64, 512),
           (256, 192, 512), (1024, 64, 1024)]
 

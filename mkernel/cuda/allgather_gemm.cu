@@ -1,4 +1,4 @@
-// AllGather+GEMM (mkernel/allgather_gemm.py; design: docs/TP.md).
+// AllGather+GEMM (mkernel/ops/allgather_gemm.py; design: docs/TP.md).
 //
 // CTAs [gemm_ctas, grid) push this rank's A shard, in chunks of 128 rows, into the gathered-A
 // buffer of every rank of its node (its own first, then lrank+1, lrank+2, ...), each chunk followed
@@ -139,4 +139,4 @@ __global__ void __launch_bounds__(384, 1) mk_allgather_gemm_kernel(const __grid_
 }
 
 static_assert(TP_SMEM_BYTES == 230736, "update tp.SMEM_BYTES");
-static_assert(sizeof(TpArgs) == 1920, "TpArgs layout changed: update mkernel/tp.py");
+static_assert(sizeof(TpArgs) == 1920, "TpArgs layout changed: update mkernel/ops/tp.py");

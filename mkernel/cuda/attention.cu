@@ -24,7 +24,7 @@ __global__ void __launch_bounds__(384, 1) mk_attention_kernel(const __grid_const
   launch_exit(args.sync, sm.bars->epoch);  // read at the end: not held in a register all along
 }
 
-// mkernel/attention.py launches with these dynamic shared memory sizes (SMEM[D]).
-static_assert(attn_smem_bytes<AttnCfg<0, 128, false> >() == 197848, "update SMEM in mkernel/attention.py");
-static_assert(attn_smem_bytes<AttnCfg<0, 64, false> >() == 99544, "update SMEM in mkernel/attention.py");
-static_assert(sizeof(MkAttnArgs) == 704, "MkAttnArgs layout changed: update mkernel/attention.py");
+// mkernel/engines/attention.py launches with these dynamic shared memory sizes (SMEM[D]).
+static_assert(attn_smem_bytes<AttnCfg<0, 128, false> >() == 197848, "update SMEM in mkernel/engines/attention.py");
+static_assert(attn_smem_bytes<AttnCfg<0, 64, false> >() == 99544, "update SMEM in mkernel/engines/attention.py");
+static_assert(sizeof(MkAttnArgs) == 704, "MkAttnArgs layout changed: update mkernel/engines/attention.py");

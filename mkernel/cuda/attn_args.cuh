@@ -1,5 +1,5 @@
 #pragma once
-// The argument struct of the attention kernels, shared with Python (mkernel/attention.py mirrors it
+// The argument struct of the attention kernels, shared with Python (mkernel/engines/attention.py mirrors it
 // with ctypes; tests/test_attention_cpu.py compiles this header with the host g++ and compares the
 // layouts). Plain fixed-width fields only, so that a host C++ compiler reads it too.
 #include "sync_args.cuh"

@@ -44,10 +44,10 @@ __global__ void __cluster_dims__(MK_GEMM_CLUSTER, 1, 1) __launch_bounds__(384, 1
   gemm_cta<DT, BL, OUT, false, MK_GEMM_CLUSTER>(args);
 }
 
-// mkernel/gemm.py launches with these dynamic shared memory sizes (SMEM_PLAIN, SMEM_GROUPED).
-static_assert(sizeof(GemmBars<GemmCfg<0, 0> >) == 336, "GemmBars size changed: update mkernel/gemm.py");
-static_assert(sizeof(GemmBars<GemmCfg<0, 0, MK_GEMM_CLUSTER> >) == 336, "GemmBars size changed: update mkernel/gemm.py");
-static_assert(gemm_smem_bytes<GemmCfg<0, 0>, false>() == 230736, "update SMEM_PLAIN in mkernel/gemm.py");
-static_assert(gemm_smem_bytes<GemmCfg<0, 0>, true>() == 231768, "update SMEM_GROUPED in mkernel/gemm.py");
+// mkernel/engines/gemm.py launches with these dynamic shared memory sizes (SMEM_PLAIN, SMEM_GROUPED).
+static_assert(sizeof(GemmBars<GemmCfg<0, 0> >) == 336, "GemmBars size changed: update mkernel/engines/gemm.py");
+static_assert(sizeof(GemmBars<GemmCfg<0, 0, MK_GEMM_CLUSTER> >) == 336, "GemmBars size changed: update mkernel/engines/gemm.py");
+static_assert(gemm_smem_bytes<GemmCfg<0, 0>, false>() == 230736, "update SMEM_PLAIN in mkernel/engines/gemm.py");
+static_assert(gemm_smem_bytes<GemmCfg<0, 0>, true>() == 231768, "update SMEM_GROUPED in mkernel/engines/gemm.py");
 static_assert(gemm_smem_bytes<GemmCfg<0, 0>, true>() <= 232448, "more than 227 KiB of shared memory");
-static_assert(sizeof(MkGemmArgs) == 576, "MkGemmArgs layout changed: update mkernel/gemm.py");
+static_assert(sizeof(MkGemmArgs) == 576, "MkGemmArgs layout changed: update mkernel/engines/gemm.py");

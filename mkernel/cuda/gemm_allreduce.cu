@@ -1,5 +1,5 @@
 // GEMM+AllReduce inside a node: the ReduceScatter mechanism of tp_reduce.cuh, then an AllGather
-// phase of the reduced tiles in the same kernel (mkernel/gemm_allreduce.py; design: docs/TP.md).
+// phase of the reduced tiles in the same kernel (mkernel/ops/gemm_allreduce.py; design: docs/TP.md).
 #include "tp_reduce.cuh"
 
 template <int DT, int BL>
@@ -8,4 +8,4 @@ __global__ void __launch_bounds__(384, 1) mk_gemm_ar_kernel(const __grid_constan
 }
 
 static_assert(TP_SMEM_BYTES == 230736, "update tp.SMEM_BYTES");
-static_assert(sizeof(TpArgs) == 1920, "TpArgs layout changed: update mkernel/tp.py");
+static_assert(sizeof(TpArgs) == 1920, "TpArgs layout changed: update mkernel/ops/tp.py");

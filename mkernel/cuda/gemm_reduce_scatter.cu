@@ -1,4 +1,4 @@
-// GEMM+ReduceScatter inside a node (mkernel/gemm_reduce_scatter.py; design: docs/TP.md).
+// GEMM+ReduceScatter inside a node (mkernel/ops/gemm_reduce_scatter.py; design: docs/TP.md).
 // Template parameters: DT (MK_DT_BF16 / MK_DT_F16), BL (MK_B_NK / MK_B_KN).
 #include "tp_reduce.cuh"
 
@@ -8,4 +8,4 @@ __global__ void __launch_bounds__(384, 1) mk_gemm_rs_kernel(const __grid_constan
 }
 
 static_assert(TP_SMEM_BYTES == 230736, "update tp.SMEM_BYTES");
-static_assert(sizeof(TpArgs) == 1920, "TpArgs layout changed: update mkernel/tp.py");
+static_assert(sizeof(TpArgs) == 1920, "TpArgs layout changed: update mkernel/ops/tp.py");

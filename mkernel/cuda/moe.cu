@@ -1,4 +1,4 @@
-// Expert-parallel MoE inside a node (mkernel/moe.py; design: docs/MOE.md): dispatch routes every
+// Expert-parallel MoE inside a node (mkernel/ops/moe.py; design: docs/MOE.md): dispatch routes every
 // (token, expert) pair of this rank to the rank owning the expert; combine returns each received
 // row to its token's rank and sums a token's rows weighted by its routing weights.
 //
@@ -92,4 +92,4 @@ __global__ void __launch_bounds__(MOE_THREADS, 1) mk_moe_combine_kernel(const __
 }
 
 static_assert(MoeShared<MOE_THREADS>::STAGE_BYTES == 131072, "update moe.DISPATCH_SMEM");
-static_assert(sizeof(MkMoeArgs) == 320, "MkMoeArgs layout changed: update mkernel/moe.py");
+static_assert(sizeof(MkMoeArgs) == 320, "MkMoeArgs layout changed: update mkernel/ops/moe.py");

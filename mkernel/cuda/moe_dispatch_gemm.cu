@@ -1,4 +1,4 @@
-// MoE dispatch fused with the experts' grouped GEMM (mkernel/moe_gemm.py; design: docs/MOE.md).
+// MoE dispatch fused with the experts' grouped GEMM (mkernel/ops/moe_gemm.py; design: docs/MOE.md).
 //
 // The first grid - gemm_ctas CTAs to arrive run the dispatch role (moe_dispatch.cuh): rows leave
 // local expert by local expert, and the flag eflag[s][le] in the owner's workspace says that every
@@ -107,10 +107,10 @@ __global__ void __launch_bounds__(MOE_GEMM_THREADS, 1) mk_moe_dispatch_gemm_kern
   launch_exit(args.m.sync, epoch);
 }
 
-// mkernel/moe_gemm.py launches with the grouped GEMM's shared memory (gemm.SMEM_GROUPED).
+// mkernel/ops/moe_gemm.py launches with the grouped GEMM's shared memory (gemm.SMEM_GROUPED).
 static_assert(gemm_smem_bytes<GemmCfg<0, 0>, true>() == 231768, "update gemm.SMEM_GROUPED");
 static_assert(MOE_STAGE_OFFSET + MoeShared<MOE_GEMM_THREADS>::STAGE_BYTES <= 231768 - 1024,
               "a dispatch CTA's state and buffers fit in the GEMM's shared memory");
 // (the kernel declares no static shared memory: with the 1024-byte aligned dynamic part it would
 // push the total past the SM's 227 KiB; tests/test_moe_gemm.py reads ptxas's report to keep it so)
-static_assert(sizeof(MkMoeGemmArgs) == 960, "MkMoeGemmArgs layout changed: update mkernel/moe_gemm.py");
+static_assert(sizeof(MkMoeGemmArgs) == 960, "MkMoeGemmArgs layout changed: update mkernel/ops/moe_gemm.py");

@@ -1,4 +1,4 @@
-// The experts' second grouped GEMM fused with combine (mkernel/moe_gemm.py; design: docs/MOE.md).
+// The experts' second grouped GEMM fused with combine (mkernel/ops/moe_gemm.py; design: docs/MOE.md).
 //
 // The first gemm_ctas CTAs to arrive run the GEMM engine in grouped mode (A: y2, B: the experts'
 // weights, one group per local expert with the dispatch's group_rows) into a staging buffer z of

@@ -1,4 +1,4 @@
-// Expert parallelism between nodes (mkernel/moe_nodes.py; design: docs/MOE.md "Between nodes").
+// Expert parallelism between nodes (mkernel/ops/moe_nodes.py; design: docs/MOE.md "Between nodes").
 // A token crosses the network once per destination node and fans out inside it:
 //
 // mk_moe_exchange_kernel, before the node's dispatch: every rank (n, l) sends its count row to
@@ -382,4 +382,4 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_partials_kernel(co
   launch_exit(a.sync, E);
 }
 
-static_assert(sizeof(MkMoeNodeArgs) % 8 == 0, "MkMoeNodeArgs: mkernel/moe_nodes.py mirrors it");
+static_assert(sizeof(MkMoeNodeArgs) % 8 == 0, "MkMoeNodeArgs: mkernel/ops/moe_nodes.py mirrors it");

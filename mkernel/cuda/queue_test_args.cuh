@@ -1,5 +1,5 @@
 #pragma once
-// Argument structs of queue_test.cu, mirrored by ctypes in mkernel/proxy.py (a CPU test compares them).
+// Argument structs of queue_test.cu, mirrored by ctypes in mkernel/comm/proxy.py (a CPU test compares them).
 #include "queue_layout.cuh"
 #include "sync_args.cuh"
 

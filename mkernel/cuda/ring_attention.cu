@@ -1,4 +1,4 @@
-// Ring attention inside a node (mkernel/ring_attention.py; design: docs/RING_ATTENTION.md).
+// Ring attention inside a node (mkernel/ops/ring_attention.py; design: docs/RING_ATTENTION.md).
 //
 // Each rank holds S local rows of the sequence (causal: zigzag, chunks me and 2W-1-me). Step s
 // attends the local queries to the key/value block of rank (me - s) mod W: step 0 to the rank's
@@ -313,4 +313,4 @@ __global__ void __launch_bounds__(384, 1) mk_ring_attention_kernel(const __grid_
   }
 }
 
-static_assert(sizeof(MkRingArgs) == 1536, "MkRingArgs layout changed: update mkernel/ring_attention.py");
+static_assert(sizeof(MkRingArgs) == 1536, "MkRingArgs layout changed: update mkernel/ops/ring_attention.py");

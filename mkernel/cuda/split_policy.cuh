@@ -1,6 +1,6 @@
 #pragma once
 // The compute / communication split policy (docs/CONTROLLER.md), plain integer C++ that compiles as
-// device code (NVRTC, included by the fused kernels' controller) and as host code (g++: mkernel/split.py
+// device code (NVRTC, included by the fused kernels' controller) and as host code (g++: mkernel/split/policy.py
 // builds it into a small shared library to test it and to run the cross-call search on the host).
 //
 // Two parts:

@@ -1,5 +1,5 @@
 #pragma once
-// Layouts shared with Python (mkernel/sync.py mirrors them with ctypes; a CPU test compares the
+// Layouts shared with Python (mkernel/runtime/sync.py mirrors them with ctypes; a CPU test compares the
 // two). Plain fixed-width fields only, so that a host C++ compiler can read this header too.
 
 // The first error a kernel records. Lives in device memory (so that the first writer wins by a

@@ -1,6 +1,6 @@
 #pragma once
 // Trace mode: blocks append spans (role, id, start, end on %globaltimer) to a device buffer that
-// mkernel/trace.py turns into Chrome trace JSON, one track per SM. Off, it costs one uniform branch.
+// mkernel/runtime/trace.py turns into Chrome trace JSON, one track per SM. Off, it costs one uniform branch.
 #include "common.cuh"
 #include "sync_args.cuh"
 

@@ -4,8 +4,8 @@ Built by cffi in API mode from ``build_proxy.py`` (``pip install -e .`` runs it)
 is compiled in only where the rdma-core headers were present; import says once when it is not.
 """
 
-from ..errors import MKernelError
-from ..log import get_logger
+from mkernel.core.errors import MKernelError
+from mkernel.core.log import get_logger
 
 try:
     from ._proxy import ffi, lib

@@ -1,5 +1,5 @@
 /* libcuda, loaded with dlopen on first use, so that the extension builds and imports on machines
- * without CUDA. Only the handful of driver calls the proxy (and mkernel/tma.py) needs, declared by hand. */
+ * without CUDA. Only the handful of driver calls the proxy (and mkernel/runtime/tma.py) needs, declared by hand. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stdio.h>
@@ -196,7 +196,7 @@ int mk_cuda_dmabuf_fd(void* ptr, size_t bytes, uint64_t* offset) {
   return fd;
 }
 
-/* A tiled TMA tensor map (mkernel/tma.py): cuTensorMapEncodeTiled's CUresult (0 success, why says
+/* A tiled TMA tensor map (mkernel/runtime/tma.py): cuTensorMapEncodeTiled's CUresult (0 success, why says
  * which error otherwise), or -1 with why saying so when libcuda or the entry point is missing. A
  * host-only computation: no context, no stream. */
 int mk_cuda_tensor_map_encode_tiled(void* tmap, int dtype, unsigned rank, void* ptr, const unsigned long long* dims,

@@ -72,7 +72,7 @@ int mk_verbs_blob_bytes(void);
 int mk_verbs_local_blob(mk_proxy* p, int peer, unsigned char* out, int cap);
 int mk_verbs_connect(mk_proxy* p, int peer, const unsigned char* blob, int len);
 
-/* TMA (mkernel/tma.py): cuTensorMapEncodeTiled through the libcuda this extension loads. tmap is the
+/* TMA (mkernel/runtime/tma.py): cuTensorMapEncodeTiled through the libcuda this extension loads. tmap is the
  * 128-byte CUtensorMap; dims, box and estrides hold rank entries, strides rank-1 (bytes). Returns the
  * CUresult (0 success), or -1 when libcuda or the entry point is missing; why says which. */
 int mk_cuda_tensor_map_encode_tiled(void* tmap, int dtype, unsigned rank, void* ptr, const unsigned long long* dims,

@@ -1,5 +1,5 @@
 /* TCP transport: several connections per peer, frames of a header then a payload. Connections
- * arrive here already authenticated (mkernel/proxy.py runs the secret handshake); from then on
+ * arrive here already authenticated (mkernel/comm/proxy.py runs the secret handshake); from then on
  * every incoming frame is checked against the registered regions before a byte is written. */
 #define _GNU_SOURCE
 #include <errno.h>

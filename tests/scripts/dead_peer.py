@@ -7,7 +7,7 @@ import time
 import cupy
 
 import mkernel
-from mkernel.selftest import Protocol
+from mkernel.diagnostics.selftest import Protocol
 
 comm = mkernel.init()
 proto = Protocol(comm, 1024)

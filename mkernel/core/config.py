@@ -1,0 +1,85 @@
+"""The ops' tuning knobs, in one frozen object (``mkernel.config.get()``), read at each call.
+
+Change them for the whole process with :func:`configure`, or for a block with :func:`override`
+(tests, benchmarks); every rank of a job must use the same values (the ones that change what
+crosses the wire are agreed on with the call's shapes where they matter: the path, the split).
+"""
+
+import contextlib
+import dataclasses
+import types
+
+from mkernel.core.errors import ArgumentError
+
+CONTROLLER_SETTINGS = ("auto", "always", "pattern", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    # Tensor parallel ops (docs/TP.md). Below both crossovers, on distinct GPUs, cupy.matmul + NCCL.
+    tp_fuse_min_tiles: int = 32   # output tiles (128 x 256) of the call
+    tp_fuse_min_k: int = 512
+    # The in-call controller (docs/CONTROLLER.md): "auto" adapts the calls with comm_sms "auto",
+    # "always" every fused call, "pattern" lends every odd GEMM CTA (tests), "off" never.
+    tp_controller: str = "auto"
+    tp_lend_share: int = 2        # it lends at most gemm_ctas / tp_lend_share GEMM CTAs
+    tp_join_reduce: bool = False  # RS / AR: the GEMM CTAs also reduce after their tiles
+    # Communication CTAs where comm_sms is not searched (the unfused baseline, the search's start).
+    tp_comm_sms: types.MappingProxyType = dataclasses.field(default_factory=lambda: types.MappingProxyType(
+        {"gemm_reduce_scatter": 8, "gemm_allreduce": 16, "allgather_gemm": 8}))
+    moe_comm_sms: int = 16        # dispatch CTAs of the fused MoE kernels
+    moe_join_gemm: bool = True    # the dispatch CTAs take GEMM tiles once their rows are sent
+    ring_comm_sms: int = 8        # ring attention's forwarding CTAs
+    # The split search's prior (mkernel/split/search.py): rates of its cost model.
+    cta_gbps: float = 20.0        # bytes loaded + stored per second by one communication CTA
+    nvlink_gbps: float = 365.0    # one direction, inside a node
+    transport_gbps: types.MappingProxyType = dataclasses.field(default_factory=lambda: types.MappingProxyType(
+        {"host": 20.0, "tcp": 1.5, "verbs": 25.0}))
+    gemm_tflops: float = 650.0
+
+    def __post_init__(self):
+        if self.tp_controller not in CONTROLLER_SETTINGS:
+            raise ArgumentError(f"tp_controller must be one of {CONTROLLER_SETTINGS}; got {self.tp_controller!r}")
+        for name in ("tp_fuse_min_tiles", "tp_fuse_min_k", "tp_lend_share", "moe_comm_sms", "ring_comm_sms"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name.startswith("tp_fuse") else 1):
+                raise ArgumentError(f"{name} must be a {'non-negative' if name.startswith('tp_fuse') else 'positive'} "
+                                    f"integer; got {v!r}")
+        for name in ("tp_join_reduce", "moe_join_gemm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ArgumentError(f"{name} must be True or False; got {getattr(self, name)!r}")
+        for name in ("tp_comm_sms", "transport_gbps"):  # mappings stay read-only
+            object.__setattr__(self, name, types.MappingProxyType(dict(getattr(self, name))))
+
+
+_current = [Config()]
+
+
+def get() -> Config:
+    """The knobs in force."""
+    return _current[0]
+
+
+def configure(**changes) -> Config:
+    """Sets knobs for the rest of the process (every rank alike); returns the new configuration."""
+    _current[0] = dataclasses.replace(_current[0], **_checked(changes))
+    return _current[0]
+
+
+@contextlib.contextmanager
+def override(**changes):
+    """``with mkernel.config.override(tp_controller="pattern"):`` the knobs for the calls inside."""
+    old = _current[0]
+    _current[0] = dataclasses.replace(old, **_checked(changes))
+    try:
+        yield _current[0]
+    finally:
+        _current[0] = old
+
+
+def _checked(changes):
+    names = {f.name for f in dataclasses.fields(Config)}
+    unknown = sorted(set(changes) - names)
+    if unknown:
+        raise ArgumentError(f"unknown configuration field(s) {unknown}; the fields are {sorted(names)}")
+    return changes

@@ -1,0 +1,186 @@
+"""``python -m mkernel``: every kernel that exists, on all visible GPUs (one MPI rank each), checked
+against a reference and timed against its baseline, printed as one table by rank 0."""
+
+import numpy as np
+
+from mkernel.core.log import get_logger
+
+log = get_logger("main")
+
+
+def _time_ms(fn, reps=20, warmup=3):
+    import cupy
+    for _ in range(warmup):
+        fn()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return float(np.median(times))
+
+
+def check_runtime(comm, quick):
+    """The protocol every fused op relies on: peers' slots written through the pointer table."""
+    import cupy
+
+    from mkernel.diagnostics.selftest import Protocol
+
+    words = 1 << 16
+    proto = Protocol(comm, words)
+    launches = 100 if quick else 1000
+    for _ in range(launches):
+        proto.run("exchange")
+    cupy.cuda.get_current_stream().synchronize()
+    comm.check()
+    ok = proto.mismatch_count() == 0
+    ms = _time_ms(lambda: proto.run("exchange"))
+    return {"op": "runtime exchange", "shape": f"{comm.local_size} x {words * 4} B", "ok": ok,
+            "mkernel_ms": ms, "baseline_ms": None, "note": f"{launches} checked launches"}
+
+
+def check_gemm(comm, quick):
+    """The GEMM engine on this rank's GPU against cupy.matmul (cuBLAS), random bf16 inputs."""
+    import cupy
+
+    import mkernel
+    from mkernel.runtime.arrays import BFLOAT16
+
+    m, n, k = (2048, 2048, 2048) if quick else (8192, 8192, 4096)
+    rng = cupy.random.default_rng(comm.rank)
+    a = (rng.standard_normal((m, k), dtype=cupy.float32)).astype(BFLOAT16)
+    b = (rng.standard_normal((k, n), dtype=cupy.float32)).astype(BFLOAT16)
+    out = cupy.full((m, n), float("nan"), dtype=BFLOAT16)
+    mkernel.gemm(a, b, out=out)
+    ref = cupy.matmul(a.astype(cupy.float32), b.astype(cupy.float32))
+    err = float(cupy.linalg.norm(out.astype(cupy.float32) - ref) / cupy.linalg.norm(ref))
+    ms = _time_ms(lambda: mkernel.gemm(a, b, out=out))
+    base = _time_ms(lambda: cupy.matmul(a, b, out=out))
+    return {"op": "gemm (engine)", "shape": f"{m}x{n}x{k}", "ok": err < 1e-2, "mkernel_ms": ms,
+            "baseline_ms": base, "note": f"rel err {err:.1e}; baseline cupy.matmul"}
+
+
+def check_attention(comm, quick):
+    """The attention engine on this rank's GPU against an fp32 CuPy reference (small) and timed at
+    32 heads x 128; no cuDNN here (torch is not a dependency: bench/attention.py compares)."""
+    import cupy
+
+    import mkernel
+    from mkernel.engines import attention as attention_engine
+    from mkernel.runtime.arrays import BFLOAT16
+
+    rng = cupy.random.default_rng(comm.rank)
+    S_small, S, H, D = 300, (2048 if quick else 8192), 32, 128
+    q, k, v = (rng.standard_normal((S_small, 4, D), dtype=cupy.float32).astype(BFLOAT16) for _ in range(3))
+    out = cupy.full(q.shape, float("nan"), dtype=BFLOAT16)
+    mkernel.attention(q, k, v, causal=True, out=out)
+    ref = attention_engine.reference(*(x.astype(cupy.float32) for x in (q, k, v)), causal=True)
+    err = float(cupy.linalg.norm(out.astype(cupy.float32) - ref) / cupy.linalg.norm(ref))
+    q, k, v = (rng.standard_normal((S, H, D), dtype=cupy.float32).astype(BFLOAT16) for _ in range(3))
+    out = cupy.empty_like(q)
+    ms = _time_ms(lambda: mkernel.attention(q, k, v, out=out))
+    return {"op": "attention (engine)", "shape": f"S {S} x H {H} x D {D}", "ok": err < 1e-2, "mkernel_ms": ms,
+            "baseline_ms": None, "note": f"rel err {err:.1e} (causal, S 300); {4 * S * S * H * D / ms / 1e9:.0f} "
+                                         f"TFLOP/s; cuDNN comparison: bench/attention.py"}
+
+
+def tp_checks():
+    """The rows of the three tensor-parallel ops: exact integer inputs, then timed (against the NCCL
+    fallback where the ranks have GPUs of their own)."""
+    return [lambda comm, quick, op=op: check_tp(comm, quick, op) for op in
+            ("gemm_reduce_scatter", "gemm_allreduce", "allgather_gemm")]
+
+
+def check_tp(comm, quick, op):
+    import cupy
+
+    import mkernel
+    from mkernel.ops.tp import gpus_distinct
+
+    fn = getattr(mkernel, op)
+    W, r = comm.size, comm.rank
+    M, N, K = (1024, 1024, 256) if quick else (8192, 8192, 256 * W)
+    rng = lambda p: np.random.default_rng([7, p])  # noqa: E731
+    if op == "allgather_gemm":
+        shards = [rng(p).integers(-1, 2, size=(M // W, K)).astype(np.float16) for p in range(W)]
+        b = rng(100 + r).integers(-1, 2, size=(K, N)).astype(np.float16)
+        ref = np.vstack(shards).astype(np.float64) @ b.astype(np.float64)
+        a_dev, b_dev = cupy.asarray(shards[r]), cupy.asarray(b)
+    else:
+        Kr = K // W
+        ab = [(rng(p).integers(-1, 2, size=(M, Kr)).astype(np.float16),
+               rng(100 + p).integers(-1, 2, size=(Kr, N)).astype(np.float16)) for p in range(W)]
+        ref = sum(a.astype(np.float64) @ b.astype(np.float64) for a, b in ab)
+        if op == "gemm_reduce_scatter":
+            ref = ref[r * (M // W):(r + 1) * (M // W)]
+        a_dev, b_dev = cupy.asarray(ab[r][0]), cupy.asarray(ab[r][1])
+    out = fn(a_dev, b_dev, comm=comm)
+    cupy.cuda.get_current_stream().synchronize()
+    comm.check()
+    ok = bool(np.array_equal(cupy.asnumpy(out), ref.astype(np.float16)))
+    path = comm.plans.state["tp.last_path"][op]
+    ms = _time_ms(lambda: fn(a_dev, b_dev, comm=comm, out=out))
+    base = None
+    if W > 1 and gpus_distinct(comm):
+        base = _time_ms(lambda: fn(a_dev, b_dev, comm=comm, path="fallback"))
+    return {"op": op, "shape": f"{M}x{N}x{K}", "ok": ok, "mkernel_ms": ms, "baseline_ms": base,
+            "note": f"{path} path, exact integer check"}
+
+
+def check_ring_attention(comm, quick):
+    """The row ``python -m mkernel`` adds: ring attention (causal, zigzag) against the single-GPU
+    engine on the whole sequence (every rank builds the same global inputs), then timed."""
+    import cupy
+
+    from mkernel.engines import attention as _attn
+    from mkernel.ops.ring_attention import ring_attention
+    from mkernel.ops.sequence import shard_sequence
+    from mkernel.runtime.arrays import BFLOAT16
+
+    W, me = comm.size, comm.rank
+    S, H, D = (512 if quick else 2048), 8, 128
+    rng = cupy.random.default_rng(11)  # the same global inputs on every rank
+    qg, kg, vg = (rng.standard_normal((S * W, H, D), dtype=cupy.float32).astype(BFLOAT16) for _ in range(3))
+    ref = shard_sequence(_attn.attention(qg, kg, vg, causal=True), me, W, causal=True)
+    q, k, v = (cupy.ascontiguousarray(shard_sequence(x, me, W, causal=True)) for x in (qg, kg, vg))
+    out = cupy.full(q.shape, float("nan"), dtype=BFLOAT16)
+    ring_attention(q, k, v, comm=comm, causal=True, out=out)
+    cupy.cuda.get_current_stream().synchronize()
+    comm.check()
+    r = ref.astype(cupy.float32)
+    err = float(cupy.linalg.norm(out.astype(cupy.float32) - r) / cupy.linalg.norm(r))
+    ms = _time_ms(lambda: ring_attention(q, k, v, comm=comm, causal=True, out=out))
+    return {"op": "ring_attention", "shape": f"S_local {S} x H {H} x D {D}, causal", "ok": err < 1e-2,
+            "mkernel_ms": ms, "baseline_ms": None,
+            "note": f"rel err {err:.1e} vs the engine on the whole sequence; speed: bench/ring_attention.py"}
+
+
+def checks():
+    return [check_runtime, check_gemm, check_attention] + tp_checks() + [check_ring_attention]
+
+
+def run(quick=False) -> int:
+    import mkernel
+    comm = mkernel.init()
+    rows = []
+    for check in checks():
+        try:
+            rows.append(check(comm, quick))
+        except mkernel.MKernelError as e:
+            rows.append({"op": check.__name__, "ok": False, "note": f"{type(e).__name__}: {e}"})
+    all_rows = comm.mpi.gather(rows)
+    failed = comm.mpi.allreduce(sum(not r["ok"] for r in rows))
+    if comm.rank == 0:
+        print(f"mkernel {mkernel.__version__}: {comm.size} rank(s), {comm.num_nodes} node(s)")
+        print(f"{'op':28s} {'shape':28s} {'check':6s} {'mkernel ms':>11s} {'baseline ms':>12s} {'speedup':>8s}")
+        for r in all_rows[0]:
+            base = r.get("baseline_ms")
+            speed = f"{base / r['mkernel_ms']:7.2f}x" if base and r.get("mkernel_ms") else "       -"
+            print(f"{r['op']:28s} {str(r.get('shape', '')):28s} {'ok' if r['ok'] else 'FAIL':6s} "
+                  f"{r.get('mkernel_ms', float('nan')):11.3f} {base if base else float('nan'):12.3f} {speed}"
+                  + (f"  ({r['note']})" if r.get("note") else ""))
+    comm.close()
+    return 1 if failed else 0

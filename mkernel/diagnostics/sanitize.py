@@ -1,0 +1,252 @@
+"""Every fused kernel once at a small shape, for compute-sanitizer (tools/sanitize.sh,
+tools/sanitize_targets.py): each target raises on a wrong result, so the sanitizer run also checks
+the answer."""
+
+import mkernel
+from mkernel.core import config
+from mkernel.engines import attention as _attn
+from mkernel.engines.attention import HEAD_DIMS, reference
+from mkernel.ops import tp
+from mkernel.runtime.arrays import cupy_mod
+
+
+def target_gemm():
+    """The engine once at a shape off the tile grid in every dimension, both B layouts, with and
+    without clusters, integer inputs (exact); raises on a wrong result. tools/sanitize.sh runs it
+    under compute-sanitizer."""
+    import numpy as np
+
+    cupy = cupy_mod()
+    rng = np.random.default_rng(0)
+    M, K, N = 200, 136, 264
+    a = rng.integers(-2, 3, size=(M, K)).astype(np.float16)
+    b = rng.integers(-2, 3, size=(K, N)).astype(np.float16)
+    want = (a.astype(np.float64) @ b.astype(np.float64)).astype(np.float16)
+    for name, b_dev, layout in (("kn", cupy.asarray(b), None), ("nk", cupy.asarray(np.ascontiguousarray(b.T)), "nk")):
+        for cluster in (False, True):
+            out = cupy.full((M, N), np.nan, dtype=np.float16)
+            mkernel.gemm(cupy.asarray(a), b_dev, out=out, b_layout=layout, cluster=cluster)
+            got = out.get()
+            if not np.array_equal(got, want):
+                raise AssertionError(f"gemm {name} cluster={cluster}: {int((got != want).sum())} of {got.size} "
+                                     "elements wrong")
+
+
+def target_attention():
+    """The engine once per head dim at small ragged shapes (two key blocks, a partial query tile),
+    causal and not, against a float64 reference; raises on a wrong result. tools/sanitize.sh runs
+    it under compute-sanitizer."""
+    import numpy as np
+
+    cupy = cupy_mod()
+    rng = np.random.default_rng(0)
+    for D in HEAD_DIMS:
+        for causal in (False, True):
+            Sq, Skv, Hq, Hkv = 150, 200, 2, 1
+            q, k, v = (rng.standard_normal(s).astype(np.float16) for s in ((Sq, Hq, D), (Skv, Hkv, D), (Skv, Hkv, D)))
+            out = cupy.full(q.shape, np.nan, dtype=np.float16)
+            mkernel.attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), causal=causal, out=out)
+            got = out.get().astype(np.float64)
+            want = reference(*(x.astype(np.float64) for x in (q, k, v)), causal=causal)
+            err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+            if not err < 1e-2:
+                raise AssertionError(f"attention D={D} causal={causal}: relative error {err:.2e}")
+
+
+def target_gemm_reduce_scatter():
+    """The fused kernel once at a small shape at world 1 (tools/sanitize_targets.py); raises on a
+    wrong result."""
+    _tp_reduce(mkernel.gemm_reduce_scatter)
+
+
+def target_gemm_allreduce():
+    """The fused kernel once at a small shape at world 1; raises on a wrong result."""
+    _tp_reduce(mkernel.gemm_allreduce)
+
+
+def target_allgather_gemm():
+    """The fused kernel once at a small shape at world 1; raises on a wrong result."""
+    import cupy
+    import numpy as np
+    from mpi4py import MPI
+
+    from mkernel.comm.communicator import init
+
+    comm = init(MPI.COMM_SELF, workspace_bytes=16 << 20)
+    try:
+        rng = np.random.default_rng(0)
+        M, K, N = 200, 136, 264
+        a = rng.integers(-2, 3, size=(M, K)).astype(np.float16)
+        b = rng.integers(-2, 3, size=(K, N)).astype(np.float16)
+        for controller in ("off", "pattern"):  # pushers only; odd GEMM CTAs pushing between their tiles
+            with config.override(tp_controller=controller):
+                out, gathered = mkernel.allgather_gemm(cupy.asarray(a), cupy.asarray(b), comm=comm, path="fused",
+                                               return_gathered=True, comm_sms=1)
+            cupy.cuda.runtime.deviceSynchronize()
+            comm.check()
+            tp.check_result(out, a.astype(np.float64) @ b.astype(np.float64), f"allgather_gemm {controller}", 0.0)
+            tp.check_result(gathered, a.astype(np.float64), f"allgather_gemm {controller} gathered A", 0.0)
+    finally:
+        comm.close()
+
+
+def target_ring_attention():
+    """Ring attention once per mask at a small ragged shape on MPI.COMM_WORLD (run it with 2 ranks:
+    tools/sanitize.sh does), against the single-GPU engine on the whole sequence; raises on a
+    wrong result."""
+    import cupy
+    from mpi4py import MPI
+
+    from mkernel.comm.communicator import init
+    from mkernel.ops.sequence import shard_sequence
+
+    comm = init(MPI.COMM_WORLD, workspace_bytes=16 << 20)
+    W, me = comm.size, comm.rank
+    S, H, D = 130, 2, 64
+    rng = cupy.random.default_rng(5)
+    qg, kg, vg = (rng.standard_normal((S * W, H, D), dtype=cupy.float32).astype(cupy.float16) for _ in range(3))
+    for causal in (False, True):
+        ref = shard_sequence(_attn.attention(qg, kg, vg, causal=causal), me, W, causal=causal).astype(cupy.float32)
+        q, k, v = (cupy.ascontiguousarray(shard_sequence(x, me, W, causal=causal)) for x in (qg, kg, vg))
+        out = cupy.full(q.shape, float("nan"), dtype=cupy.float16)
+        for _ in range(2):
+            mkernel.ring_attention(q, k, v, comm=comm, causal=causal, out=out, comm_sms=2)
+        cupy.cuda.get_current_stream().synchronize()
+        comm.check()
+        err = float(cupy.linalg.norm(out.astype(cupy.float32) - ref) / cupy.linalg.norm(ref))
+        if not err < 1e-2:
+            raise AssertionError(f"ring_attention causal={causal} rank {me}: relative error {err:.2e}")
+    comm.close()
+
+
+def target_moe():
+    """Dispatch and combine once at world 1 (every expert local) with integer inputs; raises on a
+    wrong result. tools/sanitize.sh runs it under compute-sanitizer."""
+    import cupy
+    import numpy as np
+    from mpi4py import MPI
+
+    from mkernel.comm.communicator import init
+
+    comm = init(MPI.COMM_SELF, workspace_bytes=16 << 20)
+    try:
+        # Rows of 4112 bytes: two copier pieces each; 600 pairs: 3 CTAs (their barriers), 2 runs per warp.
+        T, H, E, k = 300, 2056, 8, 2
+        rng = np.random.default_rng(0)
+        x = rng.integers(-3, 4, size=(T, H)).astype(np.float16)
+        ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+        w = np.full((T, k), 0.5, dtype=np.float32)
+        recv, h = mkernel.moe_dispatch(cupy.asarray(x), cupy.asarray(ids), cupy.asarray(w), comm=comm, num_experts=E)
+        out = mkernel.moe_combine(recv, h, comm=comm)
+        comm.check()
+        want = x.astype(np.float64) * (0.5 * k)  # every pair returns its own token row
+        if not np.array_equal(out.get().astype(np.float64), want):
+            raise AssertionError("moe dispatch/combine: wrong result")
+    finally:
+        comm.close()
+
+
+def target_moe_gemm():
+    """The fused dispatch + GEMM once at world 1 with integer inputs (exact in fp32); raises on a wrong
+    result. tools/sanitize.sh runs it under compute-sanitizer."""
+    import cupy
+    import numpy as np
+    from mpi4py import MPI
+
+    from mkernel.comm.communicator import init
+
+    comm = init(MPI.COMM_SELF, workspace_bytes=32 << 20)
+    try:
+        # Rows of 8320 bytes: two copier pieces each; 600 pairs over 3 dispatch CTAs (their barriers):
+        # 2-3 runs per warp; 3 returning CTAs.
+        T, H, F, E, k = 300, 4160, 72, 4, 2
+        rng = np.random.default_rng(0)
+        x = rng.integers(-2, 3, size=(T, H)).astype(np.float16)
+        ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+        w = (rng.integers(-1, 2, size=(E, H, F)) * (rng.random((E, H, F)) < 0.02)).astype(np.float16)
+        y, h = mkernel.moe_dispatch_gemm(cupy.asarray(x), cupy.asarray(ids), cupy.ones((T, k), dtype=cupy.float32),
+                                 cupy.asarray(w), comm=comm, num_experts=E, comm_sms=3)
+        comm.check()
+        rows = [(e, t) for e in range(E) for t in range(T) for j in range(k) if ids[t, j] == e]
+        want = np.stack([x[t].astype(np.float64) @ w[e].astype(np.float64) for e, t in rows])
+        assert np.abs(want).max() <= 2048  # integers fp16 holds exactly
+        if not np.array_equal(y.get()[:len(rows)].astype(np.float64), want):
+            raise AssertionError("moe_dispatch_gemm: wrong result")
+        w2 = (rng.integers(-1, 2, size=(E, F, H)) * (rng.random((E, F, H)) < 0.1)).astype(np.float16)
+        fused = mkernel.moe_gemm_combine(y, cupy.asarray(w2), h, comm=comm, comm_sms=3, path="fused")
+        unfused = mkernel.moe_gemm_combine(y, cupy.asarray(w2), h, comm=comm, path="unfused")
+        comm.check()
+        if not np.array_equal(fused.get().view(np.uint16), unfused.get().view(np.uint16)):
+            raise AssertionError("moe_gemm_combine: the fused kernel differs from grouped_gemm + moe_combine")
+    finally:
+        comm.close()
+
+
+def target_moe_nodes():
+    """Dispatch, combine and the fused dispatch + GEMM once on MPI.COMM_WORLD as one emulated node
+    per rank (run it with 2 ranks: tools/sanitize.sh does), integer inputs; raises on a wrong result."""
+    import cupy
+    import numpy as np
+    from mpi4py import MPI
+
+    from mkernel.comm.communicator import init
+
+    world = MPI.COMM_WORLD
+    comm = init(world, gpus_per_node=1, transport="host", workspace_bytes=32 << 20)
+    try:
+        W, me = comm.size, comm.rank
+        T, H, F, E, k = 70, 264, 72, 2 * W, 2  # 70 tokens: three warps' ranges, a partial one
+        rng = np.random.default_rng(11 + me)
+        x = rng.integers(-2, 3, size=(T, H)).astype(np.float16)
+        ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+        w = np.full((T, k), 0.5, dtype=np.float32)
+        cap = mkernel.moe_capacity(T, k, W)
+        recv, h = mkernel.moe_dispatch(cupy.asarray(x), cupy.asarray(ids), cupy.asarray(w), comm=comm,
+                                       num_experts=E, capacity=cap)
+        out = mkernel.moe_combine(recv, h, comm=comm)
+        cupy.cuda.runtime.deviceSynchronize()
+        comm.check()
+        if not np.array_equal(out.get().astype(np.float64), x.astype(np.float64) * (0.5 * k)):
+            raise AssertionError(f"moe between nodes, rank {me}: wrong dispatch + combine")
+        w1 = cupy.asarray(rng.integers(-1, 2, size=(E // W, H, F)).astype(np.float16))
+        y, h = mkernel.moe_dispatch_gemm(cupy.asarray(x), cupy.asarray(ids), cupy.asarray(w), w1, comm=comm,
+                                         num_experts=E, capacity=cap, comm_sms=2)
+        y_blocks = mkernel.grouped_gemm(recv, w1, h.group_rows)
+        cupy.cuda.runtime.deviceSynchronize()
+        comm.check()
+        n = int(h.received())
+        if not np.array_equal(y.get()[:n].view(np.uint16), y_blocks.get()[:n].view(np.uint16)):
+            raise AssertionError(f"moe_dispatch_gemm between nodes, rank {me}: differs from its blocks")
+    finally:
+        comm.close()
+
+
+def _tp_reduce(op_fn):
+    import cupy
+    import numpy as np
+    from mpi4py import MPI
+
+    from mkernel.comm.communicator import init
+
+    comm = init(MPI.COMM_SELF, workspace_bytes=16 << 20)
+    try:
+        rng = np.random.default_rng(0)
+        M, K, N = 200, 136, 264  # off-grid in every dimension
+        a = rng.integers(-2, 3, size=(M, K)).astype(np.float16)
+        b = rng.integers(-2, 3, size=(K, N)).astype(np.float16)
+        # dedicated reducers only; the GEMM CTAs joining them; odd GEMM CTAs reducing between tiles
+        for join, controller in ((False, "off"), (True, "off"), (False, "pattern")):
+            with config.override(tp_controller=controller):
+                out = op_fn(cupy.asarray(a), cupy.asarray(b), comm=comm, path="fused", join=join, comm_sms=1)
+            cupy.cuda.runtime.deviceSynchronize()
+            comm.check()
+            tp.check_result(out, a.astype(np.float64) @ b.astype(np.float64),
+                            f"{op_fn.__name__} join={join} controller={controller}", 0.0)
+    finally:
+        comm.close()
+
+
+# world 1 (tools/sanitize_targets.py runs these); ring attention and MoE between nodes need 2 ranks
+# (tools/sanitize.sh runs them under mpiexec -n 2)
+WORLD1 = (target_gemm, target_attention, target_gemm_reduce_scatter, target_gemm_allreduce, target_allgather_gemm,
+          target_moe, target_moe_gemm)

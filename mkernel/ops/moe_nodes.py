@@ -1,0 +1,153 @@
+"""Expert parallelism between nodes: the exchange before the node's dispatch and the partial sums
+after its combine (mkernel/cuda/moe_nodes.cu; design: docs/MOE.md "Between nodes").
+
+Ranks are node-major (rank = node * local + local rank) with the same number per node. Rank
+(n, l) sends each other node j, through its rank (j, l), the bundle of its tokens that have a
+pair on node j, once (rows, ids, weights); (j, l) then dispatches inside node j, over NVLink, its
+own tokens and the ones it forwards as one list of virtual tokens, with moe.cu / moe_dispatch_gemm.cu
+unchanged but for that list. Combine runs inside each node the same way, leaving per virtual token
+the fp32 sum of its node's pairs; those sums go back to the tokens' ranks, which add the nodes'
+sums in node order and round once.
+
+Not a public module: :mod:`mkernel.moe` and :mod:`mkernel.moe_gemm` call it when the communicator
+spans nodes.
+"""
+
+import ctypes
+
+from mkernel.comm import proxy as _proxy
+from mkernel.core.errors import ArgumentError
+from mkernel.ops import tp as _tp
+from mkernel.runtime import compile as _compile
+from mkernel.runtime.sync import MkSync
+
+MAX_NODES = 8       # MOE_MAX_NODES
+MAX_WRITE_BYTES = 1 << 32  # a proxy command's size is 32 bits: a bundle's rows and its sums go as one WRITE each
+PARTIAL_BYTES = 4   # the node sums travel in fp32
+THREADS = 512       # MOE_NODE_THREADS
+PF_WORDS = 64       # MOE_PF_WORDS: the plan's proxy flags
+CNT_WORDS = 3       # MOE_NCNT_WORDS
+TOKENS_PER_CTA = 32  # the exchange stages a warp's 32 tokens per unit; CTAs beyond T / 32 idle
+PARTIAL_TOKENS_PER_CTA = 16  # the final sums: a warp per token
+EXCHANGE_MAX_CTAS = 64  # every CTA scans all T * k ids (cheap): more would only repeat that scan
+
+
+def grow_words(E):
+    """Words of a global count row (MOE_GROW_WORDS)."""
+    return E + 2 + MAX_NODES
+
+
+SPEC = _compile.register("moe_nodes", "moe_nodes.cu", ("mk_moe_exchange_kernel", "mk_moe_partials_kernel<0>",
+                                                       "mk_moe_partials_kernel<1>"))
+
+
+class MkMoeNodeArgs(ctypes.Structure):
+    """Mirror of ``MkMoeNodeArgs`` (mkernel/cuda/moe_nodes_args.cuh)."""
+    _fields_ = [("sync", MkSync), ("peer_base", ctypes.c_void_p), ("queue", _proxy.QueueArgs),
+                ("pflags", ctypes.c_void_p)] + \
+               [(f"{n}_off", ctypes.c_uint64) for n in ("gcounts", "gcflag", "xsend", "dsend", "xrecv", "drecv",
+                                                         "part", "precv")] + \
+               [(n, ctypes.c_void_p) for n in ("x", "topk_ids", "topk_w", "out", "vids", "vw", "vseg", "slots",
+                                               "verdict", "counters")] + \
+               [("ldx", ctypes.c_int64), ("ldo", ctypes.c_int64)] + \
+               [(n, ctypes.c_int32) for n in ("T", "H", "k", "E", "e_local", "world", "me", "capacity", "node",
+                                              "nodes", "local", "lrank", "fwd_rows", "pad")]
+
+
+def check_sizes(op, H, k, capacity):
+    """Between nodes, before anything collective: a bundle's fp32 sums fit one WRITE (32-bit sizes)."""
+    R = fwd_rows(capacity, k)
+    if R * H * PARTIAL_BYTES >= MAX_WRITE_BYTES:
+        raise ArgumentError(f"{op}: between nodes a bundle of up to capacity / k = {R} tokens x H = {H} (its fp32 "
+                            f"sums: {R * H * PARTIAL_BYTES} bytes) must stay under {MAX_WRITE_BYTES} bytes (one "
+                            f"WRITE); pass a smaller capacity")
+
+
+def fwd_rows(capacity, k):
+    """Tokens of one bundle and virtual tokens of one rank: a rank's pairs (T * k, and its virtual
+    tokens' * k) never exceed the capacity, or the call fails on every rank."""
+    return max(1, capacity // k)
+
+
+def buffer_sizes(W, N, H, dtype, k, E, capacity):
+    """[(name, shape, dtype)] of the symmetric buffers between nodes (bench/moe.py sizes its
+    workspace from it too)."""
+    import numpy as np
+
+    R = fwd_rows(capacity, k)
+    u32, f32 = np.dtype(np.uint32), np.dtype(np.float32)
+    return [("gcounts", (W * grow_words(E),), u32), ("gcflag", (W,), u32),
+            ("xsend", ((N - 1) * R, H), dtype), ("dsend", ((N - 1) * R * 2 * k,), u32),
+            ("xrecv", ((N - 1) * R, H), dtype), ("drecv", ((N - 1) * R * 2 * k,), u32),
+            ("part", (R, H), f32), ("precv", ((N - 1) * R, H), f32)]
+
+
+def plan(op, comm, H, dtype, k, E, capacity):
+    """The symmetric buffers, local scratch and proxy flags between nodes of one (H, dtype, k, E,
+    capacity), collective the first time."""
+    import cupy
+
+    N = comm.num_nodes
+    R = fwd_rows(capacity, k)
+    key = ("buffers", "moe_nodes", H, dtype.name, k, E, capacity)
+    sizes = buffer_sizes(comm.size, N, H, dtype, k, E, capacity)
+    p = _tp.plan_buffers(op, comm, key, sizes, counter_words=CNT_WORDS)
+    if "pflags" not in p:
+        p.update(fwd_rows=R, vids=cupy.empty(R * k, dtype=cupy.int32), vw=cupy.empty(R * k, dtype=cupy.float32),
+                 vseg=cupy.zeros(MAX_NODES, dtype=cupy.uint32), slots=cupy.empty((N - 1) * R, dtype=cupy.int32),
+                 verdict=cupy.zeros(1, dtype=cupy.uint32))
+        cupy.cuda.runtime.deviceSynchronize()
+        p["pflags"] = comm.proxy_flag_block(PF_WORDS)  # collective; peers signal them from their kernels
+    return p
+
+
+def args(comm, p, op, T, k, E, H, capacity) -> MkMoeNodeArgs:
+    a = MkMoeNodeArgs()
+    a.sync = comm.sync_args(op)
+    a.peer_base = comm.peer_table.data.ptr
+    base = p["pflags"].offset
+    a.queue = comm.proxy_queue_args(flag_base=base)
+    a.pflags = comm.proxy_flags[0] + 4 * base
+    for n in ("gcounts", "gcflag", "xsend", "dsend", "xrecv", "drecv", "part", "precv"):
+        setattr(a, f"{n}_off", comm.offset_of(p[n]))
+    for n in ("vids", "vw", "vseg", "slots", "verdict", "counters"):
+        setattr(a, n, p[n].data.ptr)
+    a.T, a.H, a.k, a.E = T, H, k, E
+    a.e_local, a.world, a.me, a.capacity = E // comm.size, comm.size, comm.rank, capacity
+    a.node, a.nodes, a.local, a.lrank = comm.node, comm.num_nodes, comm.local_size, comm.local_rank
+    a.fwd_rows = p["fwd_rows"]
+    return a
+
+
+def set_virtual(m, p, comm):
+    """The node's dispatch / combine arguments (MkMoeArgs m) over the virtual tokens of plan p."""
+    m.vseg, m.nseg = p["vseg"].data.ptr, comm.num_nodes - 1
+    m.xfwd, m.fwd_rows = p["xrecv"].data.ptr, p["fwd_rows"]
+    m.topk_ids = p["vids"].data.ptr
+
+
+def _launch(op, expr, a, ctas, stream):
+    from mkernel.runtime.launch import launch_persistent
+
+    fn = _compile.module(SPEC).function(expr)
+    launch_persistent(fn, (ctas,), (THREADS,), a, smem=0, stream=stream)
+
+
+def exchange(d, p, stream):
+    """The exchange of a checked dispatch call d (moe.Dispatch, its plan between nodes p), launched
+    before the node's dispatch."""
+    a = args(d.comm, p, d.op, d.T, d.k, d.E, d.H, d.capacity)
+    a.x, a.ldx = d.x.data.ptr, (d.x.strides[0] if d.T > 1 else d.H * d.x.itemsize) // d.x.itemsize
+    a.topk_ids, a.topk_w = d.ids.data.ptr, d.w.data.ptr
+    ctas = max(1, min(_tp.sm_count(), EXCHANGE_MAX_CTAS, -(-d.T // TOKENS_PER_CTA)))
+    _launch(d.op, "mk_moe_exchange_kernel", a, ctas, stream)
+
+
+def partials(op, comm, handle, out, stream):
+    """After the node's combine (its sums in the plan's part): the nodes' sums of this rank's
+    tokens into out [T, H]."""
+    p = handle._nodes
+    a = args(comm, p, op, handle.T, handle.k, handle.E, handle.H, handle.capacity)
+    a.out, a.ldo = out.data.ptr, (out.strides[0] if handle.T > 1 else handle.H * out.itemsize) // out.itemsize
+    ctas = max(1, min(_tp.sm_count(), -(-handle.T // PARTIAL_TOKENS_PER_CTA)))
+    _launch(op, f"mk_moe_partials_kernel<{_tp.DT[handle.dtype.name]}>", a, ctas, stream)

@@ -1,0 +1,221 @@
+"""Ring attention: ``ring_attention`` (design: docs/RING_ATTENTION.md).
+
+Sequence parallelism: each rank holds ``S_local`` rows of the sequence and attends its queries to
+every rank's keys and values. One persistent kernel (``mkernel/cuda/ring_attention.cu``): most CTAs
+run the attention engine (``mkernel.attention``'s kernel) over tiles (step, batch, head, query
+block), step s against the key/value block of rank (me - s) mod world; a few CTAs forward each
+block to the next rank (two receive slots in the symmetric workspace, flow-controlled by per-step
+flags) while the others compute: over NVLink inside a node; between nodes the ring is node-major
+and a node's last rank sends through ``comm.proxy`` to the next node's first. Partial results
+merge in fp32 by the log-sum-exp rule, in step order, so results are bitwise reproducible.
+
+Layout: causal attention uses the zigzag layout (``mkernel.shard_sequence(x, rank, world,
+causal=True)``): the global sequence in 2 * world chunks, rank r holding chunks r and
+2 * world - 1 - r, so every rank has the same causal work. Non-causal: any split (contiguous).
+
+Verified with 2 to 6 ranks sharing one GPU, inside a node and as emulated nodes (correctness);
+see README for what ran where.
+"""
+
+import ctypes
+
+from mkernel.comm import proxy as _proxy
+from mkernel.core import config
+from mkernel.core.errors import ArgumentError
+from mkernel.engines import attention as _attn
+from mkernel.engines import gemm as _gemm
+from mkernel.ops import tp as _tp
+from mkernel.runtime import compile as _compile
+from mkernel.runtime import tma as _tma
+
+MAX_WORLD = 8             # RING_MAX_WORLD
+CNT_WORDS = 2 + 3 * MAX_WORLD
+FLAG_WORDS = 2 * MAX_WORLD
+CHUNK_BYTES = 256 << 10   # bytes of K (and as many of V) per forwarding chunk
+PF_CHUNK = 1 + 2 * MAX_WORLD  # RING_PF_CHUNK: the first chunk-arrival flag of the proxy flags
+PROXY_CHUNK_FLAGS = 1024  # chunk-arrival flags of one plan (steps x chunks): sets the chunk size
+
+
+def kernel_expr(dt: int, d: int, causal: bool) -> str:
+    return f"mk_ring_attention_kernel<{dt},{d},{'true' if causal else 'false'}>"
+
+
+EXPRESSIONS = tuple(kernel_expr(dt, d, c) for dt in (0, 1) for d in _attn.HEAD_DIMS for c in (False, True))
+SPEC = _compile.register("ring_attention", "ring_attention.cu", EXPRESSIONS, hot=True)
+
+
+class MkRingArgs(ctypes.Structure):
+    """Mirror of ``MkRingArgs`` (mkernel/cuda/ring_args.cuh); 1536 bytes, 64-byte aligned in C."""
+    _fields_ = [("a", _attn.MkAttnArgs), ("k_slot", _tma.TensorMap * 2), ("v_slot", _tma.TensorMap * 2),
+                ("peer_base", ctypes.c_void_p), ("kslot_off", ctypes.c_uint64 * 2),
+                ("vslot_off", ctypes.c_uint64 * 2), ("flags_off", ctypes.c_uint64), ("k_own", ctypes.c_void_p),
+                ("v_own", ctypes.c_void_p), ("own_stride_b", ctypes.c_int64), ("own_stride_s", ctypes.c_int64),
+                ("o_acc", ctypes.c_void_p), ("m_acc", ctypes.c_void_p), ("l_acc", ctypes.c_void_p),
+                ("tile_flags", ctypes.c_void_p), ("counters", ctypes.c_void_p), ("out", ctypes.c_void_p),
+                ("out_stride_b", ctypes.c_int64), ("out_stride_s", ctypes.c_int64), ("world", ctypes.c_int32),
+                ("me", ctypes.c_int32), ("attn_ctas", ctypes.c_int32), ("zigzag", ctypes.c_int32),
+                ("tiles_per_step", ctypes.c_uint32), ("chunk_rows", ctypes.c_uint32),
+                ("queue", _proxy.QueueArgs), ("pflags", ctypes.c_void_p), ("stage_off", ctypes.c_uint64),
+                ("next_remote", ctypes.c_int32), ("prev_remote", ctypes.c_int32), ("chunks", ctypes.c_uint32),
+                ("chunk_bytes", ctypes.c_uint32), ("kv_bytes", ctypes.c_uint64), ("local", ctypes.c_int32),
+                ("lrank", ctypes.c_int32), ("pad", ctypes.c_uint32 * 14)]
+
+
+def _rows_contiguous(x):
+    """[B, S, H, D]: each (b, s) row of H * D elements is contiguous."""
+    B, S, H, D = x.shape
+    return (D == 1 or x.strides[3] == x.itemsize) and (H == 1 or x.strides[2] == D * x.itemsize)
+
+
+def _plan(comm, q4, k4, remote):
+    """Buffers of one shape: the receive slots and flags in symmetric memory (tp.plan_buffers: cached
+    in comm.plans, allocated collectively, freed when evicted or by comm.release_plans), and this rank's fp32
+    accumulators, tile flags and scheduler words in device memory. Between nodes (remote) also a
+    staging copy of this rank's own block (a WRITE source must lie in a registered region)."""
+    import cupy
+
+    B, S, Hq, D = q4.shape
+    Hkv = k4.shape[2]
+    kv_shape = (2, B, S, Hkv, D)  # one buffer per slot: K then V (one range for WRITEs between nodes)
+    sizes = [("slot0", kv_shape, k4.dtype), ("slot1", kv_shape, k4.dtype), ("flags", (FLAG_WORDS,), cupy.uint32)]
+    if remote:
+        sizes.append(("stage", kv_shape, k4.dtype))
+    plan = _tp.plan_buffers("ring_attention", comm, ("buffers", "ring_attention", B, S, Hq, Hkv, D, k4.dtype.name),
+                            sizes, counter_words=CNT_WORDS)
+    if "o_acc" not in plan:  # first use of this shape
+        tiles = B * Hq * -(-S // _attn.BLOCK_M)
+        plan["o_acc"] = cupy.empty((B, S, Hq, D), dtype=cupy.float32)
+        plan["m_acc"] = cupy.empty((B, Hq, S), dtype=cupy.float32)
+        plan["l_acc"] = cupy.empty((B, Hq, S), dtype=cupy.float32)
+        plan["tile_flags"] = cupy.zeros(2 * tiles, dtype=cupy.uint32)
+        plan["sched"] = cupy.zeros(4, dtype=cupy.uint32)  # tile_counter, done_count
+        plan["tiles"] = tiles
+        if remote:  # (starts the proxy on first use: collective, like this whole branch)
+            plan["pflags"] = comm.proxy_flag_block(PF_CHUNK + PROXY_CHUNK_FLAGS)
+        cupy.cuda.runtime.deviceSynchronize()
+    return plan
+
+
+def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, return_lse=False, out=None, stream=None,
+                   comm_sms=None):
+    """Attention of this rank's queries against every rank's keys and values.
+
+    q: ``[S_local, H_q, D]`` or ``[B, S_local, H_q, D]``; k, v: ``[S_local, H_kv, D]`` (or with B);
+    bfloat16 or float16; D 64 or 128; H_q % H_kv == 0. The same shapes on every rank. The local
+    rows are this rank's part of the sequence: causal=True expects the zigzag layout
+    (``mkernel.shard_sequence(x, rank, world, causal=True)``; S_local even) and masks by global
+    position; causal=False takes any split. Returns out ``[S_local, H_q, D]`` (q's shape and
+    dtype), or ``(out, lse)`` with lse float32 ``[B, H_q, S_local]`` (``[H_q, S_local]`` for 3-D).
+    comm_sms: forwarding CTAs (default 8). Collective: every rank calls it with the same shapes.
+    """
+    import cupy
+
+    from mkernel.comm.communicator import Communicator
+    from mkernel.runtime.arrays import as_cupy
+    from mkernel.runtime.launch import launch_persistent, persistent_grid
+
+    if not isinstance(comm, Communicator):
+        raise ArgumentError(f"ring_attention needs comm= an mkernel Communicator (mkernel.init()); got "
+                            f"{type(comm).__name__}")
+    W = comm.size
+    remote = comm.num_nodes > 1  # the ranks at a node's ends send / receive blocks through the proxy
+    node_of = comm.topology.node_of
+    _tp.check_node_major("ring_attention", comm)  # the ring follows the ranks
+    if W > MAX_WORLD:
+        raise ArgumentError(f"ring_attention: at most {MAX_WORLD} ranks; this communicator has {W}")
+    if comm_sms is None:
+        comm_sms = config.get().ring_comm_sms
+    if not isinstance(comm_sms, int) or isinstance(comm_sms, bool) or comm_sms < 1:
+        raise ArgumentError(f"ring_attention: comm_sms must be a positive integer; got {comm_sms!r}")
+    _attn._check_device(cupy)
+    q, k, v = (as_cupy(x, n, stream=stream) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    if out is not None:
+        out = as_cupy(out, "out", stream=stream)
+    q4, k4, v4 = _attn._check(cupy, q, k, v, out, None, None)
+    B, S, Hq, D = q4.shape
+    Hkv = k4.shape[2]
+    if k4.shape[1] != S:
+        raise ArgumentError(f"ring_attention: q and k/v must hold the same local rows; got {S} and {k4.shape[1]}")
+    if causal and S % 2:
+        raise ArgumentError(f"ring_attention: causal attention takes the zigzag layout (two chunks per rank), so "
+                            f"S_local must be even; got {S}")
+    if W == 1:  # the same checks at every world size, then the engine on the one block
+        return _attn.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+                               out=out, stream=stream)
+    scale = float(softmax_scale) if softmax_scale is not None else D ** -0.5
+    key = ("ring_attention", B, S, Hq, Hkv, D, q.dtype.str, bool(causal), scale, comm_sms)
+    comm.agree(key, key)
+    if not (_rows_contiguous(k4) and _rows_contiguous(v4) and k4.strides == v4.strides):
+        k4, v4 = cupy.ascontiguousarray(k4), cupy.ascontiguousarray(v4)  # the forwarders copy whole rows
+    plan = _plan(comm, q4, k4, remote)
+    if out is None:
+        out = cupy.empty(q.shape, dtype=q.dtype)
+    o4 = _attn._as4d(out, "out")
+    if not _rows_contiguous(o4):
+        raise ArgumentError("ring_attention: out's (head, dim) part must be contiguous")
+    lse = cupy.empty((B, Hq, S), dtype=cupy.float32) if return_lse else None
+
+    fn = _compile.module(SPEC).function(kernel_expr(_attn.DT[q.dtype.name], D, bool(causal)))
+    smem = _attn.SMEM[D]
+    grid = persistent_grid(fn, _attn.THREADS, smem, what="ring_attention")
+    comm_ctas = min(comm_sms, grid - 1)
+    r = MkRingArgs()
+    a = r.a
+    a.q, a.k, a.v = _attn._tensor_map(q4, _attn.BLOCK_M), _attn._tensor_map(k4, _attn.BLOCK_N), \
+        _attn._tensor_map(v4, _attn.BLOCK_N)
+    a.o = _attn._tensor_map(o4, 64)
+    a.sync = comm.sync_args("ring_attention")
+    sched = plan["sched"].data.ptr
+    a.sched = _gemm.MkGemmSched(None, sched, sched + 4, None, W * plan["tiles"], 0, 0, 0)
+    a.lse = lse.data.ptr if lse is not None else None
+    a.batch, a.heads_q, a.heads_kv, a.seq_q, a.seq_kv = B, Hq, Hkv, S, S
+    a.q_blocks = -(-S // _attn.BLOCK_M)
+    a.scale, a.scale_log2 = scale, scale * _attn.LOG2E
+    half = S // 2
+    me = comm.rank  # the ring's order is the ranks' (node-major)
+    a.qpos = (_attn.MkAttnPos(half, me * half, (2 * W - 1 - me) * half - half, 0) if causal
+              else _attn.positions(me * S))
+    a.kpos = a.qpos  # (per step in the kernel; this one only fills the end-of-work tile)
+    half_bytes = B * S * Hkv * D * k4.itemsize  # one of K or V
+    for i in range(2):
+        slot = plan[f"slot{i}"]
+        r.k_slot[i], r.v_slot[i] = _attn._tensor_map(slot[0], _attn.BLOCK_N), _attn._tensor_map(slot[1], _attn.BLOCK_N)
+        r.kslot_off[i] = comm.offset_of(slot)
+        r.vslot_off[i] = r.kslot_off[i] + half_bytes
+    r.peer_base = comm.peer_table.data.ptr
+    r.flags_off = comm.offset_of(plan["flags"])
+    r.k_own, r.v_own = k4.data.ptr, v4.data.ptr
+    r.own_stride_b = k4.strides[0] if B > 1 else S * Hkv * D * k4.itemsize
+    r.own_stride_s = k4.strides[1] if S > 1 else Hkv * D * k4.itemsize
+    r.o_acc, r.m_acc, r.l_acc = plan["o_acc"].data.ptr, plan["m_acc"].data.ptr, plan["l_acc"].data.ptr
+    r.tile_flags, r.counters = plan["tile_flags"].data.ptr, plan["counters"].data.ptr
+    r.out = o4.data.ptr
+    r.out_stride_b = o4.strides[0] // o4.itemsize if B > 1 else S * Hq * D
+    r.out_stride_s = o4.strides[1] // o4.itemsize if S > 1 else Hq * D
+    r.world, r.me, r.attn_ctas, r.zigzag = W, me, grid - comm_ctas, int(bool(causal))
+    r.local, r.lrank = comm.local_size, comm.local_rank
+    r.tiles_per_step = plan["tiles"]
+    r.chunk_rows = max(1, CHUNK_BYTES // (Hkv * D * k4.itemsize))
+    if remote:
+        stage = plan["stage"]
+        if node_of[(me + 1) % W] != comm.node:  # only a rank sending across reads the staged block
+            # a CuPy copy: its first use loads a module, which must not happen behind a launch of ours
+            _tp.quiesced_first_use(comm, plan, ("stage copy", k4.dtype.str, k4.strides, v4.strides))
+            with _tp.on_stream(stream):  # the block of step 0 must lie in a registered region
+                stage[0][...] = k4
+                stage[1][...] = v4
+        base = plan["pflags"].offset
+        r.queue = comm.proxy_queue_args(flag_base=base)
+        r.pflags = comm.proxy_flags[0] + 4 * base
+        r.stage_off = comm.offset_of(stage)
+        r.next_remote = int(node_of[(me + 1) % W] != comm.node)
+        r.prev_remote = int(node_of[(me - 1) % W] != comm.node)
+        r.kv_bytes = 2 * half_bytes
+        cap = PROXY_CHUNK_FLAGS // (W - 1)
+        chunk = max(2 * CHUNK_BYTES, -(-r.kv_bytes // cap))
+        r.chunk_bytes = -(-chunk // 16) * 16
+        r.chunks = -(-r.kv_bytes // r.chunk_bytes)
+    launch_persistent(fn, (grid,), (_attn.THREADS,), r, smem=smem, stream=stream)
+    if return_lse:
+        return out, (lse[0] if q.ndim == 3 else lse)
+    return out

@@ -1,0 +1,436 @@
+"""Shared planning, buffers, launch and fallback of the fused tensor-parallel ops inside a node:
+``gemm_reduce_scatter``, ``gemm_allreduce`` and ``allgather_gemm`` (design: docs/TP.md).
+
+Paths (one per call, a function of the shapes and the topology, agreed by every rank through
+``comm.agree`` before anything is launched):
+
+- ``"fused"``: one persistent kernel (``mkernel/cuda/gemm_reduce_scatter.cu`` etc.): GEMM CTAs and
+  communication CTAs, per-tile flags in the symmetric workspace.
+- ``"fallback"``: ``cupy.matmul`` then the NCCL collective (ranks on distinct GPUs, shapes too small
+  for fusion to win). Needs NCCL, so it is never chosen when ranks share a GPU.
+- ``"gemm"``: world 1: the GEMM engine (``mkernel.gemm``), nothing to communicate.
+- ``"unfused"`` (only when asked for: the baseline that isolates overlap, between nodes above all):
+  ``cupy.matmul``, then the fused kernel's own collective with no GEMM in it (RS / AR: its CTAs
+  move the finished partial's tiles where the epilogue would store them; AG: the gather, then the
+  GEMM), over the same NVLink and transport paths.
+
+CuPy is imported inside functions, so that importing this module (and registering the kernels)
+needs neither a GPU nor CuPy.
+"""
+
+import contextlib
+import ctypes
+
+from mkernel.comm import proxy as _proxy
+from mkernel.core import config
+from mkernel.core.errors import ArgumentError, MKernelError, WorkspaceError
+from mkernel.core.log import get_logger
+from mkernel.engines import gemm as _gemm
+from mkernel.runtime import compile as _compile
+from mkernel.runtime import tma as _tma
+from mkernel.runtime.arrays import DT, cupy_mod  # noqa: F401  (tp.DT, tp.cupy_mod: the ops below use them through tp)
+
+log = get_logger("tp")
+
+BM, BN, BK = 128, 256, 64
+THREADS = 384
+MAX_WORLD = 8  # TP_MAX_WORLD
+OP_RS, OP_AR, OP_AG = 0, 1, 2
+CNT_WORDS = 8  # TP_CNT_WORDS (reset by the kernel), then TP_CNT_LAUNCHES
+TILE_BYTES = BM * BN * 2  # TP_TILE_BYTES: one node partial tile between nodes (compact)
+PF_ARRIVED = 2 * MAX_WORLD  # TP_PF_ARRIVED: the first arrival counter of a plan's proxy flags
+ARRIVAL_FLAGS = 1024  # arrival counters of one plan (source nodes x tile or chunk groups)
+
+
+def plan_between_nodes(comm, plan, args, items, kinds=1):
+    """Between nodes: the plan's proxy flags (once per plan, collective like its buffers): arrival
+    counters for ``kinds`` x nodes x ``items`` (tiles, or A chunks) in groups small enough to fit
+    ARRIVAL_FLAGS; and the proxy fields of ``args``."""
+    nodes = comm.num_nodes
+    if "pflags" not in plan:
+        xgroup = -(-kinds * nodes * items // ARRIVAL_FLAGS)
+        plan["xgroup"] = xgroup
+        plan["pflags"] = comm.proxy_flag_block(PF_ARRIVED + kinds * nodes * -(-items // xgroup))
+    base = plan["pflags"].offset
+    args.queue = comm.proxy_queue_args(flag_base=base)
+    args.pflags = comm.proxy_flags[0] + 4 * base
+    args.xgroup = plan["xgroup"]
+    args.xgroups = -(-items // plan["xgroup"])
+SMEM_BYTES = 230736  # TP_SMEM_BYTES (static_assert in every .cu)
+PATHS = ("fused", "fallback", "gemm", "unfused")
+CTL_OFF, CTL_ADAPT, CTL_PATTERN = 0, 1, 2  # TP_CTL_*
+B_NK, B_KN = 0, 1
+# The knobs (fusion crossovers, controller mode, join, default comm CTAs) are mkernel.config's.
+
+
+def _split_ctl():
+    from mkernel.split.policy import MkSplitCtl
+    return MkSplitCtl
+
+
+class TpArgs(ctypes.Structure):
+    """Mirror of ``TpArgs`` (mkernel/cuda/tp_args.cuh)."""
+    _fields_ = [("g", _gemm.MkGemmArgs), ("dst", _tma.TensorMap * MAX_WORLD),
+                ("peer_base", ctypes.c_void_p), ("recv_off", ctypes.c_uint64), ("rflag_off", ctypes.c_uint64),
+                ("gath_off", ctypes.c_uint64), ("gflag_off", ctypes.c_uint64), ("ga_off", ctypes.c_uint64),
+                ("aflag_off", ctypes.c_uint64), ("out", ctypes.c_void_p), ("a_local", ctypes.c_void_p),
+                ("counters", ctypes.c_void_p), ("ldo", ctypes.c_int64), ("lda", ctypes.c_int64),
+                ("world", ctypes.c_int32), ("me", ctypes.c_int32), ("mb", ctypes.c_int32),
+                ("tiles_mb", ctypes.c_int32), ("tiles_n", ctypes.c_int32), ("gemm_ctas", ctypes.c_int32),
+                ("join", ctypes.c_int32), ("nodes", ctypes.c_int32), ("local", ctypes.c_int32),
+                ("lrank", ctypes.c_int32), ("node", ctypes.c_int32), ("xgroup", ctypes.c_uint32),
+                ("xgroups", ctypes.c_uint32), ("queue", _proxy.QueueArgs), ("pflags", ctypes.c_void_p),
+                ("stage_off", ctypes.c_uint64), ("xrecv_off", ctypes.c_uint64), ("xgath_off", ctypes.c_uint64),
+                ("partial", ctypes.c_void_p), ("ldp", ctypes.c_int64), ("ctl", ctypes.c_void_p),
+                ("ctl_mode", ctypes.c_int32), ("ctl_lend_max", ctypes.c_int32), ("pad", ctypes.c_int32 * 14)]
+
+
+class TpCtlStats(ctypes.Structure):
+    """Mirror of ``TpCtlStats`` (tp_args.cuh): one launch's controller record."""
+    _fields_ = [(f, ctypes.c_uint32) for f in ("turns", "steps", "windows", "gemm_windows", "lent_peak", "lent_last",
+                                              "gemm_ctas", "comm_ctas", "launches")] + [("pad", ctypes.c_uint32 * 3)]
+
+
+class TpCtl(ctypes.Structure):
+    """Mirror of ``TpCtl`` (tp_args.cuh): a plan's controller state in device memory."""
+    _fields_ = [("lock", ctypes.c_uint32), ("lent", ctypes.c_uint32), ("tiles_at", ctypes.c_uint32),
+                ("items_at", ctypes.c_uint32), ("window_start", ctypes.c_uint64), ("turn_ns", ctypes.c_uint64),
+                ("comm_stall_ns", ctypes.c_uint64), ("gemm_stall_ns", ctypes.c_uint64), ("turns", ctypes.c_uint32),
+                ("steps", ctypes.c_uint32), ("windows", ctypes.c_uint32), ("gemm_windows", ctypes.c_uint32),
+                ("lent_peak", ctypes.c_uint32), ("ctl", _split_ctl()), ("pad", ctypes.c_uint32 * 5),
+                ("last", TpCtlStats)]
+
+
+def register(op: str, source: str, kernel: str):
+    """Registers the 4 instantiations (bf16/fp16 x B [N,K]/[K,N]) of one op's kernel."""
+    exprs = tuple(kernel_expr(kernel, dt, bl) for dt in (0, 1) for bl in (B_NK, B_KN))
+    return _compile.register(op, source, exprs, hot=True)
+
+
+def kernel_expr(kernel: str, dt: int, layout: int) -> str:
+    return f"{kernel}<{dt},{layout}>"
+
+
+# ------------------------------------------------------------------------------- arguments
+
+
+def check_inputs(op, a, b, b_layout, stream):
+    """(a, layout, b_arr, N): a and b on this GPU, 16-bit, rows contiguous; b as [K, N] or [N, K]."""
+    from mkernel.runtime.arrays import HALF_TYPES, as_cupy, check_matrix
+
+    a = check_matrix(as_cupy(a, "a", stream=stream), "a")
+    b = as_cupy(b, "b", stream=stream)
+    if b.dtype != a.dtype:
+        raise ArgumentError(f"{op}: a and b must have the same dtype; got {a.dtype} and {b.dtype}")
+    if b.ndim != 2:
+        raise ArgumentError(f"{op}: b must be 2-D; got shape {tuple(b.shape)}")
+    K = a.shape[1]
+    if b_layout is None:
+        if b.shape[0] != K:
+            raise ArgumentError(f"{op}: b has shape {tuple(b.shape)}; expected [K={K}, N] (or pass "
+                                f"b_layout='nk' for [N, K])")
+        if b.shape[1] > 1 and b.strides[1] != b.itemsize and b.strides[0] == b.itemsize:
+            layout, b_arr = B_NK, b.T  # the transposed view of a row-major [N, K] (weights: w.T)
+        else:
+            layout, b_arr = B_KN, b
+    elif b_layout == "kn":
+        if b.shape[0] != K:
+            raise ArgumentError(f"{op}: b_layout='kn' needs b of shape [K={K}, N]; got {tuple(b.shape)}")
+        layout, b_arr = B_KN, b
+    elif b_layout == "nk":
+        if b.shape[1] != K:
+            raise ArgumentError(f"{op}: b_layout='nk' needs b of shape [N, K={K}]; got {tuple(b.shape)}")
+        layout, b_arr = B_NK, b
+    else:
+        raise ArgumentError(f"{op}: b_layout must be None, 'kn' or 'nk'; got {b_layout!r}")
+    check_matrix(b_arr, "b", dtypes=HALF_TYPES)
+    N = b_arr.shape[1] if layout == B_KN else b_arr.shape[0]
+    if K % 8 or N % 8:
+        raise ArgumentError(f"{op}: K = {K} and N = {N} must be multiples of 8 (TMA rows are multiples of "
+                            f"16 bytes)")
+    if K == 0 or N == 0 or a.shape[0] == 0:
+        raise ArgumentError(f"{op}: empty operand (a {tuple(a.shape)}, b {tuple(b.shape)})")
+    return a, layout, b_arr, N
+
+
+def check_node_major(op, comm):
+    """Nodes of equal size and node-major ranks (rank = node * ranks_per_node + local rank), as every
+    path between nodes assumes. Every rank sees the same node_of, so all raise alike."""
+    L = comm.local_size
+    if comm.size % L or comm.topology.node_of != tuple(r // L for r in range(comm.size)):
+        raise ArgumentError(f"{op}: needs node-major ranks (rank = node * ranks_per_node + local rank) and the "
+                            f"same number of ranks on every node; this communicator's nodes are "
+                            f"{comm.topology.node_of} (launch ranks by node, or split with key=rank)")
+
+
+def check_comm(op, comm):
+    """Any number of nodes of equal size (the hierarchical paths); ranks must be node-major."""
+    if comm is None:
+        raise ArgumentError(f"{op} needs comm= (mkernel.init())")
+    check_node_major(op, comm)
+    if comm.size > MAX_WORLD:
+        raise ArgumentError(f"{op}: at most {MAX_WORLD} ranks; this communicator has {comm.size}")
+
+
+def prepare_out(op, out, shape, dtype, comm):
+    cupy = cupy_mod()
+    from mkernel.runtime.arrays import check_matrix
+
+    if out is None:
+        return cupy.empty(shape, dtype=dtype)
+    if not isinstance(out, cupy.ndarray):
+        raise ArgumentError(f"{op}: out must be a cupy.ndarray")
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
+        raise ArgumentError(f"{op}: out must be {tuple(shape)} of {dtype}; got {tuple(out.shape)} of {out.dtype}")
+    check_matrix(out, "out", dtypes=(dtype,))
+    heap = comm.heap
+    if heap.base <= out.data.ptr < heap.base + heap.nbytes:
+        raise ArgumentError(f"{op}: out must not lie in the symmetric workspace (the op's buffers live there)")
+    return out
+
+
+def gpus_distinct(comm) -> bool:
+    """True when every rank has a GPU of its own."""
+    return not comm.gpus_shared
+
+
+def choose_path(op, comm, path, *, rows, N, K):
+    """The path of one call and why (before agreement): a function of shapes and topology only."""
+    if path is not None and path not in PATHS:
+        raise ArgumentError(f"{op}: path must be None or one of {PATHS}; got {path!r}")
+    W = comm.size
+    if path == "gemm" and W != 1:
+        raise ArgumentError(f"{op}: path='gemm' is the world-1 path; this communicator has {W} ranks")
+    if path is not None:
+        return path, "requested"
+    if W == 1:
+        return "gemm", "world 1: a plain GEMM"
+    if not gpus_distinct(comm):
+        return "fused", "ranks share a GPU (NCCL cannot run)"
+    tiles = -(-rows // BM) * -(-N // BN)
+    cfg = config.get()
+    if tiles < cfg.tp_fuse_min_tiles or K < cfg.tp_fuse_min_k:
+        return "fallback", (f"{tiles} output tiles, K {K}: below the fusion crossover ({cfg.tp_fuse_min_tiles}, "
+                            f"{cfg.tp_fuse_min_k})")
+    return "fused", f"{tiles} output tiles, K {K}"
+
+
+def agree_call(op, comm, key, reason):
+    """Agrees on a call's shapes, options and path (``key``, whose last entry is the path):
+    collective the first time the key is seen; ranks that disagree raise ArgumentError together."""
+    first = not comm.agreed(key)
+    comm.agree(key, key)
+    comm.plans.state.setdefault("tp.last_path", {})[op] = key[-1]
+    if first:
+        log.debug("%s %s: %s path (%s)", op, key[1:-1], key[-1], reason)
+
+
+def on_stream(stream):
+    """``with on_stream(stream):`` makes CuPy work (matmul, copies) run on ``stream`` when given."""
+    return stream if stream is not None else contextlib.nullcontext()
+
+
+# ------------------------------------------------------------------------------- buffers
+def plan_buffers(op, comm, key, sizes, counter_words=CNT_WORDS + 1):
+    """The plan of one (op, shape key) in ``comm.plans``: its symmetric buffers, allocated once
+    (collectively) and cached, plus ``counters`` (device words, zero between launches) and ``ctl``.
+
+    sizes: [(name, shape, dtype)], flags (uint32) are zeroed before first use."""
+    plan = comm.plans.get(key)
+    if plan is not None:
+        return plan
+    cupy = cupy_mod()
+    need = sum(_nbytes(shape, dt) for _, shape, dt in sizes)
+    plan = {}
+    try:
+        for name, shape, dt in sizes:
+            plan[name] = comm.empty(shape, dt)
+    except WorkspaceError as e:
+        raise WorkspaceError(f"{op}: needs {need} bytes of symmetric workspace for this shape ({e})") from e
+    for _name, arr in plan.items():
+        if arr.dtype == cupy.uint32:
+            arr.data.memset_async(0, arr.nbytes)  # a memset, not a kernel: see quiesced_first_use
+    plan["counters"] = cupy.zeros(counter_words, dtype=cupy.uint32)
+    plan["ctl"] = cupy.zeros(ctypes.sizeof(TpCtl) // 4, dtype=cupy.uint32)  # TpCtl, zero before the first launch
+    cupy.cuda.runtime.deviceSynchronize()  # zeroed before this rank announces any credit
+    return comm.plans.add(key, plan)
+
+
+def _nbytes(shape, dt):
+    import numpy
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n * numpy.dtype(dt).itemsize
+
+
+# ------------------------------------------------------------------------------- launch
+def _row_stride(x):
+    return x.strides[0] if x.shape[0] > 1 else x.shape[1] * x.itemsize
+
+
+def tma_dtype(dtype):
+    return _tma.DTYPE_BFLOAT16 if dtype.name == "bfloat16" else _tma.DTYPE_FLOAT16
+
+
+def a_map(dtype, ptr, rows, K, row_bytes):
+    return _tma.encode_tiled(tma_dtype(dtype), ptr, (K, rows), (row_bytes,), (BK, BM))
+
+
+def b_map(b_arr, layout, K, N):
+    ldb = _row_stride(b_arr)
+    gstride = max(16, ldb * b_arr.shape[0])
+    if layout == B_NK:
+        return _tma.encode_tiled(tma_dtype(b_arr.dtype), b_arr.data.ptr, (K, N, 1), (ldb, gstride), (BK, BN, 1))
+    return _tma.encode_tiled(tma_dtype(b_arr.dtype), b_arr.data.ptr, (N, K, 1), (ldb, gstride), (64, BK, 1))
+
+
+def out_map(dtype, ptr, rows, N, row_bytes):
+    """A TMA store map of a [rows, N] block (box 64 columns x 16 rows, 128B swizzle)."""
+    return _tma.encode_tiled(tma_dtype(dtype), ptr, (N, rows), (row_bytes,), (64, 16))
+
+
+def grid_split(op, comm_sms, total_tiles, comm_items, sms):
+    """(gemm_ctas, comm_ctas) of a fused launch."""
+    comm_ctas = max(1, min(int(comm_sms), comm_items))
+    if int(comm_sms) >= sms:
+        raise ArgumentError(f"{op}: comm_sms={comm_sms} leaves no SM for the GEMM ({sms} SMs)")
+    gemm_ctas = max(1, min(total_tiles, sms - comm_ctas))
+    return gemm_ctas, comm_ctas
+
+
+def check_comm_sms(op, comm_sms):
+    """An integer pins the split; "auto" (the default, None) lets the key's split search choose it
+    (mkernel.autosplit) and the in-call controller adapt it."""
+    if comm_sms is None or comm_sms == "auto":
+        return "auto"
+    if not isinstance(comm_sms, int) or isinstance(comm_sms, bool) or comm_sms < 1:
+        raise ArgumentError(f"{op}: comm_sms must be a positive integer or 'auto'; got {comm_sms!r}")
+    return comm_sms
+
+
+def resolve_comm_sms(op, comm, comm_sms, chosen, *, M, N, K, esize, comm_items):
+    """(comm CTAs of this launch, the token for ``autosplit.timed``): an integer as given; "auto"
+    asks the key's split search on the fused path (the unfused baseline runs the default)."""
+    if comm_sms != "auto":
+        return comm_sms, None
+    if chosen != "fused":
+        return config.get().tp_comm_sms[op], None
+    from mkernel.split import search as autosplit
+    return autosplit.choose(comm, op, M=M, N=N, K=K, esize=esize, comm_items=comm_items, sms=sm_count())
+
+
+def controller_mode(op, comm_sms, chosen):
+    """TP_CTL_* of a launch: the controller adapts the calls whose comm_sms is "auto"
+    (config.tp_controller)."""
+    setting = config.get().tp_controller
+    if chosen != "fused" or setting == "off":
+        return CTL_OFF
+    if setting == "pattern":
+        return CTL_PATTERN
+    return CTL_ADAPT if comm_sms == "auto" or setting == "always" else CTL_OFF
+
+
+def set_split(args, plan, gemm_ctas, mode, comm):
+    """The launch's static split and its controller (mode TP_CTL_*); remembers the plan for
+    :func:`controller_stats`."""
+    args.gemm_ctas = gemm_ctas
+    args.ctl = plan["ctl"].data.ptr
+    args.ctl_mode = mode
+    args.ctl_lend_max = gemm_ctas // config.get().tp_lend_share
+    comm.plans.state["tp.last_ctl"] = plan["ctl"]
+
+
+def controller_stats(comm) -> dict:
+    """The controller's record of the last completed fused launch on ``comm`` (synchronises the
+    device): turns (comm items GEMM CTAs took between tiles), steps, windows, gemm_windows (windows
+    with GEMM tiles left, where a move is possible), lent_peak, lent_last, gemm_ctas, comm_ctas,
+    launches (of that plan so far). Empty before any fused launch. The plan is the one the last
+    fused call on ``comm`` planned (its record is the previous launch's if that call raised before
+    launching); in the "pattern" mode the lent counts stay 0 (no windows)."""
+    ctl = comm.plans.state.get("tp.last_ctl")
+    if ctl is None:
+        return {}
+    cupy_mod().cuda.runtime.deviceSynchronize()
+    words = ctl.get()
+    state = TpCtl.from_buffer_copy(words.tobytes())
+    return {f: int(getattr(state.last, f)) for f, _ in TpCtlStats._fields_ if f != "pad"}
+
+
+def fill_common(args, comm, op, *, a_ptr, a_rows, a_row_bytes, dtype, b_arr, layout, K, N, mb, counters):
+    W = comm.size
+    g = args.g
+    g.a = a_map(dtype, a_ptr, a_rows, K, a_row_bytes)
+    g.b = b_map(b_arr, layout, K, N)
+    g.sync = comm.sync_args(op)
+    tiles_n = -(-N // BN)
+    tiles_mb = -(-mb // BM)
+    g.sched.tiles_n, g.sched.group_m, g.sched.num_tiles = tiles_n, 16, W * tiles_mb * tiles_n
+    g.m, g.n, g.k, g.num_groups, g.epi_op, g.ldc = a_rows, N, K, 1, 0, N
+    args.peer_base = comm.peer_table.data.ptr
+    args.counters = counters.data.ptr
+    args.world, args.me, args.mb = W, comm.rank, mb
+    args.nodes, args.local, args.lrank, args.node = comm.num_nodes, comm.local_size, comm.local_rank, comm.node
+    args.tiles_mb, args.tiles_n = tiles_mb, tiles_n
+    return tiles_mb * tiles_n
+
+
+def launch_fused(comm, op, spec, kernel, args, dtype, layout, grid, stream):
+    from mkernel.runtime.launch import launch_persistent, persistent_grid
+
+    fn = _compile.module(spec).function(kernel_expr(kernel, DT[dtype.name], layout))
+    persistent_grid(fn, THREADS, SMEM_BYTES, blocks=grid, what=op)  # checked once per grid (cached)
+    args.g.c = args.dst[0]
+    launch_persistent(fn, (grid,), (THREADS,), args, smem=SMEM_BYTES, stream=stream)
+
+
+def sm_count():
+    from mkernel.runtime.launch import sm_count as _n
+    return _n()
+
+
+def quiesced_first_use(comm, plan, key):
+    """Between nodes, True the first time ``key`` is seen for ``plan``, after synchronising the
+    device (ops of ours may run on other streams): the caller then runs host-launched work whose
+    first use loads a CUDA module (cuBLAS picks a new kernel, CuPy a new elementwise kernel). A
+    module load waits for the device to go idle and meanwhile blocks every CUDA call of the
+    process, the proxy thread's copies included; a kernel in flight that waits on the proxy then
+    never finishes (measured on the H200: allgather_gemm between nodes stalled in most fresh
+    processes). So nothing of ours may be in flight when such work first runs."""
+    if comm.num_nodes == 1 or key in plan.setdefault("loaded", set()):
+        return False
+    plan["loaded"].add(key)
+    cupy_mod().cuda.runtime.deviceSynchronize()
+    return True
+
+
+def matmul(a, b_arr, layout, out=None):
+    """cuBLAS (cupy.matmul) of a with B given as [K, N] or [N, K] (into out when given); the engine
+    if CuPy cannot."""
+    cupy = cupy_mod()
+    b = b_arr if layout == B_KN else b_arr.T
+    try:
+        return cupy.matmul(a, b, out=out)
+    except (TypeError, NotImplementedError, ValueError):  # a CuPy without 16-bit matmul for this dtype
+        return _gemm.gemm(a, b_arr, out=out, b_layout="kn" if layout == B_KN else "nk")
+
+
+def nccl_dtype(dtype):
+    from cupy.cuda import nccl
+    return nccl.NCCL_BFLOAT16 if dtype.name == "bfloat16" else nccl.NCCL_FLOAT16
+
+
+def stream_ptr(stream):
+    cupy = cupy_mod()
+    return (stream if stream is not None else cupy.cuda.get_current_stream()).ptr
+
+
+def check_result(got, want_f64, what, atol):
+    """For sanitize targets: raises MKernelError when got (device) differs from a float64 reference."""
+    import numpy
+    cupy = cupy_mod()
+    g = cupy.asnumpy(got.view(cupy.uint16)).view(got.dtype).astype(numpy.float64)
+    err = float(numpy.max(numpy.abs(g - want_f64))) if g.size else 0.0
+    if not numpy.isfinite(err) or err > atol:
+        raise MKernelError(f"{what}: max error {err} > {atol}")
+

@@ -1,0 +1,129 @@
+"""Launching a compiled kernel with one argument struct.
+
+A kernel takes a single ``const __grid_constant__`` struct (declared in an ``*_args.cuh`` header)
+that a :class:`ctypes.Structure` on the Python side mirrors field for field; the CPU tests compare
+the two layouts. Launch goes straight to ``cuLaunchKernel`` through CuPy's driver binding.
+"""
+
+import ctypes
+
+# cuFuncSetAttribute attribute ids (cuda.h); CuPy does not export every name.
+FUNC_ATTR_MAX_DYNAMIC_SHARED = 8
+_smem_set = {}  # function pointer -> the dynamic shared memory limit already raised for it
+
+
+def _allow_smem(fn, smem: int) -> None:
+    """Raise the function's dynamic shared-memory limit once, not on every launch (a driver call)."""
+    if smem > 48 * 1024 and _smem_set.get(fn.ptr, 0) < smem:
+        from cupy.cuda import driver
+        driver.funcSetAttribute(fn.ptr, FUNC_ATTR_MAX_DYNAMIC_SHARED, smem)
+        _smem_set[fn.ptr] = smem
+
+
+def launch(fn, grid, block, args: ctypes.Structure, *, smem: int = 0, stream=None, cooperative: bool = False):
+    import cupy
+    from cupy.cuda import driver
+
+    stream_ptr = (stream if stream is not None else cupy.cuda.get_current_stream()).ptr
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    block = tuple(block) + (1,) * (3 - len(block))
+    _allow_smem(fn, smem)
+    params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
+    if cooperative:
+        driver.launchCooperativeKernel(fn.ptr, *grid, *block, smem, stream_ptr, ctypes.addressof(params))
+    else:
+        driver.launchKernel(fn.ptr, *grid, *block, smem, stream_ptr, ctypes.addressof(params), 0)
+
+
+def max_resident_blocks(fn, block_threads: int, smem: int) -> int:
+    """Blocks of this kernel that fit on one SM at once (persistent kernels launch at most this x SMs)."""
+    from cupy.cuda import driver
+
+    _allow_smem(fn, smem)
+    return driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, block_threads, smem)
+
+
+# Under MPS a persistent grid counts on this fraction of the client's SMs: two clients given 50%
+# each (66 SMs) were not resident at once with 66 CTAs each, but were with 60 (bench/NOTES.md).
+MPS_RESIDENT_FRACTION = 7 / 8
+_device_sms = {}
+
+
+def device_sms() -> int:
+    """The current device's SMs (under MPS the client's share), read once per device."""
+    import cupy
+
+    dev = cupy.cuda.runtime.getDevice()
+    n = _device_sms.get(dev)
+    if n is None:
+        n = _device_sms[dev] = cupy.cuda.Device(dev).attributes["MultiProcessorCount"]
+    return n
+
+
+def sm_count() -> int:
+    """SMs whose CTAs a persistent grid may count on being resident at once: :func:`device_sms`,
+    under MPS less a margin."""
+    from mkernel.runtime.gpu import mps_client
+
+    n = device_sms()
+    return max(1, int(n * MPS_RESIDENT_FRACTION)) if mps_client() else n
+
+
+_grids = {}
+
+
+def persistent_grid(fn, block_threads: int, smem: int, blocks: int = None, what: str = "kernel") -> int:
+    """The grid of a persistent kernel: ``blocks`` (default: as many as fit on :func:`sm_count`
+    SMs), checked to fit at once."""
+    from mkernel.core.errors import ArgumentError, MKernelError
+
+    key = (fn.ptr, block_threads, smem, blocks)  # occupancy is a driver query: once per function
+    if key in _grids:
+        return _grids[key]
+    per_sm = max_resident_blocks(fn, block_threads, smem)
+    if per_sm == 0:
+        raise MKernelError(f"{what}: a block of {block_threads} threads with {smem} bytes of shared memory "
+                           f"does not fit on one SM")
+    limit = per_sm * sm_count()
+    blocks = limit if blocks is None else blocks
+    if not 0 < blocks <= limit:
+        raise ArgumentError(f"{what}: {blocks} persistent blocks requested, but only {limit} can be resident "
+                            f"at once ({per_sm} per SM)")
+    _grids[key] = blocks
+    return blocks
+
+
+def launch_persistent(fn, grid, block, args, *, smem: int, stream=None):
+    """Launches a persistent kernel (grid from persistent_grid), plainly. Every persistent kernel
+    gives its CTAs roles in arrival order and claims its work from counters, so any resident subset
+    of its blocks finishes. Not cooperatively: a cooperative launch waits until its whole grid fits,
+    and on a GPU shared under MPS the SMs it waits for may be held by a peer's kernel that waits for
+    this one: ranks then stall until their timeout (bench/NOTES.md)."""
+    launch(fn, grid, block, args, smem=smem, stream=stream)
+
+
+class PlanCache:
+    """Launch plans ``(fn, grid, block, args, smem)`` of an op by a key of everything that determines
+    the arguments (pointers, shapes, strides, dtypes, options, stream): a repeated call (benchmarks,
+    fused ops, training loops) skips validation and argument building. Bounded; least recently used
+    goes first."""
+
+    def __init__(self, size: int = 256):
+        from collections import OrderedDict
+
+        self._plans = OrderedDict()
+        self.size = size
+
+    def launch(self, key, stream=None) -> bool:
+        """Launches the plan of ``key`` if there is one; False otherwise."""
+        plan = self._plans.get(key)
+        if plan is None:
+            return False
+        self._plans.move_to_end(key)
+        launch(*plan[:4], smem=plan[4], stream=stream)
+        return True
+
+    def add(self, key, plan):
+        self._plans[key] = plan
+        while len(self._plans) > self.size:
+            self._plans.popitem(last=False)
