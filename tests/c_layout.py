@@ -5,7 +5,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from mkernel.runtime.compile import CUDA_DIR
+from mkernel.runtime.compile import include_dirs
 
 
 def c_offsets(header: str, struct: str, fields, tmp_path: Path) -> dict:
@@ -22,7 +22,7 @@ def c_offsets(header: str, struct: str, fields, tmp_path: Path) -> dict:
     src = tmp_path / f"layout_{struct}.cpp"
     src.write_text("\n".join(lines) + "\n")
     exe = tmp_path / f"layout_{struct}"
-    subprocess.run([cxx, "-std=c++17", "-I", str(CUDA_DIR), str(src), "-o", str(exe)], check=True)
+    subprocess.run([cxx, "-std=c++17", *(f"-I{d}" for d in include_dirs()), str(src), "-o", str(exe)], check=True)
     out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
     return {k: int(v) for k, v in (line.split() for line in out.splitlines())}
 

@@ -88,7 +88,7 @@ def test_registration_and_export():
     m = _module()
     assert mkc.REGISTRY["attention"] is m.SPEC
     assert m.SPEC.name == "attention" and m.SPEC.name_expressions
-    assert (mkc.CUDA_DIR / m.SPEC.source).is_file()
+    assert m.SPEC.source in mkc.cuda_files()
     assert "attn_args.cuh" in mkc.include_closure(m.SPEC.source), "the kernel does not include attn_args.cuh"
     assert callable(m.attention)
     assert mkernel.attention is m.attention, "mkernel.attention is not the function (not exported in __init__?)"
@@ -99,8 +99,8 @@ def test_wgmma_header_is_generated():
     spec = importlib.util.spec_from_file_location("gen_wgmma", ROOT / "tools" / "gen_wgmma.py")
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
-    current = (ROOT / "mkernel" / "cuda" / "wgmma_ops.cuh").read_text()
-    assert current == gen.header(), "mkernel/cuda/wgmma_ops.cuh is stale: run python3 tools/gen_wgmma.py"
+    current = (ROOT / "mkernel" / "cuda" / "primitives" / "wgmma_ops.cuh").read_text()
+    assert current == gen.header(), "mkernel/cuda/primitives/wgmma_ops.cuh is stale: run python3 tools/gen_wgmma.py"
 
 
 def test_no_gpu_error_without_a_gpu():

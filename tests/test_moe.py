@@ -330,21 +330,21 @@ def _c_constants(header, names, tmp_path):
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no host C++ compiler to read the C constants")
-    from mkernel.runtime.compile import CUDA_DIR
+    from mkernel.runtime.compile import include_dirs
     lines = [f'#include "{header}"', "#include <cstdio>", "int main() {"]
     lines += [f'  std::printf("%s %lld\\n", "{n.split("(")[0]}", (long long)({n}));' for n in names]
     lines.append("}")
     src = tmp_path / "moe_constants.cpp"
     src.write_text("\n".join(lines) + "\n")
     exe = tmp_path / "moe_constants"
-    subprocess.run([cxx, "-std=c++17", "-I", str(CUDA_DIR), str(src), "-o", str(exe)], check=True)
+    subprocess.run([cxx, "-std=c++17", *(f"-I{d}" for d in include_dirs()), str(src), "-o", str(exe)], check=True)
     out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
     return {a: int(b) for a, b in (line.split() for line in out.splitlines())}
 
 
 def test_constants_match_the_headers(tmp_path):
     from mkernel.runtime import sync
-    from mkernel.runtime.compile import CUDA_DIR
+    from mkernel.runtime.compile import cuda_files
 
     m = mmoe
     c = _c_constants("moe_args.cuh", ["MOE_MAX_WORLD", "MOE_MAX_EXPERTS", "MOE_MAX_TOPK", "MOE_CNT_WORDS",
@@ -353,9 +353,9 @@ def test_constants_match_the_headers(tmp_path):
     assert c["MOE_MAX_TOPK"] == m.MAX_TOPK and c["MOE_CNT_WORDS"] == m.CNT_WORDS
     assert c["MOE_ERR_CAPACITY"] == sync.MOE_ERR_CAPACITY and c["MOE_ERR_EXPERT_ID"] == sync.MOE_ERR_EXPERT_ID
     assert c["MOE_ROW_WORDS"] == 12
-    cu = (CUDA_DIR / "moe.cu").read_text()
+    cu = cuda_files()["moe.cu"].read_text()
     assert int(re.search(r"MOE_THREADS\s*=\s*(\d+)", cu).group(1)) == m.THREADS
-    sig = (CUDA_DIR / "signals.cuh").read_text()
+    sig = cuda_files()["signals.cuh"].read_text()
     assert int(re.search(r"MK_ERR_INPUT\s*=\s*(\d+)", sig).group(1)) == sync.ERR_INPUT
     assert "moe_dispatch" in sync.OP_ID and "moe_combine" in sync.OP_ID
     assert set(m.SPEC.name_expressions) == {"mk_moe_dispatch_kernel", "mk_moe_combine_kernel<0>",
@@ -366,7 +366,7 @@ def test_constants_match_the_headers(tmp_path):
 def test_node_args_layout_and_constants(tmp_path):
     """Between nodes: MkMoeNodeArgs (moe_nodes.py) against moe_nodes_args.cuh as g++ lays it out,
     and the constants both sides use."""
-    from mkernel.runtime.compile import CUDA_DIR
+    from mkernel.runtime.compile import cuda_files
 
     from c_layout import assert_same_layout
 
@@ -376,7 +376,7 @@ def test_node_args_layout_and_constants(tmp_path):
                                             "MOE_GROW_WORDS(10)"], tmp_path)
     assert c["MOE_MAX_NODES"] == n.MAX_NODES and c["MOE_PF_WORDS"] == n.PF_WORDS
     assert c["MOE_NCNT_WORDS"] == n.CNT_WORDS and c["MOE_GROW_WORDS"] == n.grow_words(10)
-    cu = (CUDA_DIR / "moe_nodes.cu").read_text()
+    cu = cuda_files()["moe_nodes.cu"].read_text()
     assert int(re.search(r"MOE_NODE_THREADS\s*=\s*(\d+)", cu).group(1)) == n.THREADS
     assert set(n.SPEC.name_expressions) == {"mk_moe_exchange_kernel", "mk_moe_partials_kernel<0>",
                                             "mk_moe_partials_kernel<1>"}

@@ -1,6 +1,6 @@
 """Tests of the fused MoE kernels: dispatch + grouped GEMM (mkernel.moe_dispatch_gemm, path="fused",
-mkernel/cuda/moe_dispatch_gemm.cu) and grouped GEMM + combine (mkernel.moe_gemm_combine,
-mkernel/cuda/moe_gemm_combine.cu). The problems, layout rule and helpers are tests/test_moe.py's.
+mkernel/cuda/ops/moe_dispatch_gemm.cu) and grouped GEMM + combine (mkernel.moe_gemm_combine,
+mkernel/cuda/ops/moe_gemm_combine.cu). The problems, layout rule and helpers are tests/test_moe.py's.
 
 GPU, 1 rank and under mpirun (marked gpu and mpi):
 - exact, per (expert, source) block (test_fused_exact): x in {-1, 0, 1} and w1 in {-1, 0, 1} with

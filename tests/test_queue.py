@@ -25,7 +25,7 @@ from mkernel.core.errors import MKernelError, TimeoutError
 
 from c_layout import assert_same_layout
 
-CUDA_DIR = Path(__file__).resolve().parents[1] / "mkernel" / "cuda"
+CUDA_PRIMITIVES = Path(__file__).resolve().parents[1] / "mkernel" / "cuda" / "primitives"  # queue_layout.cuh
 
 CMD_FIELDS = ["seq", "type", "flag_op", "peer", "bytes", "flag_value", "flag_id", "src_region", "dst_region",
               "src_off_hi", "dst_off_hi", "src_off_lo", "dst_off_lo"]
@@ -41,7 +41,7 @@ def _c_layout(tmp_path):
     src.write_text('#include <stdio.h>\n#include <stddef.h>\n#include "queue_layout.cuh"\n'
                    '#define P(n, v) printf("%s %zu\\n", n, (size_t)(v))\nint main(void) {\n'
                    + "\n".join(lines) + "\nreturn 0; }\n")
-    subprocess.run(["gcc", "-x", "c", "-I", str(CUDA_DIR), str(src), "-o", str(tmp_path / "layout")], check=True)
+    subprocess.run(["gcc", "-x", "c", "-I", str(CUDA_PRIMITIVES), str(src), "-o", str(tmp_path / "layout")], check=True)
     out = subprocess.run([str(tmp_path / "layout")], check=True, capture_output=True, text=True).stdout
     return {line.rsplit(" ", 1)[0]: int(line.rsplit(" ", 1)[1]) for line in out.splitlines()}
 

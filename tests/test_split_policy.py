@@ -1,4 +1,4 @@
-"""The split policy (mkernel/cuda/split_policy.cuh through mkernel.split) on synthetic cost curves (CPU).
+"""The split policy (mkernel/cuda/primitives/split_policy.cuh through mkernel.split) on synthetic cost curves (CPU).
 
 Curves: T(n) = max(gemm(total - n), comm(n)) + 5% of the smaller (imperfect overlap), gemm from the
 measured SM sweep (bench/results/gemm-1gpu.json, 8192 x 8192 x 4096, scaled by FLOPs), comm from the
@@ -125,8 +125,8 @@ def test_header_compiles_for_the_host_without_system_headers(tmp_path):
                    '  return mk_split_search_observe(s, 4, 1000) == 5 ? 0 : 1; }\n')
     exe = tmp_path / "only_header"
     # -nostdinc: the header must not need any system header on the host either
-    subprocess.run([cxx, "-std=c++17", "-nostdinc", "-Wall", "-Wextra", "-Werror", "-I", str(kc.CUDA_DIR),
-                    str(src), "-o", str(exe)], check=True)
+    subprocess.run([cxx, "-std=c++17", "-nostdinc", "-Wall", "-Wextra", "-Werror",
+                    *(f"-I{d}" for d in kc.include_dirs()), str(src), "-o", str(exe)], check=True)
     assert subprocess.run([str(exe)]).returncode == 0  # from prior 4 the first probe is 5
 
 

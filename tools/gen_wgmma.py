@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes mkernel/cuda/wgmma_ops.cuh: the wgmma.mma_async wrappers mkernel uses, one per
+"""Writes mkernel/cuda/primitives/wgmma_ops.cuh: the wgmma.mma_async wrappers mkernel uses, one per
 (shape N, A source, input type, B transpose). Inline PTX needs one operand per accumulator
 register, so these are generated rather than written by hand.
 
@@ -7,7 +7,7 @@ register, so these are generated rather than written by hand.
 """
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parents[1] / "mkernel" / "cuda" / "wgmma_ops.cuh"
+OUT = Path(__file__).resolve().parents[1] / "mkernel" / "cuda" / "primitives" / "wgmma_ops.cuh"
 SHAPES = (64, 128, 256)
 TYPES = (("MK_DT_BF16", "bf16"), ("MK_DT_F16", "f16"))
 

@@ -53,7 +53,7 @@ def _timeout_s(timeout_s):
 
 
 class QueueHeader(ctypes.Structure):
-    """Mirror of MkQueueHeader (mkernel/cuda/queue_layout.cuh); a CPU test checks the two agree."""
+    """Mirror of MkQueueHeader (mkernel/cuda/primitives/queue_layout.cuh); a CPU test checks the two agree."""
     _fields_ = [("tail", ctypes.c_uint64), ("error", ctypes.c_uint32), ("capacity", ctypes.c_uint32),
                 ("pad0", ctypes.c_uint32 * 12), ("reserve", ctypes.c_uint64), ("pad1", ctypes.c_uint32 * 14)]
 
@@ -518,7 +518,7 @@ def _recv_exact(s, n):
     return data
 
 
-# ---- GPU test and benchmark kernels (mkernel/cuda/queue_test.cu) ----
+# ---- GPU test and benchmark kernels (mkernel/cuda/tests/queue_test.cu) ----
 
 QUEUE_TEST = _compile.register("queue_test", "queue_test.cu",
                                ["queue_stress<true>", "queue_stress<false>", "tile_exchange"])

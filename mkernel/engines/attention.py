@@ -1,6 +1,6 @@
 """The Hopper attention engine (forward): ``attention`` (design: docs/ATTENTION.md).
 
-A persistent, warp-specialized kernel (``mkernel/cuda/attention.cu``): a TMA producer warpgroup
+A persistent, warp-specialized kernel (``mkernel/cuda/engines/attention.cu``): a TMA producer warpgroup
 streams Q once per tile and K, V blocks through a 2-stage ring; two consumer warpgroups each own
 64 query rows of a 128-row tile and run Q K^T (wgmma from shared memory), the online softmax in
 registers and P V (wgmma with P from registers), overlapped inside a warpgroup (the next block's

@@ -1,6 +1,6 @@
 """The Hopper GEMM engine: ``gemm`` and ``grouped_gemm`` (design and alignment rule: docs/GEMM.md).
 
-A persistent, warp-specialized kernel (``mkernel/cuda/gemm.cu``): TMA loads into a 4-stage
+A persistent, warp-specialized kernel (``mkernel/cuda/engines/gemm.cu``): TMA loads into a 4-stage
 shared-memory ring, one producer warpgroup, two consumer warpgroups issuing ``wgmma.m64n256k16``,
 fp32 accumulation, 128 x 256 x 64 tiles, epilogue through 128B-swizzled shared memory and TMA
 store (or TMA reduce-add). The tile order, the CTAs that run tiles (a role word per CTA) and the

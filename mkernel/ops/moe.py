@@ -11,7 +11,7 @@ one rounding: bitwise reproducible. Between nodes the order of an expert's rows 
 rank of the owner's node, then pair order of its virtual tokens, and combine adds the nodes' fp32
 sums in node order: a fixed order too, not the one-node bits (docs/MOE.md "Between nodes").
 
-Status (docs/MOE.md): dispatch and combine are one persistent kernel each (``mkernel/cuda/moe.cu``);
+Status (docs/MOE.md): dispatch and combine are one persistent kernel each (``mkernel/cuda/ops/moe.cu``);
 the GEMM-carrying ops and their fused kernels are in :mod:`mkernel.moe_gemm`. Between nodes
 (node-major ranks) an exchange kernel before the dispatch and a partial-sum kernel after the combine
 (:mod:`mkernel.moe_nodes`) send each token once per destination node; inside a node the kernels
@@ -42,7 +42,7 @@ SPEC = _compile.register("moe", "moe.cu", ("mk_moe_dispatch_kernel", "mk_moe_com
 
 
 class MkMoeArgs(ctypes.Structure):
-    """Mirror of ``MkMoeArgs`` (mkernel/cuda/moe_args.cuh), 320 bytes."""
+    """Mirror of ``MkMoeArgs`` (mkernel/cuda/ops/moe_args.cuh), 320 bytes."""
     _fields_ = [("sync", MkSync), ("peer_base", ctypes.c_void_p), ("counts_off", ctypes.c_uint64),
                 ("cflag_off", ctypes.c_uint64), ("recv_off", ctypes.c_uint64), ("meta_off", ctypes.c_uint64),
                 ("rflag_off", ctypes.c_uint64), ("ret_off", ctypes.c_uint64), ("retflag_off", ctypes.c_uint64),

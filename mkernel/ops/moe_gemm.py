@@ -1,10 +1,10 @@
 """The GEMM-carrying expert-parallel ops (design: docs/MOE.md).
 
-``moe_dispatch_gemm``: one persistent kernel (``mkernel/cuda/moe_dispatch_gemm.cu``) whose
+``moe_dispatch_gemm``: one persistent kernel (``mkernel/cuda/ops/moe_dispatch_gemm.cu``) whose
 communication CTAs dispatch (rows leave local expert by local expert) while its GEMM CTAs run the
 experts' grouped GEMM straight on the receive buffer, each tile once the rows it holds have arrived.
 
-``moe_gemm_combine``: one persistent kernel (``mkernel/cuda/moe_gemm_combine.cu``) whose GEMM CTAs
+``moe_gemm_combine``: one persistent kernel (``mkernel/cuda/ops/moe_gemm_combine.cu``) whose GEMM CTAs
 run the experts' second grouped GEMM into a staging buffer while its communication CTAs send the
 whole rows of every finished M-tile back to their sources; then every CTA sums its share of the
 tokens (inside one node; between nodes the unfused path).
@@ -44,7 +44,7 @@ COMBINE_SPEC = _register("moe_gemm_combine", "moe_gemm_combine.cu", COMBINE_KERN
 
 
 class MkMoeGemmArgs(ctypes.Structure):
-    """Mirror of ``MkMoeGemmArgs`` (mkernel/cuda/moe_gemm_args.cuh), 960 bytes (64-byte aligned)."""
+    """Mirror of ``MkMoeGemmArgs`` (mkernel/cuda/ops/moe_gemm_args.cuh), 960 bytes (64-byte aligned)."""
     _fields_ = [("g", _gemm.MkGemmArgs), ("m", _moe.MkMoeArgs), ("gemm_ctas", ctypes.c_int32),
                 ("join", ctypes.c_int32), ("tail", ctypes.c_uint8 * 56)]
 

@@ -1,5 +1,5 @@
 """Expert parallelism between nodes: the exchange before the node's dispatch and the partial sums
-after its combine (mkernel/cuda/moe_nodes.cu; design: docs/MOE.md "Between nodes").
+after its combine (mkernel/cuda/ops/moe_nodes.cu; design: docs/MOE.md "Between nodes").
 
 Ranks are node-major (rank = node * local + local rank) with the same number per node. Rank
 (n, l) sends each other node j, through its rank (j, l), the bundle of its tokens that have a
@@ -42,7 +42,7 @@ SPEC = _compile.register("moe_nodes", "moe_nodes.cu", ("mk_moe_exchange_kernel",
 
 
 class MkMoeNodeArgs(ctypes.Structure):
-    """Mirror of ``MkMoeNodeArgs`` (mkernel/cuda/moe_nodes_args.cuh)."""
+    """Mirror of ``MkMoeNodeArgs`` (mkernel/cuda/ops/moe_nodes_args.cuh)."""
     _fields_ = [("sync", MkSync), ("peer_base", ctypes.c_void_p), ("queue", _proxy.QueueArgs),
                 ("pflags", ctypes.c_void_p)] + \
                [(f"{n}_off", ctypes.c_uint64) for n in ("gcounts", "gcflag", "xsend", "dsend", "xrecv", "drecv",

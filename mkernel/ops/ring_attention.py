@@ -1,7 +1,7 @@
 """Ring attention: ``ring_attention`` (design: docs/RING_ATTENTION.md).
 
 Sequence parallelism: each rank holds ``S_local`` rows of the sequence and attends its queries to
-every rank's keys and values. One persistent kernel (``mkernel/cuda/ring_attention.cu``): most CTAs
+every rank's keys and values. One persistent kernel (``mkernel/cuda/ops/ring_attention.cu``): most CTAs
 run the attention engine (``mkernel.attention``'s kernel) over tiles (step, batch, head, query
 block), step s against the key/value block of rank (me - s) mod world; a few CTAs forward each
 block to the next rank (two receive slots in the symmetric workspace, flow-controlled by per-step
@@ -45,7 +45,7 @@ SPEC = _compile.register("ring_attention", "ring_attention.cu", EXPRESSIONS, hot
 
 
 class MkRingArgs(ctypes.Structure):
-    """Mirror of ``MkRingArgs`` (mkernel/cuda/ring_args.cuh); 1536 bytes, 64-byte aligned in C."""
+    """Mirror of ``MkRingArgs`` (mkernel/cuda/ops/ring_args.cuh); 1536 bytes, 64-byte aligned in C."""
     _fields_ = [("a", _attn.MkAttnArgs), ("k_slot", _tma.TensorMap * 2), ("v_slot", _tma.TensorMap * 2),
                 ("peer_base", ctypes.c_void_p), ("kslot_off", ctypes.c_uint64 * 2),
                 ("vslot_off", ctypes.c_uint64 * 2), ("flags_off", ctypes.c_uint64), ("k_own", ctypes.c_void_p),

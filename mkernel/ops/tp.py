@@ -4,7 +4,7 @@
 Paths (one per call, a function of the shapes and the topology, agreed by every rank through
 ``comm.agree`` before anything is launched):
 
-- ``"fused"``: one persistent kernel (``mkernel/cuda/gemm_reduce_scatter.cu`` etc.): GEMM CTAs and
+- ``"fused"``: one persistent kernel (``mkernel/cuda/ops/gemm_reduce_scatter.cu`` etc.): GEMM CTAs and
   communication CTAs, per-tile flags in the symmetric workspace.
 - ``"fallback"``: ``cupy.matmul`` then the NCCL collective (ranks on distinct GPUs, shapes too small
   for fusion to win). Needs NCCL, so it is never chosen when ranks share a GPU.
@@ -69,7 +69,7 @@ def _split_ctl():
 
 
 class TpArgs(ctypes.Structure):
-    """Mirror of ``TpArgs`` (mkernel/cuda/tp_args.cuh)."""
+    """Mirror of ``TpArgs`` (mkernel/cuda/ops/tp_args.cuh)."""
     _fields_ = [("g", _gemm.MkGemmArgs), ("dst", _tma.TensorMap * MAX_WORLD),
                 ("peer_base", ctypes.c_void_p), ("recv_off", ctypes.c_uint64), ("rflag_off", ctypes.c_uint64),
                 ("gath_off", ctypes.c_uint64), ("gflag_off", ctypes.c_uint64), ("ga_off", ctypes.c_uint64),

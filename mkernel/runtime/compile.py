@@ -26,7 +26,7 @@ from mkernel.runtime import nvrtc
 
 log = get_logger("compile")
 
-CUDA_DIR = Path(__file__).resolve().parents[1] / "cuda"
+CUDA_DIR = Path(__file__).resolve().parents[1] / "cuda"  # primitives/, engines/, ops/, tests/ (test kernels)
 ARCH = "sm_90a"
 # The options every kernel is built with, at run time and in the compile check alike.
 OPTIONS = (f"-arch={ARCH}", "-std=c++17", "-lineinfo", "-DNDEBUG", "--ptxas-options=-v")
@@ -57,15 +57,32 @@ def register(name, source, name_expressions, defines=(), hot=True) -> KernelSpec
     return spec
 
 
+def cuda_files(cuda_dir: Path = CUDA_DIR) -> dict:
+    """{file name: path} of every CUDA source under ``cuda_dir``, its folders included. Sources
+    include each other by file name alone, so names are unique across the folders."""
+    out = {}
+    for path in sorted(cuda_dir.rglob("*.cu*")):
+        if path.name in out:
+            raise CompileError(f"two CUDA sources are named {path.name}: {out[path.name]} and {path}")
+        out[path.name] = path
+    return out
+
+
+def include_dirs(cuda_dir: Path = CUDA_DIR) -> list:
+    """The folders holding CUDA sources (``-I`` for a host compiler reading the shared headers)."""
+    return sorted({str(p.parent) for p in cuda_files(cuda_dir).values()})
+
+
 def include_closure(source: str, cuda_dir: Path = CUDA_DIR) -> dict:
     """{file name: text} of the source and every quoted include it reaches, recursively."""
+    index = cuda_files(cuda_dir)
     files, todo = {}, [source]
     while todo:
         name = todo.pop()
         if name in files:
             continue
-        path = cuda_dir / name
-        if not path.is_file():
+        path = index.get(name)
+        if path is None:
             raise CompileError(f"{name} (included from the closure of {source}) is not in {cuda_dir}")
         files[name] = path.read_text()
         todo.extend(_INCLUDE.findall(files[name]))

@@ -1,4 +1,4 @@
-"""The host side of the flag protocol (``mkernel/cuda/signals.cuh``): epochs and the error word.
+"""The host side of the flag protocol (``mkernel/cuda/primitives/signals.cuh``): epochs and the error word.
 
 One :class:`SyncState` per communicator holds, in device memory, the epoch that every launch on the
 communicator advances and the first error any of its kernels recorded, plus a mapped host mirror

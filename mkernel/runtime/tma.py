@@ -4,7 +4,7 @@ CuPy does not wrap the tensor-map API, so the driver entry point is called direc
 cffi extension ``mkernel.verbs._proxy`` (``mk_cuda_tensor_map_encode_tiled`` in
 ``mkernel/verbs/cuda_dl.c``, which loads libcuda with dlopen on first use). A tensor map
 is 128 opaque bytes that a kernel receives inside its argument struct (``TmaDesc`` in
-``mkernel/cuda/gemm_args.cuh``, 64-byte aligned). Encoding is a host-only computation (no stream,
+``mkernel/cuda/engines/gemm_args.cuh``, 64-byte aligned). Encoding is a host-only computation (no stream,
 no synchronisation); the results are cached by every argument, the global address included, so a
 GEMM called again on the same buffers (weights, workspaces, benchmark loops) reuses them.
 

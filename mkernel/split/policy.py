@@ -1,6 +1,6 @@
 """The compute / communication split policy on the host, and its memory across calls (docs/CONTROLLER.md).
 
-One implementation: ``mkernel/cuda/split_policy.cuh`` is plain integer C++ that the fused kernels will
+One implementation: ``mkernel/cuda/primitives/split_policy.cuh`` is plain integer C++ that the fused kernels will
 include (NVRTC) and that this module compiles with the host C++ compiler into a small shared library
 (cached in ``MKERNEL_CACHE_DIR/host``), loaded with ctypes. So the host search, the tests and the device
 controller run the same code.
@@ -107,8 +107,8 @@ def _build(cxx: str, out: Path) -> None:
         src = Path(tmp) / "split_shim.cpp"
         src.write_text(_SHIM)
         so = Path(tmp) / out.name
-        cmd = [cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-Wall", "-Werror", "-I", str(_compile.CUDA_DIR),
-               str(src), "-o", str(so)]
+        cmd = [cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-Wall", "-Werror",
+               *(f"-I{d}" for d in _compile.include_dirs()), str(src), "-o", str(so)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode:
             raise MKernelError(f"building the split policy's host library failed ({' '.join(cmd)}):\n{r.stderr}")
@@ -125,7 +125,7 @@ def library():
         if not cxx:
             raise MKernelError("mkernel.split needs a host C++ compiler (g++ or c++ on PATH, or CXX) to build "
                                "the split policy's host library")
-        text = (_compile.CUDA_DIR / HEADER).read_text()
+        text = _compile.cuda_files()[HEADER].read_text()
         key = hashlib.sha256((text + "\0" + _SHIM + "\0" + cxx).encode()).hexdigest()[:24]
         path = Path(env.get("MKERNEL_CACHE_DIR")) / "host" / f"split_policy-{key}.so"
         if not path.is_file():

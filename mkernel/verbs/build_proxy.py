@@ -14,7 +14,7 @@ from pathlib import Path
 from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
-CUDA_DIR = HERE.parent / "cuda"
+CUDA_PRIMITIVES = HERE.parent / "cuda" / "primitives"  # queue_layout.cuh, shared with the kernels
 SOURCES = ["proxy.c", "cuda_dl.c", "transport_null.c", "transport_tcp.c", "transport_host.c",
            "transport_verbs.c", "host_producer.c"]
 
@@ -41,7 +41,7 @@ ffibuilder.set_source(
     "mkernel.verbs._proxy",
     '#include "proxy_api.h"\n',
     sources=[str(HERE / s) for s in SOURCES],
-    include_dirs=[str(HERE), str(CUDA_DIR)],
+    include_dirs=[str(HERE), str(CUDA_PRIMITIVES)],
     define_macros=[("MK_HAVE_VERBS", "1")] if HAVE_VERBS else [],
     extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-pthread"],
     libraries=["dl", "pthread", "rt"],

@@ -1,4 +1,4 @@
-/* Producing commands from the CPU: the host twin of mkernel/cuda/queue.cuh, used by the tests and by
+/* Producing commands from the CPU: the host twin of mkernel/cuda/primitives/queue.cuh, used by the tests and by
  * host code that enqueues without a kernel. Also the proxy-side check of the stress tests' commands.
  * Stress commands (here and in queue_test.cu) are NOPs carrying an id:
  *   flag_value = low 32 bits of id, src_off_lo = high 32 bits, bytes = id * 2654435761, dst_off_lo = ~flag_value */

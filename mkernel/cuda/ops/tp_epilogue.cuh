@@ -5,7 +5,7 @@
 // the engine's epilogue: each tile goes through the tensor map of its row block's destination (a
 // peer's receive slot, or a block of the local output) and its flag is published there.
 //
-// Engine internals this header relies on (mkernel/cuda/gemm_mainloop.cuh, gemm_epilogue.cuh): the
+// Engine internals this header relies on (mkernel/cuda/engines/gemm_mainloop.cuh, gemm_epilogue.cuh): the
 // GemmBars ring protocol (tfull / tempty / full / empty barriers and their parities, MkTile in
 // bars->ring), the join slots bars->join[seq % MK_JOIN_SLOTS], GemmSmem::a/b/c addresses, the
 // 128B-swizzled epilogue chunk layout of MkTileEpilogue (16-bit output), gemm_consumer's functor
