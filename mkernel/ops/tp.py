@@ -29,6 +29,8 @@ from mkernel.engines import gemm as _gemm
 from mkernel.runtime import compile as _compile
 from mkernel.runtime import tma as _tma
 from mkernel.runtime.arrays import DT, cupy_mod  # noqa: F401  (tp.DT, tp.cupy_mod: the ops below use them through tp)
+from mkernel.split import search as autosplit
+from mkernel.split.policy import MkSplitCtl
 
 log = get_logger("tp")
 
@@ -63,11 +65,6 @@ B_NK, B_KN = 0, 1
 # The knobs (fusion crossovers, controller mode, join, default comm CTAs) are mkernel.config's.
 
 
-def _split_ctl():
-    from mkernel.split.policy import MkSplitCtl
-    return MkSplitCtl
-
-
 class TpArgs(ctypes.Structure):
     """Mirror of ``TpArgs`` (mkernel/cuda/ops/tp_args.cuh)."""
     _fields_ = [("g", _gemm.MkGemmArgs), ("dst", _tma.TensorMap * MAX_WORLD),
@@ -97,7 +94,7 @@ class TpCtl(ctypes.Structure):
                 ("items_at", ctypes.c_uint32), ("window_start", ctypes.c_uint64), ("turn_ns", ctypes.c_uint64),
                 ("comm_stall_ns", ctypes.c_uint64), ("gemm_stall_ns", ctypes.c_uint64), ("turns", ctypes.c_uint32),
                 ("steps", ctypes.c_uint32), ("windows", ctypes.c_uint32), ("gemm_windows", ctypes.c_uint32),
-                ("lent_peak", ctypes.c_uint32), ("ctl", _split_ctl()), ("pad", ctypes.c_uint32 * 5),
+                ("lent_peak", ctypes.c_uint32), ("ctl", MkSplitCtl), ("pad", ctypes.c_uint32 * 5),
                 ("last", TpCtlStats)]
 
 
@@ -301,7 +298,7 @@ def grid_split(op, comm_sms, total_tiles, comm_items, sms):
 
 def check_comm_sms(op, comm_sms):
     """An integer pins the split; "auto" (the default, None) lets the key's split search choose it
-    (mkernel.autosplit) and the in-call controller adapt it."""
+    (mkernel.split.search) and the in-call controller adapt it."""
     if comm_sms is None or comm_sms == "auto":
         return "auto"
     if not isinstance(comm_sms, int) or isinstance(comm_sms, bool) or comm_sms < 1:
@@ -316,7 +313,6 @@ def resolve_comm_sms(op, comm, comm_sms, chosen, *, M, N, K, esize, comm_items):
         return comm_sms, None
     if chosen != "fused":
         return config.get().tp_comm_sms[op], None
-    from mkernel.split import search as autosplit
     return autosplit.choose(comm, op, M=M, N=N, K=K, esize=esize, comm_items=comm_items, sms=sm_count())
 
 
