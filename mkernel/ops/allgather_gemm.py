@@ -5,6 +5,7 @@ without CuPy; the kernels are registered at import.
 """
 
 from mkernel.core.errors import ArgumentError
+from mkernel.engines import gemm as _gemm
 from mkernel.ops import tp
 from mkernel.split import search as autosplit
 
@@ -43,7 +44,7 @@ def allgather_gemm(a, b, *, comm, out=None, stream=None, return_gathered=False, 
     tp.agree_call(OP, comm, key, reason)
 
     if chosen == "gemm":
-        tp._gemm_module().gemm(a, b_arr, out=out, stream=stream, b_layout="kn" if layout == tp.B_KN else "nk")
+        _gemm.gemm(a, b_arr, out=out, stream=stream, b_layout="kn" if layout == tp.B_KN else "nk")
         return (out, a) if return_gathered else out
     if chosen == "fallback":
         with tp.on_stream(stream):

@@ -7,6 +7,7 @@ Importable without CuPy; the kernels are registered with mkernel.compile at impo
 
 from mkernel.core import config
 from mkernel.core.errors import ArgumentError
+from mkernel.engines import gemm as _gemm
 from mkernel.ops import tp
 from mkernel.split import search as autosplit
 
@@ -67,7 +68,7 @@ def gemm_reduce(op, spec, kernel, allreduce, a, b, *, comm, out, stream, b_layou
     tp.agree_call(op, comm, key, reason)
 
     if chosen == "gemm":
-        tp._gemm_module().gemm(a, b_arr, out=out, stream=stream, b_layout="kn" if layout == tp.B_KN else "nk")
+        _gemm.gemm(a, b_arr, out=out, stream=stream, b_layout="kn" if layout == tp.B_KN else "nk")
         return out
     if chosen == "fallback":
         with tp.on_stream(stream):
