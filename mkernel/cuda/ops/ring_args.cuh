@@ -45,7 +45,7 @@ struct MkRingArgs {
   long long out_stride_s;  // elements
   int world;
   int me;
-  int attn_ctas;           // CTAs [0, attn_ctas) compute; the rest forward key/value blocks
+  int attn_ctas;           // CTAs that compute; the first grid - attn_ctas to arrive forward key/value blocks
   int zigzag;              // causal layout: a rank holds chunks me and 2 * world - 1 - me
   unsigned int tiles_per_step;
   unsigned int chunk_rows; // rows (b, s) per forwarding chunk (next rank on this node)

@@ -5,7 +5,8 @@
 // own, step s >= 1 to receive slot s % 2 of the symmetric workspace.
 // A CTA's role is its arrival rank (counter RING_CNT_ARRIVE), not its index: the first
 // grid - attn_ctas to start forward, so forwarders run whichever CTAs are resident (a GPU shared
-// under MPS may run part of the grid only), and the first of them announces this rank's credit.
+// under MPS may run part of the grid only), and the first of them announces this rank's credit;
+// the others turn to attention where forwarding would wait on it (ring_forward_cta).
 // Forwarders: at step s (0..W-2) they copy the block of step s (own, or slot
 // s % 2 once it arrived) into rank me+1's slot (s+1) % 2 and set its flag ARRIVED[s+1] = E. Before
 // writing a slot they wait until rank me+1 is done with it: from step s = 2 on, its flag FREE[s-1]
@@ -202,8 +203,12 @@ MK_DEV void ring_announce(const MkRingArgs& r, u32 E) {
                                                 MK_FLAG_SET));
 }
 
+// Returns true when this CTA turned to attention instead: from step 2 on, forwarding waits on the
+// next rank's attention (FREE), which waits on ours; were every resident CTA a forwarder (part of
+// the grid resident, under MPS), no rank's attention would start. So a forwarder other than the
+// first stops forwarding there while no attention CTA of this rank has arrived; the first goes on.
 template <int D>
-MK_DEV void ring_forward_cta(const MkRingArgs& r, u32 E, u32 role) {
+MK_DEV bool ring_forward_cta(const MkRingArgs& r, u32 E, u32 role, u32 forwarders) {
   __shared__ u32 s_item;
   __shared__ int s_ok;
   const u32 W = (u32)r.world, me = (u32)r.me, next = (me + 1) % W;
@@ -213,8 +218,13 @@ MK_DEV void ring_forward_cta(const MkRingArgs& r, u32 E, u32 role) {
   const u32 row_bytes = (u32)r.a.heads_kv * D * 2, vpr = row_bytes / 16;
   const u32 chunks = (rows + r.chunk_rows - 1) / r.chunk_rows;
   for (u32 step = 0; step < W; ++step) {
-    if (receiver && step > 0 && !ring_receive_remote(r, step, E)) return;
+    if (receiver && step > 0 && !ring_receive_remote(r, step, E)) return false;
     if (step + 1 == W) break;
+    if (step >= 2 && role != 0) {
+      if (threadIdx.x == 0) s_ok = ld_relaxed_sys(&r.counters[RING_CNT_ARRIVE]) <= forwarders ? 2 : 1;
+      __syncthreads();
+      if (s_ok == 2) return true;
+    }
     if (threadIdx.x == 0) {
       bool ok = true;
       if (step > 0)  // the block to forward is in my slot once it arrived
@@ -232,7 +242,7 @@ MK_DEV void ring_forward_cta(const MkRingArgs& r, u32 E, u32 role) {
       s_ok = ok ? 1 : 0;
     }
     __syncthreads();
-    if (!s_ok) return;
+    if (!s_ok) return false;
     if (r.next_remote) {
       ring_send_remote(r, step, E, &s_item);
       continue;
@@ -279,7 +289,18 @@ __global__ void __launch_bounds__(384, 1) mk_ring_attention_kernel(const __grid_
   if (threadIdx.x == 0) s_role = atomicAdd(&r.counters[RING_CNT_ARRIVE], 1u);
   __syncthreads();
   const u32 role = s_role, forwarders = gridDim.x - (u32)r.attn_ctas;
-  if (role >= forwarders) {
+  bool attend = role >= forwarders;
+  if (!attend) {
+    __shared__ u32 s_epoch;
+    if (threadIdx.x == 0) {
+      s_epoch = launch_epoch(a.sync);
+      if (role == 0) ring_announce(r, s_epoch);
+    }
+    __syncthreads();
+    attend = ring_forward_cta<D>(r, s_epoch, role, forwarders);
+    __syncthreads();
+  }
+  if (attend) {  // (the epoch is still this launch's: this CTA has not left)
     const AttnSmem<Cfg> sm = attn_smem_carve<Cfg>(mk_smem);
     attn_setup<Cfg>(a, sm);
     const u32 E = sm.bars->epoch;
@@ -290,27 +311,12 @@ __global__ void __launch_bounds__(384, 1) mk_ring_attention_kernel(const __grid_
         },
         [&](int wg) { attn_consumer<Cfg>(a, sm, wg, RingMergeEpi<Cfg>{r, E}); });
     __syncthreads();  // the consumers' merges count in the step counters: reset only after them
-    if (threadIdx.x == 0) {
-      sched_finish(a.sched);
-      counters_reset_by_last_block(r.counters, RING_CNT_WORDS, RING_CNT_DONE);
-    }
-    launch_exit(a.sync, sm.bars->epoch);
-  } else {
-    __shared__ u32 s_epoch;
-    if (threadIdx.x == 0) {
-      s_epoch = launch_epoch(a.sync);
-      if (role == 0) ring_announce(r, s_epoch);
-    }
-    __syncthreads();
-    const u32 E = s_epoch;
-    ring_forward_cta<D>(r, E, role);
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      sched_finish(a.sched);
-      counters_reset_by_last_block(r.counters, RING_CNT_WORDS, RING_CNT_DONE);
-    }
-    launch_exit(a.sync, E);
   }
+  if (threadIdx.x == 0) {
+    sched_finish(a.sched);
+    counters_reset_by_last_block(r.counters, RING_CNT_WORDS, RING_CNT_DONE);
+  }
+  launch_exit(a.sync, launch_epoch(a.sync));
 }
 
 static_assert(sizeof(MkRingArgs) == 1536, "MkRingArgs layout changed: update mkernel/ops/ring_attention.py");
