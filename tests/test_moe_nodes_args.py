@@ -11,6 +11,7 @@ import pytest
 
 from mkernel.comm.communicator import Communicator
 from mkernel.comm.plans import PlanRegistry
+from mkernel.comm.scratch import layout as scratch_layout
 
 mmoe = importlib.import_module("mkernel.ops.moe")
 mnodes = importlib.import_module("mkernel.ops.moe_nodes")
@@ -91,11 +92,12 @@ def fake(monkeypatch):
         calls["next"] += -(-max(a.nbytes, 1) // 4096) * 4096
         return a
 
-    def plan_buffers(op, comm, key, sizes, counter_words=8):
+    def plan_buffers(op, comm, key, sizes, counter_words=8, scratch_start=0):
         plan = comm.plans.get(key)
         if plan is None:
             plan = {name: alloc(shape, dt, HEAP) for name, shape, dt in sizes}
             plan["counters"] = alloc(counter_words, np.uint32)
+            plan["scratch_end"] = scratch_start + scratch_layout(sizes)[0]
             comm.plans.add(key, plan)
         return plan
 

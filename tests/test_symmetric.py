@@ -7,6 +7,7 @@ import pytest
 
 import mkernel
 from mkernel.comm.plans import PlanRegistry
+from mkernel.comm.scratch import Scratch
 from mkernel.comm.symmetric import ALIGN, FreeList, take_symmetric
 
 TOTAL = 1 << 24
@@ -117,6 +118,7 @@ def _fake_comm(heap, proxy=None, sub=False):
     c.mpi = c.node_mpi = MPI.COMM_WORLD
     c._root = object() if sub else c
     c.plans = PlanRegistry(synchronize=lambda: None)
+    c.scratch = Scratch(c)
     return c
 
 

@@ -23,6 +23,7 @@ import weakref
 
 from mkernel.comm import collectives, topology
 from mkernel.comm.plans import PlanRegistry
+from mkernel.comm.scratch import Scratch
 from mkernel.core import env
 from mkernel.core.errors import ArgumentError, ClosedError, MKernelError, PeerError, WorkspaceError, peer_failures
 from mkernel.core.log import get_logger, set_rank
@@ -92,6 +93,7 @@ class Communicator:
             set_rank(self.rank)
         self._agreed = {}
         self.plans = PlanRegistry()  # the ops' plans and state (mkernel/comm/plans.py)
+        self.scratch = Scratch(self)  # the plans' transient buffers (mkernel/comm/scratch.py)
         self._closed = False
         self._nccl = None
         self._proxy = None  # root only: (Proxy, CommandQueue, flags pointer, flags array), started by .proxy
@@ -183,11 +185,12 @@ class Communicator:
         return self.heap.array(self.heap.alloc_symmetric(self.mpi, nbytes, what, agree=agree), shape, dtype)
 
     def release_plans(self):
-        """Drops the ops' cached plans (their symmetric buffers are freed; each shape's next call
-        builds its plan again). Collective in effect: every rank at the same point of its op
-        sequence. Synchronises the device."""
+        """Drops the ops' cached plans and the scratch (their symmetric memory is freed; each
+        shape's next call builds its plan again). Collective in effect: every rank at the same point
+        of its op sequence. Synchronises the device."""
         self._check_open()
         self.plans.clear()
+        self.scratch.release()
 
     def agreed(self, key) -> bool:
         """Whether ``key`` was agreed on (:meth:`agree`) already: its next agreement costs nothing."""
@@ -392,13 +395,15 @@ class Communicator:
 
     def stats(self) -> dict:
         """What this communicator holds and moved: ``workspace`` (its symmetric workspace's
-        ``bytes``, ``in_use`` by live arrays and the ops' buffers, ``high_water``), ``plans``
+        ``bytes``, ``in_use`` by live arrays and the ops' buffers, ``high_water``), ``scratch`` (the
+        scratch area's ``bytes``, ``largest_need`` of one call, ``high_water``, times ``grown``), ``plans``
         (cached, ``evicted`` so far) and the traffic between nodes: the proxy's commands, bytes
         sent and received per peer rank (``"proxy": None`` while no proxy was started). Does not
         synchronise."""
         self._check_open()
         heap = self.heap
         out = {"workspace": {"bytes": heap.nbytes, "in_use": heap.in_use, "high_water": heap.high_water},
+               "scratch": self.scratch.stats(),
                "plans": {"cached": len(self.plans), "evicted": self.plans.evicted}, "proxy": None}
         root = self._root
         if root._proxy is None:

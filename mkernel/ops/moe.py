@@ -235,7 +235,8 @@ class Dispatch:
         a.x, a.ldx = self.x.data.ptr, (self.x.strides[0] if self.T > 1 else self.H * self.x.itemsize) // self.x.itemsize
         a.topk_ids = self.ids.data.ptr
         if self.comm.num_nodes > 1:
-            self.nodes = _nodes.plan(self.op, self.comm, self.H, self.x.dtype, self.k, self.E, self.capacity)
+            self.nodes = _nodes.plan(self.op, self.comm, self.H, self.x.dtype, self.k, self.E, self.capacity,
+                                     self.plan["scratch_end"])
             _nodes.set_virtual(a, self.nodes, self.comm)
         return a
 

@@ -82,16 +82,17 @@ def buffer_sizes(W, N, H, dtype, k, E, capacity):
             ("part", (R, H), f32), ("precv", ((N - 1) * R, H), f32)]
 
 
-def plan(op, comm, H, dtype, k, E, capacity):
+def plan(op, comm, H, dtype, k, E, capacity, scratch_start):
     """The symmetric buffers, local scratch and proxy flags between nodes of one (H, dtype, k, E,
-    capacity), collective the first time."""
+    capacity), collective the first time; its scratch buffers start at ``scratch_start`` (past those of
+    the node's plan, used in the same calls)."""
     import cupy
 
     N = comm.num_nodes
     R = fwd_rows(capacity, k)
-    key = ("buffers", "moe_nodes", H, dtype.name, k, E, capacity)
+    key = ("buffers", "moe_nodes", H, dtype.name, k, E, capacity, scratch_start)
     sizes = buffer_sizes(comm.size, N, H, dtype, k, E, capacity)
-    p = _tp.plan_buffers(op, comm, key, sizes, counter_words=CNT_WORDS)
+    p = _tp.plan_buffers(op, comm, key, sizes, counter_words=CNT_WORDS, scratch_start=scratch_start)
     if "pflags" not in p:
         p.update(fwd_rows=R, vids=cupy.empty(R * k, dtype=cupy.int32), vw=cupy.empty(R * k, dtype=cupy.float32),
                  vseg=cupy.zeros(MAX_NODES, dtype=cupy.uint32), slots=cupy.empty((N - 1) * R, dtype=cupy.int32),

@@ -68,25 +68,24 @@ def _rows_contiguous(x):
 
 
 def _plan(comm, q4, k4, remote):
-    """Buffers of one shape: the receive slots and flags in symmetric memory (tp.plan_buffers: cached
-    in comm.plans, allocated collectively, freed when evicted or by comm.release_plans), and this rank's fp32
-    accumulators, tile flags and scheduler words in device memory. Between nodes (remote) also a
-    staging copy of this rank's own block (a WRITE source must lie in a registered region)."""
+    """Buffers of one shape (tp.plan_buffers: cached in comm.plans, built collectively): the receive
+    slots and this rank's fp32 accumulators in the scratch, flags in symmetric memory, tile
+    flags and scheduler words in device memory. Between nodes (remote) also a staging copy of this
+    rank's own block (a WRITE source must lie in a registered region)."""
     import cupy
 
     B, S, Hq, D = q4.shape
     Hkv = k4.shape[2]
     kv_shape = (2, B, S, Hkv, D)  # one buffer per slot: K then V (one range for WRITEs between nodes)
-    sizes = [("slot0", kv_shape, k4.dtype), ("slot1", kv_shape, k4.dtype), ("flags", (FLAG_WORDS,), cupy.uint32)]
+    f32 = cupy.float32
+    sizes = [("slot0", kv_shape, k4.dtype), ("slot1", kv_shape, k4.dtype), ("flags", (FLAG_WORDS,), cupy.uint32),
+             ("o_acc", (B, S, Hq, D), f32), ("m_acc", (B, Hq, S), f32), ("l_acc", (B, Hq, S), f32)]
     if remote:
         sizes.append(("stage", kv_shape, k4.dtype))
     plan = _tp.plan_buffers("ring_attention", comm, ("buffers", "ring_attention", B, S, Hq, Hkv, D, k4.dtype.name),
                             sizes, counter_words=CNT_WORDS)
-    if "o_acc" not in plan:  # first use of this shape
+    if "tiles" not in plan:  # first use of this shape
         tiles = B * Hq * -(-S // _attn.BLOCK_M)
-        plan["o_acc"] = cupy.empty((B, S, Hq, D), dtype=cupy.float32)
-        plan["m_acc"] = cupy.empty((B, Hq, S), dtype=cupy.float32)
-        plan["l_acc"] = cupy.empty((B, Hq, S), dtype=cupy.float32)
         plan["tile_flags"] = cupy.zeros(2 * tiles, dtype=cupy.uint32)
         plan["sched"] = cupy.zeros(4, dtype=cupy.uint32)  # tile_counter, done_count
         plan["tiles"] = tiles

@@ -22,6 +22,7 @@ import contextlib
 import ctypes
 
 from mkernel.comm import proxy as _proxy
+from mkernel.comm.scratch import layout as scratch_layout
 from mkernel.core import config
 from mkernel.core.errors import ArgumentError, MKernelError, WorkspaceError
 from mkernel.core.log import get_logger
@@ -228,25 +229,32 @@ def on_stream(stream):
 
 
 # ------------------------------------------------------------------------------- buffers
-def plan_buffers(op, comm, key, sizes, counter_words=CNT_WORDS + 1):
-    """The plan of one (op, shape key) in ``comm.plans``: its symmetric buffers, allocated once
-    (collectively) and cached, plus ``counters`` (device words, zero between launches) and ``ctl``.
+def plan_buffers(op, comm, key, sizes, counter_words=CNT_WORDS + 1, scratch_start=0):
+    """The plan of one (op, shape key) in ``comm.plans``, built at the shape's first call (collective):
+    its flags (uint32 buffers: symmetric, the plan's own, zeroed before first use), its other buffers
+    (transient within a call: views of the communicator's scratch, from ``scratch_start`` on:
+    mkernel/comm/scratch.py), ``counters`` (device words, zero between launches), ``ctl`` and
+    ``scratch_end``.
 
-    sizes: [(name, shape, dtype)], flags (uint32) are zeroed before first use."""
+    sizes: [(name, shape, dtype)]."""
     plan = comm.plans.get(key)
     if plan is not None:
         return plan
+    import numpy
+
     cupy = cupy_mod()
-    need = sum(_nbytes(shape, dt) for _, shape, dt in sizes)
-    plan = {}
+    flags = [(n, s, d) for n, s, d in sizes if numpy.dtype(d) == numpy.uint32]
+    data = [(n, s, d) for n, s, d in sizes if numpy.dtype(d) != numpy.uint32]
     try:
-        for name, shape, dt in sizes:
+        plan = comm.scratch.views(op, data, scratch_start)  # first: growing it releases the cached plans
+        for name, shape, dt in flags:
             plan[name] = comm.empty(shape, dt)
     except WorkspaceError as e:
+        need = sum(_nbytes(shape, dt) for _, shape, dt in sizes)
         raise WorkspaceError(f"{op}: needs {need} bytes of symmetric workspace for this shape ({e})") from e
-    for _name, arr in plan.items():
-        if arr.dtype == cupy.uint32:
-            arr.data.memset_async(0, arr.nbytes)  # a memset, not a kernel: see quiesced_first_use
+    for name, _, _ in flags:
+        plan[name].data.memset_async(0, plan[name].nbytes)  # a memset, not a kernel: see quiesced_first_use
+    plan["scratch_end"] = scratch_start + scratch_layout(data)[0]
     plan["counters"] = cupy.zeros(counter_words, dtype=cupy.uint32)
     plan["ctl"] = cupy.zeros(ctypes.sizeof(TpCtl) // 4, dtype=cupy.uint32)  # TpCtl, zero before the first launch
     cupy.cuda.runtime.deviceSynchronize()  # zeroed before this rank announces any credit
