@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
 # compute-sanitizer memcheck and racecheck over every kernel at a small shape (tools/sanitize_targets.py),
-# then ring attention with 2 ranks sharing the GPU (its kernel needs a peer) and the MoE path between
-# nodes with 2 ranks as 2 emulated nodes (host transport).
+# then with 2 ranks sharing the GPU: the TP kernels and ring attention (with a peer) and the MoE path
+# between nodes with 2 ranks as 2 emulated nodes (host transport). Ranks run under MPS when a daemon
+# runs (tools/mps.sh; pass CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), time-sliced otherwise.
 set -u
 rc=0
-MPI2="mpirun -n 2 --oversubscribe -x MKERNEL_CACHE_DIR -x NCCL_NVLS_ENABLE"
+MPI2="mpirun -n 2 --oversubscribe -x MKERNEL_CACHE_DIR -x NCCL_NVLS_ENABLE -x MKERNEL_TIMEOUT_S"
+MPI2+=" ${CUDA_MPS_ACTIVE_THREAD_PERCENTAGE:+-x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE -x CUDA_MPS_PIPE_DIRECTORY}"
+export MKERNEL_TIMEOUT_S=${MKERNEL_TIMEOUT_S:-120}  # kernels run many times slower under the tools
 for tool in memcheck racecheck; do
   echo "== $tool =="
   compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 python3 tools/sanitize_targets.py || rc=$?
+  echo "== $tool: TP ops, 2 ranks =="
+  $MPI2 compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
+    python3 -c "from mkernel.diagnostics import sanitize; sanitize.target_tp_world(); print('tp: ok')" || rc=$?
   echo "== $tool: ring_attention, 2 ranks =="
   $MPI2 compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
     python3 -c "from mkernel.diagnostics import sanitize; sanitize.target_ring_attention(); print('ring_attention: ok')" || rc=$?

@@ -2,6 +2,8 @@
 tools/sanitize_targets.py): each target raises on a wrong result, so the sanitizer run also checks
 the answer."""
 
+import contextlib
+
 import mkernel
 from mkernel.core import config
 from mkernel.engines import attention as _attn
@@ -53,41 +55,44 @@ def target_attention():
                 raise AssertionError(f"attention D={D} causal={causal}: relative error {err:.2e}")
 
 
-def target_gemm_reduce_scatter():
-    """The fused kernel once at a small shape at world 1 (tools/sanitize_targets.py); raises on a
+def target_gemm_reduce_scatter(world=None):
+    """The fused kernel once at a small shape on ``world`` (default MPI.COMM_SELF:
+    tools/sanitize_targets.py); raises on a wrong result."""
+    _tp_reduce(mkernel.gemm_reduce_scatter, world)
+
+
+def target_gemm_allreduce(world=None):
+    """The fused kernel once at a small shape on ``world`` (default MPI.COMM_SELF); raises on a
     wrong result."""
-    _tp_reduce(mkernel.gemm_reduce_scatter)
+    _tp_reduce(mkernel.gemm_allreduce, world)
 
 
-def target_gemm_allreduce():
-    """The fused kernel once at a small shape at world 1; raises on a wrong result."""
-    _tp_reduce(mkernel.gemm_allreduce)
-
-
-def target_allgather_gemm():
-    """The fused kernel once at a small shape at world 1; raises on a wrong result."""
+def target_allgather_gemm(world=None):
+    """The fused kernel once at a small shape on ``world`` (default MPI.COMM_SELF); raises on a wrong
+    result."""
     import cupy
     import numpy as np
-    from mpi4py import MPI
 
-    from mkernel.comm.communicator import init
-
-    comm = init(MPI.COMM_SELF, workspace_bytes=16 << 20)
-    try:
-        rng = np.random.default_rng(0)
-        M, K, N = 200, 136, 264
-        a = rng.integers(-2, 3, size=(M, K)).astype(np.float16)
-        b = rng.integers(-2, 3, size=(K, N)).astype(np.float16)
+    with _tp_world(world) as (comm, a_of, b):
+        a = a_of(comm.rank)
+        a_all = np.concatenate([a_of(r) for r in range(comm.size)]).astype(np.float64)
         for controller in ("off", "pattern"):  # pushers only; odd GEMM CTAs pushing between their tiles
             with config.override(tp_controller=controller):
                 out, gathered = mkernel.allgather_gemm(cupy.asarray(a), cupy.asarray(b), comm=comm, path="fused",
-                                               return_gathered=True, comm_sms=1)
+                                                       return_gathered=True, comm_sms=1)
             cupy.cuda.runtime.deviceSynchronize()
             comm.check()
-            tp.check_result(out, a.astype(np.float64) @ b.astype(np.float64), f"allgather_gemm {controller}", 0.0)
-            tp.check_result(gathered, a.astype(np.float64), f"allgather_gemm {controller} gathered A", 0.0)
-    finally:
-        comm.close()
+            tp.check_result(out, a_all @ b.astype(np.float64), f"allgather_gemm {controller}", 0.0)
+            tp.check_result(gathered, a_all, f"allgather_gemm {controller} gathered A", 0.0)
+
+
+def target_tp_world():
+    """The three fused TP kernels on MPI.COMM_WORLD (run it with 2 ranks: tools/sanitize.sh)."""
+    from mpi4py import MPI
+
+    target_gemm_reduce_scatter(MPI.COMM_WORLD)
+    target_gemm_allreduce(MPI.COMM_WORLD)
+    target_allgather_gemm(MPI.COMM_WORLD)
 
 
 def target_ring_attention():
@@ -221,29 +226,42 @@ def target_moe_nodes():
         comm.close()
 
 
-def _tp_reduce(op_fn):
-    import cupy
+@contextlib.contextmanager
+def _tp_world(world):
+    """(communicator, a of rank r, b): small integer inputs off the tile grid in every dimension, exact
+    in fp16 at any world size up to 4 (|a| <= 3, |b| <= 1, K = 136)."""
     import numpy as np
     from mpi4py import MPI
 
     from mkernel.comm.communicator import init
 
-    comm = init(MPI.COMM_SELF, workspace_bytes=16 << 20)
+    comm = init(world or MPI.COMM_SELF, workspace_bytes=16 << 20)
+    M, K, N = 200, 136, 264
+    base = np.random.default_rng(0).integers(-2, 3, size=(M, K))
+    b = np.random.default_rng(1).integers(-1, 2, size=(K, N)).astype(np.float16)
     try:
-        rng = np.random.default_rng(0)
-        M, K, N = 200, 136, 264  # off-grid in every dimension
-        a = rng.integers(-2, 3, size=(M, K)).astype(np.float16)
-        b = rng.integers(-2, 3, size=(K, N)).astype(np.float16)
+        yield comm, lambda r: (base + r % 2).astype(np.float16), b
+    finally:
+        comm.close()
+
+
+def _tp_reduce(op_fn, world):
+    import cupy
+    import numpy as np
+
+    with _tp_world(world) as (comm, a_of, b):
+        a = a_of(comm.rank)
+        M = a.shape[0] - a.shape[0] % comm.size  # rows split evenly among the ranks
+        full = sum(a_of(r)[:M].astype(np.float64) for r in range(comm.size)) @ b.astype(np.float64)
+        rows = M // comm.size
+        want = full if op_fn is mkernel.gemm_allreduce else full[comm.rank * rows:(comm.rank + 1) * rows]
         # dedicated reducers only; the GEMM CTAs joining them; odd GEMM CTAs reducing between tiles
         for join, controller in ((False, "off"), (True, "off"), (False, "pattern")):
             with config.override(tp_controller=controller):
-                out = op_fn(cupy.asarray(a), cupy.asarray(b), comm=comm, path="fused", join=join, comm_sms=1)
+                out = op_fn(cupy.asarray(a[:M]), cupy.asarray(b), comm=comm, path="fused", join=join, comm_sms=1)
             cupy.cuda.runtime.deviceSynchronize()
             comm.check()
-            tp.check_result(out, a.astype(np.float64) @ b.astype(np.float64),
-                            f"{op_fn.__name__} join={join} controller={controller}", 0.0)
-    finally:
-        comm.close()
+            tp.check_result(out, want, f"{op_fn.__name__} join={join} controller={controller}", 0.0)
 
 
 # world 1 (tools/sanitize_targets.py runs these); ring attention and MoE between nodes need 2 ranks
