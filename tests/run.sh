@@ -23,5 +23,5 @@ pytest_ok() { local rc=0; "$@" || rc=$?; [ "$rc" -eq 5 ] && rc=0; return "$rc"; 
 pytest_ok "$PY" -m pytest -q "$@"
 for n in 2 4; do
   echo "== MPI tests at $n ranks =="
-  pytest_ok mpiexec -n "$n" --oversubscribe "$PY" -m pytest -q -m mpi tests
+  pytest_ok mpiexec -n "$n" --oversubscribe --bind-to none "$PY" -m pytest -q -m mpi tests
 done

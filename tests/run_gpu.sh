@@ -42,7 +42,7 @@ pass() {  # pass NAME RANKS CMD...: runs one pass, records its status, restarts 
   fi
   return 0
 }
-MPIRUN=(mpirun --oversubscribe -x NCCL_NVLS_ENABLE -x PYTHONPATH -x MKERNEL_CACHE_DIR -x CUDA_MPS_PIPE_DIRECTORY)
+MPIRUN=(mpirun --oversubscribe --bind-to none -x NCCL_NVLS_ENABLE -x PYTHONPATH -x MKERNEL_CACHE_DIR -x CUDA_MPS_PIPE_DIRECTORY)
 for n in ${MKERNEL_SUITE_PASSES:-1 2 4}; do
   if [ "$n" = 1 ]; then
     pass 1-rank 1 "$PY" -m pytest -q -m "gpu and not (mpi and multi_gpu)" tests "$@"

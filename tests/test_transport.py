@@ -32,7 +32,9 @@ def _mpiexec(n, args, timeout, extra=()):
     from mkernel.testing import mpi_child_env
 
     env, mps = mpi_child_env(n, MPI_ENV)
-    cmd = ["mpiexec", "-n", str(n), "--oversubscribe", *mps, *extra, sys.executable, *args]
+    # --bind-to none: bound to one core each (Open MPI's default at 2 ranks), a rank's proxy thread
+    # shares it with the main thread (docs/TRANSPORT.md)
+    cmd = ["mpiexec", "-n", str(n), "--oversubscribe", "--bind-to", "none", *mps, *extra, sys.executable, *args]
     try:
         return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
                               cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -46,7 +48,7 @@ def _relaunch(request, n=2):
     """At one rank, run this very test under mpiexec -n 2 (its own job); returns True if it did."""
     if WORLD.Get_size() > 1:
         return False
-    r = _mpiexec(n, ["-m", "pytest", request.node.nodeid, "-v", "-x", "-p", "no:cacheprovider"], timeout=150)
+    r = _mpiexec(n, ["-m", "pytest", request.node.nodeid, "-v", "-x", "-p", "no:cacheprovider"], timeout=90)
     assert r.returncode == 0, f"under mpiexec -n {n}:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
     return True
 

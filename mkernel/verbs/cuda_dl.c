@@ -131,6 +131,7 @@ void mk_cuda_thread_fini(mk_proxy* p) {
       cu.stream_destroy(p->cuda_streams[i]);
       p->cuda_streams[i] = NULL;
     }
+  while (p->cuda_event_count) cu.event_destroy(p->cuda_events[--p->cuda_event_count]);
 }
 
 /* Unified addressing: the driver tells host from device pointers itself. */
@@ -145,7 +146,8 @@ int mk_cuda_copy_start(mk_proxy* p, int lane, void* dst, const void* src, size_t
   CUevent ev = NULL;
   CUresult r = cu.memcpy_async((CUdeviceptr)(uintptr_t)dst, (CUdeviceptr)(uintptr_t)src, bytes, p->cuda_streams[lane]);
   if (r) { describe(r, "cuMemcpyAsync", why, cap); return -1; }
-  if ((r = cu.event_create(&ev, CU_EVENT_DISABLE_TIMING)) || (r = cu.event_record(ev, p->cuda_streams[lane]))) {
+  if (p->cuda_event_count) ev = p->cuda_events[--p->cuda_event_count];
+  if ((!ev && (r = cu.event_create(&ev, CU_EVENT_DISABLE_TIMING))) || (r = cu.event_record(ev, p->cuda_streams[lane]))) {
     if (ev) cu.event_destroy(ev);
     describe(r, "cuEventRecord", why, cap);
     return -1;
@@ -154,10 +156,13 @@ int mk_cuda_copy_start(mk_proxy* p, int lane, void* dst, const void* src, size_t
   return 0;
 }
 
-int mk_cuda_event_poll(void* event, char* why, int cap) {
+int mk_cuda_event_poll(mk_proxy* p, void* event, char* why, int cap) {
   CUresult r = cu.event_query(event);
   if (r == CUDA_ERROR_NOT_READY) return 0;
-  cu.event_destroy(event);
+  if (!r && p->cuda_event_count < MK_EVENT_POOL)
+    p->cuda_events[p->cuda_event_count++] = event;
+  else
+    cu.event_destroy(event);
   if (r) { describe(r, "cuEventQuery", why, cap); return -1; }
   return 1;
 }

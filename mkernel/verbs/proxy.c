@@ -200,7 +200,7 @@ int mk_copy_start(mk_proxy* p, void* dst, int dst_kind, const void* src, int src
 int mk_copy_done(mk_proxy* p, void* event, int peer) {
   if (!event) return 1;
   char why[MKP_MESSAGE_BYTES];
-  int r = mk_cuda_event_poll(event, why, sizeof why);
+  int r = mk_cuda_event_poll(p, event, why, sizeof why);
   if (r < 0) mk_fail(p, MKP_ERR_LOCAL, peer, MK_CMD_WRITE, "copy failed: %s", why);
   return r;
 }

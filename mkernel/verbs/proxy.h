@@ -12,6 +12,7 @@ _Static_assert(sizeof(struct MkQueueHeader) == 128, "MkQueueHeader: two 64-byte 
 
 #define MK_MAX_REGIONS 256
 #define MK_AGAIN 1 /* a transport's answer to write/signal/flush: full now, offer the command again later */
+#define MK_EVENT_POOL 64 /* copy events kept for reuse (more than the copies a transport keeps in flight) */
 
 typedef struct mk_region {
   int used, kind;        /* MKP_REGION_* */
@@ -64,6 +65,8 @@ struct mk_proxy {
 
   int cuda_device;        /* -1: no CUDA region allowed */
   void* cuda_streams[2];  /* 0: copies out of GPU memory (and synchronous ones), 1: copies into it */
+  void* cuda_events[MK_EVENT_POOL]; /* landed copies' events, reused: creating one per copy costs a driver call */
+  int cuda_event_count;
 
   uint8_t* verify_seen;   /* null transport verify mode */
   uint64_t verify_expected;
@@ -93,7 +96,7 @@ int mk_cuda_thread_init(mk_proxy* p);
 void mk_cuda_thread_fini(mk_proxy* p);
 int mk_cuda_copy(mk_proxy* p, void* dst, const void* src, size_t bytes, char* why, int cap);
 int mk_cuda_copy_start(mk_proxy* p, int lane, void* dst, const void* src, size_t bytes, void** event, char* why, int cap);
-int mk_cuda_event_poll(void* event, char* why, int cap); /* 1 done (event released), 0 pending, -1 failed */
+int mk_cuda_event_poll(mk_proxy* p, void* event, char* why, int cap); /* 1 done (event released), 0 pending, -1 failed */
 int mk_cuda_host_register(void* ptr, size_t bytes); /* 0 pinned, 1 not (pageable), -1 registered already */
 void mk_cuda_host_unregister(int device, void* ptr);
 int mk_cuda_dmabuf_fd(void* ptr, size_t bytes, uint64_t* offset);
