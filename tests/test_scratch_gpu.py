@@ -8,7 +8,8 @@ random order (the same on every rank), all on one communicator with the default 
   tokens back bit for bit;
 - every later call must give the first call's bits: a call whose scratch another op's call
   overwrote too early (a missing credit) would not;
-- memory: the scratch ends at the largest single call's need, the plans all stay cached.
+- memory: the scratch ends at the largest single call's need; once every shape ran, no call grows
+  it or rebuilds a plan.
 
 And two different ops back to back while one rank's GPU is held 50 ms: the other rank's second op
 must not write into the held rank's scratch before its first op read it (credits).
@@ -156,15 +157,17 @@ def test_three_hundred_interleaved_calls_share_the_scratch(comm):
             if not ok:
                 return False, f"{name}: {msg}"
             first[i] = bits(got)
-        cached = comm.stats()["plans"]["cached"]
+        for _, call, _ in cases:  # plans dropped by a growth of the first pass rebuild here
+            call(comm)
+        before = comm.stats()
         order = np.random.default_rng(7).integers(0, len(cases), CALLS)
         for n, i in enumerate(order):
             got = bits(cases[i][1](comm))
             if not np.array_equal(got, first[i]):
                 return False, f"call {n} ({cases[i][0]}) differs from its first call"
         st = comm.stats()
-        if st["plans"]["cached"] != cached or st["scratch"]["grown"] > SHAPES:
-            return False, f"plans rebuilt after the first calls: {st}"
+        if st["plans"] != before["plans"] or st["scratch"]["grown"] != before["scratch"]["grown"]:
+            return False, f"plans rebuilt or the scratch grown in steady state: {before} -> {st}"
         if st["scratch"]["bytes"] != st["scratch"]["largest_need"]:
             return False, f"the scratch is not the largest single need: {st['scratch']}"
         return True, f"{len(cases)} shapes, {CALLS} calls; scratch {st['scratch']}, plans {st['plans']}"
