@@ -136,8 +136,8 @@ def _mpirun(args, timeout):
     env, mps = mpi_child_env(2, dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1"))
     ver = subprocess.run(["mpirun", "--version"], capture_output=True, text=True).stdout
     mca = "prte_abort_on_non_zero_status" if "v5." in ver or "Open MPI) 5" in ver else "orte_abort_on_non_zero_status"
-    cmd = ["mpirun", "-n", "2", "--oversubscribe", "--bind-to", "none", "--mca", mca, "0", *mps, "-x", "MKERNEL_TIMEOUT_S",
-           sys.executable, str(Path(__file__).resolve()), "--child", *args]
+    cmd = ["mpirun", "-n", "2", "--oversubscribe", "--bind-to", "none", "--mca", mca, "0", *mps,
+           "-x", "MKERNEL_TIMEOUT_S", sys.executable, str(Path(__file__).resolve()), "--child", *args]
     t = time.monotonic()
     try:
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
