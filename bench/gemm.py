@@ -11,6 +11,7 @@ bench/results/gemm-1gpu.json; prints a table, and a compact summary last. Every 
 checked against cuBLAS's before it is timed.
 
     python3 bench/gemm.py [--quick]
+    python3 bench/gemm.py --decode [--quick]    (small M and odd shapes: bench/gemm_decode.py)
 """
 
 import argparse
@@ -90,7 +91,12 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer shapes and reps (smoke run)")
     ap.add_argument("--reps", type=int, default=harness.REPS)
     ap.add_argument("--plot", metavar="JSON", help="only draw the PNG of an earlier results file, next to it")
+    ap.add_argument("--decode", action="store_true", help="the decode-size rows instead (bench/gemm_decode.py)")
     opts = ap.parse_args()
+    if opts.decode:
+        import gemm_decode
+
+        return gemm_decode.main()
     if opts.plot:
         import json
 

@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""Decode-size GEMM benchmark (issue 26): mkernel.gemm against cupy.matmul (cuBLAS) at small M and odd
+shapes, and the grouped GEMM of MoE decode against one cupy.matmul per expert; one GPU, one process.
+
+Every timed call of either library follows an L2 flush (a 256 MiB fill, outside the events), so
+weights are read from HBM as in a decode step. Per row: ``speedup`` (cuBLAS time / mkernel time)
+and ``fraction_of_bound`` (bound / mkernel time), the bound being max(bytes of A, B and C over the
+copy rate, FLOPs at the tensor peak), the copy rate (bytes read + written per second) of a 1 GiB
+device-to-device copy measured in the same run. Results are checked against cuBLAS before timing.
+Writes bench/results/gemm_decode-1gpu.json.
+
+    python3 bench/gemm.py --decode [--quick]     (or python3 bench/gemm_decode.py)
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import numpy as np  # noqa: E402
+
+import harness  # noqa: E402
+from harness import PEAK_TFLOPS, rand, wait  # noqa: E402
+
+DECODE_M = (1, 8, 16, 32, 64, 128, 256)
+DECODE_NK = ((8192, 8192), (4096, 14336), (14336, 4096), (10240, 8192), (8192, 28672))
+ODD_SHAPES = ((8191, 8200, 1032), (4000, 7000, 3000), (1000, 3000, 2000), (3000, 1000, 520))
+MOE_EXPERTS, MOE_ROWS, MOE_H, MOE_F = 64, (1, 32), 7168, 2048
+FLUSH_BYTES = 256 << 20  # > 60 MiB of L2
+COPY_BYTES = 1 << 30
+GOAL_SPEEDUP, GOAL_GEOMEAN, GOAL_FRACTION, GOAL_FRACTION_MAX_M = 0.97, 1.03, 0.85, 64
+
+
+def copy_rate(reps):
+    """Bytes read + written per second of a device-to-device copy of COPY_BYTES (median of reps)."""
+    import cupy
+
+    src, dst = cupy.ones(COPY_BYTES, cupy.uint8), cupy.empty(COPY_BYTES, cupy.uint8)
+    ms = flushed_ms(lambda: cupy.copyto(dst, src), reps, flush=None)
+    return 2.0 * COPY_BYTES / (ms * 1e-3)
+
+
+def flushed_ms(fn, reps, flush):
+    """Median CUDA-event time of fn(), each call after flush() (outside the events) when given."""
+    import cupy
+
+    fn()
+    events = []
+    for _ in range(reps):
+        if flush is not None:
+            flush()
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        stop.record()
+        events.append((start, stop))
+    wait("timed calls")
+    return harness.median([cupy.cuda.get_elapsed_time(a, b) for a, b in events])
+
+
+def bound_ms(flops, nbytes, rate):
+    return max(flops / (PEAK_TFLOPS * 1e12), nbytes / rate) * 1e3
+
+
+def rel_err(x, ref):
+    import cupy
+
+    x32, r32 = x.astype(cupy.float32), ref.astype(cupy.float32)
+    return float(cupy.linalg.norm(x32 - r32) / (cupy.linalg.norm(r32) + 1e-30))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="a few shapes, fewer reps (smoke run)")
+    ap.add_argument("--reps", type=int, default=harness.REPS)
+    ap.add_argument("--decode", action="store_true", help=argparse.SUPPRESS)  # as passed on by bench/gemm.py
+    opts = ap.parse_args()
+
+    import cupy
+
+    from mkernel.engines import gemm as mg
+
+    reps = 5 if opts.quick else max(20, opts.reps)
+    flush_buf = cupy.empty(FLUSH_BYTES, cupy.uint8)
+    flush = lambda: flush_buf.fill(1)  # noqa: E731
+    rate = copy_rate(reps)
+    print(f"# {harness.device_name()}: copy rate {rate / 1e12:.2f} TB/s (read + write, 1 GiB D2D)", flush=True)
+    errors = {}
+    section = harness.sections(errors)
+    rows = []
+
+    def dense_row(M, N, K, kind):
+        a, w = rand((M, K), 10), rand((N, K), 11)  # weights row-major [N, K], read as w.T
+        b = w.T
+        out, ref = cupy.empty((M, N), a.dtype), cupy.matmul(a, b)
+        mg.gemm(a, b, out=out)
+        err = rel_err(out, ref)
+        if not err < 1e-2:
+            raise AssertionError(f"{M}x{N}x{K}: relative error {err:.3g} against cuBLAS")
+        t_mk = flushed_ms(lambda: mg.gemm(a, b, out=out), reps, flush)
+        t_cb = flushed_ms(lambda: cupy.matmul(a, b, out=ref), reps, flush)
+        flops, nbytes = 2.0 * M * N * K, 2.0 * (M * K + N * K + M * N)
+        r = harness.row([M, N, K], t_mk, t_cb, bound_ms(flops, nbytes, rate), kind=kind, layout="w.T",
+                        dtype="bfloat16", rel_err=err, copy_rate_TBps=rate / 1e12)
+        rows.append(r)
+        print(f"{kind:5s} {M:6d} {N:6d} {K:6d}  mkernel {t_mk * 1e3:8.1f} us  cuBLAS {t_cb * 1e3:8.1f} us  "
+              f"speedup {r['speedup']:.3f}  of bound {r['fraction_of_bound']:.2f}", flush=True)
+
+    def moe_row(N, K, name):
+        rng = np.random.default_rng(5)
+        counts = rng.integers(MOE_ROWS[0], MOE_ROWS[1] + 1, MOE_EXPERTS)
+        M = int(counts.sum())
+        a, bs = rand((M, K), 12), rand((MOE_EXPERTS, K, N), 13)
+        d_counts = cupy.asarray(counts.astype(np.int32))
+        out, ref = cupy.empty((M, N), a.dtype), cupy.empty((M, N), a.dtype)
+        starts = np.concatenate([[0], np.cumsum(counts)])
+
+        def per_expert():
+            for g in range(MOE_EXPERTS):
+                cupy.matmul(a[starts[g]:starts[g + 1]], bs[g], out=ref[starts[g]:starts[g + 1]])
+
+        mg.grouped_gemm(a, bs, d_counts, out=out)
+        per_expert()
+        err = rel_err(out, ref)
+        if not err < 1e-2:
+            raise AssertionError(f"grouped {name}: relative error {err:.3g} against cuBLAS")
+        t_mk = flushed_ms(lambda: mg.grouped_gemm(a, bs, d_counts, out=out), reps, flush)
+        t_cb = flushed_ms(per_expert, reps, flush)
+        flops, nbytes = 2.0 * M * N * K, 2.0 * (M * K + MOE_EXPERTS * K * N + M * N)
+        r = harness.row([M, N, K], t_mk, t_cb, bound_ms(flops, nbytes, rate), kind="moe", groups=MOE_EXPERTS,
+                        rows_per_group=list(MOE_ROWS), name=name, dtype="bfloat16", rel_err=err,
+                        copy_rate_TBps=rate / 1e12, baseline="one cupy.matmul per expert")
+        rows.append(r)
+        print(f"moe   {name}: {M} rows  mkernel {t_mk * 1e3:8.1f} us  {MOE_EXPERTS} x cuBLAS {t_cb * 1e3:8.1f} us  "
+              f"speedup {r['speedup']:.3f}  of bound {r['fraction_of_bound']:.2f}", flush=True)
+
+    t0 = time.time()
+    ms = (1, 64) if opts.quick else DECODE_M
+    for N, K in (DECODE_NK[:1] if opts.quick else DECODE_NK):
+        for M in ms:
+            section(f"decode {M}x{N}x{K}", lambda: dense_row(M, N, K, "decode"))
+    for shape in (ODD_SHAPES[:1] if opts.quick else ODD_SHAPES):
+        section(f"odd {shape}", lambda: dense_row(*shape, "odd"))
+    for N, K, name in ((MOE_F, MOE_H, "up: N=F, K=H"), (MOE_H, MOE_F, "down: N=H, K=F")):
+        section(f"moe {name}", lambda: moe_row(N, K, name))
+
+    dense = [r for r in rows if r.get("speedup") and r["kind"] != "moe"]
+    speedups = [r["speedup"] for r in rows if r.get("speedup")]
+    geomean = float(np.exp(np.mean(np.log(speedups)))) if speedups else None
+    small = [r["fraction_of_bound"] for r in dense if r["kind"] == "decode" and r["shape"][0] <= GOAL_FRACTION_MAX_M]
+    goals = {"speedup_min": min(speedups) if speedups else None, "geomean": geomean,
+             "fraction_min_small_m": min(small) if small else None,
+             "meets": bool(speedups and min(speedups) >= GOAL_SPEEDUP and geomean >= GOAL_GEOMEAN
+                           and small and min(small) >= GOAL_FRACTION),
+             "goal": f"speedup >= {GOAL_SPEEDUP} every row, geomean >= {GOAL_GEOMEAN}, "
+                     f"fraction_of_bound >= {GOAL_FRACTION} at M <= {GOAL_FRACTION_MAX_M}"}
+    path = harness.write("gemm_decode", rows, gpus=1, copy_rate_TBps=rate / 1e12, l2_flush_bytes=FLUSH_BYTES,
+                         reps=reps, goals=goals, errors=errors, seconds=time.time() - t0)
+    print(f"geomean speedup {geomean}, slowest {goals['speedup_min']}, least fraction of bound at M <= 64 "
+          f"{goals['fraction_min_small_m']}; goals met: {goals['meets']}; wrote {path}", flush=True)
+    sys.exit(1 if errors else 0)
+
+
+if __name__ == "__main__":
+    main()
