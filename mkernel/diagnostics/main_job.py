@@ -87,13 +87,6 @@ def check_attention(comm, quick):
                                          f"TFLOP/s; cuDNN comparison: bench/attention.py"}
 
 
-def tp_checks():
-    """The rows of the three tensor-parallel ops: exact integer inputs, then timed (against the NCCL
-    fallback where the ranks have GPUs of their own)."""
-    return [lambda comm, quick, op=op: check_tp(comm, quick, op) for op in
-            ("gemm_reduce_scatter", "gemm_allreduce", "allgather_gemm")]
-
-
 def check_tp(comm, quick, op):
     import cupy
 
@@ -123,11 +116,12 @@ def check_tp(comm, quick, op):
     ok = bool(np.array_equal(cupy.asnumpy(out), ref.astype(np.float16)))
     path = comm.plans.state["tp.last_path"][op]
     ms = _time_ms(lambda: fn(a_dev, b_dev, comm=comm, out=out))
-    base = None
-    if W > 1 and gpus_distinct(comm):
-        base = _time_ms(lambda: fn(a_dev, b_dev, comm=comm, path="fallback"))
+    base, base_name = None, ""
+    if W > 1:  # NCCL where the ranks have GPUs of their own, else the op's own unfused path
+        base_name = "fallback" if gpus_distinct(comm) else "unfused"
+        base = _time_ms(lambda: fn(a_dev, b_dev, comm=comm, path=base_name))
     return {"op": op, "shape": f"{M}x{N}x{K}", "ok": ok, "mkernel_ms": ms, "baseline_ms": base,
-            "note": f"{path} path, exact integer check"}
+            "note": f"{path} path, exact integer check" + (f"; baseline the {base_name} path" if base else "")}
 
 
 def check_ring_attention(comm, quick):
@@ -158,29 +152,95 @@ def check_ring_attention(comm, quick):
             "note": f"rel err {err:.1e} vs the engine on the whole sequence; speed: bench/ring_attention.py"}
 
 
+def check_moe(comm, quick):
+    """MoE: moe_dispatch_gemm then moe_gemm_combine (fused paths) on every rank's tokens against a
+    float64 reference of the whole layer (x @ W1[e], rounded as the op rounds it, @ W2[e], weighted
+    and summed); each timed against its building blocks (the unfused paths: moe_dispatch +
+    grouped_gemm, grouped_gemm + moe_combine)."""
+    import cupy
+
+    import mkernel
+    from mkernel.runtime.arrays import BFLOAT16 as bf16
+
+    W, r = comm.size, comm.rank
+    T, H, F, El, k = (256, 512, 256, 2, 2) if quick else (1024, 1024, 512, 4, 2)
+    E = El * W
+    combine = "fused" if comm.num_nodes == 1 else "unfused"  # the fused combine works inside a node
+    g = np.random.default_rng(31)  # the experts' weights: the same on every rank
+    w1 = (g.standard_normal((E, H, F)) / np.sqrt(H)).astype(bf16)
+    w2 = (g.standard_normal((E, F, H)) / np.sqrt(F)).astype(bf16)
+    t = np.random.default_rng([32, r])  # this rank's tokens and routing
+    x = t.standard_normal((T, H)).astype(bf16)
+    ids = np.argsort(t.random((T, E)), axis=1)[:, :k].astype(np.int32)
+    wts = t.random((T, k)).astype(np.float32) + 0.5
+    ref = np.zeros((T, H))
+    for j in range(k):
+        for e in range(E):
+            rows = ids[:, j] == e
+            if rows.any():
+                h = (x[rows].astype(np.float64) @ w1[e].astype(np.float64)).astype(bf16).astype(np.float64)
+                ref[rows] += wts[rows, j:j + 1] * (h @ w2[e].astype(np.float64)).astype(bf16).astype(np.float64)
+    xd, idd, wd = cupy.asarray(x.view(np.uint16)).view(bf16), cupy.asarray(ids), cupy.asarray(wts)
+    w1d = cupy.asarray(np.ascontiguousarray(w1[r * El:(r + 1) * El]).view(np.uint16)).view(bf16)
+    w2d = cupy.asarray(np.ascontiguousarray(w2[r * El:(r + 1) * El]).view(np.uint16)).view(bf16)
+
+    def dispatch_gemm(path):
+        return mkernel.moe_dispatch_gemm(xd, idd, wd, w1d, comm=comm, num_experts=E, path=path)
+
+    y, handle = dispatch_gemm("fused")
+    out = mkernel.moe_gemm_combine(y, w2d, handle, comm=comm, path=combine)
+    cupy.cuda.get_current_stream().synchronize()
+    comm.check()
+    got = cupy.asnumpy(out.view(cupy.uint16)).view(bf16).astype(np.float64)
+    err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+    shape = f"T {T} x H {H} x F {F}, E {E}, k {k}"
+    note = f"rel err {err:.1e} vs float64 (the whole layer); baseline the unfused path"
+    row = {"op": "moe_dispatch_gemm", "shape": shape, "ok": err < 1e-2, "note": note,
+           "mkernel_ms": _time_ms(lambda: dispatch_gemm("fused")),
+           "baseline_ms": _time_ms(lambda: dispatch_gemm("unfused"))}
+    y, handle = dispatch_gemm("fused")  # a handle no later dispatch made stale
+    return [row, {"op": "moe_gemm_combine", "shape": shape, "ok": err < 1e-2, "note": note,
+                  "mkernel_ms": _time_ms(lambda: mkernel.moe_gemm_combine(y, w2d, handle, comm=comm, path=combine)),
+                  "baseline_ms": None if combine == "unfused" else
+                  _time_ms(lambda: mkernel.moe_gemm_combine(y, w2d, handle, comm=comm, path="unfused"))}]
+
+
 def checks():
-    return [check_runtime, check_gemm, check_attention] + tp_checks() + [check_ring_attention]
+    """(name, check) of every row: check(comm, quick) returns a row or a list of rows."""
+    tp = [(op, lambda comm, quick, op=op: check_tp(comm, quick, op))
+          for op in ("gemm_reduce_scatter", "gemm_allreduce", "allgather_gemm")]
+    return ([("runtime exchange", check_runtime), ("gemm (engine)", check_gemm),
+             ("attention (engine)", check_attention)] + tp
+            + [("ring_attention", check_ring_attention), ("moe", check_moe)])
+
+
+def _ms(x):
+    return f"{x:.3f}" if x else "-"
 
 
 def run(quick=False) -> int:
+    """Every row on every rank; rank 0 prints the table and, last, which ops failed. Returns 1 when
+    a check failed on any rank."""
     import mkernel
     comm = mkernel.init()
     rows = []
-    for check in checks():
+    for name, check in checks():
         try:
-            rows.append(check(comm, quick))
-        except mkernel.MKernelError as e:
-            rows.append({"op": check.__name__, "ok": False, "note": f"{type(e).__name__}: {e}"})
+            got = check(comm, quick)
+            rows += got if isinstance(got, list) else [got]
+        except Exception as e:  # noqa: BLE001  (a row that raised fails; the others still run)
+            log.debug("check %s raised", name, exc_info=True)
+            rows.append({"op": name, "ok": False, "note": f"{type(e).__name__}: {str(e)[:300]}"})
     all_rows = comm.mpi.gather(rows)
-    failed = comm.mpi.allreduce(sum(not r["ok"] for r in rows))
+    failed = sorted({r["op"] for rank_rows in comm.mpi.allgather(rows) for r in rank_rows if not r["ok"]})
     if comm.rank == 0:
         print(f"mkernel {mkernel.__version__}: {comm.size} rank(s), {comm.num_nodes} node(s)")
-        print(f"{'op':28s} {'shape':28s} {'check':6s} {'mkernel ms':>11s} {'baseline ms':>12s} {'speedup':>8s}")
+        print(f"{'op':28s} {'shape':34s} {'check':6s} {'mkernel ms':>11s} {'baseline ms':>12s} {'speedup':>8s}")
         for r in all_rows[0]:
-            base = r.get("baseline_ms")
-            speed = f"{base / r['mkernel_ms']:7.2f}x" if base and r.get("mkernel_ms") else "       -"
-            print(f"{r['op']:28s} {str(r.get('shape', '')):28s} {'ok' if r['ok'] else 'FAIL':6s} "
-                  f"{r.get('mkernel_ms', float('nan')):11.3f} {base if base else float('nan'):12.3f} {speed}"
-                  + (f"  ({r['note']})" if r.get("note") else ""))
+            base, ms = r.get("baseline_ms"), r.get("mkernel_ms")
+            speed = f"{base / ms:7.2f}x" if base and ms else "       -"
+            print(f"{r['op']:28s} {str(r.get('shape', '')):34s} {'ok' if r['ok'] else 'FAIL':6s} "
+                  f"{_ms(ms):>11s} {_ms(base):>12s} {speed}" + (f"  ({r['note']})" if r.get("note") else ""))
+        print(f"FAILED: {', '.join(failed)}" if failed else f"all {len(all_rows[0])} checks passed")
     comm.close()
     return 1 if failed else 0
