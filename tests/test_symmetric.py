@@ -231,3 +231,16 @@ def test_cumem_structs_match_cuda_h(tmp_path):
     assert got == [ctypes.sizeof(vmm._Prop), vmm._Prop.location.offset, vmm._Prop.win32HandleMetaData.offset,
                    vmm._Prop.allocFlags.offset, ctypes.sizeof(vmm._Access)]
     assert vmm._HANDLE_TYPE_POSIX_FD == 1 and vmm._ALLOCATION_TYPE_PINNED == 1 and vmm._ACCESS_READWRITE == 3
+
+
+def test_default_workspace_is_a_share_of_the_gpu():
+    """MKERNEL_WORKSPACE_BYTES=auto: 1/64 of the GPU's memory among the ranks on it, 64 MiB to 1 GiB."""
+    from mkernel.comm.symmetric import default_workspace_bytes
+
+    MiB, GiB = 1 << 20, 1 << 30
+    h200 = 150_000 * MiB
+    assert default_workspace_bytes(h200, 1) == GiB  # 2.3 GB capped
+    assert default_workspace_bytes(h200, 2) == GiB  # 1.17 GB capped
+    assert default_workspace_bytes(h200, 4) == 584 * MiB  # 585.9 MiB down to 2 MiB
+    assert default_workspace_bytes(h200, 64) == 64 * MiB  # the floor
+    assert all(default_workspace_bytes(h200, n) % (2 * MiB) == 0 for n in range(1, 9))

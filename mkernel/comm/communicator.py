@@ -75,9 +75,9 @@ class Communicator:
     def __init__(self, mpi_comm, *, gpus_per_node=None, transport="auto", workspace_bytes=None,
                  _parent=None):
         self.transport = _check_transport(transport)
-        if workspace_bytes is None:
+        if workspace_bytes is None and env.get("MKERNEL_WORKSPACE_BYTES") != "auto":
             workspace_bytes = env.get_int("MKERNEL_WORKSPACE_BYTES")
-        if not isinstance(workspace_bytes, int) or workspace_bytes <= 0:
+        if workspace_bytes is not None and (not isinstance(workspace_bytes, int) or workspace_bytes <= 0):
             raise ArgumentError(f"workspace_bytes must be a positive integer, got {workspace_bytes!r}")
         self.mpi = mpi_comm.Dup()
         self._parent = _parent
@@ -125,6 +125,11 @@ class Communicator:
         self.device.use()
         devices = collectives.allgather_object(self.mpi, (self.topology.host, self.device_id), "comparing GPUs")
         self.gpus_shared = len(set(devices)) != len(devices)  # some ranks share a GPU (NCCL cannot run)
+        if self._workspace_bytes is None:  # auto: the smallest rank's share of its GPU
+            from mkernel.comm.symmetric import default_workspace_bytes
+
+            mine = default_workspace_bytes(self.device.mem_info[1], devices.count(devices[self.mpi.rank]))
+            self._workspace_bytes = min(collectives.allgather_object(self.mpi, mine, "sizing the workspace"))
         # Agree on the size first: a workspace of different sizes would break symmetric offsets.
         self.agree(("workspace", "bytes"), self._workspace_bytes)
         if self._parent is None:

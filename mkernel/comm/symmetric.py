@@ -299,6 +299,13 @@ def max_workspace_bytes() -> int:
     return cap if cap > 0 else cupy.cuda.Device().mem_info[1]
 
 
+def default_workspace_bytes(device_bytes: int, ranks_on_gpu: int) -> int:
+    """MKERNEL_WORKSPACE_BYTES=auto: 1/64 of the GPU's memory shared among the ranks on it, between
+    64 MiB and 1 GiB, a multiple of 2 MiB (it grows in place when an op needs more)."""
+    share = device_bytes // 64 // max(1, ranks_on_gpu)
+    return min(max(share, 64 << 20), 1 << 30) // (2 << 20) * (2 << 20)
+
+
 def grown_size(current: int, wanted: int, granularity: int, cap: int):
     """The workspace size after growing for an allocation of ``wanted`` bytes that found no room:
     at least double (few growths over a run), at least room for it past the current end, a multiple

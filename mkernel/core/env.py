@@ -42,8 +42,9 @@ VARS = {
         Var("MKERNEL_TIMEOUT_S", "30",
             "Seconds any device spin-wait or proxy wait may last before it records a timeout that "
             "the host raises as mkernel.TimeoutError (naming op, rank and peer)."),
-        Var("MKERNEL_WORKSPACE_BYTES", str(256 << 20),
-            "Default size of the symmetric workspace allocated on every rank."),
+        Var("MKERNEL_WORKSPACE_BYTES", "auto",
+            "Initial size of the symmetric workspace of every rank (it grows in place as ops need). "
+            "auto: 1/64 of the GPU's memory divided among the ranks sharing it, 64 MiB to 1 GiB."),
         Var("MKERNEL_WORKSPACE_MAX_BYTES", "0",
             "Most the symmetric workspace may grow to when an op or comm.empty() finds no room (it grows "
             "in place, at a shape's first call, collectively). 0: the device's memory."),
