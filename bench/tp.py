@@ -21,6 +21,11 @@ Between nodes (issue 7; ``--nodes N``: gpus_per_node = world / N, ``--transport`
 
     mpirun -n 2 python3 bench/tp.py --op all [--nodes 2] [--quick] [--out DIR]
 
+Ranks sharing GPUs (under MPS: ``source tools/mps.sh; mps_start; CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50
+mpirun -n 2 --bind-to none -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE ...``; issue 25): NCCL cannot run,
+so the baseline is the op's unfused path, timed by bench/mps_timing.py's rule, each row with
+compute_ms, link_ms, path, sms_per_rank and mps; bench/results/<op>-<N>rank-mps[-<nodes>node].json.
+
 Writes bench/results/<op>-<gpus>gpu[-<nodes>node].json per op (bench/harness.py; speedup =
 baseline / mkernel, each row with its goal and whether it met it, and the max |error| against
 float64 on 64 sampled rows for mkernel and the baseline) and, inside a node, a PNG of speedup
@@ -139,8 +144,10 @@ def setup(op, comm, M, N, K, dt):
 
         gemm_only = lambda: cupy.matmul(gath, b, out=out)  # noqa: E731
         unfused = lambda: mkernel.allgather_gemm(a, b, comm=comm, out=out, path="unfused")  # noqa: E731
+        default = lambda: mkernel.allgather_gemm(a, b, comm=comm, out=out)  # noqa: E731
         sent = (W - 1) * mb * K * dt.itemsize
-        return dict(fused=fused, base=base, chunked=chunked, gemm=gemm_only, unfused=unfused, sent=sent, out=out,
+        return dict(fused=fused, base=base, chunked=chunked, gemm=gemm_only, unfused=unfused, default=default,
+                    sent=sent, out=out,
                     ref=lambda rows: _ag_ref(comm, rows, M, K, Nr, dt))
     Kr = K
     a = harness.rand((M, Kr), 300 + r, dt)
@@ -183,8 +190,10 @@ def setup(op, comm, M, N, K, dt):
 
     gemm_only = lambda: cupy.matmul(a, b, out=partial)  # noqa: E731
     unfused = lambda: fn(a, b, comm=comm, out=out, path="unfused")  # noqa: E731
+    default = lambda: fn(a, b, comm=comm, out=out)  # noqa: E731
     sent = (2 if ar else 1) * (W - 1) * mb * N * dt.itemsize
-    return dict(fused=fused, base=base, chunked=chunked, gemm=gemm_only, unfused=unfused, sent=sent, out=out,
+    return dict(fused=fused, base=base, chunked=chunked, gemm=gemm_only, unfused=unfused, default=default,
+                sent=sent, out=out,
                 ref=lambda rows: _rs_ref(comm, rows, M, Kr, N, dt, ar))
 
 
@@ -260,6 +269,52 @@ def bench_op(op, comm, shapes, dt, rate_gbs):
     return rows_out
 
 
+def bench_op_shared(op, comm, shapes, dt, barrier, link_gbs):
+    """Rows of one op with ranks sharing GPUs (MPS; NCCL cannot run): the default call against the
+    op's unfused path (cupy.matmul, then mkernel's own collective over the same transport), timed by
+    bench/mps_timing.py's rule; compute_ms the GEMM with every rank computing at once, link_ms the
+    fewest bytes a rank sends per direction over the link rate measured in this run."""
+    import cupy
+    import mps_timing as cc
+
+    W, nodes = comm.size, comm.num_nodes
+    rows_out = []
+    for (M, N, K), goal in shapes:
+        f = setup(op, comm, M, N, K, dt)
+        rng = np.random.default_rng(0)
+        rows = cupy.asarray(np.sort(rng.choice(f["out"].shape[0], SAMPLE_ROWS, replace=False)))
+        sent0 = _network_bytes(comm)
+        f["default"]()
+        cupy.cuda.get_current_stream().synchronize()
+        comm.check()
+        network = _network_bytes(comm) - sent0
+        path = comm.plans.state["tp.last_path"][op]
+        err_mk = max_err(f["out"], f["ref"], rows)
+        f["unfused"]()
+        cupy.cuda.get_current_stream().synchronize()
+        comm.check()
+        err_base = max_err(f["out"], f["ref"], rows)
+        t = {name: cc.batch_ms(comm, barrier, f[name]) for name in ("default", "unfused", "gemm")}
+        minimum = f["sent"] if nodes == 1 else f["sent"] * (nodes - 1) // (W - 1)  # per rank, per direction
+        link_ms = minimum / (link_gbs * 1e9) * 1e3
+        bound = max(t["gemm"], link_ms)
+        speedup = t["unfused"] / t["default"]
+        if nodes == 1:
+            goal, met = 0.98, speedup >= 0.98
+        else:
+            goal = 0.80 if comm.local_size == 1 else 0.70
+            met = speedup >= 1.0 and bound / t["default"] >= goal
+        rows_out.append(harness.row(
+            (M, N, K), t["default"], t["unfused"], bound, compute_ms=t["gemm"], link_ms=link_ms, path=path,
+            sms_per_rank=cc.sms_per_rank(), mps=True, link_GBps=link_gbs, bytes_per_direction=minimum,
+            network_bytes_per_rank=network if nodes > 1 else None, max_err_mkernel=err_mk, max_err_baseline=err_base,
+            dtype=dt.name, baseline="mkernel unfused: cupy.matmul, then mkernel's collective",
+            goal=(f"speedup >= {goal}" if nodes == 1 else f"fraction_of_bound >= {goal}, speedup >= 1.0"),
+            meets_goal=bool(met)))
+        del f
+    return rows_out
+
+
 def plot(op, rows, path):
     """Speedup over the baseline against the GEMM's size (one node), the goals marked."""
     plt = harness.pyplot()
@@ -278,6 +333,26 @@ def plot(op, rows, path):
     ax.set_xlabel("GEMM FLOPs per rank")
     ax.set_ylabel("speedup")
     ax.set_title(op)
+    ax.legend(fontsize=7)
+    return harness.save_plot(fig, path)
+
+
+def plot_bound(op, rows, path):
+    """Fraction of the bound against the GEMM's size (ranks sharing GPUs)."""
+    plt = harness.pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    flops = [2.0 * r["shape"][0] * r["shape"][1] * r["shape"][2] for r in rows]
+    order = sorted(range(len(rows)), key=flops.__getitem__)
+    ax.plot([flops[i] for i in order], [rows[i]["fraction_of_bound"] for i in order], "o-", label="mkernel")
+    ax.plot([flops[i] for i in order], [rows[i]["bound_ms"] / rows[i]["baseline_ms"] for i in order], "s--",
+            label="unfused")
+    ax.axhline(1.0, color="grey", lw=0.5)
+    ax.set_xscale("log")
+    ax.set_xlabel("GEMM FLOPs per rank")
+    ax.set_ylabel("fraction of bound")
+    ax.set_title(f"{op} (ranks sharing a GPU, MPS)")
     ax.legend(fontsize=7)
     return harness.save_plot(fig, path)
 
@@ -309,7 +384,15 @@ def main():
         if comm.rank == 0:
             print(f"cupy.matmul cannot multiply {dt} ({type(e).__name__}); benchmarking float16")
         dt = np.dtype(np.float16)
-    rate = exchange_rate_gbs(comm) if args.nodes == 1 else None
+    shared = comm.gpus_shared  # ranks share GPUs (under MPS: at once): NCCL cannot run
+    if shared:
+        import mps_timing as cc
+
+        barrier = cc.DeviceBarrier(comm)
+        link = cc.host_link_gbs(comm, barrier) if args.nodes > 1 else cc.device_link_gbs(comm, barrier)
+        rate = None
+    else:
+        rate = exchange_rate_gbs(comm) if args.nodes == 1 else None
     table = ONE_NODE if args.nodes == 1 else BETWEEN_NODES
     cols = [("shape", "shape", None), ("mkernel_ms", "mkernel ms", ".3f"), ("baseline_ms", "baseline ms", ".3f"),
             ("chunked_ms" if args.nodes == 1 else "nccl_ms", "chunked ms" if args.nodes == 1 else "nccl ms", ".3f"),
@@ -318,19 +401,24 @@ def main():
             ("max_err_baseline", "err base", ".3g")]
     summary = []
     for op in (OPS if args.op == "all" else (args.op,)):
+        shapes = QUICK if args.quick else table[op]
         try:
-            rows = bench_op(op, comm, QUICK if args.quick else table[op], dt, rate)
+            rows = (bench_op_shared(op, comm, shapes, dt, barrier, link) if shared
+                    else bench_op(op, comm, shapes, dt, rate))
         except mkernel.ArgumentError as e:  # a layout the op refuses (allgather_gemm between nodes)
             if comm.rank == 0:
                 print(f"== {op}: not benchmarked: {e}")
             summary.append(f"{op} refused")
             continue
         if comm.rank == 0:
-            path = harness.write(op, rows, gpus=W, nodes=args.nodes, out_dir=args.out,
+            gpus = len({d for d in comm.mpi.allgather(comm.device_id)}) if shared else W
+            path = harness.write(op, rows, gpus=gpus, nodes=args.nodes, out_dir=args.out,
                                  transport=(comm.stats()["proxy"] or args.transport) if args.nodes > 1 else "nvlink",
-                                 exchange_rate_gbs=rate)
-            if args.nodes == 1:
+                                 exchange_rate_gbs=rate, ranks_per_gpu=W // gpus)
+            if args.nodes == 1 and not shared:
                 plot(op, rows, path.with_suffix(".png"))
+            elif shared:
+                plot_bound(op, rows, path.with_suffix(".png"))
             print(f"== {op} ({W} GPUs, {args.nodes} node(s)) -> {path}")
             print(harness.table(rows, cols))
             summary.append(f"{op} " + " ".join(f"{r['speedup']:.2f}x" for r in rows))

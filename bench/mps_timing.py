@@ -1,0 +1,101 @@
+"""Timing ranks that run at once (several ranks on one GPU under CUDA MPS; issue 25's rule).
+
+- A device-side barrier across the ranks starts each timed batch (``DeviceBarrier``: a fused
+  all-reduce of one tile, which no rank finishes before every rank started it).
+- Each figure is one CUDA-event pair over a batch of ``BATCH`` back-to-back calls, divided by the
+  count; the median of ``BATCHES`` batches; the slowest rank's.
+- Every "alone" figure (a GEMM, a copy rate) is measured with all ranks doing that same work at
+  once: they share HBM, power and the PCIe link.
+"""
+
+import statistics
+
+BATCH, BATCHES, WARMUP = 50, 3, 3
+
+
+class DeviceBarrier:
+    """barrier(): queued on the current stream; the work queued behind it starts on every rank
+    within about one kernel's latency of the others (between nodes through the proxy)."""
+
+    def __init__(self, comm):
+        import cupy
+
+        self.comm = comm
+        self.a = cupy.zeros((128 * comm.size, 64), cupy.float16)
+        self.b = cupy.zeros((64, 256), cupy.float16)
+        self.out = cupy.empty((128 * comm.size, 256), cupy.float16)
+
+    def __call__(self):
+        import mkernel
+
+        mkernel.gemm_allreduce(self.a, self.b, comm=self.comm, out=self.out, path="fused")
+
+
+def batch_ms(comm, barrier, fn, n=BATCH, batches=BATCHES, warmup=WARMUP):
+    """Milliseconds of one fn() call: the median over batches of (event pair around n back-to-back
+    calls started by the device barrier) / n, the slowest rank's (a host collective: benchmarks only)."""
+    import cupy
+    from mpi4py import MPI
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(batches):
+        barrier()
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        for _ in range(n):
+            fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop) / n)
+    comm.check()
+    return comm.mpi.allreduce(statistics.median(times), op=MPI.MAX)
+
+
+def host_link_gbs(comm, barrier, nbytes=256 << 20):
+    """GB/s per rank per direction across PCIe while every rank copies device-to-host and
+    host-to-device at once (pinned memory; the two directions on two streams): what one rank's
+    bytes to another node can cross per direction."""
+    import cupy
+
+    rt = cupy.cuda.runtime
+    dev_a, dev_b = cupy.empty(nbytes, cupy.uint8), cupy.empty(nbytes, cupy.uint8)
+    host_a, host_b = rt.hostAlloc(nbytes, 0), rt.hostAlloc(nbytes, 0)
+    s1, s2 = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    main = cupy.cuda.get_current_stream()
+
+    def both():  # both directions at once, joined on the current stream
+        ev = cupy.cuda.Event()
+        ev.record(main)
+        for s in (s1, s2):
+            s.wait_event(ev)
+        rt.memcpyAsync(host_a, dev_a.data.ptr, nbytes, 2, s1.ptr)  # device to host
+        rt.memcpyAsync(dev_b.data.ptr, host_b, nbytes, 1, s2.ptr)  # host to device
+        for s in (s1, s2):
+            done = cupy.cuda.Event()
+            done.record(s)
+            main.wait_event(done)
+
+    try:
+        ms = batch_ms(comm, barrier, both, n=5)
+    finally:
+        rt.freeHost(host_a)
+        rt.freeHost(host_b)
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def device_link_gbs(comm, barrier, nbytes=256 << 20):
+    """GB/s of a device-to-device copy while every rank copies at once: inside a node under MPS a
+    rank's "NVLink" to a peer is this same memory (a push reads once and writes once, like a copy)."""
+    import cupy
+
+    src, dst = cupy.ones(nbytes, cupy.uint8), cupy.empty(nbytes, cupy.uint8)
+    ms = batch_ms(comm, barrier, lambda: cupy.copyto(dst, src), n=10)
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def sms_per_rank():
+    from mkernel.runtime.launch import device_sms
+
+    return device_sms()
