@@ -19,6 +19,9 @@ export PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
 pytest_ok() { local rc=0; "$@" || rc=$?; [ "$rc" -eq 5 ] && rc=0; return "$rc"; }
 
 "$PY" -m ruff check .  # lint (pyproject.toml [tool.ruff]): fails the command like a failing test
+# C and CUDA format (.clang-format; the generated wgmma_ops.cuh excepted): clang-format -i to fix
+git ls-files 'mkernel/cuda/*.cu' 'mkernel/cuda/*.cuh' 'mkernel/verbs/*.c' 'mkernel/verbs/*.h' | grep -v wgmma_ops.cuh |
+  xargs "$PY" -c "import sys, clang_format; sys.argv[0] = 'clang-format'; clang_format.clang_format()" --dry-run --Werror
 "$PY" -c "import sys; from importlinter.cli import lint_imports_command as c; sys.argv[1:] = ['--no-cache']; c()"  # the layers (pyproject.toml [tool.importlinter]): no package imports one above it
 pytest_ok "$PY" -m pytest -q "$@"
 for n in 2 4; do

@@ -51,11 +51,17 @@ static char cu_error[MKP_MESSAGE_BYTES];
 static void cu_load(void) {
   void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
   if (!lib) {
-    snprintf(cu_error, sizeof cu_error, "libcuda.so.1 could not be loaded (%s): CUDA regions and TMA tensor maps need the NVIDIA driver", dlerror());
+    snprintf(cu_error, sizeof cu_error,
+             "libcuda.so.1 could not be loaded (%s): CUDA regions and TMA tensor maps need the NVIDIA driver",
+             dlerror());
     return;
   }
   /* Optional symbols may be missing; only the calls that need them then fail. */
-  struct { void** fn; const char* name; int optional; } syms[] = {
+  struct {
+    void** fn;
+    const char* name;
+    int optional;
+  } syms[] = {
       {(void**)&cu.init, "cuInit", 0},
       {(void**)&cu.primary_ctx_retain, "cuDevicePrimaryCtxRetain", 0},
       {(void**)&cu.primary_ctx_release, "cuDevicePrimaryCtxRelease_v2", 0},
@@ -68,13 +74,13 @@ static void cu_load(void) {
       {(void**)&cu.stream_destroy, "cuStreamDestroy_v2", 0},
       {(void**)&cu.host_register, "cuMemHostRegister_v2", 0},
       {(void**)&cu.host_unregister, "cuMemHostUnregister", 0},
-      {(void**)&cu.get_handle, "cuMemGetHandleForAddressRange", 1},   /* dma-buf export (CUDA >= 11.7) */
+      {(void**)&cu.get_handle, "cuMemGetHandleForAddressRange", 1}, /* dma-buf export (CUDA >= 11.7) */
       {(void**)&cu.error_string, "cuGetErrorString", 0},
       {(void**)&cu.event_create, "cuEventCreate", 0},
       {(void**)&cu.event_record, "cuEventRecord", 0},
       {(void**)&cu.event_query, "cuEventQuery", 0},
       {(void**)&cu.event_destroy, "cuEventDestroy_v2", 0},
-      {(void**)&cu.tensor_map_encode_tiled, "cuTensorMapEncodeTiled", 1},  /* TMA (CUDA >= 12.0) */
+      {(void**)&cu.tensor_map_encode_tiled, "cuTensorMapEncodeTiled", 1}, /* TMA (CUDA >= 12.0) */
   };
   for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++) {
     *syms[i].fn = dlsym(lib, syms[i].name);
@@ -112,10 +118,19 @@ int mk_cuda_thread_init(mk_proxy* p) {
   CUcontext ctx;
   CUresult r;
   if (mk_cuda_load(why, sizeof why)) goto fail;
-  if ((r = cu.primary_ctx_retain(&ctx, p->cuda_device))) { describe(r, "cuDevicePrimaryCtxRetain", why, sizeof why); goto fail; }
-  if ((r = cu.ctx_set_current(ctx))) { describe(r, "cuCtxSetCurrent", why, sizeof why); goto fail; }
+  if ((r = cu.primary_ctx_retain(&ctx, p->cuda_device))) {
+    describe(r, "cuDevicePrimaryCtxRetain", why, sizeof why);
+    goto fail;
+  }
+  if ((r = cu.ctx_set_current(ctx))) {
+    describe(r, "cuCtxSetCurrent", why, sizeof why);
+    goto fail;
+  }
   for (int i = 0; i < 2; i++)
-    if ((r = cu.stream_create((CUstream*)&p->cuda_streams[i], CU_STREAM_NON_BLOCKING))) { describe(r, "cuStreamCreate", why, sizeof why); goto fail; }
+    if ((r = cu.stream_create((CUstream*)&p->cuda_streams[i], CU_STREAM_NON_BLOCKING))) {
+      describe(r, "cuStreamCreate", why, sizeof why);
+      goto fail;
+    }
   return 0;
 fail:
   mk_fail(p, MKP_ERR_LOCAL, -1, 0, "proxy thread could not use CUDA device %d: %s", p->cuda_device, why);
@@ -142,12 +157,17 @@ int mk_cuda_copy(mk_proxy* p, void* dst, const void* src, size_t bytes, char* wh
   return r ? -1 : 0;
 }
 
-int mk_cuda_copy_start(mk_proxy* p, int lane, void* dst, const void* src, size_t bytes, void** event, char* why, int cap) {
+int mk_cuda_copy_start(mk_proxy* p, int lane, void* dst, const void* src, size_t bytes, void** event, char* why,
+                       int cap) {
   CUevent ev = NULL;
   CUresult r = cu.memcpy_async((CUdeviceptr)(uintptr_t)dst, (CUdeviceptr)(uintptr_t)src, bytes, p->cuda_streams[lane]);
-  if (r) { describe(r, "cuMemcpyAsync", why, cap); return -1; }
+  if (r) {
+    describe(r, "cuMemcpyAsync", why, cap);
+    return -1;
+  }
   if (p->cuda_event_count) ev = p->cuda_events[--p->cuda_event_count];
-  if ((!ev && (r = cu.event_create(&ev, CU_EVENT_DISABLE_TIMING))) || (r = cu.event_record(ev, p->cuda_streams[lane]))) {
+  if ((!ev && (r = cu.event_create(&ev, CU_EVENT_DISABLE_TIMING))) ||
+      (r = cu.event_record(ev, p->cuda_streams[lane]))) {
     if (ev) cu.event_destroy(ev);
     describe(r, "cuEventRecord", why, cap);
     return -1;
@@ -163,7 +183,10 @@ int mk_cuda_event_poll(mk_proxy* p, void* event, char* why, int cap) {
     p->cuda_events[p->cuda_event_count++] = event;
   else
     cu.event_destroy(event);
-  if (r) { describe(r, "cuEventQuery", why, cap); return -1; }
+  if (r) {
+    describe(r, "cuEventQuery", why, cap);
+    return -1;
+  }
   return 1;
 }
 
@@ -212,8 +235,8 @@ int mk_cuda_tensor_map_encode_tiled(void* tmap, int dtype, unsigned rank, void* 
     snprintf(why, (size_t)cap, "libcuda.so.1 lacks cuTensorMapEncodeTiled (TMA needs a CUDA 12 driver)");
     return -1;
   }
-  CUresult r = cu.tensor_map_encode_tiled(tmap, dtype, rank, ptr, dims, strides, box, estrides, interleave, swizzle,
-                                          l2, oob);
+  CUresult r =
+      cu.tensor_map_encode_tiled(tmap, dtype, rank, ptr, dims, strides, box, estrides, interleave, swizzle, l2, oob);
   if (r) describe(r, "cuTensorMapEncodeTiled", why, cap);
   return r;
 }

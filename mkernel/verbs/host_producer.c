@@ -27,7 +27,8 @@ static int enqueue(struct MkQueueHeader* h, struct MkCmd* slots, const struct Mk
 }
 
 int mk_queue_push(unsigned long long header, unsigned long long slots, const void* command, double timeout_s) {
-  return enqueue((struct MkQueueHeader*)(uintptr_t)header, (struct MkCmd*)(uintptr_t)slots, command, (uint64_t)(timeout_s * 1e9));
+  return enqueue((struct MkQueueHeader*)(uintptr_t)header, (struct MkCmd*)(uintptr_t)slots, command,
+                 (uint64_t)(timeout_s * 1e9));
 }
 
 int mk_null_verify(mk_proxy* p, unsigned long long expected) {
@@ -65,23 +66,33 @@ typedef struct {
 static void* produce(void* arg) {
   producer* w = arg;
   for (uint64_t id = w->first; id < w->first + w->count && !w->failed; id++) {
-    struct MkCmd c = {.type = MK_CMD_NOP, .flag_value = (uint32_t)id, .src_off_lo = (uint32_t)(id >> 32),
-                      .bytes = (uint32_t)(id * 2654435761u), .dst_off_lo = ~(uint32_t)id};
+    struct MkCmd c = {.type = MK_CMD_NOP,
+                      .flag_value = (uint32_t)id,
+                      .src_off_lo = (uint32_t)(id >> 32),
+                      .bytes = (uint32_t)(id * 2654435761u),
+                      .dst_off_lo = ~(uint32_t)id};
     w->failed = enqueue(w->header, w->slots, &c, w->timeout_ns) != 0;
   }
   return NULL;
 }
 
-int mk_test_produce(unsigned long long header, unsigned long long slots, int threads,
-                    unsigned long long per_thread, double timeout_s) {
+int mk_test_produce(unsigned long long header, unsigned long long slots, int threads, unsigned long long per_thread,
+                    double timeout_s) {
   if (threads < 1 || threads > 256) return -1;
   producer w[256];
   pthread_t tid[256];
   int started = 0, failed = 0;
   for (; started < threads; started++) {
-    w[started] = (producer){(struct MkQueueHeader*)(uintptr_t)header, (struct MkCmd*)(uintptr_t)slots,
-                            (uint64_t)started * per_thread, per_thread, (uint64_t)(timeout_s * 1e9), 0};
-    if (pthread_create(&tid[started], NULL, produce, &w[started])) { failed = 1; break; }
+    w[started] = (producer){(struct MkQueueHeader*)(uintptr_t)header,
+                            (struct MkCmd*)(uintptr_t)slots,
+                            (uint64_t)started * per_thread,
+                            per_thread,
+                            (uint64_t)(timeout_s * 1e9),
+                            0};
+    if (pthread_create(&tid[started], NULL, produce, &w[started])) {
+      failed = 1;
+      break;
+    }
   }
   for (int i = 0; i < started; i++) {
     pthread_join(tid[i], NULL);

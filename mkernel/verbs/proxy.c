@@ -67,11 +67,20 @@ mk_proxy* mk_proxy_create(int rank, int nranks, int transport, double timeout_s)
   if (nranks <= 0 || rank < 0 || rank >= nranks || nranks > 65536 || timeout_s <= 0) return NULL;
   const mk_transport_ops* ops;
   switch (transport) {
-    case MKP_TRANSPORT_NULL: ops = &mk_null_ops; break;
-    case MKP_TRANSPORT_TCP: ops = &mk_tcp_ops; break;
-    case MKP_TRANSPORT_HOST: ops = &mk_host_ops; break;
-    case MKP_TRANSPORT_VERBS: ops = &mk_verbs_ops; break;
-    default: return NULL;
+    case MKP_TRANSPORT_NULL:
+      ops = &mk_null_ops;
+      break;
+    case MKP_TRANSPORT_TCP:
+      ops = &mk_tcp_ops;
+      break;
+    case MKP_TRANSPORT_HOST:
+      ops = &mk_host_ops;
+      break;
+    case MKP_TRANSPORT_VERBS:
+      ops = &mk_verbs_ops;
+      break;
+    default:
+      return NULL;
   }
   mk_proxy* p = calloc(1, sizeof *p);
   if (!p) return NULL;
@@ -154,7 +163,8 @@ int mk_proxy_attach_queue(mk_proxy* p, unsigned long long header, unsigned long 
   struct MkQueueHeader* h = (struct MkQueueHeader*)(uintptr_t)header;
   if (!h || !slots || (header & 63) || (slots & 31)) return setup_error(p, "queue memory must be 64-byte aligned");
   uint32_t cap = h->capacity;
-  if (cap < 2 || cap > (1u << 30) || (cap & (cap - 1))) return setup_error(p, "queue capacity %u is not a power of two in 2..2^30", cap);
+  if (cap < 2 || cap > (1u << 30) || (cap & (cap - 1)))
+    return setup_error(p, "queue capacity %u is not a power of two in 2..2^30", cap);
   p->header = h;
   p->slots = (struct MkCmd*)(uintptr_t)slots;
   p->mask = cap - 1;
@@ -183,7 +193,8 @@ int mk_copy(mk_proxy* p, void* dst, int dst_kind, const void* src, int src_kind,
   return 0;
 }
 
-int mk_copy_start(mk_proxy* p, void* dst, int dst_kind, const void* src, int src_kind, size_t bytes, int peer, void** event) {
+int mk_copy_start(mk_proxy* p, void* dst, int dst_kind, const void* src, int src_kind, size_t bytes, int peer,
+                  void** event) {
   *event = NULL;
   if (dst_kind == MKP_REGION_HOST && src_kind == MKP_REGION_HOST) {
     memcpy(dst, src, bytes);
@@ -226,17 +237,20 @@ int mk_apply_flag(mk_proxy* p, int flag_op, uint32_t flag_id, uint32_t value, in
 static int check_command(mk_proxy* p, const struct MkCmd* c) {
   if (c->type == MK_CMD_NOP) return 0;
   if (c->peer >= p->nranks || c->peer == p->rank) {
-    mk_fail(p, MKP_ERR_LOCAL, c->peer, c->type, "command %u names rank %u (this is rank %d of %d)", c->type, c->peer, p->rank, p->nranks);
+    mk_fail(p, MKP_ERR_LOCAL, c->peer, c->type, "command %u names rank %u (this is rank %d of %d)", c->type, c->peer,
+            p->rank, p->nranks);
     return -1;
   }
   if (c->type == MK_CMD_WRITE &&
       !mk_region_span(p, c->src_region, MK_CMD_OFFSET(c->src_off_hi, c->src_off_lo), c->bytes, NULL)) {
-    mk_fail(p, MKP_ERR_LOCAL, c->peer, c->type, "WRITE reads %u bytes at offset %llu of local region %u, outside what is registered",
-            c->bytes, MK_CMD_OFFSET(c->src_off_hi, c->src_off_lo), c->src_region);
+    mk_fail(p, MKP_ERR_LOCAL, c->peer, c->type,
+            "WRITE reads %u bytes at offset %llu of local region %u, outside what is registered", c->bytes,
+            MK_CMD_OFFSET(c->src_off_hi, c->src_off_lo), c->src_region);
     return -1;
   }
   if (c->type < MK_CMD_WRITE || c->type > MK_CMD_NOP) {
-    mk_fail(p, MKP_ERR_LOCAL, c->peer, c->type, "unknown command type %u at queue position %llu", c->type, (unsigned long long)p->head);
+    mk_fail(p, MKP_ERR_LOCAL, c->peer, c->type, "unknown command type %u at queue position %llu", c->type,
+            (unsigned long long)p->head);
     return -1;
   }
   return 0;
@@ -245,10 +259,15 @@ static int check_command(mk_proxy* p, const struct MkCmd* c) {
 static int dispatch(mk_proxy* p, const struct MkCmd* c) {
   if (check_command(p, c)) return -1;
   switch (c->type) {
-    case MK_CMD_WRITE: return p->ops->write(p, c);
-    case MK_CMD_SIGNAL: return p->ops->signal(p, c);
-    case MK_CMD_FLUSH: return p->ops->flush(p, c);
-    default: mk_verify_command(p, c); return 0; /* NOP */
+    case MK_CMD_WRITE:
+      return p->ops->write(p, c);
+    case MK_CMD_SIGNAL:
+      return p->ops->signal(p, c);
+    case MK_CMD_FLUSH:
+      return p->ops->flush(p, c);
+    default:
+      mk_verify_command(p, c);
+      return 0; /* NOP */
   }
 }
 
@@ -293,7 +312,9 @@ static void* proxy_main(void* arg) {
     }
     uint64_t now = mk_now_ns();
     if (!idle_since) idle_since = now;
-    timeout_us = now - idle_since < MK_IDLE_SPIN_NS ? 0 : now - idle_since < MK_IDLE_LONG_NS ? MK_IDLE_SHORT_US : MK_IDLE_LONG_US;
+    timeout_us = now - idle_since < MK_IDLE_SPIN_NS   ? 0
+                 : now - idle_since < MK_IDLE_LONG_NS ? MK_IDLE_SHORT_US
+                                                      : MK_IDLE_LONG_US;
   }
   /* Goodbye only on a clean stop: after a failure the connections stay as they are until destroy, so
    * that peers find the root cause themselves instead of seeing this rank hang up on them. */

@@ -15,10 +15,10 @@ _Static_assert(sizeof(struct MkQueueHeader) == 128, "MkQueueHeader: two 64-byte 
 #define MK_EVENT_POOL 64 /* copy events kept for reuse (more than the copies a transport keeps in flight) */
 
 typedef struct mk_region {
-  int used, kind;        /* MKP_REGION_* */
+  int used, kind; /* MKP_REGION_* */
   unsigned char* base;
   uint64_t bytes;
-  void* transport_data;  /* verbs: the memory region */
+  void* transport_data; /* verbs: the memory region */
 } mk_region;
 
 /* The small interface every transport implements. write/signal/flush return 0, MK_AGAIN or -1
@@ -31,7 +31,7 @@ typedef struct mk_transport_ops {
   int (*signal)(mk_proxy* p, const struct MkCmd* c);
   int (*flush)(mk_proxy* p, const struct MkCmd* c);
   int (*poll)(mk_proxy* p, int timeout_us);
-  int (*start)(mk_proxy* p);  /* on the proxy thread, before the first command; may be NULL */
+  int (*start)(mk_proxy* p); /* on the proxy thread, before the first command; may be NULL */
   void (*close)(mk_proxy* p); /* on the proxy thread as it stops (goodbye to peers); may be NULL */
   void (*destroy)(mk_proxy* p);
 } mk_transport_ops;
@@ -48,27 +48,27 @@ struct mk_proxy {
   uint64_t head;
 
   pthread_t thread;
-  int running, stop;  /* stop: atomic */
+  int running, stop; /* stop: atomic */
 
   pthread_mutex_t lock; /* guards err, the log ring, setup_error */
-  int err_code;         /* atomic: nonzero once failed */
+  int err_code; /* atomic: nonzero once failed */
   mk_error_info err;
   char setup_error[MKP_MESSAGE_BYTES];
   char log_ring[16][MKP_MESSAGE_BYTES];
   unsigned log_head, log_tail;
 
-  mk_proxy_stats stats;   /* written by the proxy thread only */
+  mk_proxy_stats stats; /* written by the proxy thread only */
   mk_peer_stats* peers;
 
   const mk_transport_ops* ops;
   void* tstate;
 
-  int cuda_device;        /* -1: no CUDA region allowed */
-  void* cuda_streams[2];  /* 0: copies out of GPU memory (and synchronous ones), 1: copies into it */
+  int cuda_device; /* -1: no CUDA region allowed */
+  void* cuda_streams[2]; /* 0: copies out of GPU memory (and synchronous ones), 1: copies into it */
   void* cuda_events[MK_EVENT_POOL]; /* landed copies' events, reused: creating one per copy costs a driver call */
   int cuda_event_count;
 
-  uint8_t* verify_seen;   /* null transport verify mode */
+  uint8_t* verify_seen; /* null transport verify mode */
   uint64_t verify_expected;
 };
 
@@ -84,7 +84,8 @@ unsigned char* mk_region_span(mk_proxy* p, int id, uint64_t offset, uint64_t byt
 int mk_copy(mk_proxy* p, void* dst, int dst_kind, const void* src, int src_kind, size_t bytes, int peer);
 /* The same, asynchronous where GPU memory is involved: *event is NULL when the copy is already done.
  * Returns 0 or -1 after mk_fail. */
-int mk_copy_start(mk_proxy* p, void* dst, int dst_kind, const void* src, int src_kind, size_t bytes, int peer, void** event);
+int mk_copy_start(mk_proxy* p, void* dst, int dst_kind, const void* src, int src_kind, size_t bytes, int peer,
+                  void** event);
 /* 1 once the copy of `event` (NULL: done) has landed, 0 while in flight, -1 after mk_fail. */
 int mk_copy_done(mk_proxy* p, void* event, int peer);
 /* Applies a flag of this rank's flag array (bounds-checked); returns 0 or -1 after mk_fail. */
@@ -95,8 +96,10 @@ int mk_cuda_load(char* why, int cap);
 int mk_cuda_thread_init(mk_proxy* p);
 void mk_cuda_thread_fini(mk_proxy* p);
 int mk_cuda_copy(mk_proxy* p, void* dst, const void* src, size_t bytes, char* why, int cap);
-int mk_cuda_copy_start(mk_proxy* p, int lane, void* dst, const void* src, size_t bytes, void** event, char* why, int cap);
-int mk_cuda_event_poll(mk_proxy* p, void* event, char* why, int cap); /* 1 done (event released), 0 pending, -1 failed */
+int mk_cuda_copy_start(mk_proxy* p, int lane, void* dst, const void* src, size_t bytes, void** event, char* why,
+                       int cap);
+int mk_cuda_event_poll(mk_proxy* p, void* event, char* why,
+                       int cap); /* 1 done (event released), 0 pending, -1 failed */
 int mk_cuda_host_register(void* ptr, size_t bytes); /* 0 pinned, 1 not (pageable), -1 registered already */
 void mk_cuda_host_unregister(int device, void* ptr);
 int mk_cuda_dmabuf_fd(void* ptr, size_t bytes, uint64_t* offset);

@@ -10,9 +10,9 @@ enum { MKP_ERR_NONE = 0, MKP_ERR_TIMEOUT = 1, MKP_ERR_PEER = 2, MKP_ERR_LOCAL = 
 enum { MKP_MESSAGE_BYTES = 256 };
 
 typedef struct {
-  int code;        /* MKP_ERR_* */
-  int peer;        /* rank the failure concerns, -1: none */
-  int op;          /* MK_CMD_* being processed, 0: none */
+  int code; /* MKP_ERR_* */
+  int peer; /* rank the failure concerns, -1: none */
+  int op; /* MK_CMD_* being processed, 0: none */
   char message[256];
 } mk_error_info;
 
@@ -21,9 +21,9 @@ typedef struct {
 } mk_peer_stats;
 
 typedef struct {
-  unsigned long long commands;         /* consumed from the queue */
-  unsigned long long frames_rejected;  /* incoming frames that failed the region checks */
-  unsigned long long verify_distinct, verify_duplicates, verify_corrupt;  /* null transport, verify mode */
+  unsigned long long commands; /* consumed from the queue */
+  unsigned long long frames_rejected; /* incoming frames that failed the region checks */
+  unsigned long long verify_distinct, verify_duplicates, verify_corrupt; /* null transport, verify mode */
 } mk_proxy_stats;
 
 mk_proxy* mk_proxy_create(int rank, int nranks, int transport, double timeout_s);
@@ -46,8 +46,8 @@ int mk_null_verify(mk_proxy* p, unsigned long long expected);
 /* CPU producers: push one 32-byte command (seq is filled in); 0, or -1 after a timeout or a proxy error. */
 int mk_queue_push(unsigned long long header, unsigned long long slots, const void* command, double timeout_s);
 /* The queue tests' producers: `threads` pthreads enqueue `per_thread` verify commands each. */
-int mk_test_produce(unsigned long long header, unsigned long long slots, int threads,
-                    unsigned long long per_thread, double timeout_s);
+int mk_test_produce(unsigned long long header, unsigned long long slots, int threads, unsigned long long per_thread,
+                    double timeout_s);
 
 /* TCP: connections are authenticated by Python, then handed over. Shuffle is test-only. */
 int mk_tcp_add_connection(mk_proxy* p, int peer, int fd);
@@ -65,8 +65,8 @@ int mk_host_add_peer(mk_proxy* p, int peer, unsigned long long send_segment, uns
 int mk_host_set_run(mk_proxy* p, int chunks); /* chunks per copy, 1..16, before start */
 
 /* Verbs: probe, and the connection blobs that the Python side exchanges over MPI. */
-int mk_verbs_available(void);  /* 1 when compiled in (the rdma-core headers were present at build time) */
-int mk_verbs_probe(char* report, int cap);  /* active ports, 0 none, -1 no libibverbs; report says what was seen */
+int mk_verbs_available(void); /* 1 when compiled in (the rdma-core headers were present at build time) */
+int mk_verbs_probe(char* report, int cap); /* active ports, 0 none, -1 no libibverbs; report says what was seen */
 int mk_verbs_open(mk_proxy* p, const char* device, int port, int gid_index);
 int mk_verbs_blob_bytes(void);
 int mk_verbs_local_blob(mk_proxy* p, int peer, unsigned char* out, int cap);

@@ -21,10 +21,11 @@
 #define MK_HOST_MAGIC 0x314d484du /* "MHM1" */
 #define MK_HOST_SLOTS 16
 #define MK_HOST_CHUNK (1u << 20)
-#define MK_HOST_RUN 4 /* most chunks per copy (mk_host_set_run): fewer, bigger copies; both sides still copy
+#define MK_HOST_RUN \
+  4 /* most chunks per copy (mk_host_set_run): fewer, bigger copies; both sides still copy
                        * at once (pipelined). bench/transport.py measures 2, 4 and 8 */
 #define MK_HOST_DATA_OFFSET 4096
-#define MK_HOST_OUTBOX 4096      /* commands accepted per peer and not yet pushed into the ring */
+#define MK_HOST_OUTBOX 4096 /* commands accepted per peer and not yet pushed into the ring */
 #define MK_HOST_BEAT_NS 1000000ULL /* liveness: each side stamps the segment every millisecond */
 #define MK_HOST_PID_CHECK_NS 100000000ULL
 
@@ -37,9 +38,16 @@ typedef struct {
 } host_desc;
 
 typedef struct {
-  uint64_t head; uint8_t pad0[56];   /* sender */
-  uint64_t tail; uint8_t pad1[56];   /* receiver */
-  struct { uint64_t beat_ns; int32_t pid; uint32_t closed; uint8_t pad[48]; } side[2]; /* 0: sender, 1: receiver */
+  uint64_t head;
+  uint8_t pad0[56]; /* sender */
+  uint64_t tail;
+  uint8_t pad1[56]; /* receiver */
+  struct {
+    uint64_t beat_ns;
+    int32_t pid;
+    uint32_t closed;
+    uint8_t pad[48];
+  } side[2]; /* 0: sender, 1: receiver */
   uint32_t magic, slots, chunk, pad2;
   host_desc desc[MK_HOST_SLOTS];
 } host_segment;
@@ -57,8 +65,8 @@ typedef struct {
  * tail = upto). Kept in order, so chunks are published and freed in ring order. */
 typedef struct {
   uint64_t upto;
-  void* event;          /* NULL: done */
-  host_desc flag;       /* out of chunks: the flag to apply first, when flag.last */
+  void* event; /* NULL: done */
+  host_desc flag; /* out of chunks: the flag to apply first, when flag.last */
 } copy_wait;
 
 typedef struct {
@@ -72,11 +80,11 @@ typedef struct {
   copy_fifo filling, emptying;
   struct MkCmd outbox[MK_HOST_OUTBOX];
   unsigned out_head, out_tail;
-  uint64_t out_done;                 /* bytes of the front WRITE already pushed */
+  uint64_t out_done; /* bytes of the front WRITE already pushed */
   flush_wait flushes[MK_HOST_OUTBOX];
   unsigned flush_head, flush_tail;
-  int peer_gone;                     /* the peer closed cleanly */
-  int pinned;                        /* both segments registered with CUDA (unregistered before munmap) */
+  int peer_gone; /* the peer closed cleanly */
+  int pinned; /* both segments registered with CUDA (unregistered before munmap) */
 } host_peer;
 
 typedef struct {
@@ -131,14 +139,16 @@ unsigned long long mk_host_segment_open(const char* name, char* why, int why_cap
   size_t bytes = mk_host_segment_bytes();
   if (fstat(fd, &st) || st.st_uid != geteuid() || (st.st_mode & 0077) || (size_t)st.st_size != bytes) {
     close(fd);
-    snprintf(why, (size_t)why_cap, "shared memory %s is not an owner-only segment of %zu bytes of this user", name, bytes);
+    snprintf(why, (size_t)why_cap, "shared memory %s is not an owner-only segment of %zu bytes of this user", name,
+             bytes);
     return 0;
   }
   void* m = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   close(fd);
   if (m == MAP_FAILED) return fail_errno(why, why_cap, "mmap", name);
   host_segment* s = m;
-  if (__atomic_load_n(&s->magic, __ATOMIC_ACQUIRE) != MK_HOST_MAGIC || s->slots != MK_HOST_SLOTS || s->chunk != MK_HOST_CHUNK) {
+  if (__atomic_load_n(&s->magic, __ATOMIC_ACQUIRE) != MK_HOST_MAGIC || s->slots != MK_HOST_SLOTS ||
+      s->chunk != MK_HOST_CHUNK) {
     munmap(m, bytes);
     snprintf(why, (size_t)why_cap, "shared memory %s was not made by this version of mkernel", name);
     return 0;
@@ -160,7 +170,10 @@ static host_state* host(mk_proxy* p) {
     host_state* h = calloc(1, sizeof *h);
     if (!h) return NULL;
     h->peers = calloc((size_t)p->nranks, sizeof *h->peers);
-    if (!h->peers) { free(h); return NULL; }
+    if (!h->peers) {
+      free(h);
+      return NULL;
+    }
     h->run = MK_HOST_RUN;
     p->tstate = h;
   }
@@ -256,8 +269,8 @@ static int push_outbox(mk_proxy* p, int peer, host_peer* hp) {
     void* event = NULL;
     uint64_t n = 1;
     if (c->type == MK_CMD_SIGNAL) {
-      s->desc[head % MK_HOST_SLOTS] = (host_desc){.type = DESC_SIGNAL, .flag_op = c->flag_op, .last = 1,
-                                                  .flag_id = c->flag_id, .flag_value = c->flag_value};
+      s->desc[head % MK_HOST_SLOTS] = (host_desc){
+          .type = DESC_SIGNAL, .flag_op = c->flag_op, .last = 1, .flag_id = c->flag_id, .flag_value = c->flag_value};
     } else {
       uint64_t left = c->bytes - hp->out_done;
       n = (left + MK_HOST_CHUNK - 1) / MK_HOST_CHUNK;
@@ -271,14 +284,20 @@ static int push_outbox(mk_proxy* p, int peer, host_peer* hp) {
       n = n < most ? n : most;
       uint64_t bytes = left < n * MK_HOST_CHUNK ? left : n * MK_HOST_CHUNK;
       int kind;
-      const unsigned char* src = mk_region_span(p, c->src_region, MK_CMD_OFFSET(c->src_off_hi, c->src_off_lo) + hp->out_done, bytes, &kind);
+      const unsigned char* src =
+          mk_region_span(p, c->src_region, MK_CMD_OFFSET(c->src_off_hi, c->src_off_lo) + hp->out_done, bytes, &kind);
       if (bytes && mk_copy_start(p, chunk_of(s, head), MKP_REGION_HOST, src, kind, bytes, peer, &event)) return -1;
       for (uint64_t i = 0; i < n; i++) {
         uint64_t off = i * MK_HOST_CHUNK, len = bytes - off < MK_HOST_CHUNK ? bytes - off : MK_HOST_CHUNK;
-        s->desc[(head + i) % MK_HOST_SLOTS] = (host_desc){
-            .type = DESC_DATA, .flag_op = c->flag_op, .dst_region = c->dst_region, .last = hp->out_done + off + len == c->bytes,
-            .bytes = (uint32_t)len, .flag_id = c->flag_id, .flag_value = c->flag_value,
-            .dst_offset = MK_CMD_OFFSET(c->dst_off_hi, c->dst_off_lo) + hp->out_done + off};
+        s->desc[(head + i) % MK_HOST_SLOTS] =
+            (host_desc){.type = DESC_DATA,
+                        .flag_op = c->flag_op,
+                        .dst_region = c->dst_region,
+                        .last = hp->out_done + off + len == c->bytes,
+                        .bytes = (uint32_t)len,
+                        .flag_id = c->flag_id,
+                        .flag_value = c->flag_value,
+                        .dst_offset = MK_CMD_OFFSET(c->dst_off_hi, c->dst_off_lo) + hp->out_done + off};
       }
       hp->out_done += bytes;
       p->peers[peer].bytes_sent += bytes;
@@ -297,7 +316,8 @@ static int push_outbox(mk_proxy* p, int peer, host_peer* hp) {
 
 static int bad_desc(mk_proxy* p, int peer, const char* what) {
   p->stats.frames_rejected++;
-  mk_fail(p, MKP_ERR_PEER, peer, MK_CMD_WRITE, "rank %d's host-memory descriptor was rejected (%s); nothing of it was written", peer, what);
+  mk_fail(p, MKP_ERR_PEER, peer, MK_CMD_WRITE,
+          "rank %d's host-memory descriptor was rejected (%s); nothing of it was written", peer, what);
   return -1;
 }
 
@@ -316,9 +336,12 @@ static int pull_inbox(mk_proxy* p, int peer, host_peer* hp) {
     if (d.type == DESC_DATA) {
       if (d.bytes > MK_HOST_CHUNK) return bad_desc(p, peer, "chunk larger than a slot");
       uint64_t bytes = d.bytes;
-      while (n < h->run && tail + n != head && (tail + n) % MK_HOST_SLOTS && !s->desc[(tail + n - 1) % MK_HOST_SLOTS].last) {
+      while (n < h->run && tail + n != head && (tail + n) % MK_HOST_SLOTS &&
+             !s->desc[(tail + n - 1) % MK_HOST_SLOTS].last) {
         host_desc e = s->desc[(tail + n) % MK_HOST_SLOTS];
-        if (e.type != DESC_DATA || e.dst_region != d.dst_region || e.dst_offset != d.dst_offset + bytes || e.bytes > MK_HOST_CHUNK) break;
+        if (e.type != DESC_DATA || e.dst_region != d.dst_region || e.dst_offset != d.dst_offset + bytes ||
+            e.bytes > MK_HOST_CHUNK)
+          break;
         bytes += e.bytes;
         n++;
       }
@@ -346,7 +369,8 @@ static int complete_flushes(mk_proxy* p, int peer, host_peer* hp) {
     flush_wait* f = &hp->flushes[hp->flush_tail % MK_HOST_OUTBOX];
     if (__atomic_load_n(&hp->send->tail, __ATOMIC_ACQUIRE) < f->target) {
       if (mk_now_ns() - f->since > p->timeout_ns) {
-        mk_fail(p, MKP_ERR_TIMEOUT, peer, MK_CMD_FLUSH, "rank %d did not take its data within %.1f s", peer, p->timeout_ns / 1e9);
+        mk_fail(p, MKP_ERR_TIMEOUT, peer, MK_CMD_FLUSH, "rank %d did not take its data within %.1f s", peer,
+                p->timeout_ns / 1e9);
         return -1;
       }
       break;
@@ -408,12 +432,15 @@ static int host_start(mk_proxy* p) {
     int b = a ? 1 : mk_cuda_host_register(hp->recv, mk_host_segment_bytes());
     if (a == 0 && b) mk_cuda_host_unregister(p->cuda_device, hp->send);
     if (a < 0 || b < 0) {
-      mk_fail(p, MKP_ERR_LOCAL, r, 0, "the host-memory segments of rank %d lie where CUDA still has memory registered "
-              "(a segment unmapped without cuMemHostUnregister?): copies would reach the old pages", r);
+      mk_fail(p, MKP_ERR_LOCAL, r, 0,
+              "the host-memory segments of rank %d lie where CUDA still has memory registered "
+              "(a segment unmapped without cuMemHostUnregister?): copies would reach the old pages",
+              r);
       return -1;
     }
     hp->pinned = a == 0 && b == 0;
-    if (!hp->pinned) mk_log(p, "could not pin the host-memory segments of rank %d; GPU copies go through pageable memory", r);
+    if (!hp->pinned)
+      mk_log(p, "could not pin the host-memory segments of rank %d; GPU copies go through pageable memory", r);
   }
   return 0;
 }
@@ -472,5 +499,11 @@ static void host_destroy(mk_proxy* p) {
   p->tstate = NULL;
 }
 
-const mk_transport_ops mk_host_ops = {.name = "host", .write = host_write, .signal = host_write, .flush = host_write,
-                                      .poll = host_poll, .start = host_start, .close = host_close, .destroy = host_destroy};
+const mk_transport_ops mk_host_ops = {.name = "host",
+                                      .write = host_write,
+                                      .signal = host_write,
+                                      .flush = host_write,
+                                      .poll = host_poll,
+                                      .start = host_start,
+                                      .close = host_close,
+                                      .destroy = host_destroy};

@@ -16,13 +16,13 @@
 #include "frame.h"
 #include "proxy.h"
 
-#define MK_TCP_MAX_CONNS 16        /* per peer */
+#define MK_TCP_MAX_CONNS 16 /* per peer */
 #define MK_TCP_QUEUED_MAX (64u << 20) /* bytes queued per peer before the proxy stops taking commands */
-#define MK_TCP_PENDING_MAX 65536   /* multi-frame writes a peer may have half-delivered */
+#define MK_TCP_PENDING_MAX 65536 /* multi-frame writes a peer may have half-delivered */
 
 typedef struct {
   mk_frame hdr;
-  const unsigned char* src;  /* payload in a registered region */
+  const unsigned char* src; /* payload in a registered region */
   int src_kind;
 } out_frame;
 
@@ -31,15 +31,15 @@ typedef struct {
   /* send side: a FIFO of frames; [start, end) of a growable ring */
   out_frame* q;
   size_t q_cap, q_start, q_len;
-  size_t sent;              /* bytes of the head frame (header + payload) already sent */
-  size_t barrier;           /* shuffle mode: frames before this index may not be overtaken */
-  unsigned char* stage;     /* the head frame's payload, when it lives in CUDA memory */
+  size_t sent; /* bytes of the head frame (header + payload) already sent */
+  size_t barrier; /* shuffle mode: frames before this index may not be overtaken */
+  unsigned char* stage; /* the head frame's payload, when it lives in CUDA memory */
   int staged;
   uint64_t stalled_since;
   /* receive side */
   mk_frame in;
-  size_t in_got;            /* of header + payload */
-  unsigned char* in_dst;    /* where the payload goes (a bounce buffer for CUDA memory) */
+  size_t in_got; /* of header + payload */
+  unsigned char* in_dst; /* where the payload goes (a bounce buffer for CUDA memory) */
   int in_dst_kind;
   unsigned char* bounce;
   uint32_t flushes_seen;
@@ -65,7 +65,7 @@ typedef struct {
   /* flushes sent and not yet acknowledged, FIFO: local flag to apply on ack */
   flush_wait flushes[1024];
   unsigned flush_head, flush_tail;
-  pending_write* pending;    /* open addressing on id */
+  pending_write* pending; /* open addressing on id */
   size_t pending_cap, pending_len;
   int bye_conns;
 } peer_state;
@@ -84,7 +84,10 @@ static tcp_state* tcp(mk_proxy* p) {
     tcp_state* t = calloc(1, sizeof *t);
     if (!t) return NULL;
     t->peers = calloc((size_t)p->nranks, sizeof *t->peers);
-    if (!t->peers) { free(t); return NULL; }
+    if (!t->peers) {
+      free(t);
+      return NULL;
+    }
     p->tstate = t;
   }
   return p->tstate;
@@ -102,7 +105,8 @@ int mk_tcp_set_shuffle(mk_proxy* p, unsigned int seed) {
 
 int mk_tcp_add_connection(mk_proxy* p, int peer, int fd) {
   tcp_state* t = tcp(p);
-  if (!t || p->running || p->transport != MKP_TRANSPORT_TCP || peer < 0 || peer >= p->nranks || peer == p->rank) return -1;
+  if (!t || p->running || p->transport != MKP_TRANSPORT_TCP || peer < 0 || peer >= p->nranks || peer == p->rank)
+    return -1;
   peer_state* ps = &t->peers[peer];
   if (ps->nconns == MK_TCP_MAX_CONNS) return -1;
   conn* c = calloc(1, sizeof *c);
@@ -111,7 +115,12 @@ int mk_tcp_add_connection(mk_proxy* p, int peer, int fd) {
   c->peer = peer;
   c->bounce = malloc(MK_FRAME_PAYLOAD_MAX);
   c->stage = malloc(MK_FRAME_PAYLOAD_MAX);
-  if (!c->bounce || !c->stage) { free(c->bounce); free(c->stage); free(c); return -1; }
+  if (!c->bounce || !c->stage) {
+    free(c->bounce);
+    free(c->stage);
+    free(c);
+    return -1;
+  }
   int one = 1, buf = 4 << 20;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
   setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof buf);
@@ -137,7 +146,8 @@ static int check_frame(mk_proxy* p, const mk_frame* f, char* why, int cap) {
     return reject(why, cap, "flag id outside the flag array");
   switch (f->type) {
     case MK_FRAME_DATA:
-      if (f->bytes > MK_FRAME_PAYLOAD_MAX || f->bytes > f->write_bytes) return reject(why, cap, "payload larger than a frame or its write");
+      if (f->bytes > MK_FRAME_PAYLOAD_MAX || f->bytes > f->write_bytes)
+        return reject(why, cap, "payload larger than a frame or its write");
       if (!mk_region_span(p, f->dst_region, f->dst_offset, f->bytes, NULL))
         return reject(why, cap, "payload outside the registered destination region");
       return 0;
@@ -174,7 +184,10 @@ static int pending_grow(peer_state* ps) {
   size_t old_cap = ps->pending_cap, cap = old_cap ? old_cap * 2 : 256;
   pending_write* old = ps->pending;
   ps->pending = calloc(cap, sizeof *old);
-  if (!ps->pending) { ps->pending = old; return -1; }
+  if (!ps->pending) {
+    ps->pending = old;
+    return -1;
+  }
   ps->pending_cap = cap;
   for (size_t i = 0; i < old_cap; i++)
     if (old[i].used) *pending_slot(ps, old[i].id) = old[i];
@@ -241,7 +254,8 @@ static out_frame* queue_insert(conn* c, size_t at) {
 
 static int enqueue(mk_proxy* p, tcp_state* t, conn* c, const out_frame* f) {
   size_t at = c->q_len;
-  if (t->shuffle && f->hdr.type == MK_FRAME_DATA) { /* test only: anywhere after the last barrier and the frame in flight */
+  if (t->shuffle &&
+      f->hdr.type == MK_FRAME_DATA) { /* test only: anywhere after the last barrier and the frame in flight */
     size_t lo = c->barrier > (c->sent ? 1u : 0u) ? c->barrier : (c->sent ? 1u : 0u);
     at = lo + (size_t)rand_r(&t->shuffle_seed) % (c->q_len - lo + 1);
   }
@@ -272,16 +286,25 @@ static int tcp_write(mk_proxy* p, const struct MkCmd* c) {
   if (!ps->nconns) return no_conns(p, c->peer, c->type);
   if (ps->queued_bytes > MK_TCP_QUEUED_MAX) return MK_AGAIN;
   int kind;
-  const unsigned char* src = mk_region_span(p, c->src_region, MK_CMD_OFFSET(c->src_off_hi, c->src_off_lo), c->bytes, &kind);
+  const unsigned char* src =
+      mk_region_span(p, c->src_region, MK_CMD_OFFSET(c->src_off_hi, c->src_off_lo), c->bytes, &kind);
   uint64_t dst = MK_CMD_OFFSET(c->dst_off_hi, c->dst_off_lo);
   uint32_t id = ps->next_write_id++;
   uint32_t off = 0;
   do {
     uint32_t n = c->bytes - off < MK_FRAME_PAYLOAD_MAX ? c->bytes - off : MK_FRAME_PAYLOAD_MAX;
-    out_frame f = {.hdr = {.magic = MK_FRAME_MAGIC, .type = MK_FRAME_DATA, .flag_op = c->flag_op, .dst_region = c->dst_region,
-                           .bytes = n, .write_bytes = c->bytes, .id = id, .flag_id = c->flag_id, .flag_value = c->flag_value,
+    out_frame f = {.hdr = {.magic = MK_FRAME_MAGIC,
+                           .type = MK_FRAME_DATA,
+                           .flag_op = c->flag_op,
+                           .dst_region = c->dst_region,
+                           .bytes = n,
+                           .write_bytes = c->bytes,
+                           .id = id,
+                           .flag_id = c->flag_id,
+                           .flag_value = c->flag_value,
                            .dst_offset = dst + off},
-                   .src = src + off, .src_kind = kind};
+                   .src = src + off,
+                   .src_kind = kind};
     if (enqueue(p, t, pick_conn(t, ps), &f)) return -1;
     off += n;
   } while (off < c->bytes);
@@ -293,7 +316,10 @@ static int tcp_signal(mk_proxy* p, const struct MkCmd* c) {
   tcp_state* t = p->tstate;
   peer_state* ps = &t->peers[c->peer];
   if (!ps->nconns) return no_conns(p, c->peer, c->type);
-  out_frame f = {.hdr = {.magic = MK_FRAME_MAGIC, .type = MK_FRAME_SIGNAL, .flag_op = c->flag_op, .flag_id = c->flag_id,
+  out_frame f = {.hdr = {.magic = MK_FRAME_MAGIC,
+                         .type = MK_FRAME_SIGNAL,
+                         .flag_op = c->flag_op,
+                         .flag_id = c->flag_id,
                          .flag_value = c->flag_value}};
   if (enqueue(p, t, pick_conn(t, ps), &f)) return -1;
   p->peers[c->peer].signals++;
@@ -324,7 +350,8 @@ static int send_some(mk_proxy* p, tcp_state* t, conn* c) {
     size_t total = sizeof f->hdr + f->hdr.bytes;
     const unsigned char* payload = f->src;
     if (f->hdr.bytes && f->src_kind == MKP_REGION_CUDA) { /* staged once, when the frame reaches the head */
-      if (!c->staged && mk_copy(p, c->stage, MKP_REGION_HOST, f->src, MKP_REGION_CUDA, f->hdr.bytes, c->peer)) return -1;
+      if (!c->staged && mk_copy(p, c->stage, MKP_REGION_HOST, f->src, MKP_REGION_CUDA, f->hdr.bytes, c->peer))
+        return -1;
       c->staged = 1;
       payload = c->stage;
     }
@@ -351,11 +378,13 @@ static int send_some(mk_proxy* p, tcp_state* t, conn* c) {
     c->q_len--;
     if (c->barrier) c->barrier--;
   }
-  if (progress || !c->q_len) c->stalled_since = 0;
-  else if (!c->stalled_since) c->stalled_since = mk_now_ns();
+  if (progress || !c->q_len)
+    c->stalled_since = 0;
+  else if (!c->stalled_since)
+    c->stalled_since = mk_now_ns();
   else if (mk_now_ns() - c->stalled_since > p->timeout_ns) {
-    mk_fail(p, MKP_ERR_TIMEOUT, c->peer, c->q[c->q_start].hdr.type, "rank %d has not taken data for %.1f s",
-            c->peer, p->timeout_ns / 1e9);
+    mk_fail(p, MKP_ERR_TIMEOUT, c->peer, c->q[c->q_start].hdr.type, "rank %d has not taken data for %.1f s", c->peer,
+            p->timeout_ns / 1e9);
     return -1;
   }
   return progress;
@@ -446,7 +475,8 @@ static int recv_some(mk_proxy* p, tcp_state* t, conn* c) {
       char why[96];
       if (check_frame(p, &c->in, why, sizeof why)) {
         p->stats.frames_rejected++;
-        mk_fail(p, MKP_ERR_PEER, c->peer, 0, "rank %d sent a frame that was rejected (%s); nothing of it was written", c->peer, why);
+        mk_fail(p, MKP_ERR_PEER, c->peer, 0, "rank %d sent a frame that was rejected (%s); nothing of it was written",
+                c->peer, why);
         return -1;
       }
       if (c->in.type == MK_FRAME_DATA) {
@@ -493,7 +523,8 @@ static int check_flush_deadlines(mk_proxy* p, tcp_state* t) {
   for (int r = 0; r < p->nranks; r++) {
     peer_state* ps = &t->peers[r];
     if (ps->flush_tail != ps->flush_head && now - ps->flushes[ps->flush_tail % 1024].since > p->timeout_ns) {
-      mk_fail(p, MKP_ERR_TIMEOUT, r, MK_CMD_FLUSH, "rank %d did not acknowledge a FLUSH within %.1f s", r, p->timeout_ns / 1e9);
+      mk_fail(p, MKP_ERR_TIMEOUT, r, MK_CMD_FLUSH, "rank %d did not acknowledge a FLUSH within %.1f s", r,
+              p->timeout_ns / 1e9);
       return -1;
     }
   }
@@ -573,5 +604,11 @@ static void tcp_destroy(mk_proxy* p) {
   p->tstate = NULL;
 }
 
-const mk_transport_ops mk_tcp_ops = {.name = "tcp", .write = tcp_write, .signal = tcp_signal, .flush = tcp_flush,
-                                     .poll = tcp_poll, .start = tcp_start, .close = tcp_close, .destroy = tcp_destroy};
+const mk_transport_ops mk_tcp_ops = {.name = "tcp",
+                                     .write = tcp_write,
+                                     .signal = tcp_signal,
+                                     .flush = tcp_flush,
+                                     .poll = tcp_poll,
+                                     .start = tcp_start,
+                                     .close = tcp_close,
+                                     .destroy = tcp_destroy};

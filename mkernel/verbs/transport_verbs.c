@@ -32,19 +32,26 @@ int mk_verbs_probe(char* report, int cap) {
   int n = 0;
   void** list = get_list ? get_list(&n) : NULL;
   if (list) free_list(list);
-  snprintf(report, (size_t)cap, n > 0 ? "%d RDMA device(s) present, but this build has no verbs transport (rebuild with libibverbs-dev installed)"
-                                      : "no RDMA device (%d found)", n);
+  snprintf(
+      report, (size_t)cap,
+      n > 0 ? "%d RDMA device(s) present, but this build has no verbs transport (rebuild with libibverbs-dev installed)"
+            : "no RDMA device (%d found)",
+      n);
   return 0;
 }
 
-static int unavailable(mk_proxy* p) { mk_fail(p, MKP_ERR_LOCAL, -1, 0, "the verbs transport is not compiled into this build"); return -1; }
+static int unavailable(mk_proxy* p) {
+  mk_fail(p, MKP_ERR_LOCAL, -1, 0, "the verbs transport is not compiled into this build");
+  return -1;
+}
 int mk_verbs_open(mk_proxy* p, const char* device, int port, int gid_index) { return unavailable(p); }
 int mk_verbs_blob_bytes(void) { return 0; }
 int mk_verbs_local_blob(mk_proxy* p, int peer, unsigned char* out, int cap) { return unavailable(p); }
 int mk_verbs_connect(mk_proxy* p, int peer, const unsigned char* blob, int len) { return unavailable(p); }
 static int fail_cmd(mk_proxy* p, const struct MkCmd* c) { return unavailable(p); }
 static int fail_poll(mk_proxy* p, int timeout_us) { return unavailable(p); }
-const mk_transport_ops mk_verbs_ops = {.name = "verbs", .write = fail_cmd, .signal = fail_cmd, .flush = fail_cmd, .poll = fail_poll};
+const mk_transport_ops mk_verbs_ops = {
+    .name = "verbs", .write = fail_cmd, .signal = fail_cmd, .flush = fail_cmd, .poll = fail_poll};
 
 #else /* MK_HAVE_VERBS */
 /* Reliable-connected QPs (InfiniBand, RoCE) and EFA's SRD through the extended QP API.
@@ -67,12 +74,12 @@ const mk_transport_ops mk_verbs_ops = {.name = "verbs", .write = fail_cmd, .sign
 #endif
 
 #define MK_VERBS_CHUNK (16u << 20)
-#define MK_VERBS_SQ 1024   /* send WRs in flight per QP */
-#define MK_VERBS_RQ 1024   /* receive buffers posted on the SRD QP */
+#define MK_VERBS_SQ 1024 /* send WRs in flight per QP */
+#define MK_VERBS_RQ 1024 /* receive buffers posted on the SRD QP */
 #define MK_VERBS_RQ_RC 256 /* receive buffers posted per RC QP */
 #define MK_VERBS_QKEY 0x4d4b5131u
 #define MK_VERBS_MAGIC 0x3142564du /* "MVB1" */
-#define MK_VERBS_IMM_RANK_BITS 12  /* SRD immediate: rank in the high 12 bits, write id in the low 20 */
+#define MK_VERBS_IMM_RANK_BITS 12 /* SRD immediate: rank in the high 12 bits, write id in the low 20 */
 #define MK_VERBS_IMM_ID_MASK ((1u << (32 - MK_VERBS_IMM_RANK_BITS)) - 1)
 
 static struct {
@@ -99,7 +106,8 @@ static struct {
   int (*destroy_ah)(struct ibv_ah*);
   struct ibv_qp_ex* (*qp_to_qp_ex)(struct ibv_qp*);
   const char* (*wc_status_str)(enum ibv_wc_status);
-  struct ibv_qp* (*efa_create_qp_ex)(struct ibv_context*, struct ibv_qp_init_attr_ex*, struct efadv_qp_init_attr*, uint32_t);
+  struct ibv_qp* (*efa_create_qp_ex)(struct ibv_context*, struct ibv_qp_init_attr_ex*, struct efadv_qp_init_attr*,
+                                     uint32_t);
   int (*efa_query_device)(struct ibv_context*, struct efadv_device_attr*, uint32_t);
 } V;
 static pthread_once_t v_once = PTHREAD_ONCE_INIT;
@@ -111,17 +119,30 @@ static void v_load(void) {
     snprintf(v_error, sizeof v_error, "no RDMA: libibverbs.so.1 is not installed (%s)", dlerror());
     return;
   }
-  struct { void** fn; const char* name; } syms[] = {
-      {(void**)&V.get_device_list, "ibv_get_device_list"}, {(void**)&V.free_device_list, "ibv_free_device_list"},
-      {(void**)&V.get_device_name, "ibv_get_device_name"}, {(void**)&V.open_device, "ibv_open_device"},
-      {(void**)&V.close_device, "ibv_close_device"}, {(void**)&V.query_device, "ibv_query_device"},
-      {(void**)&V.query_port, "ibv_query_port"}, {(void**)&V.query_gid, "ibv_query_gid"},
-      {(void**)&V.alloc_pd, "ibv_alloc_pd"}, {(void**)&V.dealloc_pd, "ibv_dealloc_pd"},
-      {(void**)&V.create_cq, "ibv_create_cq"}, {(void**)&V.destroy_cq, "ibv_destroy_cq"},
-      {(void**)&V.create_qp, "ibv_create_qp"}, {(void**)&V.modify_qp, "ibv_modify_qp"},
-      {(void**)&V.destroy_qp, "ibv_destroy_qp"}, {(void**)&V.reg_mr, "ibv_reg_mr"},
-      {(void**)&V.dereg_mr, "ibv_dereg_mr"}, {(void**)&V.create_ah, "ibv_create_ah"},
-      {(void**)&V.destroy_ah, "ibv_destroy_ah"}, {(void**)&V.wc_status_str, "ibv_wc_status_str"},
+  struct {
+    void** fn;
+    const char* name;
+  } syms[] = {
+      {(void**)&V.get_device_list, "ibv_get_device_list"},
+      {(void**)&V.free_device_list, "ibv_free_device_list"},
+      {(void**)&V.get_device_name, "ibv_get_device_name"},
+      {(void**)&V.open_device, "ibv_open_device"},
+      {(void**)&V.close_device, "ibv_close_device"},
+      {(void**)&V.query_device, "ibv_query_device"},
+      {(void**)&V.query_port, "ibv_query_port"},
+      {(void**)&V.query_gid, "ibv_query_gid"},
+      {(void**)&V.alloc_pd, "ibv_alloc_pd"},
+      {(void**)&V.dealloc_pd, "ibv_dealloc_pd"},
+      {(void**)&V.create_cq, "ibv_create_cq"},
+      {(void**)&V.destroy_cq, "ibv_destroy_cq"},
+      {(void**)&V.create_qp, "ibv_create_qp"},
+      {(void**)&V.modify_qp, "ibv_modify_qp"},
+      {(void**)&V.destroy_qp, "ibv_destroy_qp"},
+      {(void**)&V.reg_mr, "ibv_reg_mr"},
+      {(void**)&V.dereg_mr, "ibv_dereg_mr"},
+      {(void**)&V.create_ah, "ibv_create_ah"},
+      {(void**)&V.destroy_ah, "ibv_destroy_ah"},
+      {(void**)&V.wc_status_str, "ibv_wc_status_str"},
   };
   for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++)
     if (!(*syms[i].fn = dlsym(lib, syms[i].name))) {
@@ -154,7 +175,9 @@ static int port_attr(struct ibv_context* ctx, int port, struct ibv_port_attr* at
 }
 
 static const char* link_name(const struct ibv_port_attr* a) {
-  return a->link_layer == IBV_LINK_LAYER_ETHERNET ? "RoCE" : a->link_layer == IBV_LINK_LAYER_INFINIBAND ? "InfiniBand" : "unspecified";
+  return a->link_layer == IBV_LINK_LAYER_ETHERNET     ? "RoCE"
+         : a->link_layer == IBV_LINK_LAYER_INFINIBAND ? "InfiniBand"
+                                                      : "unspecified";
 }
 
 int mk_verbs_probe(char* report, int cap) {
@@ -176,8 +199,9 @@ int mk_verbs_probe(char* report, int cap) {
         struct ibv_port_attr pa;
         if (port_attr(ctx, port, &pa) || pa.state != IBV_PORT_ACTIVE) continue;
         active++;
-        if (len < cap) len += snprintf(report + len, (size_t)(cap - len), "%s%s port %d active (%s)", active > 1 ? ", " : "",
-                                       V.get_device_name(list[d]), port, link_name(&pa));
+        if (len < cap)
+          len += snprintf(report + len, (size_t)(cap - len), "%s%s port %d active (%s)", active > 1 ? ", " : "",
+                          V.get_device_name(list[d]), port, link_name(&pa));
       }
     V.close_device(ctx);
   }
@@ -192,14 +216,17 @@ enum { REC_FLAG = 1, REC_FLUSH = 2, REC_FLUSH_ACK = 3 };
 
 typedef struct {
   uint8_t kind, flag_op;
-  uint16_t rank;     /* sender */
-  uint32_t id;       /* REC_FLAG on SRD: the write id its chunks carry; REC_FLUSH, REC_FLUSH_ACK: the flush id */
+  uint16_t rank; /* sender */
+  uint32_t id; /* REC_FLAG on SRD: the write id its chunks carry; REC_FLUSH, REC_FLUSH_ACK: the flush id */
   uint32_t flag_id;
-  uint32_t value;    /* REC_FLUSH: commands that preceded it */
-  uint32_t chunks;   /* REC_FLAG: write-with-immediate completions to await first (0 on RC) */
+  uint32_t value; /* REC_FLUSH: commands that preceded it */
+  uint32_t chunks; /* REC_FLAG: write-with-immediate completions to await first (0 on RC) */
 } vrec;
 
-typedef struct { uint64_t addr, bytes; uint32_t rkey, used; } vremote_region;
+typedef struct {
+  uint64_t addr, bytes;
+  uint32_t rkey, used;
+} vremote_region;
 
 typedef struct {
   uint32_t magic, rank, qpn, psn, qkey, efa;
@@ -209,20 +236,29 @@ typedef struct {
   vremote_region regions[MK_MAX_REGIONS];
 } vblob;
 
-typedef struct { uint32_t id, flag_id, value; int flag_op; uint64_t since; } vflush_wait;
-typedef struct { uint32_t id, chunks_seen, chunks_needed, flag_id, value; int flag_op, have_record, used; } vsrd_write;
+typedef struct {
+  uint32_t id, flag_id, value;
+  int flag_op;
+  uint64_t since;
+} vflush_wait;
+typedef struct {
+  uint32_t id, chunks_seen, chunks_needed, flag_id, value;
+  int flag_op, have_record, used;
+} vsrd_write;
 
 typedef struct {
-  struct ibv_qp* qp;     /* RC: one per peer; SRD: the shared QP */
-  struct ibv_ah* ah;     /* SRD */
+  struct ibv_qp* qp; /* RC: one per peer; SRD: the shared QP */
+  struct ibv_ah* ah; /* SRD */
   uint32_t remote_qpn, connected;
   vblob remote;
   uint32_t next_write_id, next_flush_id, commands_sent, commands_applied, in_flight;
   vflush_wait flushes[256];
   unsigned flush_head, flush_tail;
-  struct { uint32_t id, needed; } acks_owed[256]; /* flushes of the peer we answer once caught up */
+  struct {
+    uint32_t id, needed;
+  } acks_owed[256]; /* flushes of the peer we answer once caught up */
   unsigned owed_head, owed_tail;
-  vsrd_write srd[1024];  /* SRD writes whose record or chunks are still missing, by id % 1024 */
+  vsrd_write srd[1024]; /* SRD writes whose record or chunks are still missing, by id % 1024 */
 } vpeer;
 
 typedef struct {
@@ -232,7 +268,7 @@ typedef struct {
   struct ibv_qp* srd_qp;
   struct ibv_qp_ex* srd_qpx;
   struct ibv_mr* recv_mr;
-  vrec* recv_bufs;      /* SRD: MK_VERBS_RQ shared; RC: MK_VERBS_RQ_RC per peer, peer-major */
+  vrec* recv_bufs; /* SRD: MK_VERBS_RQ shared; RC: MK_VERBS_RQ_RC per peer, peer-major */
   size_t nbufs;
   uint32_t srd_in_flight; /* the SRD QP's send queue is shared by all peers */
   int port, gid_index, efa;
@@ -259,7 +295,10 @@ static uint32_t sq_room(vstate* v, int peer) {
 
 int mk_verbs_open(mk_proxy* p, const char* device, int port, int gid_index) {
   char why[MKP_MESSAGE_BYTES];
-  if (v_ready(why, sizeof why)) { mk_fail(p, MKP_ERR_LOCAL, -1, 0, "%s", why); return -1; }
+  if (v_ready(why, sizeof why)) {
+    mk_fail(p, MKP_ERR_LOCAL, -1, 0, "%s", why);
+    return -1;
+  }
   if (p->transport != MKP_TRANSPORT_VERBS || p->tstate) return -1;
   int n = 0;
   struct ibv_device** list = V.get_device_list(&n);
@@ -268,15 +307,23 @@ int mk_verbs_open(mk_proxy* p, const char* device, int port, int gid_index) {
     if (device && strcmp(device, V.get_device_name(list[d]))) continue;
     struct ibv_port_attr pa;
     ctx = V.open_device(list[d]);
-    if (ctx && (port_attr(ctx, port, &pa) || pa.state != IBV_PORT_ACTIVE)) { V.close_device(ctx); ctx = NULL; }
+    if (ctx && (port_attr(ctx, port, &pa) || pa.state != IBV_PORT_ACTIVE)) {
+      V.close_device(ctx);
+      ctx = NULL;
+    }
   }
   if (list) V.free_device_list(list);
   if (!ctx) {
-    mk_fail(p, MKP_ERR_LOCAL, -1, 0, "verbs: no device%s%s with port %d active", device ? " named " : "", device ? device : "", port);
+    mk_fail(p, MKP_ERR_LOCAL, -1, 0, "verbs: no device%s%s with port %d active", device ? " named " : "",
+            device ? device : "", port);
     return -1;
   }
   vstate* v = calloc(1, sizeof *v);
-  if (!v) { V.close_device(ctx); mk_fail(p, MKP_ERR_LOCAL, -1, 0, "verbs: out of memory"); return -1; }
+  if (!v) {
+    V.close_device(ctx);
+    mk_fail(p, MKP_ERR_LOCAL, -1, 0, "verbs: out of memory");
+    return -1;
+  }
   p->tstate = v;
   v->ctx = ctx;
   v->port = port;
@@ -286,7 +333,10 @@ int mk_verbs_open(mk_proxy* p, const char* device, int port, int gid_index) {
   v->nbufs = v->efa ? MK_VERBS_RQ : (size_t)p->nranks * MK_VERBS_RQ_RC;
   v->peers = calloc((size_t)p->nranks, sizeof *v->peers);
   v->recv_bufs = calloc(v->nbufs, sizeof(vrec));
-  if (!v->peers || !v->recv_bufs) { mk_fail(p, MKP_ERR_LOCAL, -1, 0, "verbs: out of memory"); return -1; }
+  if (!v->peers || !v->recv_bufs) {
+    mk_fail(p, MKP_ERR_LOCAL, -1, 0, "verbs: out of memory");
+    return -1;
+  }
   if (v->efa && (!(ea.device_caps & EFADV_DEVICE_ATTR_CAPS_RDMA_WRITE) || !V.efa_create_qp_ex || !V.qp_to_qp_ex)) {
     mk_fail(p, MKP_ERR_LOCAL, -1, 0, "verbs: this EFA device (or rdma-core) has no RDMA write; use transport tcp");
     return -1;
@@ -295,23 +345,37 @@ int mk_verbs_open(mk_proxy* p, const char* device, int port, int gid_index) {
   v->gid_index = gid_index >= 0 ? gid_index : 0;
   for (int i = 0; gid_index < 0 && i < 16; i++) {
     union ibv_gid g;
-    if (!V.query_gid(ctx, (uint8_t)port, i, &g) && (g.global.subnet_prefix || g.global.interface_id)) { v->gid_index = i; break; }
+    if (!V.query_gid(ctx, (uint8_t)port, i, &g) && (g.global.subnet_prefix || g.global.interface_id)) {
+      v->gid_index = i;
+      break;
+    }
   }
   V.query_gid(ctx, (uint8_t)port, v->gid_index, &v->gid);
   if (!(v->pd = V.alloc_pd(ctx))) return vfail(p, -1, 0, "ibv_alloc_pd");
-  if (!(v->cq = V.create_cq(ctx, 2 * MK_VERBS_SQ * p->nranks + MK_VERBS_RQ, NULL, NULL, 0))) return vfail(p, -1, 0, "ibv_create_cq");
-  if (!(v->recv_mr = V.reg_mr(v->pd, v->recv_bufs, v->nbufs * sizeof(vrec), IBV_ACCESS_LOCAL_WRITE))) return vfail(p, -1, 0, "ibv_reg_mr(receive buffers)");
+  if (!(v->cq = V.create_cq(ctx, 2 * MK_VERBS_SQ * p->nranks + MK_VERBS_RQ, NULL, NULL, 0)))
+    return vfail(p, -1, 0, "ibv_create_cq");
+  if (!(v->recv_mr = V.reg_mr(v->pd, v->recv_bufs, v->nbufs * sizeof(vrec), IBV_ACCESS_LOCAL_WRITE)))
+    return vfail(p, -1, 0, "ibv_reg_mr(receive buffers)");
   if (v->efa) {
     struct ibv_qp_init_attr_ex ax = {
-        .send_cq = v->cq, .recv_cq = v->cq, .qp_type = IBV_QPT_DRIVER, .pd = v->pd,
-        .cap = {.max_send_wr = MK_VERBS_SQ, .max_recv_wr = MK_VERBS_RQ, .max_send_sge = 1, .max_recv_sge = 1, .max_inline_data = sizeof(vrec)},
+        .send_cq = v->cq,
+        .recv_cq = v->cq,
+        .qp_type = IBV_QPT_DRIVER,
+        .pd = v->pd,
+        .cap = {.max_send_wr = MK_VERBS_SQ,
+                .max_recv_wr = MK_VERBS_RQ,
+                .max_send_sge = 1,
+                .max_recv_sge = 1,
+                .max_inline_data = sizeof(vrec)},
         .comp_mask = IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS,
         .send_ops_flags = IBV_QP_EX_WITH_RDMA_WRITE | IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM | IBV_QP_EX_WITH_SEND};
     struct efadv_qp_init_attr ef = {.driver_qp_type = EFADV_QP_DRIVER_TYPE_SRD};
     if (!(v->srd_qp = V.efa_create_qp_ex(ctx, &ax, &ef, sizeof ef))) return vfail(p, -1, 0, "efadv_create_qp_ex(SRD)");
     v->srd_qpx = V.qp_to_qp_ex(v->srd_qp);
-    struct ibv_qp_attr a = {.qp_state = IBV_QPS_INIT, .pkey_index = 0, .port_num = (uint8_t)port, .qkey = MK_VERBS_QKEY};
-    if (V.modify_qp(v->srd_qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_QKEY)) return vfail(p, -1, 0, "SRD QP to INIT");
+    struct ibv_qp_attr a = {
+        .qp_state = IBV_QPS_INIT, .pkey_index = 0, .port_num = (uint8_t)port, .qkey = MK_VERBS_QKEY};
+    if (V.modify_qp(v->srd_qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_QKEY))
+      return vfail(p, -1, 0, "SRD QP to INIT");
     a = (struct ibv_qp_attr){.qp_state = IBV_QPS_RTR};
     if (V.modify_qp(v->srd_qp, &a, IBV_QP_STATE)) return vfail(p, -1, 0, "SRD QP to RTR");
     a = (struct ibv_qp_attr){.qp_state = IBV_QPS_RTS, .sq_psn = 0};
@@ -343,7 +407,8 @@ static int verbs_register(mk_proxy* p, mk_region* r) {
   if (!mr) {
     mk_fail(p, MKP_ERR_LOCAL, -1, 0, "verbs: cannot register %s region (%llu bytes): %s%s",
             r->kind == MKP_REGION_CUDA ? "GPU" : "host", (unsigned long long)r->bytes, strerror(errno),
-            r->kind == MKP_REGION_CUDA ? " (neither dma-buf nor nvidia-peermem works here; use transport tcp or host)" : "");
+            r->kind == MKP_REGION_CUDA ? " (neither dma-buf nor nvidia-peermem works here; use transport tcp or host)"
+                                       : "");
     return -1;
   }
   r->transport_data = mr;
@@ -353,13 +418,26 @@ static int verbs_register(mk_proxy* p, mk_region* r) {
 static struct ibv_qp* rc_qp(mk_proxy* p, vstate* v, int peer) {
   vpeer* vp = &v->peers[peer];
   if (vp->qp) return vp->qp;
-  struct ibv_qp_init_attr ia = {.send_cq = v->cq, .recv_cq = v->cq, .qp_type = IBV_QPT_RC,
-                                .cap = {.max_send_wr = MK_VERBS_SQ, .max_recv_wr = MK_VERBS_RQ_RC, .max_send_sge = 1,
-                                        .max_recv_sge = 1, .max_inline_data = sizeof(vrec)}};
-  if (!(vp->qp = V.create_qp(v->pd, &ia))) { vfail(p, -1, 0, "ibv_create_qp(RC)"); return NULL; }
-  struct ibv_qp_attr a = {.qp_state = IBV_QPS_INIT, .pkey_index = 0, .port_num = (uint8_t)v->port,
+  struct ibv_qp_init_attr ia = {.send_cq = v->cq,
+                                .recv_cq = v->cq,
+                                .qp_type = IBV_QPT_RC,
+                                .cap = {.max_send_wr = MK_VERBS_SQ,
+                                        .max_recv_wr = MK_VERBS_RQ_RC,
+                                        .max_send_sge = 1,
+                                        .max_recv_sge = 1,
+                                        .max_inline_data = sizeof(vrec)}};
+  if (!(vp->qp = V.create_qp(v->pd, &ia))) {
+    vfail(p, -1, 0, "ibv_create_qp(RC)");
+    return NULL;
+  }
+  struct ibv_qp_attr a = {.qp_state = IBV_QPS_INIT,
+                          .pkey_index = 0,
+                          .port_num = (uint8_t)v->port,
                           .qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_LOCAL_WRITE};
-  if (V.modify_qp(vp->qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS)) { vfail(p, -1, 0, "RC QP to INIT"); return NULL; }
+  if (V.modify_qp(vp->qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS)) {
+    vfail(p, -1, 0, "RC QP to INIT");
+    return NULL;
+  }
   return vp->qp;
 }
 
@@ -370,8 +448,15 @@ int mk_verbs_local_blob(mk_proxy* p, int peer, unsigned char* out, int cap) {
   if (!v || cap < (int)sizeof(vblob) || peer < 0 || peer >= p->nranks) return -1;
   struct ibv_qp* qp = v->efa ? v->srd_qp : rc_qp(p, v, peer);
   if (!qp) return -1;
-  vblob b = {.magic = MK_VERBS_MAGIC, .rank = (uint32_t)p->rank, .qpn = qp->qp_num, .psn = 0, .qkey = MK_VERBS_QKEY,
-             .efa = (uint32_t)v->efa, .lid = v->pa.lid, .mtu = (uint8_t)v->pa.active_mtu, .link_layer = v->pa.link_layer};
+  vblob b = {.magic = MK_VERBS_MAGIC,
+             .rank = (uint32_t)p->rank,
+             .qpn = qp->qp_num,
+             .psn = 0,
+             .qkey = MK_VERBS_QKEY,
+             .efa = (uint32_t)v->efa,
+             .lid = v->pa.lid,
+             .mtu = (uint8_t)v->pa.active_mtu,
+             .link_layer = v->pa.link_layer};
   memcpy(b.gid, v->gid.raw, 16);
   for (int i = 0; i < MK_MAX_REGIONS; i++) {
     mk_region* r = &p->regions[i];
@@ -392,11 +477,14 @@ int mk_verbs_connect(mk_proxy* p, int peer, const unsigned char* blob, int len) 
   memcpy(&vp->remote, blob, sizeof vp->remote);
   vblob* b = &vp->remote;
   if (b->magic != MK_VERBS_MAGIC || b->rank != (uint32_t)peer || b->efa != (uint32_t)v->efa) {
-    mk_fail(p, MKP_ERR_PEER, peer, 0, "verbs: rank %d sent a connection blob of another kind (EFA on one side only?)", peer);
+    mk_fail(p, MKP_ERR_PEER, peer, 0, "verbs: rank %d sent a connection blob of another kind (EFA on one side only?)",
+            peer);
     return -1;
   }
-  struct ibv_ah_attr ah = {.port_num = (uint8_t)v->port, .is_global = v->pa.link_layer != IBV_LINK_LAYER_INFINIBAND || v->efa,
-                           .dlid = b->lid, .grh = {.sgid_index = (uint8_t)v->gid_index, .hop_limit = 64}};
+  struct ibv_ah_attr ah = {.port_num = (uint8_t)v->port,
+                           .is_global = v->pa.link_layer != IBV_LINK_LAYER_INFINIBAND || v->efa,
+                           .dlid = b->lid,
+                           .grh = {.sgid_index = (uint8_t)v->gid_index, .hop_limit = 64}};
   memcpy(ah.grh.dgid.raw, b->gid, 16);
   vp->remote_qpn = b->qpn;
   if (v->efa) {
@@ -405,13 +493,22 @@ int mk_verbs_connect(mk_proxy* p, int peer, const unsigned char* blob, int len) 
   } else {
     struct ibv_qp* qp = rc_qp(p, v, peer);
     if (!qp) return -1;
-    struct ibv_qp_attr a = {.qp_state = IBV_QPS_RTR, .path_mtu = b->mtu < v->pa.active_mtu ? b->mtu : v->pa.active_mtu,
-                            .dest_qp_num = b->qpn, .rq_psn = b->psn, .max_dest_rd_atomic = 1, .min_rnr_timer = 12, .ah_attr = ah};
-    if (V.modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
-                                IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER))
+    struct ibv_qp_attr a = {.qp_state = IBV_QPS_RTR,
+                            .path_mtu = b->mtu < v->pa.active_mtu ? b->mtu : v->pa.active_mtu,
+                            .dest_qp_num = b->qpn,
+                            .rq_psn = b->psn,
+                            .max_dest_rd_atomic = 1,
+                            .min_rnr_timer = 12,
+                            .ah_attr = ah};
+    if (V.modify_qp(qp, &a,
+                    IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+                        IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER))
       return vfail(p, peer, 0, "RC QP to RTR");
-    a = (struct ibv_qp_attr){.qp_state = IBV_QPS_RTS, .timeout = 14, .retry_cnt = 7, .rnr_retry = 7, .sq_psn = 0, .max_rd_atomic = 1};
-    if (V.modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC))
+    a = (struct ibv_qp_attr){
+        .qp_state = IBV_QPS_RTS, .timeout = 14, .retry_cnt = 7, .rnr_retry = 7, .sq_psn = 0, .max_rd_atomic = 1};
+    if (V.modify_qp(qp, &a,
+                    IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
+                        IBV_QP_MAX_QP_RD_ATOMIC))
       return vfail(p, peer, 0, "RC QP to RTS");
     for (uint64_t i = 0; i < MK_VERBS_RQ_RC; i++)
       if (post_recv(v, qp, peer, (uint64_t)peer * MK_VERBS_RQ_RC + i)) return vfail(p, peer, 0, "ibv_post_recv");
@@ -433,17 +530,25 @@ static int post(mk_proxy* p, vstate* v, int peer, int opcode, const void* local,
     ibv_wr_start(x);
     x->wr_id = wr_id;
     x->wr_flags = IBV_SEND_SIGNALED;
-    if (inl) ibv_wr_send(x);
-    else ibv_wr_rdma_write_imm(x, rkey, raddr, htonl(imm));
+    if (inl)
+      ibv_wr_send(x);
+    else
+      ibv_wr_rdma_write_imm(x, rkey, raddr, htonl(imm));
     ibv_wr_set_ud_addr(x, vp->ah, vp->remote_qpn, MK_VERBS_QKEY);
-    if (inl) ibv_wr_set_inline_data(x, (void*)local, bytes);
-    else ibv_wr_set_sge(x, lkey, (uint64_t)(uintptr_t)local, bytes);
+    if (inl)
+      ibv_wr_set_inline_data(x, (void*)local, bytes);
+    else
+      ibv_wr_set_sge(x, lkey, (uint64_t)(uintptr_t)local, bytes);
     if (ibv_wr_complete(x)) return vfail(p, peer, MK_CMD_WRITE, "posting to the SRD QP");
   } else {
     struct ibv_sge sge = {(uint64_t)(uintptr_t)local, bytes, lkey};
-    struct ibv_send_wr wr = {.wr_id = wr_id, .sg_list = &sge, .num_sge = 1, .opcode = (enum ibv_wr_opcode)opcode,
+    struct ibv_send_wr wr = {.wr_id = wr_id,
+                             .sg_list = &sge,
+                             .num_sge = 1,
+                             .opcode = (enum ibv_wr_opcode)opcode,
                              .send_flags = IBV_SEND_SIGNALED | (inl ? IBV_SEND_INLINE : 0),
-                             .wr.rdma = {.remote_addr = raddr, .rkey = rkey}}, *bad;
+                             .wr.rdma = {.remote_addr = raddr, .rkey = rkey}},
+                       *bad;
     if (ibv_post_send(vp->qp, &wr, &bad)) return vfail(p, peer, MK_CMD_WRITE, "ibv_post_send");
   }
   vp->in_flight++;
@@ -487,8 +592,13 @@ static int verbs_write(mk_proxy* p, const struct MkCmd* c) {
   vp->commands_sent++;
   p->peers[c->peer].writes++;
   p->peers[c->peer].bytes_sent += c->bytes;
-  return send_record(p, v, c->peer, (vrec){.kind = REC_FLAG, .flag_op = c->flag_op, .id = id, .flag_id = c->flag_id,
-                                           .value = c->flag_value, .chunks = v->efa ? chunks : 0});
+  return send_record(p, v, c->peer,
+                     (vrec){.kind = REC_FLAG,
+                            .flag_op = c->flag_op,
+                            .id = id,
+                            .flag_id = c->flag_id,
+                            .value = c->flag_value,
+                            .chunks = v->efa ? chunks : 0});
 }
 
 static int verbs_signal(mk_proxy* p, const struct MkCmd* c) {
@@ -498,8 +608,13 @@ static int verbs_signal(mk_proxy* p, const struct MkCmd* c) {
   if (!sq_room(v, c->peer)) return MK_AGAIN;
   vp->commands_sent++;
   p->peers[c->peer].signals++;
-  return send_record(p, v, c->peer, (vrec){.kind = REC_FLAG, .flag_op = c->flag_op, .id = 0, .flag_id = c->flag_id,
-                                           .value = c->flag_value, .chunks = 0});
+  return send_record(p, v, c->peer,
+                     (vrec){.kind = REC_FLAG,
+                            .flag_op = c->flag_op,
+                            .id = 0,
+                            .flag_id = c->flag_id,
+                            .value = c->flag_value,
+                            .chunks = 0});
 }
 
 static int verbs_flush(mk_proxy* p, const struct MkCmd* c) {
@@ -517,7 +632,8 @@ static int verbs_flush(mk_proxy* p, const struct MkCmd* c) {
 
 static int answer_flushes(mk_proxy* p, vstate* v, int peer) {
   vpeer* vp = &v->peers[peer];
-  while (vp->owed_tail != vp->owed_head && (int32_t)(vp->commands_applied - vp->acks_owed[vp->owed_tail % 256].needed) >= 0) {
+  while (vp->owed_tail != vp->owed_head &&
+         (int32_t)(vp->commands_applied - vp->acks_owed[vp->owed_tail % 256].needed) >= 0) {
     if (!sq_room(v, peer)) return 0; /* answered on a later pass */
     if (send_record(p, v, peer, (vrec){.kind = REC_FLUSH_ACK, .id = vp->acks_owed[vp->owed_tail % 256].id})) return -1;
     vp->owed_tail++;
@@ -534,7 +650,8 @@ static int applied(mk_proxy* p, vstate* v, int peer, int flag_op, uint32_t flag_
 /* SRD: a write completes when its record and all its chunks are in, in whichever order they came. */
 static int srd_progress(mk_proxy* p, vstate* v, int peer, uint32_t id, const vrec* rec) {
   vsrd_write* w = &v->peers[peer].srd[id % 1024];
-  if (!w->used) *w = (vsrd_write){.id = id, .used = 1};
+  if (!w->used)
+    *w = (vsrd_write){.id = id, .used = 1};
   else if (w->id != id) {
     mk_fail(p, MKP_ERR_PEER, peer, MK_CMD_WRITE, "verbs: rank %d has more than 1024 writes half-delivered", peer);
     return -1;
@@ -565,7 +682,10 @@ static int on_record(mk_proxy* p, vstate* v, const vrec* r) {
     case REC_FLAG:
       return r->chunks ? srd_progress(p, v, peer, r->id, r) : applied(p, v, peer, r->flag_op, r->flag_id, r->value);
     case REC_FLUSH:
-      if (vp->owed_head - vp->owed_tail == 256) { mk_fail(p, MKP_ERR_PEER, peer, MK_CMD_FLUSH, "verbs: rank %d sent too many FLUSHes", peer); return -1; }
+      if (vp->owed_head - vp->owed_tail == 256) {
+        mk_fail(p, MKP_ERR_PEER, peer, MK_CMD_FLUSH, "verbs: rank %d sent too many FLUSHes", peer);
+        return -1;
+      }
       vp->acks_owed[vp->owed_head % 256].id = r->id;
       vp->acks_owed[vp->owed_head++ % 256].needed = r->value;
       return answer_flushes(p, v, peer);
@@ -603,12 +723,16 @@ static int verbs_poll(mk_proxy* p, int timeout_us) {
     if (wc[i].opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
       uint32_t imm = ntohl(wc[i].imm_data);
       int from = (int)(imm >> (32 - MK_VERBS_IMM_RANK_BITS));
-      if (from >= p->nranks || !v->peers[from].connected) { mk_fail(p, MKP_ERR_PEER, from, MK_CMD_WRITE, "verbs: write from unknown rank %d", from); return -1; }
+      if (from >= p->nranks || !v->peers[from].connected) {
+        mk_fail(p, MKP_ERR_PEER, from, MK_CMD_WRITE, "verbs: write from unknown rank %d", from);
+        return -1;
+      }
       p->peers[from].bytes_received += wc[i].byte_len;
       rc = srd_progress(p, v, from, imm & MK_VERBS_IMM_ID_MASK, NULL);
     } else {
       vrec r = v->recv_bufs[slot];
-      rc = wc[i].byte_len == sizeof r ? on_record(p, v, &r) : (mk_fail(p, MKP_ERR_PEER, peer, 0, "verbs: short record"), -1);
+      rc = wc[i].byte_len == sizeof r ? on_record(p, v, &r)
+                                      : (mk_fail(p, MKP_ERR_PEER, peer, 0, "verbs: short record"), -1);
     }
     if (rc) return -1;
     if (post_recv(v, v->efa ? v->srd_qp : v->peers[peer].qp, peer, slot)) return vfail(p, -1, 0, "ibv_post_recv");
@@ -617,7 +741,8 @@ static int verbs_poll(mk_proxy* p, int timeout_us) {
   for (int r = 0; r < p->nranks; r++) {
     vpeer* vp = &v->peers[r];
     if (vp->flush_tail != vp->flush_head && now - vp->flushes[vp->flush_tail % 256].since > p->timeout_ns) {
-      mk_fail(p, MKP_ERR_TIMEOUT, r, MK_CMD_FLUSH, "verbs: rank %d did not acknowledge a FLUSH within %.1f s", r, p->timeout_ns / 1e9);
+      mk_fail(p, MKP_ERR_TIMEOUT, r, MK_CMD_FLUSH, "verbs: rank %d did not acknowledge a FLUSH within %.1f s", r,
+              p->timeout_ns / 1e9);
       return -1;
     }
     if (answer_flushes(p, v, r)) return -1;
@@ -646,6 +771,11 @@ static void verbs_destroy(mk_proxy* p) {
   p->tstate = NULL;
 }
 
-const mk_transport_ops mk_verbs_ops = {.name = "verbs", .register_region = verbs_register, .write = verbs_write,
-                                       .signal = verbs_signal, .flush = verbs_flush, .poll = verbs_poll, .destroy = verbs_destroy};
+const mk_transport_ops mk_verbs_ops = {.name = "verbs",
+                                       .register_region = verbs_register,
+                                       .write = verbs_write,
+                                       .signal = verbs_signal,
+                                       .flush = verbs_flush,
+                                       .poll = verbs_poll,
+                                       .destroy = verbs_destroy};
 #endif

@@ -25,16 +25,16 @@ struct MkAttnArgs {
   // Tiles are (batch, head, 128-query block); the scheduler's tile_counter / done_count / roles
   // serve as in the GEMM (tile_order: nullable list of tile ids in run order; num_tiles set here).
   MkGemmSched sched;
-  float* lse;            // nullable: [B, H_q, S_q] fp32, natural-log log-sum-exp of the scaled scores
+  float* lse;  // nullable: [B, H_q, S_q] fp32, natural-log log-sum-exp of the scaled scores
   int batch;
   int heads_q;
-  int heads_kv;          // heads_q is a multiple of it (grouped-query attention)
+  int heads_kv;  // heads_q is a multiple of it (grouped-query attention)
   int seq_q;
   int seq_kv;
-  unsigned int q_blocks; // ceil(seq_q / 128)
-  float scale_log2;      // softmax scale * log2(e)
-  float scale;           // softmax scale
-  MkAttnPos qpos;        // causal: positions of the queries
-  MkAttnPos kpos;        // causal: positions of the keys (ring attention: per step, in the tile)
+  unsigned int q_blocks;  // ceil(seq_q / 128)
+  float scale_log2;  // softmax scale * log2(e)
+  float scale;  // softmax scale
+  MkAttnPos qpos;  // causal: positions of the queries
+  MkAttnPos kpos;  // causal: positions of the keys (ring attention: per step, in the tile)
   // (704 bytes: a multiple of 64, the TmaDesc alignment, with no tail padding)
 };

@@ -34,12 +34,12 @@ template <int DT_, int D_, bool CAUSAL_>
 struct AttnCfg {
   static constexpr int DT = DT_, D = D_;
   static constexpr bool CAUSAL = CAUSAL_;
-  static constexpr int BM = 128, BN = 128;    // query rows per tile (64 per consumer), keys per block
+  static constexpr int BM = 128, BN = 128;  // query rows per tile (64 per consumer), keys per block
   static constexpr int STAGES = 2;
   static constexpr int RING = 2;
   static constexpr int CONSUMERS = 2;
   static constexpr int THREADS = 128 * (1 + CONSUMERS);
-  static constexpr int DCHUNKS = D / 64;      // 128-byte swizzle: TMA boxes are 64 elements wide
+  static constexpr int DCHUNKS = D / 64;  // 128-byte swizzle: TMA boxes are 64 elements wide
   static constexpr u32 Q_BYTES = BM * D * 2;
   static constexpr u32 KV_BYTES = BN * D * 2;
   static constexpr u32 O_BYTES = 64 * D * 2;  // one consumer's staging buffer
@@ -51,7 +51,8 @@ struct AttnCfg {
   static constexpr int PRODUCER_REGS = 40;
   static constexpr int CONSUMER_REGS = 232;
   MK_STATIC_ASSERT(D == 64 || D == 128, "head dim 64 or 128");
-  MK_STATIC_ASSERT(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * CONSUMERS <= mk_cta_register_pool(THREADS), "register budget");
+  MK_STATIC_ASSERT(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * CONSUMERS <= mk_cta_register_pool(THREADS),
+                   "register budget");
 };
 
 // Named barriers: 0 is __syncthreads; the ping-pong pair; one per consumer for its epilogue.
@@ -59,10 +60,10 @@ enum : u32 { MK_BAR_TURN = 1, MK_BAR_EPI = 3 };
 
 // One tile as the producer hands it to the consumers.
 struct AttnTile {
-  i32 b, h, q0;    // batch, query head, first query row
-  i32 blocks;      // key blocks to visit (0: no key visible to any row of the tile)
-  u32 id;          // MK_TILE_DONE after the last tile
-  u32 step;        // ring attention: which key/value block (0: the rank's own); 0 otherwise
+  i32 b, h, q0;  // batch, query head, first query row
+  i32 blocks;  // key blocks to visit (0: no key visible to any row of the tile)
+  u32 id;  // MK_TILE_DONE after the last tile
+  u32 step;  // ring attention: which key/value block (0: the rank's own); 0 otherwise
   u32 pad[2];
   MkAttnPos kpos;  // causal: positions of this tile's keys
 };
@@ -221,7 +222,8 @@ MK_DEV void attn_producer(const MkAttnArgs& args, const AttnSmem<Cfg>& sm, const
     const u32 qf = smem_u32(&bars->q_full);
     mbar_arrive_expect_tx(qf, Cfg::Q_BYTES);
 #pragma unroll
-    for (int c = 0; c < Cfg::DCHUNKS; ++c) tma_load_4d(sm.q() + c * (Cfg::BM * 128), &args.q, qf, 64 * c, t.q0, t.h, t.b);
+    for (int c = 0; c < Cfg::DCHUNKS; ++c)
+      tma_load_4d(sm.q() + c * (Cfg::BM * 128), &args.q, qf, 64 * c, t.q0, t.h, t.b);
     for (int j = 0; j < t.blocks; ++j, ++it) {
       const int s = it % Cfg::STAGES;
       const u32 ph = ((it / Cfg::STAGES) & 1) ^ 1;
@@ -293,7 +295,8 @@ MK_DEV void attn_epilogue(const MkAttnArgs& args, const AttnSmem<Cfg>& sm, int w
   named_bar_sync(MK_BAR_EPI + wg, 128);
   if (tid == 0) {
 #pragma unroll
-    for (int c = 0; c < Cfg::DCHUNKS; ++c) tma_store_4d(&args.o, base + c * (64 * 128), 64 * c, t.q0 + wg * 64, t.h, t.b);
+    for (int c = 0; c < Cfg::DCHUNKS; ++c)
+      tma_store_4d(&args.o, base + c * (64 * 128), 64 * c, t.q0 + wg * 64, t.h, t.b);
     bulk_commit();
   }
   if (args.lse && (lane & 3) == 0) {
@@ -368,8 +371,7 @@ MK_DEV void attn_consumer(const MkAttnArgs& args, const AttnSmem<Cfg>& sm, int w
         }
         __syncwarp();
         const int key0 = j * BN;
-        if (key0 + BN > args.seq_kv ||
-            (Cfg::CAUSAL && attn_pos(t.kpos, min(key0 + BN, args.seq_kv) - 1) > first_pos))
+        if (key0 + BN > args.seq_kv || (Cfg::CAUSAL && attn_pos(t.kpos, min(key0 + BN, args.seq_kv) - 1) > first_pos))
           attn_mask<BN, Cfg::CAUSAL>(s, key0, args.seq_kv, t.kpos, lim0, lim1);
       };
       auto pv_done = [&](int j) {  // P V of block j is complete: release V

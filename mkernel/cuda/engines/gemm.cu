@@ -46,7 +46,8 @@ __global__ void __cluster_dims__(MK_GEMM_CLUSTER, 1, 1) __launch_bounds__(384, 1
 
 // mkernel/engines/gemm.py launches with these dynamic shared memory sizes (SMEM_PLAIN, SMEM_GROUPED).
 static_assert(sizeof(GemmBars<GemmCfg<0, 0> >) == 336, "GemmBars size changed: update mkernel/engines/gemm.py");
-static_assert(sizeof(GemmBars<GemmCfg<0, 0, MK_GEMM_CLUSTER> >) == 336, "GemmBars size changed: update mkernel/engines/gemm.py");
+static_assert(sizeof(GemmBars<GemmCfg<0, 0, MK_GEMM_CLUSTER> >) == 336,
+              "GemmBars size changed: update mkernel/engines/gemm.py");
 static_assert(gemm_smem_bytes<GemmCfg<0, 0>, false>() == 230736, "update SMEM_PLAIN in mkernel/engines/gemm.py");
 static_assert(gemm_smem_bytes<GemmCfg<0, 0>, true>() == 231768, "update SMEM_GROUPED in mkernel/engines/gemm.py");
 static_assert(gemm_smem_bytes<GemmCfg<0, 0>, true>() <= 232448, "more than 227 KiB of shared memory");

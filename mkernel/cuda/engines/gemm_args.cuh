@@ -22,13 +22,13 @@ enum { MK_EPI_STORE = 0, MK_EPI_ADD = 1 };
 // The tile scheduler's device state and controls.
 struct MkGemmSched {
   const unsigned int* tile_order;  // nullable: tile ids in run order (else the built-in grouped order)
-  unsigned int* tile_counter;      // device, zero between launches: next position in the order
-  unsigned int* done_count;        // device, zero between launches: CTAs that finished
-  const unsigned int* roles;       // nullable: one MK_SCHED_* word per CTA (null: every CTA runs tiles)
-  unsigned int num_tiles;          // plain mode: tiles_m * tiles_n; grouped mode: computed on device
-  unsigned int tiles_n;            // ceil(N / 256)
-  unsigned int group_m;            // built-in order: tiles grouped this many M-tiles (or N-tiles) at a time (L2)
-  unsigned int group_n;            // built-in order: nonzero groups N-tiles instead (group_m of them), M-tile by M-tile
+  unsigned int* tile_counter;  // device, zero between launches: next position in the order
+  unsigned int* done_count;  // device, zero between launches: CTAs that finished
+  const unsigned int* roles;  // nullable: one MK_SCHED_* word per CTA (null: every CTA runs tiles)
+  unsigned int num_tiles;  // plain mode: tiles_m * tiles_n; grouped mode: computed on device
+  unsigned int tiles_n;  // ceil(N / 256)
+  unsigned int group_m;  // built-in order: tiles grouped this many M-tiles (or N-tiles) at a time (L2)
+  unsigned int group_n;  // built-in order: nonzero groups N-tiles instead (group_m of them), M-tile by M-tile
 };
 
 struct MkGemmArgs {
@@ -37,18 +37,18 @@ struct MkGemmArgs {
   TmaDesc c;  // output [rows, N], box {128 bytes of columns, 16 rows}, 128B swizzle
   MkSync sync;
   MkGemmSched sched;
-  void* c_ptr;                    // output base (direct stores of tiles cut by a group boundary)
-  const int* group_rows;          // grouped mode: device array of num_groups row counts
-  unsigned int* tile_flags;       // nullable: per-tile flag, set to the launch epoch after the tile is stored
-  unsigned int* tile_counts;      // nullable (tests): atomically counts how often each tile flag is set
-  long long ldc;                  // output row stride in elements
-  int m;                          // rows of A and C (grouped mode: the capacity of the concatenated rows)
+  void* c_ptr;  // output base (direct stores of tiles cut by a group boundary)
+  const int* group_rows;  // grouped mode: device array of num_groups row counts
+  unsigned int* tile_flags;  // nullable: per-tile flag, set to the launch epoch after the tile is stored
+  unsigned int* tile_counts;  // nullable (tests): atomically counts how often each tile flag is set
+  long long ldc;  // output row stride in elements
+  int m;  // rows of A and C (grouped mode: the capacity of the concatenated rows)
   int n;
   int k;
-  int num_groups;                 // 1 in plain mode
-  unsigned int epi_op;            // MK_EPI_STORE or MK_EPI_ADD
+  int num_groups;  // 1 in plain mode
+  unsigned int epi_op;  // MK_EPI_STORE or MK_EPI_ADD
   unsigned int pad0;
-  unsigned int pad1[2];           // explicit tail: sizeof is a multiple of 64 (the TmaDesc alignment)
+  unsigned int pad1[2];  // explicit tail: sizeof is a multiple of 64 (the TmaDesc alignment)
 };
 
 // Grouped mode: at most this many groups in one launch (per-group prefix sums live in shared memory).

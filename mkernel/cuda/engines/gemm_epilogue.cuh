@@ -82,9 +82,9 @@ MK_DEV void store2_global(void* p, float a, float b, u32 op) {
 template <int OUT, class Cfg, bool GROUPED, class Dest>
 struct MkTileEpilogue {
   static constexpr int ESIZE = OUT == MK_OUT_F32 ? 4 : 2;
-  static constexpr int CW = 128 / ESIZE;          // columns per chunk
-  static constexpr int NCHUNK = Cfg::BN / CW;     // chunks per 16 x 256 warp slice
-  static constexpr int JPC = CW / 8;              // accumulator column groups (8 wide) per chunk
+  static constexpr int CW = 128 / ESIZE;  // columns per chunk
+  static constexpr int NCHUNK = Cfg::BN / CW;  // chunks per 16 x 256 warp slice
+  static constexpr int JPC = CW / 8;  // accumulator column groups (8 wide) per chunk
   static constexpr u32 PARTS = Cfg::CONSUMERS * 4;  // one per consumer warp
 
   const MkGemmArgs& args;
@@ -131,7 +131,7 @@ struct MkTileEpilogue {
         const TmaDesc* map = dest.map(t);
         const i32 row = dest.row(t) + wrow;
         const u32 r0 = lane >> 2;  // this thread's rows in the warp's box: r0 and r0 + 8 (same r % 8)
-        const u32 x = r0;          // the swizzle of both rows
+        const u32 x = r0;  // the swizzle of both rows
         if (leader) bulk_wait_read<0>();  // the previous tile's stores of this warp have read smem
 #pragma unroll
         for (int q = 0; q < NCHUNK; ++q) {

@@ -50,16 +50,17 @@ struct GemmCfg {
   static constexpr u32 B_SLICE_BYTES = B_BYTES / CLUSTER;  // the part of B each CTA of a cluster loads
   static constexpr u32 EMPTY_ARRIVALS = CONSUMERS * 4 * CLUSTER;
   static constexpr u32 TEMPTY_ARRIVALS = CONSUMERS * 128 * CLUSTER + CLUSTER - 1;
-  static constexpr u32 C_WARP_ROWS = 16;          // the epilogue works warp by warp: 16 rows each
+  static constexpr u32 C_WARP_ROWS = 16;  // the epilogue works warp by warp: 16 rows each
   static constexpr u32 C_CHUNK_BYTES = C_WARP_ROWS * 128;  // one chunk: 16 rows x 128 B, swizzled
-  static constexpr u32 C_BUFS = 2;                // per consumer warp (double buffered)
+  static constexpr u32 C_BUFS = 2;  // per consumer warp (double buffered)
   static constexpr u32 OFF_A = 0;
   static constexpr u32 OFF_B = OFF_A + STAGES * A_BYTES;
   static constexpr u32 OFF_C = OFF_B + STAGES * B_BYTES;
   static constexpr u32 OFF_BAR = OFF_C + CONSUMERS * 4 * C_BUFS * C_CHUNK_BYTES;
   static constexpr int PRODUCER_REGS = 40;
   static constexpr int CONSUMER_REGS = 232;
-  MK_STATIC_ASSERT(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * CONSUMERS <= mk_cta_register_pool(THREADS), "register budget");
+  MK_STATIC_ASSERT(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * CONSUMERS <= mk_cta_register_pool(THREADS),
+                   "register budget");
   MK_STATIC_ASSERT(CLUSTER == 1 || CLUSTER == 2, "clusters of 1 or 2 CTAs");
 };
 
@@ -70,7 +71,7 @@ struct GemmBars {
   u64 tfull[Cfg::RING];
   u64 tempty[Cfg::RING];
   MkTile ring[Cfg::RING];
-  u32 epoch;      // this launch's epoch
+  u32 epoch;  // this launch's epoch
   u32 pad[3];
   // Stored parts of tiles (one per consumer warp), by tile sequence number % MK_JOIN_SLOTS: the
   // last warp to count its part publishes the tile flag and resets the slot. The consumers are
@@ -149,7 +150,10 @@ MK_DEV MkTileSpace<Cfg::UNIT_M> gemm_setup(const MkGemmArgs& args, const GemmSme
   if (GROUPED) {
     build_group_table<Cfg::UNIT_M>(sm.table, args.group_rows, (u32)args.num_groups, args.m, args.sched.tiles_n);
   } else {
-    if (Cfg::CLUSTER > 1) cluster_sync(); else __syncthreads();
+    if (Cfg::CLUSTER > 1)
+      cluster_sync();
+    else
+      __syncthreads();
   }
   return gemm_tile_space<Cfg>(args, GROUPED ? sm.table : nullptr);
 }
@@ -171,8 +175,8 @@ MK_DEV MkTileSpace<Cfg::UNIT_M> gemm_setup(const MkGemmArgs& args, const GemmSme
 // of B, multicast to every CTA (B's TMA box is then BN / CLUSTER rows for [N, K]). A part past M
 // (odd tiles_m) is still loaded (zeros; its B slice is the other CTAs' too) and never stored.
 template <class Cfg>
-MK_DEV void gemm_load_stage(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, const MkTile& t, i32 bi, int s,
-                            i32 k0, u32 rank) {
+MK_DEV void gemm_load_stage(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, const MkTile& t, i32 bi, int s, i32 k0,
+                            u32 rank) {
   const u32 full = smem_u32(&sm.bars->full[s]);
   mbar_arrive_expect_tx(full, Cfg::STAGE_BYTES);
   tma_load_2d(sm.a(s), &args.a, full, k0, t.m0);

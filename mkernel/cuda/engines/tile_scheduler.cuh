@@ -29,12 +29,12 @@ constexpr u32 MK_TILE_COMM = 0xFFFFFFFCu;
 
 // One tile as the producer hands it to the consumers (through the shared-memory tile ring).
 struct MkTile {
-  i32 m0;     // first row of the tile in A / C (grouped: in the concatenated rows)
-  i32 n0;     // first column
-  i32 rows;   // rows of the tile that belong to its group (<= BM); the rest are computed, never stored
+  i32 m0;  // first row of the tile in A / C (grouped: in the concatenated rows)
+  i32 n0;  // first column
+  i32 rows;  // rows of the tile that belong to its group (<= BM); the rest are computed, never stored
   i32 group;  // group index (0 in plain mode)
-  u32 id;     // tile id (flag index), MK_TILE_DONE after the last tile
-  u32 seq;    // this CTA's tile sequence number (0, 1, 2, ...), the same for every consumer
+  u32 id;  // tile id (flag index), MK_TILE_DONE after the last tile
+  u32 seq;  // this CTA's tile sequence number (0, 1, 2, ...), the same for every consumer
   u32 pad[2];
 };
 
@@ -48,12 +48,12 @@ template <int BM>
 struct MkTileSpace {
   // Plain mode: one group of m rows. Grouped: a table in shared memory.
   const MkGroupTable* table;  // null in plain mode
-  i32 m;                      // plain mode rows
+  i32 m;  // plain mode rows
   u32 tiles_n;
   u32 num_groups;
   u32 num_tiles;
   u32 group_m;
-  u32 by_n;   // the built-in order groups N-tiles (MkGemmSched::group_n)
+  u32 by_n;  // the built-in order groups N-tiles (MkGemmSched::group_n)
   i32 n;
 
   MK_DEV u32 group_of(u32 t) const {  // the group whose tile range holds t (t < num_tiles)
@@ -61,7 +61,10 @@ struct MkTileSpace {
     u32 lo = 0, hi = num_groups;  // tile_base[lo] <= t < tile_base[hi]
     while (hi - lo > 1) {
       const u32 mid = (lo + hi) >> 1;
-      if (table->tile_base[mid] <= t) lo = mid; else hi = mid;
+      if (table->tile_base[mid] <= t)
+        lo = mid;
+      else
+        hi = mid;
     }
     return lo;
   }
@@ -129,7 +132,9 @@ MK_DEV MkTile cluster_part(MkTile unit, u32 q, u32 tiles_n) {
 template <int BM>
 MK_DEV void build_group_table(MkGroupTable* tab, const int* group_rows, u32 num_groups, i32 m_cap, u32 tiles_n) {
   __syncthreads();
-  for (u32 g = threadIdx.x; g < num_groups; g += blockDim.x) tab->row_base[g + 1] = __ldcg(group_rows + g);  // parallel loads (L2: a fused op may have written them in this launch)
+  for (u32 g = threadIdx.x; g < num_groups; g += blockDim.x)
+    tab->row_base[g + 1] =
+        __ldcg(group_rows + g);  // parallel loads (L2: a fused op may have written them in this launch)
   __syncthreads();
   if (threadIdx.x == 0) {
     u32 tiles = 0;

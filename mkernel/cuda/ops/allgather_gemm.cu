@@ -105,7 +105,9 @@ MK_DEV void tp_push_cta(const TpArgs& a) {
     if (threadIdx.x == 0) {
       const u32 g = c / a.xgroup;
       int good = wait_remote_at_least(a.g.sync, a.queue, a.pflags + TP_PF_ARRIVED + j * a.xgroups + g,
-                                      launch * min(a.xgroup, chunks - g * a.xgroup), (i32)o, 0x60000u + c) ? 1 : 0;
+                                      launch * min(a.xgroup, chunks - g * a.xgroup), (i32)o, 0x60000u + c)
+                     ? 1
+                     : 0;
       for (u32 p = 0; p < L && good; ++p)
         if (p != l) good = credits_wait(a.g.sync, peers, p, E) ? 1 : 0;
       comm.ok = good;

@@ -20,9 +20,20 @@
 // resident subset of the grid finishes (docs/MOE.md "Residency"): HIST and ORDER count the chunks
 // counted and ranked, SENT and RETURNED the rows sent and returned, PLAN is step 3's verdict.
 enum {
-  MOE_CNT_HIST = 0, MOE_CNT_SENT = 1, MOE_CNT_DONE = 2, MOE_CNT_ORDER = 3, MOE_CNT_PLAN = 4, MOE_CNT_TILE = 5,
-  MOE_CNT_RET = 6, MOE_CNT_GEMM_DONE = 7, MOE_CNT_ARRIVE = 8, MOE_CNT_CLAIM_HIST = 9, MOE_CNT_CLAIM_ORDER = 10,
-  MOE_CNT_RUN = 11, MOE_CNT_RETURNED = 12, MOE_CNT_WORDS = 13
+  MOE_CNT_HIST = 0,
+  MOE_CNT_SENT = 1,
+  MOE_CNT_DONE = 2,
+  MOE_CNT_ORDER = 3,
+  MOE_CNT_PLAN = 4,
+  MOE_CNT_TILE = 5,
+  MOE_CNT_RET = 6,
+  MOE_CNT_GEMM_DONE = 7,
+  MOE_CNT_ARRIVE = 8,
+  MOE_CNT_CLAIM_HIST = 9,
+  MOE_CNT_CLAIM_ORDER = 10,
+  MOE_CNT_RUN = 11,
+  MOE_CNT_RETURNED = 12,
+  MOE_CNT_WORDS = 13
 };
 
 // MkStatus::where of the errors the kernels detect in their inputs (MK_ERR_INPUT).
@@ -32,37 +43,36 @@ struct MkMoeArgs {
   MkSync sync;
   const unsigned long long* peer_base;  // the communicator's peer_table (workspace base per rank)
   // Symmetric workspace (offsets into every rank's workspace).
-  unsigned long long counts_off;   // u32 [W][MOE_ROW_WORDS(E)]: row s, written by rank s
-  unsigned long long cflag_off;    // u32 [W]: count row s arrived (epoch)
-  unsigned long long recv_off;     // 16-bit [capacity][H]: rows received, by expert, then source, then pair
-  unsigned long long meta_off;     // u32 [capacity]: (source << 24) | (t * k + j) of each received row
-  unsigned long long rflag_off;    // u32 [W]: every row from rank s arrived (epoch)
-  unsigned long long ret_off;      // 16-bit [capacity][H]: combine: this rank's pairs' rows, at t * k + j
+  unsigned long long counts_off;  // u32 [W][MOE_ROW_WORDS(E)]: row s, written by rank s
+  unsigned long long cflag_off;  // u32 [W]: count row s arrived (epoch)
+  unsigned long long recv_off;  // 16-bit [capacity][H]: rows received, by expert, then source, then pair
+  unsigned long long meta_off;  // u32 [capacity]: (source << 24) | (t * k + j) of each received row
+  unsigned long long rflag_off;  // u32 [W]: every row from rank s arrived (epoch)
+  unsigned long long ret_off;  // 16-bit [capacity][H]: combine: this rank's pairs' rows, at t * k + j
   unsigned long long retflag_off;  // u32 [W]: every row returned by rank s arrived (epoch)
-  unsigned long long eflag_off;    // u32 [W][E_local]: every row from rank s to local expert le arrived (epoch)
+  unsigned long long eflag_off;  // u32 [W][E_local]: every row from rank s to local expert le arrived (epoch)
   // Local device memory.
-  const void* x;           // dispatch: [T, H] tokens (16-bit), row stride ldx
-  const int* topk_ids;     // [T, k] global expert ids
-  const float* topk_w;     // combine: [T, k] weights
-  void* out;               // dispatch: [capacity, H] received rows; combine: [T, H]
-  const void* y;           // combine: [capacity, H] rows to return (as received), row stride ldy
-  int* send_order;         // [capacity] scratch: this rank's pair indices in send order
-  unsigned int* esent;     // [E] scratch, zero between launches: rows sent per expert
-  unsigned int* hist;      // [chunks][E] scratch: pairs per expert in each chunk of pairs
-  int* group_rows;         // [E_local]: rows received per local expert (the grouped GEMM's counts)
-  int* received;           // [1]: rows received in all (combine reads it)
+  const void* x;  // dispatch: [T, H] tokens (16-bit), row stride ldx
+  const int* topk_ids;  // [T, k] global expert ids
+  const float* topk_w;  // combine: [T, k] weights
+  void* out;  // dispatch: [capacity, H] received rows; combine: [T, H]
+  const void* y;  // combine: [capacity, H] rows to return (as received), row stride ldy
+  int* send_order;  // [capacity] scratch: this rank's pair indices in send order
+  unsigned int* esent;  // [E] scratch, zero between launches: rows sent per expert
+  unsigned int* hist;  // [chunks][E] scratch: pairs per expert in each chunk of pairs
+  int* group_rows;  // [E_local]: rows received per local expert (the grouped GEMM's counts)
+  int* received;  // [1]: rows received in all (combine reads it)
   unsigned int* counters;  // MOE_CNT_WORDS words, zero between launches
-  long long ldx, ldo, ldy; // row strides (elements)
-  int T, H, k, E;          // this rank's tokens, hidden size, experts per token, global experts
+  long long ldx, ldo, ldy;  // row strides (elements)
+  int T, H, k, E;  // this rank's tokens, hidden size, experts per token, global experts
   int e_local, world, me, capacity;
   // Between nodes (moe_nodes.cu, docs/MOE.md "Between nodes"): the kernels above run on the node's
   // ranks (world, me, E: the node's), over virtual tokens: this rank's T, then the tokens of the
   // same-index ranks of the other nodes that it forwards (segment i: vseg[i] .. vseg[i + 1], rows at
   // xfwd + i * fwd_rows); topk_ids / topk_w are then the virtual pairs' (-1: not this node's).
   const unsigned int* vseg;  // [nseg + 1]: vseg[0] = T, vseg[nseg] = virtual tokens (written on the device)
-  const void* xfwd;          // forwarded rows (16-bit, H per row)
-  long long fwd_rows;        // rows per forwarded segment
-  int nseg;                  // forwarded segments (nodes - 1); 0 inside one node
-  int partial_out;           // combine: out is fp32 [virtual tokens, H] partials (ldo in floats)
+  const void* xfwd;  // forwarded rows (16-bit, H per row)
+  long long fwd_rows;  // rows per forwarded segment
+  int nseg;  // forwarded segments (nodes - 1); 0 inside one node
+  int partial_out;  // combine: out is fp32 [virtual tokens, H] partials (ldo in floats)
 };
-

@@ -58,8 +58,8 @@ MK_DEV void moe_returned(const MkMoeArgs& a, const MkPeers& peers, u32 mine, u32
 // Between nodes (a.nseg): over the virtual tokens, pairs of other nodes (id -1) skipped, and with
 // a.partial_out the fp32 sums are stored unrounded (moe_nodes.cu adds the nodes' partials).
 template <int DT, class Bar>
-MK_DEV void moe_weighted_sum(const MkMoeArgs& a, const MkPeers& peers, u32 part, u32 parts, u32 tid, u32 nthr,
-                             Bar bar, volatile int* slot, u32 Ep) {
+MK_DEV void moe_weighted_sum(const MkMoeArgs& a, const MkPeers& peers, u32 part, u32 parts, u32 tid, u32 nthr, Bar bar,
+                             volatile int* slot, u32 Ep) {
   const u32 lane = tid & 31, warp = tid >> 5, K = (u32)a.k;
   const u32 row_bytes = (u32)a.H * 2u;
   bar();

@@ -30,8 +30,14 @@
 
 // Wait ids (MkStatus::where) of the kernels' waits.
 enum : u32 {
-  MOE_WAIT_GRID = 0xA000u, MOE_WAIT_COUNTS = 0xA100u, MOE_WAIT_ROWS = 0xA200u, MOE_WAIT_RET = 0xA300u,
-  MOE_WAIT_ORDER = 0xA400u, MOE_WAIT_PLAN = 0xA500u, MOE_WAIT_EXPERT = 0xA600u, MOE_WAIT_COPY = 0xA700u,
+  MOE_WAIT_GRID = 0xA000u,
+  MOE_WAIT_COUNTS = 0xA100u,
+  MOE_WAIT_ROWS = 0xA200u,
+  MOE_WAIT_RET = 0xA300u,
+  MOE_WAIT_ORDER = 0xA400u,
+  MOE_WAIT_PLAN = 0xA500u,
+  MOE_WAIT_EXPERT = 0xA600u,
+  MOE_WAIT_COPY = 0xA700u,
   MOE_WAIT_TILE_STORED = 0xB0000u  // + tile id (the fused combine's wait for a GEMM tile)
 };
 
@@ -109,11 +115,11 @@ constexpr u32 MOE_SEND_RUN = 8;
 // in flight: ~1 GB/s a warp, 10-20 GB/s a CTA measured in the fused kernel's first runs).
 template <u32 CHUNK>
 struct MoeCopier {
-  u32 buf;   // shared address of buffer 0; buffer 1 follows
-  u32 bar;   // shared address of mbarrier 0 (8 bytes); mbarrier 1 follows
+  u32 buf;  // shared address of buffer 0; buffer 1 follows
+  u32 bar;  // shared address of mbarrier 0 (8 bytes); mbarrier 1 follows
   const MkSync& sync;
-  u32 k = 0;                  // pieces put so far (piece k uses buffer and mbarrier k % 2)
-  void* last_dst = nullptr;   // piece k - 1 while its store is pending, else null
+  u32 k = 0;  // pieces put so far (piece k uses buffer and mbarrier k % 2)
+  void* last_dst = nullptr;  // piece k - 1 while its store is pending, else null
   u32 last_bytes = 0;
 
   MK_DEV void store_previous() {  // piece k - 1: wait for its load, store it
@@ -147,17 +153,17 @@ template <u32 THREADS>
 struct MoeShared {
   static constexpr u32 WARPS = THREADS / 32;
   static constexpr u32 CHUNK = THREADS >= 512 ? 4096u : 8192u;  // bytes of one copier buffer
-  static constexpr u32 STAGE_BYTES = WARPS * 2u * CHUNK;         // the copiers' buffers (beside this struct)
-  u64 copy_bar[WARPS][2];          // each warp's copier mbarriers
-  u32 hist[MOE_MAX_EXPERTS];       // this CTA's pairs per expert; then the running rank per expert
-  u32 total[MOE_MAX_EXPERTS];      // this rank's pairs per expert; from step 3 on, all ranks' rows
-  u32 sbase[MOE_MAX_EXPERTS];      // first position of expert e's pairs in the send order
-  u32 rowbase[MOE_MAX_EXPERTS];    // step 3: first row of this rank's pairs to expert e at its owner
+  static constexpr u32 STAGE_BYTES = WARPS * 2u * CHUNK;  // the copiers' buffers (beside this struct)
+  u64 copy_bar[WARPS][2];  // each warp's copier mbarriers
+  u32 hist[MOE_MAX_EXPERTS];  // this CTA's pairs per expert; then the running rank per expert
+  u32 total[MOE_MAX_EXPERTS];  // this rank's pairs per expert; from step 3 on, all ranks' rows
+  u32 sbase[MOE_MAX_EXPERTS];  // first position of expert e's pairs in the send order
+  u32 rowbase[MOE_MAX_EXPERTS];  // step 3: first row of this rank's pairs to expert e at its owner
   u16 wcnt[WARPS][MOE_MAX_EXPERTS];  // a chunk's pairs per (warp, expert), then the warp's base
-  u32 vseg[MOE_MAX_NODES];         // between nodes: a.vseg (the forwarded segments' first tokens)
-  u32 mine;                        // this rank's pairs with a valid expert id
-  u32 total_me;                    // rows this rank receives
-  u32 claim;                       // the CTA's last claim (moe_claim)
+  u32 vseg[MOE_MAX_NODES];  // between nodes: a.vseg (the forwarded segments' first tokens)
+  u32 mine;  // this rank's pairs with a valid expert id
+  u32 total_me;  // rows this rank receives
+  u32 claim;  // the CTA's last claim (moe_claim)
   u32 epoch;
   int ok;
 };
@@ -316,7 +322,7 @@ MK_DEV bool moe_plan_rows(const MkMoeArgs& a, MoeShared<THREADS>& sh, const MkPe
         n += c;
         if (s < me) before += c;
       }
-      sh.total[e] = n;         // rows of expert e in all
+      sh.total[e] = n;  // rows of expert e in all
       sh.rowbase[e] = before;  // rows of expert e from ranks before this one
     }
     __syncthreads();
@@ -330,13 +336,25 @@ MK_DEV bool moe_plan_rows(const MkMoeArgs& a, MoeShared<THREADS>& sh, const MkPe
           base += n;
         }
         if (d == me) sh.total_me = base;
-        if (base > (u32)a.capacity && !err_where) { err_where = MOE_ERR_CAPACITY; err_expected = a.capacity; err_seen = base; }
+        if (base > (u32)a.capacity && !err_where) {
+          err_where = MOE_ERR_CAPACITY;
+          err_expected = a.capacity;
+          err_seen = base;
+        }
       }
       for (u32 s = 0; s < W; ++s) {
         const u32 ts = ld_cg(&counts[(u64)s * RW + MOE_ROW_T(E)]);
         const u32 bad = ld_cg(&counts[(u64)s * RW + MOE_ROW_BAD(E)]);
-        if (bad && !err_where) { err_where = MOE_ERR_EXPERT_ID; err_expected = E; err_seen = bad; }
-        if ((u64)ts * K > (u64)a.capacity && !err_where) { err_where = MOE_ERR_CAPACITY; err_expected = a.capacity; err_seen = ts * K; }
+        if (bad && !err_where) {
+          err_where = MOE_ERR_EXPERT_ID;
+          err_expected = E;
+          err_seen = bad;
+        }
+        if ((u64)ts * K > (u64)a.capacity && !err_where) {
+          err_where = MOE_ERR_CAPACITY;
+          err_expected = a.capacity;
+          err_seen = ts * K;
+        }
       }
       if (err_where) {
         if (ctas.idx == 0) record_error(a.sync, MK_ERR_INPUT, -1, err_where, err_expected, err_seen, 0);

@@ -57,8 +57,9 @@ MK_DEV u32 moe_gemm_cta(const MkMoeGemmArgs& args) {
   const u32 epoch = sm.bars->epoch;
   // The group sizes are known (and in group_rows) once the dispatch decided; thread 0 waits.
   const bool ok = __syncthreads_or(threadIdx.x == 0 &&
-                                   wait_flag(a.sync, &a.counters[MOE_CNT_PLAN], [](u32 v) { return v != 0u; },
-                                             MOE_PLAN_OK, -1, MOE_WAIT_PLAN) &&
+                                   wait_flag(
+                                       a.sync, &a.counters[MOE_CNT_PLAN], [](u32 v) { return v != 0u; }, MOE_PLAN_OK,
+                                       -1, MOE_WAIT_PLAN) &&
                                    ld_acquire_sys(&a.counters[MOE_CNT_PLAN]) == MOE_PLAN_OK) != 0;
   build_group_table<Cfg::UNIT_M>(sm.table, a.group_rows, (u32)args.g.num_groups, args.g.m, args.g.sched.tiles_n);
   MkTileSpace<Cfg::UNIT_M> space = gemm_tile_space<Cfg>(args.g, sm.table);
@@ -77,7 +78,8 @@ MK_DEV u32 moe_gemm_cta(const MkMoeGemmArgs& args) {
 }
 
 template <int DT, int BL>
-__global__ void __launch_bounds__(MOE_GEMM_THREADS, 1) mk_moe_dispatch_gemm_kernel(const __grid_constant__ MkMoeGemmArgs args) {
+__global__ void __launch_bounds__(MOE_GEMM_THREADS, 1)
+    mk_moe_dispatch_gemm_kernel(const __grid_constant__ MkMoeGemmArgs args) {
   extern __shared__ __align__(1024) u8 mk_smem[];
   const u32 ndisp = gridDim.x - (u32)args.gemm_ctas;
   MoeShared<MOE_GEMM_THREADS>& sh = *reinterpret_cast<MoeShared<MOE_GEMM_THREADS>*>(mk_smem);

@@ -35,8 +35,7 @@ constexpr u32 MOE_RET_STAGE_OFFSET = (sizeof(MoeReturnShared) + 127u) & ~127u;
 // as one row (H * 2 bytes) for row t * k + j of its source's return buffer, by the warps' bulk
 // copiers (a warp per row), the copies of one M-tile overlapping the wait for the next.
 template <class Cfg>
-MK_DEV void moe_return_rows(const MkMoeGemmArgs& args, MoeReturnShared& rs, u8* stage, const MkPeers& peers,
-                            u32 Ep) {
+MK_DEV void moe_return_rows(const MkMoeGemmArgs& args, MoeReturnShared& rs, u8* stage, const MkPeers& peers, u32 Ep) {
   const MkMoeArgs& a = args.m;
   const MkGemmArgs& g = args.g;
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -58,8 +57,7 @@ MK_DEV void moe_return_rows(const MkMoeGemmArgs& args, MoeReturnShared& rs, u8* 
   const u64 ldz_bytes = (u64)g.ldc * 2u;
   const u32 tiles_n = space.tiles_n, units = space.num_tiles / tiles_n;  // a group's tiles: M-tiles x tiles_n
   u32 mine = 0;  // rows this CTA returned
-  MoeCopier<MOE_RET_CHUNK> copier{smem_u32(stage) + warp * 2u * MOE_RET_CHUNK, smem_u32(&rs.copy_bar[warp][0]),
-                                  a.sync};
+  MoeCopier<MOE_RET_CHUNK> copier{smem_u32(stage) + warp * 2u * MOE_RET_CHUNK, smem_u32(&rs.copy_bar[warp][0]), a.sync};
   for (;;) {
     if (tid == 0) rs.claim = atomicAdd(&a.counters[MOE_CNT_RET], 1u);
     __syncthreads();
@@ -81,7 +79,8 @@ MK_DEV void moe_return_rows(const MkMoeGemmArgs& args, MoeReturnShared& rs, u8* 
         const u32 m = meta[row];
         u8* dst = peer_ptr<u8>(peers, m >> 24, a.ret_off) + (u64)(m & 0xFFFFFFu) * row_bytes;
         const u8* src = z + row * ldz_bytes;
-        for (u32 o = 0; o < row_bytes; o += MOE_RET_CHUNK) copier.put(dst + o, src + o, min(MOE_RET_CHUNK, row_bytes - o));
+        for (u32 o = 0; o < row_bytes; o += MOE_RET_CHUNK)
+          copier.put(dst + o, src + o, min(MOE_RET_CHUNK, row_bytes - o));
       }
     }
     mine += (u32)t.rows;
@@ -93,7 +92,8 @@ MK_DEV void moe_return_rows(const MkMoeGemmArgs& args, MoeReturnShared& rs, u8* 
 }
 
 template <int DT, int BL>
-__global__ void __launch_bounds__(MOE_GC_THREADS, 1) mk_moe_gemm_combine_kernel(const __grid_constant__ MkMoeGemmArgs args) {
+__global__ void __launch_bounds__(MOE_GC_THREADS, 1)
+    mk_moe_gemm_combine_kernel(const __grid_constant__ MkMoeGemmArgs args) {
   using Cfg = GemmCfg<DT, BL>;
   extern __shared__ __align__(1024) u8 mk_smem[];  // no static shared memory (see moe_dispatch_gemm.cu)
   const MkMoeArgs& a = args.m;

@@ -22,8 +22,14 @@ constexpr u32 MOE_NODE_WARPS = MOE_NODE_THREADS / 32;
 
 // Wait ids of these kernels (MkStatus::where).
 enum : u32 {
-  MOE_WAIT_NCREDIT = 0xC000u, MOE_WAIT_GCOUNT = 0xC100u, MOE_WAIT_DESC = 0xC200u, MOE_WAIT_BUNDLE_ROWS = 0xC280u,
-  MOE_WAIT_FLUSH = 0xC300u, MOE_WAIT_PFLUSH = 0xC380u, MOE_WAIT_PCREDIT = 0xC400u, MOE_WAIT_PART = 0xC500u
+  MOE_WAIT_NCREDIT = 0xC000u,
+  MOE_WAIT_GCOUNT = 0xC100u,
+  MOE_WAIT_DESC = 0xC200u,
+  MOE_WAIT_BUNDLE_ROWS = 0xC280u,
+  MOE_WAIT_FLUSH = 0xC300u,
+  MOE_WAIT_PFLUSH = 0xC380u,
+  MOE_WAIT_PCREDIT = 0xC400u,
+  MOE_WAIT_PART = 0xC500u
 };
 
 MK_DEV MkPeers node_peers(const MkMoeNodeArgs& a) { return MkPeers{a.peer_base, (u32)a.local, (u32)a.lrank}; }
@@ -142,7 +148,8 @@ MK_DEV void send_count_row(const MkMoeNodeArgs& a, const u32* s_base, const u32*
   const MkPeers peers = node_peers(a);
   u32* own = peer_ptr<u32>(peers, (u32)a.lrank, a.gcounts_off) + (u64)me * RW;
   for (u32 e = tid; e < (u32)a.E; e += MOE_NODE_THREADS) own[e] = s_hist[e];
-  if (tid < MOE_MAX_NODES) own[MOE_GROW_BUNDLE((u32)a.E, tid)] = tid < (u32)a.nodes && tid != (u32)a.node ? s_base[tid] : 0u;
+  if (tid < MOE_MAX_NODES)
+    own[MOE_GROW_BUNDLE((u32)a.E, tid)] = tid < (u32)a.nodes && tid != (u32)a.node ? s_base[tid] : 0u;
   if (tid == 0) {
     own[MOE_GROW_T((u32)a.E)] = (u32)a.T;
     own[MOE_GROW_BAD((u32)a.E)] = bad;
@@ -167,8 +174,9 @@ MK_DEV void send_count_row(const MkMoeNodeArgs& a, const u32* s_base, const u32*
       if (r / (u32)a.local == (u32)a.node) continue;
       const u64 off = a.gcounts_off + (u64)me * RW * 4u;
       *s_ok = wait_credit(a, MOE_PF_CREDIT + r, E, r, MOE_WAIT_NCREDIT + r) &&
-              queue_push(a.sync, a.queue, mk_write_cmd(r, MK_WORKSPACE_REGION, off, MK_WORKSPACE_REGION, off, RW * 4u,
-                                                       MOE_PF_GCOUNT + me, E));
+              queue_push(
+                  a.sync, a.queue,
+                  mk_write_cmd(r, MK_WORKSPACE_REGION, off, MK_WORKSPACE_REGION, off, RW * 4u, MOE_PF_GCOUNT + me, E));
     }
   __syncthreads();
 }
@@ -183,12 +191,14 @@ MK_DEV bool send_bundles(const MkMoeNodeArgs& a, const u32* s_base, u32 E) {
     if (j == node || n == 0) continue;
     const u32 r = node_rank(a, j), sg = seg_of(j, node), there = seg_of(node, j);
     if (!wait_credit(a, MOE_PF_CREDIT + r, E, r, MOE_WAIT_NCREDIT + r)) return false;
-    if (!queue_push(a.sync, a.queue, mk_write_cmd(r, MK_WORKSPACE_REGION, a.dsend_off + (u64)sg * R * desc_bytes,
-                                                  MK_WORKSPACE_REGION, a.drecv_off + (u64)there * R * desc_bytes,
-                                                  (u32)(n * desc_bytes), MOE_PF_DESC + node, E)) ||
-        !queue_push(a.sync, a.queue, mk_write_cmd(r, MK_WORKSPACE_REGION, a.xsend_off + (u64)sg * R * row_bytes,
-                                                  MK_WORKSPACE_REGION, a.xrecv_off + (u64)there * R * row_bytes,
-                                                  (u32)(n * row_bytes), MOE_PF_ROWS + node, E)))
+    if (!queue_push(
+            a.sync, a.queue,
+            mk_write_cmd(r, MK_WORKSPACE_REGION, a.dsend_off + (u64)sg * R * desc_bytes, MK_WORKSPACE_REGION,
+                         a.drecv_off + (u64)there * R * desc_bytes, (u32)(n * desc_bytes), MOE_PF_DESC + node, E)) ||
+        !queue_push(
+            a.sync, a.queue,
+            mk_write_cmd(r, MK_WORKSPACE_REGION, a.xsend_off + (u64)sg * R * row_bytes, MK_WORKSPACE_REGION,
+                         a.xrecv_off + (u64)there * R * row_bytes, (u32)(n * row_bytes), MOE_PF_ROWS + node, E)))
       return false;
   }
   return true;
@@ -210,7 +220,11 @@ MK_DEV bool check_rows(const MkMoeNodeArgs& a, u32 E) {
     u32 rows = 0;
     for (u32 s = 0; s < W; ++s)
       for (u32 e = d * El; e < (d + 1) * El; ++e) rows += ld_cg(grow(a, s) + e);
-    if (rows > cap) { where = MOE_ERR_CAPACITY; expected = cap; seen = rows; }
+    if (rows > cap) {
+      where = MOE_ERR_CAPACITY;
+      expected = cap;
+      seen = rows;
+    }
   }
   for (u32 s = 0; s < W && !where; ++s) {
     const u32* row = grow(a, s);
@@ -218,8 +232,15 @@ MK_DEV bool check_rows(const MkMoeNodeArgs& a, u32 E) {
     u32 vt = ld_cg(row + MOE_GROW_T(Ea));  // rank s's virtual tokens: its own and those it forwards
     for (u32 n = 0; n < N; ++n)
       if (n != s / L) vt += ld_cg(grow(a, n * L + s % L) + MOE_GROW_BUNDLE(Ea, s / L));
-    if (bad) { where = MOE_ERR_EXPERT_ID; expected = Ea; seen = bad; }
-    else if ((u64)vt * K > cap) { where = MOE_ERR_CAPACITY; expected = cap; seen = vt * K; }
+    if (bad) {
+      where = MOE_ERR_EXPERT_ID;
+      expected = Ea;
+      seen = bad;
+    } else if ((u64)vt * K > cap) {
+      where = MOE_ERR_CAPACITY;
+      expected = cap;
+      seen = vt * K;
+    }
   }
   if (where) record_error(a.sync, MK_ERR_INPUT, -1, where, expected, seen, 0);
   return !where;
@@ -237,7 +258,8 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_exchange_kernel(co
     if (first) {  // this rank entered the epoch: for the node's ranks and the other nodes'
       credits_announce(node_peers(a), s_epoch);
       for (u32 r = 0; r < (u32)a.world; ++r)
-        if (r / L != node) queue_push(a.sync, a.queue, mk_signal_cmd(r, MOE_PF_CREDIT + (u32)a.me, s_epoch, MK_FLAG_SET));
+        if (r / L != node)
+          queue_push(a.sync, a.queue, mk_signal_cmd(r, MOE_PF_CREDIT + (u32)a.me, s_epoch, MK_FLAG_SET));
     }
     s_bad = 0;
   }
@@ -318,7 +340,8 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_partials_kernel(co
     s_epoch = launch_epoch(a.sync);
     if (first)  // this rank's precv may be written: its previous sums are done
       for (u32 j = 0; j < N; ++j)
-        if (j != node) queue_push(a.sync, a.queue, mk_signal_cmd(node_rank(a, j), MOE_PF_PCREDIT + node, s_epoch, MK_FLAG_SET));
+        if (j != node)
+          queue_push(a.sync, a.queue, mk_signal_cmd(node_rank(a, j), MOE_PF_PCREDIT + node, s_epoch, MK_FLAG_SET));
     bool ok = *a.verdict == MOE_PLAN_OK;
     if (ok && first)  // the sums of the tokens this rank forwarded, to their sources
       for (u32 j = 0; j < N && ok; ++j) {
@@ -327,11 +350,13 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_partials_kernel(co
         if (!n) continue;
         const u32 r = node_rank(a, j);
         ok = wait_credit(a, MOE_PF_PCREDIT + j, s_epoch, r, MOE_WAIT_PCREDIT + j) &&
-             queue_push(a.sync, a.queue, mk_write_cmd(r, MK_WORKSPACE_REGION, a.part_off + (u64)a.vseg[i - 1] * part_row,
-                                                      MK_WORKSPACE_REGION, a.precv_off + (u64)seg_of(node, j) * R * part_row,
-                                                      (u32)(n * part_row), MOE_PF_PART + node, s_epoch));
+             queue_push(a.sync, a.queue,
+                        mk_write_cmd(r, MK_WORKSPACE_REGION, a.part_off + (u64)a.vseg[i - 1] * part_row,
+                                     MK_WORKSPACE_REGION, a.precv_off + (u64)seg_of(node, j) * R * part_row,
+                                     (u32)(n * part_row), MOE_PF_PART + node, s_epoch));
       }
-    const u32* own = peer_ptr<const u32>(node_peers(a), (u32)a.lrank, a.gcounts_off) + (u64)a.me * MOE_GROW_WORDS((u32)a.E);
+    const u32* own =
+        peer_ptr<const u32>(node_peers(a), (u32)a.lrank, a.gcounts_off) + (u64)a.me * MOE_GROW_WORDS((u32)a.E);
     for (u32 j = 0; j < N && ok; ++j)  // the other nodes' sums of this rank's tokens
       if (j != node && own[MOE_GROW_BUNDLE((u32)a.E, j)])
         ok = wait_pf(a, MOE_PF_PART + j, s_epoch, node_rank(a, j), MOE_WAIT_PART + j);
@@ -358,9 +383,16 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_partials_kernel(co
             if (s < 0) continue;
             src = reinterpret_cast<const float*>(precv + ((u64)sg * R + (u32)s) * part_row) + o;
           }
-          const float4 v0 = __ldcg(reinterpret_cast<const float4*>(src)), v1 = __ldcg(reinterpret_cast<const float4*>(src) + 1);
-          acc[0] += v0.x; acc[1] += v0.y; acc[2] += v0.z; acc[3] += v0.w;
-          acc[4] += v1.x; acc[5] += v1.y; acc[6] += v1.z; acc[7] += v1.w;
+          const float4 v0 = __ldcg(reinterpret_cast<const float4*>(src)),
+                       v1 = __ldcg(reinterpret_cast<const float4*>(src) + 1);
+          acc[0] += v0.x;
+          acc[1] += v0.y;
+          acc[2] += v0.z;
+          acc[3] += v0.w;
+          acc[4] += v1.x;
+          acc[5] += v1.y;
+          acc[6] += v1.z;
+          acc[7] += v1.w;
         }
         uint4 r;
         r.x = pack2<DT>(acc[0], acc[1]);

@@ -19,9 +19,15 @@
 // PCREDIT + n, PART + n, PFLUSH + n: the same for the partial sums going back.
 // Each kind has MOE_MAX_WORLD slots (ranks or nodes: at most that many).
 enum {
-  MOE_PF_CREDIT = 0, MOE_PF_GCOUNT = MOE_MAX_WORLD, MOE_PF_DESC = 2 * MOE_MAX_WORLD, MOE_PF_ROWS = 3 * MOE_MAX_WORLD,
-  MOE_PF_FLUSH = 4 * MOE_MAX_WORLD, MOE_PF_PCREDIT = 5 * MOE_MAX_WORLD, MOE_PF_PART = 6 * MOE_MAX_WORLD,
-  MOE_PF_PFLUSH = 7 * MOE_MAX_WORLD, MOE_PF_WORDS = 8 * MOE_MAX_WORLD
+  MOE_PF_CREDIT = 0,
+  MOE_PF_GCOUNT = MOE_MAX_WORLD,
+  MOE_PF_DESC = 2 * MOE_MAX_WORLD,
+  MOE_PF_ROWS = 3 * MOE_MAX_WORLD,
+  MOE_PF_FLUSH = 4 * MOE_MAX_WORLD,
+  MOE_PF_PCREDIT = 5 * MOE_MAX_WORLD,
+  MOE_PF_PART = 6 * MOE_MAX_WORLD,
+  MOE_PF_PFLUSH = 7 * MOE_MAX_WORLD,
+  MOE_PF_WORDS = 8 * MOE_MAX_WORLD
 };
 
 // Counters of one plan (zero between launches): the exchange's CTAs done staging, the CTAs done.
@@ -30,33 +36,33 @@ enum { MOE_NCNT_STAGED = 0, MOE_NCNT_DONE = 1, MOE_NCNT_ARRIVE = 2, MOE_NCNT_WOR
 struct MkMoeNodeArgs {
   MkSync sync;
   const unsigned long long* peer_base;  // the node's workspaces (the communicator's peer_table)
-  struct MkQueue queue;                 // the proxy's queue, flag ids relative to this plan's block
-  unsigned int* pflags;                 // this plan's proxy flags (mapped host memory), MOE_PF_*
+  struct MkQueue queue;  // the proxy's queue, flag ids relative to this plan's block
+  unsigned int* pflags;  // this plan's proxy flags (mapped host memory), MOE_PF_*
   // Symmetric workspace (offsets into every rank's workspace). Segment i of a [N - 1] array: the
   // i-th other node in node order.
   unsigned long long gcounts_off;  // u32 [W][MOE_GROW_WORDS(E)]: row s, written by rank s
-  unsigned long long gcflag_off;   // u32 [W]: row s of a same-node rank arrived (epoch)
-  unsigned long long xsend_off;    // 16-bit [N - 1][fwd_rows][H]: this rank's tokens for each other node
-  unsigned long long dsend_off;    // u32 [N - 1][fwd_rows][2k]: their ids there (node-local, -1: not there), weights
-  unsigned long long xrecv_off;    // 16-bit [N - 1][fwd_rows][H]: the tokens this rank forwards, per source node
-  unsigned long long drecv_off;    // u32 [N - 1][fwd_rows][2k]
-  unsigned long long part_off;     // fp32 [fwd_rows][H]: the node's weighted sums of the virtual tokens
-  unsigned long long precv_off;    // fp32 [N - 1][fwd_rows][H]: the other nodes' sums of this rank's tokens
+  unsigned long long gcflag_off;  // u32 [W]: row s of a same-node rank arrived (epoch)
+  unsigned long long xsend_off;  // 16-bit [N - 1][fwd_rows][H]: this rank's tokens for each other node
+  unsigned long long dsend_off;  // u32 [N - 1][fwd_rows][2k]: their ids there (node-local, -1: not there), weights
+  unsigned long long xrecv_off;  // 16-bit [N - 1][fwd_rows][H]: the tokens this rank forwards, per source node
+  unsigned long long drecv_off;  // u32 [N - 1][fwd_rows][2k]
+  unsigned long long part_off;  // fp32 [fwd_rows][H]: the node's weighted sums of the virtual tokens
+  unsigned long long precv_off;  // fp32 [N - 1][fwd_rows][H]: the other nodes' sums of this rank's tokens
   // Local device memory.
-  const void* x;           // [T, H] (16-bit), row stride ldx
-  const int* topk_ids;     // [T, k] global expert ids
-  const float* topk_w;     // [T, k]
-  void* out;               // partials kernel: [T, H] (16-bit), row stride ldo
-  int* vids;               // [fwd_rows * k]: the virtual pairs' node-local expert ids (-1: another node's)
-  float* vw;               // [fwd_rows * k]: their weights
-  unsigned int* vseg;      // [N]: MkMoeArgs::vseg
-  int* slots;              // [N - 1][fwd_rows]: token t's row in this rank's bundle to each other node (-1: none)
-  unsigned int* verdict;   // [1]: MOE_PLAN_OK / MOE_PLAN_FAILED of the last exchange
+  const void* x;  // [T, H] (16-bit), row stride ldx
+  const int* topk_ids;  // [T, k] global expert ids
+  const float* topk_w;  // [T, k]
+  void* out;  // partials kernel: [T, H] (16-bit), row stride ldo
+  int* vids;  // [fwd_rows * k]: the virtual pairs' node-local expert ids (-1: another node's)
+  float* vw;  // [fwd_rows * k]: their weights
+  unsigned int* vseg;  // [N]: MkMoeArgs::vseg
+  int* slots;  // [N - 1][fwd_rows]: token t's row in this rank's bundle to each other node (-1: none)
+  unsigned int* verdict;  // [1]: MOE_PLAN_OK / MOE_PLAN_FAILED of the last exchange
   unsigned int* counters;  // MOE_NCNT_WORDS, zero between launches
   long long ldx, ldo;
-  int T, H, k, E;          // this rank's tokens, hidden size, experts per token, global experts
+  int T, H, k, E;  // this rank's tokens, hidden size, experts per token, global experts
   int e_local, world, me, capacity;
   int node, nodes, local, lrank;
-  int fwd_rows;            // capacity / k: tokens of one bundle, virtual tokens of one rank
+  int fwd_rows;  // capacity / k: tokens of one bundle, virtual tokens of one rank
   int pad;
 };

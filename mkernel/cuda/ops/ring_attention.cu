@@ -59,8 +59,10 @@ MK_DEV void ring_step_done(const MkRingArgs& r, u32 step, u32 E) {
   const u32 target = 2u * r.tiles_per_step + (step + 1 < W ? 1u : 0u);
   if (atomicAdd(&r.counters[RING_CNT_STEP + step], 1u) + 1 == target && step >= 1 && step + 2 < W) {
     const u32 prev = ((u32)r.me + W - 1) % W;
-    if (r.prev_remote) queue_push(r.a.sync, r.queue, mk_signal_cmd(prev, RING_PF_FREE + step, E, MK_FLAG_SET));
-    else set_flag(ring_flags(r, prev) + RING_FLAG_FREE + step, E);
+    if (r.prev_remote)
+      queue_push(r.a.sync, r.queue, mk_signal_cmd(prev, RING_PF_FREE + step, E, MK_FLAG_SET));
+    else
+      set_flag(ring_flags(r, prev) + RING_FLAG_FREE + step, E);
   }
 }
 
@@ -118,7 +120,8 @@ struct RingMergeEpi {
       const float ln = lo * ao + l * ac;
       float* acc = r.o_acc + (((i64)t.b * S + row) * H + t.h) * D;
       const float inv = ln > 0.f ? 1.f / ln : 0.f;
-      u8* out = reinterpret_cast<u8*>(r.out) + ((i64)t.b * r.out_stride_b + (i64)row * r.out_stride_s + (i64)t.h * D) * 2;
+      u8* out =
+          reinterpret_cast<u8*>(r.out) + ((i64)t.b * r.out_stride_b + (i64)row * r.out_stride_s + (i64)t.h * D) * 2;
 #pragma unroll
       for (int j = 0; j < D / 8; ++j) {
         const int col = 8 * j + 2 * (int)(lane & 3);
@@ -129,8 +132,10 @@ struct RingMergeEpi {
           x1 += prev.y * ao;
         }
         if (!valid) continue;
-        if (last) *reinterpret_cast<u32*>(out + col * 2) = pack2<Cfg::DT>(x0 * inv, x1 * inv);
-        else *reinterpret_cast<float2*>(acc + col) = make_float2(x0, x1);
+        if (last)
+          *reinterpret_cast<u32*>(out + col * 2) = pack2<Cfg::DT>(x0 * inv, x1 * inv);
+        else
+          *reinterpret_cast<float2*>(acc + col) = make_float2(x0, x1);
       }
       if (valid && (lane & 3) == 0) {
         if (last) {
@@ -184,8 +189,9 @@ MK_DEV void ring_send_remote(const MkRingArgs& r, u32 step, u32 E, u32* s_item) 
     if (threadIdx.x == 0) {
       const u64 off = (u64)c * r.chunk_bytes;
       const u32 bytes = (u32)min((u64)r.chunk_bytes, r.kv_bytes - off);
-      queue_push(r.a.sync, r.queue, mk_write_cmd(next, 0, src + off, 0, dst + off, bytes,
-                                                 RING_PF_CHUNK + step * r.chunks + c, E, MK_FLAG_SET));
+      queue_push(
+          r.a.sync, r.queue,
+          mk_write_cmd(next, 0, src + off, 0, dst + off, bytes, RING_PF_CHUNK + step * r.chunks + c, E, MK_FLAG_SET));
       if (atomicAdd(&r.counters[RING_CNT_SENT + step], 1u) + 1 == r.chunks &&
           queue_push(r.a.sync, r.queue, mk_flush_cmd(next, RING_PF_FLUSH + step, E)) &&
           wait_remote_epoch(r.a.sync, r.queue, r.pflags + RING_PF_FLUSH + step, E, (i32)next, 0x5700u + step))
@@ -199,8 +205,8 @@ MK_DEV void ring_send_remote(const MkRingArgs& r, u32 step, u32 E, u32* s_item) 
 MK_DEV void ring_announce(const MkRingArgs& r, u32 E) {
   credits_announce(ring_peers(r), E);
   if (r.prev_remote)
-    queue_push(r.a.sync, r.queue, mk_signal_cmd(((u32)r.me + (u32)r.world - 1) % (u32)r.world, RING_PF_CREDIT, E,
-                                                MK_FLAG_SET));
+    queue_push(r.a.sync, r.queue,
+               mk_signal_cmd(((u32)r.me + (u32)r.world - 1) % (u32)r.world, RING_PF_CREDIT, E, MK_FLAG_SET));
 }
 
 // Returns true when this CTA turned to attention instead: from step 2 on, forwarding waits on the
@@ -228,16 +234,19 @@ MK_DEV bool ring_forward_cta(const MkRingArgs& r, u32 E, u32 role, u32 forwarder
     if (threadIdx.x == 0) {
       bool ok = true;
       if (step > 0)  // the block to forward is in my slot once it arrived
-        ok = wait_epoch(r.a.sync, ring_flags(r, me) + RING_FLAG_ARRIVED + step, E, (i32)ring_src(r, step), 0x5400u + step);
+        ok = wait_epoch(r.a.sync, ring_flags(r, me) + RING_FLAG_ARRIVED + step, E, (i32)ring_src(r, step),
+                        0x5400u + step);
       // The block goes into the next rank's slot (step + 1) % 2, which that rank last read at
       // step - 1 (it says so with FREE + step - 1, from step 1 on) or, for steps 0 and 1, in the
       // previous launch (its credit, waited for at step 0: it has entered this epoch).
       if (ok && step != 1 && r.next_remote) {  // its proxy flags
-        ok = step >= 2 ? wait_remote_epoch(r.a.sync, r.queue, r.pflags + RING_PF_FREE + (step - 1), E, (i32)next, 0x5500u + step)
+        ok = step >= 2 ? wait_remote_epoch(r.a.sync, r.queue, r.pflags + RING_PF_FREE + (step - 1), E, (i32)next,
+                                           0x5500u + step)
                        : wait_remote_epoch(r.a.sync, r.queue, r.pflags + RING_PF_CREDIT, E, (i32)next, 0x5500u);
       } else if (ok && step != 1) {
-        ok = step >= 2 ? wait_epoch(r.a.sync, ring_flags(r, me) + RING_FLAG_FREE + (step - 1), E, (i32)next, 0x5500u + step)
-                       : credits_wait(r.a.sync, peers, next % (u32)r.local, E);
+        ok = step >= 2
+                 ? wait_epoch(r.a.sync, ring_flags(r, me) + RING_FLAG_FREE + (step - 1), E, (i32)next, 0x5500u + step)
+                 : credits_wait(r.a.sync, peers, next % (u32)r.local, E);
       }
       s_ok = ok ? 1 : 0;
     }

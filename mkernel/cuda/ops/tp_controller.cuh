@@ -27,16 +27,18 @@
 #include "signals.cuh"
 #include "tp_args.cuh"
 
-constexpr u64 TP_CTL_WINDOW_NS = 10000;       // 10 us: ~50 tile completions at full width (~25 us tiles)
-constexpr i32 TP_CTL_STEP_MAX = 8;            // the largest move of one step (halves at reversals)
-constexpr u32 TP_CTL_HYST_PERMILLE = 125;     // no move within 12.5% of the current count
-constexpr u32 TP_CTL_STALL_PERMILLE = 300;    // a role waiting 30% of its time is starved
-constexpr u32 TP_CTL_NO_ITEM = 0xFFFFFFFFu;   // a turn that found nothing ready
+constexpr u64 TP_CTL_WINDOW_NS = 10000;  // 10 us: ~50 tile completions at full width (~25 us tiles)
+constexpr i32 TP_CTL_STEP_MAX = 8;  // the largest move of one step (halves at reversals)
+constexpr u32 TP_CTL_HYST_PERMILLE = 125;  // no move within 12.5% of the current count
+constexpr u32 TP_CTL_STALL_PERMILLE = 300;  // a role waiting 30% of its time is starved
+constexpr u32 TP_CTL_NO_ITEM = 0xFFFFFFFFu;  // a turn that found nothing ready
 
 // The comm items a lent GEMM CTA may take: RS / AR the node's reductions of this rank's blocks
 // (TP_CNT_REDUCE), AG this rank's pushes into its node (TP_CNT_PUSH).
 template <int OP>
-MK_DEV u32 tp_ctl_counter() { return OP == TP_OP_AG ? (u32)TP_CNT_PUSH : (u32)TP_CNT_REDUCE; }
+MK_DEV u32 tp_ctl_counter() {
+  return OP == TP_OP_AG ? (u32)TP_CNT_PUSH : (u32)TP_CNT_REDUCE;
+}
 template <int OP>
 MK_DEV u32 tp_ctl_items(const TpArgs& a) {
   return OP == TP_OP_AG ? (u32)a.local * (u32)a.tiles_mb : (u32)a.nodes * (u32)a.tiles_mb * (u32)a.tiles_n;
@@ -45,7 +47,9 @@ MK_DEV u32 tp_ctl_items(const TpArgs& a) {
 MK_DEV u32 ld_volatile(const u32* p) { return *reinterpret_cast<const volatile u32*>(p); }
 MK_DEV u64 ld_volatile(const u64* p) { return *reinterpret_cast<const volatile u64*>(p); }
 template <class T>
-MK_DEV void st_volatile(T* p, T v) { *reinterpret_cast<volatile T*>(p) = v; }
+MK_DEV void st_volatile(T* p, T v) {
+  *reinterpret_cast<volatile T*>(p) = v;
+}
 
 // GEMM CTA `cta` (of gemm_ctas) prefers ready comm items to its next tile.
 MK_DEV bool tp_ctl_lent(const TpArgs& a, u32 cta) {
@@ -76,8 +80,8 @@ MK_DEV void tp_ctl_turn_done(const TpArgs& a, u64 start, bool took) {
 
 // The policy's state in and out of registers, field by field (through volatile pointers to the
 // device state only, so the local copy stays in registers): only the lock holder does either.
-#define TP_CTL_FIELDS(X) X(total) X(lo) X(hi) X(n_comm) X(step_lim) X(last_dir) X(dead_extra) X(reversals) \
-  X(hyst_permille) X(stall_permille)
+#define TP_CTL_FIELDS(X) \
+  X(total) X(lo) X(hi) X(n_comm) X(step_lim) X(last_dir) X(dead_extra) X(reversals) X(hyst_permille) X(stall_permille)
 MK_DEV MkSplitCtl tp_ctl_load(const volatile MkSplitCtl* s) {
   MkSplitCtl c;
 #define TP_CTL_LOAD(f) c.f = s->f;

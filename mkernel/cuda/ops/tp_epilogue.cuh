@@ -73,12 +73,12 @@ MK_DEV MkTile tp_decode(const TpArgs& a, u32 pos) {
 // Per-CTA state of the communication work a group of threads does (shared memory; one per CTA,
 // shared by a GEMM CTA's turns and its join).
 struct TpCommShared {
-  u32 queued;    // turns the producer put in the tile ring that the consumers have not finished
-  u32 item;      // the group's claimed item (every thread of the group reads it)
+  u32 queued;  // turns the producer put in the tile ring that the consumers have not finished
+  u32 item;  // the group's claimed item (every thread of the group reads it)
   u32 credited;  // bit j: rank (j, lrank)'s remote credit for this epoch was seen (several nodes)
   u32 local_ok;  // AR: every local peer's credit was seen (their gather buffers may be written)
-  int ok;        // the group's last wait succeeded
-  u32 cta;       // a GEMM CTA's index among the GEMM CTAs (by arrival: tp_arrive)
+  int ok;  // the group's last wait succeeded
+  u32 cta;  // a GEMM CTA's index among the GEMM CTAs (by arrival: tp_arrive)
 };
 MK_DEV void tp_comm_shared_init(TpCommShared* sh) {
   sh->queued = 0;
@@ -146,7 +146,8 @@ struct TpTiles {
   MK_DEV void before_loads(const MkTile& t) const {
     if (OP != TP_OP_AG) return;
     const u32 mt = t.id / (u32)args.tiles_n;
-    const u32* flag = peer_ptr<u32>(tp_peers(args), (u32)args.lrank, args.aflag_off) + (u32)t.group * (u32)args.tiles_mb + mt;
+    const u32* flag =
+        peer_ptr<u32>(tp_peers(args), (u32)args.lrank, args.aflag_off) + (u32)t.group * (u32)args.tiles_mb + mt;
     const u64 start = tp_ctl_clock(args);
     wait_epoch(args.g.sync, flag, epoch, t.group, mt);  // on a timeout the error is recorded; go on
     tp_ctl_wait(args, &args.ctl->gemm_stall_ns, start);
@@ -202,7 +203,9 @@ using TpEpilogue = MkTileEpilogue<Cfg::DT, Cfg, false, TpDest<OP, Turn> >;
 // 16-byte global accesses. Data that peers wrote is read through L2 (.cg), never a stale L1 line.
 MK_DEV uint4 ld_cg_v4(const void* p) {
   uint4 v;
-  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p)
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
                : "memory");
   return v;
 }

@@ -92,8 +92,8 @@ MK_DEV u32 tp_arrive(const TpArgs& a) {
 // Reducer thread 0, several nodes: before the first WRITE of a launch to rank (j, lrank), its credit.
 MK_DEV bool tp_remote_credit(const TpArgs& a, u32 j, u32 E, u32* credited) {
   if ((*credited >> j) & 1u) return true;
-  const bool ok = wait_remote_epoch(a.g.sync, a.queue, a.pflags + TP_PF_CREDIT + j, E, (i32)(j * a.local + a.lrank),
-                                    0x20000u + j);
+  const bool ok =
+      wait_remote_epoch(a.g.sync, a.queue, a.pflags + TP_PF_CREDIT + j, E, (i32)(j * a.local + a.lrank), 0x20000u + j);
   *credited |= 1u << j;
   return ok;
 }
@@ -135,8 +135,8 @@ MK_DEV void tp_remote_flush(const TpArgs& a, u32 E) {
   for (u32 j = 0; j < (u32)a.nodes; ++j)
     if (j != (u32)a.node) queue_push(a.g.sync, a.queue, mk_flush_cmd(j * a.local + a.lrank, TP_PF_FLUSH + j, E));
   for (u32 j = 0; j < (u32)a.nodes; ++j)
-    if (j != (u32)a.node &&
-        !wait_remote_epoch(a.g.sync, a.queue, a.pflags + TP_PF_FLUSH + j, E, (i32)(j * a.local + a.lrank), 0x40000u + j))
+    if (j != (u32)a.node && !wait_remote_epoch(a.g.sync, a.queue, a.pflags + TP_PF_FLUSH + j, E,
+                                               (i32)(j * a.local + a.lrank), 0x40000u + j))
       return;
 }
 
@@ -155,8 +155,9 @@ struct TpTileShape {
 // Thread 0: a WRITE of one compact tile from this rank's workspace to rank (j, lrank)'s, counted in
 // its arrival counter `counter` (+ group); the launch's last one flushes.
 MK_DEV void tp_send_tile(const TpArgs& a, u32 j, u64 src_off, u64 dst_off, u32 bytes, u32 counter, u32 sends, u32 E) {
-  queue_push(a.g.sync, a.queue, mk_write_cmd(j * a.local + a.lrank, MK_WORKSPACE_REGION, src_off, MK_WORKSPACE_REGION,
-                                             dst_off, bytes, counter, 1u, MK_FLAG_ADD));
+  queue_push(a.g.sync, a.queue,
+             mk_write_cmd(j * a.local + a.lrank, MK_WORKSPACE_REGION, src_off, MK_WORKSPACE_REGION, dst_off, bytes,
+                          counter, 1u, MK_FLAG_ADD));
   if (atomicAdd(&a.counters[TP_CNT_SENT], 1u) + 1 == sends) tp_remote_flush(a, E);
 }
 
@@ -191,8 +192,8 @@ MK_DEV bool tp_reduce_ready(const TpArgs& a, u32 E, u32 item) {
   if (!it.own) return ld_acquire_sys(a.pflags + TP_PF_CREDIT + it.j) == E;
   const u32 launch = tp_launch_count(a);
   for (u32 jj = 0; jj < N; ++jj)
-    if (jj != (u32)a.node &&
-        !epoch_reached(ld_acquire_sys(tp_arrival_flag(a, TP_PF_ARRIVED, jj, it.tl)), tp_arrival_target(a, it.tl, launch)))
+    if (jj != (u32)a.node && !epoch_reached(ld_acquire_sys(tp_arrival_flag(a, TP_PF_ARRIVED, jj, it.tl)),
+                                            tp_arrival_target(a, it.tl, launch)))
       return false;
   return true;
 }
@@ -208,12 +209,12 @@ MK_DEV bool tp_reduce_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, 
   const MkPeers peers = tp_peers(a);
   const u64 ncol = (u64)a.g.n;
   const u64 blk_bytes = (u64)a.mb * ncol * 2;  // one row block of 16-bit elements
-  const u8* recv = peer_ptr<u8>(peers, l, a.recv_off);        // [L senders][N blocks][mb][n]
-  const u32* rflag = peer_ptr<u32>(peers, l, a.rflag_off);    // [L][N][tb]
-  const u8* xrecv = peer_ptr<u8>(peers, l, a.xrecv_off);      // [N][tb] compact tiles (N > 1)
-  u8* stage = peer_ptr<u8>(peers, l, a.stage_off);            // [N][tb] compact tiles (N > 1)
+  const u8* recv = peer_ptr<u8>(peers, l, a.recv_off);  // [L senders][N blocks][mb][n]
+  const u32* rflag = peer_ptr<u32>(peers, l, a.rflag_off);  // [L][N][tb]
+  const u8* xrecv = peer_ptr<u8>(peers, l, a.xrecv_off);  // [N][tb] compact tiles (N > 1)
+  u8* stage = peer_ptr<u8>(peers, l, a.stage_off);  // [N][tb] compact tiles (N > 1)
   const u32 sends = (OP == TP_OP_AR ? 2u : 1u) * (N - 1) * tb;  // WRITEs of this rank per launch
-  const u32 gathered = TP_PF_ARRIVED + N * a.xgroups;         // AR: counters of reduced tiles, by node
+  const u32 gathered = TP_PF_ARRIVED + N * a.xgroups;  // AR: counters of reduced tiles, by node
   u8* out = reinterpret_cast<u8*>(a.out);
   const TpReduceItem it(a, item);
   const u32 j = it.j, tl = it.tl;
@@ -221,9 +222,11 @@ MK_DEV bool tp_reduce_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, 
   if (tid == 0) {
     const u64 start = tp_ctl_clock(a);
     bool good = OP != TP_OP_AR || tp_local_credits(a, E, sh);
-    for (u32 s = 0; s < L && good; ++s) good = wait_epoch(a.g.sync, rflag + (s * N + j) * tb + tl, E, (i32)(n * L + s), tl);
+    for (u32 s = 0; s < L && good; ++s)
+      good = wait_epoch(a.g.sync, rflag + (s * N + j) * tb + tl, E, (i32)(n * L + s), tl);
     if (good && N > 1)
-      good = own ? tp_remote_arrivals(a, TP_PF_ARRIVED, tl, tp_launch_count(a)) : tp_remote_credit(a, j, E, &sh->credited);
+      good =
+          own ? tp_remote_arrivals(a, TP_PF_ARRIVED, tl, tp_launch_count(a)) : tp_remote_credit(a, j, E, &sh->credited);
     tp_ctl_wait(a, &a.ctl->comm_stall_ns, start);
     __threadfence();
     sh->ok = good ? 1 : 0;
@@ -247,8 +250,10 @@ MK_DEV bool tp_reduce_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, 
     }
     if (own) {  // node order; inside this node, rank order
       for (u32 jj = 0; jj < N; ++jj) {
-        if (jj == n) tp_add_partials<DT, U>(s, recv + j * blk_bytes, N * blk_bytes, L, off, vecs);
-        else tp_add_partials<DT, U>(s, xrecv + ((u64)jj * tb + tl) * TP_TILE_BYTES, 0, 1, compact, vecs);
+        if (jj == n)
+          tp_add_partials<DT, U>(s, recv + j * blk_bytes, N * blk_bytes, L, off, vecs);
+        else
+          tp_add_partials<DT, U>(s, xrecv + ((u64)jj * tb + tl) * TP_TILE_BYTES, 0, 1, compact, vecs);
       }
     } else {
       tp_add_partials<DT, U>(s, recv + j * blk_bytes, N * blk_bytes, L, off, vecs);
@@ -299,8 +304,8 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, T
   const MkPeers peers = tp_peers(a);
   const u64 ncol = (u64)a.g.n;
   const u64 blk_bytes = (u64)a.mb * ncol * 2;  // one row block of 16-bit elements
-  const u8* xgath = peer_ptr<u8>(peers, l, a.xgath_off);      // AR: [N][tb] compact reduced tiles (N > 1)
-  const u32 gathered = TP_PF_ARRIVED + N * a.xgroups;         // AR: counters of reduced tiles, by node
+  const u8* xgath = peer_ptr<u8>(peers, l, a.xgath_off);  // AR: [N][tb] compact reduced tiles (N > 1)
+  const u32 gathered = TP_PF_ARRIVED + N * a.xgroups;  // AR: counters of reduced tiles, by node
   u8* out = reinterpret_cast<u8*>(a.out);
   bool ok = true;
   // Reduce: blocks j * L + l (other nodes' first, own last).
@@ -324,9 +329,11 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, T
     const u32 jj = (n + 1 + i) % N, o = jj * L + l;
     const u32 tl = tp_block_tile(item - i * tb, (u32)a.tiles_mb, (u32)a.tiles_n);
     if (tid == 0) {
-      sh->ok = tp_local_credits(a, E, sh) &&
-               wait_remote_at_least(a.g.sync, a.queue, tp_arrival_flag(a, gathered, jj, tl),
-                                    tp_arrival_target(a, tl, launch), (i32)o, 0x50000u + tl) ? 1 : 0;
+      sh->ok =
+          tp_local_credits(a, E, sh) && wait_remote_at_least(a.g.sync, a.queue, tp_arrival_flag(a, gathered, jj, tl),
+                                                             tp_arrival_target(a, tl, launch), (i32)o, 0x50000u + tl)
+              ? 1
+              : 0;
       __threadfence();
     }
     bar();
@@ -444,24 +451,24 @@ MK_DEV void tp_partial_cta(const TpArgs& a) {
     __syncthreads();
     if (!s_ok) break;
     const u32 o = (u32)t.group, L = (u32)a.local, cols = min(256u, (u32)(ncol - (u64)t.n0)), vpr = cols / 8u;
-    u8* dst = peer_ptr<u8>(peers, o % L, a.recv_off) + (((u64)a.lrank * a.nodes + o / L) * (u64)a.mb + (u64)dest.row(t)) * ncol * 2;
+    u8* dst = peer_ptr<u8>(peers, o % L, a.recv_off) +
+              (((u64)a.lrank * a.nodes + o / L) * (u64)a.mb + (u64)dest.row(t)) * ncol * 2;
     const u8* src = reinterpret_cast<const u8*>(a.partial) + (u64)t.m0 * (u64)a.ldp * 2;
     const auto col_of = [&](u32 v, u32& r) {
       r = v / vpr;
       return (u64)t.n0 + (v - r * vpr) * 8u;
     };
-    tp_copy_vectors<TP_IN_FLIGHT>(
-        (u32)t.rows * vpr, threadIdx.x, blockDim.x,
-        [&](u32 v) {
-          u32 r;
-          const u64 col = col_of(v, r);
-          return src + ((u64)r * (u64)a.ldp + col) * 2;
-        },
-        [&](u32 v, uint4 x) {
-          u32 r;
-          const u64 col = col_of(v, r);
-          st_v4(dst + ((u64)r * ncol + col) * 2, x);
-        });
+    tp_copy_vectors<TP_IN_FLIGHT>((u32)t.rows * vpr, threadIdx.x, blockDim.x,
+                                  [&](u32 v) {
+                                    u32 r;
+                                    const u64 col = col_of(v, r);
+                                    return src + ((u64)r * (u64)a.ldp + col) * 2;
+                                  },
+                                  [&](u32 v, uint4 x) {
+                                    u32 r;
+                                    const u64 col = col_of(v, r);
+                                    st_v4(dst + ((u64)r * ncol + col) * 2, x);
+                                  });
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) set_flag(dest.flag(t), E);

@@ -20,8 +20,7 @@ MK_DEV u32 mapa_shared(u32 addr, u32 rank) {
 // Arrives on the mbarrier at local offset `bar` of CTA `rank` (this CTA included), releasing this
 // thread's earlier writes at cluster scope.
 MK_DEV void mbar_arrive_cluster(u32 bar, u32 rank) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(mapa_shared(bar, rank))
-               : "memory");
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(mapa_shared(bar, rank)) : "memory");
 }
 
 // As mbar_arrive_cluster, with the default semantics (release at CTA scope), for the hot path: a
@@ -36,8 +35,8 @@ MK_DEV void mbar_arrive_remote(u32 bar, u32 rank) {
 
 // A 16-byte store into CTA `rank`'s shared memory at local offset `addr`.
 MK_DEV void st_cluster_v4(u32 addr, u32 rank, uint4 v) {
-  asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(mapa_shared(addr, rank)), "r"(v.x),
-               "r"(v.y), "r"(v.z), "r"(v.w)
+  asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(mapa_shared(addr, rank)), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
                : "memory");
 }
 

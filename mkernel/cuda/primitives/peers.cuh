@@ -7,13 +7,13 @@
 // after word r of its own control area is at least E.
 #include "signals.cuh"
 
-constexpr u32 MK_MAX_LOCAL = 64;       // ranks per node the control area has room for
+constexpr u32 MK_MAX_LOCAL = 64;  // ranks per node the control area has room for
 constexpr u32 MK_CREDIT_WORDS = MK_MAX_LOCAL;
 
 struct MkPeers {
   const u64* base;  // workspace base of every rank of the node (the communicator's peer_table)
-  u32 size;         // ranks in the node
-  u32 me;           // this rank's index in the node
+  u32 size;  // ranks in the node
+  u32 me;  // this rank's index in the node
 };
 
 template <typename T>

@@ -25,19 +25,34 @@ constexpr u32 MK_WHERE_PROXY = 0xFFFFFF02u;
 
 MK_DEV MkCmd mk_cmd(u32 type, u32 peer, u32 flag_op, u32 flag_id, u32 flag_value) {
   MkCmd c;
-  c.seq = 0; c.type = (u8)type; c.flag_op = (u8)flag_op; c.peer = (u16)peer; c.bytes = 0; c.flag_value = flag_value;
-  c.flag_id = (u16)flag_id; c.src_region = 0; c.dst_region = 0; c.src_off_hi = 0; c.dst_off_hi = 0; c.src_off_lo = 0; c.dst_off_lo = 0;
+  c.seq = 0;
+  c.type = (u8)type;
+  c.flag_op = (u8)flag_op;
+  c.peer = (u16)peer;
+  c.bytes = 0;
+  c.flag_value = flag_value;
+  c.flag_id = (u16)flag_id;
+  c.src_region = 0;
+  c.dst_region = 0;
+  c.src_off_hi = 0;
+  c.dst_off_hi = 0;
+  c.src_off_lo = 0;
+  c.dst_off_lo = 0;
   return c;
 }
 
 // bytes from this rank's (src_region, src_off) to peer's (dst_region, dst_off); then the peer's flag_id
 // gets flag_value (MK_FLAG_SET: an epoch) or is incremented by it (MK_FLAG_ADD).
-MK_DEV MkCmd mk_write_cmd(u32 peer, u32 src_region, u64 src_off, u32 dst_region, u64 dst_off, u32 bytes,
-                          u32 flag_id, u32 flag_value, u32 flag_op = MK_FLAG_SET) {
+MK_DEV MkCmd mk_write_cmd(u32 peer, u32 src_region, u64 src_off, u32 dst_region, u64 dst_off, u32 bytes, u32 flag_id,
+                          u32 flag_value, u32 flag_op = MK_FLAG_SET) {
   MkCmd c = mk_cmd(MK_CMD_WRITE, peer, flag_op, flag_id, flag_value);
-  c.bytes = bytes; c.src_region = (u8)src_region; c.dst_region = (u8)dst_region;
-  c.src_off_hi = MK_OFFSET_HI(src_off); c.src_off_lo = MK_OFFSET_LO(src_off);
-  c.dst_off_hi = MK_OFFSET_HI(dst_off); c.dst_off_lo = MK_OFFSET_LO(dst_off);
+  c.bytes = bytes;
+  c.src_region = (u8)src_region;
+  c.dst_region = (u8)dst_region;
+  c.src_off_hi = MK_OFFSET_HI(src_off);
+  c.src_off_lo = MK_OFFSET_LO(src_off);
+  c.dst_off_hi = MK_OFFSET_HI(dst_off);
+  c.dst_off_lo = MK_OFFSET_LO(dst_off);
   return c;
 }
 
@@ -104,8 +119,10 @@ MK_DEV MkCmd queue_translate(const MkQueue& q, MkCmd c) {
   if (q.ranks) c.peer = q.ranks[c.peer];
   c.flag_id = (unsigned short)(c.flag_id + q.flag_base);
   if (c.type == MK_CMD_WRITE) {
-    const u64 src = MK_CMD_OFFSET(c.src_off_hi, c.src_off_lo) + (c.src_region == MK_WORKSPACE_REGION ? q.workspace_base : 0);
-    const u64 dst = MK_CMD_OFFSET(c.dst_off_hi, c.dst_off_lo) + (c.dst_region == MK_WORKSPACE_REGION ? q.workspace_base : 0);
+    const u64 src =
+        MK_CMD_OFFSET(c.src_off_hi, c.src_off_lo) + (c.src_region == MK_WORKSPACE_REGION ? q.workspace_base : 0);
+    const u64 dst =
+        MK_CMD_OFFSET(c.dst_off_hi, c.dst_off_lo) + (c.dst_region == MK_WORKSPACE_REGION ? q.workspace_base : 0);
     c.src_off_hi = MK_OFFSET_HI(src);
     c.src_off_lo = MK_OFFSET_LO(src);
     c.dst_off_hi = MK_OFFSET_HI(dst);
@@ -155,10 +172,12 @@ MK_DEV bool queue_push_warp(const MkSync& s, const MkQueue& q, const MkCmd& c, b
 // Waits for a flag a peer's proxy sets (in mapped host memory) to satisfy done(); gives up,
 // recording it, when the proxy reports a failure instead of waiting out the timeout.
 template <typename Done>
-MK_DEV bool wait_remote(const MkSync& s, const MkQueue& q, const u32* flag, Done done, u32 expected, i32 peer, u32 where) {
+MK_DEV bool wait_remote(const MkSync& s, const MkQueue& q, const u32* flag, Done done, u32 expected, i32 peer,
+                        u32 where) {
   const u32* proxy_error = &q.header->error;
-  const bool ok = wait_flag(s, flag, [done, proxy_error](u32 v) { return done(v) || ld_relaxed_sys(proxy_error) != 0; },
-                            expected, peer, where);
+  const bool ok = wait_flag(
+      s, flag, [done, proxy_error](u32 v) { return done(v) || ld_relaxed_sys(proxy_error) != 0; }, expected, peer,
+      where);
   if (!ok) return false;
   if (done(ld_acquire_sys(flag))) return true;
   record_proxy_error(s, q, peer, MK_WHERE_PROXY, expected);

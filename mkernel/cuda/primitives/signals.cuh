@@ -27,14 +27,31 @@ MK_DEV bool error_recorded(const MkSync& s) { return ld_relaxed_sys(&s.status->c
 MK_DEV void record_error(const MkSync& s, u32 code, i32 peer, u32 where, u32 expected, u32 seen, u64 waited) {
   if (atomicCAS(&s.status->code, MK_ERR_NONE, code) != MK_ERR_NONE) return;
   MkStatus st;
-  st.code = code; st.op = s.op; st.rank = s.rank; st.peer = peer; st.where = where;
-  st.expected = expected; st.seen = seen; st.pad = 0; st.waited_ns = waited;
-  s.status->op = st.op; s.status->rank = st.rank; s.status->peer = st.peer; s.status->where = st.where;
-  s.status->expected = expected; s.status->seen = seen; s.status->waited_ns = waited;
+  st.code = code;
+  st.op = s.op;
+  st.rank = s.rank;
+  st.peer = peer;
+  st.where = where;
+  st.expected = expected;
+  st.seen = seen;
+  st.pad = 0;
+  st.waited_ns = waited;
+  s.status->op = st.op;
+  s.status->rank = st.rank;
+  s.status->peer = st.peer;
+  s.status->where = st.where;
+  s.status->expected = expected;
+  s.status->seen = seen;
+  s.status->waited_ns = waited;
   if (s.status_host) {
     volatile MkStatus* h = s.status_host;
-    h->op = st.op; h->rank = st.rank; h->peer = st.peer; h->where = st.where;
-    h->expected = expected; h->seen = seen; h->waited_ns = waited;
+    h->op = st.op;
+    h->rank = st.rank;
+    h->peer = st.peer;
+    h->where = st.where;
+    h->expected = expected;
+    h->seen = seen;
+    h->waited_ns = waited;
     __threadfence_system();
     h->code = code;  // published last: the host reads code first
     __threadfence_system();

@@ -39,12 +39,12 @@ MK_SPLIT_FN i32 mk_split_iabs(i32 x) { return x < 0 ? -x : x; }
 // gemm(g) = gemm_sm_ns / g (ideal SM scaling) and comm(n) = bytes / min(n * cta_rate, link_rate).
 // Ties go to the smallest n (past link saturation more CTAs only slow the GEMM). Rates in bytes per us.
 struct MkSplitModel {
-  u64 comm_bytes;         // bytes this rank moves (or pulls) in the op
-  u64 cta_bytes_per_us;   // one comm CTA's rate (pulling: half the pushing rate)
+  u64 comm_bytes;  // bytes this rank moves (or pulls) in the op
+  u64 cta_bytes_per_us;  // one comm CTA's rate (pulling: half the pushing rate)
   u64 link_bytes_per_us;  // saturated link rate
-  u64 gemm_sm_ns;         // GEMM time at full width times the SMs it had (SM-ns of work)
-  i32 total;              // CTAs in both roles
-  i32 lo, hi;             // bounds on comm CTAs
+  u64 gemm_sm_ns;  // GEMM time at full width times the SMs it had (SM-ns of work)
+  i32 total;  // CTAs in both roles
+  i32 lo, hi;  // bounds on comm CTAs
   i32 pad;
 };
 
@@ -63,7 +63,10 @@ MK_SPLIT_FN i32 mk_split_prior(const MkSplitModel& m) {
   u64 best_ns = mk_split_model_ns(m, m.lo);
   for (i32 n = m.lo + 1; n <= hi; ++n) {
     const u64 t = mk_split_model_ns(m, n);
-    if (t < best_ns) { best_ns = t; best = n; }
+    if (t < best_ns) {
+      best_ns = t;
+      best = n;
+    }
   }
   return best;
 }
@@ -72,10 +75,10 @@ MK_SPLIT_FN i32 mk_split_prior(const MkSplitModel& m) {
 // One window of counters, summed over the CTAs of each role (device: mk_split_window from the TP
 // kernels' claim counters and atomics, read and cleared by the thread that steps the controller).
 struct MkSplitWindow {
-  u64 gemm_done, comm_done;          // tasks (tiles / reduction items) finished in the window
-  u64 gemm_busy_ns, comm_busy_ns;    // CTA-ns spent on those tasks
+  u64 gemm_done, comm_done;  // tasks (tiles / reduction items) finished in the window
+  u64 gemm_busy_ns, comm_busy_ns;  // CTA-ns spent on those tasks
   u64 gemm_stall_ns, comm_stall_ns;  // CTA-ns spent waiting: GEMM on credits / arrivals, comm on flags
-  u64 gemm_left, comm_left;          // tasks not yet claimed
+  u64 gemm_left, comm_left;  // tasks not yet claimed
 };
 
 // A window as the fused kernels count it: its length, the role sizes, the CTA-ns GEMM CTAs spent on
@@ -101,15 +104,15 @@ MK_SPLIT_FN MkSplitWindow mk_split_window(u64 dt_ns, i32 gemm_ctas, i32 comm_cta
 }
 
 struct MkSplitCtl {
-  i32 total;          // CTAs in both roles
-  i32 lo, hi;         // bounds on comm CTAs
-  i32 n_comm;         // current comm CTAs
-  i32 step_lim;       // the largest move of one step; halves at each direction reversal
-  i32 last_dir;       // -1, 0, +1: the direction of the last move
-  i32 dead_extra;     // hysteresis added by reversals once step_lim is 1
-  i32 reversals;      // direction reversals so far (diagnostics and tests)
+  i32 total;  // CTAs in both roles
+  i32 lo, hi;  // bounds on comm CTAs
+  i32 n_comm;  // current comm CTAs
+  i32 step_lim;  // the largest move of one step; halves at each direction reversal
+  i32 last_dir;  // -1, 0, +1: the direction of the last move
+  i32 dead_extra;  // hysteresis added by reversals once step_lim is 1
+  i32 reversals;  // direction reversals so far (diagnostics and tests)
   u32 hyst_permille;  // no move while |target - n| <= n * hyst / 1000 + dead_extra
-  u32 stall_permille; // a role waiting this share of its time is starved: more CTAs cannot help it
+  u32 stall_permille;  // a role waiting this share of its time is starved: more CTAs cannot help it
 };
 
 MK_SPLIT_FN void mk_split_ctl_init(MkSplitCtl& c, i32 total, i32 lo, i32 hi, i32 n_comm, i32 step_max,
@@ -131,7 +134,10 @@ MK_SPLIT_FN void mk_split_ctl_init(MkSplitCtl& c, i32 total, i32 lo, i32 hi, i32
 MK_SPLIT_FN i32 mk_split_balance(const MkSplitCtl& c, const MkSplitWindow& w) {
   u64 wg = w.gemm_left * (w.gemm_busy_ns / w.gemm_done + 1);
   u64 wc = w.comm_left * (w.comm_busy_ns / w.comm_done + 1);
-  while (wg >= (1ull << 40) || wc >= (1ull << 40)) { wg >>= 1; wc >>= 1; }  // total * W stays in 64 bits
+  while (wg >= (1ull << 40) || wc >= (1ull << 40)) {
+    wg >>= 1;
+    wc >>= 1;
+  }  // total * W stays in 64 bits
   const u64 sum = wg + wc;
   if (sum == 0) return c.n_comm;
   return (i32)(((u64)c.total * wc + sum / 2) / sum);
@@ -168,8 +174,10 @@ MK_SPLIT_FN i32 mk_split_ctl_step(MkSplitCtl& c, const MkSplitWindow& w) {
   const i32 dir = delta > 0 ? 1 : -1;
   if (c.last_dir != 0 && dir != c.last_dir) {
     ++c.reversals;
-    if (c.step_lim > 1) c.step_lim >>= 1;
-    else if (c.dead_extra < c.hi - c.lo) ++c.dead_extra;
+    if (c.step_lim > 1)
+      c.step_lim >>= 1;
+    else if (c.dead_extra < c.hi - c.lo)
+      ++c.dead_extra;
   }
   i32 move = (mk_split_iabs(delta) + 1) / 2;  // half way: a damped approach, never past the target
   if (move > c.step_lim) move = c.step_lim;
@@ -188,23 +196,23 @@ struct MkSplitPoint {
 };
 
 struct MkSplitSearch {
-  u32 version;           // MK_SPLIT_VERSION (persisted states of another version are discarded)
-  i32 lo, hi;            // bounds on comm CTAs
-  i32 phase;             // MK_SS_*
-  i32 pending;           // the count the next call runs
-  i32 best;              // the incumbent
-  i32 a, b;              // the bracket known to hold the optimum (unimodal curves)
-  i32 step;              // expansion step
-  i32 confirms;          // re-measurements done in CONFIRM
-  u32 observations;      // observations since the search (re)opened
+  u32 version;  // MK_SPLIT_VERSION (persisted states of another version are discarded)
+  i32 lo, hi;  // bounds on comm CTAs
+  i32 phase;  // MK_SS_*
+  i32 pending;  // the count the next call runs
+  i32 best;  // the incumbent
+  i32 a, b;  // the bracket known to hold the optimum (unimodal curves)
+  i32 step;  // expansion step
+  i32 confirms;  // re-measurements done in CONFIRM
+  u32 observations;  // observations since the search (re)opened
   u32 npts;
-  u32 drift;             // HOLD: consecutive calls far from ref_ns
-  u32 max_obs;           // the search holds after this many observations, whatever remains
-  u32 reopen_permille;   // HOLD: a call this far from ref_ns counts as drift
-  u32 reopen_calls;      // ... and this many in a row re-open the search
-  u64 ref_ns;            // HOLD: the incumbent's mean when the search converged
-  u32 reopens;           // diagnostics
-  i32 prior;             // the count the search (re)opened at
+  u32 drift;  // HOLD: consecutive calls far from ref_ns
+  u32 max_obs;  // the search holds after this many observations, whatever remains
+  u32 reopen_permille;  // HOLD: a call this far from ref_ns counts as drift
+  u32 reopen_calls;  // ... and this many in a row re-open the search
+  u64 ref_ns;  // HOLD: the incumbent's mean when the search converged
+  u32 reopens;  // diagnostics
+  i32 prior;  // the count the search (re)opened at
   MkSplitPoint pts[MK_SPLIT_MAX_POINTS];
 };
 
@@ -227,11 +235,16 @@ MK_SPLIT_FN void mk_split_search_init(MkSplitSearch& s, i32 lo, i32 hi, i32 prio
   s.ref_ns = 0;
   s.reopens = 0;
   s.prior = s.pending;
-  for (i32 i = 0; i < MK_SPLIT_MAX_POINTS; ++i) { s.pts[i].n = -1; s.pts[i].count = 0; s.pts[i].sum_ns = 0; }
+  for (i32 i = 0; i < MK_SPLIT_MAX_POINTS; ++i) {
+    s.pts[i].n = -1;
+    s.pts[i].count = 0;
+    s.pts[i].sum_ns = 0;
+  }
 }
 
 MK_SPLIT_FN i32 mk_split_search_find(const MkSplitSearch& s, i32 n) {
-  for (u32 i = 0; i < s.npts; ++i) if (s.pts[i].n == n) return (i32)i;
+  for (u32 i = 0; i < s.npts; ++i)
+    if (s.pts[i].n == n) return (i32)i;
   return -1;
 }
 
@@ -264,7 +277,10 @@ MK_SPLIT_FN i32 mk_split_search_argmin(const MkSplitSearch& s) {
   for (u32 i = 0; i < s.npts; ++i) {
     if (!s.pts[i].count) continue;
     const u64 m = s.pts[i].sum_ns / s.pts[i].count;
-    if (m < best_ns || (m == best_ns && s.pts[i].n < best)) { best_ns = m; best = s.pts[i].n; }
+    if (m < best_ns || (m == best_ns && s.pts[i].n < best)) {
+      best_ns = m;
+      best = s.pts[i].n;
+    }
   }
   return best;
 }
@@ -276,7 +292,10 @@ MK_SPLIT_FN i32 mk_split_search_challenger(const MkSplitSearch& s) {
   for (u32 i = 0; i < s.npts; ++i) {
     if (!s.pts[i].count || s.pts[i].n == s.best) continue;
     const u64 m = s.pts[i].sum_ns / s.pts[i].count;
-    if (m < c_ns || (m == c_ns && s.pts[i].n < c)) { c_ns = m; c = s.pts[i].n; }
+    if (m < c_ns || (m == c_ns && s.pts[i].n < c)) {
+      c_ns = m;
+      c = s.pts[i].n;
+    }
   }
   return c;
 }
@@ -297,12 +316,22 @@ MK_SPLIT_FN void mk_split_search_refine(MkSplitSearch& s) {
     if (left <= 1 && right <= 1) break;
     const i32 x = right >= left ? s.best + (right + 1) / 2 : s.best - (left + 1) / 2;
     const u64 fx = mk_split_search_mean(s, x);
-    if (fx == ~0ull) { s.phase = MK_SS_REFINE; s.pending = x; return; }
+    if (fx == ~0ull) {
+      s.phase = MK_SS_REFINE;
+      s.pending = x;
+      return;
+    }
     if (fx < mk_split_search_mean(s, s.best)) {
-      if (x > s.best) s.a = s.best; else s.b = s.best;
+      if (x > s.best)
+        s.a = s.best;
+      else
+        s.b = s.best;
       s.best = x;
     } else {
-      if (x > s.best) s.b = x; else s.a = x;
+      if (x > s.best)
+        s.b = x;
+      else
+        s.a = x;
     }
   }
   s.phase = MK_SS_CONFIRM;
@@ -339,17 +368,26 @@ MK_SPLIT_FN i32 mk_split_search_observe(MkSplitSearch& s, i32 n, u64 ns) {
       s.step = mk_split_search_step0(n);
       s.a = s.lo;
       s.b = s.hi;
-      if (n >= s.hi) { s.phase = MK_SS_DOWN; s.pending = mk_split_clamp(n - s.step, s.lo, s.hi); }
-      else { s.phase = MK_SS_UP; s.pending = mk_split_clamp(n + s.step, s.lo, s.hi); }
+      if (n >= s.hi) {
+        s.phase = MK_SS_DOWN;
+        s.pending = mk_split_clamp(n - s.step, s.lo, s.hi);
+      } else {
+        s.phase = MK_SS_UP;
+        s.pending = mk_split_clamp(n + s.step, s.lo, s.hi);
+      }
       if (s.pending == n) mk_split_search_hold(s);  // lo == hi
       break;
     case MK_SS_UP:
       if (fn < fb) {  // better: the optimum is above the old incumbent
         s.a = s.best;
         s.best = n;
-        s.step = s.step * 3 / 2 > s.step ? s.step * 3 / 2 : s.step + 1;  // grow, but gently: far probes on a flat side waste calls
-        if (n >= s.hi) { s.b = s.hi; mk_split_search_refine(s); }
-        else s.pending = mk_split_clamp(n + s.step, s.lo, s.hi);
+        s.step = s.step * 3 / 2 > s.step ? s.step * 3 / 2
+                                         : s.step + 1;  // grow, but gently: far probes on a flat side waste calls
+        if (n >= s.hi) {
+          s.b = s.hi;
+          mk_split_search_refine(s);
+        } else
+          s.pending = mk_split_clamp(n + s.step, s.lo, s.hi);
       } else {
         s.b = n;
         if (s.best == s.prior && s.observations == 2 && s.best > s.lo) {
@@ -367,9 +405,13 @@ MK_SPLIT_FN i32 mk_split_search_observe(MkSplitSearch& s, i32 n, u64 ns) {
       if (fn < fb) {
         s.b = s.best;
         s.best = n;
-        s.step = s.step * 3 / 2 > s.step ? s.step * 3 / 2 : s.step + 1;  // grow, but gently: far probes on a flat side waste calls
-        if (n <= s.lo) { s.a = s.lo; mk_split_search_refine(s); }
-        else s.pending = mk_split_clamp(n - s.step, s.lo, s.hi);
+        s.step = s.step * 3 / 2 > s.step ? s.step * 3 / 2
+                                         : s.step + 1;  // grow, but gently: far probes on a flat side waste calls
+        if (n <= s.lo) {
+          s.a = s.lo;
+          mk_split_search_refine(s);
+        } else
+          s.pending = mk_split_clamp(n - s.step, s.lo, s.hi);
       } else {
         s.a = n;
         mk_split_search_refine(s);
@@ -377,10 +419,16 @@ MK_SPLIT_FN i32 mk_split_search_observe(MkSplitSearch& s, i32 n, u64 ns) {
       break;
     case MK_SS_REFINE:
       if (fn < fb) {
-        if (n > s.best) s.a = s.best; else s.b = s.best;
+        if (n > s.best)
+          s.a = s.best;
+        else
+          s.b = s.best;
         s.best = n;
       } else {
-        if (n > s.best) s.b = n; else s.a = n;
+        if (n > s.best)
+          s.b = n;
+        else
+          s.a = n;
       }
       mk_split_search_refine(s);
       break;
@@ -389,8 +437,10 @@ MK_SPLIT_FN i32 mk_split_search_observe(MkSplitSearch& s, i32 n, u64 ns) {
       // the best other point once, and hold at the lower mean.
       ++s.confirms;
       const i32 c = s.confirms == 1 ? mk_split_search_challenger(s) : -1;
-      if (c >= 0) s.pending = c;
-      else mk_split_search_hold(s);
+      if (c >= 0)
+        s.pending = c;
+      else
+        mk_split_search_hold(s);
       break;
     }
     default:

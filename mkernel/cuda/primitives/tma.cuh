@@ -19,8 +19,7 @@ MK_DEV void mbar_arrive(u32 bar) {
   asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 MK_DEV void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-               : "memory");
+  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
 // CLUSTER_SCOPE: acquires what other CTAs of the cluster released with their arrivals (a tile they
 // wrote into this CTA's shared memory); otherwise what this CTA's threads and TMA released.
@@ -63,10 +62,10 @@ MK_DEV void tma_prefetch_desc(const void* desc) {
 // still count towards the transaction bytes of the barrier. Each wrapper expands the one load
 // instruction with its dst, desc and bar: N dimensions, QUAL extra qualifiers, CRD the coordinate
 // operands, TAIL operands after the barrier, then the asm inputs from %3 on.
-#define MK_TMA_LOAD(N, QUAL, CRD, TAIL, ...)                                                          \
-  asm volatile("cp.async.bulk.tensor." #N "d.shared::cluster.global.tile.mbarrier::complete_tx::bytes" \
-               QUAL " [%0], [%1, " CRD "], [%2]" TAIL ";" ::"r"(dst), "l"((u64)desc), "r"(bar),         \
-               __VA_ARGS__                                                                             \
+#define MK_TMA_LOAD(N, QUAL, CRD, TAIL, ...)                                                                \
+  asm volatile("cp.async.bulk.tensor." #N "d.shared::cluster.global.tile.mbarrier::complete_tx::bytes" QUAL \
+               " [%0], [%1, " CRD "], [%2]" TAIL ";" ::"r"(dst),                                            \
+               "l"((u64)desc), "r"(bar), __VA_ARGS__                                                        \
                : "memory")
 
 MK_DEV void tma_load_2d(u32 dst, const void* desc, u32 bar, i32 c0, i32 c1) {
@@ -89,9 +88,10 @@ MK_DEV void tma_load_4d(u32 dst, const void* desc, u32 bar, i32 c0, i32 c1, i32 
 // Out-of-bounds elements of the box are not written. Each wrapper expands the one store
 // instruction with its desc and src: OP "cp" (store) or "cp.reduce" (reduction), N dimensions,
 // QUAL extra qualifiers, CRD the coordinate operands, then the asm inputs from %2 on.
-#define MK_TMA_STORE(OP, N, QUAL, CRD, ...)                                                                 \
-  asm volatile(OP ".async.bulk.tensor." #N "d.global.shared::cta" QUAL ".bulk_group [%0, " CRD "], [%1];" :: \
-                   "l"((u64)desc), "r"(src), __VA_ARGS__                                                     \
+#define MK_TMA_STORE(OP, N, QUAL, CRD, ...)                                                    \
+  asm volatile(OP ".async.bulk.tensor." #N "d.global.shared::cta" QUAL ".bulk_group [%0, " CRD \
+                  "], [%1];" ::"l"((u64)desc),                                                 \
+               "r"(src), __VA_ARGS__                                                           \
                : "memory")
 
 MK_DEV void tma_store_2d(const void* desc, u32 src, i32 c0, i32 c1) {
@@ -109,8 +109,9 @@ MK_DEV void tma_add_2d(const void* desc, u32 src, i32 c0, i32 c1) {
 // `bytes` (a multiple of 16, 16-byte aligned addresses) from global memory into shared memory,
 // completing `bar`'s transaction bytes; and from shared memory to global memory (a bulk group).
 MK_DEV void bulk_load_1d(u32 dst, const void* src, u32 bytes, u32 bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(dst), "l"((u64)src), "r"(bytes), "r"(bar) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"((u64)src), "r"(bytes), "r"(bar)
+               : "memory");
 }
 MK_DEV void bulk_store_1d(void* dst, u32 src, u32 bytes) {
   asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"((u64)dst), "r"(src), "r"(bytes)
@@ -129,9 +130,7 @@ MK_DEV void bulk_wait() {
 }
 
 // ------------------------------------------------------------------------------ named barriers
-MK_DEV void named_bar_sync(u32 id, u32 threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
+MK_DEV void named_bar_sync(u32 id, u32 threads) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory"); }
 // Counts towards the barrier without waiting (the producer side of a hand-off between warpgroups).
 MK_DEV void named_bar_arrive(u32 id, u32 threads) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
@@ -177,5 +176,8 @@ template <u32 THREADS>
 MK_DEV void warpgroup_rejoin() {
   constexpr u32 EVEN = (u32)mk_cta_register_pool((int)THREADS) / THREADS;
   __syncwarp();
-  if (threadIdx.x < 128) setmaxnreg_inc<EVEN>(); else setmaxnreg_dec<EVEN>();
+  if (threadIdx.x < 128)
+    setmaxnreg_inc<EVEN>();
+  else
+    setmaxnreg_dec<EVEN>();
 }

@@ -6,8 +6,14 @@
 
 constexpr u32 MK_TRACE_WORDS = 4;  // start ns, end ns, sm << 32 | block, role << 32 | id
 
-enum : u32 { MK_ROLE_COMPUTE = 0, MK_ROLE_INTRA = 1, MK_ROLE_SEND = 2, MK_ROLE_RECV = 3, MK_ROLE_WAIT = 4,
-             MK_ROLE_CONTROL = 5 };
+enum : u32 {
+  MK_ROLE_COMPUTE = 0,
+  MK_ROLE_INTRA = 1,
+  MK_ROLE_SEND = 2,
+  MK_ROLE_RECV = 3,
+  MK_ROLE_WAIT = 4,
+  MK_ROLE_CONTROL = 5
+};
 
 MK_DEV void trace_span(const MkSync& s, u32 role, u32 id, u64 start_ns) {
   if (s.trace_events == nullptr) return;

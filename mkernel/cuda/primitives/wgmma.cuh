@@ -44,14 +44,26 @@ enum { MK_DT_BF16 = 0, MK_DT_F16 = 1 };
 
 // The same, chosen by the accumulator's size (N = 2 x registers): code generic over tile widths.
 template <int DT, int TNSP_B>
-MK_DEV void wgmma_ss(float (&d)[32], u64 a, u64 b, u32 sc) { wgmma_m64n64k16<DT, TNSP_B>(d, a, b, sc); }
+MK_DEV void wgmma_ss(float (&d)[32], u64 a, u64 b, u32 sc) {
+  wgmma_m64n64k16<DT, TNSP_B>(d, a, b, sc);
+}
 template <int DT, int TNSP_B>
-MK_DEV void wgmma_ss(float (&d)[64], u64 a, u64 b, u32 sc) { wgmma_m64n128k16<DT, TNSP_B>(d, a, b, sc); }
+MK_DEV void wgmma_ss(float (&d)[64], u64 a, u64 b, u32 sc) {
+  wgmma_m64n128k16<DT, TNSP_B>(d, a, b, sc);
+}
 template <int DT, int TNSP_B>
-MK_DEV void wgmma_ss(float (&d)[128], u64 a, u64 b, u32 sc) { wgmma_m64n256k16<DT, TNSP_B>(d, a, b, sc); }
+MK_DEV void wgmma_ss(float (&d)[128], u64 a, u64 b, u32 sc) {
+  wgmma_m64n256k16<DT, TNSP_B>(d, a, b, sc);
+}
 template <int DT, int TNSP_B>
-MK_DEV void wgmma_rs(float (&d)[32], const u32 (&a)[4], u64 b, u32 sc) { wgmma_m64n64k16_rs<DT, TNSP_B>(d, a, b, sc); }
+MK_DEV void wgmma_rs(float (&d)[32], const u32 (&a)[4], u64 b, u32 sc) {
+  wgmma_m64n64k16_rs<DT, TNSP_B>(d, a, b, sc);
+}
 template <int DT, int TNSP_B>
-MK_DEV void wgmma_rs(float (&d)[64], const u32 (&a)[4], u64 b, u32 sc) { wgmma_m64n128k16_rs<DT, TNSP_B>(d, a, b, sc); }
+MK_DEV void wgmma_rs(float (&d)[64], const u32 (&a)[4], u64 b, u32 sc) {
+  wgmma_m64n128k16_rs<DT, TNSP_B>(d, a, b, sc);
+}
 template <int DT, int TNSP_B>
-MK_DEV void wgmma_rs(float (&d)[128], const u32 (&a)[4], u64 b, u32 sc) { wgmma_m64n256k16_rs<DT, TNSP_B>(d, a, b, sc); }
+MK_DEV void wgmma_rs(float (&d)[128], const u32 (&a)[4], u64 b, u32 sc) {
+  wgmma_m64n256k16_rs<DT, TNSP_B>(d, a, b, sc);
+}

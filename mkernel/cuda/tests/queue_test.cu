@@ -41,9 +41,9 @@ __global__ void tile_exchange(const __grid_constant__ TileExchangeArgs a) {
     for (u32 i = threadIdx.x; i < words; i += blockDim.x) tile[i] = tile_word(a.sync.rank, epoch, t, i);
     __syncthreads();  // the block's stores, then thread 0's release publishes the WRITE that reads them
     if (threadIdx.x == 0) {
-      const MkCmd c = mk_write_cmd(a.peer, a.send_region, a.send_off + (u64)t * a.tile_bytes, a.recv_region,
-                                   a.recv_off + (u64)t * a.tile_bytes,
-                                   a.tile_bytes, a.flag_base + t, epoch, MK_FLAG_SET);
+      const MkCmd c =
+          mk_write_cmd(a.peer, a.send_region, a.send_off + (u64)t * a.tile_bytes, a.recv_region,
+                       a.recv_off + (u64)t * a.tile_bytes, a.tile_bytes, a.flag_base + t, epoch, MK_FLAG_SET);
       queue_push(a.sync, a.queue, c);
     }
   }
@@ -58,7 +58,8 @@ __global__ void tile_exchange(const __grid_constant__ TileExchangeArgs a) {
     if (bad) atomicAdd(a.mismatches, bad);
     __syncthreads();
   }
-  if (blockIdx.x == 0 && threadIdx.x == 0 && queue_push(a.sync, a.queue, mk_flush_cmd(a.peer, a.flag_base + a.tiles, epoch)))
+  if (blockIdx.x == 0 && threadIdx.x == 0 &&
+      queue_push(a.sync, a.queue, mk_flush_cmd(a.peer, a.flag_base + a.tiles, epoch)))
     wait_remote_epoch(a.sync, a.queue, a.flags + a.flag_base + a.tiles, epoch, a.peer, a.tiles);
   launch_exit(a.sync, epoch);
 }

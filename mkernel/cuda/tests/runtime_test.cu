@@ -5,7 +5,7 @@
 #include "trace.cuh"
 
 // Word offsets in this test's flag area of every workspace.
-constexpr u32 ARRIVED = 0;                  // [sender]: sender's slot data of epoch E is complete
+constexpr u32 ARRIVED = 0;  // [sender]: sender's slot data of epoch E is complete
 constexpr u32 PING = MK_MAX_LOCAL;
 constexpr u32 PONG = MK_MAX_LOCAL + 1;
 
@@ -62,7 +62,10 @@ MK_DEV bool exchange_body(const RuntimeTestArgs& a, u32 E) {
       const u32 v = src[i];
       if (v != pattern(E, p, i)) {
         if (bad++ == 0 && atomicCAS(a.first_mismatch, 0u, 1u) == 0u) {
-          a.first_mismatch[1] = E; a.first_mismatch[2] = p; a.first_mismatch[3] = i; a.first_mismatch[4] = v;
+          a.first_mismatch[1] = E;
+          a.first_mismatch[2] = p;
+          a.first_mismatch[3] = i;
+          a.first_mismatch[4] = v;
         }
       }
     }
@@ -129,6 +132,7 @@ extern "C" __global__ void litmus_host(const __grid_constant__ RuntimeTestArgs a
 // Waits on a flag nobody sets: must end with a recorded timeout, not a hang.
 extern "C" __global__ void stuck_wait(const __grid_constant__ RuntimeTestArgs a) {
   const u32 E = launch_epoch(a.sync);
-  if (threadIdx.x == 0) wait_epoch(a.sync, flags_of(a, a.local_rank) + PING, E + 12345u, (i32)((a.local_rank + 1) % a.local_size), PING);
+  if (threadIdx.x == 0)
+    wait_epoch(a.sync, flags_of(a, a.local_rank) + PING, E + 12345u, (i32)((a.local_rank + 1) % a.local_size), PING);
   launch_exit(a.sync, E);
 }
