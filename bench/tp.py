@@ -315,44 +315,34 @@ def bench_op_shared(op, comm, shapes, dt, barrier, link_gbs):
     return rows_out
 
 
-def plot(op, rows, path):
-    """Speedup over the baseline against the GEMM's size (one node), the goals marked."""
+def plot(op, rows, path, shared=False):
+    """Against the GEMM's size: speedup over the baseline and over the chunked overlap, the goals
+    marked (one node, GPUs of their own); or, ranks sharing GPUs, the fraction of the bound of
+    mkernel and of the unfused baseline."""
     plt = harness.pyplot()
     if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(6, 3.5))
     flops = [2.0 * r["shape"][0] * r["shape"][1] * r["shape"][2] for r in rows]
     order = sorted(range(len(rows)), key=flops.__getitem__)
-    ax.plot([flops[i] for i in order], [rows[i]["speedup"] for i in order], "o-", label="mkernel / baseline")
-    ax.plot([flops[i] for i in order], [rows[i]["speedup_vs_chunked"] for i in order], "s--",
-            label="mkernel / chunked overlap")
-    ax.scatter([flops[i] for i in order if rows[i]["goal"]], [rows[i]["goal"] for i in order if rows[i]["goal"]],
-               marker="_", s=200, color="k", label="goal")
+    xs = [flops[i] for i in order]
+    if shared:
+        curves = [("fraction_of_bound", "mkernel"), (None, "unfused")]
+        ylabel, title = "fraction of bound", f"{op} (ranks sharing a GPU, MPS)"
+    else:
+        curves = [("speedup", "mkernel / baseline"), ("speedup_vs_chunked", "mkernel / chunked overlap")]
+        ylabel, title = "speedup", op
+    for (key, label), style in zip(curves, ("o-", "s--")):
+        ys = [rows[i][key] if key else rows[i]["bound_ms"] / rows[i]["baseline_ms"] for i in order]
+        ax.plot(xs, ys, style, label=label)
+    if not shared:
+        ax.scatter([flops[i] for i in order if rows[i]["goal"]], [rows[i]["goal"] for i in order if rows[i]["goal"]],
+                   marker="_", s=200, color="k", label="goal")
     ax.axhline(1.0, color="grey", lw=0.5)
     ax.set_xscale("log")
     ax.set_xlabel("GEMM FLOPs per rank")
-    ax.set_ylabel("speedup")
-    ax.set_title(op)
-    ax.legend(fontsize=7)
-    return harness.save_plot(fig, path)
-
-
-def plot_bound(op, rows, path):
-    """Fraction of the bound against the GEMM's size (ranks sharing GPUs)."""
-    plt = harness.pyplot()
-    if plt is None:
-        return None
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    flops = [2.0 * r["shape"][0] * r["shape"][1] * r["shape"][2] for r in rows]
-    order = sorted(range(len(rows)), key=flops.__getitem__)
-    ax.plot([flops[i] for i in order], [rows[i]["fraction_of_bound"] for i in order], "o-", label="mkernel")
-    ax.plot([flops[i] for i in order], [rows[i]["bound_ms"] / rows[i]["baseline_ms"] for i in order], "s--",
-            label="unfused")
-    ax.axhline(1.0, color="grey", lw=0.5)
-    ax.set_xscale("log")
-    ax.set_xlabel("GEMM FLOPs per rank")
-    ax.set_ylabel("fraction of bound")
-    ax.set_title(f"{op} (ranks sharing a GPU, MPS)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend(fontsize=7)
     return harness.save_plot(fig, path)
 
@@ -415,10 +405,8 @@ def main():
             path = harness.write(op, rows, gpus=gpus, nodes=args.nodes, out_dir=args.out,
                                  transport=(comm.stats()["proxy"] or args.transport) if args.nodes > 1 else "nvlink",
                                  exchange_rate_gbs=rate, ranks_per_gpu=W // gpus)
-            if args.nodes == 1 and not shared:
-                plot(op, rows, path.with_suffix(".png"))
-            elif shared:
-                plot_bound(op, rows, path.with_suffix(".png"))
+            if args.nodes == 1 or shared:
+                plot(op, rows, path.with_suffix(".png"), shared=shared)
             print(f"== {op} ({W} GPUs, {args.nodes} node(s)) -> {path}")
             print(harness.table(rows, cols))
             summary.append(f"{op} " + " ".join(f"{r['speedup']:.2f}x" for r in rows))
