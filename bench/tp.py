@@ -221,29 +221,36 @@ def max_err(out, ref_fn, rows):
     return float(cupy.abs(_f64(harness.take_rows(out, rows)) - ref_fn(rows)).max())
 
 
+def checked_calls(comm, op, f, mine, baseline):
+    """One call of f[mine] then one of f[baseline], each synchronised and checked on 64 sampled
+    rows: (this rank's bytes across the network in mine's call, the path mine took, max error of
+    mine, of baseline)."""
+    import cupy
+
+    rows = cupy.asarray(np.sort(np.random.default_rng(0).choice(f["out"].shape[0], SAMPLE_ROWS, replace=False)))
+    errs, network, path = [], None, None
+    for name in (mine, baseline):
+        sent0 = _network_bytes(comm)
+        f[name]()
+        cupy.cuda.get_current_stream().synchronize()
+        comm.check()
+        if network is None:
+            network, path = _network_bytes(comm) - sent0, comm.plans.state["tp.last_path"][op]
+        errs.append(max_err(f["out"], f["ref"], rows))
+    return network, path, errs[0], errs[1]
+
+
 def bench_op(op, comm, shapes, dt, rate_gbs):
     """Rows of one op. One node: baseline cuBLAS + NCCL, the chunked overlap beside, the bound from
     the exchange rate. Between nodes (rate_gbs None): baseline the unfused path over the same
     transport, cuBLAS + NCCL beside, the bound from the unfused run's collective."""
-    import cupy
 
     nodes = comm.num_nodes
     rows_out = []
     for (M, N, K), goal in shapes:
         f = setup(op, comm, M, N, K, dt)
         baseline = "base" if nodes == 1 else "unfused"
-        rng = np.random.default_rng(0)
-        rows = cupy.asarray(np.sort(rng.choice(f["out"].shape[0], SAMPLE_ROWS, replace=False)))
-        sent0 = _network_bytes(comm)
-        f["fused"]()
-        cupy.cuda.get_current_stream().synchronize()
-        comm.check()
-        network = _network_bytes(comm) - sent0  # this rank's bytes across the network in one call
-        err_mk = max_err(f["out"], f["ref"], rows)
-        f[baseline]()
-        cupy.cuda.get_current_stream().synchronize()
-        comm.check()
-        err_base = max_err(f["out"], f["ref"], rows)
+        network, _, err_mk, err_base = checked_calls(comm, op, f, "fused", baseline)
         t = {}
         for name in ("fused", baseline, "base" if nodes > 1 else "chunked", "gemm"):  # interleaved per shape
             comm.mpi.Barrier()
@@ -274,26 +281,13 @@ def bench_op_shared(op, comm, shapes, dt, barrier, link_gbs):
     op's unfused path (cupy.matmul, then mkernel's own collective over the same transport), timed by
     bench/mps_timing.py's rule; compute_ms the GEMM with every rank computing at once, link_ms the
     fewest bytes a rank sends per direction over the link rate measured in this run."""
-    import cupy
     import mps_timing as cc
 
     W, nodes = comm.size, comm.num_nodes
     rows_out = []
     for (M, N, K), goal in shapes:
         f = setup(op, comm, M, N, K, dt)
-        rng = np.random.default_rng(0)
-        rows = cupy.asarray(np.sort(rng.choice(f["out"].shape[0], SAMPLE_ROWS, replace=False)))
-        sent0 = _network_bytes(comm)
-        f["default"]()
-        cupy.cuda.get_current_stream().synchronize()
-        comm.check()
-        network = _network_bytes(comm) - sent0
-        path = comm.plans.state["tp.last_path"][op]
-        err_mk = max_err(f["out"], f["ref"], rows)
-        f["unfused"]()
-        cupy.cuda.get_current_stream().synchronize()
-        comm.check()
-        err_base = max_err(f["out"], f["ref"], rows)
+        network, path, err_mk, err_base = checked_calls(comm, op, f, "default", "unfused")
         t = {name: cc.batch_ms(comm, barrier, f[name]) for name in ("default", "unfused", "gemm")}
         minimum = f["sent"] if nodes == 1 else f["sent"] * (nodes - 1) // (W - 1)  # per rank, per direction
         link_ms = minimum / (link_gbs * 1e9) * 1e3

@@ -3,6 +3,7 @@ against a reference and timed against its baseline, printed as one table by rank
 
 import numpy as np
 
+from mkernel.comm import collectives
 from mkernel.core.log import get_logger
 
 log = get_logger("main")
@@ -231,8 +232,8 @@ def run(quick=False) -> int:
         except Exception as e:  # noqa: BLE001  (a row that raised fails; the others still run)
             log.debug("check %s raised", name, exc_info=True)
             rows.append({"op": name, "ok": False, "note": f"{type(e).__name__}: {str(e)[:300]}"})
-    all_rows = comm.mpi.gather(rows)
-    failed = sorted({r["op"] for rank_rows in comm.mpi.allgather(rows) for r in rank_rows if not r["ok"]})
+    all_rows = collectives.allgather_object(comm.mpi, rows, "the main job's report")  # timed: a dead peer raises
+    failed = sorted({r["op"] for rank_rows in all_rows for r in rank_rows if not r["ok"]})
     if comm.rank == 0:
         print(f"mkernel {mkernel.__version__}: {comm.size} rank(s), {comm.num_nodes} node(s)")
         print(f"{'op':28s} {'shape':34s} {'check':6s} {'mkernel ms':>11s} {'baseline ms':>12s} {'speedup':>8s}")
