@@ -44,10 +44,13 @@ def mpi_comm():
     return MPI.COMM_WORLD
 
 
-def all_ranks(comm, ok: bool) -> bool:
-    """True only if ``ok`` holds on every rank (a collective: every rank must call it)."""
-    from mpi4py import MPI
-    return comm.allreduce(bool(ok), op=MPI.LAND)
+def all_ranks(comm, ok: bool, timeout_s: float = 60.0) -> bool:
+    """True only if ``ok`` holds on every rank (a collective: every rank must call it). Timed: a
+    peer stuck elsewhere (in an op's own collective, after this rank failed) fails the test
+    instead of hanging the job."""
+    from mkernel.comm.collectives import allgather_bytes
+    views = allgather_bytes(comm, bytes([bool(ok)]), "gathering the test's result", timeout_s)
+    return views == [b"\x01"] * comm.Get_size()
 
 
 @pytest.fixture

@@ -42,12 +42,15 @@ pass() {  # pass NAME RANKS CMD...: runs one pass, records its status, restarts 
   fi
   return 0
 }
+# A test past this limit dumps every thread's stack and ends its process (pytest-timeout's thread
+# method): a rank stuck inside a C call (a blocking MPI collective) is seen instead of hanging the pass.
+TEST_LIMIT=(--timeout="${MKERNEL_SUITE_TEST_TIMEOUT_S:-150}" -o timeout_method=thread)
 MPIRUN=(mpirun --oversubscribe --bind-to none -x NCCL_NVLS_ENABLE -x PYTHONPATH -x MKERNEL_CACHE_DIR -x CUDA_MPS_PIPE_DIRECTORY)
 for n in ${MKERNEL_SUITE_PASSES:-1 2 4}; do
   if [ "$n" = 1 ]; then
-    pass 1-rank 1 "$PY" -m pytest -q -m "gpu and not (mpi and multi_gpu)" tests "$@"
+    pass 1-rank 1 "$PY" -m pytest -q "${TEST_LIMIT[@]}" -m "gpu and not (mpi and multi_gpu)" tests "$@"
   else
-    pass "$n-rank" "$n" "${MPIRUN[@]}" $([ "$use_mps" = 1 ] && echo -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) -n "$n" "$PY" -m pytest -q -m "gpu and mpi and not slow" tests "$@"
+    pass "$n-rank" "$n" "${MPIRUN[@]}" $([ "$use_mps" = 1 ] && echo -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) -n "$n" "$PY" -m pytest -q "${TEST_LIMIT[@]}" -m "gpu and mpi and not slow" tests "$@"
   fi
 done
 if [ "${MKERNEL_SUITE_TIMESLICED:-0}" = 1 ]; then
@@ -55,7 +58,7 @@ if [ "${MKERNEL_SUITE_TIMESLICED:-0}" = 1 ]; then
     echo "run_gpu.sh: an MPS daemon this script did not start is running: no time-sliced pass"
   else
     mps_stop; use_mps=0
-    pass "2-rank time-sliced" 2 "${MPIRUN[@]}" -n 2 "$PY" -m pytest -q -m "gpu and mpi and not slow" tests "$@"
+    pass "2-rank time-sliced" 2 "${MPIRUN[@]}" -n 2 "$PY" -m pytest -q "${TEST_LIMIT[@]}" -m "gpu and mpi and not slow" tests "$@"
   fi
 fi
 mps_stop

@@ -28,7 +28,7 @@ def test_main_job_at_one_rank():
     if WORLD.Get_size() > 1:
         pytest.skip("runs its own processes: the 1-rank pass")
     r = subprocess.run([sys.executable, "-m", "mkernel", "--quick"], env=MPI_ENV, capture_output=True, text=True,
-                       timeout=240)
+                       timeout=140)
     _check_output(r.stdout + r.stderr, r.returncode)
 
 
@@ -36,5 +36,5 @@ def test_main_job_at_one_rank():
 def test_main_job_at_two_ranks_sharing_the_gpu():
     if WORLD.Get_size() > 1:
         pytest.skip("runs its own job: the 1-rank pass")
-    r = _mpiexec(2, ["-m", "mkernel", "--quick"], timeout=240)
+    r = _mpiexec(2, ["-m", "mkernel", "--quick"], timeout=140)
     _check_output(r.stdout + r.stderr, r.returncode)

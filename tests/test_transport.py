@@ -32,15 +32,25 @@ def _mpiexec(n, args, timeout, extra=()):
     from mkernel.testing import mpi_child_env
 
     env, mps = mpi_child_env(n, MPI_ENV)
+    env["PYTHONUNBUFFERED"] = "1"  # a job killed at its limit still shows what it printed
     # --bind-to none: bound to one core each (Open MPI's default at 2 ranks), a rank's proxy thread
     # shares it with the main thread (docs/TRANSPORT.md)
-    cmd = ["mpiexec", "-n", str(n), "--oversubscribe", "--bind-to", "none", *mps, *extra, sys.executable, *args]
+    cmd = ["mpiexec", "-n", str(n), "--oversubscribe", "--bind-to", "none", *mps, "-x", "PYTHONUNBUFFERED", *extra,
+           sys.executable, *args]
+    # the job stays in the caller's process group: a caller that times out and kills its group
+    # (timeout(1), tests/run_gpu.sh) ends the ranks too, where a session of their own left them on the GPU
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
-        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
-                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    except subprocess.TimeoutExpired as e:  # what the job printed says where it stopped
-        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        err = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # mpirun passes SIGTERM on to its ranks; a SIGKILL would leave them running
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
         raise AssertionError(f"mpiexec -n {n} ran past {timeout} s:\n{out[-4000:]}\n{err[-4000:]}") from None
 
 
@@ -48,7 +58,9 @@ def _relaunch(request, n=2):
     """At one rank, run this very test under mpiexec -n 2 (its own job); returns True if it did."""
     if WORLD.Get_size() > 1:
         return False
-    r = _mpiexec(n, ["-m", "pytest", request.node.nodeid, "-v", "-x", "-p", "no:cacheprovider"], timeout=90)
+    # faulthandler_timeout: a test stuck past 60 s prints every thread's stack before the job's limit
+    r = _mpiexec(n, ["-m", "pytest", request.node.nodeid, "-v", "-x", "-p", "no:cacheprovider",
+                     "-o", "faulthandler_timeout=60"], timeout=90)
     assert r.returncode == 0, f"under mpiexec -n {n}:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
     return True
 

@@ -19,7 +19,8 @@ mps_start() {
   for _ in 1 2 3 4 5 6 7 8 9 10; do mps_running && return 0; sleep 0.2; done
   echo "mps: the daemon did not answer" >&2; return 1
 }
-mps_quit() { echo quit | nvidia-cuda-mps-control >/dev/null 2>&1; for _ in $(seq 50); do mps_running || return 0; sleep 0.2; done; }
+mps_quit() {  # quit waits for clients to exit: bounded, so a stray client cannot hang the caller
+  echo quit | timeout 10 nvidia-cuda-mps-control >/dev/null 2>&1; for _ in $(seq 50); do mps_running || return 0; sleep 0.2; done; }
 mps_stop() { [ "${MKERNEL_MPS_STARTED:-0}" = 1 ] && mps_quit; MKERNEL_MPS_STARTED=0; return 0; }
 mps_restart() { mps_quit; pkill -f nvidia-cuda-mps-server 2>/dev/null; sleep 1; MKERNEL_MPS_STARTED=0; mps_start; }
 mps_run() { local n=$1; shift; CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / n)) "$@"; }
