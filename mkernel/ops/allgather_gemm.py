@@ -29,71 +29,100 @@ def allgather_gemm(a, b, *, comm, out=None, stream=None, return_gathered=False, 
     with the same local index there, which passes it on to its node's peers over NVLink): each
     rank sends ``(nodes - 1) * M / world * K`` elements, the minimum.
     """
-    cupy = tp.cupy_mod()
+    c = _check(comm, a, b, out, stream, b_layout, comm_sms, path, return_gathered)
+    if c.path == "gemm":
+        _gemm.gemm(c.a, c.b, out=c.out, stream=stream, b_layout="kn" if c.layout == tp.B_KN else "nk")
+        return (c.out, c.a) if return_gathered else c.out
+    if c.path == "fallback":
+        gathered = _fallback(comm, c, stream)
+        return (c.out, gathered) if return_gathered else c.out
+    plan, template = _plan(comm, c)
+    _launch(comm, plan, template, c, stream)
+    if return_gathered:  # a memcpy, not CuPy's copy kernel (whose first use would load a module)
+        gathered = tp.cupy_mod().empty_like(plan["ga"])
+        gathered.data.copy_from_device_async(plan["ga"].data, gathered.nbytes, stream)
+        return c.out, gathered
+    return c.out
+
+
+def _check(comm, a, b, out, stream, b_layout, comm_sms, path, return_gathered):
+    """Typed errors before anything launches; the path, agreed by every rank."""
     tp.check_comm(OP, comm)
     a, layout, b_arr, N = tp.check_inputs(OP, a, b, b_layout, stream)
     mb, K = a.shape
-    W = comm.size
-    M = mb * W
+    M = mb * comm.size
     comm_sms = tp.check_comm_sms(OP, comm_sms)
     if not isinstance(return_gathered, bool):
         raise ArgumentError(f"{OP}: return_gathered must be True or False")
     out = tp.prepare_out(OP, out, (M, N), a.dtype, comm)
     chosen, reason = tp.choose_path(OP, comm, path, rows=M, N=N, K=K)
-    key = (OP, mb, N, K, a.dtype.name, layout, chosen)  # same shard shape; comm_sms may differ by rank
-    tp.agree_call(OP, comm, key, reason)
+    tp.agree_call(OP, comm, (OP, mb, N, K, a.dtype.name, layout, chosen), reason)  # comm_sms may differ
+    return tp.Call(a=a, b=b_arr, layout=layout, M=M, N=N, K=K, mb=mb, out=out, path=chosen, comm_sms=comm_sms,
+                   join=False)
 
-    if chosen == "gemm":
-        _gemm.gemm(a, b_arr, out=out, stream=stream, b_layout="kn" if layout == tp.B_KN else "nk")
-        return (out, a) if return_gathered else out
-    if chosen == "fallback":
-        with tp.on_stream(stream):
-            if W == 1:
-                gathered = a
-            else:
-                src = a if a.flags.c_contiguous else cupy.ascontiguousarray(a)
-                gathered = cupy.empty((M, K), dtype=a.dtype)
-                comm.nccl.allGather(src.data.ptr, gathered.data.ptr, mb * K, tp.nccl_dtype(a.dtype),
-                                    tp.stream_ptr(stream))
-            out[...] = tp.matmul(gathered, b_arr, layout)
-        return (out, gathered) if return_gathered else out
 
-    tiles_mb = -(-mb // tp.BM)
-    sizes = [("ga", (M, K), a.dtype), ("aflag", (W * tiles_mb,), "uint32")]
-    plan = tp.plan_buffers(OP, comm, ("buffers", OP, mb, K, a.dtype.name), sizes)  # shared by N, layouts
-    args = tp.TpArgs()
-    esize = a.dtype.itemsize
-    tiles_blk = tp.fill_common(args, comm, OP, a_ptr=plan["ga"].data.ptr, a_rows=M, a_row_bytes=K * esize,
-                               dtype=a.dtype, b_arr=b_arr, layout=layout, K=K, N=N, mb=mb,
-                               counters=plan["counters"])
-    args.ga_off = comm.offset_of(plan["ga"])
-    args.aflag_off = comm.offset_of(plan["aflag"])
-    args.a_local = a.data.ptr
-    args.lda = tp._row_stride(a) // esize
-    L, nodes = comm.local_size, comm.num_nodes
-    if nodes > 1:  # arrival counters of the chunks that come through the proxy
-        tp.plan_between_nodes(comm, plan, args, tiles_mb)
-    if chosen == "unfused" and tp.quiesced_first_use(comm, plan, ("matmul", N, layout, b_arr.strides, out.strides)):
+def _fallback(comm, c, stream):
+    """NCCL's all-gather, then cupy.matmul (ranks on distinct GPUs); returns the gathered A."""
+    cupy = tp.cupy_mod()
+    with tp.on_stream(stream):
+        if comm.size == 1:
+            gathered = c.a
+        else:
+            src = c.a if c.a.flags.c_contiguous else cupy.ascontiguousarray(c.a)
+            gathered = cupy.empty((c.M, c.K), dtype=c.a.dtype)
+            comm.nccl.allGather(src.data.ptr, gathered.data.ptr, c.mb * c.K, tp.nccl_dtype(c.a.dtype),
+                                tp.stream_ptr(stream))
+        c.out[...] = tp.matmul(gathered, c.b, c.layout)
+    return gathered
+
+
+def _plan(comm, c):
+    """(plan, launch template): buffers per (shard rows, K, dtype), shared by N and layouts."""
+    tiles_mb = -(-c.mb // tp.BM)
+    sizes = [("ga", (c.M, c.K), c.a.dtype), ("aflag", (comm.size * tiles_mb,), "uint32")]
+    plan = tp.plan_buffers(OP, comm, ("buffers", OP, c.mb, c.K, c.a.dtype.name), sizes)
+
+    def build():
+        args = tp.TpArgs()
+        tp.fill_static(args, comm, a_rows=c.M, K=c.K, N=c.N, mb=c.mb, counters=plan["counters"])
+        args.ga_off = comm.offset_of(plan["ga"])
+        args.aflag_off = comm.offset_of(plan["aflag"])
+        if comm.num_nodes > 1:  # arrival counters of the chunks that come through the proxy
+            tp.plan_between_nodes(comm, plan, args, tiles_mb)
+        return args
+    return plan, tp.launch_template(plan, (c.N, c.layout, c.path), build)
+
+
+def _launch(comm, plan, template, c, stream):
+    """This call's operands into a copy of the template, the split, the launch (unfused: the
+    gather, then cupy.matmul)."""
+    W, L, nodes = comm.size, comm.local_size, comm.num_nodes
+    esize = c.a.dtype.itemsize
+    ga = plan["ga"]
+    args = tp.call_args(template, c, a_ptr=ga.data.ptr, a_row_bytes=c.K * esize)  # the GEMM reads the gathered A
+    args.a_local = c.a.data.ptr
+    args.lda = tp._row_stride(c.a) // esize
+    out = c.out
+    if c.path == "unfused" and tp.quiesced_first_use(comm, plan, ("matmul", c.N, c.layout, c.b.strides, out.strides)):
         with tp.on_stream(stream):  # cuBLAS loads its kernel for this shape now, not behind the gather
-            tp.matmul(plan["ga"], b_arr, layout, out=out)
+            tp.matmul(ga, c.b, c.layout, out=out)
     ldo_bytes = tp._row_stride(out)
+    dst = tp.operand_map(template, "out", (out.data.ptr, ldo_bytes), lambda: [
+        tp.out_map(c.a.dtype, out.data.ptr + o * c.mb * ldo_bytes, c.mb, c.N, ldo_bytes) for o in range(W)])
     for o in range(W):
-        args.dst[o] = tp.out_map(a.dtype, out.data.ptr + o * mb * ldo_bytes, mb, N, ldo_bytes)
+        args.dst[o] = dst[o]
     args.out = out.data.ptr
     args.ldo = ldo_bytes // esize
-    n, token = tp.resolve_comm_sms(OP, comm, comm_sms, chosen, M=M, N=N, K=K, esize=esize,
-                                   comm_items=(L + nodes - 1) * tiles_mb)
-    gemm_ctas, comm_ctas = tp.grid_split(OP, n, W * tiles_blk, (L + nodes - 1) * tiles_mb, tp.sm_count())
-    if chosen == "unfused":  # the kernel only gathers; the GEMM follows it
+    tiles_mb = args.tiles_mb
+    comm_items = (L + nodes - 1) * tiles_mb
+    n, token = tp.resolve_comm_sms(OP, comm, c.comm_sms, c.path, M=c.M, N=c.N, K=c.K, esize=esize,
+                                   comm_items=comm_items)
+    gemm_ctas, comm_ctas = tp.grid_split(OP, n, W * tiles_mb * args.tiles_n, comm_items, tp.sm_count())
+    if c.path == "unfused":  # the kernel only gathers; the GEMM follows it
         gemm_ctas = 0
-    tp.set_split(args, plan, gemm_ctas, tp.controller_mode(OP, comm_sms, chosen), comm)
+    tp.set_split(args, plan, gemm_ctas, tp.controller_mode(OP, c.comm_sms, c.path), comm)
     with autosplit.timed(token, stream):
-        tp.launch_fused(comm, OP, SPEC, KERNEL, args, a.dtype, layout, gemm_ctas + comm_ctas, stream)
-    if chosen == "unfused":
+        tp.launch_fused(comm, OP, SPEC, KERNEL, args, c.a.dtype, c.layout, gemm_ctas + comm_ctas, stream)
+    if c.path == "unfused":
         with tp.on_stream(stream):
-            tp.matmul(plan["ga"], b_arr, layout, out=out)
-    if return_gathered:  # a memcpy, not CuPy's copy kernel (whose first use would load a module)
-        gathered = cupy.empty_like(plan["ga"])
-        gathered.data.copy_from_device_async(plan["ga"].data, gathered.nbytes, stream)
-        return out, gathered
-    return out
+            tp.matmul(ga, c.b, c.layout, out=out)

@@ -47,7 +47,19 @@ def gemm_reduce_scatter(a, b, *, comm, out=None, stream=None, b_layout=None, com
 
 def gemm_reduce(op, spec, kernel, allreduce, a, b, *, comm, out, stream, b_layout, comm_sms, deterministic, path,
                 join=None):
-    cupy = tp.cupy_mod()
+    """The driver of both ops: check, plan, launch."""
+    c = _check(op, allreduce, comm, a, b, out, stream, b_layout, comm_sms, deterministic, path, join)
+    if c.path == "gemm":
+        _gemm.gemm(c.a, c.b, out=c.out, stream=stream, b_layout="kn" if c.layout == tp.B_KN else "nk")
+    elif c.path == "fallback":
+        _fallback(allreduce, comm, c, stream)
+    else:
+        _launch(op, spec, kernel, allreduce, comm, _plan(op, allreduce, comm, c), c, stream)
+    return c.out
+
+
+def _check(op, allreduce, comm, a, b, out, stream, b_layout, comm_sms, deterministic, path, join):
+    """Typed errors before anything launches; the path, agreed by every rank."""
     tp.check_comm(op, comm)
     a, layout, b_arr, N = tp.check_inputs(op, a, b, b_layout, stream)
     M, K = a.shape
@@ -60,79 +72,93 @@ def gemm_reduce(op, spec, kernel, allreduce, a, b, *, comm, out, stream, b_layou
     join = config.get().tp_join_reduce if join is None else join
     if not isinstance(join, bool):
         raise ArgumentError(f"{op}: join must be None, True or False")
-    mb = M // W
     comm_sms = tp.check_comm_sms(op, comm_sms)
-    out = tp.prepare_out(op, out, (M, N) if allreduce else (mb, N), a.dtype, comm)
+    out = tp.prepare_out(op, out, (M, N) if allreduce else (M // W, N), a.dtype, comm)
     chosen, reason = tp.choose_path(op, comm, path, rows=M, N=N, K=K)
-    key = (op, M, N, K, a.dtype.name, layout, join, chosen)  # comm_sms may differ by rank
-    tp.agree_call(op, comm, key, reason)
+    tp.agree_call(op, comm, (op, M, N, K, a.dtype.name, layout, join, chosen), reason)  # comm_sms may differ
+    return tp.Call(a=a, b=b_arr, layout=layout, M=M, N=N, K=K, mb=M // W, out=out, path=chosen, comm_sms=comm_sms,
+                   join=join)
 
-    if chosen == "gemm":
-        _gemm.gemm(a, b_arr, out=out, stream=stream, b_layout="kn" if layout == tp.B_KN else "nk")
-        return out
-    if chosen == "fallback":
-        with tp.on_stream(stream):
-            partial = tp.matmul(a, b_arr, layout)
-            if W == 1:
-                out[...] = partial
-                return out
-            dst = out if out.flags.c_contiguous else cupy.empty(out.shape, out.dtype)
-            from cupy.cuda import nccl
-            if allreduce:
-                comm.nccl.allReduce(partial.data.ptr, dst.data.ptr, M * N, tp.nccl_dtype(a.dtype), nccl.NCCL_SUM,
-                                    tp.stream_ptr(stream))
-            else:
-                comm.nccl.reduceScatter(partial.data.ptr, dst.data.ptr, mb * N, tp.nccl_dtype(a.dtype),
-                                        nccl.NCCL_SUM, tp.stream_ptr(stream))
-            if dst is not out:
-                out[...] = dst
-        return out
 
-    tiles_blk = (-(-mb // tp.BM)) * (-(-N // tp.BN))
-    L, nodes = comm.local_size, comm.num_nodes
+def _fallback(allreduce, comm, c, stream):
+    """cupy.matmul, then NCCL (ranks on distinct GPUs)."""
+    cupy = tp.cupy_mod()
+    out = c.out
+    with tp.on_stream(stream):
+        partial = tp.matmul(c.a, c.b, c.layout)
+        if comm.size == 1:
+            out[...] = partial
+            return
+        dst = out if out.flags.c_contiguous else cupy.empty(out.shape, out.dtype)
+        from cupy.cuda import nccl
+        if allreduce:
+            comm.nccl.allReduce(partial.data.ptr, dst.data.ptr, c.M * c.N, tp.nccl_dtype(c.a.dtype), nccl.NCCL_SUM,
+                                tp.stream_ptr(stream))
+        else:
+            comm.nccl.reduceScatter(partial.data.ptr, dst.data.ptr, c.mb * c.N, tp.nccl_dtype(c.a.dtype),
+                                    nccl.NCCL_SUM, tp.stream_ptr(stream))
+        if dst is not out:
+            out[...] = dst
+
+
+def _plan(op, allreduce, comm, c):
+    """(plan, launch template) of this shape: buffers per (M, N, dtype), shared by layouts and K."""
+    W, L, nodes, dt = comm.size, comm.local_size, comm.num_nodes, c.a.dtype
+    tiles_blk = (-(-c.mb // tp.BM)) * (-(-c.N // tp.BN))
     # recv[sender lrank][block j]: this node's partials of the blocks j * L + lrank (all W at one node)
-    sizes = [("recv", (L, nodes, mb, N), a.dtype), ("rflag", (L * nodes * tiles_blk,), "uint32")]
+    sizes = [("recv", (L, nodes, c.mb, c.N), dt), ("rflag", (L * nodes * tiles_blk,), "uint32")]
     if allreduce:
-        sizes += [("gath", (W, mb, N), a.dtype), ("gflag", (W * tiles_blk,), "uint32")]
+        sizes += [("gath", (W, c.mb, c.N), dt), ("gflag", (W * tiles_blk,), "uint32")]
     if nodes > 1:  # compact tiles: node partials to send (by destination node; AR: the reduced own block
         # at this node's index) and received (by source node); AR: reduced tiles received
         tiles = (nodes, tiles_blk, tp.TILE_BYTES // 2)
-        sizes += [("stage", tiles, a.dtype), ("xrecv", tiles, a.dtype)] + (
-            [("xgath", tiles, a.dtype)] if allreduce else [])
-    plan = tp.plan_buffers(op, comm, ("buffers", op, M, N, a.dtype.name), sizes)  # shared by layouts
+        sizes += [("stage", tiles, dt), ("xrecv", tiles, dt)] + ([("xgath", tiles, dt)] if allreduce else [])
+    plan = tp.plan_buffers(op, comm, ("buffers", op, c.M, c.N, dt.name), sizes)
+    build = lambda: _static_args(allreduce, comm, plan, c, tiles_blk)  # noqa: E731
+    return plan, tp.launch_template(plan, (c.K, c.layout, c.join, c.path), build)
+
+
+def _static_args(allreduce, comm, plan, c, tiles_blk):
     args = tp.TpArgs()
-    tp.fill_common(args, comm, op, a_ptr=a.data.ptr, a_rows=M, a_row_bytes=tp._row_stride(a), dtype=a.dtype,
-                   b_arr=b_arr, layout=layout, K=K, N=N, mb=mb, counters=plan["counters"])
-    esize = a.dtype.itemsize
+    tp.fill_static(args, comm, a_rows=c.M, K=c.K, N=c.N, mb=c.mb, counters=plan["counters"])
     args.recv_off = comm.offset_of(plan["recv"])
     args.rflag_off = comm.offset_of(plan["rflag"])
     if allreduce:
         args.gath_off = comm.offset_of(plan["gath"])
         args.gflag_off = comm.offset_of(plan["gflag"])
+    nodes, L, lr, esize = comm.num_nodes, comm.local_size, comm.local_rank, c.a.dtype.itemsize
     if nodes > 1:  # arrival counters of node partials (AR: and of reduced tiles)
         tp.plan_between_nodes(comm, plan, args, tiles_blk, kinds=2 if allreduce else 1)
         args.stage_off = comm.offset_of(plan["stage"])
         args.xrecv_off = comm.offset_of(plan["xrecv"])
         if allreduce:
             args.xgath_off = comm.offset_of(plan["xgath"])
-    lr = comm.local_rank
-    for o in range(W):  # block o's partial goes to rank o % L of this node, slot [lr][o // L]
-        slot = comm.heap.peer_base[o % L] + args.recv_off + (lr * nodes + o // L) * mb * N * esize
-        args.dst[o] = tp.out_map(a.dtype, slot, mb, N, N * esize)
-    args.out = out.data.ptr
-    args.ldo = tp._row_stride(out) // esize
-    if chosen == "unfused":  # the GEMM first; the kernel's GEMM CTAs then only move its tiles
-        tp.quiesced_first_use(comm, plan, ("matmul", K, layout, a.strides, b_arr.strides))  # cuBLAS may load a kernel
+    for o in range(comm.size):  # block o's partial goes to rank o % L of this node, slot [lr][o // L]
+        slot = comm.heap.peer_base[o % L] + args.recv_off + (lr * nodes + o // L) * c.mb * c.N * esize
+        args.dst[o] = tp.out_map(c.a.dtype, slot, c.mb, c.N, c.N * esize)
+    args.join = int(c.join)
+    return args
+
+
+def _launch(op, spec, kernel, allreduce, comm, planned, c, stream):
+    """This call's operands into a copy of the template, the split, the launch."""
+    plan, template = planned
+    W, nodes, esize = comm.size, comm.num_nodes, c.a.dtype.itemsize
+    args = tp.call_args(template, c, a_ptr=c.a.data.ptr, a_row_bytes=tp._row_stride(c.a))
+    args.out = c.out.data.ptr
+    args.ldo = tp._row_stride(c.out) // esize
+    if c.path == "unfused":  # the GEMM first; the kernel's GEMM CTAs then only move its tiles
+        tp.quiesced_first_use(comm, plan, ("matmul", c.K, c.layout, c.a.strides, c.b.strides))  # cuBLAS may load one
         with tp.on_stream(stream):
-            partial = tp.matmul(a, b_arr, layout)
+            partial = tp.matmul(c.a, c.b, c.layout)
         args.partial, args.ldp = partial.data.ptr, tp._row_stride(partial) // esize
     # Items of the communication CTAs: the node's reductions of this rank's blocks; AR also the
     # copies of the other local ranks' reduced blocks and the forwards of other nodes' ones.
+    tiles_blk = args.tiles_mb * args.tiles_n
     comm_items = (W + nodes - 1 if allreduce else nodes) * tiles_blk
-    n, token = tp.resolve_comm_sms(op, comm, comm_sms, chosen, M=M, N=N, K=K, esize=esize, comm_items=comm_items)
+    n, token = tp.resolve_comm_sms(op, comm, c.comm_sms, c.path, M=c.M, N=c.N, K=c.K, esize=esize,
+                                   comm_items=comm_items)
     gemm_ctas, comm_ctas = tp.grid_split(op, n, W * tiles_blk, comm_items, tp.sm_count())
-    tp.set_split(args, plan, gemm_ctas, tp.controller_mode(op, comm_sms, chosen), comm)
-    args.join = int(join)
+    tp.set_split(args, plan, gemm_ctas, tp.controller_mode(op, c.comm_sms, c.path), comm)
     with autosplit.timed(token, stream):
-        tp.launch_fused(comm, op, spec, kernel, args, a.dtype, layout, gemm_ctas + comm_ctas, stream)
-    return out
+        tp.launch_fused(comm, op, spec, kernel, args, c.a.dtype, c.layout, gemm_ctas + comm_ctas, stream)

@@ -67,34 +67,6 @@ def _rows_contiguous(x):
     return (D == 1 or x.strides[3] == x.itemsize) and (H == 1 or x.strides[2] == D * x.itemsize)
 
 
-def _plan(comm, q4, k4, remote):
-    """Buffers of one shape (tp.plan_buffers: cached in comm.plans, built collectively): the receive
-    slots and this rank's fp32 accumulators in the scratch, flags in symmetric memory, tile
-    flags and scheduler words in device memory. Between nodes (remote) also a staging copy of this
-    rank's own block (a WRITE source must lie in a registered region)."""
-    import cupy
-
-    B, S, Hq, D = q4.shape
-    Hkv = k4.shape[2]
-    kv_shape = (2, B, S, Hkv, D)  # one buffer per slot: K then V (one range for WRITEs between nodes)
-    f32 = cupy.float32
-    sizes = [("slot0", kv_shape, k4.dtype), ("slot1", kv_shape, k4.dtype), ("flags", (FLAG_WORDS,), cupy.uint32),
-             ("o_acc", (B, S, Hq, D), f32), ("m_acc", (B, Hq, S), f32), ("l_acc", (B, Hq, S), f32)]
-    if remote:
-        sizes.append(("stage", kv_shape, k4.dtype))
-    plan = _tp.plan_buffers("ring_attention", comm, ("buffers", "ring_attention", B, S, Hq, Hkv, D, k4.dtype.name),
-                            sizes, counter_words=CNT_WORDS)
-    if "tiles" not in plan:  # first use of this shape
-        tiles = B * Hq * -(-S // _attn.BLOCK_M)
-        plan["tile_flags"] = cupy.zeros(2 * tiles, dtype=cupy.uint32)
-        plan["sched"] = cupy.zeros(4, dtype=cupy.uint32)  # tile_counter, done_count
-        plan["tiles"] = tiles
-        if remote:  # (starts the proxy on first use: collective, like this whole branch)
-            plan["pflags"] = comm.proxy_flag_block(PF_CHUNK + PROXY_CHUNK_FLAGS)
-        cupy.cuda.runtime.deviceSynchronize()
-    return plan
-
-
 def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, return_lse=False, out=None, stream=None,
                    comm_sms=None):
     """Attention of this rank's queries against every rank's keys and values.
@@ -107,18 +79,36 @@ def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, return_ls
     dtype), or ``(out, lse)`` with lse float32 ``[B, H_q, S_local]`` (``[H_q, S_local]`` for 3-D).
     comm_sms: forwarding CTAs (default 8). Collective: every rank calls it with the same shapes.
     """
+    c = _check(comm, q, k, v, out, stream, causal, softmax_scale, comm_sms)
+    if comm.size == 1:  # the same checks at every world size, then the engine on the one block
+        return _attn.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+                               out=out, stream=stream)
+    out, lse = _launch(comm, _plan(comm, c), c, return_lse, stream)
+    if return_lse:
+        return out, (lse[0] if c.q.ndim == 3 else lse)
+    return out
+
+
+class _Call:
+    """One call's checked arguments (4-D views q4, k4, v4; ``out`` as given or None)."""
+    __slots__ = ("q", "q4", "k4", "v4", "out", "causal", "scale", "comm_sms")
+
+    def __init__(self, **fields):
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+
+def _check(comm, q, k, v, out, stream, causal, softmax_scale, comm_sms):
+    """Typed errors before anything launches; the shapes and options, agreed by every rank."""
     import cupy
 
     from mkernel.comm.communicator import Communicator
     from mkernel.runtime.arrays import as_cupy
-    from mkernel.runtime.launch import launch_persistent, persistent_grid
 
     if not isinstance(comm, Communicator):
         raise ArgumentError(f"ring_attention needs comm= an mkernel Communicator (mkernel.init()); got "
                             f"{type(comm).__name__}")
     W = comm.size
-    remote = comm.num_nodes > 1  # the ranks at a node's ends send / receive blocks through the proxy
-    node_of = comm.topology.node_of
     _tp.check_node_major("ring_attention", comm)  # the ring follows the ranks
     if W > MAX_WORLD:
         raise ArgumentError(f"ring_attention: at most {MAX_WORLD} ranks; this communicator has {W}")
@@ -138,41 +128,64 @@ def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, return_ls
     if causal and S % 2:
         raise ArgumentError(f"ring_attention: causal attention takes the zigzag layout (two chunks per rank), so "
                             f"S_local must be even; got {S}")
-    if W == 1:  # the same checks at every world size, then the engine on the one block
-        return _attn.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
-                               out=out, stream=stream)
-    scale = float(softmax_scale) if softmax_scale is not None else D ** -0.5
-    key = ("ring_attention", B, S, Hq, Hkv, D, q.dtype.str, bool(causal), scale, comm_sms)
-    comm.agree(key, key)
-    if not (_rows_contiguous(k4) and _rows_contiguous(v4) and k4.strides == v4.strides):
-        k4, v4 = cupy.ascontiguousarray(k4), cupy.ascontiguousarray(v4)  # the forwarders copy whole rows
-    plan = _plan(comm, q4, k4, remote)
-    if out is None:
-        out = cupy.empty(q.shape, dtype=q.dtype)
-    o4 = _attn._as4d(out, "out")
-    if not _rows_contiguous(o4):
+    if out is not None and W > 1 and not _rows_contiguous(_attn._as4d(out, "out")):
         raise ArgumentError("ring_attention: out's (head, dim) part must be contiguous")
-    lse = cupy.empty((B, Hq, S), dtype=cupy.float32) if return_lse else None
+    scale = float(softmax_scale) if softmax_scale is not None else D ** -0.5
+    if W > 1:
+        key = ("ring_attention", B, S, Hq, Hkv, D, q.dtype.str, bool(causal), scale, comm_sms)
+        comm.agree(key, key)
+        if not (_rows_contiguous(k4) and _rows_contiguous(v4) and k4.strides == v4.strides):
+            k4, v4 = cupy.ascontiguousarray(k4), cupy.ascontiguousarray(v4)  # the forwarders copy whole rows
+    return _Call(q=q, q4=q4, k4=k4, v4=v4, out=out, causal=bool(causal), scale=scale, comm_sms=comm_sms)
 
-    fn = _compile.module(SPEC).function(kernel_expr(_attn.DT[q.dtype.name], D, bool(causal)))
-    smem = _attn.SMEM[D]
-    grid = persistent_grid(fn, _attn.THREADS, smem, what="ring_attention")
-    comm_ctas = min(comm_sms, grid - 1)
+
+def _plan(comm, c):
+    """(plan, launch template) of this shape (the plan: tp.plan_buffers, cached in comm.plans, built
+    collectively): the receive slots and this rank's fp32 accumulators in the scratch, flags in
+    symmetric memory, tile flags and scheduler words in device memory, and every argument but the
+    call's q, k, v, out and lse. Between nodes (remote) also a staging copy of this rank's own block
+    (a WRITE source must lie in a registered region)."""
+    import cupy
+
+    B, S, Hq, D = c.q4.shape
+    k4 = c.k4
+    Hkv = k4.shape[2]
+    remote = comm.num_nodes > 1  # the ranks at a node's ends send / receive blocks through the proxy
+    kv_shape = (2, B, S, Hkv, D)  # one buffer per slot: K then V (one range for WRITEs between nodes)
+    f32 = cupy.float32
+    sizes = [("slot0", kv_shape, k4.dtype), ("slot1", kv_shape, k4.dtype), ("flags", (FLAG_WORDS,), cupy.uint32),
+             ("o_acc", (B, S, Hq, D), f32), ("m_acc", (B, Hq, S), f32), ("l_acc", (B, Hq, S), f32)]
+    if remote:
+        sizes.append(("stage", kv_shape, k4.dtype))
+    plan = _tp.plan_buffers("ring_attention", comm, ("buffers", "ring_attention", B, S, Hq, Hkv, D, k4.dtype.name),
+                            sizes, counter_words=CNT_WORDS)
+    if "tiles" not in plan:  # first use of this shape
+        tiles = B * Hq * -(-S // _attn.BLOCK_M)
+        plan["tile_flags"] = cupy.zeros(2 * tiles, dtype=cupy.uint32)
+        plan["sched"] = cupy.zeros(4, dtype=cupy.uint32)  # tile_counter, done_count
+        plan["tiles"] = tiles
+        if remote:  # (starts the proxy on first use: collective, like this whole branch)
+            plan["pflags"] = comm.proxy_flag_block(PF_CHUNK + PROXY_CHUNK_FLAGS)
+        cupy.cuda.runtime.deviceSynchronize()
+    return plan, _tp.launch_template(plan, (c.causal, c.scale, c.comm_sms), lambda: _static_args(comm, plan, c))
+
+
+def _static_args(comm, plan, c):
+    from mkernel.runtime.launch import persistent_grid
+
+    B, S, Hq, D = c.q4.shape
+    k4 = c.k4
+    Hkv = k4.shape[2]
+    W, me, node_of = comm.size, comm.rank, comm.topology.node_of  # the ring's order is the ranks' (node-major)
     r = MkRingArgs()
     a = r.a
-    a.q, a.k, a.v = _attn._tensor_map(q4, _attn.BLOCK_M), _attn._tensor_map(k4, _attn.BLOCK_N), \
-        _attn._tensor_map(v4, _attn.BLOCK_N)
-    a.o = _attn._tensor_map(o4, 64)
-    a.sync = comm.sync_args("ring_attention")
     sched = plan["sched"].data.ptr
     a.sched = _gemm.MkGemmSched(None, sched, sched + 4, None, W * plan["tiles"], 0, 0, 0)
-    a.lse = lse.data.ptr if lse is not None else None
     a.batch, a.heads_q, a.heads_kv, a.seq_q, a.seq_kv = B, Hq, Hkv, S, S
     a.q_blocks = -(-S // _attn.BLOCK_M)
-    a.scale, a.scale_log2 = scale, scale * _attn.LOG2E
+    a.scale, a.scale_log2 = c.scale, c.scale * _attn.LOG2E
     half = S // 2
-    me = comm.rank  # the ring's order is the ranks' (node-major)
-    a.qpos = (_attn.MkAttnPos(half, me * half, (2 * W - 1 - me) * half - half, 0) if causal
+    a.qpos = (_attn.MkAttnPos(half, me * half, (2 * W - 1 - me) * half - half, 0) if c.causal
               else _attn.positions(me * S))
     a.kpos = a.qpos  # (per step in the kernel; this one only fills the end-of-work tile)
     half_bytes = B * S * Hkv * D * k4.itemsize  # one of K or V
@@ -183,30 +196,18 @@ def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, return_ls
         r.vslot_off[i] = r.kslot_off[i] + half_bytes
     r.peer_base = comm.peer_table.data.ptr
     r.flags_off = comm.offset_of(plan["flags"])
-    r.k_own, r.v_own = k4.data.ptr, v4.data.ptr
-    r.own_stride_b = k4.strides[0] if B > 1 else S * Hkv * D * k4.itemsize
-    r.own_stride_s = k4.strides[1] if S > 1 else Hkv * D * k4.itemsize
     r.o_acc, r.m_acc, r.l_acc = plan["o_acc"].data.ptr, plan["m_acc"].data.ptr, plan["l_acc"].data.ptr
     r.tile_flags, r.counters = plan["tile_flags"].data.ptr, plan["counters"].data.ptr
-    r.out = o4.data.ptr
-    r.out_stride_b = o4.strides[0] // o4.itemsize if B > 1 else S * Hq * D
-    r.out_stride_s = o4.strides[1] // o4.itemsize if S > 1 else Hq * D
-    r.world, r.me, r.attn_ctas, r.zigzag = W, me, grid - comm_ctas, int(bool(causal))
+    grid = persistent_grid(_function(c), _attn.THREADS, _attn.SMEM[D], what="ring_attention")
+    r.world, r.me, r.attn_ctas, r.zigzag = W, me, grid - min(c.comm_sms, grid - 1), int(c.causal)
     r.local, r.lrank = comm.local_size, comm.local_rank
     r.tiles_per_step = plan["tiles"]
     r.chunk_rows = max(1, CHUNK_BYTES // (Hkv * D * k4.itemsize))
-    if remote:
-        stage = plan["stage"]
-        if node_of[(me + 1) % W] != comm.node:  # only a rank sending across reads the staged block
-            # a CuPy copy: its first use loads a module, which must not happen behind a launch of ours
-            _tp.quiesced_first_use(comm, plan, ("stage copy", k4.dtype.str, k4.strides, v4.strides))
-            with _tp.on_stream(stream):  # the block of step 0 must lie in a registered region
-                stage[0][...] = k4
-                stage[1][...] = v4
+    if comm.num_nodes > 1:
         base = plan["pflags"].offset
         r.queue = comm.proxy_queue_args(flag_base=base)
         r.pflags = comm.proxy_flags[0] + 4 * base
-        r.stage_off = comm.offset_of(stage)
+        r.stage_off = comm.offset_of(plan["stage"])
         r.next_remote = int(node_of[(me + 1) % W] != comm.node)
         r.prev_remote = int(node_of[(me - 1) % W] != comm.node)
         r.kv_bytes = 2 * half_bytes
@@ -214,7 +215,49 @@ def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, return_ls
         chunk = max(2 * CHUNK_BYTES, -(-r.kv_bytes // cap))
         r.chunk_bytes = -(-chunk // 16) * 16
         r.chunks = -(-r.kv_bytes // r.chunk_bytes)
-    launch_persistent(fn, (grid,), (_attn.THREADS,), r, smem=smem, stream=stream)
-    if return_lse:
-        return out, (lse[0] if q.ndim == 3 else lse)
-    return out
+    return r
+
+
+def _function(c):
+    D = c.q4.shape[3]
+    return _compile.module(SPEC).function(kernel_expr(_attn.DT[c.q.dtype.name], D, c.causal))
+
+
+def _launch(comm, planned, c, return_lse, stream):
+    """This call's q, k, v, out and lse into a copy of the template; between nodes the staging copy
+    of the own block; the launch. Returns (out, lse or None)."""
+    import cupy
+
+    from mkernel.runtime.launch import launch_persistent, persistent_grid
+
+    q4, k4, v4 = c.q4, c.k4, c.v4
+    B, S, Hq, D = q4.shape
+    out = c.out if c.out is not None else cupy.empty(c.q.shape, dtype=c.q.dtype)
+    o4 = _attn._as4d(out, "out")
+    lse = cupy.empty((B, Hq, S), dtype=cupy.float32) if return_lse else None
+    plan, template = planned
+    r = MkRingArgs.from_buffer_copy(template["args"])
+    a = r.a
+    maps = (("q", q4, _attn.BLOCK_M), ("k", k4, _attn.BLOCK_N), ("v", v4, _attn.BLOCK_N), ("o", o4, 64))
+    for role, x, box in maps:
+        setattr(a, role, _tp.operand_map(template, role, (x.data.ptr, x.strides),
+                                         lambda x=x, box=box: _attn._tensor_map(x, box)))
+    a.sync = comm.sync_args("ring_attention")
+    a.lse = lse.data.ptr if lse is not None else None
+    r.k_own, r.v_own = k4.data.ptr, v4.data.ptr
+    r.own_stride_b = k4.strides[0] if B > 1 else S * k4.shape[2] * D * k4.itemsize
+    r.own_stride_s = k4.strides[1] if S > 1 else k4.shape[2] * D * k4.itemsize
+    r.out = o4.data.ptr
+    r.out_stride_b = o4.strides[0] // o4.itemsize if B > 1 else S * Hq * D
+    r.out_stride_s = o4.strides[1] // o4.itemsize if S > 1 else Hq * D
+    if r.next_remote:  # only a rank sending across reads the staged block
+        stage = plan["stage"]
+        # a CuPy copy: its first use loads a module, which must not happen behind a launch of ours
+        _tp.quiesced_first_use(comm, plan, ("stage copy", k4.dtype.str, k4.strides, v4.strides))
+        with _tp.on_stream(stream):  # the block of step 0 must lie in a registered region
+            stage[0][...] = k4
+            stage[1][...] = v4
+    fn = _function(c)
+    grid = persistent_grid(fn, _attn.THREADS, _attn.SMEM[D], what="ring_attention")  # (cached)
+    launch_persistent(fn, (grid,), (_attn.THREADS,), r, smem=_attn.SMEM[D], stream=stream)
+    return out, lse

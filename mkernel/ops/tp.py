@@ -361,12 +361,44 @@ def controller_stats(comm) -> dict:
     return {f: int(getattr(state.last, f)) for f, _ in TpCtlStats._fields_ if f != "pad"}
 
 
-def fill_common(args, comm, op, *, a_ptr, a_rows, a_row_bytes, dtype, b_arr, layout, K, N, mb, counters):
+class Call:
+    """One call's checked arguments: ``a`` [M or M / world, K], ``b`` as ``layout`` with N, ``out``,
+    the agreed ``path``, ``comm_sms`` ("auto" or an integer), ``join``."""
+    __slots__ = ("a", "b", "layout", "M", "N", "K", "mb", "out", "path", "comm_sms", "join")
+
+    def __init__(self, **fields):
+        for k, v in fields.items():
+            setattr(self, k, v)
+
+
+MAX_TEMPLATES = 16  # launch templates per plan: (K or N, layout, join, path) seen with its buffers
+
+
+def launch_template(plan, key, build):
+    """The prepared TpArgs of ``key`` within ``plan``: every field but the operands' pointers and the
+    per-call split, built by ``build()`` at the key's first call; evicted with the plan."""
+    templates = plan.setdefault("launch", {})
+    t = templates.get(key)
+    if t is None:
+        if len(templates) >= MAX_TEMPLATES:
+            del templates[next(iter(templates))]
+        t = templates[key] = {"args": build(), "maps": {}}
+    return t
+
+
+def operand_map(template, role, key, encode):
+    """``encode()``'s TMA map for an operand, encoded again only when ``key`` (its pointer and
+    strides) differs from the template's last call."""
+    last = template["maps"].get(role)
+    if last is None or last[0] != key:
+        last = template["maps"][role] = (key, encode())
+    return last[1]
+
+
+def fill_static(args, comm, *, a_rows, K, N, mb, counters):
+    """The fields of a launch template that hold for every call of one plan and key."""
     W = comm.size
     g = args.g
-    g.a = a_map(dtype, a_ptr, a_rows, K, a_row_bytes)
-    g.b = b_map(b_arr, layout, K, N)
-    g.sync = comm.sync_args(op)
     tiles_n = -(-N // BN)
     tiles_mb = -(-mb // BM)
     g.sched.tiles_n, g.sched.group_m, g.sched.num_tiles = tiles_n, 16, W * tiles_mb * tiles_n
@@ -379,11 +411,22 @@ def fill_common(args, comm, op, *, a_ptr, a_rows, a_row_bytes, dtype, b_arr, lay
     return tiles_mb * tiles_n
 
 
+def call_args(template, c, *, a_ptr, a_row_bytes):
+    """A copy of ``template``'s TpArgs with this call's A (``a_ptr``: the rows the GEMM reads) and B maps."""
+    args = TpArgs.from_buffer_copy(template["args"])
+    dtype, g = c.a.dtype, args.g
+    g.a = operand_map(template, "a", (a_ptr, a_row_bytes), lambda: a_map(dtype, a_ptr, g.m, c.K, a_row_bytes))
+    b = c.b
+    g.b = operand_map(template, "b", (b.data.ptr, b.strides), lambda: b_map(b, c.layout, c.K, c.N))
+    return args
+
+
 def launch_fused(comm, op, spec, kernel, args, dtype, layout, grid, stream):
     from mkernel.runtime.launch import launch_persistent, persistent_grid
 
     fn = _compile.module(spec).function(kernel_expr(kernel, DT[dtype.name], layout))
     persistent_grid(fn, THREADS, SMEM_BYTES, blocks=grid, what=op)  # checked once per grid (cached)
+    args.g.sync = comm.sync_args(op)
     args.g.c = args.dst[0]
     launch_persistent(fn, (grid,), (THREADS,), args, smem=SMEM_BYTES, stream=stream)
 
