@@ -73,7 +73,7 @@ class Communicator:
     PEER_CHECK_S = 5.0  # close() after a failure: how long peers have to answer
 
     def __init__(self, mpi_comm, *, gpus_per_node=None, transport="auto", workspace_bytes=None,
-                 _parent=None):
+                 _parent=None, _range=None):
         self.transport = _check_transport(transport)
         if workspace_bytes is None and env.get("MKERNEL_WORKSPACE_BYTES") != "auto":
             workspace_bytes = env.get_int("MKERNEL_WORKSPACE_BYTES")
@@ -81,6 +81,7 @@ class Communicator:
             raise ArgumentError(f"workspace_bytes must be a positive integer, got {workspace_bytes!r}")
         self.mpi = mpi_comm.Dup()
         self._parent = _parent
+        self._range = _range  # a sub-communicator's range of its parent's workspace (split carved it)
         self._root = self if _parent is None else _parent._root
         self._children = []  # weak references, in creation order (the order close() closes them in)
         node_of = None if _parent is None else self.mpi.allgather(_parent.node)
@@ -136,7 +137,8 @@ class Communicator:
             self.heap = SymmetricHeap.allocate(self.node_mpi, self._workspace_bytes, self.device_id)
             self._flag_ranges_free = set(range(self.PROXY_FLAG_RANGES))  # of the root's flag array
         else:
-            self.heap = SymmetricHeap.carve(self._parent.heap, self.mpi, self.node_mpi, self._workspace_bytes)
+            rng, self._range = self._range, None  # the heap holds it: closing the heap returns it
+            self.heap = SymmetricHeap.carve(self._parent.heap, rng, self.node_mpi)
         self._flag_range = self._take_flag_range()
         import numpy
         self._root_ranks = numpy.array(self.mpi.allgather(self._root.rank), dtype=numpy.uint16)
@@ -172,22 +174,27 @@ class Communicator:
         shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
         dtype = numpy.dtype(dtype)
         nbytes = int(numpy.prod(shape, dtype=numpy.int64)) * dtype.itemsize
-        agree = (shape, dtype.str)
-        what = "allocating symmetric memory"
+        return self.heap.array(self._symmetric_range(nbytes, "allocating symmetric memory", (shape, dtype.str)),
+                               shape, dtype)
+
+    def _symmetric_range(self, nbytes: int, what: str, agree=None):
+        """A range of the workspace at the same offset on every rank (a Lease); when none is free, the
+        ops' cached plans are released, then the workspace grows in place. Collective."""
+        heap = self.heap
         try:
-            return self.heap.array(self.heap.alloc_symmetric(self.mpi, nbytes, what, agree=agree), shape, dtype)
+            return heap.alloc_symmetric(self.mpi, nbytes, what, agree=agree)
         except WorkspaceError as e:  # every rank fails alike (the same free ranges were intersected)
             exhausted = e
-        if len(self.plans):  # the ops' cached plans first: the shapes in use build theirs again
-            log.info("rank %d: releasing %d cached plans for an allocation of %d bytes", self.rank, len(self.plans),
-                     nbytes)
+        if len(self.plans) or self.scratch.nbytes:  # the shapes in use build their plans again
+            log.info("rank %d: releasing %d cached plans and the scratch for %s (%d bytes)", self.rank,
+                     len(self.plans), what, nbytes)
             self.release_plans()
             try:
-                return self.heap.array(self.heap.alloc_symmetric(self.mpi, nbytes, what, agree=agree), shape, dtype)
+                return heap.alloc_symmetric(self.mpi, nbytes, what, agree=agree)
             except WorkspaceError as e:
                 exhausted = e
         self._grow_for(nbytes, exhausted)
-        return self.heap.array(self.heap.alloc_symmetric(self.mpi, nbytes, what, agree=agree), shape, dtype)
+        return heap.alloc_symmetric(self.mpi, nbytes, what, agree=agree)
 
     def release_plans(self):
         """Drops the ops' cached plans and the scratch (their symmetric memory is freed; each
@@ -257,11 +264,23 @@ class Communicator:
             elif self._root._proxy is None:
                 raise MKernelError("internal: a sub-communicator of a multi-node root exists without the root's "
                                    "proxy")
+        # Carved over all of this communicator's ranks (disjoint children share the offset), so that
+        # releasing plans or growing, collective here, can make room.
+        from mkernel.comm.symmetric import carve_bytes
+
+        ok = isinstance(workspace_bytes, int) and not isinstance(workspace_bytes, bool) and workspace_bytes > 0
+        views = collectives.allgather_object(self.mpi, carve_bytes(workspace_bytes) if ok else None,
+                                             "splitting the communicator")
+        if None in views:
+            raise ArgumentError(f"split: workspace_bytes must be a positive integer on every rank; rank "
+                                f"{views.index(None)} passed an invalid one (here: {workspace_bytes!r})")
+        rng = self._symmetric_range(max(views), "carving a sub-communicator's workspace")
         sub = self.mpi.Split(MPI.UNDEFINED if color is None else color, key)
         if sub == MPI.COMM_NULL:
-            return None
+            return None  # (rng freed)
         try:
-            child = Communicator(sub, transport=self.transport, workspace_bytes=workspace_bytes, _parent=self)
+            child = Communicator(sub, transport=self.transport, workspace_bytes=workspace_bytes, _parent=self,
+                                 _range=rng)
         finally:
             sub.Free()
         self._children.append(weakref.ref(child))

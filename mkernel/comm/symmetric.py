@@ -79,13 +79,11 @@ class SymmetricHeap:
         return cls(base, nbytes, device_id, peer_base, node_mpi.rank)
 
     @classmethod
-    def carve(cls, parent: "SymmetricHeap", mpi, node_mpi, nbytes: int) -> "SymmetricHeap":
-        """An arena of ``nbytes`` inside ``parent`` for the communicator over ``mpi`` (a subset of the
-        parent's ranks; ``node_mpi`` its node). Collective over ``mpi``."""
+    def carve(cls, parent: "SymmetricHeap", rng: "Lease", node_mpi) -> "SymmetricHeap":
+        """The arena of a sub-communicator (``node_mpi``: its node) in ``parent``'s range ``rng``
+        (``Communicator.split`` takes it, of :func:`carve_bytes`). Collective over the node."""
         import cupy
 
-        nbytes = _round_up(max(nbytes, 2 * CONTROL_BYTES), ALIGN)
-        rng = parent.alloc_symmetric(mpi, nbytes, "carving a sub-communicator's workspace")
         cupy.cuda.runtime.memset(parent.base + rng.offset, 0, rng.size)  # flags start at 0
         cupy.cuda.runtime.deviceSynchronize()
         parent_local = node_mpi.allgather(parent.local_rank)  # this node's members, as the parent numbers them
@@ -245,6 +243,11 @@ class FreeList:
             else:
                 merged.append((off, sz))
         self.free = merged
+
+
+def carve_bytes(nbytes: int) -> int:
+    """The range a sub-communicator of ``nbytes`` of workspace takes (room for its control words)."""
+    return _round_up(max(nbytes, 2 * CONTROL_BYTES), ALIGN)
 
 
 def _round_up(n, a):
