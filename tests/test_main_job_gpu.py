@@ -13,9 +13,11 @@ OPS = ("gemm (engine)", "attention (engine)", "gemm_reduce_scatter", "gemm_allre
        "ring_attention", "moe_dispatch_gemm", "moe_gemm_combine")
 
 
-def _check_output(text, rc):
+def _check_output(r):
+    """The report is stdout (log lines go to stderr, in any order with it)."""
+    text, rc = r.stdout, r.returncode
     lines = [ln for ln in text.splitlines() if ln.strip()]
-    assert rc == 0, f"exit status {rc}:\n{text[-4000:]}"
+    assert rc == 0, f"exit status {rc}:\n{text[-4000:]}\n{r.stderr[-2000:]}"
     assert lines and lines[-1].startswith("all ") and lines[-1].endswith(" checks passed"), text[-4000:]
     assert "nan" not in text.lower().replace("nanos", ""), text[-4000:]
     assert "<lambda>" not in text, text[-4000:]
@@ -29,7 +31,7 @@ def test_main_job_at_one_rank():
         pytest.skip("runs its own processes: the 1-rank pass")
     r = subprocess.run([sys.executable, "-m", "mkernel", "--quick"], env=MPI_ENV, capture_output=True, text=True,
                        timeout=140)
-    _check_output(r.stdout + r.stderr, r.returncode)
+    _check_output(r)
 
 
 @pytest.mark.gpu
@@ -37,4 +39,4 @@ def test_main_job_at_two_ranks_sharing_the_gpu():
     if WORLD.Get_size() > 1:
         pytest.skip("runs its own job: the 1-rank pass")
     r = _mpiexec(2, ["-m", "mkernel", "--quick"], timeout=140)
-    _check_output(r.stdout + r.stderr, r.returncode)
+    _check_output(r)
