@@ -84,3 +84,18 @@ def mpi_child_env(n: int, env: dict = None) -> tuple:
     env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, min(100, 100 * gpus // n)))
     return env, ["-x", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] + (
         ["-x", "CUDA_MPS_PIPE_DIRECTORY"] if "CUDA_MPS_PIPE_DIRECTORY" in env else [])
+
+
+def bytes_sent(comm) -> int:
+    """Bytes this rank's proxy has sent (0 before the first plan between nodes starts it)."""
+    return sum(p["bytes_sent"] for p in comm.stats().get("peers", {}).values())
+
+
+def bytes_sent_since(comm, before: int, want: int, settle_s: float = 5.0) -> int:
+    """Bytes sent since ``before``, read once they reached ``want`` or ``settle_s`` passed: a
+    sender's kernel may end before its proxy counted its last write (the receiver waits for the
+    data, not for the count)."""
+    deadline = time.monotonic() + settle_s
+    while bytes_sent(comm) - before < want and time.monotonic() < deadline:
+        time.sleep(1e-3)
+    return bytes_sent(comm) - before

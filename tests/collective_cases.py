@@ -6,6 +6,7 @@ running cases (the rest is recorded as not run). Then a per-case table and a col
 
 import pytest
 
+from mkernel.comm.collectives import allgather_object
 from mkernel.core.errors import ClosedError, PeerError, TimeoutError
 
 from conftest import all_ranks
@@ -48,7 +49,8 @@ def run_cases(comm, names, body, after=None):
         except Exception as e:  # noqa: BLE001  (an error on one rank must not leave the others waiting)
             ok, msg, raised, fatal = False, f"{type(e).__name__}: {str(e)[:400]}".replace("\n", " "), True, \
                 isinstance(e, FATAL)
-        gathered = comm.test_mpi.allgather((bool(ok), str(msg), raised, fatal))
+        gathered = allgather_object(comm.test_mpi, (bool(ok), str(msg), raised, fatal), f"reporting {name!r}",
+                                    timeout_s=120)  # timed: a peer stuck elsewhere fails the test, no hang
         results[name] = [(o, m) for o, m, _, _ in gathered]
         raisers = [r for r, g in enumerate(gathered) if g[2]]
         if any(g[3] for g in gathered) or 0 < len(raisers) < comm.size:

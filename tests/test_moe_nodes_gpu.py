@@ -28,8 +28,9 @@ import numpy as np
 import pytest
 
 import mkernel
+from mkernel.comm.collectives import allgather_object
 from mkernel.core.errors import ArgumentError, CapacityError
-from mkernel.testing import sync_or_exit
+from mkernel.testing import bytes_sent, bytes_sent_since, sync_or_exit
 
 from gpu_arrays import BF16, bits, dev, host, poisoned
 from test_transport import WORLD, _relaunch
@@ -201,10 +202,6 @@ def _run_gemm_ops(comm, P):
     return None
 
 
-def _sent(comm):
-    return sum(p["bytes_sent"] for p in comm.stats().get("peers", {}).values())
-
-
 def _minimum_bytes(comm, P):
     """What one dispatch + combine must send from this rank between nodes."""
     from mkernel.ops import moe_nodes
@@ -233,7 +230,7 @@ def _guarded(fn, *args):
 
 
 def _collective_check(comm, name, msg):
-    msgs = WORLD.allgather(msg)
+    msgs = allgather_object(WORLD, msg, f"reporting {name}", timeout_s=120)  # timed: no hang if a peer is stuck
     bad = [f"rank {r}: {m}" for r, m in enumerate(msgs) if m]
     assert not bad, f"{name}: " + "; ".join(bad)
 
@@ -243,10 +240,11 @@ def _run_all(comm, make_comm):
     problems = [_problem(c, W) for c in CASES]
     for rep in range(2):
         for P in problems:
-            before = _sent(comm)
+            before = bytes_sent(comm)
             msg = _guarded(_run_dispatch_combine, comm, P)
             if msg is None and rep == 1:  # the plan's setup traffic is behind us
-                sent, want = _sent(comm) - before, _minimum_bytes(comm, P)
+                want = _minimum_bytes(comm, P)
+                sent = bytes_sent_since(comm, before, want)
                 if sent != want:
                     msg = f"sent {sent} bytes between nodes, the minimum is {want}"
             _collective_check(comm, f"{P['name']} (repeat {rep})", msg)

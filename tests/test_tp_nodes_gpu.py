@@ -26,7 +26,7 @@ import mkernel
 from mkernel.ops.allgather_gemm import allgather_gemm
 from mkernel.ops.gemm_allreduce import gemm_allreduce
 from mkernel.ops.gemm_reduce_scatter import gemm_reduce_scatter
-from mkernel.testing import sync_or_exit
+from mkernel.testing import bytes_sent, bytes_sent_since, sync_or_exit
 
 from gpu_arrays import dev as _dev
 from gpu_arrays import host as _host
@@ -43,11 +43,6 @@ REPEATS = 3
 # written in session 4, not yet run on a GPU)
 PATHS = ("fused", "unfused")
 HANG_S = 45.0  # past MKERNEL_TIMEOUT_S (30): a device wait times out and is reported first
-
-
-def _sent(comm):
-    """Bytes this rank's proxy has sent (0 before the first plan between nodes starts it)."""
-    return sum(p["bytes_sent"] for p in comm.stats().get("peers", {}).values())
 
 
 def _run_cases(comm, allreduce):
@@ -69,7 +64,7 @@ def _run_cases(comm, allreduce):
             M, N, K, kind, integer, a, (b, bl), total, absum, absprod = problem
             dt = DTYPES[kind]
             out = _poisoned((M, N) if allreduce else (M // W, N), kind)
-            before = _sent(comm)
+            before = bytes_sent(comm)
             what = f"{fn.__name__} {path} case {i} {M}x{N}x{K} {kind} launch {rep}"
             try:
                 fn(a, b, comm=comm, out=out, b_layout=bl, path=path)
@@ -79,8 +74,9 @@ def _run_cases(comm, allreduce):
                 return False, f"{what}: {type(e).__name__}: {e}"
             got = _host(out)
             want = hops * (nodes - 1) * (M // W) * N * dt.itemsize
-            if _sent(comm) - before != want:
-                return False, f"{what}: the proxy sent {_sent(comm) - before} bytes, the minimum is {want}"
+            sent = bytes_sent_since(comm, before, want)
+            if sent != want:
+                return False, f"{what}: the proxy sent {sent} bytes, the minimum is {want}"
             pick = (lambda x: x) if allreduce else (lambda x: _rows(x, comm, M))
             row0 = 0 if allreduce else comm.rank * (M // W)
             if integer:
@@ -148,7 +144,7 @@ def _run_ag_cases(comm):
         for rep, path, (i, problem) in itertools.product(range(REPEATS), PATHS, enumerate(problems)):
             mb, N, K, kind, integer, a, b, full, ref, absprod = problem
             dt = DTYPES[kind]
-            before = _sent(comm)
+            before = bytes_sent(comm)
             what = f"allgather_gemm {path} case {i} {mb}x{N}x{K} {kind} launch {rep}"
             try:
                 out, gathered = allgather_gemm(a, b, comm=comm, out=_poisoned((W * mb, N), kind), path=path,
@@ -159,8 +155,9 @@ def _run_ag_cases(comm):
                 return False, f"{what}: {type(e).__name__}: {e}"
             got = _host(out)
             want = (nodes - 1) * mb * K * dt.itemsize
-            if _sent(comm) - before != want:
-                return False, f"{what}: the proxy sent {_sent(comm) - before} bytes, the minimum is {want}"
+            sent = bytes_sent_since(comm, before, want)
+            if sent != want:
+                return False, f"{what}: the proxy sent {sent} bytes, the minimum is {want}"
             if not np.array_equal(_host(gathered).view(np.uint16), full.astype(dt).view(np.uint16)):
                 return False, f"{what}: the gathered A differs"
             ok, msg = (_check_exact(got, ref, dt, what) if integer else
