@@ -126,6 +126,13 @@ MK_DEV void tp_push_cta(const TpArgs& a) {
     if (threadIdx.x == 0)
       for (u32 p = 0; p < L; ++p) set_flag(peer_ptr<u32>(peers, p, a.aflag_off) + o * chunks + c, E);
   }
+  // Unfused (no GEMM CTAs): the GEMM after this kernel reads the gathered A, so every chunk of
+  // it, local peers' pushes and forwards included, must have landed before the kernel ends.
+  if (ok && a.gemm_ctas == 0) {
+    const u32* own = peer_ptr<u32>(peers, l, a.aflag_off);
+    for (u32 f = threadIdx.x; f < (u32)a.world * chunks; f += blockDim.x)
+      if (!wait_epoch(a.g.sync, own + f, E, (i32)(f / chunks), 0x70000u + f % chunks)) break;
+  }
   __syncthreads();
   if (threadIdx.x == 0) tp_counters_done(a);
   launch_exit(a.g.sync, E);
