@@ -36,15 +36,18 @@ class Config:
     transport_gbps: types.MappingProxyType = dataclasses.field(default_factory=lambda: types.MappingProxyType(
         {"host": 20.0, "tcp": 1.5, "verbs": 25.0}))
     gemm_tflops: float = 650.0
+    # mkernel.gemm at M up to this (0: never) with B as [N, K] takes the decode path (gemm_decode.py).
+    gemm_decode_max_m: int = 64
 
     def __post_init__(self):
         if self.tp_controller not in CONTROLLER_SETTINGS:
             raise ArgumentError(f"tp_controller must be one of {CONTROLLER_SETTINGS}; got {self.tp_controller!r}")
-        for name in ("tp_fuse_min_tiles", "tp_fuse_min_k", "tp_lend_share", "moe_comm_sms", "ring_comm_sms"):
+        for name in ("tp_fuse_min_tiles", "tp_fuse_min_k", "tp_lend_share", "moe_comm_sms", "ring_comm_sms",
+                     "gemm_decode_max_m"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name.startswith("tp_fuse") else 1):
-                raise ArgumentError(f"{name} must be a {'non-negative' if name.startswith('tp_fuse') else 'positive'} "
-                                    f"integer; got {v!r}")
+            zero_ok = name.startswith("tp_fuse") or name == "gemm_decode_max_m"
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if zero_ok else 1):
+                raise ArgumentError(f"{name} must be a {'non-negative' if zero_ok else 'positive'} integer; got {v!r}")
         for name in ("tp_join_reduce", "moe_join_gemm"):
             if not isinstance(getattr(self, name), bool):
                 raise ArgumentError(f"{name} must be True or False; got {getattr(self, name)!r}")

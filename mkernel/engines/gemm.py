@@ -18,6 +18,7 @@ import ctypes
 import threading
 
 from mkernel.core.errors import ArgumentError
+from mkernel.engines import gemm_decode as _decode
 from mkernel.runtime import compile as _compile
 from mkernel.runtime import tma as _tma
 from mkernel.runtime.arrays import DT, cupy_mod
@@ -102,6 +103,18 @@ class _Workspace:
         self.sync_state = SyncState(rank=0)
         self.sched_mem = cupy.zeros(16, dtype=cupy.uint32)
         self.base = self.sched_mem.data.ptr
+        self.partials = None  # the decode path's (gemm_decode.Partials), grown to a call's need
+
+    def decode_partials(self, nbytes: int, blocks: int):
+        """The decode path's buffer, replaced by a larger one when a call needs more (the launch
+        plans that hold the old one keep it alive). Its counts must be zero before any launch uses it."""
+        import cupy
+
+        if self.partials is None or not self.partials.fits(nbytes, blocks):
+            old_bytes, old_blocks = (self.partials.nbytes, self.partials.blocks) if self.partials else (0, 0)
+            self.partials = _decode.Partials(max(nbytes, old_bytes), max(blocks, old_blocks))
+            cupy.cuda.runtime.deviceSynchronize()  # zeroed on CuPy's current stream: done before our stream's launch
+        return self.partials
 
     def sync(self) -> MkSync:
         return self.sync_state.args("gemm")
@@ -310,6 +323,16 @@ def _launch(cupy, *, a, b_arr, layout, N, K, M, G, out, out_code, group_rows, ep
     return plan
 
 
+def _launch_decode(a, b_arr, out, out_code, *, M, N, K, accumulate, stream):
+    """The decode path's launch; returns its plan (the buffer it uses rides along, kept alive)."""
+    from mkernel.runtime.launch import launch
+
+    fn, grid, args, buffer = _decode.build(a, b_arr, out, out_code, M=M, N=N, K=K, accumulate=accumulate,
+                                           sms=_num_sms(), partial=workspace(stream).decode_partials)
+    launch(fn, grid, (_decode.THREADS,), args, stream=stream)
+    return (fn, grid, (_decode.THREADS,), args, 0, buffer)
+
+
 # Launch plans of gemm() calls that passed `out` (launch.PlanCache).
 _plans = PlanCache()
 
@@ -394,6 +417,12 @@ def gemm(a, b, *, out=None, stream=None, b_layout=None, out_dtype=None, accumula
     if order not in (None, "m", "n"):
         raise ArgumentError(f"order must be None, 'm' or 'n'; got {order!r}")
     order = order or "m"
+    controls = any(x is not None for x in (sms, tile_order, roles, tile_flags, tile_counts)) or bool(cluster)
+    if _decode.eligible(M, layout == B_NK, controls=controls):
+        plan = _launch_decode(a, b_arr, out, out_code, M=M, N=N, K=K, accumulate=accumulate, stream=stream)
+        if key is not None:
+            _plans.add(key, plan)
+        return out
     nt = tiles(M, N)
     clustered = use_cluster(M, N, K, cluster, tile_order=tile_order, roles=roles, sms=sms)
     # Clustered, the scheduler claims units of CLUSTER M-tiles (group_m counts M-tiles either way).

@@ -16,6 +16,9 @@ struct alignas(64) TmaDesc {
 // between GEMM tiles and other work; a CTA reads its word before claiming each tile.
 enum { MK_SCHED_LEAVE = 0, MK_SCHED_GEMM = 1 };
 
+// Output element types.
+enum { MK_OUT_BF16 = 0, MK_OUT_F16 = 1, MK_OUT_F32 = 2 };
+
 // Epilogue operations (MkGemmArgs::epi_op).
 enum { MK_EPI_STORE = 0, MK_EPI_ADD = 1 };
 

@@ -26,9 +26,6 @@
 #include "tma.cuh"
 #include "gemm_mainloop.cuh"
 
-// Output kinds.
-enum { MK_OUT_BF16 = 0, MK_OUT_F16 = 1, MK_OUT_F32 = 2 };
-
 MK_DEV u32 pack2_out(int out, float lo, float hi) {
   u32 r;
   if (out == MK_OUT_BF16)

@@ -10,6 +10,9 @@ typedef int i32;
 typedef long long i64;
 
 #define MK_DEV __device__ __forceinline__
+
+// Input element types of the GEMM and attention kernels.
+enum { MK_DT_BF16 = 0, MK_DT_F16 = 1 };
 #define MK_STATIC_ASSERT(cond, msg) static_assert(cond, msg)
 
 // Registers a CTA of `threads` threads (launch bounds (threads, 1)) owns: ptxas gives every thread

@@ -34,9 +34,6 @@ MK_DEV void wgmma_wait() {
 // Keeps the compiler from moving accumulator reads/writes across the asynchronous MMA.
 MK_DEV void wgmma_fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
-// Input element types.
-enum { MK_DT_BF16 = 0, MK_DT_F16 = 1 };
-
 // The wgmma instructions themselves (generated: tools/gen_wgmma.py). Accumulator fragment of
 // m64nNk16 (N/2 fp32 registers per thread): register 4*j + i of thread (warp w, lane l) holds row
 // 16*w + l/4 + 8*(i/2), column 8*j + 2*(l%4) + (i%2).
