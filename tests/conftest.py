@@ -1,9 +1,10 @@
-"""Shared test setup: GPU markers skip with a reason, and helpers for tests that run at any rank count.
+"""Shared test setup: GPU markers skip with a reason, and the fixtures the test files share.
 
 Every test file runs under plain ``python -m pytest`` (one rank). Tests marked ``mpi`` are also run by
 the test command under ``mpiexec -n 2`` and ``-n 4``: they must use only collectives every rank
 reaches, and decide pass or fail collectively (``all_ranks``), so that one failing rank fails all
-of them instead of leaving the others blocked in a collective.
+of them instead of leaving the others blocked in a collective. ``all_ranks`` and ``UNDER_MPIEXEC``
+are in tests/helpers/ranks.py.
 """
 
 import os
@@ -13,9 +14,6 @@ import pytest
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX beside CuPy: don't take 75% of the GPU
 
 from mkernel.runtime import gpu
-
-_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
-UNDER_MPIEXEC = any(v in os.environ for v in _SIZE_VARS)
 
 
 def _hopper_missing() -> str:
@@ -42,15 +40,6 @@ def pytest_collection_modifyitems(config, items):
 def mpi_comm():
     from mpi4py import MPI
     return MPI.COMM_WORLD
-
-
-def all_ranks(comm, ok: bool, timeout_s: float = 60.0) -> bool:
-    """True only if ``ok`` holds on every rank (a collective: every rank must call it). Timed: a
-    peer stuck elsewhere (in an op's own collective, after this rank failed) fails the test
-    instead of hanging the job."""
-    from mkernel.comm.collectives import allgather_bytes
-    views = allgather_bytes(comm, bytes([bool(ok)]), "gathering the test's result", timeout_s)
-    return views == [b"\x01"] * comm.Get_size()
 
 
 @pytest.fixture

@@ -23,33 +23,31 @@ Manual: python3 tests/test_attention.py --child all   |   --child feature:exact
 import importlib
 import importlib.util
 import math
-import sys
 import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-import child_cases  # noqa: E402
-from argument_errors import argument_errors
-from gpu_arrays import BF16, DTYPES
-from gpu_arrays import attention_reference as _attention_reference
-from gpu_arrays import bits as _bits
-from gpu_arrays import compare_attention as _compare
-from gpu_arrays import compare_exact as _compare_exact
-from gpu_arrays import dev as _dev  # the shared device-array and attention helpers (tests/gpu_arrays.py)
-from gpu_arrays import host as _host
-from gpu_arrays import host_result as _host_result
-from gpu_arrays import kind as _kind
-from gpu_arrays import poison as _poison
-from gpu_arrays import poisoned as _poisoned
-from gpu_arrays import random_qkv as _random_qkv
+from mkernel.core.errors import NoGPUError
+from mkernel.testing import sync_or_exit
+
+from tests.helpers import child_cases
+from tests.helpers.argument_errors import argument_errors
+from tests.helpers.arrays import BF16, DTYPES
+from tests.helpers.arrays import attention_reference as _attention_reference
+from tests.helpers.arrays import bits as _bits
+from tests.helpers.arrays import compare_attention as _compare
+from tests.helpers.arrays import compare_exact as _compare_exact
+from tests.helpers.arrays import dev as _dev
+from tests.helpers.arrays import host as _host
+from tests.helpers.arrays import host_result as _host_result
+from tests.helpers.arrays import kind as _kind
+from tests.helpers.arrays import poison as _poison
+from tests.helpers.arrays import poisoned as _poisoned
+from tests.helpers.arrays import random_qkv as _random_qkv
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from mkernel.core.errors import NoGPUError  # noqa: E402
-from mkernel.testing import sync_or_exit  # noqa: E402
 
 # The module, not the function: mkernel re-exports attention() under the same name. Imported
 # tolerantly so that the tests that do not need it (the wgmma header) still run while it is missing.
@@ -70,7 +68,7 @@ def _module():
 def test_args_layout_matches_host_compiler(tmp_path):
     # assert_same_layout() compares alignof too; the C struct is alignas(64) through TmaDesc, which
     # ctypes cannot express (as for MkGemmArgs), so alignof is checked separately.
-    from c_layout import c_offsets, py_offsets
+    from tests.helpers.c_layout import c_offsets, py_offsets
 
     mirror = _module().MkAttnArgs
     c = c_offsets("attn_args.cuh", "MkAttnArgs", [name for name, *_ in mirror._fields_], tmp_path)

@@ -1,7 +1,7 @@
 """CPU: ``comm_sms="auto"`` wired into the fused TP ops (mkernel.autosplit): each call launches
 the count the key's split search asks for, the times of earlier calls that have ended feed the
 search (never a wait, never a collective), and once it holds only every HOLD_SAMPLE-th call is
-timed. The launches are faked (test_tp_compile's fixtures); a call's "time" comes from a synthetic
+timed. The launches are faked (tests/helpers/tp_fakes.py, as in test_tp_compile); a call's "time" comes from a synthetic
 cost curve of the comm CTA count it launched with."""
 
 import importlib
@@ -13,7 +13,8 @@ from mkernel.ops import tp
 from mkernel.split import policy as split
 from mkernel.split import search as autosplit
 
-from test_tp_compile import _Arr, _Comm, fake_launch  # noqa: F401  (fake_launch is a fixture)
+from tests.helpers import tp_fakes
+from tests.helpers.tp_fakes import _Arr, _Comm
 
 rs = importlib.import_module("mkernel.ops.gemm_reduce_scatter")
 ag = importlib.import_module("mkernel.ops.allgather_gemm")
@@ -27,7 +28,12 @@ def _curve(n):
 
 
 @pytest.fixture
-def auto(fake_launch, monkeypatch):  # noqa: F811
+def fake_launch(monkeypatch):
+    return tp_fakes.fake_launch(monkeypatch)
+
+
+@pytest.fixture
+def auto(fake_launch, monkeypatch):
     """A timer that reads the faked launch's comm CTA count (each test's communicator has a fresh
     split memory); ``record["running"]`` timers report that their call has not ended yet. Returns
     the record."""
@@ -74,12 +80,12 @@ def _comm():
     return comm
 
 
-def _launched_comm_ctas(fake_launch):  # noqa: F811
+def _launched_comm_ctas(fake_launch):
     launch = fake_launch["launch"]
     return launch["grid"] - launch["args"].gemm_ctas
 
 
-def _rs_call(comm, fake_launch, **kw):  # noqa: F811
+def _rs_call(comm, fake_launch, **kw):
     M, K, N = 8192, 1024, 4096
     a, b = _Arr((M, K), "float16", 0x100000), _Arr((K, N), "float16", 0x200000)
     out = _Arr((M // comm.size, N), "float16", 0x300000)
@@ -87,7 +93,7 @@ def _rs_call(comm, fake_launch, **kw):  # noqa: F811
     return _launched_comm_ctas(fake_launch)
 
 
-def test_auto_converges_to_the_best_split_and_then_samples(fake_launch, auto):  # noqa: F811
+def test_auto_converges_to_the_best_split_and_then_samples(fake_launch, auto):
     comm = _comm()
     counts = [_rs_call(comm, fake_launch, path="fused") for _ in range(12)]
     key = next(iter(comm.plans.state['autosplit.keys'].values())).key
@@ -110,7 +116,7 @@ def test_auto_converges_to_the_best_split_and_then_samples(fake_launch, auto):  
     assert len(set(comm.agreements)) == 1 and "auto" not in next(iter(comm.agreements))
 
 
-def test_auto_never_waits_for_a_call_to_end(fake_launch, auto):  # noqa: F811
+def test_auto_never_waits_for_a_call_to_end(fake_launch, auto):
     """Calls whose end has not been seen are not observed yet: the next calls launch the search's
     current count without waiting, and the times are fed in launch order once they are in."""
     comm = _comm()
@@ -125,7 +131,7 @@ def test_auto_never_waits_for_a_call_to_end(fake_launch, auto):  # noqa: F811
     assert nxt == autosplit.memory(comm).search(st.key).pending
 
 
-def test_auto_bounds_the_calls_it_keeps_timing(fake_launch, auto):  # noqa: F811
+def test_auto_bounds_the_calls_it_keeps_timing(fake_launch, auto):
     """With the GPU far behind, at most MAX_PENDING calls per key are timed at once."""
     comm = _comm()
     auto["running"] = 1
@@ -134,7 +140,7 @@ def test_auto_bounds_the_calls_it_keeps_timing(fake_launch, auto):  # noqa: F811
     assert auto["timers"] == autosplit.MAX_PENDING
 
 
-def test_auto_is_only_for_the_fused_path(fake_launch, auto, monkeypatch):  # noqa: F811
+def test_auto_is_only_for_the_fused_path(fake_launch, auto, monkeypatch):
     """The unfused baseline runs the default count, untimed."""
     monkeypatch.setattr(tp, "matmul", lambda a, b_arr, layout, out=None: _Arr((8192, 4096), "float16", 0x900000))
     monkeypatch.setattr(tp, "quiesced_first_use", lambda *args: False)
@@ -143,7 +149,7 @@ def test_auto_is_only_for_the_fused_path(fake_launch, auto, monkeypatch):  # noq
     assert n == config.get().tp_comm_sms["gemm_reduce_scatter"] and auto["timers"] == 0
 
 
-def test_allgather_gemm_auto_stays_within_its_items(fake_launch, auto):  # noqa: F811
+def test_allgather_gemm_auto_stays_within_its_items(fake_launch, auto):
     """AG has (local + nodes - 1) x chunks push items: the search's bound never exceeds them."""
     comm = _comm()
     mb, K, N = 128, 1024, 4096  # one chunk per shard, 2 ranks of one node: 2 push items
@@ -179,7 +185,7 @@ def test_comm_bytes_per_op():
     assert autosplit.comm_bytes("gemm_allreduce", 8192, 4096, 1024, 4, 2, nodes=2) == 2 * 2048 * 4096 * 2
 
 
-def test_two_communicators_keep_their_own_searches(fake_launch, auto):  # noqa: F811
+def test_two_communicators_keep_their_own_searches(fake_launch, auto):
     """A rank in two communicators of the same shape (a tensor- and a sequence-parallel group):
     each feeds its own search, so the partners of each stay in step (their collectives match)."""
     tp_comm, sp_comm = _comm(), _comm()
@@ -193,7 +199,7 @@ def test_two_communicators_keep_their_own_searches(fake_launch, auto):  # noqa: 
     assert tp_obs == sp_obs == 5  # each its own five observations, none of the other's
 
 
-def test_the_bound_is_this_ranks_own(fake_launch, auto):  # noqa: F811
+def test_the_bound_is_this_ranks_own(fake_launch, auto):
     """The search's bound comes from this rank's SM count alone (counts need not agree)."""
     comm = _comm()
     counts = []
@@ -205,7 +211,7 @@ def test_the_bound_is_this_ranks_own(fake_launch, auto):  # noqa: F811
     assert st.hi == min(autosplit.MAX_COMM_CTAS, tp.sm_count() - 1) and max(counts) <= st.hi
 
 
-def _converged_with_persistence(fake_launch, monkeypatch, cache_dir, rank):  # noqa: F811
+def _converged_with_persistence(fake_launch, monkeypatch, cache_dir, rank):
     """MKERNEL_SPLIT_PERSIST=1 with the cache at cache_dir; 12 calls of one shape on a fresh
     communicator of this rank (the search converges). Returns (comm, key)."""
     monkeypatch.setenv("MKERNEL_SPLIT_PERSIST", "1")
@@ -219,7 +225,7 @@ def _converged_with_persistence(fake_launch, monkeypatch, cache_dir, rank):  # n
     return comm, key
 
 
-def test_persisted_split_starts_a_new_process_at_its_split(fake_launch, auto, monkeypatch, tmp_path):  # noqa: F811
+def test_persisted_split_starts_a_new_process_at_its_split(fake_launch, auto, monkeypatch, tmp_path):
     """MKERNEL_SPLIT_PERSIST=1: rank 0 saves the converged key; a new communicator (a new process),
     on any rank, reads it and runs that split on its first call, held without searching (no timed
     call until the HOLD_SAMPLE-th)."""
@@ -236,12 +242,12 @@ def test_persisted_split_starts_a_new_process_at_its_split(fake_launch, auto, mo
         assert autosplit.memory(fresh).search(key).converged
 
 
-def test_non_root_ranks_do_not_write(fake_launch, auto, monkeypatch, tmp_path):  # noqa: F811
+def test_non_root_ranks_do_not_write(fake_launch, auto, monkeypatch, tmp_path):
     _converged_with_persistence(fake_launch, monkeypatch, tmp_path, rank=1)
     assert not (tmp_path / "split" / "splits.json").exists()
 
 
-def test_unwritable_split_file_does_not_fail_the_op(fake_launch, auto, monkeypatch, tmp_path):  # noqa: F811
+def test_unwritable_split_file_does_not_fail_the_op(fake_launch, auto, monkeypatch, tmp_path):
     """Rank 0's save failing (no directory can be made there) must not fail the op: the memory stays
     in process only."""
     blocker = tmp_path / "not-a-dir"

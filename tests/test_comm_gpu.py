@@ -13,7 +13,7 @@ import pytest
 import mkernel
 from mkernel.diagnostics.selftest import Protocol
 
-from conftest import UNDER_MPIEXEC, all_ranks
+from tests.helpers.ranks import UNDER_MPIEXEC, all_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 WORDS = 4096

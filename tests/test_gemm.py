@@ -14,36 +14,31 @@ Run on a GPU machine: python3 -m pytest tests/test_gemm.py -q -s   (-s shows the
 Manual: python3 tests/test_gemm.py --child all   |   --child feature:grouped
 """
 
-import sys
+import importlib
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-import child_cases  # noqa: E402
-from argument_errors import argument_errors
-from gpu_arrays import BF16, DTYPES
-from gpu_arrays import dev as _dev
-from gpu_arrays import host as _host
-from gpu_arrays import poisoned as _poisoned
+from mkernel.core.errors import ArgumentError
+from mkernel.runtime import tma
+from mkernel.testing import sync_or_exit
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import importlib  # noqa: E402
+from tests.helpers import child_cases
+from tests.helpers.argument_errors import argument_errors
+from tests.helpers.arrays import BF16, DTYPES
+from tests.helpers.arrays import dev as _dev
+from tests.helpers.arrays import host as _host
+from tests.helpers.arrays import poisoned as _poisoned
 
 # The module, not the function: mkernel re-exports gemm() under the same name.
 mg = importlib.import_module("mkernel.engines.gemm")
-from mkernel.core.errors import ArgumentError  # noqa: E402
-from mkernel.runtime import tma  # noqa: E402
-from mkernel.testing import sync_or_exit  # noqa: E402
 
 
 # ======================================================================================== CPU
 @pytest.mark.parametrize("cls", ["MkGemmSched", "MkGemmArgs"])
 def test_args_layout_matches_host_compiler(cls, tmp_path):
-    from c_layout import c_offsets, py_offsets
+    from tests.helpers.c_layout import c_offsets, py_offsets
 
     mirror = getattr(mg, cls)
     c = c_offsets("gemm_args.cuh", cls, [name for name, *_ in mirror._fields_], tmp_path)

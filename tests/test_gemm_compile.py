@@ -9,7 +9,7 @@ import pytest
 
 from mkernel.runtime import compile as mkc
 
-import sass
+from tests.helpers import sass
 
 gemm = importlib.import_module("mkernel.engines.gemm")  # the module (mkernel.gemm is also the function)
 

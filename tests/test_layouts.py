@@ -5,7 +5,7 @@ import pytest
 from mkernel.diagnostics import selftest
 from mkernel.runtime import sync
 
-from c_layout import assert_same_layout
+from tests.helpers.c_layout import assert_same_layout
 
 
 @pytest.mark.parametrize("header,cls", [

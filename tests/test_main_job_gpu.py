@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from test_transport import MPI_ENV, WORLD, _mpiexec
+from tests.helpers.jobs import MPI_ENV, WORLD, mpiexec
 
 OPS = ("gemm (engine)", "attention (engine)", "gemm_reduce_scatter", "gemm_allreduce", "allgather_gemm",
        "ring_attention", "moe_dispatch_gemm", "moe_gemm_combine")
@@ -38,5 +38,5 @@ def test_main_job_at_one_rank():
 def test_main_job_at_two_ranks_sharing_the_gpu():
     if WORLD.Get_size() > 1:
         pytest.skip("runs its own job: the 1-rank pass")
-    r = _mpiexec(2, ["-m", "mkernel", "--quick"], timeout=140)
+    r = mpiexec(2, ["-m", "mkernel", "--quick"], timeout=140)
     _check_output(r)

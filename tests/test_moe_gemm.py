@@ -22,16 +22,15 @@ Device-detected errors of the fused kernel (capacity, expert ids) are cases of t
 """
 
 import importlib
-import zlib
 
 import numpy as np
 import pytest
 
 import mkernel
 
-import collective_cases
-import test_moe as tm
-from gpu_arrays import bits, dev, host, poisoned
+from tests.helpers import collective_cases
+from tests.helpers import moe_cases as tm
+from tests.helpers.arrays import bits, host
 
 mmg = importlib.import_module("mkernel.ops.moe_gemm")
 
@@ -43,12 +42,6 @@ def comm():
     c = collective_cases.with_driver(mkernel.init(workspace_bytes=tm.WORKSPACE))
     yield c
     collective_cases.close(c)
-
-
-def _weights(P, F):
-    """w1 of every expert, [E, H, F], entries in {-1, 0, 1} (seeded by the case)."""
-    rng = np.random.default_rng(zlib.crc32(f"w1 of {P.name}|world={P.W}".encode()))
-    return rng.integers(-1, 2, size=(P.E, P.H, F)).astype(np.float32).astype(P.dt)
 
 
 def _want_y(P, me, W1):
@@ -108,46 +101,23 @@ def _exact_cases(comm):
     return out
 
 
-def _run(P, me, W1, F, lay, comm, path=None, comm_sms=None):
-    x, ids, w = tm._inputs(P, me)
-    w1 = W1[me * P.El:(me + 1) * P.El]
-    if lay == "nk":
-        w1 = np.ascontiguousarray(w1.transpose(0, 2, 1))
-    yb = poisoned((P.cap, F), P.dtn)
-    y, h = mkernel.moe_dispatch_gemm(x, ids, w, dev(w1), comm=comm, num_experts=P.E, capacity=P.capacity, out=yb,
-                                     w_layout=lay, path=path, comm_sms=comm_sms)
-    return yb, y, h
-
-
-def _combine(P, me, y, h, lay, comm, path="fused", comm_sms=None):
-    """moe_gemm_combine of y with w2 (in {-1, 0, 1}, [El, F, H] or [El, H, F]) into a poisoned out."""
-    rng = np.random.default_rng(zlib.crc32(f"w2 of {P.name}|world={P.W}".encode()))
-    F = y.shape[1]
-    w2 = rng.integers(-1, 2, size=(P.El, F, P.H)).astype(np.float32).astype(P.dt)  # this rank's experts
-    if lay == "nk":
-        w2 = np.ascontiguousarray(w2.transpose(0, 2, 1))
-    ob = poisoned((P.Ts[me], P.H), P.dtn)
-    out = mkernel.moe_gemm_combine(y, dev(w2), h, comm=comm, out=ob, w_layout=lay, path=path, comm_sms=comm_sms)
-    return ob, out
-
-
 def _exact_body(comm, c, F, lay):
     """dispatch + GEMM exact against float64 and bitwise equal to the building blocks; GEMM + combine
     of its y bitwise equal to the building blocks (grouped_gemm + moe_combine: exact in test_moe)."""
     me = comm.rank
     P = tm._problem(tm._case_name(c), comm.size, c["dtn"], c["H"], c["El"], c["k"], c["routing"], c["T"], c["cap"],
                     values="unit")
-    W1 = _weights(P, F)
-    yb, y, h = _run(P, me, W1, F, lay, comm)
-    ob, out = _combine(P, me, y, h, lay, comm)
+    W1 = tm._weights(P, F)
+    yb, y, h = tm._run(P, me, W1, F, lay, comm)
+    ob, out = tm._combine(P, me, y, h, lay, comm)
     tm._sync(_exact_name(c, F, lay))
     comm.check()
     if y is not yb or out is not ob:
         return False, "moe_dispatch_gemm / moe_gemm_combine did not return the given out"
     ok, msg = _check_y(P, me, y, h, _want_y(P, me, W1))
     y_bits, out_bits = bits(y), bits(out)
-    _, yu, hu = _run(P, me, W1, F, lay, comm, path="unfused")
-    _, outu = _combine(P, me, yu, hu, lay, comm, path="unfused")
+    _, yu, hu = tm._run(P, me, W1, F, lay, comm, path="unfused")
+    _, outu = tm._combine(P, me, yu, hu, lay, comm, path="unfused")
     tm._sync(_exact_name(c, F, lay) + " unfused")
     comm.check()
     same_y = bool((bits(yu) == y_bits).all())
@@ -181,23 +151,23 @@ def _repeat_body(comm):
              "A1": tm._problem("fused repeat A1", W, "bf16", 256, 4, 2, "zipf", 500, values="unit"),
              "B": tm._problem("fused repeat B", W, "fp16", 512, 16, 8, "uniform", 200, values="unit")}
     Fs = {"A0": 264, "A1": 264, "B": 72}
-    W1s = {s: _weights(P, Fs[s]) for s, P in probs.items()}
+    W1s = {s: tm._weights(P, Fs[s]) for s, P in probs.items()}
     solos, ok, msgs = {}, True, []
     for s, P in probs.items():
-        _, y, h = _run(P, me, W1s[s], Fs[s], "kn", comm)
+        _, y, h = tm._run(P, me, W1s[s], Fs[s], "kn", comm)
         tm._sync(f"solo {s}")
         comm.check()
         o, m = _check_y(P, me, y, h, _want_y(P, me, W1s[s]))
         ok &= o
         msgs.append(f"solo {s}: {m}")
-        solos[s] = (bits(y), bits(_combine(P, me, y, h, "kn", comm)[1]))
+        solos[s] = (bits(y), bits(tm._combine(P, me, y, h, "kn", comm)[1]))
         tm._sync(f"solo {s} combine")
     order = ["A0", "A1", "B"] * 4
     e0 = comm.sync.epoch()
     runs = []
     for s in order:  # dispatch+GEMM, then GEMM+combine of its y, each into buffers of their own
-        _, y, h = _run(probs[s], me, W1s[s], Fs[s], "kn", comm)
-        runs.append((y, _combine(probs[s], me, y, h, "kn", comm)[1]))
+        _, y, h = tm._run(probs[s], me, W1s[s], Fs[s], "kn", comm)
+        runs.append((y, tm._combine(probs[s], me, y, h, "kn", comm)[1]))
     tm._sync("fused repeats", 60.0)
     comm.check()
     moved = (comm.sync.epoch() - e0) % (1 << 32)
@@ -216,14 +186,14 @@ def test_fused_repeated(comm):
 def _split_body(comm):
     W, me = comm.size, comm.rank
     P = tm._problem("fused split", W, "bf16", 256, 8, 4, "zipf", 700, values="unit")
-    W1 = _weights(P, 264)
+    W1 = tm._weights(P, 264)
     want = _want_y(P, me, W1)
     ok, msgs = True, []
     outs = []
     from mkernel.runtime.launch import sm_count
     for sms in (None, 1, min(40, sm_count() - 1)):  # 40, or all but one CTA where fewer SMs count (MPS)
-        _, y, h = _run(P, me, W1, 264, "kn", comm, comm_sms=sms)
-        outs.append(bits(_combine(P, me, y, h, "kn", comm, comm_sms=sms)[1]))
+        _, y, h = tm._run(P, me, W1, 264, "kn", comm, comm_sms=sms)
+        outs.append(bits(tm._combine(P, me, y, h, "kn", comm, comm_sms=sms)[1]))
         tm._sync(f"comm_sms={sms}")
         comm.check()
         o, m = _check_y(P, me, y, h, want)

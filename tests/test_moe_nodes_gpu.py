@@ -32,8 +32,8 @@ from mkernel.comm.collectives import allgather_object
 from mkernel.core.errors import ArgumentError, CapacityError
 from mkernel.testing import bytes_sent, bytes_sent_since, sync_or_exit
 
-from gpu_arrays import BF16, bits, dev, host, poisoned
-from test_transport import WORLD, _relaunch
+from tests.helpers.arrays import BF16, bits, dev, host, poisoned
+from tests.helpers.jobs import WORLD, relaunch
 
 DT = {"bf16": BF16, "fp16": np.dtype(np.float16)}
 NAN = {"bf16": 0x7FC0, "fp16": 0x7E00}
@@ -295,7 +295,7 @@ def _in_nodes(nodes, per_node, transport):
 
 def _nodes_job(request, nodes, per_node):
     """A child job of nodes x per_node ranks (from the 1-rank pass), host transport."""
-    if _relaunch(request, n=nodes * per_node):
+    if relaunch(request, n=nodes * per_node):
         return
     if WORLD.Get_size() != nodes * per_node:
         pytest.skip(f"{nodes * per_node} ranks as {nodes} nodes x {per_node}")

@@ -23,7 +23,7 @@ from mkernel.comm.proxy import (
 )
 from mkernel.core.errors import MKernelError, TimeoutError
 
-from c_layout import assert_same_layout
+from tests.helpers.c_layout import assert_same_layout
 
 CUDA_PRIMITIVES = Path(__file__).resolve().parents[1] / "mkernel" / "cuda" / "primitives"  # queue_layout.cuh
 

@@ -15,7 +15,7 @@ from mpi4py import MPI
 from mkernel.comm.proxy import QUEUE_TEST, CommandQueue, Proxy, QueueStressArgs, TileExchangeArgs, barrier
 from mkernel.core.errors import MKernelError
 
-from test_transport import _collectively, _relaunch
+from tests.helpers.jobs import collectively, relaunch
 
 cupy = pytest.importorskip("cupy", reason="cupy is not installed: the GPU tests need it")
 pytestmark = pytest.mark.gpu
@@ -149,11 +149,11 @@ def _host_array(n, dtype=np.uint32):
 @pytest.mark.parametrize("transport", ["host", "tcp"])
 def test_two_ranks_as_two_nodes_exchange_tiles(request, transport):
     _require_gpu()
-    if _relaunch(request):
+    if relaunch(request):
         return
     if WORLD.Get_size() != 2:
         pytest.skip("this test pairs exactly two ranks")
-    _collectively(_exchange_tiles, transport)
+    collectively(_exchange_tiles, transport)
 
 
 def _exchange_tiles(transport):
@@ -208,12 +208,12 @@ def test_communicator_proxy_carries_tiles_between_emulated_nodes(request, transp
     the root's proxy, and its commands' ranks, workspace offsets and flag ids are translated into
     the root's by the device producer."""
     _require_gpu()
-    if _relaunch(request):
+    if relaunch(request):
         return
     if WORLD.Get_size() != 2:
         pytest.skip("this test pairs exactly two ranks")
     for via_split in (False, False, True):
-        _collectively(_comm_proxy_tiles, transport, via_split)
+        collectively(_comm_proxy_tiles, transport, via_split)
 
 
 def _comm_proxy_tiles(transport, via_split):

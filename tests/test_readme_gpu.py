@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from test_transport import MPI_ENV, WORLD, _mpiexec
+from tests.helpers.jobs import MPI_ENV, WORLD, mpiexec
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 
@@ -38,4 +38,4 @@ def test_readme_example_at_one_rank(tmp_path):
 def test_readme_example_at_two_ranks_sharing_the_gpu(tmp_path):
     if WORLD.Get_size() > 1:
         pytest.skip("runs its own job: the 1-rank pass")
-    _check(_mpiexec(2, [_example(tmp_path)], timeout=120))
+    _check(mpiexec(2, [_example(tmp_path)], timeout=120))

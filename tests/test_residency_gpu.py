@@ -18,11 +18,10 @@ import pytest
 
 import mkernel
 
-import collective_cases
-import test_moe as tm
-import test_moe_gemm as tmg
-from gpu_arrays import DTYPES, bits, dev, poisoned
-from test_tp_gpu import _controller_problem
+from tests.helpers import collective_cases
+from tests.helpers import moe_cases as tm
+from tests.helpers.arrays import DTYPES, bits, dev, poisoned
+from tests.helpers.tp_cases import _controller_problem
 
 FREE_SMS = 3
 HOLD_SMEM = 200 * 1024  # one holding block per SM
@@ -42,11 +41,11 @@ def _tp(comm, op):
 
 def _moe(comm, fused):
     P = tm._problem(f"residency {fused}", comm.size, "bf16", 256, 4, 2, "zipf", 500, values="unit")
-    me, W1 = comm.rank, tmg._weights(P, 264)
+    me, W1 = comm.rank, tm._weights(P, 264)
     if fused:
         def run():
-            _, y, h = tmg._run(P, me, W1, 264, "kn", comm, path="fused")
-            return np.concatenate([bits(y).ravel(), bits(tmg._combine(P, me, y, h, "kn", comm)[1]).ravel()])
+            _, y, h = tm._run(P, me, W1, 264, "kn", comm, path="fused")
+            return np.concatenate([bits(y).ravel(), bits(tm._combine(P, me, y, h, "kn", comm)[1]).ravel()])
         return run
     x, ids, w = tm._inputs(P, me)
 

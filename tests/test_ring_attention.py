@@ -46,34 +46,28 @@ undo; the cases are built so that everything before each call is identical on ev
 
 import importlib
 import math
-import sys
 import time
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from argument_errors import refused_before_launch
-from gpu_arrays import BF16, DTYPES, REL_TOL
-from gpu_arrays import attention_reference as _attention_reference
-from gpu_arrays import bits as _bits
-from gpu_arrays import compare_attention as _compare
-from gpu_arrays import compare_exact as _compare_exact
-from gpu_arrays import dev as _dev  # the shared device-array and attention helpers (tests/gpu_arrays.py)
-from gpu_arrays import host_result as _host_result
-from gpu_arrays import poison as _poison
-from gpu_arrays import poisoned as _poisoned
-from gpu_arrays import random_qkv as _random_qkv
+import mkernel
+from mkernel.ops.sequence import shard_sequence
+from mkernel.testing import sync_or_exit
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import mkernel  # noqa: E402
-from mkernel.ops.sequence import shard_sequence  # noqa: E402
-from mkernel.testing import sync_or_exit  # noqa: E402
-
-import collective_cases  # noqa: E402  (the collective driver: tests/collective_cases.py)
+from tests.helpers import collective_cases
+from tests.helpers.argument_errors import refused_before_launch
+from tests.helpers.arrays import BF16, DTYPES, REL_TOL
+from tests.helpers.arrays import attention_reference as _attention_reference
+from tests.helpers.arrays import bits as _bits
+from tests.helpers.arrays import compare_attention as _compare
+from tests.helpers.arrays import compare_exact as _compare_exact
+from tests.helpers.arrays import dev as _dev
+from tests.helpers.arrays import host_result as _host_result
+from tests.helpers.arrays import poison as _poison
+from tests.helpers.arrays import poisoned as _poisoned
+from tests.helpers.arrays import random_qkv as _random_qkv
 
 # The module, not the function: mkernel re-exports the function under the same name.
 mra = importlib.import_module("mkernel.ops.ring_attention")
@@ -96,7 +90,7 @@ def comm():
 def test_args_layout_matches_host_compiler(tmp_path):
     """MkRingArgs and MkAttnPos mirrors against ring_args.cuh / attn_args.cuh (g++); alignof of the
     64-byte aligned struct is checked apart (ctypes cannot express alignas(64))."""
-    from c_layout import c_offsets, py_offsets
+    from tests.helpers.c_layout import c_offsets, py_offsets
 
     ma = importlib.import_module("mkernel.engines.attention")
     for header, cls, align in (("ring_args.cuh", mra.MkRingArgs, 64), ("attn_args.cuh", ma.MkAttnPos, 4)):
@@ -720,9 +714,9 @@ def _ranks_in_child_job(request, ranks, gpus_per_node, nodes):
 
     import mkernel
 
-    from test_transport import _relaunch
+    from tests.helpers.jobs import relaunch
 
-    if _relaunch(request, n=ranks):
+    if relaunch(request, n=ranks):
         return
     world = MPI.COMM_WORLD
     if world.Get_size() != ranks:

@@ -21,8 +21,8 @@ import pytest
 import mkernel
 from mkernel.ops.sequence import shard_sequence
 
-import collective_cases
-from gpu_arrays import DTYPES, attention_reference, bits, dev, f32, host
+from tests.helpers import collective_cases
+from tests.helpers.arrays import DTYPES, attention_reference, bits, dev, f32, host
 
 SHAPES, CALLS = 60, 300
 OPS = ("rs", "ar", "ag", "ring", "moe")

@@ -5,7 +5,7 @@ import pytest
 import mkernel
 from mkernel.comm import topology
 
-from conftest import all_ranks
+from tests.helpers.ranks import all_ranks
 
 pytestmark = pytest.mark.mpi
 

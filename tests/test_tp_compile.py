@@ -13,7 +13,8 @@ from mkernel.core.errors import ArgumentError
 from mkernel.ops import tp
 from mkernel.runtime import compile as mkc
 
-import sass
+from tests.helpers import sass, tp_fakes
+from tests.helpers.tp_fakes import _Arr, _Comm
 
 # The modules (the package exports functions of the same names).
 ag = importlib.import_module("mkernel.ops.allgather_gemm")
@@ -24,7 +25,7 @@ MODULES = {"gemm_reduce_scatter": rs, "gemm_allreduce": ar, "allgather_gemm": ag
 
 
 def test_controller_state_layout_matches_host_compiler(tmp_path):
-    from c_layout import assert_same_layout
+    from tests.helpers.c_layout import assert_same_layout
 
     assert_same_layout("tp_args.cuh", tp.TpCtlStats, tmp_path)
     assert_same_layout("tp_args.cuh", tp.TpCtl, tmp_path)
@@ -62,7 +63,7 @@ def test_auto_split_launches_with_the_adaptive_controller(fake_launch, monkeypat
 
 
 def test_args_layout_matches_host_compiler(tmp_path):
-    from c_layout import c_offsets, py_offsets
+    from tests.helpers.c_layout import c_offsets, py_offsets
 
     c = c_offsets("tp_args.cuh", "TpArgs", [name for name, *_ in tp.TpArgs._fields_], tmp_path)
     py = py_offsets(tp.TpArgs)
@@ -151,76 +152,6 @@ def test_modules_register_without_cupy_at_import():
 
 
 # ------------------------------------------------- launch arguments, with a fake communicator
-class _Ptr:
-    def __init__(self, ptr):
-        self.ptr = ptr
-
-
-class _Arr:
-    """Just enough of a cupy.ndarray for the argument checks: shape, strides, dtype, pointer."""
-
-    def __init__(self, shape, dtype, ptr, strides=None):
-        import numpy as np
-        self.dtype = np.dtype(dtype)
-        self.shape = tuple(shape)
-        self.ndim = len(shape)
-        self.itemsize = self.dtype.itemsize
-        self.strides = strides or (shape[1] * self.itemsize, self.itemsize)
-        self.data = _Ptr(ptr)
-
-    @property
-    def T(self):
-        return _Arr(self.shape[::-1], self.dtype, self.data.ptr, self.strides[::-1])
-
-
-class _Heap:
-    def __init__(self, bases):
-        self.peer_base = bases
-        self.base = bases[0]
-        self.nbytes = 1 << 28
-
-
-class _Comm:
-    def __init__(self, size, rank, nodes=1):
-        import types
-        L = size // nodes
-        self.size, self.rank, self.local_rank, self.local_size, self.num_nodes = size, rank, rank % L, L, nodes
-        self.node = rank // L
-        self.topology = types.SimpleNamespace(node_of=tuple(r // L for r in range(size)))
-        self.heap = _Heap([(1 << 40) * (p + 1) for p in range(L)])
-        self.heap.base = self.heap.peer_base[rank % L]
-        self.proxy_flags = (0x7000000, None)
-        self.flag_blocks = []
-        self.peer_table = types.SimpleNamespace(data=_Ptr(0xABC000))
-        self._agreed = {}
-        self.plans, self.gpus_shared = PlanRegistry(synchronize=lambda: None), True
-        self.agreements = []  # every key agreed on, in order
-
-    def agree(self, key, value):
-        self.agreements.append(key)
-        self._agreed[key] = value
-        return value
-
-    def agreed(self, key):
-        return key in self._agreed
-
-    def sync_args(self, op):
-        from mkernel.runtime.sync import MkSync
-        return MkSync()
-
-    def offset_of(self, arr):
-        return arr.data.ptr - self.heap.base
-
-    def proxy_flag_block(self, count):
-        import types
-        self.flag_blocks.append(count)
-        return types.SimpleNamespace(offset=100, size=count)
-
-    def proxy_queue_args(self, flag_base=0):
-        from mkernel.comm.proxy import QueueArgs
-        return QueueArgs(0, 0, 0, None, 0, 0, flag_base)
-
-
 @pytest.fixture(autouse=True)
 def _auto_asks_for_the_static_counts(monkeypatch):
     """This module's launches with comm_sms "auto" (the default) get the static counts from the
@@ -231,43 +162,7 @@ def _auto_asks_for_the_static_counts(monkeypatch):
 
 @pytest.fixture
 def fake_launch(monkeypatch):
-    import mkernel.runtime.arrays
-
-    calls = {"maps": [], "launch": None}
-    monkeypatch.setattr(mkernel.runtime.arrays, "as_cupy", lambda x, name, stream=None: x)
-    monkeypatch.setattr(tp, "prepare_out",
-                        lambda op, out, shape, dtype, comm: (out, calls.setdefault("out_shape", shape))[0])
-
-    def encode(dtype, ptr, dims, strides, box, swizzle=3, l2=3):
-        _tma.check_tiled(dtype, ptr, dims, strides, box, swizzle)
-        calls["maps"].append((ptr, tuple(dims), tuple(strides), tuple(box)))
-        m = _tma.TensorMap()
-        m.v[0] = ptr
-        return m
-
-    from mkernel.runtime import tma as _tma
-    monkeypatch.setattr(tp._tma, "encode_tiled", encode)
-
-    def plan_buffers(op, comm, key, sizes):
-        plan, off = {}, 1 << 20
-        for name, shape, dt in sizes:
-            plan[name] = _Arr(shape if len(shape) == 2 else (shape[0], 1) if len(shape) == 1 else
-                              (shape[0] * shape[1], shape[2]), dt, comm.heap.base + off)
-            plan[name].size_bytes = tp._nbytes(shape, dt)
-            off += -(-plan[name].size_bytes // 1024) * 1024
-        plan["counters"] = _Arr((8, 1), "uint32", 0x5000)
-        plan["ctl"] = _Arr((ctypes.sizeof(tp.TpCtl) // 4, 1), "uint32", 0x6000)
-        calls["plan"] = plan
-        return plan
-
-    monkeypatch.setattr(tp, "plan_buffers", plan_buffers)
-    monkeypatch.setattr(tp, "sm_count", lambda: 132)
-
-    def launch_fused(comm, op, spec, kernel, args, dtype, layout, grid, stream):
-        calls["launch"] = dict(op=op, kernel=kernel, args=args, layout=layout, grid=grid)
-
-    monkeypatch.setattr(tp, "launch_fused", launch_fused)
-    return calls
+    return tp_fakes.fake_launch(monkeypatch)
 
 
 @pytest.mark.parametrize("world,rank", [(1, 0), (2, 1), (4, 2)])

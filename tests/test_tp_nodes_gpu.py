@@ -28,11 +28,20 @@ from mkernel.ops.gemm_allreduce import gemm_allreduce
 from mkernel.ops.gemm_reduce_scatter import gemm_reduce_scatter
 from mkernel.testing import bytes_sent, bytes_sent_since, sync_or_exit
 
-from gpu_arrays import dev as _dev
-from gpu_arrays import host as _host
-from gpu_arrays import poisoned as _poisoned
-from test_tp_gpu import DTYPES, _b_arg, _check_close, _check_exact, _collective, _rank_inputs, _reduce_problem, _rows
-from test_transport import WORLD, _relaunch
+from tests.helpers.arrays import dev as _dev
+from tests.helpers.arrays import host as _host
+from tests.helpers.arrays import poisoned as _poisoned
+from tests.helpers.jobs import WORLD, relaunch
+from tests.helpers.tp_cases import (
+    DTYPES,
+    _b_arg,
+    _check_close,
+    _check_exact,
+    _collective,
+    _rank_inputs,
+    _reduce_problem,
+    _rows,
+)
 
 # (rows per rank, N, K, dtype, integer inputs, b layout): M = rows x world, so every case runs at
 # any world size; off-grid rows per rank, N and K
@@ -207,7 +216,7 @@ def _two_emulated_nodes(transport, run):
 
 def _emulated_nodes(request, run, nodes, per_node):
     """run(comm) in a child job of nodes x per_node ranks (sharing the GPUs) over the host transport."""
-    if _relaunch(request, n=nodes * per_node):
+    if relaunch(request, n=nodes * per_node):
         return
     if WORLD.Get_size() != nodes * per_node:
         pytest.skip(f"{nodes * per_node} ranks as {nodes} nodes x {per_node}")

@@ -4,13 +4,13 @@ before its data fails the check); then FLUSH and SIGNAL-add complete. Also: a ra
 mid-transfer makes the others raise within 30 s.
 
 At one rank each test relaunches itself under ``mpiexec -n 2``; under mpiexec it runs in place.
-Run directly (``python tests/test_transport.py kill tcp``) it is the killed-rank worker.
+Run as a module from the repository root (``python -m tests.test_transport kill tcp``) it is the
+killed-rank worker.
 """
 
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 
@@ -21,61 +21,10 @@ from mpi4py import MPI
 from mkernel.comm.proxy import FLAG_ADD, FLAG_SET, FLUSH, SIGNAL, WRITE, CommandQueue, Proxy
 from mkernel.core.errors import PeerError, TimeoutError
 
-WORLD = MPI.COMM_WORLD
+from tests.helpers.jobs import WORLD, collectively, mpiexec, relaunch
+
 SIZES = [1, 2, 3, 1000, 4096 + 3, (1 << 19) + 1, (1 << 20) + 7, 3 << 20, 64 << 20]  # one WRITE each, per peer
 SRC_SKEW = 4096  # source offsets are unaligned, inside this
-MPI_ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1")
-
-
-def _mpiexec(n, args, timeout, extra=()):
-    from mkernel.testing import mpi_child_env
-
-    env, mps = mpi_child_env(n, MPI_ENV)
-    env["PYTHONUNBUFFERED"] = "1"  # a job killed at its limit still shows what it printed
-    # --bind-to none: bound to one core each (Open MPI's default at 2 ranks), a rank's proxy thread
-    # shares it with the main thread (docs/TRANSPORT.md)
-    cmd = ["mpiexec", "-n", str(n), "--oversubscribe", "--bind-to", "none", *mps, "-x", "PYTHONUNBUFFERED", *extra,
-           sys.executable, *args]
-    # the job stays in the caller's process group: a caller that times out and kills its group
-    # (timeout(1), tests/run_gpu.sh) ends the ranks too, where a session of their own left them on the GPU
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-    except subprocess.TimeoutExpired:
-        proc.terminate()  # mpirun passes SIGTERM on to its ranks; a SIGKILL would leave them running
-        try:
-            out, err = proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-        raise AssertionError(f"mpiexec -n {n} ran past {timeout} s:\n{out[-4000:]}\n{err[-4000:]}") from None
-
-
-def _relaunch(request, n=2):
-    """At one rank, run this very test under mpiexec -n 2 (its own job); returns True if it did."""
-    if WORLD.Get_size() > 1:
-        return False
-    # faulthandler_timeout: a test stuck past 60 s prints every thread's stack before the job's limit
-    r = _mpiexec(n, ["-m", "pytest", request.node.nodeid, "-v", "-x", "-p", "no:cacheprovider",
-                     "-o", "faulthandler_timeout=60"], timeout=90)
-    assert r.returncode == 0, f"under mpiexec -n {n}:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
-    return True
-
-
-def _collectively(fn, *args, **kwargs):
-    """Runs fn on every rank; fails on all of them if it failed on any, so no rank is left waiting in a collective."""
-    err = None
-    try:
-        fn(*args, **kwargs)
-    except Exception as e:  # re-raised below, after every rank has reported
-        err = e
-    ok = WORLD.allreduce(err is None, op=MPI.LAND)
-    if err is not None:
-        raise err
-    assert ok, "another rank failed (see its output)"
 
 
 def _source(rank):
@@ -163,8 +112,8 @@ def _exchange(transport, **proxy_options):
                                                 ("host", dict(host_run_chunks=16))],
                          ids=["tcp", "tcp-shuffle", "host", "host-run1", "host-run16"])
 def test_payloads_and_flags(request, transport, options):
-    if not _relaunch(request):
-        _collectively(_exchange, transport, **options)
+    if not relaunch(request):
+        collectively(_exchange, transport, **options)
 
 
 def _rounds(transport, rounds=300, tiles=8, tile=64 << 10):
@@ -199,11 +148,11 @@ def _rounds(transport, rounds=300, tiles=8, tile=64 << 10):
 @pytest.mark.parametrize("transport", ["host", "tcp"])
 def test_rounds_of_credits_writes_and_counters(request, transport):
     """300 rounds of credit, counted WRITEs and FLUSH between paired ranks of 2 nodes (CPU memory)."""
-    if _relaunch(request):
+    if relaunch(request):
         return
     if WORLD.Get_size() % 2:
         pytest.skip("ranks pair up across 2 nodes")
-    _collectively(_rounds, transport)
+    collectively(_rounds, transport)
 
 
 def _killed_worker(transport):
@@ -246,7 +195,7 @@ def _killed_worker(transport):
 def test_killed_rank_makes_others_raise(transport):
     if WORLD.Get_size() > 1:
         pytest.skip("launches its own mpiexec job, so it runs from the one-rank pass")
-    r = _mpiexec(3, [os.path.abspath(__file__), "kill", transport], timeout=90, extra=["--with-ft", "ulfm"])
+    r = mpiexec(3, ["-m", __name__, "kill", transport], timeout=90, extra=["--with-ft", "ulfm"])
     lines = re.findall(r"SURVIVOR (\d) raised (\w+) after ([\d.]+) s: (.*)", r.stdout)
     assert sorted(int(line[0]) for line in lines) == [0, 2], f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     for _, kind, seconds, msg in lines:

@@ -14,7 +14,7 @@ from mpi4py import MPI
 from mkernel.comm.proxy import Proxy, probe_rdma, select_transport
 from mkernel.core.errors import NoRDMADeviceError
 
-from test_transport import _relaunch
+from tests.helpers.jobs import relaunch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,7 +57,7 @@ def test_auto_picks_host_memory_on_one_host():
 @pytest.mark.mpi
 @pytest.mark.skipif(not _no_rdma_here(), reason="an RDMA device is present: 'auto' picks verbs")
 def test_auto_picks_tcp_across_hosts(request, monkeypatch):
-    if _relaunch(request):
+    if relaunch(request):
         return
     comm = MPI.COMM_WORLD
     monkeypatch.setattr(socket, "gethostname", lambda: f"host{comm.Get_rank()}")

@@ -3,13 +3,20 @@ error kills only its own process, and the remaining cases go on in a fresh one.
 
 A test file ``T`` defines ``run_case(case) -> (ok, message)`` and ends with
 ``if __name__ == "__main__": child_cases.main(run_case, all_cases)``; its tests call
-``child_cases.run(__file__, cases)`` or ``child_cases.feature(__file__, name)``."""
+``child_cases.run(__file__, cases)`` or ``child_cases.feature(__file__, name)``. The child is the
+test file run as a module from the repository root (``python3 -m tests.gpu.test_x --child CASE``),
+so that its ``tests.helpers`` imports resolve."""
 
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository: the children run there
+
+
+def _module(test_file) -> str:
+    """The dotted name of a test file under the repository (tests/gpu/test_x.py: tests.gpu.test_x)."""
+    return ".".join(Path(test_file).resolve().relative_to(ROOT).with_suffix("").parts)
 
 
 def _child(run_case, cases):
@@ -23,7 +30,7 @@ def _child(run_case, cases):
 
 
 def main(run_case, all_cases, doc=""):
-    """The child side: ``python3 T --child CASE...`` (or ``--child all``)."""
+    """The child side: ``python3 -m T --child CASE...`` (or ``--child all``)."""
     if len(sys.argv) >= 2 and sys.argv[1] == "--child":
         cases = sys.argv[2:]
         _child(run_case, all_cases() if cases == ["all"] else cases)
@@ -38,7 +45,7 @@ def run(test_file, cases, per_process_timeout=240):
     results, remaining, details = {}, list(cases), {}
     while remaining:
         try:
-            cmd = [sys.executable, str(Path(test_file).resolve()), "--child", *remaining]
+            cmd = [sys.executable, "-m", _module(test_file), "--child", *remaining]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=per_process_timeout, cwd=str(ROOT))
             stdout, stderr, rc = proc.stdout, proc.stderr, proc.returncode
         except subprocess.TimeoutExpired as e:

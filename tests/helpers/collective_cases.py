@@ -9,7 +9,7 @@ import pytest
 from mkernel.comm.collectives import allgather_object
 from mkernel.core.errors import ClosedError, PeerError, TimeoutError
 
-from conftest import all_ranks
+from tests.helpers.ranks import all_ranks
 
 # Errors after which a communicator is unusable (the ranks may be out of step): stop running cases.
 FATAL = (TimeoutError, PeerError, ClosedError)
