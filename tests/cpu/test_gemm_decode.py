@@ -1,0 +1,65 @@
+"""CPU: the decode GEMM (mkernel/engines/gemm_decode.py): its argument mirror, the choice of the
+path and of the K ranges, and every instantiation compiling without spills, stack or local memory,
+with two CTAs of registers per SM and the HMMA it is built on."""
+
+import pytest
+
+from mkernel import config
+from mkernel.engines import gemm_decode as dec
+from mkernel.runtime import compile as mkc
+
+from tests.helpers import sass
+from tests.helpers.c_layout import assert_same_layout
+
+
+def test_args_mirror_matches_c_layout(tmp_path):
+    assert_same_layout("gemm_decode_args.cuh", dec.MkDecodeArgs, tmp_path)
+
+
+@pytest.mark.parametrize("N,K", [(8192, 8192), (4096, 14336), (14336, 4096), (10240, 8192), (8192, 28672),
+                                 (8200, 1032), (3000, 2000), (8, 8), (264, 136), (128, 512), (100000, 64)])
+@pytest.mark.parametrize("mt", dec.M_TILES)
+@pytest.mark.parametrize("sms", [132, 66, 1])
+def test_k_ranges_cover_k_once_in_whole_steps(N, K, mt, sms):
+    splits, k_split = dec.split_k(N, K, sms, mt)
+    step = 32 * dec.unroll(mt)
+    assert splits >= 1 and k_split % step == 0
+    assert (splits - 1) * k_split < K <= splits * k_split  # every range starts inside K
+    assert splits == 1 or k_split >= dec.MIN_SPLIT_K
+    blocks = -(-N // dec.ROWS)
+    assert splits == 1 or blocks * splits <= dec.RESIDENT * sms + blocks  # no more than about two waves
+
+
+def test_the_path_is_chosen_by_shape_layout_and_knob():
+    assert dec.eligible(1, True, controls=False) and dec.eligible(64, True, controls=False)
+    assert not dec.eligible(65, True, controls=False)
+    assert not dec.eligible(8, False, controls=False)  # B as [K, N]: the engine
+    assert not dec.eligible(8, True, controls=True)  # a fused op's controls address the engine's tiles
+    with config.override(gemm_decode_max_m=16):
+        assert dec.eligible(16, True, controls=False) and not dec.eligible(17, True, controls=False)
+    with config.override(gemm_decode_max_m=0):
+        assert not dec.eligible(1, True, controls=False)
+    assert [dec.m_tile(m) for m in (1, 8, 9, 16, 17, 33, 64)] == [8, 8, 16, 16, 32, 64, 64]
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return mkc.compile_spec(dec.SPEC, use_cache=False)
+
+
+def test_every_instantiation_compiles_in_two_ctas_of_registers(compiled):
+    assert set(compiled.lowered) == set(dec.EXPRESSIONS)
+    funcs = compiled.resources["functions"]
+    assert len(funcs) == len(dec.EXPRESSIONS), funcs
+    for name, res in sorted(funcs.items()):
+        assert res.get("stack", 0) == 0, (name, res)
+        assert res.get("spill_stores", 0) == 0 and res.get("spill_loads", 0) == 0, (name, res)
+        assert res.get("registers", 0) <= 65536 // (dec.RESIDENT * dec.THREADS), (name, res)
+    assert not compiled.resources["warnings"], compiled.resources["warnings"]
+
+
+def test_sass_streams_b_with_wide_loads_into_hmma(compiled):
+    for name, text in sass.kernels(compiled.cubin).items():
+        assert "HMMA.16816.F32" in text, name
+        assert "LDG.E.NA.128" in text, name  # B: 16-byte loads that skip L1
+        assert "LDL" not in text and "STL" not in text, name

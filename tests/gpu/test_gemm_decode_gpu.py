@@ -1,0 +1,146 @@
+"""GPU: mkernel.gemm's decode path (few rows against weights as [N, K]; mkernel/engines/gemm_decode.py).
+
+Against float64 on fresh random inputs (relative Frobenius error below 1e-2), every output poisoned
+with NaN first; exact integer-valued inputs ({-1, 0, 1}, K <= 256: every sum exact in fp32 and in
+bf16) compared bit for bit per 16 x 128 tile; one K range and several; off-grid M, N and K; strided
+A and output; float32 outputs and accumulate; three launches bitwise equal (the arrival counters
+reset), back to back with other shapes; the path really taken."""
+
+import numpy as np
+import pytest
+
+import mkernel
+from mkernel import config
+from mkernel.engines import gemm as engine
+from mkernel.engines import gemm_decode as dec
+
+from tests.helpers.arrays import BF16, DTYPES, bits, dev, host, poisoned
+
+REL_TOL = 1e-2
+SMS = 132
+
+
+def _inputs(seed, M, N, K, dt, integer):
+    rng = np.random.default_rng(seed)
+    if integer:
+        a, w = rng.integers(-1, 2, (M, K)).astype(np.float64), rng.integers(-1, 2, (N, K)).astype(np.float64)
+    else:
+        a, w = rng.standard_normal((M, K)), rng.standard_normal((N, K)) / np.sqrt(K)
+    a, w = a.astype(dt).astype(np.float64), w.astype(dt).astype(np.float64)  # the values the kernel sees
+    return a, w
+
+
+def _rel(got, ref):
+    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def _run(a64, w64, dt, out_kind=None, accumulate=False, start=None, a_pad=0, out_pad=0):
+    """mkernel.gemm(a, w.T) with a's rows and out's rows padded by a_pad / out_pad elements."""
+    import cupy
+
+    M, K = a64.shape
+    N = w64.shape[0]
+    a_full = dev(np.pad(a64, ((0, 0), (0, a_pad))).astype(dt))
+    a = a_full[:, :K]
+    w = dev(w64.astype(dt))
+    kind = out_kind or ("bf16" if dt == BF16 else "fp16")
+    out_full = poisoned((M, N + out_pad), kind)
+    if start is not None:
+        out_full[...] = dev(start.astype(out_full.dtype))
+    out = out_full[:, :N]
+    mkernel.gemm(a, w.T, out=out, accumulate=accumulate)
+    cupy.cuda.get_current_stream().synchronize()
+    return out
+
+
+@pytest.fixture
+def decode_calls(monkeypatch):
+    """Counts the launches that took the decode path."""
+    calls = []
+    real = engine._launch_decode
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("M"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(engine, "_launch_decode", spy)
+    return calls
+
+
+SHAPES = [(1, 8192, 8192), (3, 264, 136), (8, 4096, 2048), (13, 1000, 1032), (16, 520, 4104), (31, 8200, 1032),
+          (33, 1024, 8192), (64, 2048, 512), (64, 136, 8)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", SHAPES)
+@pytest.mark.parametrize("kind", ["bf16", "fp16"])
+def test_random_inputs_against_float64(M, N, K, kind, decode_calls):
+    dt = DTYPES[kind]
+    a, w = _inputs(M * N + K, M, N, K, dt, integer=False)
+    got = host(_run(a, w, dt)).astype(np.float64)
+    ref = a @ w.T
+    assert np.isfinite(got).all(), "NaN left in the output (a row or column not written)"
+    assert _rel(got, ref) < REL_TOL, (M, N, K, kind, _rel(got, ref), dec.split_k(N, K, SMS, dec.m_tile(M)))
+    assert decode_calls == [M]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", [(1, 4096, 256), (7, 1032, 136), (64, 264, 248), (17, 8200, 256)])
+@pytest.mark.parametrize("kind", ["bf16", "fp16"])
+def test_integer_inputs_bitwise_per_tile(M, N, K, kind):
+    dt = DTYPES[kind]
+    a, w = _inputs(7 + M, M, N, K, dt, integer=True)
+    got = bits(_run(a, w, dt))
+    want = (a @ w.T).astype(dt).view(np.uint16)
+    bad = [(i, j) for i in range(0, M, 16) for j in range(0, N, 128)
+           if not np.array_equal(got[i:i + 16, j:j + 128], want[i:i + 16, j:j + 128])]
+    assert not bad, f"tiles (row, column) differing: {bad[:8]}"
+
+
+@pytest.mark.gpu
+def test_several_k_ranges_are_taken_and_reduced_in_order():
+    M, N, K = 5, 256, 16384  # 2 row blocks: many ranges of K
+    assert dec.split_k(N, K, SMS, dec.m_tile(M))[0] > 1
+    a, w = _inputs(3, M, N, K, BF16, integer=False)
+    outs = [bits(_run(a, w, BF16)) for _ in range(3)]  # the counters reset: launches 2 and 3 reduce too
+    assert all(np.array_equal(outs[0], o) for o in outs[1:]), "not bitwise equal from launch to launch"
+    got = host(_run(a, w, BF16)).astype(np.float64)
+    assert _rel(got, a @ w.T) < REL_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True])
+def test_float32_output_accumulate_and_strides(split):
+    M, N, K = 9, 392, 8192 if split else 256
+    a, w = _inputs(11, M, N, K, BF16, integer=False)
+    start = np.random.default_rng(5).standard_normal((M, N + 24)).astype(np.float32)
+    got = host(_run(a, w, BF16, out_kind="f32", accumulate=True, start=start, a_pad=40, out_pad=24))
+    ref = start[:, :N] + a @ w.T
+    assert _rel(got.astype(np.float64), ref) < 1e-4
+
+
+@pytest.mark.gpu
+def test_back_to_back_shapes_stay_exact():
+    """Shapes interleaved on one stream (one workspace, grown and reused): each bitwise as alone."""
+    shapes = [(4, 4096, 8192), (40, 264, 136), (1, 1024, 16384), (4, 4096, 8192)]
+    alone = {}
+    for M, N, K in shapes:
+        a, w = _inputs(100 + M, M, N, K, BF16, integer=False)
+        got = bits(_run(a, w, BF16))
+        if (M, N, K) in alone:
+            assert np.array_equal(alone[M, N, K], got), (M, N, K)
+        alone[M, N, K] = got
+        assert _rel(host(_run(a, w, BF16)).astype(np.float64), a @ w.T) < REL_TOL
+
+
+@pytest.mark.gpu
+def test_knob_off_and_kn_layout_take_the_engine(decode_calls):
+    a, w = _inputs(2, 8, 512, 256, BF16, integer=False)
+    with config.override(gemm_decode_max_m=0):
+        got = host(_run(a, w, BF16)).astype(np.float64)
+    assert decode_calls == [] and _rel(got, a @ w.T) < REL_TOL
+    import cupy
+
+    b_kn = dev(np.ascontiguousarray(w.T).astype(BF16))  # [K, N] row-major
+    out = cupy.empty((8, 512), dtype=BF16)
+    mkernel.gemm(dev(a.astype(BF16)), b_kn, out=out)
+    assert decode_calls == [] and _rel(host(out).astype(np.float64), a @ w.T) < REL_TOL
