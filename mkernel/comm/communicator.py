@@ -222,9 +222,9 @@ class Communicator:
         elif not self.heap.growable:
             blockers.append("the workspace is mapped through legacy CUDA IPC, which cannot grow "
                             "(MKERNEL_WORKSPACE_SHARING)")
-        elif self._proxy is not None:
-            blockers.append("the proxy between nodes is running and its regions are fixed (pass a larger "
-                            "workspace_bytes to mkernel.init)")
+        elif self._proxy is not None and not self._proxy[0].regions_grow:
+            blockers.append(f"the {self._proxy[0].transport} transport registered the workspace with the NIC "
+                            f"(pass a larger workspace_bytes to mkernel.init)")
         else:
             cap = max_workspace_bytes()
             want = grown_size(self.heap.nbytes, nbytes, self.heap.granularity(), cap)
@@ -239,6 +239,8 @@ class Communicator:
         token = self.node_mpi.bcast(uuid.uuid4().hex if self.node_mpi.rank == 0 else None)
         old = self.heap.nbytes
         self.heap.grow(self.node_mpi, want, token)
+        if self._proxy is not None:  # every rank grows here, before any allocation can use the new range
+            self._proxy[0].grow_region(self.PROXY_WORKSPACE_REGION, self.heap.nbytes)
         log.info("rank %d: workspace grown in place from %d to %d bytes for an allocation of %d", self.rank, old,
                  want, nbytes)
 

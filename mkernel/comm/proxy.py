@@ -244,6 +244,16 @@ class Proxy:
         self._setup(self._lib.mk_proxy_register(self._p, region_id, address, nbytes, _KIND[kind]),
                     f"register({region_id})")
 
+    @property
+    def regions_grow(self) -> bool:
+        """Whether a registered region can grow in place while running (not where the NIC holds a
+        registration of it: verbs)."""
+        return self.transport != "verbs"
+
+    def grow_region(self, region_id: int, nbytes: int):
+        """Region ``region_id`` now spans ``nbytes`` from the same address (a workspace grown in place)."""
+        self._setup(self._lib.mk_proxy_grow_region(self._p, region_id, nbytes), f"grow_region({region_id})")
+
     def register_flags(self, region_id: int, address: int, count: int):
         """The u32 flag array peers' WRITE/SIGNAL set and this rank's FLUSHes complete into (host memory)."""
         self.register(region_id, address, 4 * count, "host")

@@ -149,6 +149,20 @@ int mk_proxy_register(mk_proxy* p, int id, unsigned long long base, unsigned lon
   return 0;
 }
 
+/* In place (same base), also while running: the workspace grew (VMM maps more at its end). A
+ * transport that registered the region with a NIC would need a new registration: refused. */
+int mk_proxy_grow_region(mk_proxy* p, int id, unsigned long long bytes) {
+  if (id < 0 || id >= MK_MAX_REGIONS || !p->regions[id].used) return setup_error(p, "region %d is not registered", id);
+  mk_region* r = &p->regions[id];
+  const uint64_t size = __atomic_load_n(&r->bytes, __ATOMIC_ACQUIRE);
+  if (bytes < size || bytes > MK_OFFSET_MAX || (uintptr_t)r->base + bytes < (uintptr_t)r->base)
+    return setup_error(p, "region %d cannot grow from %llu to %llu bytes", id, (unsigned long long)size, bytes);
+  if (p->ops->register_region)
+    return setup_error(p, "region %d is registered with the NIC by this transport: it cannot grow", id);
+  __atomic_store_n(&r->bytes, (uint64_t)bytes, __ATOMIC_RELEASE);
+  return 0;
+}
+
 int mk_proxy_set_flags(mk_proxy* p, int region_id) {
   if (region_id < 0 || region_id >= MK_MAX_REGIONS || !p->regions[region_id].used)
     return setup_error(p, "flag region %d is not registered", region_id);
@@ -175,7 +189,8 @@ int mk_proxy_attach_queue(mk_proxy* p, unsigned long long header, unsigned long 
 unsigned char* mk_region_span(mk_proxy* p, int id, uint64_t offset, uint64_t bytes, int* kind) {
   if (id < 0 || id >= MK_MAX_REGIONS) return NULL;
   mk_region* r = &p->regions[id];
-  if (!r->used || offset > r->bytes || bytes > r->bytes - offset) return NULL;
+  const uint64_t size = __atomic_load_n(&r->bytes, __ATOMIC_ACQUIRE); /* mk_proxy_grow_region may raise it */
+  if (!r->used || offset > size || bytes > size - offset) return NULL;
   if (kind) *kind = r->kind;
   return r->base + offset;
 }

@@ -32,6 +32,9 @@ void mk_proxy_destroy(mk_proxy* p);
 int mk_proxy_set_cuda_device(mk_proxy* p, int ordinal);
 int mk_proxy_register(mk_proxy* p, int id, unsigned long long base, unsigned long long bytes, int kind);
 int mk_proxy_set_flags(mk_proxy* p, int region_id);
+/* A registered region grown in place (its base unchanged), also while running; -1 where the transport registered
+ * it with a NIC (verbs). */
+int mk_proxy_grow_region(mk_proxy* p, int id, unsigned long long bytes);
 int mk_proxy_attach_queue(mk_proxy* p, unsigned long long header, unsigned long long slots);
 int mk_proxy_start(mk_proxy* p);
 int mk_proxy_stop(mk_proxy* p);
