@@ -77,14 +77,9 @@ struct TpPushItems {
 };
 
 MK_DEV void tp_push_cta(const TpArgs& a) {
-  __shared__ u32 s_epoch;
-  __shared__ TpCommShared comm;
-  if (threadIdx.x == 0) {
-    s_epoch = launch_epoch(a.g.sync);
-    tp_comm_shared_init(&comm);
-  }
-  __syncthreads();
-  const u32 E = s_epoch;
+  const TpCommCta cta = tp_comm_enter(a);
+  const u32 E = cta.E;
+  TpCommShared& comm = *cta.sh;
   const u32 chunks = (u32)a.tiles_mb;
   const u32 L = (u32)a.local, N = (u32)a.nodes, l = (u32)a.lrank, n = (u32)a.node;
   const MkPeers peers = tp_peers(a);

@@ -89,6 +89,22 @@ MK_DEV void tp_comm_shared_init(TpCommShared* sh) {
   sh->cta = 0;
 }
 
+// A communication CTA's entry, every thread: this launch's epoch and the CTA's shared state.
+struct TpCommCta {
+  u32 E;
+  TpCommShared* sh;
+};
+MK_DEV TpCommCta tp_comm_enter(const TpArgs& a) {
+  __shared__ u32 s_epoch;
+  __shared__ TpCommShared comm;
+  if (threadIdx.x == 0) {
+    s_epoch = launch_epoch(a.g.sync);
+    tp_comm_shared_init(&comm);
+  }
+  __syncthreads();
+  return {s_epoch, &comm};
+}
+
 // What a lent GEMM CTA does between two tiles (tp_controller.cuh): ready(args, E, ahead) on the
 // producer thread (the item `ahead` places after the next unclaimed one can run without waiting:
 // the turns already queued in this CTA's tile ring will take those before it), run(args, E,

@@ -412,17 +412,10 @@ struct TpReduceItems {
 // A communication CTA of GEMM+RS / GEMM+AR: reduces from the start.
 template <int DT, int OP>
 MK_DEV void tp_reduce_cta(const TpArgs& a) {
-  __shared__ u32 s_epoch;
-  __shared__ TpCommShared comm;
-  if (threadIdx.x == 0) {
-    s_epoch = launch_epoch(a.g.sync);
-    tp_comm_shared_init(&comm);
-  }
-  __syncthreads();
-  const u32 E = s_epoch;
-  tp_reduce_work<DT, OP, TP_IN_FLIGHT>(a, E, threadIdx.x, blockDim.x, MkBarCta(), &comm);
+  const TpCommCta c = tp_comm_enter(a);
+  tp_reduce_work<DT, OP, TP_IN_FLIGHT>(a, c.E, threadIdx.x, blockDim.x, MkBarCta(), c.sh);
   if (threadIdx.x == 0) tp_counters_done(a);
-  launch_exit(a.g.sync, E);
+  launch_exit(a.g.sync, c.E);
 }
 
 // RS / AR unfused: a CTA that moves tiles of the precomputed partial (args.partial) to the same
