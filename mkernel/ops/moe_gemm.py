@@ -139,6 +139,22 @@ def _gemm_args(g, a_arr, wb, layout, out, group_rows, capacity, K, N, El, sync):
     g.m, g.n, g.k, g.num_groups, g.epi_op = capacity, N, K, El, _gemm.EPI_STORE
 
 
+def _staging(comm, cap, H, El, dtype, stream):
+    """The fused combine's local buffers, one pair per communicator grown to the largest call (not
+    one per plan: [capacity, H] each): this rank's GEMM output and its tile flags (epoch-valued:
+    never reset)."""
+    import cupy
+
+    need, flags = cap * H * dtype.itemsize, _gemm.grouped_tiles_bound(cap, H, El)
+    st = comm.plans.state.get("moe.combine staging")
+    if st is None or st[0].nbytes < need or st[1].size < flags:
+        with _tp.on_stream(stream):  # stream-ordered: the old pair is freed behind its last use
+            st = (cupy.empty(max(need, st[0].nbytes if st else 0), dtype=cupy.uint8),
+                  cupy.zeros(max(flags, st[1].size if st else 0), dtype=cupy.uint32))
+        comm.plans.state["moe.combine staging"] = st
+    return st[0][:need].view(dtype).reshape(cap, H), st[1]
+
+
 def _launch(op, spec, kernel, layout, dtype, args, grid, stream):
     from mkernel.runtime.launch import launch_persistent, persistent_grid
 
@@ -192,12 +208,7 @@ def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=No
         return _moe.combine(op, z, handle, comm=comm, out=out, stream=stream)
 
     plan, cap, El = handle._plan, handle.capacity, handle.group_rows.size
-    key = "combine staging"  # this rank's GEMM output [capacity, H] and its tile flags (local memory)
-    if key not in plan:
-        with _tp.on_stream(stream):
-            plan[key] = (cupy.empty((cap, H), dtype=handle.dtype),
-                         cupy.zeros(_gemm.grouped_tiles_bound(cap, H, El), dtype=cupy.uint32))
-    z, tile_flags = plan[key]
+    z, tile_flags = _staging(comm, cap, H, El, handle.dtype, stream)
     args = MkMoeGemmArgs()
     args.m = _moe._args(comm, plan, op, handle.T, handle.k, plan["E"], H)
     args.m.topk_w = handle.topk_weights.data.ptr
