@@ -4,7 +4,7 @@ before its data fails the check); then FLUSH and SIGNAL-add complete. Also: a ra
 mid-transfer makes the others raise within 30 s.
 
 At one rank each test relaunches itself under ``mpiexec -n 2``; under mpiexec it runs in place.
-Run as a module from the repository root (``python -m tests.test_transport kill tcp``) it is the
+Run as a module from the repository root (``python -m tests.cpu.test_transport kill tcp``) it is the
 killed-rank worker.
 """
 

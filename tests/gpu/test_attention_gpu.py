@@ -1,7 +1,6 @@
-"""Tests of mkernel.attention (fused multi-head / grouped-query attention, forward).
+"""GPU tests of mkernel.attention (fused multi-head / grouped-query attention, forward); the CPU tests
+are tests/cpu/test_attention.py.
 
-CPU: the argument struct's layout (host g++ against ctypes), registration and export, the generated
-wgmma header being current, NoGPUError without a GPU.
 GPU (sm_90, CuPy): a matrix of cases (bf16 / fp16, D 64 / 128, causal or not, GQA / MQA / MHA,
 ragged and unequal lengths, batch 1 and 2, 3-D inputs, custom softmax_scale, explicit
 causal_offset, rows that see no key) against a float64 NumPy reference (small) or a float32 CuPy
@@ -12,24 +11,22 @@ named), repeated launches, back-to-back launches of different shapes (a stale ti
 classic bug of a persistent kernel), SM counts, strided views, streams and argument validation.
 Every output starts poisoned with NaN, so an element nobody wrote fails.
 
-Every GPU check runs in a child process (python3 tests/test_attention.py --child CASE...), so a
+Every GPU check runs in a child process (python3 -m tests.gpu.test_attention_gpu --child CASE...), so a
 hang (killed after 30 s with a HANG line) or a sticky CUDA error in one check cannot take the
 others down; run without -x to see every part in one go.
 
-Run on a GPU machine: python3 -m pytest tests/test_attention.py -q -s   (-s shows the tables)
-Manual: python3 tests/test_attention.py --child all   |   --child feature:exact
+Run on a GPU machine: python3 -m pytest tests/gpu/test_attention_gpu.py -q -s   (-s shows the tables)
+Manual, from the repository root: python3 -m tests.gpu.test_attention_gpu --child all   |   --child feature:exact
 """
 
 import importlib
 import importlib.util
 import math
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from mkernel.core.errors import NoGPUError
 from mkernel.testing import sync_or_exit
 
 from tests.helpers import child_cases
@@ -47,8 +44,6 @@ from tests.helpers.arrays import poison as _poison
 from tests.helpers.arrays import poisoned as _poisoned
 from tests.helpers.arrays import random_qkv as _random_qkv
 
-ROOT = Path(__file__).resolve().parents[1]
-
 # The module, not the function: mkernel re-exports attention() under the same name. Imported
 # tolerantly so that the tests that do not need it (the wgmma header) still run while it is missing.
 try:
@@ -62,61 +57,6 @@ def _module():
     if ma is None:
         pytest.fail(f"mkernel.attention does not import (not written yet?): {_IMPORT_ERROR!r}")
     return ma
-
-
-# ======================================================================================== CPU
-def test_args_layout_matches_host_compiler(tmp_path):
-    # assert_same_layout() compares alignof too; the C struct is alignas(64) through TmaDesc, which
-    # ctypes cannot express (as for MkGemmArgs), so alignof is checked separately.
-    from tests.helpers.c_layout import c_offsets, py_offsets
-
-    mirror = _module().MkAttnArgs
-    c = c_offsets("attn_args.cuh", "MkAttnArgs", [name for name, *_ in mirror._fields_], tmp_path)
-    py = py_offsets(mirror)
-    assert c.pop("alignof") == 64
-    py.pop("alignof")
-    assert c == py, "MkAttnArgs mirror differs from attn_args.cuh"
-    assert c["sizeof"] % 64 == 0
-
-
-def test_registration_and_export():
-    import mkernel
-    from mkernel.runtime import compile as mkc
-
-    m = _module()
-    assert mkc.REGISTRY["attention"] is m.SPEC
-    assert m.SPEC.name == "attention" and m.SPEC.name_expressions
-    assert m.SPEC.source in mkc.cuda_files()
-    assert "attn_args.cuh" in mkc.include_closure(m.SPEC.source), "the kernel does not include attn_args.cuh"
-    assert callable(m.attention)
-    assert mkernel.attention is m.attention, "mkernel.attention is not the function (not exported in __init__?)"
-    assert "attention" in mkernel.__all__
-
-
-def test_wgmma_header_is_generated():
-    spec = importlib.util.spec_from_file_location("gen_wgmma", ROOT / "tools" / "gen_wgmma.py")
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
-    current = (ROOT / "mkernel" / "cuda" / "primitives" / "wgmma_ops.cuh").read_text()
-    assert current == gen.header(), "mkernel/cuda/primitives/wgmma_ops.cuh is stale: run python3 tools/gen_wgmma.py"
-
-
-def test_no_gpu_error_without_a_gpu():
-    from mkernel.runtime import gpu
-
-    if gpu.device_count() > 0:
-        pytest.skip("a GPU is visible: the GPU tests cover the real calls")
-    m = _module()
-    q = np.zeros((1, 128, 4, 64), dtype=BF16)
-    k = np.zeros((1, 128, 2, 64), dtype=BF16)
-    try:
-        m.attention(q, k, k)
-    except NoGPUError:
-        return
-    except Exception as e:  # noqa: BLE001
-        pytest.fail(f"without a usable GPU, attention raised {type(e).__name__} ({str(e)[:200]}), not "
-                    "mkernel.NoGPUError")
-    pytest.fail("attention returned without a GPU")
 
 
 # ================================================================================ GPU helpers

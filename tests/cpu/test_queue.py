@@ -25,7 +25,7 @@ from mkernel.core.errors import MKernelError, TimeoutError
 
 from tests.helpers.c_layout import assert_same_layout
 
-CUDA_PRIMITIVES = Path(__file__).resolve().parents[1] / "mkernel" / "cuda" / "primitives"  # queue_layout.cuh
+CUDA_PRIMITIVES = Path(__file__).resolve().parents[2] / "mkernel" / "cuda" / "primitives"  # queue_layout.cuh
 
 CMD_FIELDS = ["seq", "type", "flag_op", "peer", "bytes", "flag_value", "flag_id", "src_region", "dst_region",
               "src_off_hi", "dst_off_hi", "src_off_lo", "dst_off_lo"]

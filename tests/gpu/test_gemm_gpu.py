@@ -1,17 +1,15 @@
-"""Tests of mkernel.gemm / mkernel.grouped_gemm.
+"""GPU tests of mkernel.gemm / mkernel.grouped_gemm (sm_90, CuPy); the CPU tests are tests/cpu/test_gemm.py.
 
-CPU: the argument struct's layout (host g++ against ctypes), TMA rules, registration, layout
-inference and host-side checks.
-GPU (sm_90, CuPy): a smoke matrix of every kernel variant (a table of per-case errors is printed
-before anything is asserted), then flags / epochs, tile order, role words, SM counts,
-accumulation, grouped mode and argument validation.
+A smoke matrix of every kernel variant (a table of per-case errors is printed before anything is
+asserted), then flags / epochs, tile order, role words, SM counts, accumulation, grouped mode and
+argument validation.
 
-Every GPU check runs in a child process (python3 tests/test_gemm.py --child CASE...), so a hang
+Every GPU check runs in a child process (python3 -m tests.gpu.test_gemm_gpu --child CASE...), so a hang
 (killed after 30 s with a HANG line) or a sticky CUDA error in one check cannot take the others
 down; run without -x to see every part in one go.
 
-Run on a GPU machine: python3 -m pytest tests/test_gemm.py -q -s   (-s shows the tables)
-Manual: python3 tests/test_gemm.py --child all   |   --child feature:grouped
+Run on a GPU machine: python3 -m pytest tests/gpu/test_gemm_gpu.py -q -s   (-s shows the tables)
+Manual, from the repository root: python3 -m tests.gpu.test_gemm_gpu --child all   |   --child feature:grouped
 """
 
 import importlib
@@ -20,8 +18,6 @@ import zlib
 import numpy as np
 import pytest
 
-from mkernel.core.errors import ArgumentError
-from mkernel.runtime import tma
 from mkernel.testing import sync_or_exit
 
 from tests.helpers import child_cases
@@ -33,105 +29,6 @@ from tests.helpers.arrays import poisoned as _poisoned
 
 # The module, not the function: mkernel re-exports gemm() under the same name.
 mg = importlib.import_module("mkernel.engines.gemm")
-
-
-# ======================================================================================== CPU
-@pytest.mark.parametrize("cls", ["MkGemmSched", "MkGemmArgs"])
-def test_args_layout_matches_host_compiler(cls, tmp_path):
-    from tests.helpers.c_layout import c_offsets, py_offsets
-
-    mirror = getattr(mg, cls)
-    c = c_offsets("gemm_args.cuh", cls, [name for name, *_ in mirror._fields_], tmp_path)
-    py = py_offsets(mirror)
-    assert c.pop("alignof") == (64 if cls == "MkGemmArgs" else 8)  # ctypes cannot express alignas(64)
-    py.pop("alignof")
-    assert c == py
-
-
-def test_tma_rules():
-    ok = dict(dtype=tma.DTYPE_BFLOAT16, ptr=0x1000, dims=(64, 128), strides=(128,), box=(64, 128), swizzle=3)
-    tma.check_tiled(**ok)
-    for bad in (dict(ptr=0x1008), dict(strides=(120,)), dict(box=(64, 512)), dict(box=(128, 64)),
-                dict(dims=(0, 128))):
-        with pytest.raises(ArgumentError):
-            tma.check_tiled(**{**ok, **bad})
-
-
-def test_tma_encode_goes_through_the_extension():
-    import ctypes
-
-    from mkernel import verbs
-    from mkernel.core.errors import NoGPUError
-
-    assert hasattr(verbs.lib, "mk_cuda_tensor_map_encode_tiled")
-    try:
-        ctypes.CDLL("libcuda.so.1")
-        pytest.skip("libcuda is present here: the no-driver path cannot be seen")
-    except OSError:
-        pass
-    tma.clear_cache()
-    with pytest.raises(NoGPUError, match="libcuda.so.1 could not be loaded"):
-        tma.encode_tiled(tma.DTYPE_BFLOAT16, 0x1000, (64, 128), (128,), (64, 128))
-
-
-def test_registration():
-    from mkernel.runtime import compile as mkc
-
-    assert mkc.REGISTRY["gemm"] is mg.SPEC
-    assert len(mg.EXPRESSIONS) == 24  # 16 unclustered (plain and grouped) + 8 clustered (plain)
-    assert mg.tiles(129, 257) == 4 and mg.tiles(128, 256) == 1
-
-
-class _Fake:
-    """Enough of a cupy.ndarray (shape, strides, itemsize, dtype, data.ptr) for the host-side checks."""
-
-    class _Data:
-        def __init__(self, ptr):
-            self.ptr = ptr
-
-    def __init__(self, shape, dtype=BF16, strides=None, ptr=0x10000):
-        self.shape, self.dtype, self.itemsize, self.ndim = (tuple(shape), np.dtype(dtype), np.dtype(dtype).itemsize,
-                                                            len(shape))
-        if strides is None:
-            strides, acc = [], self.itemsize
-            for d in reversed(shape):
-                strides.insert(0, acc)
-                acc *= d
-        self.strides = tuple(strides)
-        self.data = self._Data(ptr)
-
-    @property
-    def T(self):
-        return _Fake(self.shape[::-1], self.dtype, self.strides[::-1], self.data.ptr)
-
-
-def test_b_layout_inference_and_host_checks():
-    K, N = 64, 96
-    lay, arr, n = mg._resolve_b_2d(_Fake((K, N)), K, None)
-    assert (lay, n, arr.shape) == (mg.B_KN, N, (K, N))
-    w = _Fake((N, K))
-    lay, arr, n = mg._resolve_b_2d(w.T, K, None)  # the transpose of a row-major [N, K]: weights layout
-    assert (lay, n, arr.shape, arr.strides) == (mg.B_NK, N, (N, K), w.strides)
-    lay, arr, n = mg._resolve_b_2d(w, K, "nk")
-    assert (lay, n) == (mg.B_NK, N)
-    for bad in ((_Fake((K + 8, N)), None), (_Fake((N, K + 8)), "nk"), (_Fake((K, N)), "xx"), (_Fake((K,)), None)):
-        with pytest.raises(ArgumentError):
-            mg._resolve_b_2d(bad[0], K, bad[1])
-    mg._check_2d_rowmajor(_Fake((5, 64)), "a")
-    for bad in (_Fake((5, 64), ptr=0x10002), _Fake((5, 64), strides=(130, 2)), _Fake((5, 64), strides=(256, 4))):
-        with pytest.raises(ArgumentError):
-            mg._check_2d_rowmajor(bad, "a")
-    with pytest.raises(ArgumentError):
-        mg._check_inputs(_Fake((4, 60)), None, 60, 64)
-    with pytest.raises(ArgumentError):
-        mg._check_inputs(_Fake((4, 64)), None, 64, 60)
-    with pytest.raises(ArgumentError):
-        mg._check_inputs(_Fake((4, 64), dtype=np.float32), None, 64, 64)
-    assert mg._out_code("bfloat16", "float32") == mg.OUT_F32 and mg._out_code("float16", "float16") == mg.OUT_F16
-    with pytest.raises(ArgumentError):
-        mg._out_code("bfloat16", "float16")
-    assert mg.default_ctas(2048, 132) == 128 and mg.default_ctas(45, 132) == 45 and mg.default_ctas(133, 132) == 67
-    assert mg.grouped_tiles_bound(1000, 520, 8) == (8 + 8) * 3
 
 
 # ================================================================================ GPU helpers

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FILES = sorted(p for d in ("mkernel", "tools", "bench", "examples", "tests") for p in (ROOT / d).rglob("*.py")
                if "build" not in p.parts)
 

@@ -16,7 +16,7 @@ from mkernel.core.errors import NoRDMADeviceError
 
 from tests.helpers.jobs import relaunch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _verbs_headers():

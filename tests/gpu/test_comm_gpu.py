@@ -257,7 +257,7 @@ def test_a_timed_out_wait_raises_timeout_error_naming_op_rank_and_peer(comm):
 @pytest.mark.skipif(UNDER_MPIEXEC, reason="starts its own mpirun; run from the 1-rank pass")
 @pytest.mark.slow
 def test_a_dead_rank_makes_the_survivor_raise_within_30_s():
-    script = Path(__file__).parent / "scripts" / "dead_peer.py"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "dead_peer.py"
     mca = ["--mca", "orte_abort_on_non_zero_status", "0"]  # Open MPI 4: keep the survivor running
     ver = subprocess.run(["mpirun", "--version"], capture_output=True, text=True).stdout
     if "Open MPI) 5" in ver or "v5." in ver:

@@ -2,7 +2,7 @@
 PCIe can), back-pressure and proxy failure as a kernel sees them, and 2 ranks as 2 nodes exchanging
 tiles through the proxy (host and tcp transports; on 2 GPUs or sharing one).
 
-GPU and 2-rank run:  mpiexec -n 2 python -m pytest tests/test_queue_gpu.py
+GPU and 2-rank run:  mpiexec -n 2 python -m pytest tests/gpu/test_queue_gpu.py
 (at one rank the 2-rank tests relaunch themselves under mpiexec -n 2)."""
 
 import ctypes

@@ -1,7 +1,7 @@
 """CPU: the launch arguments of MoE between nodes (mkernel/ops/moe_nodes.py, used by mkernel.moe), with a
 fake communicator and recorded launches, no GPU: the node's dispatch and combine run on the node's
 ranks and experts over the virtual tokens; the exchange and partial-sum kernels get the plan's
-buffers, the node layout and their grids. (tests/test_moe_nodes_gpu.py runs the kernels.)"""
+buffers, the node layout and their grids. (tests/gpu/test_moe_nodes_gpu.py runs the kernels.)"""
 
 import importlib
 import types

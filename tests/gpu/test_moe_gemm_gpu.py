@@ -1,6 +1,7 @@
 """Tests of the fused MoE kernels: dispatch + grouped GEMM (mkernel.moe_dispatch_gemm, path="fused",
 mkernel/cuda/ops/moe_dispatch_gemm.cu) and grouped GEMM + combine (mkernel.moe_gemm_combine,
-mkernel/cuda/ops/moe_gemm_combine.cu). The problems, layout rule and helpers are tests/test_moe.py's.
+mkernel/cuda/ops/moe_gemm_combine.cu). The problems, layout rule and helpers are tests/helpers/moe_cases.py's;
+the CPU test is tests/cpu/test_moe_gemm.py.
 
 GPU, 1 rank and under mpirun (marked gpu and mpi):
 - exact, per (expert, source) block (test_fused_exact): x in {-1, 0, 1} and w1 in {-1, 0, 1} with
@@ -9,7 +10,7 @@ GPU, 1 rank and under mpirun (marked gpu and mpi):
   wrong (expert, source) block and 128-row tile named; rows past received still poisoned; the counts
   (handle.counts(), received()) right; and the unfused path (moe_dispatch then grouped_gemm) bitwise
   equal to the fused one; moe_gemm_combine of that y (w2 in {-1, 0, 1}) bitwise equal to grouped_gemm +
-  moe_combine (exact in test_moe), no token left poisoned. Every routing of test_moe's dispatch cases
+  moe_combine (exact in test_moe_gpu), no token left poisoned. Every routing of the dispatch cases
   (uniform, Zipf, top-1..8, repeated experts, empty experts and ranks, T = 0 on a rank, T per rank, a
   capacity exactly the need and above it), El up to 64, F 72 (a part of one N-tile) and 264 (two),
   w1 [El, H, F] and [El, F, H];
@@ -18,7 +19,8 @@ GPU, 1 rank and under mpirun (marked gpu and mpi):
   moves by 24 (test_fused_repeated);
 - comm_sms 1 and 40 give the same bits as the default, both ops (test_fused_split_invariant);
 - the exact cases again with the dispatch CTAs joining the GEMM after their sends (config moe_join_gemm).
-Device-detected errors of the fused kernel (capacity, expert ids) are cases of test_moe.test_device_errors.
+Device-detected errors of the fused kernel (capacity, expert ids) are cases of
+tests/gpu/test_moe_errors_gpu.py::test_device_errors.
 """
 
 import importlib
@@ -208,15 +210,3 @@ def _split_body(comm):
 def test_fused_split_invariant(comm):
     tm._collective(comm, "comm_sms 16 (default), 1, 40 (or the most allowed): the same exact y",
                    lambda: _split_body(comm))
-
-
-# ======================================================================================== CPU
-@pytest.mark.parametrize("spec", ["moe_gemm", "moe_gemm_combine"])
-def test_fused_kernel_has_no_static_shared_memory(spec):
-    """The fused kernels launch with the grouped GEMM's dynamic shared memory (gemm.SMEM_GROUPED, 1 KiB
-    under the SM's limit); any static __shared__ variable would be padded to the dynamic part's
-    1024-byte alignment and make every launch fail (CUDA_ERROR_INVALID_VALUE)."""
-    from mkernel.runtime import compile as mkc
-
-    log = mkc.compile_spec(mkc.REGISTRY[spec]).log
-    assert "ptxas info" in log and "bytes smem" not in log, [line for line in log.splitlines() if "smem" in line]

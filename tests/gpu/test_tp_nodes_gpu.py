@@ -8,7 +8,7 @@ GEMM+AllReduce and AllGather+GEMM, issue 7).
 
 Checks, every output poisoned with NaN first: exact integer-valued inputs bitwise against the
 float64 sum (mismatching 128 x 256 tiles named), random inputs within the per-element bound of
-tests/test_tp_gpu.py against float64, off-grid shapes, fp16 and bf16, B as [K, N] and [N, K],
+tests/helpers/tp_cases.py against float64, off-grid shapes, fp16 and bf16, B as [K, N] and [N, K],
 three launches of each shape alternating with another shape (stale flags and counters), results
 bitwise equal from launch to launch (AllReduce: and on every rank), and the bytes the proxy sent
 equal to the hierarchical minimum: (nodes - 1) * M / world * N elements per rank and launch for

@@ -34,17 +34,21 @@ Collective discipline: every rank runs the same cases in the same order, and eac
 duplicate of the communicator's MPI communicator kept for the tests (so that the exchange can
 never be matched against a collective inside the op); if one rank raised where another did not,
 or a peer error or timeout was raised, the ranks may be out of step, so all of them stop running
-cases. Per-case tables are printed, then pass / fail is decided with conftest.all_ranks. A device
+cases. Per-case tables are printed, then pass / fail is decided with tests.helpers.ranks.all_ranks. A device
 hang ends the process after 45 s (sync_or_exit), past the op's own device timeout
 (MKERNEL_TIMEOUT_S, 30 s). Limit: an exception on one rank between two collective ops can still
 leave another rank inside the second op's host-side agreement (comm.agree), which no test can
 undo; the cases are built so that everything before each call is identical on every rank.
 
-    python3 -m pytest tests/test_ring_attention.py -q -s
-    mpirun -n 2 --oversubscribe python3 -m pytest tests/test_ring_attention.py -q -s -m "gpu and mpi"
+The CPU tests are tests/cpu/test_ring_attention.py; this file has the matrix, the exact case, the
+repeated and back-to-back launches and comm_sms / stream; test_ring_attention_errors_gpu.py the argument
+errors; test_ring_attention_worlds_gpu.py world 1 and the ranks between (emulated) nodes and beyond two
+on one node; tests/helpers/ring_cases.py what they share.
+
+    python3 -m pytest tests/gpu/test_ring_attention*_gpu.py -q -s
+    mpirun -n 2 --oversubscribe python3 -m pytest tests/gpu/test_ring_attention*_gpu.py -q -s -m "gpu and mpi"
 """
 
-import importlib
 import math
 import time
 import zlib
@@ -57,26 +61,23 @@ from mkernel.ops.sequence import shard_sequence
 from mkernel.testing import sync_or_exit
 
 from tests.helpers import collective_cases
-from tests.helpers.argument_errors import refused_before_launch
-from tests.helpers.arrays import BF16, DTYPES, REL_TOL
-from tests.helpers.arrays import attention_reference as _attention_reference
+from tests.helpers.arrays import BF16, DTYPES
 from tests.helpers.arrays import bits as _bits
-from tests.helpers.arrays import compare_attention as _compare
 from tests.helpers.arrays import compare_exact as _compare_exact
-from tests.helpers.arrays import dev as _dev
 from tests.helpers.arrays import host_result as _host_result
 from tests.helpers.arrays import poison as _poison
 from tests.helpers.arrays import poisoned as _poisoned
-from tests.helpers.arrays import random_qkv as _random_qkv
-
-# The module, not the function: mkernel re-exports the function under the same name.
-mra = importlib.import_module("mkernel.ops.ring_attention")
-
-HANG_S = 45.0        # past MKERNEL_TIMEOUT_S (30): a device wait times out and is reported first
-
-
-def _ring():
-    return mra.ring_attention
+from tests.helpers.ring_cases import (
+    HANG_S,
+    _check_local,
+    _collective,
+    _global_inputs,
+    _report_and_decide,
+    _ring,
+    _run_cases,
+    _shard,
+    _sync,
+)
 
 
 @pytest.fixture(scope="module")
@@ -84,69 +85,6 @@ def comm():
     c = collective_cases.with_driver(mkernel.init())
     yield c
     collective_cases.close(c)
-
-
-# ======================================================================================== CPU
-def test_args_layout_matches_host_compiler(tmp_path):
-    """MkRingArgs and MkAttnPos mirrors against ring_args.cuh / attn_args.cuh (g++); alignof of the
-    64-byte aligned struct is checked apart (ctypes cannot express alignas(64))."""
-    from tests.helpers.c_layout import c_offsets, py_offsets
-
-    ma = importlib.import_module("mkernel.engines.attention")
-    for header, cls, align in (("ring_args.cuh", mra.MkRingArgs, 64), ("attn_args.cuh", ma.MkAttnPos, 4)):
-        c = c_offsets(header, cls.__name__, [name for name, *_ in cls._fields_], tmp_path)
-        py = py_offsets(cls)
-        assert c.pop("alignof") == align
-        py.pop("alignof")
-        assert c == py, f"{cls.__name__} mirror differs from {header}"
-
-
-def test_module_and_export():
-    import mkernel as mk
-
-    assert callable(mra.ring_attention)
-    assert mk.ring_attention is mra.ring_attention, \
-        "mkernel.ring_attention is not the function (not exported in mkernel/__init__.py?)"
-    assert "ring_attention" in mk.__all__
-
-
-# ================================================================================ GPU helpers
-def _sync(what, timeout_s=HANG_S):
-    sync_or_exit(what, timeout_s)
-
-
-def _local_reference(comm, q, k, v, causal, scale):
-    """This rank's rows of the reference on the whole sequence of the global host arrays q, k, v (the
-    plain causal mask of the global sequence): (out [B, S_local, H_q, D], lse [B, H_q, S_local])."""
-    o, lse = _attention_reference(q, k, v, causal, scale)
-    return (shard_sequence(o, comm.rank, comm.size, causal=causal, axis=1),
-            shard_sequence(lse, comm.rank, comm.size, causal=causal, axis=2))
-
-
-def _check_local(comm, out, q, k, v, causal, scale=None, lse=None):
-    """(ok, message): a device output (and lse) of this rank against the sharded global reference of
-    the global host arrays q, k, v."""
-    D = q.shape[-1]
-    sc = scale if scale is not None else 1.0 / math.sqrt(D)
-    ref_o, ref_lse = _local_reference(comm, q, k, v, causal, sc)
-    return _compare(*_host_result(out, lse), ref_o, ref_lse)
-
-
-def _global_inputs(seed, dt, B, S_full, Hq, Hkv, D):
-    """Host (q, k, v) of the whole sequence, [B, S_full, H, D] (B None: 3-D), standard normal; the
-    same on every rank (a fixed seed)."""
-    return _random_qkv(seed, dt, B, S_full, S_full, Hq, Hkv, D)
-
-
-def _shard(comm, causal, *xs):
-    """This rank's parts (device arrays) of global host arrays (sequence axis -3)."""
-    return tuple(_dev(shard_sequence(x, comm.rank, comm.size, causal=causal, axis=-3)) for x in xs)
-
-
-# --------------------------------------------------------------------- the collective driver
-_run_cases = collective_cases.run_cases
-_report_and_decide = collective_cases.report_and_decide
-_collective = collective_cases.collective
 
 
 # ============================================================================= the case matrix
@@ -459,271 +397,3 @@ def test_comm_sms_and_stream(comm):
     results = _run_cases(comm, names, lambda n: _options_body(comm, n))
     _report_and_decide(comm, "comm_sms and stream (bf16 D128 H 8/2 S_local 1000 causal) vs default bits", names,
                        results)
-
-
-# ============================================================================ argument errors
-def _expect_argument_errors(comm, cases):
-    """(ok, message): every callable in cases raises ArgumentError, nothing is launched, and a
-    valid call afterwards is right."""
-    return refused_before_launch(comm, cases, lambda: _valid_ring_call(comm), HANG_S)
-
-
-def _valid_ring_call(comm):
-    W = comm.size
-    host = _global_inputs(61, BF16, 1, 256 * W, 4, 2, 128)
-    dq, dk, dv = _shard(comm, True, *host)
-    out = _poisoned(dq.shape, "bf16")
-    _ring()(dq, dk, dv, comm=comm, causal=True, out=out)
-    _sync("valid call after the errors")
-    comm.check()
-    return _check_local(comm, out, *host, True)
-
-
-def _local_error_cases(comm):
-    """Bad arguments every rank passes alike."""
-    import cupy
-
-    ring = _ring()
-    F16 = DTYPES["fp16"]
-
-    def z(shape, dt=BF16):
-        return cupy.zeros(shape, dtype=dt)
-
-    S = 256
-    q, k, v = z((1, S, 4, 128)), z((1, S, 2, 128)), z((1, S, 2, 128))
-
-    def r(q_, k_, v_, **kw):
-        kw.setdefault("comm", comm)
-        return ring(q_, k_, v_, **kw)
-
-    return {
-        "float32 inputs": lambda: r(z(q.shape, np.float32), z(k.shape, np.float32), z(v.shape, np.float32)),
-        "float64 inputs": lambda: r(z(q.shape, np.float64), z(k.shape, np.float64), z(v.shape, np.float64)),
-        "q bf16, k/v fp16": lambda: r(q, z(k.shape, F16), z(v.shape, F16)),
-        "v dtype differs": lambda: r(q, k, z(v.shape, F16)),
-        "D = 96": lambda: r(z((1, S, 4, 96)), z((1, S, 2, 96)), z((1, S, 2, 96))),
-        "D = 256": lambda: r(z((1, S, 4, 256)), z((1, S, 2, 256)), z((1, S, 2, 256))),
-        "D = 32": lambda: r(z((1, S, 4, 32)), z((1, S, 2, 32)), z((1, S, 2, 32))),
-        "q D != k D": lambda: r(q, z((1, S, 2, 64)), z((1, S, 2, 64))),
-        "v D != k D": lambda: r(q, k, z((1, S, 2, 64))),
-        "H_q % H_kv": lambda: r(z((1, S, 6, 128)), z((1, S, 4, 128)), z((1, S, 4, 128))),
-        "H_kv > H_q": lambda: r(z((1, S, 2, 128)), z((1, S, 4, 128)), z((1, S, 4, 128))),
-        "k/v H_kv differ": lambda: r(z((1, S, 8, 128)), z((1, S, 2, 128)), z((1, S, 4, 128))),
-        "rank 2": lambda: r(z((S, 128)), z((S, 128)), z((S, 128))),
-        "rank 5": lambda: r(z((1, 1, S, 4, 128)), z((1, 1, S, 2, 128)), z((1, 1, S, 2, 128))),
-        "q 4-D, k/v 3-D": lambda: r(q, k[0], v[0]),
-        "q 3-D, k/v 4-D": lambda: r(q[0], k, v),
-        "batch mismatch": lambda: r(z((2, S, 4, 128)), k, v),
-        "k/v batch differ": lambda: r(z((2, S, 4, 128)), z((2, S, 2, 128)), z((1, S, 2, 128))),
-        "k S_local != q S_local": lambda: r(q, z((1, S + 2, 2, 128)), z((1, S + 2, 2, 128))),
-        "v S_local != k S_local": lambda: r(q, k, z((1, S - 2, 2, 128))),
-        "S_local = 0": lambda: r(z((1, 0, 4, 128)), z((1, 0, 2, 128)), z((1, 0, 2, 128))),
-        "causal, odd S_local": lambda: r(z((1, 255, 4, 128)), z((1, 255, 2, 128)), z((1, 255, 2, 128)), causal=True),
-        "causal, odd S_local, 3-D": lambda: r(z((331, 4, 64)), z((331, 4, 64)), z((331, 4, 64)), causal=True),
-        "comm=None": lambda: r(q, k, v, comm=None),
-        "comm is an mpi4py communicator": lambda: r(q, k, v, comm=comm.mpi),
-        "q is a numpy array": lambda: r(np.zeros(q.shape, dtype=BF16), k, v),
-        "out shape": lambda: r(q, k, v, out=z((1, S, 4, 64))),
-        "out shape (3-D for 4-D q)": lambda: r(q, k, v, out=z((S, 4, 128))),
-        "out dtype fp16": lambda: r(q, k, v, out=z(q.shape, F16)),
-        "out float32": lambda: r(q, k, v, out=z(q.shape, np.float32)),
-        "out numpy": lambda: r(q, k, v, out=np.zeros(q.shape, dtype=BF16)),
-        "comm_sms = 0": lambda: r(q, k, v, comm_sms=0),
-        "comm_sms = -1": lambda: r(q, k, v, comm_sms=-1),
-        "comm_sms = 1.5": lambda: r(q, k, v, comm_sms=1.5),
-    }
-
-
-@collective_cases.gpu_mpi
-def test_argument_errors(comm):
-    _collective(comm, "argument errors (every rank alike)",
-                lambda: _expect_argument_errors(comm, _local_error_cases(comm)))
-
-
-def _disagreeing_cases(comm):
-    """Arguments that are valid on each rank but disagree across ranks. Every shape here is used
-    nowhere else in this file (no rank can have agreed on it before)."""
-    import cupy
-
-    ring = _ring()
-    r_ = comm.rank
-    odd = r_ % 2
-
-    def z(shape, dt=BF16):
-        return cupy.zeros(shape, dtype=dt)
-
-    def call(B, S, Hq, Hkv, D, dt=BF16, causal=False):
-        return ring(z((B, S, Hq, D), dt), z((B, S, Hkv, D), dt), z((B, S, Hkv, D), dt), comm=comm, causal=causal)
-
-    return {
-        "S_local differs": lambda: call(1, 264 + 8 * r_, 4, 2, 64),
-        "S_local differs (causal)": lambda: call(1, 272 + 16 * r_, 4, 2, 64, causal=True),
-        "dtype differs": lambda: call(1, 296, 4, 2, 64, dt=DTYPES["fp16"] if odd else BF16),
-        "H_q differs": lambda: call(1, 312, 4 + 4 * odd, 2, 64),
-        "H_kv differs": lambda: call(1, 328, 8, 2 + 2 * odd, 64),
-        "D differs": lambda: call(1, 344, 4, 2, 64 + 64 * odd),
-        "batch differs": lambda: call(1 + odd, 360, 4, 2, 64),
-    }
-
-
-@pytest.mark.multi_gpu
-@collective_cases.gpu_mpi
-def test_arguments_that_disagree_across_ranks_raise_on_every_rank(comm):
-    if comm.size < 2:
-        pytest.skip("needs 2 ranks")
-    names = list(_disagreeing_cases(comm))
-    # One case at a time (each decided across ranks), so that a rank that did not raise is named.
-    results = _run_cases(comm, names, lambda n: _expect_argument_errors(comm, {n: _disagreeing_cases(comm)[n]}))
-    _report_and_decide(comm, "arguments that disagree across ranks", names, results)
-
-
-# =================================================================================== world 1
-WORLD1_CONFIGS = [("bf16", 128, 8, 2, 1, 330, True, None), ("fp16", 64, 4, 4, None, 200, False, None),
-                  ("bf16", 64, 8, 1, 2, 256, True, None), ("fp16", 128, 4, 2, 1, 1000, False, None),
-                  ("bf16", 128, 4, 4, None, 130, True, 0.3), ("fp16", 128, 8, 2, 1, 1024, True, None)]
-
-
-@pytest.mark.gpu
-def test_world_one_equals_attention():
-    """At world 1 (a communicator over MPI.COMM_SELF) ring_attention is mkernel.attention (causal
-    with the default offset 0, S_q == S_kv): the same bits of out and lse."""
-    from mpi4py import MPI
-
-    if MPI.COMM_WORLD.size != 1:
-        pytest.skip("world 1 is covered by the 1-rank pass")
-    ring = _ring()
-    c1 = collective_cases.with_driver(mkernel.init(MPI.COMM_SELF))
-    try:
-        assert c1.size == 1
-
-        def body(name):
-            dtn, D, Hq, Hkv, B, S, causal, scale = WORLD1_CONFIGS[names.index(name)]
-            q, k, v = (_dev(x) for x in _global_inputs(zlib.crc32(name.encode()), DTYPES[dtn], B, S, Hq, Hkv, D))
-            out = _poisoned(q.shape, dtn)
-            _, lse = ring(q, k, v, comm=c1, causal=causal, softmax_scale=scale, out=out, return_lse=True)
-            out2 = _poisoned(q.shape, dtn)
-            res2 = ring(q, k, v, comm=c1, causal=causal, softmax_scale=scale, out=out2)
-            ref, ref_lse = mkernel.attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
-            _sync(name)
-            c1.check()
-            same = bool((_bits(out) == _bits(ref)).all() and (_bits(lse) == _bits(ref_lse)).all())
-            same2 = res2 is out2 and bool((_bits(out2) == _bits(ref)).all())
-            return same and same2, (f"with lse: {'same bits' if same else 'DIFFER'}; "
-                                    f"without: {'same bits' if same2 else 'DIFFER'}")
-
-        names = [f"{dtn} D={D} H={Hq}/{Hkv} B={B} S={S} {'causal' if causal else 'full'} scale={scale}"
-                 for dtn, D, Hq, Hkv, B, S, causal, scale in WORLD1_CONFIGS]
-        results = _run_cases(c1, names, body)
-        _report_and_decide(c1, "world 1 (COMM_SELF) vs mkernel.attention, bitwise", names, results)
-    finally:
-        collective_cases.close(c1)
-
-
-def _against_engine(make_comm, world, nodes):
-    """Ring attention on the communicator make_comm() returns (its root last; ``nodes`` nodes),
-    against the single-GPU engine on the whole sequence, causal (zigzag) and not, three launches
-    each (stale flags), and the proxy's byte counter: the ranks at a node's end send every step's
-    block across the network once per launch, the others (and every rank of one node) nothing."""
-    import cupy
-    from mpi4py import MPI
-
-    import mkernel
-
-    err = None
-    try:
-        comm, root = make_comm()
-        try:
-            assert comm.num_nodes == nodes
-            W, me = comm.size, comm.rank
-            S, H, Hkv, D = 330, 4, 2, 128
-            rng = cupy.random.default_rng(21)
-            qg = rng.standard_normal((S * W, H, D), dtype=cupy.float32).astype(BF16)
-            kg, vg = (rng.standard_normal((S * W, Hkv, D), dtype=cupy.float32).astype(BF16) for _ in range(2))
-            for causal in (False, True):
-                ref, ref_lse = mkernel.attention(qg, kg, vg, causal=causal, return_lse=True)
-                want = mkernel.shard_sequence(ref, me, W, causal=causal).astype(cupy.float32)
-                want_lse = mkernel.shard_sequence(ref_lse, me, W, causal=causal, axis=1)
-                q, k, v = (cupy.ascontiguousarray(mkernel.shard_sequence(x, me, W, causal=causal))
-                           for x in (qg, kg, vg))
-                for rep in range(3):
-                    out = cupy.full(q.shape, float("nan"), dtype=BF16)
-                    o, lse = _ring()(q, k, v, comm=comm, causal=causal, out=out, return_lse=True)
-                    cupy.cuda.get_current_stream().synchronize()
-                    comm.check()
-                    rel = float(cupy.linalg.norm(o.astype(cupy.float32) - want) / cupy.linalg.norm(want))
-                    lerr = float(cupy.abs(lse - want_lse).max())
-                    assert rel < REL_TOL and lerr < 1e-3, f"causal={causal} launch {rep}: rel {rel:.2e}, lse {lerr:.2e}"
-            nxt = (me + 1) % W
-            sent = sum(p["bytes_sent"] for p in comm.stats().get("peers", {}).values())
-            boundary = comm.topology.node_of[nxt] != comm.node
-            want_sent = 6 * (W - 1) * 2 * S * Hkv * D * 2 if boundary else 0
-            assert sent == want_sent, f"proxy sent {sent} bytes, expected {want_sent}"
-        finally:
-            root.close()
-    except Exception as e:  # noqa: BLE001  (decided collectively below)
-        err = e
-    ok = world.allreduce(err is None, op=MPI.LAND)
-    if err is not None:
-        raise err
-    assert ok, "another rank failed (see its output)"
-
-
-@pytest.mark.gpu
-@pytest.mark.mpi
-@pytest.mark.multi_gpu
-@pytest.mark.parametrize("via_split", [False, True], ids=["root", "split"])
-def test_two_emulated_nodes_through_the_proxy(via_split):
-    """2 ranks as 2 nodes (gpus_per_node=1): each key/value block travels as WRITE commands through
-    the communicator's proxy. "split": on a rank-reversed sub-communicator, through its root's proxy
-    (ranks, offsets, flags translated)."""
-    from mpi4py import MPI
-
-    import mkernel
-
-    world = MPI.COMM_WORLD
-    if world.Get_size() != 2:
-        pytest.skip("pairs exactly two ranks")
-
-    def make():
-        root = mkernel.init(world, gpus_per_node=1, workspace_bytes=(128 if via_split else 64) << 20)
-        return (root.split(0, key=-root.rank, workspace_bytes=64 << 20) if via_split else root), root
-
-    _against_engine(make, world, nodes=2)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("ranks", [3, 4])
-def test_more_than_two_ranks_on_one_node(request, ranks):
-    """3 and 4 ranks on one node (a child mpiexec, sharing the GPU). At 2 ranks the forwarding loop
-    ends after step 0; from 3 on a forwarder also writes at step 1 (a wait there for a FREE flag
-    that no rank sets went unseen until session 5); 3 is the ring with no FREE flag at all, 4 the
-    first whose forwarder writes a slot its next rank has read in this launch."""
-    _ranks_in_child_job(request, ranks, gpus_per_node=None, nodes=1)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("nodes,per_node", [(2, 2), (3, 2), (2, 3)])
-def test_several_ranks_per_node_between_nodes(request, nodes, per_node):
-    """nodes x per_node ranks (a child mpiexec, sharing the GPUs): blocks move over NVLink inside a
-    node and through the proxy from the last rank of one node to the first of the next."""
-    _ranks_in_child_job(request, nodes * per_node, gpus_per_node=per_node, nodes=nodes)
-
-
-def _ranks_in_child_job(request, ranks, gpus_per_node, nodes):
-    from mpi4py import MPI
-
-    import mkernel
-
-    from tests.helpers.jobs import relaunch
-
-    if relaunch(request, n=ranks):
-        return
-    world = MPI.COMM_WORLD
-    if world.Get_size() != ranks:
-        pytest.skip(f"{ranks} ranks")
-
-    def make():
-        root = mkernel.init(world, gpus_per_node=gpus_per_node, transport="host", workspace_bytes=64 << 20)
-        return root, root
-
-    _against_engine(make, world, nodes=nodes)

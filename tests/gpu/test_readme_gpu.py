@@ -1,16 +1,16 @@
 """GPU: README's "Using it" example, as written, at 1 rank and as a job of 2 ranks sharing the GPU
 (under MPS when a daemon runs): it exits 0 with nothing added, so it never drifts from the library."""
 
-import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.helpers.jobs import MPI_ENV, WORLD, mpiexec
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+README = str(Path(__file__).resolve().parents[2] / "README.md")
 
 
 def _example(tmp_path):

@@ -155,7 +155,7 @@ def test_modules_register_without_cupy_at_import():
 @pytest.fixture(autouse=True)
 def _auto_asks_for_the_static_counts(monkeypatch):
     """This module's launches with comm_sms "auto" (the default) get the static counts from the
-    split search (tests/test_autosplit.py runs the real one on the same fakes)."""
+    split search (tests/cpu/test_autosplit.py runs the real one on the same fakes)."""
     from mkernel.split import search as autosplit
     monkeypatch.setattr(autosplit, "choose", lambda comm, op, **kw: (config.get().tp_comm_sms[op], None))
 

@@ -10,7 +10,7 @@ import pytest
 from mkernel.core import env
 from mkernel.runtime import gpu
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*args):

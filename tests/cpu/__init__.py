@@ -1,0 +1,1 @@
+"""Tests without the gpu marker: they run on any machine (tests/run.sh)."""
