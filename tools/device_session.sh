@@ -8,7 +8,7 @@
 # branchsuite / branchtpbench: the GPU suite / bench/tp.py of a branch checked out at scratch/branch
 # (git worktree add scratch/branch <branch>; carry scratch), results under $OUT/branch (the A/B of
 # a branch against main's tpbench). moe: the MoE tests at
-# 1 and 2 ranks; moebench1: bench/moe.py at world 1; moenodes: tests/test_moe_nodes_gpu.py (its
+# 1 and 2 ranks; moebench1: bench/moe.py at world 1; moenodes: tests/gpu/test_moe_nodes_gpu.py (its
 # child jobs at 3 and 4 ranks, then 2 ranks as 2 nodes); moebenchnodes: bench/moe.py --nodes 2 (2 GPUs).
 # A kernel cache built on a CPU machine (python -m mkernel precompile) is used when carried as .kcache.
 # The copy on the device has no .git of its own (in session 6 git there reported the session's first
@@ -42,31 +42,31 @@ for s in $steps; do
   case $s in
     info) step info 30 python3 -m mkernel info ;;
     suite) step suite 420 bash tests/run_gpu.sh ;;
-    runtime) step runtime 90 $PYT -m gpu tests/test_comm_gpu.py ;;
-    queue) step queue 60 $PYT -m "gpu and not (mpi and multi_gpu)" tests/test_queue_gpu.py ;;
-    runtime2) step runtime2 90 $MPI2 $PYT -m "gpu and mpi and not slow" tests/test_comm_gpu.py ;;
-    queue2) step queue2 90 $MPI2 $PYT -m "gpu and mpi" tests/test_queue_gpu.py ;;
-    mpi2) step mpi2 150 $MPI2 $PYT -m "gpu and mpi and not slow" tests/test_comm_gpu.py tests/test_queue_gpu.py ;;
-    gemmtest) step gemmtest 150 $PYT -s tests/test_gemm.py tests/test_gemm_compile.py ;;
-    tp) step tp 150 bash -c "$PYT -m 'gpu and not (mpi and multi_gpu)' tests/test_tp_gpu.py; r=\$?; \
-      $MPI2 $PYT -m 'gpu and mpi' tests/test_tp_gpu.py && exit \$r" ;;
+    runtime) step runtime 90 $PYT -m gpu tests/gpu/test_comm_gpu.py ;;
+    queue) step queue 60 $PYT -m "gpu and not (mpi and multi_gpu)" tests/gpu/test_queue_gpu.py ;;
+    runtime2) step runtime2 90 $MPI2 $PYT -m "gpu and mpi and not slow" tests/gpu/test_comm_gpu.py ;;
+    queue2) step queue2 90 $MPI2 $PYT -m "gpu and mpi" tests/gpu/test_queue_gpu.py ;;
+    mpi2) step mpi2 150 $MPI2 $PYT -m "gpu and mpi and not slow" tests/gpu/test_comm_gpu.py tests/gpu/test_queue_gpu.py ;;
+    gemmtest) step gemmtest 150 $PYT -s tests/cpu/test_gemm.py tests/gpu/test_gemm_gpu.py tests/cpu/test_gemm_compile.py ;;
+    tp) step tp 150 bash -c "$PYT -m 'gpu and not (mpi and multi_gpu)' tests/gpu/test_tp_gpu.py tests/gpu/test_tp_controller_gpu.py; r=\$?; \
+      $MPI2 $PYT -m 'gpu and mpi' tests/gpu/test_tp_gpu.py tests/gpu/test_tp_controller_gpu.py && exit \$r" ;;
     tpdiag) step tpdiag 60 python3 tools/tp_diag.py ;;
     main) step main 60 $MPI2 python3 -m mkernel --quick ;;
     sanitizer) step sanitizer 180 bash tools/sanitize.sh ;;
     gemm) step gemm 120 python3 bench/gemm.py ;;
     attention) step attention 150 python3 bench/attention.py ;;
-    ring) step ring 240 $MPI2 $PYT -m "gpu and mpi" tests/test_ring_attention.py ;;
+    ring) step ring 240 $MPI2 $PYT -m "gpu and mpi" tests/gpu/test_ring_attention_gpu.py tests/gpu/test_ring_attention_errors_gpu.py tests/gpu/test_ring_attention_worlds_gpu.py ;;
     ringbench) step ringbench 240 $MPI2 python3 bench/ring_attention.py ;;
     transport) step transport 90 $MPI2 python3 bench/transport.py ;;
     tpbench) step tpbench 400 $MPI2 python3 bench/tp.py ;;
     tpnodes) step tpnodes 300 $MPI2 python3 bench/tp.py --nodes 2 ;;
     moebench) step moebench 300 $MPI2 python3 bench/moe.py ;;
     moebench1) step moebench1 200 python3 bench/moe.py ;;
-    moe) step moe 200 bash -c "$PYT -m gpu tests/test_moe.py tests/test_moe_gemm.py && \
-      $MPI2 $PYT -m 'gpu and mpi and not slow' tests/test_moe.py tests/test_moe_gemm.py" ;;
+    moe) step moe 200 bash -c "$PYT -m gpu tests/gpu/test_moe_gpu.py tests/gpu/test_moe_errors_gpu.py tests/gpu/test_moe_gemm_gpu.py && \
+      $MPI2 $PYT -m 'gpu and mpi and not slow' tests/gpu/test_moe_gpu.py tests/gpu/test_moe_errors_gpu.py tests/gpu/test_moe_gemm_gpu.py" ;;
     moebenchnodes) step moebenchnodes 300 $MPI2 python3 bench/moe.py --nodes 2 ;;
-    moenodes) step moenodes 400 bash -c "$PYT -m gpu tests/test_moe_nodes_gpu.py; r=\$?; \
-      $MPI2 $PYT -m 'gpu and mpi' tests/test_moe_nodes_gpu.py && exit \$r" ;;
+    moenodes) step moenodes 400 bash -c "$PYT -m gpu tests/gpu/test_moe_nodes_gpu.py; r=\$?; \
+      $MPI2 $PYT -m 'gpu and mpi' tests/gpu/test_moe_nodes_gpu.py && exit \$r" ;;
     branchsuite) step branchsuite 420 bash -c "cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null && \
       PYTHONPATH=\$PWD bash tests/run_gpu.sh" ;;
     branchtpbench) step branchtpbench 400 bash -c "cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null && \

@@ -3,7 +3,7 @@
 (shape N, A source, input type, B transpose). Inline PTX needs one operand per accumulator
 register, so these are generated rather than written by hand.
 
-    python3 tools/gen_wgmma.py        (rewrites the header; tests/test_wgmma_gen.py checks it is current)
+    python3 tools/gen_wgmma.py        (rewrites the header; tests/cpu/test_attention.py checks it is current)
 """
 from pathlib import Path
 
