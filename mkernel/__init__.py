@@ -32,6 +32,7 @@ from mkernel.diagnostics import selftest  # noqa: F401  (registers the runtime's
 from mkernel.engines.attention import attention
 from mkernel.engines.gemm import gemm, grouped_gemm
 from mkernel.ops.allgather_gemm import allgather_gemm
+from mkernel.ops.allreduce import allreduce
 from mkernel.ops.gemm_allreduce import gemm_allreduce
 from mkernel.ops.gemm_reduce_scatter import gemm_reduce_scatter
 from mkernel.ops.moe import MoeHandle, moe_capacity, moe_combine, moe_dispatch
@@ -42,7 +43,7 @@ from mkernel.split import policy as _split_policy  # noqa: F401  (registers its 
 
 __all__ = [
     "__version__", "init", "Communicator", "gemm", "grouped_gemm",
-    "gemm_reduce_scatter", "gemm_allreduce", "allgather_gemm", "attention", "ring_attention",
+    "gemm_reduce_scatter", "gemm_allreduce", "allgather_gemm", "allreduce", "attention", "ring_attention",
     "shard_sequence", "unshard_sequence",
     "moe_dispatch", "moe_combine", "moe_dispatch_gemm", "moe_gemm_combine", "moe_capacity", "MoeHandle",
     "MKernelError", "ArgumentError", "CapacityError", "ClosedError", "CompileError", "NoGPUError",

@@ -181,6 +181,10 @@ def prepare_out(op, out, shape, dtype, comm):
     if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
         raise ArgumentError(f"{op}: out must be {tuple(shape)} of {dtype}; got {tuple(out.shape)} of {out.dtype}")
     check_matrix(out, "out", dtypes=(dtype,))
+    return check_outside_workspace(op, out, comm)
+
+
+def check_outside_workspace(op, out, comm):
     heap = comm.heap
     if heap.base <= out.data.ptr < heap.base + heap.nbytes:
         raise ArgumentError(f"{op}: out must not lie in the symmetric workspace (the op's buffers live there)")

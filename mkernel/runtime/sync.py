@@ -16,7 +16,7 @@ ERR_NONE, ERR_TIMEOUT, ERR_PEER, ERR_ABORTED, ERR_INPUT = 0, 1, 2, 3, 4
 MOE_ERR_CAPACITY, MOE_ERR_EXPERT_ID = 1, 2
 # MK_OP_* : one id per op, named in error messages.
 OPS = ["test", "gemm", "gemm_reduce_scatter", "gemm_allreduce", "allgather_gemm", "ring_attention",
-       "moe_dispatch_gemm", "moe_gemm_combine", "queue", "attention", "moe_dispatch", "moe_combine"]
+       "moe_dispatch_gemm", "moe_gemm_combine", "queue", "attention", "moe_dispatch", "moe_combine", "allreduce"]
 OP_ID = {name: i for i, name in enumerate(OPS)}
 
 

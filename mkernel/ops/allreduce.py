@@ -1,0 +1,99 @@
+"""``allreduce(x, *, comm)``: the sum over ranks of ``x``, the same bits on every rank, by one kernel
+that pushes each rank's data into every peer's scratch once and reduces there (one-shot: the latency
+path for small messages inside a node; mkernel/cuda/ops/allreduce.cu).
+
+Importable without CuPy; the kernels are registered at import.
+"""
+
+import ctypes
+
+from mkernel.core.errors import ArgumentError
+from mkernel.ops import tp
+from mkernel.runtime import compile as _compile
+from mkernel.runtime.sync import MkSync
+
+OP = "allreduce"
+KERNEL = "mk_allreduce_kernel"
+SPEC = _compile.register(OP, "allreduce.cu", tuple(f"{KERNEL}<{dt}>" for dt in (0, 1)), hot=True)
+THREADS = 512  # AR_THREADS
+CNT_WORDS = 4  # AR_CNT_WORDS
+CHUNK = 8192  # elements per chunk: a CTA's item
+MAX_CTAS = 64  # more only adds CTAs that wait (a chunk is one item per rank)
+
+
+class MkAllreduceArgs(ctypes.Structure):
+    """Mirror of ``MkAllreduceArgs`` (mkernel/cuda/ops/allreduce_args.cuh), 152 bytes."""
+    _fields_ = [("sync", MkSync), ("peer_base", ctypes.c_void_p), ("slots_off", ctypes.c_uint64),
+                ("flags_off", ctypes.c_uint64), ("src", ctypes.c_void_p), ("out", ctypes.c_void_p),
+                ("counters", ctypes.c_void_p), ("count", ctypes.c_uint64), ("chunk", ctypes.c_uint32),
+                ("chunks", ctypes.c_uint32), ("world", ctypes.c_int32), ("me", ctypes.c_int32),
+                ("pad", ctypes.c_uint32 * 2)]
+
+
+def allreduce(x, *, comm, out=None, stream=None):
+    """Sum over ranks of ``x`` (any shape, contiguous, bfloat16 or float16, a multiple of 8 elements):
+    returns ``out`` (x's shape and dtype), every element the fp32 sum in rank order rounded once, so
+    every rank holds the same bits. The same shape on every rank. Inside one node (ranks between
+    nodes raise ArgumentError). Collective; returns without synchronising."""
+    x, out = _check(comm, x, out, stream)
+    if comm.size == 1:  # a device copy, not a kernel
+        out.data.copy_from_device_async(x.data, x.nbytes, stream)
+        return out
+    plan, template = _plan(comm, x)
+    _launch(comm, template, x, out, stream)
+    return out
+
+
+def _check(comm, x, out, stream):
+    from mkernel.runtime.arrays import HALF_TYPES, as_cupy
+
+    tp.check_comm(OP, comm)
+    if comm.num_nodes > 1:
+        raise ArgumentError(f"{OP}: the one-shot kernel works inside one node; this communicator spans "
+                            f"{comm.num_nodes} (use gemm_allreduce's paths between nodes)")
+    cupy = tp.cupy_mod()
+    x = as_cupy(x, "x", stream=stream)
+    if x.dtype not in HALF_TYPES:
+        raise ArgumentError(f"{OP}: x must be bfloat16 or float16; got {x.dtype}")
+    if not x.flags.c_contiguous or x.size == 0 or x.size % 8 or x.data.ptr % 16:
+        raise ArgumentError(f"{OP}: x must be contiguous, 16-byte aligned and hold a positive multiple of 8 "
+                            f"elements; got shape {tuple(x.shape)}")
+    if out is None:
+        out = cupy.empty_like(x)
+    elif not isinstance(out, cupy.ndarray) or out.shape != x.shape or out.dtype != x.dtype:
+        raise ArgumentError(f"{OP}: out must be a cupy.ndarray of x's shape {tuple(x.shape)} and dtype {x.dtype}")
+    elif not out.flags.c_contiguous or out.data.ptr % 16:
+        raise ArgumentError(f"{OP}: out must be contiguous and 16-byte aligned")
+    tp.check_outside_workspace(OP, out, comm)
+    tp.agree_call(OP, comm, (OP, x.size, x.dtype.name, "oneshot"), "one node")
+    return x, out
+
+
+def _plan(comm, x):
+    """(plan, launch template) per (elements, dtype): every rank's slot in the scratch, the chunk
+    flags the plan's own."""
+    count, dt, W = x.size, x.dtype, comm.size
+    chunks = -(-count // CHUNK)
+    sizes = [("slots", (W, count), dt), ("flags", (W * chunks,), "uint32")]
+    plan = tp.plan_buffers(OP, comm, ("buffers", OP, count, dt.name), sizes, counter_words=CNT_WORDS)
+
+    def build():
+        args = MkAllreduceArgs()
+        args.peer_base = comm.peer_table.data.ptr
+        args.slots_off, args.flags_off = comm.offset_of(plan["slots"]), comm.offset_of(plan["flags"])
+        args.counters = plan["counters"].data.ptr
+        args.count, args.chunk, args.chunks = count, CHUNK, chunks
+        args.world, args.me = W, comm.local_rank
+        return args
+    return plan, tp.launch_template(plan, (), build)
+
+
+def _launch(comm, template, x, out, stream):
+    from mkernel.runtime.launch import launch_persistent, persistent_grid
+
+    args = MkAllreduceArgs.from_buffer_copy(template["args"])
+    args.sync = comm.sync_args(OP)
+    args.src, args.out = x.data.ptr, out.data.ptr
+    fn = _compile.module(SPEC).function(f"{KERNEL}<{tp.DT[x.dtype.name]}>")
+    grid = persistent_grid(fn, THREADS, 0, blocks=min(args.chunks * args.world, MAX_CTAS, tp.sm_count()), what=OP)
+    launch_persistent(fn, (grid,), (THREADS,), args, smem=0, stream=stream)
