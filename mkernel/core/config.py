@@ -24,6 +24,7 @@ class Config:
     tp_controller: str = "auto"
     tp_lend_share: int = 2        # it lends at most gemm_ctas / tp_lend_share GEMM CTAs
     tp_join_reduce: bool = False  # RS / AR: the GEMM CTAs also reduce after their tiles
+    tp_latency_max_rows: int = 0  # gemm_allreduce in a node at most this many rows: GEMM + one-shot all-reduce
     # Communication CTAs where comm_sms is not searched (the unfused baseline, the search's start).
     tp_comm_sms: types.MappingProxyType = dataclasses.field(default_factory=lambda: types.MappingProxyType(
         {"gemm_reduce_scatter": 8, "gemm_allreduce": 16, "allgather_gemm": 8}))
@@ -43,9 +44,9 @@ class Config:
         if self.tp_controller not in CONTROLLER_SETTINGS:
             raise ArgumentError(f"tp_controller must be one of {CONTROLLER_SETTINGS}; got {self.tp_controller!r}")
         for name in ("tp_fuse_min_tiles", "tp_fuse_min_k", "tp_lend_share", "moe_comm_sms", "ring_comm_sms",
-                     "gemm_decode_max_m"):
+                     "gemm_decode_max_m", "tp_latency_max_rows"):
             v = getattr(self, name)
-            zero_ok = name.startswith("tp_fuse") or name == "gemm_decode_max_m"
+            zero_ok = name.startswith("tp_fuse") or name in ("gemm_decode_max_m", "tp_latency_max_rows")
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if zero_ok else 1):
                 raise ArgumentError(f"{name} must be a {'non-negative' if zero_ok else 'positive'} integer; got {v!r}")
         for name in ("tp_join_reduce", "moe_join_gemm"):

@@ -53,6 +53,8 @@ def gemm_reduce(op, spec, kernel, allreduce, a, b, *, comm, out, stream, b_layou
         _gemm.gemm(c.a, c.b, out=c.out, stream=stream, b_layout="kn" if c.layout == tp.B_KN else "nk")
     elif c.path == "fallback":
         _fallback(allreduce, comm, c, stream)
+    elif c.path == "latency":
+        _latency(comm, c, stream)
     else:
         _launch(op, spec, kernel, allreduce, comm, _plan(op, allreduce, comm, c), c, stream)
     return c.out
@@ -99,6 +101,22 @@ def _fallback(allreduce, comm, c, stream):
                                     nccl.NCCL_SUM, tp.stream_ptr(stream))
         if dst is not out:
             out[...] = dst
+
+
+def _latency(comm, c, stream):
+    """gemm_allreduce at few rows: this rank's partial by the GEMM engine (its decode path), then the
+    one-shot all-reduce into out (through a contiguous copy where out's rows are strided)."""
+    from mkernel.ops.allreduce import allreduce
+
+    cupy = tp.cupy_mod()
+    with tp.on_stream(stream):
+        partial = cupy.empty((c.M, c.N), dtype=c.a.dtype)
+    _gemm.gemm(c.a, c.b, out=partial, stream=stream, b_layout="kn" if c.layout == tp.B_KN else "nk")
+    dst = c.out if c.out.flags.c_contiguous else None
+    dst = allreduce(partial, comm=comm, out=dst, stream=stream)
+    if dst is not c.out:
+        with tp.on_stream(stream):
+            c.out[...] = dst
 
 
 def _plan(op, allreduce, comm, c):

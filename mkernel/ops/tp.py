@@ -9,6 +9,9 @@ Paths (one per call, a function of the shapes and the topology, agreed by every 
 - ``"fallback"``: ``cupy.matmul`` then the NCCL collective (ranks on distinct GPUs, shapes too small
   for fusion to win). Needs NCCL, so it is never chosen when ranks share a GPU.
 - ``"gemm"``: world 1: the GEMM engine (``mkernel.gemm``), nothing to communicate.
+- ``"latency"`` (gemm_allreduce inside a node): the GEMM (the decode path at few rows), then the
+  one-shot all-reduce (mkernel.allreduce): one round of pushes for small outputs. Chosen by
+  ``config.tp_latency_max_rows`` (0, the default, until measured) or when asked for.
 - ``"unfused"`` (only when asked for: the baseline that isolates overlap, between nodes above all):
   ``cupy.matmul``, then the fused kernel's own collective with no GEMM in it (RS / AR: its CTAs
   move the finished partial's tiles where the epilogue would store them; AG: the gather, then the
@@ -60,7 +63,7 @@ def plan_between_nodes(comm, plan, args, items, kinds=1):
     args.xgroup = plan["xgroup"]
     args.xgroups = -(-items // plan["xgroup"])
 SMEM_BYTES = 230736  # TP_SMEM_BYTES (static_assert in every .cu)
-PATHS = ("fused", "fallback", "gemm", "unfused")
+PATHS = ("fused", "fallback", "gemm", "unfused", "latency")
 CTL_OFF, CTL_ADAPT, CTL_PATTERN = 0, 1, 2  # TP_CTL_*
 B_NK, B_KN = 0, 1
 # The knobs (fusion crossovers, controller mode, join, default comm CTAs) are mkernel.config's.
@@ -203,10 +206,15 @@ def choose_path(op, comm, path, *, rows, N, K):
     W = comm.size
     if path == "gemm" and W != 1:
         raise ArgumentError(f"{op}: path='gemm' is the world-1 path; this communicator has {W} ranks")
+    latency_ok = lambda: op == "gemm_allreduce" and W > 1 and comm.num_nodes == 1  # noqa: E731
+    if path == "latency" and not latency_ok():
+        raise ArgumentError(f"{op}: path='latency' is gemm_allreduce's, inside one node of 2 or more ranks")
     if path is not None:
         return path, "requested"
     if W == 1:
         return "gemm", "world 1: a plain GEMM"
+    if rows <= config.get().tp_latency_max_rows and latency_ok():
+        return "latency", f"{rows} rows: at most tp_latency_max_rows"
     if not gpus_distinct(comm):
         return "fused", "ranks share a GPU (NCCL cannot run)"
     tiles = -(-rows // BM) * -(-N // BN)

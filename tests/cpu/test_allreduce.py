@@ -25,3 +25,23 @@ def test_kernels_compile_without_spills_and_move_16_bytes():
 
 def test_exported():
     assert mkernel.allreduce is ar.allreduce and "allreduce" in mkernel.__all__
+
+
+def test_gemm_allreduce_takes_the_latency_path_by_knob_or_request():
+    import pytest
+
+    from mkernel import config
+    from mkernel.ops import tp
+
+    class Comm:
+        size, num_nodes, gpus_shared = 2, 1, True
+
+    assert tp.choose_path("gemm_allreduce", Comm, None, rows=16, N=4096, K=4096)[0] == "fused"  # knob 0: off
+    with config.override(tp_latency_max_rows=64):
+        assert tp.choose_path("gemm_allreduce", Comm, None, rows=64, N=4096, K=4096)[0] == "latency"
+        assert tp.choose_path("gemm_allreduce", Comm, None, rows=65, N=4096, K=4096)[0] == "fused"
+        assert tp.choose_path("gemm_reduce_scatter", Comm, None, rows=16, N=4096, K=4096)[0] == "fused"
+    assert tp.choose_path("gemm_allreduce", Comm, "latency", rows=4096, N=64, K=64)[0] == "latency"
+    Comm.num_nodes = 2
+    with pytest.raises(mkernel.ArgumentError, match="inside one node"):
+        tp.choose_path("gemm_allreduce", Comm, "latency", rows=16, N=64, K=64)

@@ -82,3 +82,29 @@ def test_bad_arguments_raise_before_launch(comm, bad):
         kwargs["out"] = cupy.zeros(32, dtype=DTYPES["bf16"])
     with pytest.raises(mkernel.ArgumentError):
         mkernel.allreduce(x, comm=comm, **kwargs)
+
+
+@pytest.mark.parametrize("M", [1, 5, 64])
+def test_gemm_allreduce_latency_path(comm, M):
+    """gemm_allreduce(path='latency'): this rank's partial by the decode GEMM, then the one-shot
+    all-reduce; against the float64 sum, the same bits on every rank (a strided out included)."""
+    import cupy
+
+    W = comm.size
+    if W == 1:
+        pytest.skip("the latency path sums over 2 or more ranks")
+    N, K, dt = 1032, 264, DTYPES["bf16"]
+    a = [_x(40 + M, r, (M, K), dt, False) for r in range(W)]
+    w = [_x(50 + M, r, (N, K), dt, False) / np.sqrt(K) for r in range(W)]
+    w = [x.astype(dt).astype(np.float64) for x in w]
+    want = sum(a[r] @ w[r].T for r in range(W))
+    wide = poisoned((M, N + 8), "bf16")
+    out = mkernel.gemm_allreduce(dev(a[comm.rank].astype(dt)), dev(w[comm.rank].astype(dt)).T, comm=comm,
+                                 path="latency", out=wide[:, :N])
+    cupy.cuda.get_current_stream().synchronize()
+    comm.check()
+    got = host(out).astype(np.float64)
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    digest = hashlib.sha256(bits(cupy.ascontiguousarray(out)).tobytes()).hexdigest()
+    same = len(set(allgather_object(comm.mpi, digest, "comparing bits", 60))) == 1
+    assert all_ranks(comm.mpi, np.isfinite(got).all() and err < 1e-2 and same), (err, same)
