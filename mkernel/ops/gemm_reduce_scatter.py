@@ -66,7 +66,8 @@ def _check(op, allreduce, comm, a, b, out, stream, b_layout, comm_sms, determini
     a, layout, b_arr, N = tp.check_inputs(op, a, b, b_layout, stream)
     M, K = a.shape
     W = comm.size
-    if M % W:
+    chosen, reason = tp.choose_path(op, comm, path, rows=M, N=N, K=K)
+    if M % W and chosen != "latency":
         raise ArgumentError(f"{op}: M = {M} rows must split evenly over {W} ranks (uneven M is not supported: "
                             f"pad A to a multiple of {W} rows)")
     if not isinstance(deterministic, bool):
@@ -76,7 +77,6 @@ def _check(op, allreduce, comm, a, b, out, stream, b_layout, comm_sms, determini
         raise ArgumentError(f"{op}: join must be None, True or False")
     comm_sms = tp.check_comm_sms(op, comm_sms)
     out = tp.prepare_out(op, out, (M, N) if allreduce else (M // W, N), a.dtype, comm)
-    chosen, reason = tp.choose_path(op, comm, path, rows=M, N=N, K=K)
     tp.agree_call(op, comm, (op, M, N, K, a.dtype.name, layout, join, chosen), reason)  # comm_sms may differ
     return tp.Call(a=a, b=b_arr, layout=layout, M=M, N=N, K=K, mb=M // W, out=out, path=chosen, comm_sms=comm_sms,
                    join=join)
