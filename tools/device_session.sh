@@ -2,7 +2,7 @@
 # One device call that does everything a session needs on the GPU machine (build, suite, sanitizer,
 # benchmarks), logs under $OUT, then a summary last. Usage on the device:
 #   source .whl/prepare.sh || exit 1; bash tools/device_session.sh [steps...]
-# Steps (default: info suite main sanitizer gemm transport); finer ones: runtime runtime2 queue queue2
+# Steps (default: info suite main sanitizer gemm transport); finer ones: decode tpdecode ringmps runtime runtime2 queue queue2
 # mpi2 gemmtest tp attention ring ringbench tpbench tpnodes moebench controller controllernodes (the last six want 2 GPUs)
 # controller1: bench/controller.py at world 1 (the comm is a local tile copy; the mechanism, not the rows).
 # branchsuite / branchtpbench: the GPU suite / bench/tp.py of a branch checked out at scratch/branch
@@ -33,7 +33,7 @@ step() {  # step NAME TIMEOUT CMD...
 # Two ranks on one GPU run under MPS (50% of the SMs each: at once, not time-sliced) unless
 # MKERNEL_SESSION_MPS=0; tests/run_gpu.sh manages MPS for the suite itself.
 source tools/mps.sh
-MPI2="mpirun -n 2 --oversubscribe -x MKERNEL_CACHE_DIR -x NCCL_NVLS_ENABLE -x PYTHONPATH"
+MPI2="mpirun -n 2 --oversubscribe --bind-to none -x MKERNEL_CACHE_DIR -x NCCL_NVLS_ENABLE -x PYTHONPATH"
 if [ "${MKERNEL_SESSION_MPS:-1}" = 1 ] && mps_start; then
   MPI2="env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 $MPI2 -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 fi
@@ -54,6 +54,9 @@ for s in $steps; do
     main) step main 60 $MPI2 python3 -m mkernel --quick ;;
     sanitizer) step sanitizer 180 bash tools/sanitize.sh ;;
     gemm) step gemm 120 python3 bench/gemm.py ;;
+    decode) step decode 120 python3 bench/gemm.py --decode ;;
+    tpdecode) step tpdecode 200 $MPI2 python3 bench/tp_decode.py ;;
+    ringmps) step ringmps 300 $MPI2 python3 bench/ring_attention.py --quick --kv-heads 8 ;;
     attention) step attention 150 python3 bench/attention.py ;;
     ring) step ring 240 $MPI2 $PYT -m "gpu and mpi" tests/gpu/test_ring_attention_gpu.py tests/gpu/test_ring_attention_errors_gpu.py tests/gpu/test_ring_attention_worlds_gpu.py ;;
     ringbench) step ringbench 240 $MPI2 python3 bench/ring_attention.py ;;
