@@ -74,6 +74,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import numpy as np  # noqa: E402
 
+from mkernel.runtime.gpu import mps_client  # noqa: E402
 from mkernel.testing import sync_or_exit  # noqa: E402
 
 import harness  # noqa: E402
@@ -428,7 +429,10 @@ def stage(comm, name, fn, errors, fatal):
 
 
 # ----------------------------------------------------------------------------------- one shape
-def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, errors, fatal, nodes=1):
+def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, errors, fatal, nodes=1, mps=None):
+    """Rows of one shape. ``mps`` (ranks sharing a GPU under MPS, one node: a DeviceBarrier) times by
+    bench/mps_timing.py's rule, the baseline the unfused blocks, compute_ms the grouped GEMM alone
+    with every rank at once."""
     import cupy
 
     import mkernel
@@ -527,12 +531,20 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
         # the timed variants, interleaved; each combine right after its own dispatch
         fns = ({"mk_dg": mk_dg, "mk_gc": mk_gc, "uf_dg": uf_dg, "uf_gc": uf_gc} if nodes == 1 else
                {"mk_dg": mk_dg, "uf_dg": uf_dg})  # between nodes moe_gemm_combine is the unfused blocks
+        if mps is not None:  # the GEMMs alone (the routing of the last unfused dispatch), every rank at once
+            fns.update(gemm_dg=lambda: mkernel.grouped_gemm(B["recv_uf"], w1, st["h"].group_rows, out=B["y_uf"]),
+                       gemm_gc=lambda: mkernel.grouped_gemm(B["y_uf"], w2, st["h"].group_rows, out=B["z_uf"]))
         if have_baseline and base is not None:
             fns.update(bg_dg=lambda: base.dispatch_gemm("gather"), bg_gc=lambda: base.gemm_combine("gather"),
                        bs_dg=lambda: base.dispatch_gemm("segments"), bs_gc=lambda: base.gemm_combine("segments"))
 
         def timing():
-            t = timed_interleaved(comm, fns, reps)
+            if mps is not None:  # per variant: batches of back-to-back calls behind a device barrier
+                import mps_timing as cc
+
+                t = {n: [cc.batch_ms(comm, mps, f, n=10, batches=1) for _ in range(5)] for n, f in fns.items()}
+            else:
+                t = timed_interleaved(comm, fns, reps)
             comm.check()
             return t
 
@@ -570,7 +582,15 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
                             rows_imbalance=max(recv_rows) / max(1e-9, sum(recv_rows) / W),
                             bytes_off_rank_per_gpu=[max(s, rv) * H * dt.itemsize for _, s, rv in traffic],
                             world=W, dtype=dt.name, samples=len(mk), name=f"{sname} {rt}")
-            if nodes > 1:  # the issue's baseline between nodes: the unfused blocks over the same transport
+            if mps is not None:  # ranks sharing a GPU under MPS: NCCL cannot run; the bound from this run's rates
+                import mps_timing as cc
+
+                compute = harness.median(ts[f"gemm_{sfx}"])
+                bnd = max(compute, l_ms)
+                r.update(baseline_ms=t_uf, speedup=r["vs_unfused"], baseline_mode="unfused blocks", compute_ms=compute,
+                         link_ms=l_ms, bound_ms=bnd, fraction_of_bound=bnd / t_mk, mps=True, path="fused",
+                         sms_per_rank=cc.sms_per_rank())
+            elif nodes > 1:  # the issue's baseline between nodes: the unfused blocks over the same transport
                 r.update(baseline_ms=t_uf, speedup=r["vs_unfused"], baseline_mode="unfused blocks")
             elif t_b is None:
                 r["speedup"] = r["baseline_ms"] = None
@@ -709,6 +729,13 @@ def main():
         if errs:
             baseline_note = f"NCCL is not usable ({errs[0]}); baseline skipped"
     have_baseline = baseline_note is None
+    mps, link_gbs = None, args.link_gbs
+    if shared and nodes == 1 and mps_client():  # issue 25's rule; the bound's link is this GPU's copy rate
+        import mps_timing as cc
+
+        mps = cc.DeviceBarrier(comm)
+        link_gbs = cc.device_link_gbs(comm, mps)
+        baseline_note = "ranks sharing a GPU under MPS: the baseline is the unfused blocks (NCCL cannot run)"
     if me == 0:
         nsm = cupy.cuda.Device().attributes["MultiProcessorCount"]
         print(f"# {W} ranks, {physical} GPU(s) ({harness.device_name()}, {nsm} SMs), {dt.name}, median of {reps}, "
@@ -722,8 +749,8 @@ def main():
     rows, errors, stopped = [], {}, None
     for si, shape in enumerate(shapes):
         try:
-            rows += bench_shape(comm, si, shape, routings, dt, reps, have_baseline, args.link_gbs, errors, fatal,
-                                nodes)
+            rows += bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, errors, fatal,
+                                nodes, mps=mps)
         except Stop as e:
             stopped = str(e)
             if me == 0:
@@ -756,6 +783,12 @@ def main():
             print(f"\n== {op} ({W} ranks) -> {paths[-1]}")
             print(harness.table(op_rows, TABLE))
         verdicts = goal_verdicts(rows, W, shared, baseline_note, nodes)
+        if mps is not None and rows:  # issue 25 inside a node: fusion never costs time
+            sp = [r["speedup"] for r in rows]
+            geo = float(np.exp(np.mean(np.log(sp))))
+            verdicts.append(("speedup >= 0.98 over the unfused blocks on every row, geomean >= 1.0 (MPS)",
+                             f"{'met' if min(sp) >= 0.98 and geo >= 1.0 else 'NOT met'} (min {min(sp):.3f}, "
+                             f"geomean {geo:.3f})"))
         print()
         for label, v in verdicts:
             print(f"goal {label}: {v}")
