@@ -761,7 +761,8 @@ def main():
 
     if me == 0:
         n_rows = len(shapes) * len(routings)
-        common = dict(gpus=W, nodes=nodes, transport="nvlink" if nodes == 1 else f"nvlink+{args.transport}",
+        common = dict(gpus=physical, ranks_per_gpu=W // physical,
+                      nodes=nodes, transport="nvlink" if nodes == 1 else f"nvlink+{args.transport}",
                       out_dir=args.out, reps=reps, errors=errors,
                       stopped_after=stopped, physical_gpus=physical, shared_gpu=shared, baseline_note=baseline_note,
                       workspace_bytes=ws, link_gbs=args.link_gbs, peak_tflops=PEAK_TFLOPS,
