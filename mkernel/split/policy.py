@@ -35,7 +35,7 @@ from mkernel.runtime import compile as _compile
 log = get_logger("split")
 
 HEADER = "split_policy.cuh"
-# The device compile check (tests/test_compile.py compiles every registered spec with NVRTC).
+# The device compile check (tests/cpu/test_compile.py compiles every registered spec with NVRTC).
 SPEC = _compile.register("split_policy_test", "split_policy_test.cu", ("split_policy_test",), hot=False)
 
 PHASES = ("prior", "up", "down", "refine", "confirm", "hold")

@@ -9,7 +9,7 @@ call only launches and returns, and a dead peer cannot hang the host here.
 
 Each rank searches on its own times. The count need not agree across ranks: which CTA reduces or
 pushes a tile changes who does the work and when, not what crosses the wire (tiles, flags and bytes
-are fixed by tile ids; tests/test_tp_gpu.py runs ranks pinned to different counts). A rank's
+are fixed by tile ids; tests/gpu/test_tp_controller_gpu.py runs ranks pinned to different counts). A rank's
 kernel time includes its waits for the others, so every rank sees the op's pace.
 
 Each communicator has its own search memory (:func:`memory`): the two groups a rank belongs to

@@ -1,6 +1,6 @@
 #pragma once
 // The argument struct of the attention kernels, shared with Python (mkernel/engines/attention.py mirrors it
-// with ctypes; tests/test_attention_cpu.py compiles this header with the host g++ and compares the
+// with ctypes; tests/cpu/test_attention.py compiles this header with the host g++ and compares the
 // layouts). Plain fixed-width fields only, so that a host C++ compiler reads it too.
 #include "sync_args.cuh"
 #include "gemm_args.cuh"  // TmaDesc, MkGemmSched (the tile counters and role words are shared)

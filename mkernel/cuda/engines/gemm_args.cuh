@@ -1,6 +1,6 @@
 #pragma once
 // The argument struct of the GEMM kernels, shared with Python (mkernel/engines/gemm.py mirrors it with
-// ctypes; tests/test_gemm.py compiles this header with the host g++ and compares the layouts).
+// ctypes; tests/cpu/test_gemm.py compiles this header with the host g++ and compares the layouts).
 // Plain fixed-width fields only, so that a host C++ compiler reads it too.
 #include "sync_args.cuh"
 

@@ -70,7 +70,7 @@ template <int OUT>
 MK_DEV float load_out(const void* out, u64 i) {
   if (OUT == MK_OUT_F32) return reinterpret_cast<const float*>(out)[i];
   const u16 h = reinterpret_cast<const u16*>(out)[i];
-  return half_to_float<OUT == MK_OUT_BF16 ? MK_DT_BF16 : MK_DT_F16>(h);
+  return half_to_float < OUT == MK_OUT_BF16 ? MK_DT_BF16 : MK_DT_F16 > (h);
 }
 
 template <int OUT>
@@ -89,7 +89,8 @@ MK_DEV void store_out(void* out, u64 i, float v) {
 }
 
 template <int DT, int OUT, int MT>
-__global__ void __launch_bounds__(MK_DECODE_THREADS, 2) mk_gemm_decode_kernel(const __grid_constant__ MkDecodeArgs args) {
+__global__ void __launch_bounds__(MK_DECODE_THREADS, 2)
+    mk_gemm_decode_kernel(const __grid_constant__ MkDecodeArgs args) {
   using Cfg = DecodeCfg<MT>;
   const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const u32 g = lane >> 2, t = lane & 3;
@@ -115,9 +116,8 @@ __global__ void __launch_bounds__(MK_DECODE_THREADS, 2) mk_gemm_decode_kernel(co
 #pragma unroll
       for (int j = 0; j < Cfg::BLOCKS; ++j) {
         const i64 tok = j * 8 + g;
-        av[u][j] = in && tok < args.m
-                       ? ld_shared_v4(reinterpret_cast<const u8*>(args.a) + (tok * args.lda + k) * 2)
-                       : zero;
+        av[u][j] =
+            in && tok < args.m ? ld_shared_v4(reinterpret_cast<const u8*>(args.a) + (tok * args.lda + k) * 2) : zero;
       }
     }
 #pragma unroll

@@ -1,6 +1,6 @@
 #pragma once
 // The argument struct of the expert-parallel kernels (MoE dispatch and combine, mkernel/cuda/ops/moe.cu),
-// shared with Python (mkernel/ops/moe.py mirrors it with ctypes; tests/test_moe.py compares the layouts
+// shared with Python (mkernel/ops/moe.py mirrors it with ctypes; tests/cpu/test_moe.py compares the layouts
 // with g++). Plain fixed-width fields only.
 #include "sync_args.cuh"
 

@@ -1,6 +1,6 @@
 #pragma once
 // The argument struct of the MoE kernels between nodes (mkernel/cuda/ops/moe_nodes.cu), shared with
-// Python (mkernel/ops/moe_nodes.py mirrors it; tests/test_moe.py compares the layouts with g++).
+// Python (mkernel/ops/moe_nodes.py mirrors it; tests/cpu/test_moe.py compares the layouts with g++).
 // Ranks are node-major: rank = node * local + lrank; between nodes only ranks of the same lrank talk.
 #include "sync_args.cuh"
 #include "queue_layout.cuh"

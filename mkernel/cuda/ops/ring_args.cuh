@@ -1,6 +1,6 @@
 #pragma once
 // The argument struct of the ring attention kernel, shared with Python (mkernel/ops/ring_attention.py
-// mirrors it with ctypes; tests/test_ring_attention.py compares the layouts with g++).
+// mirrors it with ctypes; tests/cpu/test_ring_attention.py compares the layouts with g++).
 #include "attn_args.cuh"
 #include "queue_layout.cuh"
 

@@ -1,6 +1,6 @@
 #pragma once
 // The argument struct of the fused tensor-parallel kernels (GEMM+ReduceScatter, GEMM+AllReduce,
-// AllGather+GEMM), shared with Python (mkernel/ops/tp.py mirrors it with ctypes; tests/test_tp_compile.py
+// AllGather+GEMM), shared with Python (mkernel/ops/tp.py mirrors it with ctypes; tests/cpu/test_tp_compile.py
 // compares the two layouts with g++). Plain fixed-width fields only.
 #include "gemm_args.cuh"
 #include "queue_layout.cuh"

@@ -1,4 +1,4 @@
-// Compile check of split_policy.cuh as device code (tests/test_split_policy.py, tests/test_compile.py):
+// Compile check of split_policy.cuh as device code (tests/cpu/test_split_policy.py, tests/cpu/test_compile.py):
 // one thread runs the prior, a controller step and a search observation, so that NVRTC instantiates
 // every function the fused kernels' controller warp will call. Not launched by any op.
 #include "common.cuh"
