@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-OPS = ("rs", "ar", "ag", "ring", "moe_dispatch_gemm", "moe_gemm_combine")
+OPS = ("rs", "ar", "ag", "ring", "moe_dispatch_gemm", "moe_gemm_combine", "allreduce")
 NAMES = {"rs": "gemm_reduce_scatter", "ar": "gemm_allreduce", "ag": "allgather_gemm", "ring": "ring_attention",
-         "moe_dispatch_gemm": "moe_dispatch_gemm", "moe_gemm_combine": "moe_gemm_combine"}
+         "moe_dispatch_gemm": "moe_dispatch_gemm", "moe_gemm_combine": "moe_gemm_combine", "allreduce": "allreduce"}
 
 
 # ------------------------------------------------------------------------------- the ranks
@@ -55,6 +55,9 @@ def _op_call(op, comm, big):
     if op == "ring":
         q, k, v = h(1024, 8, 128), h(1024, 8, 128), h(1024, 8, 128)
         return lambda: mkernel.ring_attention(q, k, v, comm=comm)
+    if op == "allreduce":
+        x = h(64, 8192)
+        return lambda: mkernel.allreduce(x, comm=comm)
     T, H, F, E, k = 256, 1024, 512, 8, 2
     x = h(T, H)
     ids = cupy.asarray(np.argsort(np.random.default_rng(comm.rank).random((T, E)), axis=1)[:, :k].astype(np.int32))

@@ -5,7 +5,7 @@
 # runs (tools/mps.sh; pass CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), time-sliced otherwise.
 set -u
 rc=0
-MPI2="mpirun -n 2 --oversubscribe -x MKERNEL_CACHE_DIR -x NCCL_NVLS_ENABLE -x MKERNEL_TIMEOUT_S"
+MPI2="mpirun -n 2 --oversubscribe --bind-to none -x MKERNEL_CACHE_DIR -x NCCL_NVLS_ENABLE -x MKERNEL_TIMEOUT_S"
 MPI2+=" ${CUDA_MPS_ACTIVE_THREAD_PERCENTAGE:+-x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE -x CUDA_MPS_PIPE_DIRECTORY}"
 export MKERNEL_TIMEOUT_S=${MKERNEL_TIMEOUT_S:-120}  # kernels run many times slower under the tools
 for tool in memcheck racecheck; do
@@ -14,6 +14,9 @@ for tool in memcheck racecheck; do
   echo "== $tool: TP ops, 2 ranks =="
   $MPI2 compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
     python3 -c "from mkernel.diagnostics import sanitize; sanitize.target_tp_world(); print('tp: ok')" || rc=$?
+  echo "== $tool: allreduce, 2 ranks =="
+  $MPI2 compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
+    python3 -c "from mkernel.diagnostics import sanitize; sanitize.target_allreduce(); print('allreduce: ok')" || rc=$?
   echo "== $tool: ring_attention, 2 ranks =="
   $MPI2 compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
     python3 -c "from mkernel.diagnostics import sanitize; sanitize.target_ring_attention(); print('ring_attention: ok')" || rc=$?

@@ -34,6 +34,47 @@ def target_gemm():
                                      "elements wrong")
 
 
+def target_gemm_decode():
+    """The decode path (few rows, weights as [N, K]) with one K range and with several, integer
+    inputs (exact); raises on a wrong result."""
+    import numpy as np
+
+    cupy = cupy_mod()
+    rng = np.random.default_rng(3)
+    for M, N, K in ((3, 264, 136), (17, 136, 4104)):  # K 4104 over 2 row blocks: several ranges
+        a = rng.integers(-1, 2, size=(M, K)).astype(np.float16)
+        w = rng.integers(-1, 2, size=(N, K)).astype(np.float16)
+        want = (a.astype(np.float64) @ w.astype(np.float64).T).astype(np.float16)
+        out = cupy.full((M, N), np.nan, dtype=np.float16)
+        mkernel.gemm(cupy.asarray(a), cupy.asarray(w).T, out=out)
+        got = out.get()
+        if not np.array_equal(got, want):
+            raise AssertionError(f"gemm decode {M}x{N}x{K}: {int((got != want).sum())} of {got.size} elements wrong")
+
+
+def target_allreduce(world=None):
+    """The one-shot all-reduce on ``world`` (default MPI.COMM_WORLD: run it with 2 ranks), integer
+    inputs (exact), twice; raises on a wrong result."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from mkernel.comm.communicator import init
+
+    cupy = cupy_mod()
+    comm = init(world or MPI.COMM_WORLD, workspace_bytes=16 << 20)
+    try:
+        x_of = lambda r: np.random.default_rng(r).integers(-3, 4, size=8200).astype(np.float16)  # noqa: E731
+        want = sum(x_of(r).astype(np.float64) for r in range(comm.size))
+        for _ in range(2):
+            out = cupy.full(8200, np.nan, dtype=np.float16)
+            mkernel.allreduce(cupy.asarray(x_of(comm.rank)), comm=comm, out=out)
+            cupy.cuda.runtime.deviceSynchronize()
+            comm.check()
+            tp.check_result(out, want, "allreduce", 0.0)
+    finally:
+        comm.close()
+
+
 def target_attention():
     """The engine once per head dim at small ragged shapes (two key blocks, a partial query tile),
     causal and not, against a float64 reference; raises on a wrong result. tools/sanitize.sh runs
@@ -266,5 +307,5 @@ def _tp_reduce(op_fn, world):
 
 # world 1 (tools/sanitize_targets.py runs these); ring attention and MoE between nodes need 2 ranks
 # (tools/sanitize.sh runs them under mpiexec -n 2)
-WORLD1 = (target_gemm, target_attention, target_gemm_reduce_scatter, target_gemm_allreduce, target_allgather_gemm,
-          target_moe, target_moe_gemm)
+WORLD1 = (target_gemm, target_gemm_decode, target_attention, target_gemm_reduce_scatter, target_gemm_allreduce,
+          target_allgather_gemm, target_moe, target_moe_gemm)
