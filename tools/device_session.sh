@@ -2,7 +2,7 @@
 # One device call that does everything a session needs on the GPU machine (build, suite, sanitizer,
 # benchmarks), logs under $OUT, then a summary last. Usage on the device:
 #   source .whl/prepare.sh || exit 1; bash tools/device_session.sh [steps...]
-# Steps (default: info suite main sanitizer gemm transport); finer ones: decode tpdecode ringmps runtime runtime2 queue queue2
+# Steps (default: info suite main sanitizer gemm transport); finer ones: decode tpdecode ringmps nodesdiag runtime runtime2 queue queue2
 # mpi2 gemmtest tp attention ring ringbench tpbench tpnodes moebench controller controllernodes (the last six want 2 GPUs)
 # controller1: bench/controller.py at world 1 (the comm is a local tile copy; the mechanism, not the issue's rows).
 # branchsuite / branchtpbench: the GPU suite / bench/tp.py of a branch checked out at scratch/branch
@@ -57,6 +57,9 @@ for s in $steps; do
     decode) step decode 120 python3 bench/gemm.py --decode ;;
     tpdecode) step tpdecode 200 $MPI2 python3 bench/tp_decode.py ;;
     ringmps) step ringmps 300 $MPI2 python3 bench/ring_attention.py --quick --kv-heads 8 ;;
+    nodesdiag) step nodesdiag 200 bash -c 'for s in grown first pregrow; do CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=33 \
+      mpirun -n 3 --oversubscribe --bind-to none -x MKERNEL_CACHE_DIR -x MKERNEL_TIMEOUT_S -x CUDA_MPS_PIPE_DIRECTORY \
+      -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE python3 tools/nodes_diag.py --seq $s; done' ;;
     attention) step attention 150 python3 bench/attention.py ;;
     ring) step ring 240 $MPI2 $PYT -m "gpu and mpi" tests/gpu/test_ring_attention_gpu.py tests/gpu/test_ring_attention_errors_gpu.py tests/gpu/test_ring_attention_worlds_gpu.py ;;
     ringbench) step ringbench 240 $MPI2 python3 bench/ring_attention.py ;;
