@@ -58,6 +58,7 @@ def decode_calls(monkeypatch):
     """Counts the launches that took the decode path."""
     calls = []
     real = engine._launch_decode
+    monkeypatch.setattr(engine, "_plans", engine.PlanCache())  # no launch plan of an earlier test is reused
 
     def spy(*args, **kwargs):
         calls.append(kwargs.get("M"))
