@@ -17,7 +17,7 @@ export NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIR
 export MKERNEL_CACHE_DIR=${MKERNEL_CACHE_DIR:-$HOME/.cache/mkernel} PYTHONPATH=${PYTHONPATH:-}
 # Each pass has a wall-clock limit: a rank left inside a collective its peer never reaches (a test
 # bug) would otherwise hold the machine until the caller's own limit.
-LIMIT=${MKERNEL_SUITE_PASS_TIMEOUT_S:-300}
+LIMIT=${MKERNEL_SUITE_PASS_TIMEOUT_S:-360}
 source tools/mps.sh
 ngpus=$("$PY" -c "import cupy; print(cupy.cuda.runtime.getDeviceCount())" 2>/dev/null || echo 1)
 use_mps=0
