@@ -106,7 +106,8 @@ def moe_dispatch_gemm(x, topk_ids, topk_weights, w, *, comm, num_experts, capaci
 
     args = MkMoeGemmArgs()
     args.m = d.plan_args()
-    _gemm_args(args.g, d.plan["recv"], wb, layout, out, d.plan["group_rows"], d.capacity, d.H, F, El, args.m.sync)
+    _gemm_args(args.g, d.plan["recv"], wb, layout, out, d.plan["group_rows"], d.capacity, d.H, F, El, args.m.sync,
+               d.plan, op)
     sms = _tp.sm_count()
     args.gemm_ctas = sms - comm_sms
     args.join = 1 if config.get().moe_join_gemm else 0
@@ -125,13 +126,16 @@ def _check_path(op, path, comm_sms, default):
     return path, comm_sms
 
 
-def _gemm_args(g, a_arr, wb, layout, out, group_rows, capacity, K, N, El, sync):
+def _gemm_args(g, a_arr, wb, layout, out, group_rows, capacity, K, N, El, sync, plan, op):
     """The engine's arguments of a fused op's grouped GEMM: A [capacity, K] (a_arr), B the experts'
-    weights, C out [capacity, N], one group per local expert."""
+    weights, C out [capacity, N], one group per local expert. The TMA maps are the plan's, encoded
+    again only when an operand's pointer or strides changed (tp.operand_map)."""
     esize = out.itemsize
-    g.a = _tp.a_map(out.dtype, a_arr.data.ptr, capacity, K, a_arr.strides[0] if capacity > 1 else K * esize)
-    g.b = _gemm.b_map(wb, layout, K, N, El)
-    g.c = _gemm.c_map(out, _gemm.DT[out.dtype.name])
+    maps = _tp.launch_template(plan, ("gemm maps", op, K, N, El, layout, out.dtype.name), lambda: None)
+    g.a = _tp.operand_map(maps, "a", (a_arr.data.ptr, a_arr.strides), lambda: _tp.a_map(
+        out.dtype, a_arr.data.ptr, capacity, K, a_arr.strides[0] if capacity > 1 else K * esize))
+    g.b = _tp.operand_map(maps, "b", (wb.data.ptr, wb.strides), lambda: _gemm.b_map(wb, layout, K, N, El))
+    g.c = _tp.operand_map(maps, "c", (out.data.ptr, out.strides), lambda: _gemm.c_map(out, _gemm.DT[out.dtype.name]))
     g.sync = sync
     g.sched.tiles_n, g.sched.group_m = -(-N // _gemm.BN), _gemm.DEFAULT_GROUP_M
     g.c_ptr, g.group_rows = out.data.ptr, group_rows.data.ptr
@@ -214,7 +218,7 @@ def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=No
     args.m.topk_w = handle.topk_weights.data.ptr
     args.m.out = out.data.ptr
     args.m.ldo = (out.strides[0] if handle.T > 1 else H * out.itemsize) // out.itemsize
-    _gemm_args(args.g, y2, wb, layout, z, handle.group_rows, cap, y2.shape[1], H, El, args.m.sync)
+    _gemm_args(args.g, y2, wb, layout, z, handle.group_rows, cap, y2.shape[1], H, El, args.m.sync, plan, op)
     args.g.tile_flags = tile_flags.data.ptr
     counters = plan["counters"].data.ptr
     args.g.sched.tile_counter, args.g.sched.done_count = counters + 4 * CNT_TILE, counters + 4 * CNT_GEMM_DONE
