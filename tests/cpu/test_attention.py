@@ -15,18 +15,11 @@ from tests.helpers.arrays import BF16
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# The module, not the function: mkernel re-exports attention() under the same name. Imported
-# tolerantly so that the tests that do not need it (the wgmma header) still run while it is missing.
-try:
-    ma = importlib.import_module("mkernel.engines.attention")
-    _IMPORT_ERROR = None
-except ImportError as _e:  # pragma: no cover - only while the module is being written
-    ma, _IMPORT_ERROR = None, _e
+# The module, not the function: mkernel re-exports attention() under the same name.
+ma = importlib.import_module("mkernel.engines.attention")
 
 
 def _module():
-    if ma is None:
-        pytest.fail(f"mkernel.attention does not import (not written yet?): {_IMPORT_ERROR!r}")
     return ma
 
 

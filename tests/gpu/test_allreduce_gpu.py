@@ -19,12 +19,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 SHAPES = [(8,), (1000,), (8192,), (8200,), (3, 8192 + 64), (64, 8192)]
 
 
-@pytest.fixture(scope="module")
-def comm():
-    c = mkernel.init()
-    yield c
-    c.close()
-
 
 def _x(seed, rank, shape, dt, integer):
     rng = np.random.default_rng([seed, rank])

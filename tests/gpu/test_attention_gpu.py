@@ -44,18 +44,11 @@ from tests.helpers.arrays import poison as _poison
 from tests.helpers.arrays import poisoned as _poisoned
 from tests.helpers.arrays import random_qkv as _random_qkv
 
-# The module, not the function: mkernel re-exports attention() under the same name. Imported
-# tolerantly so that the tests that do not need it (the wgmma header) still run while it is missing.
-try:
-    ma = importlib.import_module("mkernel.engines.attention")
-    _IMPORT_ERROR = None
-except ImportError as _e:  # pragma: no cover - only while the module is being written
-    ma, _IMPORT_ERROR = None, _e
+# The module, not the function: mkernel re-exports attention() under the same name.
+ma = importlib.import_module("mkernel.engines.attention")
 
 
 def _module():
-    if ma is None:
-        pytest.fail(f"mkernel.attention does not import (not written yet?): {_IMPORT_ERROR!r}")
     return ma
 
 

@@ -19,12 +19,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 WORDS = 4096
 
 
-@pytest.fixture(scope="module")
-def comm():
-    c = mkernel.init()
-    yield c
-    c.close()
-
 
 @pytest.fixture(scope="module")
 def proto(comm):

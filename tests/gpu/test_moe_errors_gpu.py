@@ -18,7 +18,6 @@ from tests.helpers.arrays import poisoned as _poisoned
 from tests.helpers.moe_cases import (
     ERR_WORKSPACE,
     HANG_S,
-    WORKSPACE,
     _inputs,
     _nan_bits,
     _problem,
@@ -28,13 +27,6 @@ from tests.helpers.moe_cases import (
     _sync,
     mmoe,
 )
-
-
-@pytest.fixture(scope="module")
-def comm():
-    c = collective_cases.with_driver(mkernel.init(workspace_bytes=WORKSPACE))
-    yield c
-    collective_cases.close(c)
 
 
 # ============================================================================== argument errors

@@ -38,12 +38,8 @@ mmg = importlib.import_module("mkernel.ops.moe_gemm")
 
 FS = (72, 264)  # output widths: part of one N-tile, two N-tiles
 
+WORKSPACE = tm.WORKSPACE  # the module communicator's (tests/gpu/conftest.py)
 
-@pytest.fixture(scope="module")
-def comm():
-    c = collective_cases.with_driver(mkernel.init(workspace_bytes=tm.WORKSPACE))
-    yield c
-    collective_cases.close(c)
 
 
 def _want_y(P, me, W1):

@@ -21,7 +21,6 @@ from tests.helpers.moe_cases import (
     DISPATCH_SLOW,
     REL_TOL,
     TOKEN_TOL,
-    WORKSPACE,
     _build,
     _case_name,
     _cases_for,
@@ -44,13 +43,6 @@ from tests.helpers.moe_cases import (
     _sync,
     mmoe,
 )
-
-
-@pytest.fixture(scope="module")
-def comm():
-    c = collective_cases.with_driver(mkernel.init(workspace_bytes=WORKSPACE))
-    yield c
-    collective_cases.close(c)
 
 
 # ======================================================================= dispatch / combine cases

@@ -26,12 +26,8 @@ from tests.helpers.tp_cases import _controller_problem
 FREE_SMS = 3
 HOLD_SMEM = 200 * 1024  # one holding block per SM
 
+WORKSPACE = tm.WORKSPACE  # the module communicator's (tests/gpu/conftest.py)
 
-@pytest.fixture(scope="module")
-def comm():
-    c = collective_cases.with_driver(mkernel.init(workspace_bytes=tm.WORKSPACE))
-    yield c
-    collective_cases.close(c)
 
 
 def _tp(comm, op):

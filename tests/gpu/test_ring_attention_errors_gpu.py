@@ -6,8 +6,6 @@ docstring)."""
 import numpy as np
 import pytest
 
-import mkernel
-
 from tests.helpers import collective_cases
 from tests.helpers.argument_errors import refused_before_launch
 from tests.helpers.arrays import BF16, DTYPES
@@ -23,13 +21,6 @@ from tests.helpers.ring_cases import (
     _shard,
     _sync,
 )
-
-
-@pytest.fixture(scope="module")
-def comm():
-    c = collective_cases.with_driver(mkernel.init())
-    yield c
-    collective_cases.close(c)
 
 
 # ============================================================================ argument errors

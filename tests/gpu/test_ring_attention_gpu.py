@@ -56,7 +56,6 @@ import zlib
 import numpy as np
 import pytest
 
-import mkernel
 from mkernel.ops.sequence import shard_sequence
 from mkernel.testing import sync_or_exit
 
@@ -78,13 +77,6 @@ from tests.helpers.ring_cases import (
     _shard,
     _sync,
 )
-
-
-@pytest.fixture(scope="module")
-def comm():
-    c = collective_cases.with_driver(mkernel.init())
-    yield c
-    collective_cases.close(c)
 
 
 # ============================================================================= the case matrix

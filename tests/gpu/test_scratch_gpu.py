@@ -16,7 +16,6 @@ must not write into the held rank's scratch before its first op read it (credits
 """
 
 import numpy as np
-import pytest
 
 import mkernel
 from mkernel.ops.sequence import shard_sequence
@@ -27,12 +26,6 @@ from tests.helpers.arrays import DTYPES, attention_reference, bits, dev, f32, ho
 SHAPES, CALLS = 60, 300
 OPS = ("rs", "ar", "ag", "ring", "moe")
 
-
-@pytest.fixture(scope="module")
-def comm():
-    c = collective_cases.with_driver(mkernel.init())
-    yield c
-    collective_cases.close(c)
 
 
 def _log_uniform(rng, lo, hi, multiple=1):

@@ -16,7 +16,6 @@ run). Every output starts poisoned with NaN and is checked exact per tile. Check
 import numpy as np
 import pytest
 
-import mkernel
 from mkernel import config
 from mkernel.ops.allgather_gemm import allgather_gemm
 from mkernel.ops.gemm_allreduce import gemm_allreduce
@@ -39,12 +38,6 @@ from tests.helpers.tp_cases import (
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]  # 1-rank pass, and the 2-rank pass (tests/run_gpu.sh)
 
-
-@pytest.fixture(scope="module")
-def comm():
-    c = mkernel.init()
-    yield c
-    c.close()
 
 
 # ------------------------------------------------------------------- split search and controller

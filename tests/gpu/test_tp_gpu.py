@@ -57,12 +57,6 @@ from tests.helpers.tp_cases import (
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]  # 1-rank pass, and the 2-rank pass (tests/run_gpu.sh)
 
 
-@pytest.fixture(scope="module")
-def comm():
-    c = mkernel.init()
-    yield c
-    c.close()
-
 
 # ---------------------------------------------------------------------------- correctness
 @pytest.mark.parametrize("kind", ["bf16", "fp16"])
