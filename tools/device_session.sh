@@ -57,7 +57,7 @@ for s in $steps; do
     decode) step decode 120 python3 bench/gemm.py --decode ;;
     tpdecode) step tpdecode 200 $MPI2 python3 bench/tp_decode.py ;;
     ringmps) step ringmps 300 $MPI2 python3 bench/ring_attention.py --quick --kv-heads 8 ;;
-    nodesdiag) step nodesdiag 200 bash -c 'for s in grown first pregrow; do CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=33 \
+    nodesdiag) step nodesdiag 200 bash -c 'for s in ${NODESDIAG_SEQS:-grown first pregrow}; do CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=33 \
       mpirun -n 3 --oversubscribe --bind-to none -x MKERNEL_CACHE_DIR -x MKERNEL_TIMEOUT_S -x CUDA_MPS_PIPE_DIRECTORY \
       -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE python3 tools/nodes_diag.py --seq $s; done' ;;
     attention) step attention 150 python3 bench/attention.py ;;

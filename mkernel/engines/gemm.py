@@ -329,7 +329,7 @@ def _launch_decode(a, b_arr, out, out_code, *, M, N, K, accumulate, stream):
     from mkernel.runtime.launch import launch
 
     fn, grid, args, buffer = _decode.build(a, b_arr, out, out_code, M=M, N=N, K=K, accumulate=accumulate,
-                                           sms=_num_sms(), partial=workspace(stream).decode_partials)
+                                           partial=workspace(stream).decode_partials)
     launch(fn, grid, (_decode.THREADS,), args, stream=stream)
     return (fn, grid, (_decode.THREADS,), args, 0, buffer)
 

@@ -19,12 +19,15 @@ THREADS = 256  # MK_DECODE_THREADS
 RESIDENT = 2  # CTAs per SM (launch bounds)
 M_TILES = (8, 16, 32, 64)  # token columns of the instantiations
 MIN_SPLIT_K = 512  # elements of K a range keeps at least (its loads must still fill the pipe)
+# The split of K is planned for this many SMs whatever the device has (H100 / H200: 132), so that
+# the sums (their grouping by range) and the bits are the same on 66 SMs of an MPS share as on 132.
+SPLIT_SMS = 132
 OUT_F32 = 2
 
 
 def unroll(mt: int) -> int:
     """DecodeCfg<MT>::U: 32-element steps of K in flight per lane."""
-    return 8 if mt <= 8 else 4 if mt <= 16 else 2
+    return 8 if mt <= 32 else 4
 
 
 def kernel_expr(dt: int, out: int, mt: int) -> str:
@@ -53,12 +56,12 @@ def m_tile(M: int) -> int:
     return next(mt for mt in M_TILES if mt >= M)
 
 
-def split_k(N: int, K: int, sms: int, mt: int) -> tuple:
-    """(splits, k_split): enough ranges of K that the CTAs fill every SM RESIDENT deep, each a
-    multiple of the kernel's step and at least MIN_SPLIT_K long."""
+def split_k(N: int, K: int, mt: int) -> tuple:
+    """(splits, k_split): enough ranges of K that the CTAs fill SPLIT_SMS SMs RESIDENT deep, each a
+    multiple of the kernel's step and at least MIN_SPLIT_K long; a function of the shape only."""
     step = 32 * unroll(mt)
     blocks = -(-N // ROWS)
-    want = max(1, (RESIDENT * sms) // blocks)
+    want = max(1, (RESIDENT * SPLIT_SMS) // blocks)
     most = max(1, K // MIN_SPLIT_K)
     splits = min(want, most)
     k_split = -(-K // splits)
@@ -66,11 +69,11 @@ def split_k(N: int, K: int, sms: int, mt: int) -> tuple:
     return -(-K // k_split), k_split
 
 
-def build(a, b_arr, out, out_code, *, M, N, K, accumulate, sms, partial):
+def build(a, b_arr, out, out_code, *, M, N, K, accumulate, partial):
     """(function, grid, args, buffer) of one launch. ``partial(nbytes, blocks)`` returns the
     stream's (partials, counts) buffer of at least that size (only called for splits > 1)."""
     mt = m_tile(M)
-    splits, k_split = split_k(N, K, sms, mt)
+    splits, k_split = split_k(N, K, mt)
     blocks = -(-N // ROWS)
     args = MkDecodeArgs()
     args.a, args.b, args.out = a.data.ptr, b_arr.data.ptr, out.data.ptr

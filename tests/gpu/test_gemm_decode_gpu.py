@@ -17,7 +17,6 @@ from mkernel.engines import gemm_decode as dec
 from tests.helpers.arrays import BF16, DTYPES, bits, dev, host, poisoned
 
 REL_TOL = 1e-2
-SMS = 132
 
 
 def _inputs(seed, M, N, K, dt, integer):
@@ -80,7 +79,7 @@ def test_random_inputs_against_float64(M, N, K, kind, decode_calls):
     got = host(_run(a, w, dt)).astype(np.float64)
     ref = a @ w.T
     assert np.isfinite(got).all(), "NaN left in the output (a row or column not written)"
-    assert _rel(got, ref) < REL_TOL, (M, N, K, kind, _rel(got, ref), dec.split_k(N, K, SMS, dec.m_tile(M)))
+    assert _rel(got, ref) < REL_TOL, (M, N, K, kind, _rel(got, ref), dec.split_k(N, K, dec.m_tile(M)))
     assert decode_calls == [M]
 
 
@@ -100,7 +99,7 @@ def test_integer_inputs_bitwise_per_tile(M, N, K, kind):
 @pytest.mark.gpu
 def test_several_k_ranges_are_taken_and_reduced_in_order():
     M, N, K = 5, 256, 16384  # 2 row blocks: many ranges of K
-    assert dec.split_k(N, K, SMS, dec.m_tile(M))[0] > 1
+    assert dec.split_k(N, K, dec.m_tile(M))[0] > 1
     a, w = _inputs(3, M, N, K, BF16, integer=False)
     outs = [bits(_run(a, w, BF16)) for _ in range(3)]  # the counters reset: launches 2 and 3 reduce too
     assert all(np.array_equal(outs[0], o) for o in outs[1:]), "not bitwise equal from launch to launch"

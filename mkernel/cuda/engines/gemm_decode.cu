@@ -2,7 +2,8 @@
 // reading the weights b once. Swap-AB on mma.sync.m16n8k16: b's rows take the 16-row side, the
 // tokens the 8-column side. Each warp streams 16 rows of b along K with 16-byte loads (4 lanes
 // read 64 contiguous bytes of a row per 32 elements of K, U such steps in flight); a CTA is 8
-// warps (128 rows of b) over one K range (blockIdx.y of `splits`).
+// warps (128 rows of b) over one K range (blockIdx.y of `splits`). The tokens' slice of a for a
+// step is staged once per CTA in shared memory (cp.async, two stages), not once per warp.
 //
 // K order inside a 32-element step: lane t's 16 bytes (elements 8t..8t+7) feed the k-slots
 // {2t, 2t+1, 2t+8, 2t+9} of two mmas (elements 8t..8t+3, then 8t+4..8t+7). The same bijection
@@ -17,12 +18,17 @@
 #include "gemm_args.cuh"
 #include "gemm_decode_args.cuh"
 
-// 32-element steps of K in flight per lane: fewer with more token columns (their loads).
+// U: 32-element steps of K in flight per lane (b: 2 x U 16-byte registers); fewer at MT 64 (its
+// accumulators). A's stage: MT rows of STEP elements, each row padded by 64 B so that the two rows
+// of one 8-lane phase of a 16-byte shared load fall in different banks.
 template <int MT>
 struct DecodeCfg {
   static constexpr int BLOCKS = MT / 8;  // n8 column blocks of tokens
-  static constexpr int U = MT <= 8 ? 8 : MT <= 16 ? 4 : 2;
+  static constexpr int U = MT <= 32 ? 8 : 4;
   static constexpr int STEP = 32 * U;  // K elements per iteration
+  static constexpr int ROW_BYTES = STEP * 2 + 64;
+  static constexpr int STAGE_BYTES = MT * ROW_BYTES;
+  static constexpr int VECS = MT * STEP / 8;  // 16-byte vectors of one stage
 };
 
 template <int DT>
@@ -50,11 +56,37 @@ MK_DEV uint4 ld_stream_v4(const void* p) {
   return v;
 }
 
-// Read by every CTA: through the read-only cache.
-MK_DEV uint4 ld_shared_v4(const void* p) {
+// 16 bytes global -> shared, zero-filled when !in (no bytes read then).
+MK_DEV void cp_async_16(u32 dst, const void* src, bool in) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(in ? 16 : 0) : "memory");
+}
+MK_DEV void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+MK_DEV void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+MK_DEV uint4 lds_v4(u32 addr) {
   uint4 v;
-  asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
   return v;
+}
+
+// A's slice [0, MT) x [k0, k0 + STEP) into a stage, every thread of the CTA (tokens past m and
+// K past k_end read as zeros).
+template <int MT>
+MK_DEV void stage_a(const MkDecodeArgs& args, u32 stage, i64 k0, i64 k_end) {
+  using Cfg = DecodeCfg<MT>;
+  constexpr int PER_ROW = Cfg::STEP / 8;
+#pragma unroll
+  for (int i = 0; i < (Cfg::VECS + MK_DECODE_THREADS - 1) / MK_DECODE_THREADS; ++i) {
+    const int v = i * MK_DECODE_THREADS + (int)threadIdx.x;
+    if (Cfg::VECS % MK_DECODE_THREADS && v >= Cfg::VECS) break;
+    const int tok = v / PER_ROW, c = v - tok * PER_ROW;
+    const i64 k = k0 + 8 * c;
+    const bool in = tok < args.m && k < k_end;
+    const u8* src = reinterpret_cast<const u8*>(args.a) + (in ? ((i64)tok * args.lda + k) * 2 : 0);
+    cp_async_16(stage + tok * Cfg::ROW_BYTES + c * 16, src, in);
+  }
 }
 
 // Two 16-bit values to float (low half first).
@@ -104,28 +136,33 @@ __global__ void __launch_bounds__(MK_DECODE_THREADS, 2)
 #pragma unroll
   for (int j = 0; j < Cfg::BLOCKS; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
   const uint4 zero = make_uint4(0, 0, 0, 0);
+  __shared__ __align__(16) u8 sa[2][Cfg::STAGE_BYTES];
+  const u32 sa0 = (u32)__cvta_generic_to_shared(&sa[0][0]);
 
-  for (i64 k0 = k_begin; k0 < k_end; k0 += Cfg::STEP) {
-    uint4 bv[Cfg::U][2], av[Cfg::U][Cfg::BLOCKS];
+  stage_a<MT>(args, sa0, k_begin, k_end);
+  cp_async_commit();
+  u32 s = 0;
+  for (i64 k0 = k_begin; k0 < k_end; k0 += Cfg::STEP, s ^= 1) {
+    cp_async_wait<0>();
+    __syncthreads();  // stage s is every thread's; the other stage's readers are done
+    uint4 bv[Cfg::U][2];
 #pragma unroll
-    for (int u = 0; u < Cfg::U; ++u) {  // every load of the iteration first: U x 64 B per row in flight
+    for (int u = 0; u < Cfg::U; ++u) {  // every b load of the step first: U x 64 B per row in flight
       const i64 k = k0 + 32 * u + 8 * t;
       const bool in = k < k_end;  // K, k_begin, k_end are multiples of 8: a vector is all in or all out
       bv[u][0] = in && b0ok ? ld_stream_v4(b0p + k * 2) : zero;
       bv[u][1] = in && b1ok ? ld_stream_v4(b1p + k * 2) : zero;
-#pragma unroll
-      for (int j = 0; j < Cfg::BLOCKS; ++j) {
-        const i64 tok = j * 8 + g;
-        av[u][j] =
-            in && tok < args.m ? ld_shared_v4(reinterpret_cast<const u8*>(args.a) + (tok * args.lda + k) * 2) : zero;
-      }
     }
+    if (k0 + Cfg::STEP < k_end) stage_a<MT>(args, sa0 + (s ^ 1) * Cfg::STAGE_BYTES, k0 + Cfg::STEP, k_end);
+    cp_async_commit();
+    const u32 base = sa0 + s * Cfg::STAGE_BYTES + g * Cfg::ROW_BYTES + t * 16;
 #pragma unroll
     for (int u = 0; u < Cfg::U; ++u)
 #pragma unroll
       for (int j = 0; j < Cfg::BLOCKS; ++j) {
-        mma_16816<DT>(acc[j], bv[u][0].x, bv[u][1].x, bv[u][0].y, bv[u][1].y, av[u][j].x, av[u][j].y);
-        mma_16816<DT>(acc[j], bv[u][0].z, bv[u][1].z, bv[u][0].w, bv[u][1].w, av[u][j].z, av[u][j].w);
+        const uint4 av = lds_v4(base + j * 8 * Cfg::ROW_BYTES + u * 64);
+        mma_16816<DT>(acc[j], bv[u][0].x, bv[u][1].x, bv[u][0].y, bv[u][1].y, av.x, av.y);
+        mma_16816<DT>(acc[j], bv[u][0].z, bv[u][1].z, bv[u][0].w, bv[u][1].w, av.z, av.w);
       }
   }
 
