@@ -19,6 +19,7 @@ SEQS = {"grown": [("c0", "fused"), ("c1", "fused"), ("c2", "fused"), ("c0", "unf
         "first": [("c0", "unfused"), ("c0", "fused")],
         "pregrow": [("c2", "fused"), ("c0", "fused"), ("c0", "unfused")],
         "unfused": [("c2", "unfused"), ("c1", "unfused"), ("c0", "unfused"), ("c0", "unfused")],
+        "matmul": [("c0", "matmul"), ("c0", "unfused"), ("c0", "unfused-sync"), ("c0", "matmul"), ("c0", "unfused")],
         "sms": [("c0", "unfused", 1), ("c0", "unfused", 2), ("c0", "unfused", 16), ("c0", "fused", 1)]}
 
 
@@ -44,6 +45,15 @@ def main():
         rows = slice(comm.rank * mb, (comm.rank + 1) * mb)
         contrib = [p[rows].astype(np.float64) @ b.astype(np.float64) for p in parts]  # node j's partial
         want = sum(contrib)
+        if path == "matmul":  # cuBLAS alone: this rank's whole partial
+            got = cupy.matmul(cupy.asarray(parts[comm.rank]), cupy.asarray(b)).get().astype(np.float64)
+            bad = ~(got == parts[comm.rank].astype(np.float64) @ b.astype(np.float64))
+            r, c = np.nonzero(bad)
+            where = f", rows {r.min()}..{r.max()}, cols {c.min()}..{c.max()}" if bad.any() else ""
+            print(f"rank {comm.rank}: cupy.matmul {M}x{N}x{K}: {int(bad.sum())} wrong{where}", flush=True)
+            continue
+        _sync_after_matmul(path == "unfused-sync")
+        path = path.replace("-sync", "")
         out = cupy.full((mb, N), np.nan, dtype=np.float16)
         sent0 = sum(s["bytes_sent"] for s in comm.stats().get("peers", {}).values())
         mkernel.gemm_reduce_scatter(cupy.asarray(parts[comm.rank]), cupy.asarray(b), comm=comm, out=out, path=path,
@@ -62,6 +72,23 @@ def main():
         if comm.rank == 0:
             print("\n".join(lines), flush=True)
     comm.close()
+
+
+def _sync_after_matmul(on):
+    """unfused-sync: the unfused path's cuBLAS partial is waited for before the op's kernel launches."""
+    from mkernel.ops import tp
+    if not hasattr(tp, "_diag_matmul"):
+        tp._diag_matmul = tp.matmul
+    if not on:
+        tp.matmul = tp._diag_matmul
+        return
+
+    def matmul(*a, **k):
+        import cupy
+        r = tp._diag_matmul(*a, **k)
+        cupy.cuda.get_current_stream().synchronize()
+        return r
+    tp.matmul = matmul
 
 
 def _explain(got, want, contrib, bad):
