@@ -464,14 +464,10 @@ def quiesced_first_use(comm, plan, key):
 
 
 def matmul(a, b_arr, layout, out=None):
-    """cuBLAS (cupy.matmul) of a with B given as [K, N] or [N, K] (into out when given); the engine
-    if CuPy cannot."""
-    cupy = cupy_mod()
-    b = b_arr if layout == B_KN else b_arr.T
-    try:
-        return cupy.matmul(a, b, out=out)
-    except (TypeError, NotImplementedError, ValueError):  # a CuPy without 16-bit matmul for this dtype
-        return _gemm.gemm(a, b_arr, out=out, b_layout="kn" if layout == B_KN else "nk")
+    """The unfused paths' GEMM of a with B given as [K, N] or [N, K] (into out when given), by the
+    library's engine: cuBLAS (cupy.matmul) gave wrong fp16 tiles under an MPS share of 42 SMs
+    (33%: 600x264x136, 4096x264x136; bench/NOTES.md session 14)."""
+    return _gemm.gemm(a, b_arr, out=out, b_layout="kn" if layout == B_KN else "nk")
 
 
 def nccl_dtype(dtype):
