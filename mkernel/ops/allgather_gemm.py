@@ -62,7 +62,7 @@ def _check(comm, a, b, out, stream, b_layout, comm_sms, path, return_gathered):
 
 
 def _fallback(comm, c, stream):
-    """NCCL's all-gather, then cupy.matmul (ranks on distinct GPUs); returns the gathered A."""
+    """NCCL's all-gather, then the GEMM engine (ranks on distinct GPUs); returns the gathered A."""
     cupy = tp.cupy_mod()
     with tp.on_stream(stream):
         if comm.size == 1:
@@ -95,7 +95,7 @@ def _plan(comm, c):
 
 def _launch(comm, plan, template, c, stream):
     """This call's operands into a copy of the template, the split, the launch (unfused: the
-    gather, then cupy.matmul)."""
+    gather, then the GEMM engine)."""
     W, L, nodes = comm.size, comm.local_size, comm.num_nodes
     esize = c.a.dtype.itemsize
     ga = plan["ga"]

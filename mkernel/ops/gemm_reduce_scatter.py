@@ -28,8 +28,8 @@ def gemm_reduce_scatter(a, b, *, comm, out=None, stream=None, b_layout=None, com
     and currently takes the same (deterministic) path. ``comm_sms``: ``"auto"`` (default): the split search of
     :mod:`mkernel.autosplit` picks the CTAs that reduce per shape from the calls' times, and inside each
     call the controller lends GEMM CTAs to the reduction when it falls behind; an integer pins them.
-    ``path``: None (automatic: fused, or cupy.matmul + NCCL for small shapes on distinct GPUs,
-    or a plain GEMM at world 1), 'fused', 'fallback', 'gemm' (world 1) or 'unfused' (cupy.matmul,
+    ``path``: None (automatic: fused, or the GEMM engine + NCCL for small shapes on distinct GPUs,
+    or a plain GEMM at world 1), 'fused', 'fallback', 'gemm' (world 1) or 'unfused' (the GEMM engine,
     then this op's own collective: the benchmarks' baseline for overlap). ``out``: optional
     ``[M / world, N]`` of the input dtype, outside the symmetric workspace. ``join``: the GEMM
     CTAs also reduce once their tiles are done (default ``mkernel.config.get().tp_join_reduce``).
@@ -83,7 +83,7 @@ def _check(op, allreduce, comm, a, b, out, stream, b_layout, comm_sms, determini
 
 
 def _fallback(allreduce, comm, c, stream):
-    """cupy.matmul, then NCCL (ranks on distinct GPUs)."""
+    """The GEMM engine (tp.matmul), then NCCL (ranks on distinct GPUs)."""
     cupy = tp.cupy_mod()
     out = c.out
     with tp.on_stream(stream):

@@ -6,14 +6,14 @@ Paths (one per call, a function of the shapes and the topology, agreed by every 
 
 - ``"fused"``: one persistent kernel (``mkernel/cuda/ops/gemm_reduce_scatter.cu`` etc.): GEMM CTAs and
   communication CTAs, per-tile flags in the symmetric workspace.
-- ``"fallback"``: ``cupy.matmul`` then the NCCL collective (ranks on distinct GPUs, shapes too small
+- ``"fallback"``: the GEMM engine (``matmul``) then the NCCL collective (ranks on distinct GPUs, shapes too small
   for fusion to win). Needs NCCL, so it is never chosen when ranks share a GPU.
 - ``"gemm"``: world 1: the GEMM engine (``mkernel.gemm``), nothing to communicate.
 - ``"latency"`` (gemm_allreduce inside a node): the GEMM (the decode path at few rows), then the
   one-shot all-reduce (mkernel.allreduce): one round of pushes for small outputs. Chosen by
   ``config.tp_latency_max_rows`` (0, the default, until measured) or when asked for.
 - ``"unfused"`` (only when asked for: the baseline that isolates overlap, between nodes above all):
-  ``cupy.matmul``, then the fused kernel's own collective with no GEMM in it (RS / AR: its CTAs
+  the GEMM engine, then the fused kernel's own collective with no GEMM in it (RS / AR: its CTAs
   move the finished partial's tiles where the epilogue would store them; AG: the gather, then the
   GEMM), over the same NVLink and transport paths.
 
