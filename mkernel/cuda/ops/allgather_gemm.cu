@@ -18,7 +18,7 @@
 template <u32 U>
 MK_DEV void tp_copy_rows(u8* dst, const u8* src, u32 rows, u64 k, u64 lds, u32 tid, u32 nthr) {
   const u32 vpr = (u32)(k / 8);  // 16-byte vectors per row (k % 8 == 0)
-  tp_copy_vectors<U>(
+  copy_vectors<U>(
       rows * vpr, tid, nthr,
       [&](u32 v) {
         const u32 r = v / vpr;

@@ -30,8 +30,7 @@ __global__ void __launch_bounds__(AR_THREADS) mk_allreduce_kernel(const __grid_c
     const u64 first = (u64)c * a.chunk, n = min((u64)a.chunk, a.count - first);
     const u8* src = reinterpret_cast<const u8*>(a.src) + first * 2;
     u8* dst = peer_ptr<u8>(peers, d, a.slots_off) + me * row_bytes + first * 2;
-    tp_copy_vectors<TP_IN_FLIGHT>((u32)(n / 8), threadIdx.x, blockDim.x, [&](u32 v) { return src + (u64)v * 16; },
-                                  [&](u32 v, uint4 x) { st_v4(dst + (u64)v * 16, x); });
+    copy_span<TP_IN_FLIGHT>(dst, src, n * 2, threadIdx.x, blockDim.x);
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) set_flag(peer_ptr<u32>(peers, d, a.flags_off) + me * chunks + c, E);

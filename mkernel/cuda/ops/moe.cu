@@ -78,8 +78,8 @@ __global__ void __launch_bounds__(MOE_THREADS, 1) mk_moe_combine_kernel(const __
       if (lo >= n) break;
       for (u32 i = lo + warp; i < hi; i += MOE_WARPS) {
         const u32 m = ld_cg(&meta[i]);
-        warp_copy_row(peer_ptr<u8>(peers, m >> 24, a.ret_off) + (u64)(m & 0xFFFFFFu) * row_bytes,
-                      y + (u64)i * (u64)a.ldy * 2u, row_bytes, lane);
+        copy_span<MOE_COPY_UNROLL>(peer_ptr<u8>(peers, m >> 24, a.ret_off) + (u64)(m & 0xFFFFFFu) * row_bytes,
+                                   y + (u64)i * (u64)a.ldy * 2u, row_bytes, lane, 32);
       }
       mine += hi - lo;
     }

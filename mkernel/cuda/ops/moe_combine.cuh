@@ -6,6 +6,7 @@
 // the user's y holds them; mk_moe_gemm_combine_kernel (moe_gemm_combine.cu) returns each GEMM tile
 // as soon as it is stored.
 #include "moe_dispatch.cuh"
+#include "copy.cuh"
 
 template <int DT>
 MK_DEV float half_to_float(u16 h) {
@@ -15,22 +16,8 @@ MK_DEV float half_to_float(u16 h) {
   return f;
 }
 
-// Copies one row of `bytes` (a multiple of 16) with the calling warp. Loads go out MOE_COPY_UNROLL
-// at a time before their stores: a copy is latency-bound otherwise (one 16-byte load in flight per
-// lane: ~1 GB/s a warp, measured as 10 GB/s a CTA in the fused dispatch's first run).
+// Loads in flight per lane when a warp copies one row (copy_span over its 32 lanes).
 constexpr u32 MOE_COPY_UNROLL = 8;
-MK_DEV void warp_copy_row(u8* dst, const u8* src, u32 bytes, u32 lane) {
-  constexpr u32 STEP = 32u * 16u;
-  u32 o = lane * 16u;
-  for (; o + (MOE_COPY_UNROLL - 1) * STEP < bytes; o += MOE_COPY_UNROLL * STEP) {
-    uint4 v[MOE_COPY_UNROLL];
-#pragma unroll
-    for (u32 j = 0; j < MOE_COPY_UNROLL; ++j) v[j] = *reinterpret_cast<const uint4*>(src + o + j * STEP);
-#pragma unroll
-    for (u32 j = 0; j < MOE_COPY_UNROLL; ++j) st_v4(dst + o + j * STEP, v[j]);
-  }
-  for (; o < bytes; o += STEP) st_v4(dst + o, *reinterpret_cast<const uint4*>(src + o));
-}
 
 // Thread 0: every rank entered this epoch (its return buffer may be written).
 MK_DEV bool moe_credits_all(const MkMoeArgs& a, const MkPeers& peers, u32 Ep) {

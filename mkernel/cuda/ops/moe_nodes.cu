@@ -127,8 +127,8 @@ MK_DEV void stage_bundles(const MkMoeNodeArgs& a, bool first, u32* s_base, u32 (
           const u32 l = __ffs(todo) - 1u;
           todo &= todo - 1u;
           const u32 tl = __shfl_sync(0xFFFFFFFFu, t, l), sl = __shfl_sync(0xFFFFFFFFu, slot[j], l);
-          warp_copy_row(xsend + ((u64)sg * R + sl) * row_bytes,
-                        reinterpret_cast<const u8*>(a.x) + (u64)tl * (u64)a.ldx * 2u, row_bytes, lane);
+          copy_span<MOE_COPY_UNROLL>(xsend + ((u64)sg * R + sl) * row_bytes,
+                                     reinterpret_cast<const u8*>(a.x) + (u64)tl * (u64)a.ldx * 2u, row_bytes, lane, 32);
         }
       }
     }

@@ -21,9 +21,13 @@
 #include "common.cuh"
 #include "signals.cuh"
 #include "peers.cuh"
+#include "copy.cuh"
 #include "ring_args.cuh"
 #include "queue.cuh"
 #include "attn_mainloop.cuh"
+
+// 16-byte loads in flight per forwarding thread (copy_vectors).
+constexpr u32 RING_IN_FLIGHT = 4;
 
 // The node's ranks (IPC-mapped workspaces). The ring is node-major, so a ring rank on this node is
 // peer rank % local; a neighbour on another node is reached through the proxy (next_remote,
@@ -271,14 +275,25 @@ MK_DEV bool ring_forward_cta(const MkRingArgs& r, u32 E, u32 role, u32 forwarder
       __syncthreads();
       if (c >= chunks) break;
       const u32 r0 = c * r.chunk_rows, nr = min(r.chunk_rows, rows - r0);
-      for (u32 v = threadIdx.x; v < nr * vpr; v += blockDim.x) {
-        const u32 row = r0 + v / vpr, b = row / S, srow = row - b * S;
-        const u32 off = (v % vpr) * 16;
-        const i64 src_off = (i64)b * sb + (i64)srow * ss + off;
-        const i64 dst_off = (i64)row * row_bytes + off;
-        st_v4(dk + dst_off, *reinterpret_cast<const uint4*>(sk + src_off));
-        st_v4(dv + dst_off, *reinterpret_cast<const uint4*>(sv + src_off));
-      }
+      const u32 nv = nr * vpr;  // vectors of k; those of v follow
+      const auto at = [&](u32 v, i64& src_off, i64& dst_off) {
+        const u32 w = v < nv ? v : v - nv, row = r0 + w / vpr, b = row / S, srow = row - b * S;
+        const u32 off = (w % vpr) * 16;
+        src_off = (i64)b * sb + (i64)srow * ss + off;
+        dst_off = (i64)row * row_bytes + off;
+      };
+      copy_vectors<RING_IN_FLIGHT>(
+          2 * nv, threadIdx.x, blockDim.x,
+          [&](u32 v) {
+            i64 s, d;
+            at(v, s, d);
+            return (v < nv ? sk : sv) + s;
+          },
+          [&](u32 v, uint4 x) {
+            i64 s, d;
+            at(v, s, d);
+            st_v4((v < nv ? dk : dv) + d, x);
+          });
       __threadfence_system();
       __syncthreads();
       if (threadIdx.x == 0 && atomicAdd(&r.counters[RING_CNT_SENT + step], 1u) + 1 == chunks) {

@@ -19,6 +19,7 @@
 #include "signals.cuh"
 #include "peers.cuh"
 #include "tma.cuh"
+#include "copy.cuh"
 #include "gemm_mainloop.cuh"
 #include "gemm_epilogue.cuh"
 #include "tp_args.cuh"
@@ -216,37 +217,12 @@ template <class Cfg, int OP, class Turn>
 using TpEpilogue = MkTileEpilogue<Cfg::DT, Cfg, false, TpDest<OP, Turn> >;
 
 // ------------------------------------------------------------------------------ communication
-// 16-byte global accesses. Data that peers wrote is read through L2 (.cg), never a stale L1 line.
-MK_DEV uint4 ld_cg_v4(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p)
-               : "memory");
-  return v;
-}
-
 // Vectors a thread has in flight in the communication loops: a loop with one 16-byte load at a
 // time is latency-bound (10-13 GB/s a CTA, measured in the MoE dispatch and in the TP reduction at
 // world 1), so each thread issues TP_IN_FLIGHT loads before it uses the first.
 // A GEMM CTA's consumers (turns, join) keep their accumulators live: they afford fewer.
 constexpr u32 TP_IN_FLIGHT = 4;
 constexpr u32 TP_IN_FLIGHT_GEMM = 2;
-
-// Vectors [0, n) by a group of nthr threads (tid in [0, nthr)), U per thread at a time: x = 16 bytes
-// at src(v), then store(v, x).
-template <u32 U, class Src, class Store>
-MK_DEV void tp_copy_vectors(u32 n, u32 tid, u32 nthr, Src src, Store store) {
-  for (u32 v0 = tid; v0 < n; v0 += U * nthr) {
-    uint4 x[U];
-#pragma unroll
-    for (u32 u = 0; u < U; ++u)
-      if (v0 + u * nthr < n) x[u] = ld_cg_v4(src(v0 + u * nthr));
-#pragma unroll
-    for (u32 u = 0; u < U; ++u)
-      if (v0 + u * nthr < n) store(v0 + u * nthr, x[u]);
-  }
-}
 
 // Two 16-bit values (low, high) of the input dtype -> fp32.
 template <int DT>

@@ -340,7 +340,7 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, T
     if (!sh->ok) break;
     const TpTileShape ts(a, tl);
     const u8* src = xgath + ((u64)jj * tb + tl) * TP_TILE_BYTES;
-    tp_copy_vectors<U>(
+    copy_vectors<U>(
         ts.rows * ts.vpr, tid, nthr,
         [&](u32 v) {
           const u32 r = v / ts.vpr;
@@ -383,7 +383,7 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, T
       row = ts.mt * 128u + r;
       col = ts.nt * 256u + (v - r * ts.vpr) * 8u;
     };
-    tp_copy_vectors<U>(
+    copy_vectors<U>(
         ts.rows * ts.vpr, tid, nthr,
         [&](u32 v) {
           u64 row, col;
@@ -451,17 +451,17 @@ MK_DEV void tp_partial_cta(const TpArgs& a) {
       r = v / vpr;
       return (u64)t.n0 + (v - r * vpr) * 8u;
     };
-    tp_copy_vectors<TP_IN_FLIGHT>((u32)t.rows * vpr, threadIdx.x, blockDim.x,
-                                  [&](u32 v) {
-                                    u32 r;
-                                    const u64 col = col_of(v, r);
-                                    return src + ((u64)r * (u64)a.ldp + col) * 2;
-                                  },
-                                  [&](u32 v, uint4 x) {
-                                    u32 r;
-                                    const u64 col = col_of(v, r);
-                                    st_v4(dst + ((u64)r * ncol + col) * 2, x);
-                                  });
+    copy_vectors<TP_IN_FLIGHT>((u32)t.rows * vpr, threadIdx.x, blockDim.x,
+                               [&](u32 v) {
+                                 u32 r;
+                                 const u64 col = col_of(v, r);
+                                 return src + ((u64)r * (u64)a.ldp + col) * 2;
+                               },
+                               [&](u32 v, uint4 x) {
+                                 u32 r;
+                                 const u64 col = col_of(v, r);
+                                 st_v4(dst + ((u64)r * ncol + col) * 2, x);
+                               });
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) set_flag(dest.flag(t), E);
