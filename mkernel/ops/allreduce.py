@@ -1,6 +1,7 @@
 """``allreduce(x, *, comm)``: the sum over ranks of ``x``, the same bits on every rank, by one kernel
 that pushes each rank's data into every peer's scratch once and reduces there (one-shot: the latency
-path for small messages inside a node; mkernel/cuda/ops/allreduce.cu).
+path for small messages inside a node; mkernel/cuda/ops/allreduce.cu). At 2 ranks a two-shot
+(reduce-scatter, then all-gather) moves the same bytes per rank in two rounds, so there is none.
 
 Importable without CuPy; the kernels are registered at import.
 """
@@ -14,38 +15,47 @@ from mkernel.runtime.sync import MkSync
 
 OP = "allreduce"
 KERNEL = "mk_allreduce_kernel"
-SPEC = _compile.register(OP, "allreduce.cu", tuple(f"{KERNEL}<{dt}>" for dt in (0, 1)), hot=True)
+ELEMENT = {"bfloat16": 0, "float16": 1, "float32": 2}  # the kernel's DT (MK_OUT_* codes)
+SPEC = _compile.register(OP, "allreduce.cu", tuple(f"{KERNEL}<{dt}>" for dt in ELEMENT.values()), hot=True)
 THREADS = 512  # AR_THREADS
-CNT_WORDS = 4  # AR_CNT_WORDS
+CNT_WORDS = 5  # AR_CNT_WORDS
 CHUNK = 8192  # elements per chunk: a CTA's item
 MAX_CTAS = 64  # more only adds CTAs that wait (a chunk is one item per rank)
 
 
 class MkAllreduceArgs(ctypes.Structure):
-    """Mirror of ``MkAllreduceArgs`` (mkernel/cuda/ops/allreduce_args.cuh), 152 bytes."""
+    """Mirror of ``MkAllreduceArgs`` (mkernel/cuda/ops/allreduce_args.cuh), 168 bytes."""
     _fields_ = [("sync", MkSync), ("peer_base", ctypes.c_void_p), ("slots_off", ctypes.c_uint64),
                 ("flags_off", ctypes.c_uint64), ("src", ctypes.c_void_p), ("out", ctypes.c_void_p),
-                ("counters", ctypes.c_void_p), ("count", ctypes.c_uint64), ("chunk", ctypes.c_uint32),
-                ("chunks", ctypes.c_uint32), ("world", ctypes.c_int32), ("me", ctypes.c_int32),
-                ("pad", ctypes.c_uint32 * 2)]
+                ("counters", ctypes.c_void_p), ("count", ctypes.c_uint64), ("slot_bytes", ctypes.c_uint64),
+                ("chunk", ctypes.c_uint32), ("chunks", ctypes.c_uint32), ("world", ctypes.c_int32),
+                ("me", ctypes.c_int32), ("in_place", ctypes.c_uint32), ("pad", ctypes.c_uint32 * 3)]
 
 
 def allreduce(x, *, comm, out=None, stream=None):
-    """Sum over ranks of ``x`` (any shape, contiguous, bfloat16 or float16, a multiple of 8 elements):
-    returns ``out`` (x's shape and dtype), every element the fp32 sum in rank order rounded once, so
-    every rank holds the same bits. The same shape on every rank. Inside one node (ranks between
-    nodes raise ArgumentError). Collective; returns without synchronising."""
+    """Sum over ranks of ``x`` (any shape and size, contiguous; bfloat16, float16 or float32):
+    returns ``out`` (x's shape and dtype; ``out=x`` sums in place), every element the fp32 sum in
+    rank order rounded once, so every rank holds the same bits. The same shape and dtype on every
+    rank (ranks that disagree raise ArgumentError together). Inside one node (ranks between nodes
+    raise ArgumentError). Collective; returns without synchronising."""
     x, out = _check(comm, x, out, stream)
     if comm.size == 1:  # a device copy, not a kernel
-        out.data.copy_from_device_async(x.data, x.nbytes, stream)
+        if out.data.ptr != x.data.ptr:
+            out.data.copy_from_device_async(x.data, x.nbytes, stream)
         return out
+    in_place = out.data.ptr == x.data.ptr
+    dst = _aligned(out, stream, keep=in_place)
+    src = dst if in_place else _aligned(x, stream, keep=True)  # in place: each chunk is sent before it is summed
     plan, template = _plan(comm, x)
-    _launch(comm, template, x, out, stream)
+    _launch(comm, template, src, dst, stream)
+    if dst is not out:
+        with tp.on_stream(stream):
+            out[...] = dst
     return out
 
 
 def _check(comm, x, out, stream):
-    from mkernel.runtime.arrays import HALF_TYPES, as_cupy
+    from mkernel.runtime.arrays import as_cupy
 
     tp.check_comm(OP, comm)
     if comm.num_nodes > 1:
@@ -53,28 +63,44 @@ def _check(comm, x, out, stream):
                             f"{comm.num_nodes} (use gemm_allreduce's paths between nodes)")
     cupy = tp.cupy_mod()
     x = as_cupy(x, "x", stream=stream)
-    if x.dtype not in HALF_TYPES:
-        raise ArgumentError(f"{OP}: x must be bfloat16 or float16; got {x.dtype}")
-    if not x.flags.c_contiguous or x.size == 0 or x.size % 8 or x.data.ptr % 16:
-        raise ArgumentError(f"{OP}: x must be contiguous, 16-byte aligned and hold a positive multiple of 8 "
-                            f"elements; got shape {tuple(x.shape)}")
+    if x.dtype.name not in ELEMENT:
+        raise ArgumentError(f"{OP}: x must be bfloat16, float16 or float32; got {x.dtype}")
+    if not x.flags.c_contiguous or x.size == 0:
+        raise ArgumentError(f"{OP}: x must be contiguous and not empty; got shape {tuple(x.shape)} "
+                            f"(cupy.ascontiguousarray makes a strided array contiguous)")
     if out is None:
         out = cupy.empty_like(x)
     elif not isinstance(out, cupy.ndarray) or out.shape != x.shape or out.dtype != x.dtype:
         raise ArgumentError(f"{OP}: out must be a cupy.ndarray of x's shape {tuple(x.shape)} and dtype {x.dtype}")
-    elif not out.flags.c_contiguous or out.data.ptr % 16:
-        raise ArgumentError(f"{OP}: out must be contiguous and 16-byte aligned")
+    elif not out.flags.c_contiguous:
+        raise ArgumentError(f"{OP}: out must be contiguous")
+    elif out.data.ptr != x.data.ptr and out.data.ptr < x.data.ptr + x.nbytes and x.data.ptr < out.data.ptr + out.nbytes:
+        raise ArgumentError(f"{OP}: out overlaps x without being x (pass out=x to sum in place)")
     tp.check_outside_workspace(OP, out, comm)
     tp.agree_call(OP, comm, (OP, x.size, x.dtype.name, "oneshot"), "one node")
     return x, out
 
 
+def _aligned(arr, stream, keep):
+    """arr, or a 16-byte aligned array in its place (the kernel moves 16-byte vectors), holding
+    arr's values if ``keep``."""
+    if arr.data.ptr % 16 == 0:
+        return arr
+    cupy = tp.cupy_mod()
+    with tp.on_stream(stream):
+        copy = cupy.empty_like(arr)
+        if keep:
+            copy[...] = arr
+    return copy
+
+
 def _plan(comm, x):
-    """(plan, launch template) per (elements, dtype): every rank's slot in the scratch, the chunk
-    flags the plan's own."""
+    """(plan, launch template) per (elements, dtype): every rank's slot in the scratch (padded to 16
+    bytes), the chunk flags the plan's own."""
     count, dt, W = x.size, x.dtype, comm.size
     chunks = -(-count // CHUNK)
-    sizes = [("slots", (W, count), dt), ("flags", (W * chunks,), "uint32")]
+    slot = -(-count * dt.itemsize // 16) * 16 // dt.itemsize
+    sizes = [("slots", (W, slot), dt), ("flags", (W * chunks,), "uint32")]
     plan = tp.plan_buffers(OP, comm, ("buffers", OP, count, dt.name), sizes, counter_words=CNT_WORDS)
 
     def build():
@@ -82,18 +108,19 @@ def _plan(comm, x):
         args.peer_base = comm.peer_table.data.ptr
         args.slots_off, args.flags_off = comm.offset_of(plan["slots"]), comm.offset_of(plan["flags"])
         args.counters = plan["counters"].data.ptr
-        args.count, args.chunk, args.chunks = count, CHUNK, chunks
+        args.count, args.slot_bytes, args.chunk, args.chunks = count, slot * dt.itemsize, CHUNK, chunks
         args.world, args.me = W, comm.local_rank
         return args
     return plan, tp.launch_template(plan, (), build)
 
 
-def _launch(comm, template, x, out, stream):
+def _launch(comm, template, src, out, stream):
     from mkernel.runtime.launch import launch_persistent, persistent_grid
 
     args = MkAllreduceArgs.from_buffer_copy(template["args"])
     args.sync = comm.sync_args(OP)
-    args.src, args.out = x.data.ptr, out.data.ptr
-    fn = _compile.module(SPEC).function(f"{KERNEL}<{tp.DT[x.dtype.name]}>")
+    args.src, args.out = src.data.ptr, out.data.ptr
+    args.in_place = int(src.data.ptr == out.data.ptr)
+    fn = _compile.module(SPEC).function(f"{KERNEL}<{ELEMENT[src.dtype.name]}>")
     grid = persistent_grid(fn, THREADS, 0, blocks=min(args.chunks * args.world, MAX_CTAS, tp.sm_count()), what=OP)
     launch_persistent(fn, (grid,), (THREADS,), args, smem=0, stream=stream)

@@ -1,8 +1,9 @@
 """GPU: mkernel.allreduce (one-shot, inside a node) at any rank count (1-rank pass, the 2- and
 4-rank passes under MPS). Every output poisoned with NaN first; random inputs against the float64
-sum (relative error below 1e-2) and the same bits on every rank; integer inputs exact; sizes from
-one vector to several chunks, off the chunk grid, 1-D and 2-D; three launches of each size
-interleaved with the others (stale flags and counters); typed errors before anything launches."""
+sum (relative error below 1e-2) and the same bits on every rank; integer inputs exact; bf16, fp16
+and fp32; sizes from one element to several chunks, off the vector and chunk grids, 1-D and 2-D;
+three launches of each size interleaved with the others (stale flags and counters); in place;
+unaligned views; typed errors before anything launches."""
 
 import hashlib
 
@@ -16,7 +17,8 @@ from tests.helpers.arrays import DTYPES, bits, dev, host, poisoned
 from tests.helpers.ranks import all_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
-SHAPES = [(8,), (1000,), (8192,), (8200,), (3, 8192 + 64), (64, 8192)]
+SHAPES = [(1,), (7,), (8,), (1000,), (1001,), (8192,), (8193,), (8200,), (3, 8192 + 67), (64, 8192)]
+KINDS = {"bf16": DTYPES["bf16"], "fp16": DTYPES["fp16"], "f32": np.dtype(np.float32)}
 
 
 
@@ -26,11 +28,11 @@ def _x(seed, rank, shape, dt, integer):
     return v.astype(dt).astype(np.float64)
 
 
-@pytest.mark.parametrize("kind", ["bf16", "fp16"])
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_sums_every_rank_in_rank_order_the_same_bits_everywhere(comm, kind):
     import cupy
 
-    dt, W = DTYPES[kind], comm.size
+    dt, W = KINDS[kind], comm.size
     msgs = []
     for rep in range(3):
         for i, shape in enumerate(SHAPES):
@@ -60,20 +62,54 @@ def test_returns_a_new_array_by_default(comm):
     assert y.shape == x.shape and y.dtype == x.dtype and y.data.ptr != x.data.ptr
 
 
-@pytest.mark.parametrize("bad", ["size", "dtype", "strided", "out shape"])
+@pytest.mark.parametrize("where", ["in place", "unaligned"])
+def test_in_place_and_unaligned_views(comm, where):
+    """out=x sums in place (each chunk is sent before it is overwritten); views that start 2 bytes
+    into an allocation go through an aligned copy. Exact integer inputs, the same bits everywhere."""
+    import cupy
+
+    dt, W, n = DTYPES["bf16"], comm.size, 3 * 8192 + 5
+    msgs = []
+    for rep in range(3):
+        xs = [_x(20 + rep, r, (n,), dt, True) for r in range(W)]
+        want = sum(xs).astype(dt)
+        if where == "in place":
+            x = dev(xs[comm.rank].astype(dt))
+            got_arr = mkernel.allreduce(x, comm=comm, out=x)
+            ok_ptr = got_arr is x
+        else:
+            big = dev(np.concatenate([[0.0], xs[comm.rank]]).astype(dt))
+            outbig = poisoned((n + 1,), "bf16")
+            got_arr = mkernel.allreduce(big[1:], comm=comm, out=outbig[1:])
+            ok_ptr = got_arr.data.ptr == outbig.data.ptr + 2
+        cupy.cuda.get_current_stream().synchronize()
+        comm.check()
+        got = host(got_arr)
+        if not ok_ptr or not np.array_equal(got.view(np.uint16), want.view(np.uint16)):
+            msgs.append(f"{where} launch {rep}: {int((got != want).sum())} of {n} differ")
+        digest = hashlib.sha256(bits(cupy.ascontiguousarray(got_arr)).tobytes()).hexdigest()
+        if len(set(allgather_object(comm.mpi, digest, "comparing bits", 60))) != 1:
+            msgs.append(f"{where} launch {rep}: ranks hold different bits")
+    assert all_ranks(comm.mpi, not msgs), msgs[:6]
+
+
+@pytest.mark.parametrize("bad", ["empty", "dtype", "strided", "out shape", "overlap"])
 def test_bad_arguments_raise_before_launch(comm, bad):
     import cupy
 
     x = cupy.zeros(64, dtype=DTYPES["bf16"])
     kwargs = {}
-    if bad == "size":
-        x = cupy.zeros(12, dtype=DTYPES["bf16"])
+    if bad == "empty":
+        x = cupy.zeros(0, dtype=DTYPES["bf16"])
     elif bad == "dtype":
-        x = cupy.zeros(64, dtype=cupy.float32)
+        x = cupy.zeros(64, dtype=cupy.int32)
     elif bad == "strided":
         x = cupy.zeros(128, dtype=DTYPES["bf16"])[::2]
-    else:
+    elif bad == "out shape":
         kwargs["out"] = cupy.zeros(32, dtype=DTYPES["bf16"])
+    else:
+        big = cupy.zeros(72, dtype=DTYPES["bf16"])
+        x, kwargs["out"] = big[:64], big[8:]
     with pytest.raises(mkernel.ArgumentError):
         mkernel.allreduce(x, comm=comm, **kwargs)
 

@@ -4,22 +4,67 @@
 // fp32 sum of slots [0..world) in rank order, rounded once: the same bits on every rank, one round
 // of stores for the latency of small messages. CTAs claim push items, then reduce items, from
 // counters, so any resident part of the grid finishes (a CTA pushes before it waits).
+// DT: MK_OUT_BF16, MK_OUT_F16 or MK_OUT_F32 (the element type). A chunk's last count % (16 / size)
+// elements (a partial vector) go one per thread.
 #include "tp_reduce.cuh"
 #include "allreduce_args.cuh"
 
 template <int DT>
-__global__ void __launch_bounds__(AR_THREADS) mk_allreduce_kernel(const __grid_constant__ MkAllreduceArgs a) {
+struct ArElem {
+  static constexpr u32 BYTES = DT == MK_OUT_F32 ? 4 : 2;
+  static constexpr u32 PER_VEC = 16 / BYTES;
+  static MK_DEV float load(const u8* p) {
+    if constexpr (DT == MK_OUT_F32) {
+      return __ldcg(reinterpret_cast<const float*>(p));
+    } else {
+      float lo, hi;
+      unpack2<DT>(__ldcg(reinterpret_cast<const unsigned short*>(p)), lo, hi);
+      return lo;
+    }
+  }
+  static MK_DEV void store(u8* p, float v) {
+    if constexpr (DT == MK_OUT_F32)
+      *reinterpret_cast<float*>(p) = v;
+    else
+      *reinterpret_cast<u16*>(p) = (u16)(pack2_out(DT, v, 0.f) & 0xFFFFu);
+  }
+};
+
+// Sum of vector `off` of every rank's slot, in rank order, stored at out + off.
+template <int DT>
+MK_DEV void ar_reduce_vector(const u8* slots, u64 slot_bytes, u32 W, u64 off, u8* out) {
+  if constexpr (DT == MK_OUT_F32) {
+    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+    for (u32 r = 0; r < W; ++r) {
+      const uint4 x = ld_cg_v4(slots + r * slot_bytes + off);
+      s0 += __uint_as_float(x.x);
+      s1 += __uint_as_float(x.y);
+      s2 += __uint_as_float(x.z);
+      s3 += __uint_as_float(x.w);
+    }
+    st_v4(out + off, make_uint4(__float_as_uint(s0), __float_as_uint(s1), __float_as_uint(s2), __float_as_uint(s3)));
+  } else {
+    float s[1][8] = {{0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}};
+    const u64 offs[1] = {off};
+    tp_add_partials<DT, 1>(s, slots, slot_bytes, W, offs, 1);
+    st_v4(out + off, tp_pack8<DT>(s[0]));
+  }
+}
+
+template <int DT>
+__global__ void __launch_bounds__(AR_THREADS, 1) mk_allreduce_kernel(const __grid_constant__ MkAllreduceArgs a) {
+  using El = ArElem<DT>;
   __shared__ u32 s_epoch, s_item;
-  __shared__ int s_ok;
+  __shared__ int s_ok, s_pushed;
   const MkPeers peers{a.peer_base, (u32)a.world, (u32)a.me};
   if (threadIdx.x == 0) {
     s_epoch = launch_epoch(a.sync);
     if (atomicAdd(&a.counters[AR_CNT_ENTER], 1u) == 0) credits_announce(peers, s_epoch);
     s_ok = 1;
+    s_pushed = 0;
   }
   __syncthreads();
   const u32 E = s_epoch, W = (u32)a.world, me = (u32)a.me, chunks = a.chunks;
-  const u64 row_bytes = a.count * 2;  // one rank's slot
   while (s_ok) {  // chunk c to rank d (own slot first, then me + 1, ...)
     const u32 item = tp_claim(&a.counters[AR_CNT_PUSH], &s_item, threadIdx.x, MkBarCta());
     if (item >= chunks * W) break;
@@ -27,32 +72,49 @@ __global__ void __launch_bounds__(AR_THREADS) mk_allreduce_kernel(const __grid_c
     if (threadIdx.x == 0) s_ok = credits_wait(a.sync, peers, d, E) ? 1 : 0;
     __syncthreads();
     if (!s_ok) break;
-    const u64 first = (u64)c * a.chunk, n = min((u64)a.chunk, a.count - first);
-    const u8* src = reinterpret_cast<const u8*>(a.src) + first * 2;
-    u8* dst = peer_ptr<u8>(peers, d, a.slots_off) + me * row_bytes + first * 2;
-    copy_span<TP_IN_FLIGHT>(dst, src, n * 2, threadIdx.x, blockDim.x);
+    const u64 first = (u64)c * a.chunk, n = min((u64)a.chunk, a.count - first), whole = n / El::PER_VEC * 16;
+    const u8* src = reinterpret_cast<const u8*>(a.src) + first * El::BYTES;
+    u8* dst = peer_ptr<u8>(peers, d, a.slots_off) + me * a.slot_bytes + first * El::BYTES;
+    copy_span<TP_IN_FLIGHT>(dst, src, whole, threadIdx.x, blockDim.x);
+    if (threadIdx.x < n % El::PER_VEC) {  // the partial vector: one element per thread
+      const u64 o = whole + threadIdx.x * El::BYTES;
+      if (El::BYTES == 4)
+        *reinterpret_cast<u32*>(dst + o) = __ldcg(reinterpret_cast<const u32*>(src + o));
+      else
+        *reinterpret_cast<u16*>(dst + o) = __ldcg(reinterpret_cast<const unsigned short*>(src + o));
+    }
     __threadfence_system();
     __syncthreads();
-    if (threadIdx.x == 0) set_flag(peer_ptr<u32>(peers, d, a.flags_off) + me * chunks + c, E);
+    if (threadIdx.x == 0) {
+      set_flag(peer_ptr<u32>(peers, d, a.flags_off) + me * chunks + c, E);
+      if (a.in_place) atomicAdd(&a.counters[AR_CNT_PUSHED], 1u);
+    }
   }
   const u8* slots = peer_ptr<u8>(peers, me, a.slots_off);
   const u32* flags = peer_ptr<u32>(peers, me, a.flags_off);
+  u8* out = reinterpret_cast<u8*>(a.out);
   while (s_ok) {  // chunk c of the output: every rank's slot, in rank order
     const u32 c = tp_claim(&a.counters[AR_CNT_REDUCE], &s_item, threadIdx.x, MkBarCta());
     if (c >= chunks) break;
     if (threadIdx.x == 0) {
       int good = 1;
+      if (a.in_place && !s_pushed)  // out is src: every chunk of it has left (claimed pushes finish)
+        good = wait_at_least(a.sync, &a.counters[AR_CNT_PUSHED], chunks * W, (i32)me, 0x10000u) ? 1 : 0;
+      s_pushed = 1;
       for (u32 s = 0; s < W && good; ++s) good = wait_epoch(a.sync, flags + s * chunks + c, E, (i32)s, c) ? 1 : 0;
       s_ok = good;
     }
     __syncthreads();
     if (!s_ok) break;
-    const u64 first = (u64)c * a.chunk, vecs = min((u64)a.chunk, a.count - first) / 8;
-    for (u64 v = threadIdx.x; v < vecs; v += blockDim.x) {
-      float s[1][8] = {{0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}};
-      const u64 off[1] = {(first + v * 8) * 2};
-      tp_add_partials<DT, 1>(s, slots, row_bytes, W, off, 1);
-      st_v4(reinterpret_cast<u8*>(a.out) + off[0], tp_pack8<DT>(s[0]));
+    const u64 first = (u64)c * a.chunk, n = min((u64)a.chunk, a.count - first), vecs = n / El::PER_VEC;
+    const u64 base = first * El::BYTES;
+    for (u64 v = threadIdx.x; v < vecs; v += blockDim.x)
+      ar_reduce_vector<DT>(slots, a.slot_bytes, W, base + v * 16, out);
+    if (threadIdx.x < n % El::PER_VEC) {
+      const u64 o = base + vecs * 16 + threadIdx.x * El::BYTES;
+      float s = 0.f;
+      for (u32 r = 0; r < W; ++r) s += El::load(slots + r * a.slot_bytes + o);
+      El::store(out + o, s);
     }
   }
   __syncthreads();
@@ -60,4 +122,4 @@ __global__ void __launch_bounds__(AR_THREADS) mk_allreduce_kernel(const __grid_c
   launch_exit(a.sync, E);
 }
 
-static_assert(sizeof(MkAllreduceArgs) == 152, "MkAllreduceArgs layout changed: update mkernel/ops/allreduce.py");
+static_assert(sizeof(MkAllreduceArgs) == 168, "MkAllreduceArgs layout changed: update mkernel/ops/allreduce.py");

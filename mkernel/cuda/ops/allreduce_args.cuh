@@ -5,24 +5,27 @@
 
 // Device counters (zero between launches: the last CTA resets them).
 #define AR_CNT_ENTER 0
-#define AR_CNT_PUSH 1
-#define AR_CNT_REDUCE 2
-#define AR_CNT_DONE 3
-#define AR_CNT_WORDS 4
+#define AR_CNT_PUSH 1  // push items claimed
+#define AR_CNT_REDUCE 2  // reduce items claimed
+#define AR_CNT_PUSHED 3  // push items finished (in place: out may be written once all are)
+#define AR_CNT_DONE 4
+#define AR_CNT_WORDS 5
 #define AR_THREADS 512
 
 struct MkAllreduceArgs {
   MkSync sync;
   const unsigned long long* peer_base;  // the node's workspace bases (the communicator's peer table)
-  unsigned long long slots_off;  // [world][count] of the input dtype, in every rank's scratch
+  unsigned long long slots_off;  // [world][slot_bytes] in every rank's scratch
   unsigned long long flags_off;  // [world][chunks] u32, the plan's own (symmetric)
-  const void* src;  // [count]
-  void* out;  // [count]
+  const void* src;  // [count], 16-byte aligned
+  void* out;  // [count], 16-byte aligned; may be src (in place)
   unsigned int* counters;  // [AR_CNT_WORDS]
-  unsigned long long count;  // elements, a multiple of 8
-  unsigned int chunk;  // elements per chunk, a multiple of 8
+  unsigned long long count;  // elements
+  unsigned long long slot_bytes;  // one rank's slot: count elements, padded to 16 bytes
+  unsigned int chunk;  // elements per chunk: a multiple of 8
   unsigned int chunks;
   int world;
   int me;
-  unsigned int pad[2];
+  unsigned int in_place;  // out == src: a CTA reduces only once every push of this rank is done
+  unsigned int pad[3];
 };
