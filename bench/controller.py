@@ -11,8 +11,12 @@ controller / best static. Differences inside the confidence intervals are not cl
 
     mpirun -n 2 python3 bench/controller.py [--nodes 2] [--quick] [--out DIR]
 
-Writes bench/results/controller-<gpus>gpu[-<nodes>node].json and a PNG per op (time against comm
-CTAs, the controller's choice marked).
+Ranks sharing a GPU (under MPS) are timed by bench/mps_timing.py's rule instead: every variant's
+figure is the median of BATCHES batches of 50 back-to-back calls, each batch started by a device
+barrier, the variants interleaved batch by batch; static splits GRID_MPS (issue 25).
+
+Writes bench/results/controller-<gpus>gpu[-<nodes>node].json (under MPS controller-<N>rank-mps
+[-<nodes>node].json) and a PNG per op (time against comm CTAs, the controller's choice marked).
 """
 
 import argparse
@@ -26,7 +30,9 @@ import tp as tp_bench  # noqa: E402  (bench/tp.py: the shapes)
 import harness  # noqa: E402
 
 GRID = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+GRID_MPS = (1, 2, 4, 8, 12, 16, 24, 32)
 REPS = 50
+BATCHES = 7  # under MPS: batches of mps_timing.BATCH calls per variant
 SEARCH_CALLS = 16  # enough for the search to hold (it holds after at most 10 observations)
 
 
@@ -73,7 +79,7 @@ def one_ms(comm, fn, lead_ns):
 FIRST_LEAD_NS = 50_000_000  # the first call on a key agrees its bound and computes the prior on the host
 
 
-def bench_shape(op, comm, M, N, K, dt):
+def bench_shape(op, comm, M, N, K, dt, barrier=None):
     from mpi4py import MPI
 
     from mkernel.ops import tp
@@ -95,12 +101,19 @@ def bench_shape(op, comm, M, N, K, dt):
     key = comm.plans.state["autosplit.keys"][(op, M, N, K)].key
     search = autosplit.memory(comm).search(key)
     sms = tp.sm_count()
-    statics = [n for n in GRID if n < sms]
+    statics = [n for n in (GRID_MPS if barrier else GRID) if n < sms]
     variants = statics + ["auto"]
     times = {v: [] for v in variants}
-    for _ in range(REPS):
-        for v in variants:
-            times[v].append(one_ms(comm, lambda v=v: call(v), lead)[0])
+    if barrier:  # ranks at once: batches behind a device barrier, interleaved variant by variant
+        import mps_timing as cc
+
+        for _ in range(BATCHES):
+            for v in variants:
+                times[v] += cc.batch_times(comm, barrier, lambda v=v: call(v), batches=1)
+    else:
+        for _ in range(REPS):
+            for v in variants:
+                times[v].append(one_ms(comm, lambda v=v: call(v), lead)[0])
     record = tp.controller_stats(comm)  # the in-call controller's record of the last "auto" call
     med = {v: harness.median(t) for v, t in times.items()}
     best_n = min(statics, key=lambda n: med[n])
@@ -116,7 +129,8 @@ def bench_shape(op, comm, M, N, K, dt):
         controller_ms=med["auto"], controller_ci95=harness.ci95(times["auto"]),
         controller_sms=search.best, controller_converged=search.converged, controller_record=record,
         static_ms={str(n): med[n] for n in statics}, static_ci95={str(n): harness.ci95(times[n]) for n in statics},
-        bound_note="max(GEMM at tensor peak, bytes over the modelled link)", op=op, reps=REPS)
+        bound_note="max(GEMM at tensor peak, bytes over the modelled link)", op=op,
+        reps=BATCHES if barrier else REPS, mps=bool(barrier), sms_per_rank=sms)
 
 
 def plot(op, rows, path):
@@ -159,6 +173,11 @@ def main():
     comm = mkernel.init(workspace_bytes=6 << 30, gpus_per_node=W // args.nodes if args.nodes > 1 else None,
                         transport=args.transport if args.nodes > 1 else "auto")
     dt = np.dtype(ml_dtypes.bfloat16)
+    barrier = None
+    if comm.gpus_shared:  # ranks share a GPU (under MPS: at once)
+        import mps_timing as cc
+
+        barrier = cc.DeviceBarrier(comm)
     table = tp_bench.QUICK if args.quick else None
     rows = []
     for op in (tp_bench.OPS if args.op == "all" else (args.op,)):
@@ -166,7 +185,7 @@ def main():
         op_rows = []
         for (M, N, K), _goal in shapes:
             try:
-                op_rows.append(bench_shape(op, comm, M, N, K, dt))
+                op_rows.append(bench_shape(op, comm, M, N, K, dt, barrier))
             except mkernel.ArgumentError as e:
                 if comm.rank == 0:
                     print(f"== {op} {M}x{N}x{K}: not run: {e}")
@@ -179,23 +198,25 @@ def main():
                       f"worst {r['worst_static_ms']:.3f} at {r['worst_static_sms']}, first call "
                       f"{r['first_call_ms']:.3f}, auto {r['controller_ms']:.3f} ms at {r['controller_sms']} "
                       f"({r['best_static_ms'] / r['controller_ms']:.3f}x of best static)", flush=True)
+        gpus = len(set(comm.mpi.allgather(comm.device_id)))  # every rank: a collective
         if comm.rank == 0 and op_rows:
-            suffix = f"-{args.nodes}node" if args.nodes > 1 else ""
-            plot(op, op_rows, Path(args.out or harness.RESULTS) / f"controller-{op}-{W}gpu{suffix}.png")
+            name = harness.result_name(f"controller-{op}", gpus, args.nodes, W // gpus)
+            plot(op, op_rows, (Path(args.out or harness.RESULTS) / name).with_suffix(".png"))
         rows += op_rows
         if comm.rank == 0 and rows:  # after every op: a run cut short still leaves its rows
-            write(rows, W, args, comm)
+            write(rows, W, gpus, args, comm)
     comm.close()
 
 
-def write(rows, W, args, comm):
+def write(rows, W, gpus, args, comm):
     ratios = [r["controller_ms"] / r["best_static_ms"] for r in rows]
     geomean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
     transport = (comm.stats()["proxy"] or args.transport) if args.nodes > 1 else "nvlink" if W > 1 else "local"
     note = ("world 1: the comm CTAs reduce (copy) the GEMM's own tiles into out; the split mechanism on "
             "one GPU, not the issue's 2-GPU rows") if W == 1 else ""
-    path = harness.write("controller", rows, gpus=W, nodes=args.nodes, out_dir=args.out, transport=transport,
-                         geomean_vs_best_static=geomean, grid=list(GRID), note=note)
+    grid = GRID_MPS if comm.gpus_shared else GRID
+    path = harness.write("controller", rows, gpus=gpus, nodes=args.nodes, out_dir=args.out, transport=transport,
+                         geomean_vs_best_static=geomean, grid=list(grid), note=note, ranks_per_gpu=W // gpus)
     print(f"SUMMARY controller: geomean controller / best static {geomean:.3f} over {len(rows)} rows -> {path}")
 
 

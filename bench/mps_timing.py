@@ -34,11 +34,16 @@ class DeviceBarrier:
 def batch_ms(comm, barrier, fn, n=BATCH, batches=BATCHES, warmup=WARMUP):
     """Milliseconds of one fn() call: the median over batches of (event pair around n back-to-back
     calls started by the device barrier) / n, the slowest rank's (a host collective: benchmarks only)."""
-    import cupy
-    from mpi4py import MPI
-
     for _ in range(warmup):
         fn()
+    return statistics.median(batch_times(comm, barrier, fn, n=n, batches=batches))
+
+
+def batch_times(comm, barrier, fn, n=BATCH, batches=BATCHES):
+    """Per batch, the milliseconds of one fn() call (event pair around n back-to-back calls started
+    by the device barrier, / n), each the slowest rank's; no warm-up."""
+    import cupy
+
     times = []
     for _ in range(batches):
         barrier()
@@ -50,7 +55,11 @@ def batch_ms(comm, barrier, fn, n=BATCH, batches=BATCHES, warmup=WARMUP):
         stop.synchronize()
         times.append(cupy.cuda.get_elapsed_time(start, stop) / n)
     comm.check()
-    return comm.mpi.allreduce(statistics.median(times), op=MPI.MAX)
+    return comm.mpi.allreduce(times, op=_elementwise_max)
+
+
+def _elementwise_max(a, b, _datatype=None):
+    return [max(x, y) for x, y in zip(a, b)]
 
 
 def host_link_gbs(comm, barrier, nbytes=256 << 20):
