@@ -58,6 +58,43 @@ def batch_times(comm, barrier, fn, n=BATCH, batches=BATCHES):
     return comm.mpi.allreduce(times, op=_elementwise_max)
 
 
+def graph_batch_ms(comm, barrier, fn, n=BATCH, batches=BATCHES):
+    """batch_ms of fn() with n calls captured once in a CUDA graph (on a stream of its own) and the
+    graph replayed per batch: the device's time per call without the host's launch work. Raises
+    what the capture raised (an op that allocates or synchronises inside a call cannot be captured)."""
+    import cupy
+    from mpi4py import MPI
+
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        fn()  # a shape's first call (agreement, plans) stays out of the capture
+        s.synchronize()
+        error, graph = None, None
+        try:  # nothing runs while capturing, so a rank whose capture failed diverges from no one
+            s.begin_capture()
+            try:
+                for _ in range(n):
+                    fn()
+            finally:
+                graph = s.end_capture()
+        except Exception as e:  # noqa: BLE001
+            error = f"{type(e).__name__}: {e}"
+        if not comm.mpi.allreduce(error is None, op=MPI.LAND):
+            raise RuntimeError(f"CUDA graph capture failed: {error or 'on another rank'}")
+        graph.launch(s)  # warm-up replay
+        times = []
+        for _ in range(batches):
+            barrier()
+            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record(s)
+            graph.launch(s)
+            stop.record(s)
+            stop.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, stop) / n)
+    comm.check()
+    return comm.mpi.allreduce(statistics.median(times), op=MPI.MAX)
+
+
 def _elementwise_max(a, b, _datatype=None):
     return [max(x, y) for x, y in zip(a, b)]
 

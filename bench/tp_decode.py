@@ -84,6 +84,13 @@ def main():
         diff = max(float(cupy.linalg.norm(results[p] - results["unfused"]) / cupy.linalg.norm(results["unfused"]))
                    for p in paths)
         t = {p: timed(fn) for p, fn in f.items()}
+        graph = {}  # the device's time per call (n calls in one CUDA graph): what the host's launch work hides
+        if shared:
+            for p in ("latency", "gemm", "allreduce"):
+                try:
+                    graph[p] = cc.graph_batch_ms(comm, barrier, f[p])
+                except Exception as e:  # noqa: BLE001  (a capture that fails is reported, not fatal)
+                    graph[p] = f"capture failed: {type(e).__name__}: {e}"[:200]
         best = min(paths, key=t.__getitem__)
         bound = N * K * 2 / rate * 2 * 1e3  # this rank's weights read once (read bytes = half the copy's)
         hidden = (t["unfused"] - t[best]) / t["allreduce"]
@@ -91,14 +98,14 @@ def main():
                                 fused_ms=t.get("fused"), gemm_ms=t["gemm"], allreduce_ms=t["allreduce"],
                                 unfused_ms=t["unfused"], best_path=best, allreduce_hidden=hidden,
                                 over_gemm_us=(t[best] - t["gemm"]) * 1e3, rel_diff_unfused=diff, mps=bool(shared),
-                                world=W, baseline="mkernel.gemm then mkernel.allreduce"))
+                                world=W, baseline="mkernel.gemm then mkernel.allreduce", graph_ms=graph))
         if comm.rank == 0:
             r = rows[-1]
             fused = f"{t['fused'] * 1e3:8.1f}" if "fused" in t else "     n/a"
             print(f"{M:4d} {N:6d} {K:6d}  latency {t['latency'] * 1e3:8.1f} us  fused {fused} us  gemm "
                   f"{t['gemm'] * 1e3:7.1f} us  allreduce {t['allreduce'] * 1e3:6.1f} us  unfused "
                   f"{t['unfused'] * 1e3:8.1f} us  over gemm {r['over_gemm_us']:6.1f} us  hidden {hidden:5.2f}  "
-                  f"rel diff {diff:.1e}", flush=True)
+                  f"rel diff {diff:.1e}  graph {graph}", flush=True)
         comm.release_plans()
     gpus = len(set(comm.mpi.allgather(comm.device_id)))  # every rank: a collective
     if comm.rank == 0:

@@ -29,7 +29,8 @@ class MkAllreduceArgs(ctypes.Structure):
                 ("flags_off", ctypes.c_uint64), ("src", ctypes.c_void_p), ("out", ctypes.c_void_p),
                 ("counters", ctypes.c_void_p), ("count", ctypes.c_uint64), ("slot_bytes", ctypes.c_uint64),
                 ("chunk", ctypes.c_uint32), ("chunks", ctypes.c_uint32), ("world", ctypes.c_int32),
-                ("me", ctypes.c_int32), ("in_place", ctypes.c_uint32), ("pad", ctypes.c_uint32 * 3)]
+                ("me", ctypes.c_int32), ("in_place", ctypes.c_uint32), ("src_is_slot", ctypes.c_uint32),
+                ("pad", ctypes.c_uint32 * 2)]
 
 
 def allreduce(x, *, comm, out=None, stream=None):
@@ -46,12 +47,32 @@ def allreduce(x, *, comm, out=None, stream=None):
     in_place = out.data.ptr == x.data.ptr
     dst = _aligned(out, stream, keep=in_place)
     src = dst if in_place else _aligned(x, stream, keep=True)  # in place: each chunk is sent before it is summed
-    plan, template = _plan(comm, x)
+    plan, template = _plan(comm, x.size, x.dtype)
     _launch(comm, template, src, dst, stream)
     if dst is not out:
         with tp.on_stream(stream):
             out[...] = dst
     return out
+
+
+def own_slot(comm, shape, dtype):
+    """For a producer that writes this rank's contribution straight into the all-reduce's scratch
+    (gemm_allreduce's latency path): (slot, finish). ``slot`` is a contiguous array of ``shape``
+    and ``dtype`` in this rank's own slot, valid until ``finish(out, stream)`` (collective, after
+    the producer's work on ``stream``) has launched the all-reduce of it into ``out`` (contiguous,
+    16-byte aligned, outside the workspace). No copy of the own contribution, no allocation."""
+    import numpy
+
+    dt = numpy.dtype(dtype)
+    count = int(numpy.prod(shape))
+    tp.agree_call(OP, comm, (OP, count, dt.name, "from slot"), "one node")
+    plan, template = _plan(comm, count, dt)
+    slot = plan["slots"][comm.local_rank, :count].reshape(shape)
+
+    def finish(out, stream=None):
+        _launch(comm, template, slot, out, stream, src_is_slot=True)
+        return out
+    return slot, finish
 
 
 def _check(comm, x, out, stream):
@@ -94,10 +115,10 @@ def _aligned(arr, stream, keep):
     return copy
 
 
-def _plan(comm, x):
+def _plan(comm, count, dt):
     """(plan, launch template) per (elements, dtype): every rank's slot in the scratch (padded to 16
     bytes), the chunk flags the plan's own."""
-    count, dt, W = x.size, x.dtype, comm.size
+    W = comm.size
     chunks = -(-count // CHUNK)
     slot = -(-count * dt.itemsize // 16) * 16 // dt.itemsize
     sizes = [("slots", (W, slot), dt), ("flags", (W * chunks,), "uint32")]
@@ -114,13 +135,14 @@ def _plan(comm, x):
     return plan, tp.launch_template(plan, (), build)
 
 
-def _launch(comm, template, src, out, stream):
+def _launch(comm, template, src, out, stream, src_is_slot=False):
     from mkernel.runtime.launch import launch_persistent, persistent_grid
 
     args = MkAllreduceArgs.from_buffer_copy(template["args"])
     args.sync = comm.sync_args(OP)
     args.src, args.out = src.data.ptr, out.data.ptr
     args.in_place = int(src.data.ptr == out.data.ptr)
+    args.src_is_slot = int(src_is_slot)
     fn = _compile.module(SPEC).function(f"{KERNEL}<{ELEMENT[src.dtype.name]}>")
     grid = persistent_grid(fn, THREADS, 0, blocks=min(args.chunks * args.world, MAX_CTAS, tp.sm_count()), what=OP)
     launch_persistent(fn, (grid,), (THREADS,), args, smem=0, stream=stream)

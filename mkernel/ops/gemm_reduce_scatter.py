@@ -104,19 +104,31 @@ def _fallback(allreduce, comm, c, stream):
 
 
 def _latency(comm, c, stream):
-    """gemm_allreduce at few rows: this rank's partial by the GEMM engine (its decode path), then the
-    one-shot all-reduce into out (through a contiguous copy where out's rows are strided)."""
-    from mkernel.ops.allreduce import allreduce
+    """gemm_allreduce at few rows: this rank's partial by the GEMM engine (its decode path) straight
+    into its slot of the one-shot all-reduce's scratch, then the all-reduce into out (through a
+    contiguous copy where out's rows are strided). Nothing allocated per call."""
+    from mkernel.ops import allreduce as _ar
 
-    cupy = tp.cupy_mod()
+    slot, finish = _ar.own_slot(comm, (c.M, c.N), c.a.dtype)
+    _gemm.gemm(c.a, c.b, out=slot, stream=stream, b_layout="kn" if c.layout == tp.B_KN else "nk")
+    if c.out.flags.c_contiguous and c.out.data.ptr % 16 == 0:
+        finish(c.out, stream)
+        return
+    dst = _latency_out(comm, c)
+    finish(dst, stream)
     with tp.on_stream(stream):
-        partial = cupy.empty((c.M, c.N), dtype=c.a.dtype)
-    _gemm.gemm(c.a, c.b, out=partial, stream=stream, b_layout="kn" if c.layout == tp.B_KN else "nk")
-    dst = c.out if c.out.flags.c_contiguous else None
-    dst = allreduce(partial, comm=comm, out=dst, stream=stream)
-    if dst is not c.out:
-        with tp.on_stream(stream):
-            c.out[...] = dst
+        c.out[...] = dst
+
+
+def _latency_out(comm, c):
+    """The latency path's contiguous output where the caller's is strided: one buffer per
+    communicator, grown to the largest call (this rank's own: out's strides may differ by rank)."""
+    cupy = tp.cupy_mod()
+    nbytes = c.M * c.N * c.a.dtype.itemsize
+    buf = comm.plans.state.get("gemm_allreduce.latency out")
+    if buf is None or buf.nbytes < nbytes:
+        buf = comm.plans.state["gemm_allreduce.latency out"] = cupy.empty(nbytes, cupy.uint8)
+    return buf[:nbytes].view(c.a.dtype).reshape(c.M, c.N)
 
 
 def _plan(op, allreduce, comm, c):

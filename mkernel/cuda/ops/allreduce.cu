@@ -75,8 +75,9 @@ __global__ void __launch_bounds__(AR_THREADS, 1) mk_allreduce_kernel(const __gri
     const u64 first = (u64)c * a.chunk, n = min((u64)a.chunk, a.count - first), whole = n / El::PER_VEC * 16;
     const u8* src = reinterpret_cast<const u8*>(a.src) + first * El::BYTES;
     u8* dst = peer_ptr<u8>(peers, d, a.slots_off) + me * a.slot_bytes + first * El::BYTES;
-    copy_span<TP_IN_FLIGHT>(dst, src, whole, threadIdx.x, blockDim.x);
-    if (threadIdx.x < n % El::PER_VEC) {  // the partial vector: one element per thread
+    const bool move = !(a.src_is_slot && d == me);  // the own slot may hold the data already
+    if (move) copy_span<TP_IN_FLIGHT>(dst, src, whole, threadIdx.x, blockDim.x);
+    if (move && threadIdx.x < n % El::PER_VEC) {  // the partial vector: one element per thread
       const u64 o = whole + threadIdx.x * El::BYTES;
       if (El::BYTES == 4)
         *reinterpret_cast<u32*>(dst + o) = __ldcg(reinterpret_cast<const u32*>(src + o));

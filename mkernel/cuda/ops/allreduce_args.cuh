@@ -27,5 +27,6 @@ struct MkAllreduceArgs {
   int world;
   int me;
   unsigned int in_place;  // out == src: a CTA reduces only once every push of this rank is done
-  unsigned int pad[3];
+  unsigned int src_is_slot;  // src is this rank's own slot (written before the launch): no own push
+  unsigned int pad[2];
 };
