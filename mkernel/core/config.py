@@ -37,8 +37,12 @@ class Config:
     transport_gbps: types.MappingProxyType = dataclasses.field(default_factory=lambda: types.MappingProxyType(
         {"host": 20.0, "tcp": 1.5, "verbs": 25.0}))
     gemm_tflops: float = 650.0
-    # mkernel.gemm at M up to this (0: never) with B as [N, K] takes the decode path (gemm_decode.py).
+    # mkernel.gemm at M up to this (0: never; at most 256) with B as [N, K] takes the decode path
+    # (gemm_decode.py).
     gemm_decode_max_m: int = 64
+    # The decode path's tokens per CTA above 32 tokens: 32 (CTAs of 32 tokens side by side, B read
+    # again from L2) or 64 (one CTA, half the loads in flight).
+    gemm_decode_group: int = 32
 
     def __post_init__(self):
         if self.tp_controller not in CONTROLLER_SETTINGS:
@@ -49,6 +53,8 @@ class Config:
             zero_ok = name.startswith("tp_fuse") or name in ("gemm_decode_max_m", "tp_latency_max_rows")
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if zero_ok else 1):
                 raise ArgumentError(f"{name} must be a {'non-negative' if zero_ok else 'positive'} integer; got {v!r}")
+        if self.gemm_decode_group not in (32, 64):
+            raise ArgumentError(f"gemm_decode_group must be 32 or 64; got {self.gemm_decode_group!r}")
         for name in ("tp_join_reduce", "moe_join_gemm"):
             if not isinstance(getattr(self, name), bool):
                 raise ArgumentError(f"{name} must be True or False; got {getattr(self, name)!r}")

@@ -18,6 +18,7 @@ ROWS = 128  # MK_DECODE_ROWS: rows of B per CTA
 THREADS = 256  # MK_DECODE_THREADS
 RESIDENT = 2  # CTAs per SM (launch bounds)
 M_TILES = (8, 16, 32, 64)  # token columns of the instantiations
+MAX_M = 256  # tokens the path takes at most (config.gemm_decode_max_m picks up to this)
 MIN_SPLIT_K = 512  # elements of K a range keeps at least (its loads must still fill the pipe)
 # The split of K is planned for this many SMs whatever the device has (H100 / H200: 132), so that
 # the sums (their grouping by range) and the bits are the same on 66 SMs of an MPS share as on 132.
@@ -49,18 +50,24 @@ class MkDecodeArgs(ctypes.Structure):
 
 def eligible(M: int, layout_nk: bool, *, controls: bool) -> bool:
     """Whether ``gemm`` takes the decode path: few rows, weights as [N, K], no fused-op controls."""
-    return layout_nk and not controls and 1 <= M <= min(config.get().gemm_decode_max_m, M_TILES[-1])
+    return layout_nk and not controls and 1 <= M <= min(config.get().gemm_decode_max_m, MAX_M)
 
 
-def m_tile(M: int) -> int:
-    return next(mt for mt in M_TILES if mt >= M)
+def m_tile(M: int) -> tuple:
+    """(MT, groups): token columns per CTA and token groups (blockIdx.z). Up to 32 tokens one CTA
+    of the narrowest tile that holds them; above, groups of config.gemm_decode_group tokens."""
+    if M <= 32:
+        return next(mt for mt in M_TILES if mt >= M), 1
+    mt = config.get().gemm_decode_group
+    return mt, -(-M // mt)
 
 
-def split_k(N: int, K: int, mt: int) -> tuple:
-    """(splits, k_split): enough ranges of K that the CTAs fill SPLIT_SMS SMs RESIDENT deep, each a
-    multiple of the kernel's step and at least MIN_SPLIT_K long; a function of the shape only."""
+def split_k(N: int, K: int, mt: int, groups: int = 1) -> tuple:
+    """(splits, k_split): enough ranges of K that the CTAs (row blocks x token groups x ranges)
+    fill SPLIT_SMS SMs RESIDENT deep, each a multiple of the kernel's step and at least MIN_SPLIT_K
+    long; a function of the shape (and config.gemm_decode_group) only."""
     step = 32 * unroll(mt)
-    blocks = -(-N // ROWS)
+    blocks = -(-N // ROWS) * groups
     want = max(1, (RESIDENT * SPLIT_SMS) // blocks)
     most = max(1, K // MIN_SPLIT_K)
     splits = min(want, most)
@@ -72,8 +79,8 @@ def split_k(N: int, K: int, mt: int) -> tuple:
 def build(a, b_arr, out, out_code, *, M, N, K, accumulate, partial):
     """(function, grid, args, buffer) of one launch. ``partial(nbytes, blocks)`` returns the
     stream's (partials, counts) buffer of at least that size (only called for splits > 1)."""
-    mt = m_tile(M)
-    splits, k_split = split_k(N, K, mt)
+    mt, groups = m_tile(M)
+    splits, k_split = split_k(N, K, mt, groups)
     blocks = -(-N // ROWS)
     args = MkDecodeArgs()
     args.a, args.b, args.out = a.data.ptr, b_arr.data.ptr, out.data.ptr
@@ -84,10 +91,10 @@ def build(a, b_arr, out, out_code, *, M, N, K, accumulate, partial):
     args.epi_op = 1 if accumulate else 0
     buffer = None
     if splits > 1:
-        buffer = partial(splits * M * N * 4, blocks)
+        buffer = partial(splits * M * N * 4, blocks * groups)
         args.partial, args.counts = buffer.partial_ptr, buffer.counts_ptr
     fn = _compile.module(SPEC).function(kernel_expr(DT[a.dtype.name], out_code, mt))
-    return fn, (blocks, splits), args, buffer
+    return fn, (blocks, splits, groups), args, buffer
 
 
 class Partials:

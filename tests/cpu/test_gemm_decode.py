@@ -5,6 +5,7 @@ with two CTAs of registers per SM and the HMMA it is built on."""
 import pytest
 
 from mkernel import config
+from mkernel.core.errors import ArgumentError
 from mkernel.engines import gemm_decode as dec
 from mkernel.runtime import compile as mkc
 
@@ -19,13 +20,14 @@ def test_args_mirror_matches_c_layout(tmp_path):
 @pytest.mark.parametrize("N,K", [(8192, 8192), (4096, 14336), (14336, 4096), (10240, 8192), (8192, 28672),
                                  (8200, 1032), (3000, 2000), (8, 8), (264, 136), (128, 512), (100000, 64)])
 @pytest.mark.parametrize("mt", dec.M_TILES)
-def test_k_ranges_cover_k_once_in_whole_steps(N, K, mt):
-    splits, k_split = dec.split_k(N, K, mt)  # the shape alone: the same bits on any number of SMs
+@pytest.mark.parametrize("groups", [1, 3])
+def test_k_ranges_cover_k_once_in_whole_steps(N, K, mt, groups):
+    splits, k_split = dec.split_k(N, K, mt, groups)  # the shape alone: the same bits on any number of SMs
     step = 32 * dec.unroll(mt)
     assert splits >= 1 and k_split % step == 0
     assert (splits - 1) * k_split < K <= splits * k_split  # every range starts inside K
     assert splits == 1 or k_split >= dec.MIN_SPLIT_K
-    blocks = -(-N // dec.ROWS)
+    blocks = -(-N // dec.ROWS) * groups
     assert splits == 1 or blocks * splits <= dec.RESIDENT * dec.SPLIT_SMS + blocks  # about one wave on 132
 
 
@@ -38,7 +40,14 @@ def test_the_path_is_chosen_by_shape_layout_and_knob():
         assert dec.eligible(16, True, controls=False) and not dec.eligible(17, True, controls=False)
     with config.override(gemm_decode_max_m=0):
         assert not dec.eligible(1, True, controls=False)
-    assert [dec.m_tile(m) for m in (1, 8, 9, 16, 17, 33, 64)] == [8, 8, 16, 16, 32, 64, 64]
+    assert [dec.m_tile(m) for m in (1, 8, 9, 16, 17, 32)] == [(8, 1), (8, 1), (16, 1), (16, 1), (32, 1), (32, 1)]
+    assert [dec.m_tile(m) for m in (33, 64, 65, 256)] == [(32, 2), (32, 2), (32, 3), (32, 8)]
+    with config.override(gemm_decode_group=64):
+        assert [dec.m_tile(m) for m in (33, 64, 65)] == [(64, 1), (64, 1), (64, 2)]
+    with config.override(gemm_decode_max_m=256):
+        assert dec.eligible(256, True, controls=False) and not dec.eligible(257, True, controls=False)
+    with pytest.raises(ArgumentError), config.override(gemm_decode_group=48):
+        pass
 
 
 @pytest.fixture(scope="module")

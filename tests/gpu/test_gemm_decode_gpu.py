@@ -79,7 +79,7 @@ def test_random_inputs_against_float64(M, N, K, kind, decode_calls):
     got = host(_run(a, w, dt)).astype(np.float64)
     ref = a @ w.T
     assert np.isfinite(got).all(), "NaN left in the output (a row or column not written)"
-    assert _rel(got, ref) < REL_TOL, (M, N, K, kind, _rel(got, ref), dec.split_k(N, K, dec.m_tile(M)))
+    assert _rel(got, ref) < REL_TOL, (M, N, K, kind, _rel(got, ref), dec.split_k(N, K, *dec.m_tile(M)))
     assert decode_calls == [M]
 
 
@@ -97,9 +97,22 @@ def test_integer_inputs_bitwise_per_tile(M, N, K, kind):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("group", [32, 64])
+@pytest.mark.parametrize("M,N,K", [(40, 1032, 2048), (64, 4096, 1024), (100, 264, 4104), (256, 520, 136)])
+def test_token_groups_exact_and_the_same_bits_as_one_group(M, N, K, group, decode_calls):
+    """Above 32 tokens, CTAs of `group` tokens side by side (blockIdx.z); M up to 256 by the knob:
+    integer inputs exact, every token group's rows written."""
+    a, w = _inputs(21 + M, M, N, K, BF16, integer=True)
+    with config.override(gemm_decode_max_m=256, gemm_decode_group=group):
+        got = bits(_run(a, w, BF16))
+    assert np.array_equal(got, (a @ w.T).astype(BF16).view(np.uint16)), (M, N, K, group)
+    assert decode_calls == [M]
+
+
+@pytest.mark.gpu
 def test_several_k_ranges_are_taken_and_reduced_in_order():
     M, N, K = 5, 256, 16384  # 2 row blocks: many ranges of K
-    assert dec.split_k(N, K, dec.m_tile(M))[0] > 1
+    assert dec.split_k(N, K, *dec.m_tile(M))[0] > 1
     a, w = _inputs(3, M, N, K, BF16, integer=False)
     outs = [bits(_run(a, w, BF16)) for _ in range(3)]  # the counters reset: launches 2 and 3 reduce too
     assert all(np.array_equal(outs[0], o) for o in outs[1:]), "not bitwise equal from launch to launch"

@@ -2,8 +2,9 @@
 // reading the weights b once. Swap-AB on mma.sync.m16n8k16: b's rows take the 16-row side, the
 // tokens the 8-column side. Each warp streams 16 rows of b along K with 16-byte loads (4 lanes
 // read 64 contiguous bytes of a row per 32 elements of K, U such steps in flight); a CTA is 8
-// warps (128 rows of b) over one K range (blockIdx.y of `splits`). The tokens' slice of a for a
-// step is staged once per CTA in shared memory (cp.async, two stages), not once per warp.
+// warps (128 rows of b) over one K range (blockIdx.y of `splits`) and MT tokens (group blockIdx.z:
+// tokens z * MT ...). The tokens' slice of a for a step is staged once per CTA in shared memory
+// (cp.async, two stages), not once per warp.
 //
 // K order inside a 32-element step: lane t's 16 bytes (elements 8t..8t+7) feed the k-slots
 // {2t, 2t+1, 2t+8, 2t+9} of two mmas (elements 8t..8t+3, then 8t+4..8t+7). The same bijection
@@ -71,10 +72,10 @@ MK_DEV uint4 lds_v4(u32 addr) {
   return v;
 }
 
-// A's slice [0, MT) x [k0, k0 + STEP) into a stage, every thread of the CTA (tokens past m and
-// K past k_end read as zeros).
+// A's slice [tok0, tok0 + MT) x [k0, k0 + STEP) into a stage, every thread of the CTA (tokens past
+// m and K past k_end read as zeros).
 template <int MT>
-MK_DEV void stage_a(const MkDecodeArgs& args, u32 stage, i64 k0, i64 k_end) {
+MK_DEV void stage_a(const MkDecodeArgs& args, u32 stage, i64 tok0, i64 k0, i64 k_end) {
   using Cfg = DecodeCfg<MT>;
   constexpr int PER_ROW = Cfg::STEP / 8;
 #pragma unroll
@@ -83,8 +84,8 @@ MK_DEV void stage_a(const MkDecodeArgs& args, u32 stage, i64 k0, i64 k_end) {
     if (Cfg::VECS % MK_DECODE_THREADS && v >= Cfg::VECS) break;
     const int tok = v / PER_ROW, c = v - tok * PER_ROW;
     const i64 k = k0 + 8 * c;
-    const bool in = tok < args.m && k < k_end;
-    const u8* src = reinterpret_cast<const u8*>(args.a) + (in ? ((i64)tok * args.lda + k) * 2 : 0);
+    const bool in = tok0 + tok < args.m && k < k_end;
+    const u8* src = reinterpret_cast<const u8*>(args.a) + (in ? ((tok0 + tok) * args.lda + k) * 2 : 0);
     cp_async_16(stage + tok * Cfg::ROW_BYTES + c * 16, src, in);
   }
 }
@@ -127,7 +128,7 @@ __global__ void __launch_bounds__(MK_DECODE_THREADS, 2)
   const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const u32 g = lane >> 2, t = lane & 3;
   const i64 r0 = (i64)blockIdx.x * MK_DECODE_ROWS + warp * 16 + g, r1 = r0 + 8;  // rows of b
-  const i64 K = args.k, k_begin = (i64)blockIdx.y * args.k_split;
+  const i64 K = args.k, k_begin = (i64)blockIdx.y * args.k_split, tok0 = (i64)blockIdx.z * MT;
   const i64 k_end = k_begin + args.k_split < K ? k_begin + args.k_split : K;
   const u8* b0p = reinterpret_cast<const u8*>(args.b) + (r0 < args.n ? r0 : 0) * args.ldb * 2;
   const u8* b1p = reinterpret_cast<const u8*>(args.b) + (r1 < args.n ? r1 : 0) * args.ldb * 2;
@@ -139,7 +140,7 @@ __global__ void __launch_bounds__(MK_DECODE_THREADS, 2)
   __shared__ __align__(16) u8 sa[2][Cfg::STAGE_BYTES];
   const u32 sa0 = (u32)__cvta_generic_to_shared(&sa[0][0]);
 
-  stage_a<MT>(args, sa0, k_begin, k_end);
+  stage_a<MT>(args, sa0, tok0, k_begin, k_end);
   cp_async_commit();
   u32 s = 0;
   for (i64 k0 = k_begin; k0 < k_end; k0 += Cfg::STEP, s ^= 1) {
@@ -153,7 +154,7 @@ __global__ void __launch_bounds__(MK_DECODE_THREADS, 2)
       bv[u][0] = in && b0ok ? ld_stream_v4(b0p + k * 2) : zero;
       bv[u][1] = in && b1ok ? ld_stream_v4(b1p + k * 2) : zero;
     }
-    if (k0 + Cfg::STEP < k_end) stage_a<MT>(args, sa0 + (s ^ 1) * Cfg::STAGE_BYTES, k0 + Cfg::STEP, k_end);
+    if (k0 + Cfg::STEP < k_end) stage_a<MT>(args, sa0 + (s ^ 1) * Cfg::STAGE_BYTES, tok0, k0 + Cfg::STEP, k_end);
     cp_async_commit();
     const u32 base = sa0 + s * Cfg::STAGE_BYTES + g * Cfg::ROW_BYTES + t * 16;
 #pragma unroll
@@ -173,7 +174,7 @@ __global__ void __launch_bounds__(MK_DECODE_THREADS, 2)
     for (int j = 0; j < Cfg::BLOCKS; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const u64 tok = (u64)j * 8 + 2 * t + (e & 1), row = (u64)(e < 2 ? r0 : r1);
+        const u64 tok = (u64)tok0 + j * 8 + 2 * t + (e & 1), row = (u64)(e < 2 ? r0 : r1);
         if (tok < M && row < N) {
           const u64 i = tok * ldc + row;
           store_out<OUT>(args.out, i, args.epi_op == MK_EPI_ADD ? acc[j][e] + load_out<OUT>(args.out, i) : acc[j][e]);
@@ -186,13 +187,14 @@ __global__ void __launch_bounds__(MK_DECODE_THREADS, 2)
   for (int j = 0; j < Cfg::BLOCKS; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const u64 tok = (u64)j * 8 + 2 * t + (e & 1), row = (u64)(e < 2 ? r0 : r1);
+      const u64 tok = (u64)tok0 + j * 8 + 2 * t + (e & 1), row = (u64)(e < 2 ? r0 : r1);
       if (tok < M && row < N) __stcg(part + ((u64)blockIdx.y * M + tok) * N + row, acc[j][e]);
     }
   __threadfence();
   __syncthreads();
   __shared__ u32 s_last;
-  if (threadIdx.x == 0) s_last = atomicAdd(&args.counts[blockIdx.x], 1u) + 1 == (u32)args.splits;
+  u32* count = args.counts + blockIdx.z * gridDim.x + blockIdx.x;  // this CTA's rows and tokens
+  if (threadIdx.x == 0) s_last = atomicAdd(count, 1u) + 1 == (u32)args.splits;
   __syncthreads();
   if (!s_last) return;
   __threadfence();  // every split's partial (published before its arrival) is visible now
@@ -201,7 +203,7 @@ __global__ void __launch_bounds__(MK_DECODE_THREADS, 2)
   for (int j = 0; j < Cfg::BLOCKS; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const u64 tok = (u64)j * 8 + 2 * t + (e & 1), row = (u64)(e < 2 ? r0 : r1);
+      const u64 tok = (u64)tok0 + j * 8 + 2 * t + (e & 1), row = (u64)(e < 2 ? r0 : r1);
       if (tok < M && row < N) {
         float v = 0.f;
         for (u32 s = 0; s < S; ++s) v += __ldcg(part + ((u64)s * M + tok) * N + row);
@@ -209,7 +211,7 @@ __global__ void __launch_bounds__(MK_DECODE_THREADS, 2)
         store_out<OUT>(args.out, i, args.epi_op == MK_EPI_ADD ? v + load_out<OUT>(args.out, i) : v);
       }
     }
-  if (threadIdx.x == 0) args.counts[blockIdx.x] = 0;  // zero for the next launch (stream ordered)
+  if (threadIdx.x == 0) *count = 0;  // zero for the next launch (stream ordered)
 }
 
 static_assert(sizeof(MkDecodeArgs) == 96, "MkDecodeArgs layout changed: update mkernel/engines/gemm_decode.py");

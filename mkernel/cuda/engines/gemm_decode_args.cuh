@@ -12,7 +12,7 @@ struct MkDecodeArgs {
   const void* b;  // [n, k] rows contiguous, row stride ldb elements (the weights, w as stored)
   void* out;  // [m, n] row stride ldc elements
   float* partial;  // splits > 1: [splits][m][n] fp32 partial sums (transient)
-  unsigned int* counts;  // splits > 1: [ceil(n / MK_DECODE_ROWS)] arrivals, zero between launches
+  unsigned int* counts;  // splits > 1: [token groups][ceil(n / MK_DECODE_ROWS)] arrivals, zero between launches
   long long lda;
   long long ldb;
   long long ldc;
