@@ -145,3 +145,30 @@ def test_gemm_allreduce_latency_path(comm, M, strided):
         results.append((got_arr is out, bool(np.isfinite(got).all()), err, same, digest))
     ok = all(r[0] and r[1] and r[2] < 1e-2 and r[3] for r in results) and len({r[4] for r in results}) == 1
     assert all_ranks(comm.mpi, ok), results
+
+
+def test_captured_in_a_cuda_graph_and_replayed_a_thousand_times(comm):
+    """mkernel.allreduce captured once on every rank and replayed 1000 times (the epochs live on
+    the device): exact integer sums each time, the same bits on every rank."""
+    import cupy
+
+    W, n = comm.size, 3 * 8192 + 40
+    xs = [_x(70, r, (n,), DTYPES["bf16"], True) for r in range(W)]
+    want = sum(xs).astype(DTYPES["bf16"])
+    x = dev(xs[comm.rank].astype(DTYPES["bf16"]))
+    out = cupy.empty_like(x)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        mkernel.allreduce(x, comm=comm, out=out)  # the shape's first call (agreement, plan) outside
+        stream.synchronize()
+        stream.begin_capture()
+        mkernel.allreduce(x, comm=comm, out=out)
+        graph = stream.end_capture()
+        want_d = dev(want)
+        bad = cupy.zeros((), cupy.int64)
+        for _ in range(1000):
+            graph.launch(stream)
+            bad += cupy.count_nonzero(out.view(cupy.uint16) != want_d.view(cupy.uint16))
+        stream.synchronize()
+    comm.check()
+    assert all_ranks(comm.mpi, int(bad) == 0), int(bad)
