@@ -1,11 +1,14 @@
-"""Where gemm_reduce_scatter between emulated nodes goes wrong (session 13: the unfused path at 3
-nodes x 1 rank, first launch after the scratch grew, gave wrong tiles under MPS). Runs one call
-sequence on integer inputs (exact) and prints, per call, the wrong elements by tile and the proxy's
-byte counts. Sequences (--seq):
+"""gemm_reduce_scatter between 3 emulated nodes x 1 rank, call by call (sessions 13-14: the unfused
+path gave wrong tiles under MPS at 33%; the cause was cuBLAS itself at 42 SMs, bench/NOTES.md).
+Runs one call sequence on integer inputs (exact) and prints, per call, the wrong elements by tile,
+which node partials they lack, and the proxy's byte counts. Sequences (--seq):
 
-  grown   fused c0, c1, c2, then unfused c0 (the failing one: c1 grows the scratch, c0's plan is rebuilt)
-  first   unfused c0 first, in a fresh process
-  pregrow c2 first (the scratch at its largest), then fused c0, unfused c0
+  grown    fused c0, c1, c2, then unfused c0 (c1 grows the scratch, c0's plan is rebuilt)
+  first    unfused c0 first, in a fresh process
+  pregrow  c2 first (the scratch at its largest), then fused c0, unfused c0
+  unfused  every case unfused
+  matmul   cupy.matmul alone against float64, then the op unfused
+  sms      unfused c0 with 1, 2 and 16 comm CTAs, fused with 1
 
     mpirun -n 3 --oversubscribe --bind-to none python3 tools/nodes_diag.py --seq grown
 """
@@ -19,7 +22,7 @@ SEQS = {"grown": [("c0", "fused"), ("c1", "fused"), ("c2", "fused"), ("c0", "unf
         "first": [("c0", "unfused"), ("c0", "fused")],
         "pregrow": [("c2", "fused"), ("c0", "fused"), ("c0", "unfused")],
         "unfused": [("c2", "unfused"), ("c1", "unfused"), ("c0", "unfused"), ("c0", "unfused")],
-        "matmul": [("c0", "matmul"), ("c0", "unfused"), ("c0", "unfused-sync"), ("c0", "matmul"), ("c0", "unfused")],
+        "matmul": [("c0", "matmul"), ("c0", "unfused"), ("c0", "matmul")],
         "sms": [("c0", "unfused", 1), ("c0", "unfused", 2), ("c0", "unfused", 16), ("c0", "fused", 1)]}
 
 
@@ -52,8 +55,6 @@ def main():
             where = f", rows {r.min()}..{r.max()}, cols {c.min()}..{c.max()}" if bad.any() else ""
             print(f"rank {comm.rank}: cupy.matmul {M}x{N}x{K}: {int(bad.sum())} wrong{where}", flush=True)
             continue
-        _sync_after_matmul(path == "unfused-sync")
-        path = path.replace("-sync", "")
         out = cupy.full((mb, N), np.nan, dtype=np.float16)
         sent0 = sum(s["bytes_sent"] for s in comm.stats().get("peers", {}).values())
         mkernel.gemm_reduce_scatter(cupy.asarray(parts[comm.rank]), cupy.asarray(b), comm=comm, out=out, path=path,
@@ -72,23 +73,6 @@ def main():
         if comm.rank == 0:
             print("\n".join(lines), flush=True)
     comm.close()
-
-
-def _sync_after_matmul(on):
-    """unfused-sync: the unfused path's cuBLAS partial is waited for before the op's kernel launches."""
-    from mkernel.ops import tp
-    if not hasattr(tp, "_diag_matmul"):
-        tp._diag_matmul = tp.matmul
-    if not on:
-        tp.matmul = tp._diag_matmul
-        return
-
-    def matmul(*a, **k):
-        import cupy
-        r = tp._diag_matmul(*a, **k)
-        cupy.cuda.get_current_stream().synchronize()
-        return r
-    tp.matmul = matmul
 
 
 def _explain(got, want, contrib, bad):
