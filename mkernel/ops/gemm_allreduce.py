@@ -16,12 +16,14 @@ def gemm_allreduce(a, b, *, comm, out=None, stream=None, b_layout=None, comm_sms
                    path=None, join=None):
     """Sum over ranks of ``a_r @ b_r``: returns ``[M, N]``, the same bits on every rank.
 
-    Arguments as :func:`mkernel.gemm_reduce_scatter` (M a multiple of the world size); ``out`` is
-    ``[M, N]``. Each row block is reduced once, by its owner (fp32 sum in rank order, rounded
-    once), and copied to every rank, so all ranks hold identical bits. ``comm_sms``: CTAs that
-    reduce and gather, ``"auto"`` by default (:mod:`mkernel.autosplit`), or an integer; ``join``:
-    the GEMM CTAs also reduce and gather once their tiles are done (default
-    ``mkernel.config.get().tp_join_reduce``).
+    Arguments as :func:`mkernel.gemm_reduce_scatter` (M a multiple of the world size, except on the
+    latency path); ``out`` is ``[M, N]``. Inside one node at most ``config.tp_latency_max_rows``
+    rows (128) take ``path="latency"`` by default: the decode GEMM into the one-shot all-reduce's
+    scratch, then :func:`mkernel.allreduce` (any M; the same sum and bits rule).
+    Each row block is reduced once, by its owner (fp32 sum in rank order, rounded once), and copied
+    to every rank, so all ranks hold identical bits. ``comm_sms``: CTAs that reduce and gather,
+    ``"auto"`` by default (:mod:`mkernel.autosplit`), or an integer; ``join``: the GEMM CTAs also
+    reduce and gather once their tiles are done (default ``mkernel.config.get().tp_join_reduce``).
 
     Between nodes, hierarchically: the ReduceScatter between nodes of gemm_reduce_scatter, then
     each reduced tile goes to this node's peers over NVLink and once to every other node (to the
