@@ -104,11 +104,15 @@ def main():
         t_mk = flushed_ms(lambda: mg.gemm(a, b, out=out), reps, flush)
         t_cb = flushed_ms(lambda: cupy.matmul(a, b, out=ref), reps, flush)
         flops, nbytes = 2.0 * M * N * K, 2.0 * (M * K + N * K + M * N)
-        variants = {}  # the decode path's other settings at this shape (which default to take)
-        if kind == "decode" and M > 32:
+        variants = {}  # the decode path's other settings at this shape (which defaults to take)
+        if kind == "decode":
             from mkernel import config
 
-            for name, knobs in (("group32", {"gemm_decode_group": 32}), ("group64", {"gemm_decode_group": 64})):
+            settings = {"shallow": {"gemm_decode_unroll": 4 if M <= 32 else 2},
+                        "waves2": {"gemm_decode_waves": 2}, "waves4": {"gemm_decode_waves": 4}}
+            if M > 32:
+                settings.update(group32={"gemm_decode_group": 32}, group64={"gemm_decode_group": 64})
+            for name, knobs in settings.items():
                 with config.override(gemm_decode_max_m=256, **knobs):
                     mg.gemm(a, b, out=out)
                     if rel_err(out, ref) < 1e-2:

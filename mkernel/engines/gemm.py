@@ -17,7 +17,6 @@ CuPy is imported lazily, so that this module (and its kernel registration) impor
 import ctypes
 import threading
 
-from mkernel.core import config
 from mkernel.core.errors import ArgumentError
 from mkernel.engines import gemm_decode as _decode
 from mkernel.runtime import compile as _compile
@@ -392,7 +391,7 @@ def gemm(a, b, *, out=None, stream=None, b_layout=None, out_dtype=None, accumula
             and isinstance(out, cupy.ndarray):
         key = _plan_key(cupy, stream, a, b, out, b_layout, out_dtype, accumulate, sms, _ptr(tile_order),
                         _ptr(roles), _ptr(tile_flags), _ptr(tile_counts), group_m, order, cluster,
-                        config.get().gemm_decode_max_m, config.get().gemm_decode_group)  # knobs pick the kernel
+                        _decode.knobs())  # the knobs pick the kernel
         if _plans.launch(key, stream):
             return out
     _check_device(cupy)

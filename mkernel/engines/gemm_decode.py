@@ -26,16 +26,22 @@ SPLIT_SMS = 132
 OUT_F32 = 2
 
 
+UNROLLS = {8: (4, 8), 16: (4, 8), 32: (4, 8), 64: (2, 4)}  # instantiated U per MT; the last the default
+
+
 def unroll(mt: int) -> int:
-    """DecodeCfg<MT>::U: 32-element steps of K in flight per lane."""
-    return 8 if mt <= 32 else 4
+    """U: 32-element steps of K in flight per lane (config.gemm_decode_unroll where instantiated
+    for mt, else the deepest that fits two CTAs of registers)."""
+    u = config.get().gemm_decode_unroll
+    return u if u in UNROLLS[mt] else UNROLLS[mt][-1]
 
 
-def kernel_expr(dt: int, out: int, mt: int) -> str:
-    return f"mk_gemm_decode_kernel<{dt},{out},{mt}>"
+def kernel_expr(dt: int, out: int, mt: int, u: int) -> str:
+    return f"mk_gemm_decode_kernel<{dt},{out},{mt},{u}>"
 
 
-EXPRESSIONS = tuple(kernel_expr(dt, out, mt) for dt in (0, 1) for out in (dt, OUT_F32) for mt in M_TILES)
+EXPRESSIONS = tuple(kernel_expr(dt, out, mt, u) for dt in (0, 1) for out in (dt, OUT_F32) for mt in M_TILES
+                    for u in UNROLLS[mt])
 SPEC = _compile.register("gemm_decode", "gemm_decode.cu", EXPRESSIONS, hot=True)
 
 
@@ -46,6 +52,12 @@ class MkDecodeArgs(ctypes.Structure):
                 ("ldb", ctypes.c_int64), ("ldc", ctypes.c_int64), ("m", ctypes.c_int32), ("n", ctypes.c_int32),
                 ("k", ctypes.c_int32), ("splits", ctypes.c_int32), ("k_split", ctypes.c_int32),
                 ("epi_op", ctypes.c_uint32), ("pad", ctypes.c_uint32 * 2)]
+
+
+def knobs() -> tuple:
+    """The config knobs that pick the decode path's kernel and grid (part of a launch plan's key)."""
+    c = config.get()
+    return c.gemm_decode_max_m, c.gemm_decode_group, c.gemm_decode_unroll, c.gemm_decode_waves
 
 
 def eligible(M: int, layout_nk: bool, *, controls: bool) -> bool:
@@ -68,7 +80,7 @@ def split_k(N: int, K: int, mt: int, groups: int = 1) -> tuple:
     long; a function of the shape (and config.gemm_decode_group) only."""
     step = 32 * unroll(mt)
     blocks = -(-N // ROWS) * groups
-    want = max(1, (RESIDENT * SPLIT_SMS) // blocks)
+    want = max(1, (config.get().gemm_decode_waves * RESIDENT * SPLIT_SMS) // blocks)
     most = max(1, K // MIN_SPLIT_K)
     splits = min(want, most)
     k_split = -(-K // splits)
@@ -93,7 +105,7 @@ def build(a, b_arr, out, out_code, *, M, N, K, accumulate, partial):
     if splits > 1:
         buffer = partial(splits * M * N * 4, blocks * groups)
         args.partial, args.counts = buffer.partial_ptr, buffer.counts_ptr
-    fn = _compile.module(SPEC).function(kernel_expr(DT[a.dtype.name], out_code, mt))
+    fn = _compile.module(SPEC).function(kernel_expr(DT[a.dtype.name], out_code, mt, unroll(mt)))
     return fn, (blocks, splits, groups), args, buffer
 
 

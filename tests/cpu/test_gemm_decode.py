@@ -50,6 +50,21 @@ def test_the_path_is_chosen_by_shape_layout_and_knob():
         pass
 
 
+def test_unroll_and_waves_knobs_pick_instantiated_kernels():
+    assert [dec.unroll(mt) for mt in dec.M_TILES] == [8, 8, 8, 4]  # the deepest that fits
+    with config.override(gemm_decode_unroll=4):
+        assert [dec.unroll(mt) for mt in dec.M_TILES] == [4, 4, 4, 4]
+    with config.override(gemm_decode_unroll=2):
+        assert [dec.unroll(mt) for mt in dec.M_TILES] == [8, 8, 8, 2]  # 2 exists at 64 tokens only
+    assert all(dec.kernel_expr(0, 0, mt, dec.unroll(mt)) in dec.EXPRESSIONS for mt in dec.M_TILES)
+    one = dec.split_k(8192, 8192, 8)[0]
+    with config.override(gemm_decode_waves=2):
+        assert dec.split_k(8192, 8192, 8)[0] == 2 * one
+    for bad in ({"gemm_decode_unroll": 3}, {"gemm_decode_waves": 3}):
+        with pytest.raises(ArgumentError), config.override(**bad):
+            pass
+
+
 @pytest.fixture(scope="module")
 def compiled():
     return mkc.compile_spec(dec.SPEC, use_cache=False)

@@ -110,6 +110,19 @@ def test_token_groups_exact_and_the_same_bits_as_one_group(M, N, K, group, decod
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("knobs", [{"gemm_decode_unroll": 4}, {"gemm_decode_unroll": 2},
+                                   {"gemm_decode_waves": 2}, {"gemm_decode_waves": 4}])
+@pytest.mark.parametrize("M,N,K", [(1, 4096, 8192), (24, 1032, 4104), (64, 520, 2056)])
+def test_unroll_and_waves_variants_exact(M, N, K, knobs, decode_calls):
+    """The benchmark's variants (fewer steps in flight, more ranges of K): integer inputs exact."""
+    a, w = _inputs(41 + M, M, N, K, BF16, integer=True)
+    with config.override(**knobs):
+        got = bits(_run(a, w, BF16))
+    assert np.array_equal(got, (a @ w.T).astype(BF16).view(np.uint16)), (M, N, K, knobs)
+    assert decode_calls == [M]
+
+
+@pytest.mark.gpu
 def test_several_k_ranges_are_taken_and_reduced_in_order():
     M, N, K = 5, 256, 16384  # 2 row blocks: many ranges of K
     assert dec.split_k(N, K, *dec.m_tile(M))[0] > 1

@@ -14,18 +14,18 @@
 // last to arrive adds the splits' partials in split order (not arrival order) and stores out.
 //
 // Template parameters: DT (MK_DT_BF16 / MK_DT_F16), OUT (MK_OUT_*: the input dtype or f32),
-// MT (token columns: 8, 16, 32 or 64, at least m).
+// MT (token columns: 8, 16, 32 or 64), U (32-element steps of K in flight).
 #include "common.cuh"
 #include "gemm_args.cuh"
 #include "gemm_decode_args.cuh"
 
-// U: 32-element steps of K in flight per lane (b: 2 x U 16-byte registers); fewer at MT 64 (its
-// accumulators). A's stage: MT rows of STEP elements, each row padded by 64 B so that the two rows
-// of one 8-lane phase of a 16-byte shared load fall in different banks.
-template <int MT>
+// U: 32-element steps of K in flight per lane (b: 2 x U 16-byte registers; the host picks it,
+// gemm_decode.unroll). A's stage: MT rows of STEP elements, each row padded by 64 B so that the two
+// rows of one 8-lane phase of a 16-byte shared load fall in different banks.
+template <int MT, int U_>
 struct DecodeCfg {
   static constexpr int BLOCKS = MT / 8;  // n8 column blocks of tokens
-  static constexpr int U = MT <= 32 ? 8 : 4;
+  static constexpr int U = U_;
   static constexpr int STEP = 32 * U;  // K elements per iteration
   static constexpr int ROW_BYTES = STEP * 2 + 64;
   static constexpr int STAGE_BYTES = MT * ROW_BYTES;
@@ -74,9 +74,9 @@ MK_DEV uint4 lds_v4(u32 addr) {
 
 // A's slice [tok0, tok0 + MT) x [k0, k0 + STEP) into a stage, every thread of the CTA (tokens past
 // m and K past k_end read as zeros).
-template <int MT>
+template <int MT, int U>
 MK_DEV void stage_a(const MkDecodeArgs& args, u32 stage, i64 tok0, i64 k0, i64 k_end) {
-  using Cfg = DecodeCfg<MT>;
+  using Cfg = DecodeCfg<MT, U>;
   constexpr int PER_ROW = Cfg::STEP / 8;
 #pragma unroll
   for (int i = 0; i < (Cfg::VECS + MK_DECODE_THREADS - 1) / MK_DECODE_THREADS; ++i) {
@@ -121,10 +121,10 @@ MK_DEV void store_out(void* out, u64 i, float v) {
   }
 }
 
-template <int DT, int OUT, int MT>
+template <int DT, int OUT, int MT, int U>
 __global__ void __launch_bounds__(MK_DECODE_THREADS, 2)
     mk_gemm_decode_kernel(const __grid_constant__ MkDecodeArgs args) {
-  using Cfg = DecodeCfg<MT>;
+  using Cfg = DecodeCfg<MT, U>;
   const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const u32 g = lane >> 2, t = lane & 3;
   const i64 r0 = (i64)blockIdx.x * MK_DECODE_ROWS + warp * 16 + g, r1 = r0 + 8;  // rows of b
@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(MK_DECODE_THREADS, 2)
   __shared__ __align__(16) u8 sa[2][Cfg::STAGE_BYTES];
   const u32 sa0 = (u32)__cvta_generic_to_shared(&sa[0][0]);
 
-  stage_a<MT>(args, sa0, tok0, k_begin, k_end);
+  stage_a<MT, U>(args, sa0, tok0, k_begin, k_end);
   cp_async_commit();
   u32 s = 0;
   for (i64 k0 = k_begin; k0 < k_end; k0 += Cfg::STEP, s ^= 1) {
@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(MK_DECODE_THREADS, 2)
       bv[u][0] = in && b0ok ? ld_stream_v4(b0p + k * 2) : zero;
       bv[u][1] = in && b1ok ? ld_stream_v4(b1p + k * 2) : zero;
     }
-    if (k0 + Cfg::STEP < k_end) stage_a<MT>(args, sa0 + (s ^ 1) * Cfg::STAGE_BYTES, tok0, k0 + Cfg::STEP, k_end);
+    if (k0 + Cfg::STEP < k_end) stage_a<MT, U>(args, sa0 + (s ^ 1) * Cfg::STAGE_BYTES, tok0, k0 + Cfg::STEP, k_end);
     cp_async_commit();
     const u32 base = sa0 + s * Cfg::STAGE_BYTES + g * Cfg::ROW_BYTES + t * 16;
 #pragma unroll
