@@ -2,7 +2,8 @@
 # One device call that does everything a session needs on the GPU machine (build, suite, sanitizer,
 # benchmarks), logs under $OUT, then a summary last. Usage on the device:
 #   source .whl/prepare.sh || exit 1; bash tools/device_session.sh [steps...]
-# Steps (default: info suite main sanitizer gemm transport); finer ones: decode tpdecode ringmps nodesdiag runtime runtime2 queue queue2
+# Steps (default: info suite main sanitizer gemm transport); finer ones: decode tpdecode arphases ringmps nodesdiag runtime
+# runtime2 queue queue2
 # mpi2 gemmtest tp attention ring ringbench tpbench tpnodes moebench controller controllernodes (the last six want 2 GPUs)
 # controller1: bench/controller.py at world 1 (the comm is a local tile copy; the mechanism, not the issue's rows).
 # branchsuite / branchtpbench: the GPU suite / bench/tp.py of a branch checked out at scratch/branch
@@ -56,6 +57,7 @@ for s in $steps; do
     gemm) step gemm 120 python3 bench/gemm.py ;;
     decode) step decode 120 python3 bench/gemm.py --decode ;;
     tpdecode) step tpdecode 200 $MPI2 python3 bench/tp_decode.py ;;
+    arphases) step arphases 90 $MPI2 python3 tools/allreduce_phases.py ;;
     ringmps) step ringmps 300 $MPI2 python3 bench/ring_attention.py --quick --kv-heads 8 ;;
     nodesdiag) step nodesdiag 200 bash -c 'for s in ${NODESDIAG_SEQS:-grown first pregrow}; do CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=33 \
       mpirun -n 3 --oversubscribe --bind-to none -x MKERNEL_CACHE_DIR -x MKERNEL_TIMEOUT_S -x CUDA_MPS_PIPE_DIRECTORY \

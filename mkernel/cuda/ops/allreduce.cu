@@ -57,11 +57,13 @@ __global__ void __launch_bounds__(AR_THREADS, 1) mk_allreduce_kernel(const __gri
   __shared__ u32 s_epoch, s_item;
   __shared__ int s_ok, s_pushed;
   const MkPeers peers{a.peer_base, (u32)a.world, (u32)a.me};
+  const u64 t_enter = globaltimer_ns();  // trace mode: the phases' spans (tools/allreduce_phases.py)
   if (threadIdx.x == 0) {
     s_epoch = launch_epoch(a.sync);
     if (atomicAdd(&a.counters[AR_CNT_ENTER], 1u) == 0) credits_announce(peers, s_epoch);
     s_ok = 1;
     s_pushed = 0;
+    trace_span(a.sync, MK_ROLE_CONTROL, s_epoch, t_enter);  // id: the launch
   }
   __syncthreads();
   const u32 E = s_epoch, W = (u32)a.world, me = (u32)a.me, chunks = a.chunks;
@@ -69,8 +71,13 @@ __global__ void __launch_bounds__(AR_THREADS, 1) mk_allreduce_kernel(const __gri
     const u32 item = tp_claim(&a.counters[AR_CNT_PUSH], &s_item, threadIdx.x, MkBarCta());
     if (item >= chunks * W) break;
     const u32 c = item / W, d = (me + item % W) % W;
-    if (threadIdx.x == 0) s_ok = credits_wait(a.sync, peers, d, E) ? 1 : 0;
+    const u64 t_wait = globaltimer_ns();
+    if (threadIdx.x == 0) {
+      s_ok = credits_wait(a.sync, peers, d, E) ? 1 : 0;
+      trace_span(a.sync, MK_ROLE_WAIT, d, t_wait);
+    }
     __syncthreads();
+    const u64 t_push = globaltimer_ns();
     if (!s_ok) break;
     const u64 first = (u64)c * a.chunk, n = min((u64)a.chunk, a.count - first), whole = n / El::PER_VEC * 16;
     const u8* src = reinterpret_cast<const u8*>(a.src) + first * El::BYTES;
@@ -89,6 +96,7 @@ __global__ void __launch_bounds__(AR_THREADS, 1) mk_allreduce_kernel(const __gri
     if (threadIdx.x == 0) {
       set_flag(peer_ptr<u32>(peers, d, a.flags_off) + me * chunks + c, E);
       if (a.in_place) atomicAdd(&a.counters[AR_CNT_PUSHED], 1u);
+      trace_span(a.sync, MK_ROLE_SEND, item, t_push);
     }
   }
   const u8* slots = peer_ptr<u8>(peers, me, a.slots_off);
@@ -97,6 +105,7 @@ __global__ void __launch_bounds__(AR_THREADS, 1) mk_allreduce_kernel(const __gri
   while (s_ok) {  // chunk c of the output: every rank's slot, in rank order
     const u32 c = tp_claim(&a.counters[AR_CNT_REDUCE], &s_item, threadIdx.x, MkBarCta());
     if (c >= chunks) break;
+    const u64 t_flags = globaltimer_ns();
     if (threadIdx.x == 0) {
       int good = 1;
       if (a.in_place && !s_pushed)  // out is src: every chunk of it has left (claimed pushes finish)
@@ -104,9 +113,11 @@ __global__ void __launch_bounds__(AR_THREADS, 1) mk_allreduce_kernel(const __gri
       s_pushed = 1;
       for (u32 s = 0; s < W && good; ++s) good = wait_epoch(a.sync, flags + s * chunks + c, E, (i32)s, c) ? 1 : 0;
       s_ok = good;
+      trace_span(a.sync, MK_ROLE_WAIT, 0x100u + c, t_flags);
     }
     __syncthreads();
     if (!s_ok) break;
+    const u64 t_sum = globaltimer_ns();
     const u64 first = (u64)c * a.chunk, n = min((u64)a.chunk, a.count - first), vecs = n / El::PER_VEC;
     const u64 base = first * El::BYTES;
     for (u64 v = threadIdx.x; v < vecs; v += blockDim.x)
@@ -117,6 +128,8 @@ __global__ void __launch_bounds__(AR_THREADS, 1) mk_allreduce_kernel(const __gri
       for (u32 r = 0; r < W; ++r) s += El::load(slots + r * a.slot_bytes + o);
       El::store(out + o, s);
     }
+    __syncthreads();
+    if (threadIdx.x == 0) trace_span(a.sync, MK_ROLE_INTRA, c, t_sum);
   }
   __syncthreads();
   if (threadIdx.x == 0) counters_reset_by_last_block(a.counters, AR_CNT_WORDS, AR_CNT_DONE);
