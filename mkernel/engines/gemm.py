@@ -21,7 +21,7 @@ from mkernel.core.errors import ArgumentError
 from mkernel.engines import gemm_decode as _decode
 from mkernel.runtime import compile as _compile
 from mkernel.runtime import tma as _tma
-from mkernel.runtime.arrays import DT, cupy_mod
+from mkernel.runtime.arrays import DT, check_matrix, cupy_mod
 from mkernel.runtime.launch import PlanCache  # all SMs: its CTAs never wait on each other
 from mkernel.runtime.launch import device_sms as _num_sms
 from mkernel.runtime.sync import MkStatus, MkSync, SyncState  # noqa: F401  (MkStatus: the layout test)
@@ -156,17 +156,6 @@ def _dtype_name(x):
     return x.dtype.name
 
 
-def _check_2d_rowmajor(x, what):
-    if x.ndim != 2:
-        raise ArgumentError(f"{what} must be 2-D; got shape {x.shape}")
-    if x.shape[1] > 1 and x.strides[1] != x.itemsize:
-        raise ArgumentError(f"{what} must have contiguous rows (unit element stride); got strides {x.strides}")
-    if x.shape[0] > 1 and (x.strides[0] <= 0 or x.strides[0] % 16):
-        raise ArgumentError(f"{what}'s row stride must be a positive multiple of 16 bytes; got {x.strides[0]}")
-    if x.data.ptr % 16:
-        raise ArgumentError(f"{what} must start at a 16-byte aligned address; got 0x{x.data.ptr:x}")
-
-
 def _row_stride(x):
     return x.strides[0] if x.shape[0] > 1 else x.shape[1] * x.itemsize
 
@@ -219,7 +208,7 @@ def _prepare_out(cupy, out, shape, a, out_dtype):
         raise ArgumentError("out must be a cupy.ndarray")
     if tuple(out.shape) != tuple(shape):
         raise ArgumentError(f"out must have shape {tuple(shape)}; got {out.shape}")
-    _check_2d_rowmajor(out, "out")
+    check_matrix(out, "out", dtypes=None)
     return out, out_code
 
 
@@ -411,8 +400,8 @@ def gemm(a, b, *, out=None, stream=None, b_layout=None, out_dtype=None, accumula
         if not accumulate:
             out.fill(0)
         return out
-    _check_2d_rowmajor(a, "a")
-    _check_2d_rowmajor(b_arr, "b")
+    check_matrix(a, "a", dtypes=None)
+    check_matrix(b_arr, "b", dtypes=None)
     if group_m < 1:
         raise ArgumentError("group_m must be >= 1")
     if order not in (None, "m", "n"):
@@ -495,7 +484,7 @@ def grouped_gemm(a, b, group_rows, *, out=None, stream=None, b_layout=None, out_
         return out
     if K == 0:
         raise ArgumentError("grouped_gemm needs K >= 8")
-    _check_2d_rowmajor(a, "a")
+    check_matrix(a, "a", dtypes=None)
     _launch(cupy, a=a, b_arr=b_arr, layout=layout, N=N, K=K, M=M, G=G, out=out, out_code=out_code,
                    group_rows=group_rows.data.ptr, epi_op=EPI_ADD if accumulate else EPI_STORE, stream=stream,
                    sms=sms, tile_order=tile_order, roles=roles, tile_flags=tile_flags, tile_counts=tile_counts,

@@ -56,10 +56,12 @@ def as_cupy(x, name: str, *, stream=None):
 
 
 def check_matrix(arr, name: str, dtypes=HALF_TYPES, shape=None):
-    """A 2-D array of one of ``dtypes`` whose rows are contiguous; ``shape`` entries may be None."""
+    """A 2-D array of one of ``dtypes`` (None: any) whose rows are contiguous, 16-byte aligned and
+    16-byte strided; ``shape`` entries may be None. A stride along an axis of length 1 is never
+    used, so it is not checked."""
     if arr.ndim != 2:
         raise ArgumentError(f"{name} must be 2-D, got shape {tuple(arr.shape)}")
-    if arr.dtype not in dtypes:
+    if dtypes is not None and arr.dtype not in dtypes:
         raise ArgumentError(f"{name} has dtype {arr.dtype}; expected one of {[str(d) for d in dtypes]}")
     if shape is not None:
         for axis, (got, want) in enumerate(zip(arr.shape, shape)):
@@ -67,6 +69,13 @@ def check_matrix(arr, name: str, dtypes=HALF_TYPES, shape=None):
                 raise ArgumentError(f"{name} has shape {tuple(arr.shape)}; axis {axis} must be {want}")
     if arr.shape[0] == 0:  # no rows (a rank without tokens): no strides or address to check
         return arr
+    if (arr.shape[1] > 1 and arr.strides[1] != arr.itemsize) or \
+            (arr.shape[0] > 1 and (arr.strides[0] <= 0 or arr.strides[0] % 16)):
+        raise ArgumentError(f"{name} must be row-major with rows 16-byte aligned (strides {arr.strides}); "
+                            f"pass a contiguous copy (cupy.ascontiguousarray)")
+    if arr.data.ptr % 16:
+        raise ArgumentError(f"{name} must start on a 16-byte boundary")
+    return arr
     if arr.strides[1] != arr.itemsize or arr.strides[0] % 16:
         raise ArgumentError(f"{name} must be row-major with rows 16-byte aligned (strides {arr.strides}); "
                             f"pass a contiguous copy (cupy.ascontiguousarray)")

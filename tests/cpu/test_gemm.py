@@ -97,10 +97,12 @@ def test_b_layout_inference_and_host_checks():
     for bad in ((_Fake((K + 8, N)), None), (_Fake((N, K + 8)), "nk"), (_Fake((K, N)), "xx"), (_Fake((K,)), None)):
         with pytest.raises(ArgumentError):
             mg._resolve_b_2d(bad[0], K, bad[1])
-    mg._check_2d_rowmajor(_Fake((5, 64)), "a")
-    for bad in (_Fake((5, 64), ptr=0x10002), _Fake((5, 64), strides=(130, 2)), _Fake((5, 64), strides=(256, 4))):
+    mg.check_matrix(_Fake((5, 64)), "a", dtypes=None)
+    mg.check_matrix(_Fake((1, 64), strides=(2, 2)), "a", dtypes=None)  # one row: its stride is never used
+    for bad in (_Fake((5, 64), ptr=0x10002), _Fake((5, 64), strides=(130, 2)), _Fake((5, 64), strides=(256, 4)),
+                _Fake((5, 64), strides=(-256, 2))):
         with pytest.raises(ArgumentError):
-            mg._check_2d_rowmajor(bad, "a")
+            mg.check_matrix(bad, "a", dtypes=None)
     with pytest.raises(ArgumentError):
         mg._check_inputs(_Fake((4, 60)), None, 60, 64)
     with pytest.raises(ArgumentError):
