@@ -24,8 +24,8 @@ class Config:
     tp_controller: str = "auto"
     tp_lend_share: int = 2        # it lends at most gemm_ctas / tp_lend_share GEMM CTAs
     tp_join_reduce: bool = False  # RS / AR: the GEMM CTAs also reduce after their tiles
-    # gemm_allreduce in a node at most this many rows: GEMM + one-shot all-reduce (measured under MPS,
-    # 2 ranks, 8192 x 4096: faster than the fused kernel up to 128 rows, slower at 256; bench/NOTES.md)
+    # gemm_allreduce in a node at most this many rows: GEMM + one-shot all-reduce (0: never; the
+    # crossover with the fused kernel is measured by bench/tp_decode.py)
     tp_latency_max_rows: int = 128
     # Communication CTAs where comm_sms is not searched (the unfused baseline, the search's start).
     tp_comm_sms: types.MappingProxyType = dataclasses.field(default_factory=lambda: types.MappingProxyType(

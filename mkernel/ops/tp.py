@@ -465,8 +465,7 @@ def quiesced_first_use(comm, plan, key):
 
 def matmul(a, b_arr, layout, out=None):
     """The unfused paths' GEMM of a with B given as [K, N] or [N, K] (into out when given), by the
-    library's engine: cuBLAS (cupy.matmul) gave wrong fp16 tiles under an MPS share of 42 SMs
-    (33%: 600x264x136, 4096x264x136; bench/NOTES.md session 14)."""
+    library's engine: cuBLAS (cupy.matmul) gives wrong fp16 tiles under some MPS shares (bench/NOTES.md)."""
     return _gemm.gemm(a, b_arr, out=out, b_layout="kn" if layout == B_KN else "nk")
 
 
