@@ -27,6 +27,9 @@ class Config:
     # gemm_allreduce in a node at most this many rows: GEMM + one-shot all-reduce (0: never; the
     # crossover with the fused kernel is measured by bench/tp_decode.py)
     tp_latency_max_rows: int = 128
+    # ... and at most this many rows (and B as [N, K]) the fused latency kernels (gemm_allreduce_ll.py;
+    # 0: the decode GEMM, then mkernel.allreduce)
+    tp_latency_ll_max_rows: int = 16
     # Communication CTAs where comm_sms is not searched (the unfused baseline, the search's start).
     tp_comm_sms: types.MappingProxyType = dataclasses.field(default_factory=lambda: types.MappingProxyType(
         {"gemm_reduce_scatter": 8, "gemm_allreduce": 16, "allgather_gemm": 8}))
@@ -54,9 +57,10 @@ class Config:
         if self.tp_controller not in CONTROLLER_SETTINGS:
             raise ArgumentError(f"tp_controller must be one of {CONTROLLER_SETTINGS}; got {self.tp_controller!r}")
         for name in ("tp_fuse_min_tiles", "tp_fuse_min_k", "tp_lend_share", "moe_comm_sms", "ring_comm_sms",
-                     "gemm_decode_max_m", "tp_latency_max_rows"):
+                     "gemm_decode_max_m", "tp_latency_max_rows", "tp_latency_ll_max_rows"):
             v = getattr(self, name)
-            zero_ok = name.startswith("tp_fuse") or name in ("gemm_decode_max_m", "tp_latency_max_rows")
+            zero_ok = name.startswith("tp_fuse") or name in ("gemm_decode_max_m", "tp_latency_max_rows",
+                                                             "tp_latency_ll_max_rows")
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if zero_ok else 1):
                 raise ArgumentError(f"{name} must be a {'non-negative' if zero_ok else 'positive'} integer; got {v!r}")
         if self.gemm_decode_unroll not in (0, 2, 4, 8) or self.gemm_decode_waves not in (1, 2, 4):

@@ -8,6 +8,8 @@ Importable without CuPy; the kernels are registered with mkernel.compile at impo
 from mkernel.core import config
 from mkernel.core.errors import ArgumentError
 from mkernel.engines import gemm as _gemm
+from mkernel.ops import allreduce as _ar
+from mkernel.ops import gemm_allreduce_ll as _ll
 from mkernel.ops import tp
 from mkernel.split import search as autosplit
 
@@ -104,11 +106,15 @@ def _fallback(allreduce, comm, c, stream):
 
 
 def _latency(comm, c, stream):
-    """gemm_allreduce at few rows: this rank's partial by the GEMM engine (its decode path) straight
-    into its slot of the one-shot all-reduce's scratch, then the all-reduce into out (through a
-    contiguous copy where out's rows are strided). Nothing allocated per call."""
-    from mkernel.ops import allreduce as _ar
-
+    """gemm_allreduce at few rows. Fewest rows (B as [N, K]): the fused latency kernels
+    (gemm_allreduce_ll). Else this rank's partial by the GEMM engine (its decode path) straight into
+    its slot of the one-shot all-reduce's scratch, then the all-reduce into out (through a contiguous
+    copy where out's rows are strided). Nothing allocated per call."""
+    fused = _ll.eligible(c)
+    tp.agree_call("gemm_allreduce", comm, ("gemm_allreduce", "latency kernels", c.M, c.N, fused), "by shape")
+    if fused:
+        _ll.run(comm, c, stream)
+        return
     slot, finish = _ar.own_slot(comm, (c.M, c.N), c.a.dtype)
     _gemm.gemm(c.a, c.b, out=slot, stream=stream, b_layout="kn" if c.layout == tp.B_KN else "nk")
     if c.out.flags.c_contiguous and c.out.data.ptr % 16 == 0:

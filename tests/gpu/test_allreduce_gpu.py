@@ -172,3 +172,52 @@ def test_captured_in_a_cuda_graph_and_replayed_a_thousand_times(comm):
         stream.synchronize()
     comm.check()
     assert all_ranks(comm.mpi, int(bad) == 0), int(bad)
+
+
+@pytest.mark.parametrize("M", [1, 7, 16])
+def test_fused_latency_kernels_give_the_two_kernel_paths_bits(comm, M):
+    """gemm_allreduce at few rows takes the fused latency kernels (the decode GEMM pushing LL words,
+    then their sum): the same bits as the decode GEMM followed by mkernel.allreduce, on every rank,
+    over repeated launches (stale LL words of earlier launches); exact integer sums; strided out."""
+    import cupy
+
+    from mkernel import config
+
+    W = comm.size
+    if W == 1:
+        pytest.skip("the latency path sums over 2 or more ranks")
+    N, K, dt = 1032, 2056, DTYPES["bf16"]  # several ranges of K: the push comes from the last CTA of each
+
+    def ints(seed, r, shape):  # {-1, 0, 1}: every rank's partial stays an integer bf16 holds exactly
+        return np.random.default_rng([seed, r]).integers(-1, 2, shape).astype(np.float64)
+
+    msgs = []
+    for integer in (True, False):
+        a = [ints(80 + M, r, (M, K)) if integer else _x(80 + M, r, (M, K), dt, False) for r in range(W)]
+        w = [ints(90 + M, r, (N, K)) if integer else _x(90 + M, r, (N, K), dt, False) / np.sqrt(K) for r in range(W)]
+        w = [x.astype(dt).astype(np.float64) for x in w]
+        a_d, w_d = dev(a[comm.rank].astype(dt)), dev(w[comm.rank].astype(dt))
+        outs = {}
+        for fused in (True, False):
+            with config.override(tp_latency_ll_max_rows=16 if fused else 0):
+                for rep in range(3):
+                    wide = poisoned((M, N + 8), "bf16")
+                    mkernel.gemm_allreduce(a_d, w_d.T, comm=comm, out=wide[:, :N], path="latency")
+                    cupy.cuda.get_current_stream().synchronize()
+                    comm.check()
+                    got = bits(cupy.ascontiguousarray(wide[:, :N]))
+                    if (fused, 0) in outs and not np.array_equal(outs[fused, 0], got):
+                        msgs.append(f"M {M} fused {fused} launch {rep}: not the bits of launch 0")
+                    outs.setdefault((fused, 0), got)
+        if not np.array_equal(outs[True, 0], outs[False, 0]):
+            msgs.append(f"M {M} integer {integer}: the fused kernels' bits differ from the two-kernel path's")
+        want = sum(a[r] @ w[r].T for r in range(W))
+        got = host(dev(outs[True, 0]).view(dt)).astype(np.float64)
+        if integer and not np.array_equal(got, want.astype(dt).astype(np.float64)):
+            msgs.append(f"M {M}: integer sums not exact ({int((got != want).sum())} differ)")
+        if not integer and np.linalg.norm(got - want) / np.linalg.norm(want) > 1e-2:
+            msgs.append(f"M {M}: relative error {np.linalg.norm(got - want) / np.linalg.norm(want):.3g}")
+        digest = hashlib.sha256(outs[True, 0].tobytes()).hexdigest()
+        if len(set(allgather_object(comm.mpi, digest, "comparing bits", 60))) != 1:
+            msgs.append(f"M {M} integer {integer}: ranks hold different bits")
+    assert all_ranks(comm.mpi, not msgs), msgs[:6]

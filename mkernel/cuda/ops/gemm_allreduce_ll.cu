@@ -1,0 +1,124 @@
+// gemm_allreduce's fused latency path (mkernel/ops/gemm_allreduce_ll.py): the decode GEMM pushes
+// each finished value, as LL words (gemm_allreduce_ll_args.cuh), into slot [me] of every rank's LL
+// buffer while its other row blocks are still computed (after each destination's credit for the
+// launch's epoch E: that rank is done with its last launch's words); then the reduce kernel waits
+// for every rank's word of each (column, token pair), adds them in rank order in fp32 and rounds
+// once: the same bits on every rank. No flag round trip and no fence: a word carries its epoch.
+// The LL buffer is the plan's own (zeroed at first use; only this plan writes it), so a word whose
+// epoch is E is this launch's.
+#include "gemm_decode.cuh"
+#include "signals.cuh"
+#include "peers.cuh"
+#include "tp_reduce.cuh"
+#include "gemm_allreduce_ll_args.cuh"
+
+MK_DEV void st_relaxed_sys64(u64* p, u64 v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+MK_DEV u64 ld_relaxed_sys64(const u64* p) {
+  u64 v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// The decode GEMM's epilogue: every finished pair of values to every rank, once its credit is seen.
+template <int DT>
+struct DecodePush {
+  const MkDecodePushArgs& a;
+  u32* s_epoch;
+  int* s_ok;
+  MK_DEV MkPeers peers() const { return MkPeers{a.peer_base, (u32)a.world, (u32)a.me}; }
+  MK_DEV void begin() {
+    if (threadIdx.x != 0) return;
+    *s_epoch = launch_epoch(a.sync);
+    if (atomicAdd(&a.counters[LL_CNT_ENTER], 1u) == 0) credits_announce(peers(), *s_epoch);
+  }
+  MK_DEV bool ready() {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int ok = 1;
+      for (u32 d = 0; d < (u32)a.world && ok; ++d) ok = credits_wait(a.sync, peers(), d, *s_epoch) ? 1 : 0;
+      *s_ok = ok;
+    }
+    __syncthreads();
+    return *s_ok != 0;
+  }
+  MK_DEV void finish(int, u64 tok, u64 r0, u64 r1, const float (&v)[4]) {
+    const u64 N = (u64)a.g.n, pairs = (u64)a.pairs, pair = tok / 2, E = *s_epoch;
+    if (pair >= pairs) return;
+    const u64 w0 = E << 32 | pack2_out(DT, v[0], v[1]), w1 = E << 32 | pack2_out(DT, v[2], v[3]);
+    for (u32 d = 0; d < (u32)a.world; ++d) {
+      u64* ll = peer_ptr<u64>(peers(), d, a.ll_off) + (u64)a.me * N * pairs;
+      if (r0 < N) st_relaxed_sys64(ll + r0 * pairs + pair, w0);
+      if (r1 < N) st_relaxed_sys64(ll + r1 * pairs + pair, w1);
+    }
+  }
+};
+
+template <int DT, int MT, int U>
+__global__ void __launch_bounds__(MK_DECODE_THREADS, 2)
+    mk_gemm_allreduce_ll_push(const __grid_constant__ MkDecodePushArgs args) {
+  __shared__ u32 s_epoch;
+  __shared__ int s_ok;
+  DecodePush<DT> epi{args, &s_epoch, &s_ok};
+  decode_gemm<DT, MT, U>(args.g, epi);
+}
+
+// Waits until the LL word at p carries epoch E; false after recording a timeout (or another
+// wait's error) instead of hanging.
+MK_DEV bool ll_wait(const MkSync& s, const u64* p, u32 E, i32 peer, u32 where, u64* word) {
+  u64 w = ld_relaxed_sys64(p);
+  if ((u32)(w >> 32) == E) return *word = w, true;
+  const u64 start = globaltimer_ns();
+  for (;;) {
+    for (u32 i = 0; i < MK_POLL_BATCH; ++i) {
+      w = ld_relaxed_sys64(p);
+      if ((u32)(w >> 32) == E) return *word = w, true;
+    }
+    if (error_recorded(s)) return false;
+    const u64 waited = globaltimer_ns() - start;
+    if (waited > s.timeout_ns) {
+      record_error(s, MK_ERR_TIMEOUT, peer, where, E, (u32)(w >> 32), waited);
+      return false;
+    }
+    __nanosleep(64);
+  }
+}
+
+// Each thread one LL word index (column, token pair) at a time: every rank's word, in rank order.
+template <int DT>
+__global__ void __launch_bounds__(LL_REDUCE_THREADS, 1)
+    mk_allreduce_ll_reduce(const __grid_constant__ MkAllreduceLLArgs a) {
+  __shared__ u32 s_epoch;
+  if (threadIdx.x == 0) s_epoch = launch_epoch(a.sync);
+  __syncthreads();
+  const u32 E = s_epoch, W = (u32)a.world;
+  const MkPeers peers{a.peer_base, W, (u32)a.me};
+  const u64 words = (u64)a.n * (u64)a.pairs, pairs = (u64)a.pairs, ldo = (u64)a.ldo, M = (u64)a.m;
+  const u64* ll = peer_ptr<u64>(peers, (u32)a.me, a.ll_off);
+  u16* out = reinterpret_cast<u16*>(a.out);
+  bool ok = true;
+  for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < words && ok; i += (u64)gridDim.x * blockDim.x) {
+    float lo = 0.f, hi = 0.f;
+    for (u32 s = 0; s < W && ok; ++s) {
+      u64 w = 0;
+      ok = ll_wait(a.sync, ll + s * words + i, E, (i32)s, (u32)i, &w);
+      float x0, x1;
+      unpack2<DT>((u32)w, x0, x1);
+      lo += x0;
+      hi += x1;
+    }
+    if (!ok) break;
+    const u64 row = i / pairs, tok = 2 * (i - row * pairs);
+    out[tok * ldo + row] = (u16)(pack2_out(DT, lo, 0.f) & 0xFFFFu);
+    if (tok + 1 < M) out[(tok + 1) * ldo + row] = (u16)(pack2_out(DT, hi, 0.f) & 0xFFFFu);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) counters_reset_by_last_block(a.counters, LL_CNT_WORDS, LL_CNT_DONE);
+  launch_exit(a.sync, E);
+}
+
+static_assert(sizeof(MkDecodePushArgs) == 216,
+              "MkDecodePushArgs layout changed: update mkernel/ops/gemm_allreduce_ll.py");
+static_assert(sizeof(MkAllreduceLLArgs) == 136,
+              "MkAllreduceLLArgs layout changed: update mkernel/ops/gemm_allreduce_ll.py");

@@ -1,0 +1,73 @@
+"""gemm_allreduce's fused latency path (issue 26; kernels: mkernel/cuda/ops/gemm_allreduce_ll.cu):
+inside a node, at most ``config.tp_latency_ll_max_rows`` rows (16) and B as [N, K], the decode GEMM
+pushes every finished value to every rank as an LL word (data and the launch's epoch in one 8-byte
+store), while the rest of the GEMM runs; a second kernel waits for each word, adds the ranks' values
+in rank order in fp32 and rounds once into out. The same sum, rounding and bits as the two-kernel
+latency path (decode GEMM, then mkernel.allreduce) it replaces at these sizes.
+
+Workspace: the plan's own LL buffer, ``world * N * ceil(M / 2) * 8`` bytes (zeroed at the shape's
+first call), and the decode GEMM's partials in the stream's workspace.
+
+Importable without CuPy; the kernels are registered at import.
+"""
+
+import ctypes
+
+from mkernel.core import config
+from mkernel.engines import gemm as _gemm
+from mkernel.engines import gemm_decode as _decode
+from mkernel.ops import tp
+from mkernel.runtime import compile as _compile
+from mkernel.runtime.sync import MkSync
+
+OP = "gemm_allreduce"
+PUSH, REDUCE = "mk_gemm_allreduce_ll_push", "mk_allreduce_ll_reduce"
+M_TILES = (8, 16)  # the decode instantiations it pushes from (32 tokens: its U = 8 variant spills)
+EXPRESSIONS = tuple(f"{PUSH}<{dt},{mt},{u}>" for dt in (0, 1) for mt in M_TILES for u in _decode.UNROLLS[mt]) + \
+    tuple(f"{REDUCE}<{dt}>" for dt in (0, 1))
+SPEC = _compile.register("gemm_allreduce_ll", "gemm_allreduce_ll.cu", EXPRESSIONS, hot=True)
+REDUCE_THREADS = 512  # LL_REDUCE_THREADS
+CNT_WORDS = 2  # LL_CNT_WORDS
+
+
+class MkDecodePushArgs(ctypes.Structure):
+    """Mirror of ``MkDecodePushArgs`` (mkernel/cuda/ops/gemm_allreduce_ll_args.cuh), 216 bytes."""
+    _fields_ = [("g", _decode.MkDecodeArgs), ("sync", MkSync), ("peer_base", ctypes.c_void_p),
+                ("ll_off", ctypes.c_uint64), ("counters", ctypes.c_void_p), ("pairs", ctypes.c_int32),
+                ("world", ctypes.c_int32), ("me", ctypes.c_int32), ("pad", ctypes.c_uint32 * 3)]
+
+
+class MkAllreduceLLArgs(ctypes.Structure):
+    """Mirror of ``MkAllreduceLLArgs`` (mkernel/cuda/ops/gemm_allreduce_ll_args.cuh), 136 bytes."""
+    _fields_ = [("sync", MkSync), ("peer_base", ctypes.c_void_p), ("ll_off", ctypes.c_uint64),
+                ("out", ctypes.c_void_p), ("counters", ctypes.c_void_p), ("ldo", ctypes.c_int64),
+                ("m", ctypes.c_int32), ("n", ctypes.c_int32), ("pairs", ctypes.c_int32), ("world", ctypes.c_int32),
+                ("me", ctypes.c_int32), ("pad", ctypes.c_uint32)]
+
+
+def eligible(c) -> bool:
+    """Whether a latency-path call (tp.Call) takes the fused kernels: B as [N, K], few rows."""
+    return c.layout == tp.B_NK and 1 <= c.M <= min(config.get().tp_latency_ll_max_rows, M_TILES[-1])
+
+
+def run(comm, c, stream):
+    """The two launches of one call; out (c.out) may have strided rows."""
+    from mkernel.runtime.launch import launch
+
+    W, dt, pairs = comm.size, c.a.dtype, -(-c.M // 2)
+    plan = tp.plan_buffers("gemm_allreduce_ll", comm, ("buffers", "gemm_allreduce_ll", c.M, c.N, dt.name),
+                           [("ll", (W, c.N, pairs, 2), "uint32")], counter_words=CNT_WORDS)
+    _, grid, g, _buffer = _decode.build(c.a, c.b, c.out, tp.DT[dt.name], M=c.M, N=c.N, K=c.K, accumulate=False,
+                                        partial=_gemm.workspace(stream).decode_partials)
+    sync = comm.sync_args(OP)
+    push = MkDecodePushArgs(g=g, sync=sync, peer_base=comm.peer_table.data.ptr, ll_off=comm.offset_of(plan["ll"]),
+                            counters=plan["counters"].data.ptr, pairs=pairs, world=W, me=comm.local_rank)
+    mt = _decode.m_tile(c.M)[0]
+    module = _compile.module(SPEC)
+    launch(module.function(f"{PUSH}<{tp.DT[dt.name]},{mt},{_decode.unroll(mt)}>"), grid, (_decode.THREADS,), push,
+           stream=stream)
+    red = MkAllreduceLLArgs(sync=sync, peer_base=push.peer_base, ll_off=push.ll_off, out=c.out.data.ptr,
+                            counters=push.counters, ldo=tp._row_stride(c.out) // dt.itemsize, m=c.M, n=c.N,
+                            pairs=pairs, world=W, me=comm.local_rank)
+    blocks = max(1, min(-(-c.N * pairs // REDUCE_THREADS), tp.sm_count()))
+    launch(module.function(f"{REDUCE}<{tp.DT[dt.name]}>"), (blocks,), (REDUCE_THREADS,), red, stream=stream)

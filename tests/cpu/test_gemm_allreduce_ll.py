@@ -1,0 +1,39 @@
+"""CPU: gemm_allreduce's fused latency kernels (mkernel/ops/gemm_allreduce_ll.py): the argument
+mirrors, every instantiation compiling without spills or stack, and which calls take them."""
+
+import pytest
+
+from mkernel import config
+from mkernel.ops import gemm_allreduce_ll as ll
+from mkernel.ops import tp
+from mkernel.runtime import compile as mkc
+
+from tests.helpers.c_layout import assert_same_layout
+
+
+@pytest.mark.parametrize("cls", [ll.MkDecodePushArgs, ll.MkAllreduceLLArgs])
+def test_args_mirrors_match_c_layout(cls, tmp_path):
+    assert_same_layout("gemm_allreduce_ll_args.cuh", cls, tmp_path)
+
+
+def test_kernels_compile_without_spills():
+    compiled = mkc.compile_spec(ll.SPEC, use_cache=False)
+    funcs = compiled.resources["functions"]
+    assert len(funcs) == len(ll.EXPRESSIONS), funcs
+    for name, res in funcs.items():
+        assert res.get("stack", 0) == 0 and res.get("spill_stores", 0) == 0, (name, res)
+        assert res.get("registers", 0) <= 128, (name, res)  # the decode GEMM's two CTAs per SM
+    assert not compiled.resources["warnings"], compiled.resources["warnings"]
+
+
+def test_fewest_rows_with_weights_as_nk_take_the_fused_kernels():
+    def call(M, layout):
+        return tp.Call(a=None, b=None, layout=layout, M=M, N=4096, K=4096, mb=M, out=None, path="latency",
+                       comm_sms=None, join=False)
+
+    assert ll.eligible(call(1, tp.B_NK)) and ll.eligible(call(16, tp.B_NK))
+    assert not ll.eligible(call(17, tp.B_NK)) and not ll.eligible(call(8, tp.B_KN))
+    with config.override(tp_latency_ll_max_rows=0):
+        assert not ll.eligible(call(1, tp.B_NK))
+    with config.override(tp_latency_ll_max_rows=64):
+        assert not ll.eligible(call(17, tp.B_NK))  # its instantiations stop at 16 tokens
