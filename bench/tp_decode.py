@@ -47,6 +47,7 @@ def main():
     from mpi4py import MPI
 
     import mkernel
+    from mkernel import config
 
     comm = mkernel.init()
     W = comm.size
@@ -72,21 +73,27 @@ def main():
         out, part = cupy.empty((M, N), dt), cupy.empty((M, N), dt)
         paths = ("latency", "fused") if M % W == 0 else ("latency",)
         f = {p: (lambda p=p: mkernel.gemm_allreduce(a, w.T, comm=comm, out=out, path=p)) for p in paths}
+        if M <= config.get().tp_latency_ll_max_rows:  # the fused LL kernels' counterpart: two kernels
+            def two_kernels():
+                with config.override(tp_latency_ll_max_rows=0):
+                    mkernel.gemm_allreduce(a, w.T, comm=comm, out=out, path="latency")
+            f["latency_2k"] = two_kernels
         f["gemm"] = lambda: mkernel.gemm(a, w.T, out=part)
         f["allreduce"] = lambda: mkernel.allreduce(part, comm=comm, out=out)
         f["unfused"] = lambda: (mkernel.gemm(a, w.T, out=part), mkernel.allreduce(part, comm=comm, out=out))
         results = {}
-        for p in paths + ("unfused",):  # every path gives the same sum (partials rounded alike: the same bits)
+        checked = paths + ("unfused",) + (("latency_2k",) if "latency_2k" in f else ())
+        for p in checked:  # every path gives the same sum (partials rounded alike: the same bits)
             f[p]()
             cupy.cuda.get_current_stream().synchronize()
             comm.check()
             results[p] = harness.as_float(out, "float64")
         diff = max(float(cupy.linalg.norm(results[p] - results["unfused"]) / cupy.linalg.norm(results["unfused"]))
-                   for p in paths)
+                   for p in checked if p != "unfused")
         t = {p: timed(fn) for p, fn in f.items()}
         graph = {}  # the device's time per call (n calls in one CUDA graph): what the host's launch work hides
         if shared:
-            for p in ("latency", "gemm", "allreduce"):
+            for p in ("latency", "gemm", "allreduce") + (("latency_2k",) if "latency_2k" in f else ()):
                 try:
                     graph[p] = cc.graph_batch_ms(comm, barrier, f[p])
                 except Exception as e:  # noqa: BLE001  (a capture that fails is reported, not fatal)
@@ -96,7 +103,8 @@ def main():
         hidden = (t["unfused"] - t[best]) / t["allreduce"]
         rows.append(harness.row((M, N, K), t[best], t["unfused"], bound, latency_ms=t["latency"],
                                 fused_ms=t.get("fused"), gemm_ms=t["gemm"], allreduce_ms=t["allreduce"],
-                                unfused_ms=t["unfused"], best_path=best, allreduce_hidden=hidden,
+                                unfused_ms=t["unfused"], latency_two_kernels_ms=t.get("latency_2k"), best_path=best,
+                                allreduce_hidden=hidden,
                                 over_gemm_us=(t[best] - t["gemm"]) * 1e3, rel_diff_unfused=diff, mps=bool(shared),
                                 world=W, baseline="mkernel.gemm then mkernel.allreduce", graph_ms=graph))
         if comm.rank == 0:

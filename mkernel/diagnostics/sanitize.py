@@ -73,6 +73,36 @@ def target_allreduce(world=None):
             tp.check_result(out, want, "allreduce", 0.0)
     finally:
         comm.close()
+    _latency_paths(world)
+
+
+def _latency_paths(world):
+    """gemm_allreduce's latency paths at 5 rows (the fused LL kernels, then the decode GEMM +
+    all-reduce), integer inputs (exact), twice each."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from mkernel import config
+    from mkernel.comm.communicator import init
+
+    cupy = cupy_mod()
+    comm = init(world or MPI.COMM_WORLD, workspace_bytes=16 << 20)
+    try:
+        M, N, K = 5, 264, 1032
+        a_of = lambda r: np.random.default_rng(r).integers(-1, 2, size=(M, K)).astype(np.float16)  # noqa: E731
+        w_of = lambda r: np.random.default_rng(50 + r).integers(-1, 2, size=(N, K)).astype(np.float16)  # noqa: E731
+        want = sum(a_of(r).astype(np.float64) @ w_of(r).astype(np.float64).T for r in range(comm.size))
+        for ll_rows in (16, 0):
+            with config.override(tp_latency_ll_max_rows=ll_rows):
+                for _ in range(2):
+                    out = cupy.full((M, N), np.nan, dtype=np.float16)
+                    mkernel.gemm_allreduce(cupy.asarray(a_of(comm.rank)), cupy.asarray(w_of(comm.rank)).T, comm=comm,
+                                           out=out, path="latency")
+                    cupy.cuda.runtime.deviceSynchronize()
+                    comm.check()
+                    tp.check_result(out, want, f"gemm_allreduce latency (LL rows {ll_rows})", 0.0)
+    finally:
+        comm.close()
 
 
 def target_attention():
