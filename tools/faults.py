@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Fault injection: a rank dies or stops inside each op, and every survivor must fail fast.
 
-    python3 tools/faults.py [--ops rs,ar,ag,ring,moe_dispatch_gemm,moe_gemm_combine] [--scenarios abcde]
+    python3 tools/faults.py [--ops rs,ar,ag,ring,moe_dispatch_gemm,moe_gemm_combine,allreduce,ar_latency]
+                            [--scenarios abcde]
 
 For every (op, scenario) a job of 2 ranks (under MPS when a daemon runs: tools/mps.sh) is started
 with ``--mca orte_abort_on_non_zero_status 0`` (else Open MPI kills the survivor itself and nothing
@@ -28,9 +29,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-OPS = ("rs", "ar", "ag", "ring", "moe_dispatch_gemm", "moe_gemm_combine", "allreduce")
+OPS = ("rs", "ar", "ag", "ring", "moe_dispatch_gemm", "moe_gemm_combine", "allreduce", "ar_latency")
 NAMES = {"rs": "gemm_reduce_scatter", "ar": "gemm_allreduce", "ag": "allgather_gemm", "ring": "ring_attention",
-         "moe_dispatch_gemm": "moe_dispatch_gemm", "moe_gemm_combine": "moe_gemm_combine", "allreduce": "allreduce"}
+         "moe_dispatch_gemm": "moe_dispatch_gemm", "moe_gemm_combine": "moe_gemm_combine", "allreduce": "allreduce",
+         "ar_latency": "gemm_allreduce"}
 
 
 # ------------------------------------------------------------------------------- the ranks
@@ -58,6 +60,9 @@ def _op_call(op, comm, big):
     if op == "allreduce":
         x = h(64, 8192)
         return lambda: mkernel.allreduce(x, comm=comm)
+    if op == "ar_latency":  # 8 rows, weights as [N, K]: the fused latency kernels (LL words)
+        a, w = h(8, 4096), h(8192, 4096)
+        return lambda: mkernel.gemm_allreduce(a, w.T, comm=comm)
     T, H, F, E, k = 256, 1024, 512, 8, 2
     x = h(T, H)
     ids = cupy.asarray(np.argsort(np.random.default_rng(comm.rank).random((T, E)), axis=1)[:, :k].astype(np.int32))
