@@ -93,6 +93,31 @@ def test_in_place_and_unaligned_views(comm, where):
     assert all_ranks(comm.mpi, not msgs), msgs[:6]
 
 
+def test_shapes_or_dtypes_that_disagree_across_ranks_raise_on_every_rank(comm):
+    """Rank r passes 64 + 8r elements, then rank r's own dtype: ArgumentError everywhere, nothing
+    launched; the gemm_allreduce latency path likewise (rows differing by rank)."""
+    import cupy
+
+    if comm.size < 2:
+        pytest.skip("needs 2 ranks")
+    e0 = comm.sync.epoch()
+    cases = {"size": lambda: mkernel.allreduce(cupy.zeros(64 + 8 * comm.rank, DTYPES["bf16"]), comm=comm),
+             "dtype": lambda: mkernel.allreduce(cupy.zeros(64, (DTYPES["bf16"], DTYPES["fp16"])[comm.rank % 2]),
+                                                comm=comm),
+             "latency rows": lambda: mkernel.gemm_allreduce(
+                 cupy.zeros((1 + comm.rank, 64), DTYPES["bf16"]), cupy.zeros((128, 64), DTYPES["bf16"]).T,
+                 comm=comm, path="latency")}
+    missed = []
+    for name, call in cases.items():
+        try:
+            call()
+            missed.append(name)
+        except mkernel.ArgumentError:
+            pass
+    cupy.cuda.get_current_stream().synchronize()
+    assert all_ranks(comm.mpi, not missed and comm.sync.epoch() == e0), (missed, comm.sync.epoch(), e0)
+
+
 @pytest.mark.parametrize("bad", ["empty", "dtype", "strided", "out shape", "overlap"])
 def test_bad_arguments_raise_before_launch(comm, bad):
     import cupy
