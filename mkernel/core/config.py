@@ -48,8 +48,8 @@ class Config:
     # The decode path's tokens per CTA above 32 tokens: 32 (CTAs of 32 tokens side by side, B read
     # again from L2) or 64 (one CTA, half the loads in flight).
     gemm_decode_group: int = 32
-    # The decode path's 32-element steps of K in flight per lane (0: the deepest instantiated: 8, or
-    # 4 at 64 tokens; 4 or 8, 2 or 4 at 64 tokens) and the CTA waves its split of K aims for (1, 2, 4).
+    # The decode path's 32-element steps of K in flight per lane (0: 4, or 2 at 64 tokens; 4 or 8,
+    # 2 or 4 at 64 tokens) and the CTA waves its split of K aims for (1, 2, 4).
     gemm_decode_unroll: int = 0
     gemm_decode_waves: int = 1
 

@@ -26,12 +26,12 @@ SPLIT_SMS = 132
 OUT_F32 = 2
 
 
-UNROLLS = {8: (4, 8), 16: (4, 8), 32: (4, 8), 64: (2, 4)}  # instantiated U per MT; the last the default
+UNROLLS = {8: (8, 4), 16: (8, 4), 32: (8, 4), 64: (4, 2)}  # instantiated U per MT; the last the default
 
 
 def unroll(mt: int) -> int:
     """U: 32-element steps of K in flight per lane (config.gemm_decode_unroll where instantiated
-    for mt, else the deepest that fits two CTAs of registers)."""
+    for mt, else the shallower of the two, measured the faster: bench/NOTES.md)."""
     u = config.get().gemm_decode_unroll
     return u if u in UNROLLS[mt] else UNROLLS[mt][-1]
 

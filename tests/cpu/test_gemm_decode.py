@@ -51,11 +51,11 @@ def test_the_path_is_chosen_by_shape_layout_and_knob():
 
 
 def test_unroll_and_waves_knobs_pick_instantiated_kernels():
-    assert [dec.unroll(mt) for mt in dec.M_TILES] == [8, 8, 8, 4]  # the deepest that fits
+    assert [dec.unroll(mt) for mt in dec.M_TILES] == [4, 4, 4, 2]  # the shallower of each pair
     with config.override(gemm_decode_unroll=4):
         assert [dec.unroll(mt) for mt in dec.M_TILES] == [4, 4, 4, 4]
-    with config.override(gemm_decode_unroll=2):
-        assert [dec.unroll(mt) for mt in dec.M_TILES] == [8, 8, 8, 2]  # 2 exists at 64 tokens only
+    with config.override(gemm_decode_unroll=8):
+        assert [dec.unroll(mt) for mt in dec.M_TILES] == [8, 8, 8, 2]  # 8 exists up to 32 tokens only
     assert all(dec.kernel_expr(0, 0, mt, dec.unroll(mt)) in dec.EXPRESSIONS for mt in dec.M_TILES)
     one = dec.split_k(8192, 8192, 8)[0]
     with config.override(gemm_decode_waves=2):
