@@ -22,7 +22,7 @@ from mkernel.engines import gemm_decode as _decode
 from mkernel.runtime import compile as _compile
 from mkernel.runtime import tma as _tma
 from mkernel.runtime.arrays import DT, check_matrix, cupy_mod
-from mkernel.runtime.launch import PlanCache  # all SMs: its CTAs never wait on each other
+from mkernel.runtime.launch import PlanCache, call_key  # all SMs: its CTAs never wait on each other
 from mkernel.runtime.launch import device_sms as _num_sms
 from mkernel.runtime.sync import MkStatus, MkSync, SyncState  # noqa: F401  (MkStatus: the layout test)
 
@@ -330,12 +330,6 @@ def _ptr(x):
     return None if x is None else x.data.ptr
 
 
-def _plan_key(cupy, stream, a, b, out, *rest):
-    s = stream if stream is not None else cupy.cuda.get_current_stream()
-    return (cupy.cuda.runtime.getDevice(), s.ptr, a.data.ptr, a.shape, a.strides, a.dtype.str, b.data.ptr,
-            b.shape, b.strides, b.dtype.str, out.data.ptr, out.shape, out.strides, out.dtype.str) + rest
-
-
 def tiles(M: int, N: int) -> int:
     """Output tiles of an M x N GEMM (the length of tile_order / tile_flags)."""
     return -(-M // BM) * -(-N // BN)
@@ -378,9 +372,9 @@ def gemm(a, b, *, out=None, stream=None, b_layout=None, out_dtype=None, accumula
     key = None
     if out is not None and isinstance(a, cupy.ndarray) and isinstance(b, cupy.ndarray) \
             and isinstance(out, cupy.ndarray):
-        key = _plan_key(cupy, stream, a, b, out, b_layout, out_dtype, accumulate, sms, _ptr(tile_order),
-                        _ptr(roles), _ptr(tile_flags), _ptr(tile_counts), group_m, order, cluster,
-                        _decode.knobs())  # the knobs pick the kernel
+        key = call_key(cupy, stream, (a, b, out), (b_layout, out_dtype, accumulate, sms, _ptr(tile_order),
+                       _ptr(roles), _ptr(tile_flags), _ptr(tile_counts), group_m, order, cluster,
+                       _decode.knobs()))  # the knobs pick the kernel
         if _plans.launch(key, stream):
             return out
     _check_device(cupy)

@@ -39,6 +39,9 @@ def allreduce(x, *, comm, out=None, stream=None):
     rank order rounded once, so every rank holds the same bits. The same shape and dtype on every
     rank (ranks that disagree raise ArgumentError together). Inside one node (ranks between nodes
     raise ArgumentError). Collective; returns without synchronising."""
+    key = tp.call_key(comm, OP, stream, (x, out), ())
+    if tp.replay(comm, key, stream):
+        return out
     x, out = _check(comm, x, out, stream)
     if comm.size == 1:  # a device copy, not a kernel
         if out.data.ptr != x.data.ptr:
@@ -48,7 +51,9 @@ def allreduce(x, *, comm, out=None, stream=None):
     dst = _aligned(out, stream, keep=in_place)
     src = dst if in_place else _aligned(x, stream, keep=True)  # in place: each chunk is sent before it is summed
     plan, template = _plan(comm, x.size, x.dtype)
-    _launch(comm, template, src, dst, stream)
+    launched = _launch(comm, template, src, dst, stream)
+    if key is not None and dst is out and (src is x or in_place):  # only the kernel: recorded
+        comm.plans.record_launches(key, (launched,), [_plan_key(x.size, x.dtype)])
     if dst is not out:
         with tp.on_stream(stream):
             out[...] = dst
@@ -60,7 +65,7 @@ def own_slot(comm, shape, dtype):
     (gemm_allreduce's latency path): (slot, finish). ``slot`` is a contiguous array of ``shape``
     and ``dtype`` in this rank's own slot, valid until ``finish(out, stream)`` (collective, after
     the producer's work on ``stream``) has launched the all-reduce of it into ``out`` (contiguous,
-    16-byte aligned, outside the workspace). No copy of the own contribution, no allocation."""
+    16-byte aligned, outside the workspace) and returned that launch. No copy, no allocation."""
     import numpy
 
     dt = numpy.dtype(dtype)
@@ -70,8 +75,8 @@ def own_slot(comm, shape, dtype):
     slot = plan["slots"][comm.local_rank, :count].reshape(shape)
 
     def finish(out, stream=None):
-        _launch(comm, template, slot, out, stream, src_is_slot=True)
-        return out
+        """Launches the all-reduce into out; returns its launch (for a call's record)."""
+        return _launch(comm, template, slot, out, stream, src_is_slot=True)
     return slot, finish
 
 
@@ -115,6 +120,10 @@ def _aligned(arr, stream, keep):
     return copy
 
 
+def _plan_key(count, dt):
+    return ("buffers", OP, count, dt.name)
+
+
 def _plan(comm, count, dt):
     """(plan, launch template) per (elements, dtype): every rank's slot in the scratch (padded to 16
     bytes), the chunk flags the plan's own."""
@@ -122,7 +131,7 @@ def _plan(comm, count, dt):
     chunks = -(-count // CHUNK)
     slot = -(-count * dt.itemsize // 16) * 16 // dt.itemsize
     sizes = [("slots", (W, slot), dt), ("flags", (W * chunks,), "uint32")]
-    plan = tp.plan_buffers(OP, comm, ("buffers", OP, count, dt.name), sizes, counter_words=CNT_WORDS)
+    plan = tp.plan_buffers(OP, comm, _plan_key(count, dt), sizes, counter_words=CNT_WORDS)
 
     def build():
         args = MkAllreduceArgs()
@@ -136,6 +145,7 @@ def _plan(comm, count, dt):
 
 
 def _launch(comm, template, src, out, stream, src_is_slot=False):
+    """Launches the all-reduce of src into out; returns the launch ``(fn, grid, block, args, smem)``."""
     from mkernel.runtime.launch import launch_persistent, persistent_grid
 
     args = MkAllreduceArgs.from_buffer_copy(template["args"])
@@ -146,3 +156,4 @@ def _launch(comm, template, src, out, stream, src_is_slot=False):
     fn = _compile.module(SPEC).function(f"{KERNEL}<{ELEMENT[src.dtype.name]}>")
     grid = persistent_grid(fn, THREADS, 0, blocks=min(args.chunks * args.world, MAX_CTAS, tp.sm_count()), what=OP)
     launch_persistent(fn, (grid,), (THREADS,), args, smem=0, stream=stream)
+    return fn, (grid,), (THREADS,), args, 0

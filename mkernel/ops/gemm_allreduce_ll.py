@@ -51,23 +51,27 @@ def eligible(c) -> bool:
 
 
 def run(comm, c, stream):
-    """The two launches of one call; out (c.out) may have strided rows."""
-    from mkernel.runtime.launch import launch
+    """The two launches of one call (out, c.out, may have strided rows); returns them, their plan's
+    key and the decode partials' buffer they use: (launches, plans, keep), for comm.plans' record."""
+    from mkernel.runtime.launch import launch_all
 
     W, dt, pairs = comm.size, c.a.dtype, -(-c.M // 2)
-    plan = tp.plan_buffers("gemm_allreduce_ll", comm, ("buffers", "gemm_allreduce_ll", c.M, c.N, dt.name),
-                           [("ll", (W, c.N, pairs, 2), "uint32")], counter_words=CNT_WORDS)
-    _, grid, g, _buffer = _decode.build(c.a, c.b, c.out, tp.DT[dt.name], M=c.M, N=c.N, K=c.K, accumulate=False,
+    plan_key = ("buffers", "gemm_allreduce_ll", c.M, c.N, dt.name)
+    plan = tp.plan_buffers("gemm_allreduce_ll", comm, plan_key, [("ll", (W, c.N, pairs, 2), "uint32")],
+                           counter_words=CNT_WORDS)
+    _, grid, g, buffer = _decode.build(c.a, c.b, c.out, tp.DT[dt.name], M=c.M, N=c.N, K=c.K, accumulate=False,
                                         partial=_gemm.workspace(stream).decode_partials)
     sync = comm.sync_args(OP)
     push = MkDecodePushArgs(g=g, sync=sync, peer_base=comm.peer_table.data.ptr, ll_off=comm.offset_of(plan["ll"]),
                             counters=plan["counters"].data.ptr, pairs=pairs, world=W, me=comm.local_rank)
     mt = _decode.m_tile(c.M)[0]
     module = _compile.module(SPEC)
-    launch(module.function(f"{PUSH}<{tp.DT[dt.name]},{mt},{_decode.unroll(mt)}>"), grid, (_decode.THREADS,), push,
-           stream=stream)
     red = MkAllreduceLLArgs(sync=sync, peer_base=push.peer_base, ll_off=push.ll_off, out=c.out.data.ptr,
                             counters=push.counters, ldo=tp._row_stride(c.out) // dt.itemsize, m=c.M, n=c.N,
                             pairs=pairs, world=W, me=comm.local_rank)
     blocks = max(1, min(-(-c.N * pairs // REDUCE_THREADS), tp.sm_count()))
-    launch(module.function(f"{REDUCE}<{tp.DT[dt.name]}>"), (blocks,), (REDUCE_THREADS,), red, stream=stream)
+    launches = ((module.function(f"{PUSH}<{tp.DT[dt.name]},{mt},{_decode.unroll(mt)}>"), grid, (_decode.THREADS,),
+                 push, 0),
+                (module.function(f"{REDUCE}<{tp.DT[dt.name]}>"), (blocks,), (REDUCE_THREADS,), red, 0))
+    launch_all(launches, stream)
+    return launches, (plan_key,), (buffer,)

@@ -49,14 +49,20 @@ def gemm_reduce_scatter(a, b, *, comm, out=None, stream=None, b_layout=None, com
 
 def gemm_reduce(op, spec, kernel, allreduce, a, b, *, comm, out, stream, b_layout, comm_sms, deterministic, path,
                 join=None):
-    """The driver of both ops: check, plan, launch."""
+    """The driver of both ops: check, plan, launch (a repeated latency-path call: its recorded launches)."""
+    key = tp.call_key(comm, op, stream, (a, b, out), (b_layout, comm_sms, deterministic, path, join))
+    if tp.replay(comm, key, stream):
+        tp.note_path(comm, op, "latency")
+        return out
     c = _check(op, allreduce, comm, a, b, out, stream, b_layout, comm_sms, deterministic, path, join)
     if c.path == "gemm":
         _gemm.gemm(c.a, c.b, out=c.out, stream=stream, b_layout="kn" if c.layout == tp.B_KN else "nk")
     elif c.path == "fallback":
         _fallback(allreduce, comm, c, stream)
     elif c.path == "latency":
-        _latency(comm, c, stream)
+        record = _latency(comm, c, stream)
+        if key is not None and record is not None:
+            comm.plans.record_launches(key, *record)
     else:
         _launch(op, spec, kernel, allreduce, comm, _plan(op, allreduce, comm, c), c, stream)
     return c.out
@@ -109,21 +115,22 @@ def _latency(comm, c, stream):
     """gemm_allreduce at few rows. Fewest rows (B as [N, K]): the fused latency kernels
     (gemm_allreduce_ll). Else this rank's partial by the GEMM engine (its decode path) straight into
     its slot of the one-shot all-reduce's scratch, then the all-reduce into out (through a contiguous
-    copy where out's rows are strided). Nothing allocated per call."""
+    copy where out's rows are strided). Nothing allocated per call. Returns (launches, plans, keep)
+    where the call was only launches (the fused kernels), else None."""
     fused = _ll.eligible(c)
     comm.agree(("gemm_allreduce", "latency kernels", c.M, c.N, fused), fused)  # knobs may differ by rank
     if fused:
-        _ll.run(comm, c, stream)
-        return
+        return _ll.run(comm, c, stream)
     slot, finish = _ar.own_slot(comm, (c.M, c.N), c.a.dtype)
     _gemm.gemm(c.a, c.b, out=slot, stream=stream, b_layout="kn" if c.layout == tp.B_KN else "nk")
     if c.out.flags.c_contiguous and c.out.data.ptr % 16 == 0:
         finish(c.out, stream)
-        return
+        return None
     dst = _latency_out(comm, c)
     finish(dst, stream)
     with tp.on_stream(stream):
         c.out[...] = dst
+    return None
 
 
 def _latency_out(comm, c):

@@ -230,9 +230,36 @@ def agree_call(op, comm, key, reason):
     collective the first time the key is seen; ranks that disagree raise ArgumentError together."""
     first = not comm.agreed(key)
     comm.agree(key, key)
-    comm.plans.state.setdefault("tp.last_path", {})[op] = key[-1]
+    note_path(comm, op, key[-1])
     if first:
         log.debug("%s %s: %s path (%s)", op, key[1:-1], key[-1], reason)
+
+
+def call_key(comm, op, stream, arrays, options):
+    """The key of a call for ``comm.plans``' recorded launches, or None where a call cannot be
+    recorded: an argument not a CuPy array (out not given), or tracing on (its pointers move)."""
+    cupy = cupy_mod()
+    if comm is None or not all(isinstance(x, cupy.ndarray) for x in arrays) or comm.trace.path:
+        return None
+    from mkernel.runtime.launch import call_key as _key
+    return _key(cupy, stream, arrays, (op,) + tuple(options))
+
+
+def replay(comm, key, stream) -> bool:
+    """A repeated call: raises a pending error, then launches what ``key``'s first call recorded
+    (its checks and agreement held then: the same arrays and options). False if nothing is recorded."""
+    launches = None if key is None else comm.plans.launches(key)
+    if launches is None:
+        return False
+    from mkernel.runtime.launch import launch_all
+    comm.check()
+    launch_all(launches, stream)
+    return True
+
+
+def note_path(comm, op, path):
+    """Records the path of ``op``'s latest call (``comm.plans.state["tp.last_path"]``: tests, logs)."""
+    comm.plans.state.setdefault("tp.last_path", {})[op] = path
 
 
 def on_stream(stream):

@@ -35,6 +35,22 @@ def launch(fn, grid, block, args: ctypes.Structure, *, smem: int = 0, stream=Non
         driver.launchKernel(fn.ptr, *grid, *block, smem, stream_ptr, ctypes.addressof(params), 0)
 
 
+def launch_all(launches, stream=None):
+    """Launches ``(fn, grid, block, args, smem)`` records in order (a call's recorded launches)."""
+    for fn, grid, block, args, smem in launches:
+        launch(fn, grid, block, args, smem=smem, stream=stream)
+
+
+def call_key(cupy, stream, arrays, options) -> tuple:
+    """The key of a call whose launches are a function of its arrays' addresses, shapes, strides
+    and dtypes (None allowed) and of ``options`` only: for PlanCache and ``comm.plans``' records."""
+    s = stream if stream is not None else cupy.cuda.get_current_stream()
+    key = [cupy.cuda.runtime.getDevice(), s.ptr]
+    for x in arrays:
+        key += (None,) if x is None else (x.data.ptr, x.shape, x.strides, x.dtype.str)
+    return tuple(key) + tuple(options)
+
+
 def max_resident_blocks(fn, block_threads: int, smem: int) -> int:
     """Blocks of this kernel that fit on one SM at once (persistent kernels launch at most this x SMs)."""
     from cupy.cuda import driver

@@ -53,3 +53,38 @@ def test_a_thousand_plans_fit_by_default():
     for i in range(1024):
         reg.add(("op", i), {})
     assert len(reg) == 1024 and reg.evicted == 0
+
+
+def test_a_recorded_call_is_launched_until_a_plan_is_released():
+    reg, _ = _registry(2)
+    reg.add(("op", 1), {})
+    launches = (("fn", (1,), (32,), "args", 0),)
+    reg.record_launches(("call", 1), launches, [("op", 1)], keep=("buffer",))
+    assert reg.launches(("call", 1)) == launches and reg.launches(("call", 2)) is None
+    reg.add(("op", 2), {})
+    assert reg.launches(("call", 1)) == launches  # adding within the bound frees nothing
+    assert [k for k, _ in reg.items()] == [("op", 2), ("op", 1)]  # the call used its plan, as a full call
+    reg.add(("op", 3), {})  # evicts ("op", 2)
+    assert reg.launches(("call", 1)) is None  # a release may have freed what the record points to
+    reg.record_launches(("call", 1), launches, [("op", 1)])
+    reg.clear()
+    assert reg.launches(("call", 1)) is None
+
+
+def test_a_recorded_call_is_not_launched_under_another_configuration():
+    from mkernel import config
+
+    reg, _ = _registry(2)
+    reg.record_launches(("call", 1), (), ())
+    with config.override(tp_latency_ll_max_rows=0):  # knobs may choose other kernels or paths
+        assert reg.launches(("call", 1)) is None
+    assert reg.launches(("call", 1)) is None  # dropped, recorded again by the next full call
+
+
+def test_recorded_calls_are_bounded():
+    from mkernel.comm import plans
+
+    reg, _ = _registry(2)
+    for i in range(plans.MAX_CALLS + 10):
+        reg.record_launches(("call", i), (), ())
+    assert reg.launches(("call", 0)) is None and reg.launches(("call", plans.MAX_CALLS + 9)) == ()

@@ -13,7 +13,7 @@ import pytest
 import mkernel
 from mkernel.comm.collectives import allgather_object
 
-from tests.helpers.arrays import DTYPES, bits, dev, host, poisoned
+from tests.helpers.arrays import DTYPES, bits, dev, host, poison, poisoned
 from tests.helpers.ranks import all_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
@@ -245,4 +245,53 @@ def test_fused_latency_kernels_give_the_two_kernel_paths_bits(comm, M):
         digest = hashlib.sha256(outs[True, 0].tobytes()).hexdigest()
         if len(set(allgather_object(comm.mpi, digest, "comparing bits", 60))) != 1:
             msgs.append(f"M {M} integer {integer}: ranks hold different bits")
+    assert all_ranks(comm.mpi, not msgs), msgs[:6]
+
+
+@pytest.mark.parametrize("M", [4, 64])
+def test_repeated_calls_launch_what_their_first_call_recorded(comm, M):
+    """A call repeated on the same arrays (new values in them) only launches what its first call
+    recorded (comm.plans): gemm_allreduce's fused latency kernels (M 4; the two-kernel path at M 64
+    records nothing) and mkernel.allreduce, exact integer sums over 20 calls, outputs poisoned
+    before each, through a release of every plan (the records go with them) halfway."""
+    import cupy
+
+    from mkernel.ops import tp
+
+    W = comm.size
+    if W == 1:
+        pytest.skip("the latency path sums over 2 or more ranks")
+    N, K, dt = 1032, 2056, DTYPES["bf16"]
+
+    def ints(seed, r, shape):
+        return np.random.default_rng([seed, r]).integers(-1, 2, shape).astype(np.float64)
+
+    w = [ints(60, r, (N, K)) for r in range(W)]
+    a_d, w_d = cupy.empty((M, K), dt), dev(w[comm.rank].astype(dt))
+    out, x, x_out = cupy.empty((M, N), dt), cupy.empty((M, N), dt), cupy.empty((M, N), dt)
+    keys = {"gemm_allreduce": tp.call_key(comm, "gemm_allreduce", None, (a_d, w_d.T, out),
+                                          (None, None, True, "latency", None)),
+            "allreduce": tp.call_key(comm, "allreduce", None, (x, x_out), ())}
+    msgs = []
+    for i in range(20):
+        if i == 10:
+            comm.release_plans()
+        a = [ints(100 + i, r, (M, K)) for r in range(W)]
+        xs = [ints(200 + i, r, (M, N)) for r in range(W)]
+        a_d[...] = dev(a[comm.rank].astype(dt))
+        x[...] = dev(xs[comm.rank].astype(dt))
+        poison(out)
+        poison(x_out)
+        mkernel.gemm_allreduce(a_d, w_d.T, comm=comm, out=out, path="latency")
+        mkernel.allreduce(x, comm=comm, out=x_out)
+        cupy.cuda.get_current_stream().synchronize()
+        comm.check()
+        want = sum(a[r] @ w[r].T for r in range(W)).astype(dt).astype(np.float64)
+        if not np.array_equal(host(out).astype(np.float64), want):
+            msgs.append(f"call {i}: gemm_allreduce not exact")
+        if not np.array_equal(host(x_out).astype(np.float64), sum(xs).astype(dt).astype(np.float64)):
+            msgs.append(f"call {i}: allreduce not exact")
+        recorded = {op: comm.plans.launches(k) is not None for op, k in keys.items()}
+        if recorded != {"gemm_allreduce": M <= 16, "allreduce": True}:
+            msgs.append(f"call {i}: recorded {recorded}")
     assert all_ranks(comm.mpi, not msgs), msgs[:6]
