@@ -330,6 +330,21 @@ def _ptr(x):
     return None if x is None else x.data.ptr
 
 
+def _key(cupy, stream, a, b, out, b_layout, out_dtype, accumulate, sms, tile_order, roles, tile_flags, tile_counts,
+         group_m, order, cluster):
+    return call_key(cupy, stream, (a, b, out), (b_layout, out_dtype, accumulate, sms, _ptr(tile_order), _ptr(roles),
+                                                _ptr(tile_flags), _ptr(tile_counts), group_m, order, cluster,
+                                                _decode.knobs()))  # the knobs pick the kernel
+
+
+def kept_plan(a, b, out, *, stream=None, b_layout=None):
+    """The launch plan ``(fn, grid, block, args, smem[, buffer])`` that a plain ``gemm(a, b, out=out,
+    stream=stream, b_layout=b_layout)`` call keeps, or None: for an op that records it in its own call."""
+    cupy = cupy_mod()
+    return _plans.get(_key(cupy, stream, a, b, out, b_layout, None, False, None, None, None, None, None,
+                           DEFAULT_GROUP_M, None, None))
+
+
 def tiles(M: int, N: int) -> int:
     """Output tiles of an M x N GEMM (the length of tile_order / tile_flags)."""
     return -(-M // BM) * -(-N // BN)
@@ -372,9 +387,8 @@ def gemm(a, b, *, out=None, stream=None, b_layout=None, out_dtype=None, accumula
     key = None
     if out is not None and isinstance(a, cupy.ndarray) and isinstance(b, cupy.ndarray) \
             and isinstance(out, cupy.ndarray):
-        key = call_key(cupy, stream, (a, b, out), (b_layout, out_dtype, accumulate, sms, _ptr(tile_order),
-                       _ptr(roles), _ptr(tile_flags), _ptr(tile_counts), group_m, order, cluster,
-                       _decode.knobs()))  # the knobs pick the kernel
+        key = _key(cupy, stream, a, b, out, b_layout, out_dtype, accumulate, sms, tile_order, roles, tile_flags,
+                   tile_counts, group_m, order, cluster)
         if _plans.launch(key, stream):
             return out
     _check_device(cupy)

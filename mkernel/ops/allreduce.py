@@ -53,7 +53,7 @@ def allreduce(x, *, comm, out=None, stream=None):
     plan, template = _plan(comm, x.size, x.dtype)
     launched = _launch(comm, template, src, dst, stream)
     if key is not None and dst is out and (src is x or in_place):  # only the kernel: recorded
-        comm.plans.record_launches(key, (launched,), [_plan_key(x.size, x.dtype)])
+        comm.plans.record_launches(key, (launched,), [plan_key(x.size, x.dtype)])
     if dst is not out:
         with tp.on_stream(stream):
             out[...] = dst
@@ -120,7 +120,8 @@ def _aligned(arr, stream, keep):
     return copy
 
 
-def _plan_key(count, dt):
+def plan_key(count, dt):
+    """The key of the plan of an all-reduce of ``count`` elements of ``dt`` in ``comm.plans``."""
     return ("buffers", OP, count, dt.name)
 
 
@@ -131,7 +132,7 @@ def _plan(comm, count, dt):
     chunks = -(-count // CHUNK)
     slot = -(-count * dt.itemsize // 16) * 16 // dt.itemsize
     sizes = [("slots", (W, slot), dt), ("flags", (W * chunks,), "uint32")]
-    plan = tp.plan_buffers(OP, comm, _plan_key(count, dt), sizes, counter_words=CNT_WORDS)
+    plan = tp.plan_buffers(OP, comm, plan_key(count, dt), sizes, counter_words=CNT_WORDS)
 
     def build():
         args = MkAllreduceArgs()

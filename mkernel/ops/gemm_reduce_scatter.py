@@ -116,16 +116,18 @@ def _latency(comm, c, stream):
     (gemm_allreduce_ll). Else this rank's partial by the GEMM engine (its decode path) straight into
     its slot of the one-shot all-reduce's scratch, then the all-reduce into out (through a contiguous
     copy where out's rows are strided). Nothing allocated per call. Returns (launches, plans, keep)
-    where the call was only launches (the fused kernels), else None."""
+    where the call was only launches (out contiguous and aligned), else None."""
     fused = _ll.eligible(c)
     comm.agree(("gemm_allreduce", "latency kernels", c.M, c.N, fused), fused)  # knobs may differ by rank
     if fused:
         return _ll.run(comm, c, stream)
     slot, finish = _ar.own_slot(comm, (c.M, c.N), c.a.dtype)
-    _gemm.gemm(c.a, c.b, out=slot, stream=stream, b_layout="kn" if c.layout == tp.B_KN else "nk")
+    layout = "kn" if c.layout == tp.B_KN else "nk"
+    _gemm.gemm(c.a, c.b, out=slot, stream=stream, b_layout=layout)
     if c.out.flags.c_contiguous and c.out.data.ptr % 16 == 0:
-        finish(c.out, stream)
-        return None
+        reduce = finish(c.out, stream)
+        gemm = _gemm.kept_plan(c.a, c.b, slot, stream=stream, b_layout=layout)
+        return None if gemm is None else ((gemm[:5], reduce), (_ar.plan_key(c.M * c.N, c.a.dtype),), (gemm,))
     dst = _latency_out(comm, c)
     finish(dst, stream)
     with tp.on_stream(stream):

@@ -139,6 +139,10 @@ class PlanCache:
         launch(*plan[:4], smem=plan[4], stream=stream)
         return True
 
+    def get(self, key):
+        """The plan of ``key``, or None."""
+        return self._plans.get(key)
+
     def add(self, key, plan):
         self._plans[key] = plan
         while len(self._plans) > self.size:
