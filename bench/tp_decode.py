@@ -7,7 +7,8 @@ where M splits over the ranks; both reported), gemm_ms (mkernel.gemm alone), all
 baseline). Every figure with all ranks doing the same at once; under MPS by bench/mps_timing.py's rule
 (device barrier, batches of 50). Goals (issue 26): mkernel_ms <= gemm_ms + 8 us on every row, and
 unfused_ms - mkernel_ms >= 0.5 x allreduce_ms. bound_ms: this rank's weights read once at the copy
-rate measured in the run.
+rate measured in the run. graph_ms: the device's time per call (50 calls in a CUDA graph); host_us:
+the host's time to issue one call.
 
     mpirun -n 2 python3 bench/tp_decode.py [--quick]
 """
@@ -26,6 +27,22 @@ import harness  # noqa: E402
 
 MS = (1, 16, 64, 128, 256)
 NK = ((8192, 4096),)
+
+
+def host_us(fn, n=50):
+    """Host time per call of ``fn`` (n calls issued back to back, not waited for): the launch path's
+    cost, which bounds an eager call's time where it exceeds the device's."""
+    import time
+
+    import cupy
+
+    cupy.cuda.get_current_stream().synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    cupy.cuda.get_current_stream().synchronize()
+    return (t1 - t0) / n * 1e6
 
 
 def copy_rate(timed):
@@ -91,6 +108,7 @@ def main():
         diff = max(float(cupy.linalg.norm(results[p] - results["unfused"]) / cupy.linalg.norm(results["unfused"]))
                    for p in checked if p != "unfused")
         t = {p: timed(fn) for p, fn in f.items()}
+        host = {p: host_us(fn) for p, fn in f.items()}
         graph = {}  # the device's time per call (n calls in one CUDA graph): what the host's launch work hides
         if shared:
             for p in ("latency", "gemm", "allreduce") + (("latency_2k",) if "latency_2k" in f else ()):
@@ -106,14 +124,16 @@ def main():
                                 unfused_ms=t["unfused"], latency_two_kernels_ms=t.get("latency_2k"), best_path=best,
                                 allreduce_hidden=hidden,
                                 over_gemm_us=(t[best] - t["gemm"]) * 1e3, rel_diff_unfused=diff, mps=bool(shared),
-                                world=W, baseline="mkernel.gemm then mkernel.allreduce", graph_ms=graph))
+                                world=W, baseline="mkernel.gemm then mkernel.allreduce", graph_ms=graph,
+                                host_us=host))
         if comm.rank == 0:
             r = rows[-1]
             fused = f"{t['fused'] * 1e3:8.1f}" if "fused" in t else "     n/a"
             print(f"{M:4d} {N:6d} {K:6d}  latency {t['latency'] * 1e3:8.1f} us  fused {fused} us  gemm "
                   f"{t['gemm'] * 1e3:7.1f} us  allreduce {t['allreduce'] * 1e3:6.1f} us  unfused "
                   f"{t['unfused'] * 1e3:8.1f} us  over gemm {r['over_gemm_us']:6.1f} us  hidden {hidden:5.2f}  "
-                  f"rel diff {diff:.1e}  graph {graph}", flush=True)
+                  f"rel diff {diff:.1e}  graph {graph}  host us {({p: round(v, 1) for p, v in host.items()})}",
+                  flush=True)
         comm.release_plans()
     gpus = len(set(comm.mpi.allgather(comm.device_id)))  # every rank: a collective
     if comm.rank == 0:
