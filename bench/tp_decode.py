@@ -95,11 +95,17 @@ def main():
                 with config.override(tp_latency_ll_max_rows=0):
                     mkernel.gemm_allreduce(a, w.T, comm=comm, out=out, path="latency")
             f["latency_2k"] = two_kernels
+
+            def overlapped():
+                with config.override(tp_latency_ll_overlap=True):
+                    mkernel.gemm_allreduce(a, w.T, comm=comm, out=out, path="latency")
+            f["latency_overlap"] = overlapped
         f["gemm"] = lambda: mkernel.gemm(a, w.T, out=part)
         f["allreduce"] = lambda: mkernel.allreduce(part, comm=comm, out=out)
         f["unfused"] = lambda: (mkernel.gemm(a, w.T, out=part), mkernel.allreduce(part, comm=comm, out=out))
         results = {}
-        checked = paths + ("unfused",) + (("latency_2k",) if "latency_2k" in f else ())
+        extra = tuple(p for p in ("latency_2k", "latency_overlap") if p in f)
+        checked = paths + ("unfused",) + extra
         for p in checked:  # every path gives the same sum (partials rounded alike: the same bits)
             f[p]()
             cupy.cuda.get_current_stream().synchronize()
@@ -111,7 +117,7 @@ def main():
         host = {p: host_us(fn) for p, fn in f.items()}
         graph = {}  # the device's time per call (n calls in one CUDA graph): what the host's launch work hides
         if shared:
-            for p in ("latency", "gemm", "allreduce") + (("latency_2k",) if "latency_2k" in f else ()):
+            for p in ("latency", "gemm", "allreduce") + extra:
                 try:
                     graph[p] = cc.graph_batch_ms(comm, barrier, f[p])
                 except Exception as e:  # noqa: BLE001  (a capture that fails is reported, not fatal)
@@ -121,7 +127,8 @@ def main():
         hidden = (t["unfused"] - t[best]) / t["allreduce"]
         rows.append(harness.row((M, N, K), t[best], t["unfused"], bound, latency_ms=t["latency"],
                                 fused_ms=t.get("fused"), gemm_ms=t["gemm"], allreduce_ms=t["allreduce"],
-                                unfused_ms=t["unfused"], latency_two_kernels_ms=t.get("latency_2k"), best_path=best,
+                                unfused_ms=t["unfused"], latency_two_kernels_ms=t.get("latency_2k"),
+                                latency_overlap_ms=t.get("latency_overlap"), best_path=best,
                                 allreduce_hidden=hidden,
                                 over_gemm_us=(t[best] - t["gemm"]) * 1e3, rel_diff_unfused=diff, mps=bool(shared),
                                 world=W, baseline="mkernel.gemm then mkernel.allreduce", graph_ms=graph,

@@ -30,6 +30,9 @@ class Config:
     # ... and at most this many rows (and B as [N, K]) the fused latency kernels (gemm_allreduce_ll.py;
     # 0: the decode GEMM, then mkernel.allreduce)
     tp_latency_ll_max_rows: int = 16
+    # ... their sum kernel launched to overlap the GEMM's last CTAs (programmatic stream
+    # serialization; its polls of the LL words need no stream order)
+    tp_latency_ll_overlap: bool = False
     # Communication CTAs where comm_sms is not searched (the unfused baseline, the search's start).
     tp_comm_sms: types.MappingProxyType = dataclasses.field(default_factory=lambda: types.MappingProxyType(
         {"gemm_reduce_scatter": 8, "gemm_allreduce": 16, "allgather_gemm": 8}))
@@ -68,7 +71,7 @@ class Config:
                                 f"{self.gemm_decode_unroll!r}, {self.gemm_decode_waves!r}")
         if self.gemm_decode_group not in (32, 64):
             raise ArgumentError(f"gemm_decode_group must be 32 or 64; got {self.gemm_decode_group!r}")
-        for name in ("tp_join_reduce", "moe_join_gemm"):
+        for name in ("tp_join_reduce", "moe_join_gemm", "tp_latency_ll_overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ArgumentError(f"{name} must be True or False; got {getattr(self, name)!r}")
         for name in ("tp_comm_sms", "transport_gbps"):  # mappings stay read-only

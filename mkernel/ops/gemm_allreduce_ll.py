@@ -72,6 +72,7 @@ def run(comm, c, stream):
     blocks = max(1, min(-(-c.N * pairs // REDUCE_THREADS), tp.sm_count()))
     launches = ((module.function(f"{PUSH}<{tp.DT[dt.name]},{mt},{_decode.unroll(mt)}>"), grid, (_decode.THREADS,),
                  push, 0),
-                (module.function(f"{REDUCE}<{tp.DT[dt.name]}>"), (blocks,), (REDUCE_THREADS,), red, 0))
+                (module.function(f"{REDUCE}<{tp.DT[dt.name]}>"), (blocks,), (REDUCE_THREADS,), red, 0,
+                 config.get().tp_latency_ll_overlap))
     launch_all(launches, stream)
     return launches, (plan_key,), (buffer,)

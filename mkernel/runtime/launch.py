@@ -20,7 +20,11 @@ def _allow_smem(fn, smem: int) -> None:
         _smem_set[fn.ptr] = smem
 
 
-def launch(fn, grid, block, args: ctypes.Structure, *, smem: int = 0, stream=None, cooperative: bool = False):
+def launch(fn, grid, block, args: ctypes.Structure, *, smem: int = 0, stream=None, cooperative: bool = False,
+           overlapped: bool = False):
+    """``overlapped``: the kernel may begin before the stream's previous kernel ends, once that
+    kernel's CTAs have all started or run ``griddepcontrol.launch_dependents``; it must wait for
+    that kernel's results itself (and run ``griddepcontrol.wait`` before it ends)."""
     import cupy
     from cupy.cuda import driver
 
@@ -29,16 +33,31 @@ def launch(fn, grid, block, args: ctypes.Structure, *, smem: int = 0, stream=Non
     block = tuple(block) + (1,) * (3 - len(block))
     _allow_smem(fn, smem)
     params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
-    if cooperative:
+    if overlapped:
+        _launch_overlapped(fn, grid, block, smem, stream_ptr, params)
+    elif cooperative:
         driver.launchCooperativeKernel(fn.ptr, *grid, *block, smem, stream_ptr, ctypes.addressof(params))
     else:
         driver.launchKernel(fn.ptr, *grid, *block, smem, stream_ptr, ctypes.addressof(params), 0)
 
 
+def _launch_overlapped(fn, grid, block, smem, stream_ptr, params):
+    from mkernel import verbs
+    from mkernel.core.errors import MKernelError
+
+    ffi, lib = verbs.ffi, verbs.lib
+    why = ffi.new("char[]", 256)
+    rc = lib.mk_cuda_launch_overlapped(ffi.cast("void *", fn.ptr), grid, block, smem, ffi.cast("void *", stream_ptr),
+                                       ffi.cast("void **", ctypes.addressof(params)), why, 256)
+    if rc:
+        raise MKernelError(f"overlapped launch failed: {ffi.string(why).decode(errors='replace')}")
+
+
 def launch_all(launches, stream=None):
-    """Launches ``(fn, grid, block, args, smem)`` records in order (a call's recorded launches)."""
-    for fn, grid, block, args, smem in launches:
-        launch(fn, grid, block, args, smem=smem, stream=stream)
+    """Launches ``(fn, grid, block, args, smem[, overlapped])`` records in order (a call's recorded
+    launches)."""
+    for fn, grid, block, args, smem, *overlapped in launches:
+        launch(fn, grid, block, args, smem=smem, stream=stream, overlapped=bool(overlapped and overlapped[0]))
 
 
 def call_key(cupy, stream, arrays, options) -> tuple:

@@ -43,7 +43,28 @@ static struct {
                                       const unsigned long long* globalDim, const unsigned long long* globalStrides,
                                       const unsigned* boxDim, const unsigned* elementStrides, int interleave,
                                       int swizzle, int l2Promotion, int oobFill);
+  CUresult (*launch_kernel_ex)(const void* config, void* fn, void** params, void** extra);
 } cu;
+
+/* CUlaunchAttribute and CUlaunchConfig (cuda.h), declared by hand like the calls above. */
+typedef struct {
+  int id;
+  char pad[4];
+  union {
+    char bytes[64];
+    void* align;
+    int value;
+  } value;
+} mk_cu_launch_attr;
+typedef struct {
+  unsigned grid[3], block[3], smem;
+  CUstream stream;
+  mk_cu_launch_attr* attrs;
+  unsigned num_attrs;
+} mk_cu_launch_config;
+_Static_assert(sizeof(mk_cu_launch_attr) == 72, "CUlaunchAttribute is 72 bytes");
+_Static_assert(sizeof(mk_cu_launch_config) == 56, "CUlaunchConfig is 56 bytes");
+#define CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION 6
 
 static pthread_once_t cu_once = PTHREAD_ONCE_INIT;
 static char cu_error[MKP_MESSAGE_BYTES];
@@ -81,6 +102,7 @@ static void cu_load(void) {
       {(void**)&cu.event_query, "cuEventQuery", 0},
       {(void**)&cu.event_destroy, "cuEventDestroy_v2", 0},
       {(void**)&cu.tensor_map_encode_tiled, "cuTensorMapEncodeTiled", 1}, /* TMA (CUDA >= 12.0) */
+      {(void**)&cu.launch_kernel_ex, "cuLaunchKernelEx", 1}, /* CUDA >= 12.0 */
   };
   for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++) {
     *syms[i].fn = dlsym(lib, syms[i].name);
@@ -238,5 +260,25 @@ int mk_cuda_tensor_map_encode_tiled(void* tmap, int dtype, unsigned rank, void* 
   CUresult r =
       cu.tensor_map_encode_tiled(tmap, dtype, rank, ptr, dims, strides, box, estrides, interleave, swizzle, l2, oob);
   if (r) describe(r, "cuTensorMapEncodeTiled", why, cap);
+  return r;
+}
+
+/* A launch of fn that may begin before the stream's previous kernel has ended, once every CTA of that
+ * kernel has started or executed griddepcontrol.launch_dependents (programmatic stream serialization):
+ * fn must reach that kernel's results through its own waits. CUresult as above. */
+int mk_cuda_launch_overlapped(void* fn, const unsigned* grid, const unsigned* block, unsigned smem, void* stream,
+                              void** params, char* why, int cap) {
+  if (mk_cuda_load(why, cap)) return -1;
+  if (!cu.launch_kernel_ex) {
+    snprintf(why, (size_t)cap, "libcuda.so.1 lacks cuLaunchKernelEx (overlapped launches need a CUDA 12 driver)");
+    return -1;
+  }
+  mk_cu_launch_attr attr;
+  memset(&attr, 0, sizeof attr);
+  attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+  attr.value.value = 1;
+  mk_cu_launch_config cfg = {{grid[0], grid[1], grid[2]}, {block[0], block[1], block[2]}, smem, stream, &attr, 1};
+  CUresult r = cu.launch_kernel_ex(&cfg, fn, params, NULL);
+  if (r) describe(r, "cuLaunchKernelEx", why, cap);
   return r;
 }

@@ -63,3 +63,25 @@ def test_child_jobs_get_their_share_of_the_gpu_under_mps(monkeypatch):
     monkeypatch.setattr(gpu, "device_count", lambda: 2)
     env, _ = testing.mpi_child_env(2, {"CUDA_MPS_PIPE_DIRECTORY": "/x"})
     assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "100"
+
+
+def test_recorded_launches_keep_their_overlapped_flag(monkeypatch):
+    from mkernel.runtime import launch as _launch
+
+    seen = []
+    monkeypatch.setattr(_launch, "launch", lambda fn, grid, block, args, *, smem, stream, overlapped:
+                        seen.append((fn, smem, stream, overlapped)))
+    _launch.launch_all((("a", (1,), (32,), None, 0), ("b", (2,), (64,), None, 16, True),
+                        ("c", (2,), (64,), None, 0, False)), stream="s")
+    assert seen == [("a", 0, "s", False), ("b", 16, "s", True), ("c", 0, "s", False)]
+
+
+def test_the_overlap_knob_is_a_bool():
+    import pytest
+
+    from mkernel import ArgumentError, config
+
+    assert config.get().tp_latency_ll_overlap is False  # on once bench/tp_decode.py measures it faster
+    with pytest.raises(ArgumentError):
+        with config.override(tp_latency_ll_overlap=1):
+            pass

@@ -202,8 +202,9 @@ def test_captured_in_a_cuda_graph_and_replayed_a_thousand_times(comm):
 @pytest.mark.parametrize("M", [1, 7, 16])
 def test_fused_latency_kernels_give_the_two_kernel_paths_bits(comm, M):
     """gemm_allreduce at few rows takes the fused latency kernels (the decode GEMM pushing LL words,
-    then their sum): the same bits as the decode GEMM followed by mkernel.allreduce, on every rank,
-    over repeated launches (stale LL words of earlier launches); exact integer sums; strided out."""
+    then their sum, launched after the GEMM or overlapping its tail): the same bits as the decode
+    GEMM followed by mkernel.allreduce, on every rank, over repeated launches (stale LL words of
+    earlier launches); exact integer sums; strided out."""
     import cupy
 
     from mkernel import config
@@ -223,8 +224,9 @@ def test_fused_latency_kernels_give_the_two_kernel_paths_bits(comm, M):
         w = [x.astype(dt).astype(np.float64) for x in w]
         a_d, w_d = dev(a[comm.rank].astype(dt)), dev(w[comm.rank].astype(dt))
         outs = {}
-        for fused in (True, False):
-            with config.override(tp_latency_ll_max_rows=16 if fused else 0):
+        for fused in (True, "overlapped", False):  # the sum kernel launched after the GEMM, or overlapping it
+            with config.override(tp_latency_ll_max_rows=16 if fused else 0,
+                                 tp_latency_ll_overlap=fused == "overlapped"):
                 for rep in range(3):
                     wide = poisoned((M, N + 8), "bf16")
                     mkernel.gemm_allreduce(a_d, w_d.T, comm=comm, out=wide[:, :N], path="latency")
@@ -234,8 +236,10 @@ def test_fused_latency_kernels_give_the_two_kernel_paths_bits(comm, M):
                     if (fused, 0) in outs and not np.array_equal(outs[fused, 0], got):
                         msgs.append(f"M {M} fused {fused} launch {rep}: not the bits of launch 0")
                     outs.setdefault((fused, 0), got)
-        if not np.array_equal(outs[True, 0], outs[False, 0]):
-            msgs.append(f"M {M} integer {integer}: the fused kernels' bits differ from the two-kernel path's")
+        for fused in (True, "overlapped"):
+            if not np.array_equal(outs[fused, 0], outs[False, 0]):
+                msgs.append(f"M {M} integer {integer} {fused}: the fused kernels' bits differ from the two-kernel "
+                            f"path's")
         want = sum(a[r] @ w[r].T for r in range(W))
         got = host(dev(outs[True, 0]).view(dt)).astype(np.float64)
         if integer and not np.array_equal(got, want.astype(dt).astype(np.float64)):
@@ -248,14 +252,16 @@ def test_fused_latency_kernels_give_the_two_kernel_paths_bits(comm, M):
     assert all_ranks(comm.mpi, not msgs), msgs[:6]
 
 
-@pytest.mark.parametrize("M", [4, 64])
-def test_repeated_calls_launch_what_their_first_call_recorded(comm, M):
+@pytest.mark.parametrize("M,overlap", [(4, False), (4, True), (64, False)])
+def test_repeated_calls_launch_what_their_first_call_recorded(comm, M, overlap):
     """A call repeated on the same arrays (new values in them) only launches what its first call
     recorded (comm.plans): gemm_allreduce's latency path (M 4: the fused kernels; M 64: the decode
     GEMM, then the all-reduce) and mkernel.allreduce, exact integer sums over 20 calls, outputs
-    poisoned before each, through a release of every plan (the records go with them) halfway."""
+    poisoned before each, through a release of every plan (the records go with them) halfway; the
+    fused kernels' sum also launched overlapped."""
     import cupy
 
+    from mkernel import config
     from mkernel.ops import tp
 
     W = comm.size
@@ -273,25 +279,26 @@ def test_repeated_calls_launch_what_their_first_call_recorded(comm, M):
                                           (None, None, True, "latency", None)),
             "allreduce": tp.call_key(comm, "allreduce", None, (x, x_out), ())}
     msgs = []
-    for i in range(20):
-        if i == 10:
-            comm.release_plans()
-        a = [ints(100 + i, r, (M, K)) for r in range(W)]
-        xs = [ints(200 + i, r, (M, N)) for r in range(W)]
-        a_d[...] = dev(a[comm.rank].astype(dt))
-        x[...] = dev(xs[comm.rank].astype(dt))
-        poison(out)
-        poison(x_out)
-        mkernel.gemm_allreduce(a_d, w_d.T, comm=comm, out=out, path="latency")
-        mkernel.allreduce(x, comm=comm, out=x_out)
-        cupy.cuda.get_current_stream().synchronize()
-        comm.check()
-        want = sum(a[r] @ w[r].T for r in range(W)).astype(dt).astype(np.float64)
-        if not np.array_equal(host(out).astype(np.float64), want):
-            msgs.append(f"call {i}: gemm_allreduce not exact")
-        if not np.array_equal(host(x_out).astype(np.float64), sum(xs).astype(dt).astype(np.float64)):
-            msgs.append(f"call {i}: allreduce not exact")
-        recorded = {op: comm.plans.launches(k) is not None for op, k in keys.items()}
-        if not all(recorded.values()):
-            msgs.append(f"call {i}: recorded {recorded}")
+    with config.override(tp_latency_ll_overlap=overlap):
+        for i in range(20):
+            if i == 10:
+                comm.release_plans()
+            a = [ints(100 + i, r, (M, K)) for r in range(W)]
+            xs = [ints(200 + i, r, (M, N)) for r in range(W)]
+            a_d[...] = dev(a[comm.rank].astype(dt))
+            x[...] = dev(xs[comm.rank].astype(dt))
+            poison(out)
+            poison(x_out)
+            mkernel.gemm_allreduce(a_d, w_d.T, comm=comm, out=out, path="latency")
+            mkernel.allreduce(x, comm=comm, out=x_out)
+            cupy.cuda.get_current_stream().synchronize()
+            comm.check()
+            want = sum(a[r] @ w[r].T for r in range(W)).astype(dt).astype(np.float64)
+            if not np.array_equal(host(out).astype(np.float64), want):
+                msgs.append(f"call {i}: gemm_allreduce not exact")
+            if not np.array_equal(host(x_out).astype(np.float64), sum(xs).astype(dt).astype(np.float64)):
+                msgs.append(f"call {i}: allreduce not exact")
+            recorded = {op: comm.plans.launches(k) is not None for op, k in keys.items()}
+            if not all(recorded.values()):
+                msgs.append(f"call {i}: recorded {recorded}")
     assert all_ranks(comm.mpi, not msgs), msgs[:6]

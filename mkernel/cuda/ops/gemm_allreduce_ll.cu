@@ -3,7 +3,8 @@
 // buffer while its other row blocks are still computed (after each destination's credit for the
 // launch's epoch E: that rank is done with its last launch's words); then the reduce kernel waits
 // for every rank's word of each (column, token pair), adds them in rank order in fp32 and rounds
-// once: the same bits on every rank. No flag round trip and no fence: a word carries its epoch.
+// once: the same bits on every rank. No flag round trip and no fence: a word carries its epoch, so
+// the sum kernel may also be launched to overlap the GEMM's tail (programmatic serialization).
 // The LL buffer is the plan's own (zeroed at first use; only this plan writes it), so a word whose
 // epoch is E is this launch's.
 #include "gemm_decode.cuh"
@@ -60,6 +61,7 @@ __global__ void __launch_bounds__(MK_DECODE_THREADS, 2)
     mk_gemm_allreduce_ll_push(const __grid_constant__ MkDecodePushArgs args) {
   __shared__ u32 s_epoch;
   __shared__ int s_ok;
+  asm volatile("griddepcontrol.launch_dependents;");  // the sum kernel may start (config.tp_latency_ll_overlap)
   DecodePush<DT> epi{args, &s_epoch, &s_ok};
   decode_gemm<DT, MT, U>(args.g, epi);
 }
@@ -113,6 +115,8 @@ __global__ void __launch_bounds__(LL_REDUCE_THREADS, 1)
     out[tok * ldo + row] = (u16)(pack2_out(DT, lo, 0.f) & 0xFFFFu);
     if (tok + 1 < M) out[(tok + 1) * ldo + row] = (u16)(pack2_out(DT, hi, 0.f) & 0xFFFFu);
   }
+  // Launched overlapped, the GEMM may still be running: it ends before the counters it uses reset.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   __syncthreads();
   if (threadIdx.x == 0) counters_reset_by_last_block(a.counters, LL_CNT_WORDS, LL_CNT_DONE);
   launch_exit(a.sync, E);
