@@ -19,6 +19,7 @@ THREADS = 256  # MK_DECODE_THREADS
 RESIDENT = 2  # CTAs per SM (launch bounds)
 M_TILES = (8, 16, 32, 64)  # token columns of the instantiations
 MAX_M = 256  # tokens the path takes at most (config.gemm_decode_max_m picks up to this)
+MAX_N = 65535 * ROWS  # rows of B: the row blocks are the grid's y dimension
 MIN_SPLIT_K = 512  # elements of K a range keeps at least (its loads must still fill the pipe)
 # The split of K is planned for this many SMs whatever the device has (H100 / H200: 132), so that
 # the sums (their grouping by range) and the bits are the same on 66 SMs of an MPS share as on 132.
@@ -60,14 +61,14 @@ def knobs() -> tuple:
     return c.gemm_decode_max_m, c.gemm_decode_group, c.gemm_decode_unroll, c.gemm_decode_waves
 
 
-def eligible(M: int, layout_nk: bool, *, controls: bool) -> bool:
+def eligible(M: int, N: int, layout_nk: bool, *, controls: bool) -> bool:
     """Whether ``gemm`` takes the decode path: few rows, weights as [N, K], no fused-op controls."""
-    return layout_nk and not controls and 1 <= M <= min(config.get().gemm_decode_max_m, MAX_M)
+    return layout_nk and not controls and 1 <= M <= min(config.get().gemm_decode_max_m, MAX_M) and N <= MAX_N
 
 
 def m_tile(M: int) -> tuple:
-    """(MT, groups): token columns per CTA and token groups (blockIdx.z). Up to 32 tokens one CTA
-    of the narrowest tile that holds them; above, groups of config.gemm_decode_group tokens."""
+    """(MT, groups): token columns per CTA and token groups (blockIdx.x, innermost). Up to 32
+    tokens one CTA of the narrowest tile that holds them; above, groups of config.gemm_decode_group."""
     if M <= 32:
         return next(mt for mt in M_TILES if mt >= M), 1
     mt = config.get().gemm_decode_group
@@ -106,7 +107,7 @@ def build(a, b_arr, out, out_code, *, M, N, K, accumulate, partial):
         buffer = partial(splits * M * N * 4, blocks * groups)
         args.partial, args.counts = buffer.partial_ptr, buffer.counts_ptr
     fn = _compile.module(SPEC).function(kernel_expr(DT[a.dtype.name], out_code, mt, unroll(mt)))
-    return fn, (blocks, splits, groups), args, buffer
+    return fn, (groups, blocks, splits), args, buffer
 
 
 class Partials:

@@ -47,7 +47,8 @@ class MkAllreduceLLArgs(ctypes.Structure):
 
 def eligible(c) -> bool:
     """Whether a latency-path call (tp.Call) takes the fused kernels: B as [N, K], few rows."""
-    return c.layout == tp.B_NK and 1 <= c.M <= min(config.get().tp_latency_ll_max_rows, M_TILES[-1])
+    return (c.layout == tp.B_NK and 1 <= c.M <= min(config.get().tp_latency_ll_max_rows, M_TILES[-1])
+            and c.N <= _decode.MAX_N)
 
 
 def run(comm, c, stream):

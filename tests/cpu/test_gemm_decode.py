@@ -32,20 +32,21 @@ def test_k_ranges_cover_k_once_in_whole_steps(N, K, mt, groups):
 
 
 def test_the_path_is_chosen_by_shape_layout_and_knob():
-    assert dec.eligible(1, True, controls=False) and dec.eligible(64, True, controls=False)
-    assert not dec.eligible(65, True, controls=False)
-    assert not dec.eligible(8, False, controls=False)  # B as [K, N]: the engine
-    assert not dec.eligible(8, True, controls=True)  # a fused op's controls address the engine's tiles
+    assert dec.eligible(1, 4096, True, controls=False) and dec.eligible(64, 4096, True, controls=False)
+    assert not dec.eligible(65, 4096, True, controls=False)
+    assert not dec.eligible(8, 4096, False, controls=False)  # B as [K, N]: the engine
+    assert not dec.eligible(8, 4096, True, controls=True)  # a fused op's controls address the engine's tiles
+    assert not dec.eligible(8, dec.MAX_N + 1, True, controls=False)  # the row blocks fill the grid's y
     with config.override(gemm_decode_max_m=16):
-        assert dec.eligible(16, True, controls=False) and not dec.eligible(17, True, controls=False)
+        assert dec.eligible(16, 4096, True, controls=False) and not dec.eligible(17, 4096, True, controls=False)
     with config.override(gemm_decode_max_m=0):
-        assert not dec.eligible(1, True, controls=False)
+        assert not dec.eligible(1, 4096, True, controls=False)
     assert [dec.m_tile(m) for m in (1, 8, 9, 16, 17, 32)] == [(8, 1), (8, 1), (16, 1), (16, 1), (32, 1), (32, 1)]
     assert [dec.m_tile(m) for m in (33, 64, 65, 256)] == [(32, 2), (32, 2), (32, 3), (32, 8)]
     with config.override(gemm_decode_group=64):
         assert [dec.m_tile(m) for m in (33, 64, 65)] == [(64, 1), (64, 1), (64, 2)]
     with config.override(gemm_decode_max_m=256):
-        assert dec.eligible(256, True, controls=False) and not dec.eligible(257, True, controls=False)
+        assert dec.eligible(256, 4096, True, controls=False) and not dec.eligible(257, 4096, True, controls=False)
     with pytest.raises(ArgumentError), config.override(gemm_decode_group=48):
         pass
 

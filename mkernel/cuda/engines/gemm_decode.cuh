@@ -2,9 +2,10 @@
 // reading the weights b once. Swap-AB on mma.sync.m16n8k16: b's rows take the 16-row side, the
 // tokens the 8-column side. Each warp streams 16 rows of b along K with 16-byte loads (4 lanes
 // read 64 contiguous bytes of a row per 32 elements of K, U such steps in flight); a CTA is 8
-// warps (128 rows of b) over one K range (blockIdx.y of `splits`) and MT tokens (group blockIdx.z:
-// tokens z * MT ...). The tokens' slice of a for a step is staged once per CTA in shared memory
-// (cp.async, two stages), not once per warp.
+// warps (128 rows of b: blockIdx.y) over one K range (blockIdx.z of `splits`) and MT tokens (group
+// blockIdx.x: tokens x * MT ...), the groups innermost so that those reading the same rows of b run
+// side by side and the second read hits L2. The tokens' slice of a for a step is staged once per
+// CTA in shared memory (cp.async, two stages), not once per warp.
 //
 // K order inside a 32-element step: lane t's 16 bytes (elements 8t..8t+7) feed the k-slots
 // {2t, 2t+1, 2t+8, 2t+9} of two mmas (elements 8t..8t+3, then 8t+4..8t+7). The same bijection
@@ -133,8 +134,8 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
   epi.begin();
   const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const u32 g = lane >> 2, t = lane & 3;
-  const i64 r0 = (i64)blockIdx.x * MK_DECODE_ROWS + warp * 16 + g, r1 = r0 + 8;  // rows of b
-  const i64 K = args.k, k_begin = (i64)blockIdx.y * args.k_split, tok0 = (i64)blockIdx.z * MT;
+  const i64 r0 = (i64)blockIdx.y * MK_DECODE_ROWS + warp * 16 + g, r1 = r0 + 8;  // rows of b
+  const i64 K = args.k, k_begin = (i64)blockIdx.z * args.k_split, tok0 = (i64)blockIdx.x * MT;
   const i64 k_end = k_begin + args.k_split < K ? k_begin + args.k_split : K;
   const u8* b0p = reinterpret_cast<const u8*>(args.b) + (r0 < args.n ? r0 : 0) * args.ldb * 2;
   const u8* b1p = reinterpret_cast<const u8*>(args.b) + (r1 < args.n ? r1 : 0) * args.ldb * 2;
@@ -187,12 +188,12 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const u64 tok = (u64)tok0 + j * 8 + 2 * t + (e & 1), row = (u64)(e < 2 ? r0 : r1);
-      if (tok < M && row < N) __stcg(part + ((u64)blockIdx.y * M + tok) * N + row, acc[j][e]);
+      if (tok < M && row < N) __stcg(part + ((u64)blockIdx.z * M + tok) * N + row, acc[j][e]);
     }
   __threadfence();
   __syncthreads();
   __shared__ u32 s_last;
-  u32* count = args.counts + blockIdx.z * gridDim.x + blockIdx.x;  // this CTA's rows and tokens
+  u32* count = args.counts + blockIdx.y * gridDim.x + blockIdx.x;  // this CTA's rows and tokens
   if (threadIdx.x == 0) s_last = atomicAdd(count, 1u) + 1 == (u32)args.splits;
   __syncthreads();
   if (!s_last) return;
