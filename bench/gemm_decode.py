@@ -104,23 +104,30 @@ def main():
         t_mk = flushed_ms(lambda: mg.gemm(a, b, out=out), reps, flush)
         t_cb = flushed_ms(lambda: cupy.matmul(a, b, out=ref), reps, flush)
         flops, nbytes = 2.0 * M * N * K, 2.0 * (M * K + N * K + M * N)
-        variants = {}  # the decode path's other settings at this shape (which defaults to take)
-        if kind == "decode":
-            from mkernel import config
+        variants = {}  # other settings at this shape (which defaults to take)
+        from mkernel import config
 
+        settings = {}
+        if kind == "decode":  # the decode path's knobs (taking up to 256 rows)
             settings = {"deep": {"gemm_decode_unroll": 8 if M <= 32 else 4},
                         "waves2": {"gemm_decode_waves": 2}, "waves4": {"gemm_decode_waves": 4}}
             if M > 32:
                 settings.update(group32={"gemm_decode_group": 32}, group64={"gemm_decode_group": 64})
-            for name, knobs in settings.items():
-                with config.override(gemm_decode_max_m=256, **knobs):
-                    mg.gemm(a, b, out=out)
-                    if rel_err(out, ref) < 1e-2:
-                        variants[name] = flushed_ms(lambda: mg.gemm(a, b, out=out), reps, flush)
+            settings = {k: dict(v, gemm_decode_max_m=256) for k, v in settings.items()}
+        if M > config.get().gemm_decode_max_m and mg.split_k(M, N, K) == 1:
+            with config.override(gemm_split_k=True):
+                if mg.split_k(M, N, K) > 1:  # the engine with K split (few tiles)
+                    settings["splitk"] = {"gemm_split_k": True}
+        for name, knobs in settings.items():
+            with config.override(**knobs):
+                mg.gemm(a, b, out=out)
+                e = rel_err(out, ref)
+                variants[name] = flushed_ms(lambda: mg.gemm(a, b, out=out), reps, flush) if e < 1e-2 else \
+                    f"wrong (relative error {e:.3g})"
         r = harness.row([M, N, K], t_mk, t_cb, bound_ms(flops, nbytes, rate), kind=kind, layout="w.T",
                         dtype="bfloat16", rel_err=err, copy_rate_TBps=rate / 1e12, decode_variants_ms=variants)
         rows.append(r)
-        alt = "  ".join(f"{k} {v * 1e3:.1f} us" for k, v in variants.items())
+        alt = "  ".join(f"{k} {v * 1e3:.1f} us" if isinstance(v, float) else f"{k} {v}" for k, v in variants.items())
         print(f"{kind:5s} {M:6d} {N:6d} {K:6d}  mkernel {t_mk * 1e3:8.1f} us  cuBLAS {t_cb * 1e3:8.1f} us  "
               f"speedup {r['speedup']:.3f}  of bound {r['fraction_of_bound']:.2f}  {alt}", flush=True)
 

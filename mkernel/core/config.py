@@ -55,6 +55,9 @@ class Config:
     # 2 or 4 at 64 tokens) and the CTA waves its split of K aims for (1, 2, 4).
     gemm_decode_unroll: int = 0
     gemm_decode_waves: int = 1
+    # mkernel.gemm splits K when the output has too few 128 x 256 tiles to fill the SMs (engines/
+    # gemm.py split_k; off until bench/gemm.py --decode measures it)
+    gemm_split_k: bool = False
 
     def __post_init__(self):
         if self.tp_controller not in CONTROLLER_SETTINGS:
@@ -71,7 +74,7 @@ class Config:
                                 f"{self.gemm_decode_unroll!r}, {self.gemm_decode_waves!r}")
         if self.gemm_decode_group not in (32, 64):
             raise ArgumentError(f"gemm_decode_group must be 32 or 64; got {self.gemm_decode_group!r}")
-        for name in ("tp_join_reduce", "moe_join_gemm", "tp_latency_ll_overlap"):
+        for name in ("tp_join_reduce", "moe_join_gemm", "tp_latency_ll_overlap", "gemm_split_k"):
             if not isinstance(getattr(self, name), bool):
                 raise ArgumentError(f"{name} must be True or False; got {getattr(self, name)!r}")
         for name in ("tp_comm_sms", "transport_gbps"):  # mappings stay read-only

@@ -17,6 +17,7 @@ CuPy is imported lazily, so that this module (and its kernel registration) impor
 import ctypes
 import threading
 
+from mkernel.core import config
 from mkernel.core.errors import ArgumentError
 from mkernel.engines import gemm_decode as _decode
 from mkernel.runtime import compile as _compile
@@ -81,8 +82,8 @@ _ARGS_FIELDS = [("a", _tma.TensorMap), ("b", _tma.TensorMap), ("c", _tma.TensorM
                 ("sched", MkGemmSched), ("c_ptr", ctypes.c_void_p), ("group_rows", ctypes.c_void_p),
                 ("tile_flags", ctypes.c_void_p), ("tile_counts", ctypes.c_void_p), ("ldc", ctypes.c_int64),
                 ("m", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32),
-                ("num_groups", ctypes.c_int32), ("epi_op", ctypes.c_uint32), ("pad0", ctypes.c_uint32),
-                ("pad1", ctypes.c_uint32 * 2)]
+                ("num_groups", ctypes.c_int32), ("epi_op", ctypes.c_uint32), ("splits", ctypes.c_uint32),
+                ("split_ws", ctypes.c_void_p)]
 
 
 class MkGemmArgs(ctypes.Structure):
@@ -104,6 +105,7 @@ class _Workspace:
         self.sched_mem = cupy.zeros(16, dtype=cupy.uint32)
         self.base = self.sched_mem.data.ptr
         self.partials = None  # the decode path's (gemm_decode.Partials), grown to a call's need
+        self.split = None  # split K's counts and partials (gemm_splitk.cuh), grown to a call's need
 
     def decode_partials(self, nbytes: int, blocks: int):
         """The decode path's buffer, replaced by a larger one when a call needs more (the launch
@@ -115,6 +117,16 @@ class _Workspace:
             self.partials = _decode.Partials(max(nbytes, old_bytes), max(blocks, old_blocks))
             cupy.cuda.runtime.deviceSynchronize()  # zeroed on CuPy's current stream: done before our stream's launch
         return self.partials
+
+    def split_buffer(self, nbytes: int):
+        """Split K's buffer (zeroed: its counts must be zero before a launch uses it), replaced by a
+        larger one when a call needs more (launch plans keep the old one alive)."""
+        import cupy
+
+        if self.split is None or self.split.nbytes < nbytes:
+            self.split = cupy.zeros(max(nbytes, self.split.nbytes if self.split is not None else 0), cupy.uint8)
+            cupy.cuda.runtime.deviceSynchronize()  # zeroed on CuPy's current stream: done before our stream's launch
+        return self.split
 
     def sync(self) -> MkSync:
         return self.sync_state.args("gemm")
@@ -276,7 +288,7 @@ def check_grouped_b(b_arr, what="b"):
 # ------------------------------------------------------------------------------------ launch
 def _launch(cupy, *, a, b_arr, layout, N, K, M, G, out, out_code, group_rows, epi_op, stream, sms,
             tile_order, roles, tile_flags, tile_counts, group_m, num_tiles_host, max_tiles, order="m",
-            cluster=False):
+            cluster=False, splits=1):
     from mkernel.runtime.launch import launch
 
     step = CLUSTER if cluster else 1  # CTAs per claim
@@ -305,9 +317,13 @@ def _launch(cupy, *, a, b_arr, layout, N, K, M, G, out, out_code, group_rows, ep
     args.ldc = _row_stride(out) // out.itemsize
     args.m, args.n, args.k, args.num_groups = M, N, K, G
     args.epi_op = epi_op
+    buffer = None
+    if splits > 1:
+        buffer = ws.split_buffer(split_bytes(M, N, splits))
+        args.splits, args.split_ws = splits, buffer.data.ptr
     grouped = group_rows is not None
     fn = _compile.module(SPEC).function(kernel_expr(DT[dt_name], layout, out_code, grouped, cluster))
-    plan = (fn, (grid,), (THREADS,), args, SMEM_GROUPED if grouped else SMEM_PLAIN)
+    plan = (fn, (grid,), (THREADS,), args, SMEM_GROUPED if grouped else SMEM_PLAIN, buffer)
     launch(fn, (grid,), (THREADS,), args, smem=plan[4], stream=stream)
     return plan
 
@@ -332,9 +348,9 @@ def _ptr(x):
 
 def _key(cupy, stream, a, b, out, b_layout, out_dtype, accumulate, sms, tile_order, roles, tile_flags, tile_counts,
          group_m, order, cluster):
+    knobs = _decode.knobs() + (config.get().gemm_split_k,)  # the knobs pick the kernel and its grid
     return call_key(cupy, stream, (a, b, out), (b_layout, out_dtype, accumulate, sms, _ptr(tile_order), _ptr(roles),
-                                                _ptr(tile_flags), _ptr(tile_counts), group_m, order, cluster,
-                                                _decode.knobs()))  # the knobs pick the kernel
+                                                _ptr(tile_flags), _ptr(tile_counts), group_m, order, cluster, knobs))
 
 
 def kept_plan(a, b, out, *, stream=None, b_layout=None):
@@ -348,6 +364,29 @@ def kept_plan(a, b, out, *, stream=None, b_layout=None):
 def tiles(M: int, N: int) -> int:
     """Output tiles of an M x N GEMM (the length of tile_order / tile_flags)."""
     return -(-M // BM) * -(-N // BN)
+
+
+SPLIT_SMS = 132  # split K is planned for this many SMs whatever the device: the bits follow the shape
+SPLIT_MIN_KBLOCKS = 8  # k-blocks (of BK) a range keeps at least: its pipeline still fills
+SPLIT_MAX = 16
+
+
+def split_k(M: int, N: int, K: int) -> int:
+    """Ranges of K per tile of a plain GEMM (config.gemm_split_k): enough (tile, range) claims to
+    fill SPLIT_SMS SMs once, each at least SPLIT_MIN_KBLOCKS k-blocks, none empty; 1: no split."""
+    if not config.get().gemm_split_k:
+        return 1
+    kblocks = -(-K // BK)
+    want = min(SPLIT_SMS // tiles(M, N), kblocks // SPLIT_MIN_KBLOCKS, SPLIT_MAX)
+    if want < 2:
+        return 1
+    return -(-kblocks // -(-kblocks // want))  # ranges of ceil(kblocks / want): the last not empty
+
+
+def split_bytes(M: int, N: int, splits: int) -> int:
+    """Bytes of split K's buffer (gemm_splitk.cuh): 8 counts per tile, then the fp32 partials."""
+    nt = tiles(M, N)
+    return -(-nt * 8 * 4 // 256) * 256 + nt * splits * BM * BN * 4
 
 
 def use_cluster(M: int, N: int, K: int, cluster=None, *, tile_order=None, roles=None, sms=None) -> bool:
@@ -423,13 +462,15 @@ def gemm(a, b, *, out=None, stream=None, b_layout=None, out_dtype=None, accumula
         return out
     nt = tiles(M, N)
     clustered = use_cluster(M, N, K, cluster, tile_order=tile_order, roles=roles, sms=sms)
-    # Clustered, the scheduler claims units of CLUSTER M-tiles (group_m counts M-tiles either way).
-    units = -(-M // (BM * CLUSTER)) * -(-N // BN) if clustered else nt
+    splits = 1 if clustered or controls else split_k(M, N, K)
+    # Clustered, the scheduler claims units of CLUSTER M-tiles (group_m counts M-tiles either way);
+    # split K, (tile, range of K) pairs.
+    units = -(-M // (BM * CLUSTER)) * -(-N // BN) if clustered else nt * splits
     plan = _launch(cupy, a=a, b_arr=b_arr, layout=layout, N=N, K=K, M=M, G=1, out=out, out_code=out_code,
                    group_rows=None, epi_op=EPI_ADD if accumulate else EPI_STORE, stream=stream, sms=sms,
                    tile_order=tile_order, roles=roles, tile_flags=tile_flags, tile_counts=tile_counts,
                    group_m=max(1, group_m // CLUSTER) if clustered and order == "m" else group_m, num_tiles_host=units,
-                   max_tiles=nt, order=order, cluster=clustered)
+                   max_tiles=nt, order=order, cluster=clustered, splits=splits)
     if key is not None:
         _plans.add(key, plan)
     return out

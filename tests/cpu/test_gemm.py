@@ -114,3 +114,22 @@ def test_b_layout_inference_and_host_checks():
         mg._out_code("bfloat16", "float16")
     assert mg.default_ctas(2048, 132) == 128 and mg.default_ctas(45, 132) == 45 and mg.default_ctas(133, 132) == 67
     assert mg.grouped_tiles_bound(1000, 520, 8) == (8 + 8) * 3
+
+
+def test_split_k_fills_the_sms_with_few_tiles_and_long_k():
+    from mkernel import config
+    from mkernel.engines import gemm as engine
+
+    assert engine.split_k(128, 8192, 8192) == 1  # off by default until measured
+    with config.override(gemm_split_k=True):
+        assert engine.split_k(128, 8192, 8192) == 4  # 32 tiles: 4 ranges of 32 k-blocks fill 132 SMs once
+        assert engine.split_k(128, 4096, 14336) == 8  # 16 tiles
+        assert engine.split_k(8192, 8192, 8192) == 1  # 1024 tiles fill the SMs without it
+        assert engine.split_k(128, 4096, 960) == 1  # 15 k-blocks: a range would hold fewer than 8
+        for M, N, K in [(128, 4096, 14336), (256, 4096, 1032), (130, 1000, 4104), (1, 256, 65536)]:
+            s = engine.split_k(M, N, K)
+            kb = -(-K // engine.BK)
+            per = -(-kb // s)
+            assert 1 <= s <= engine.SPLIT_MAX and (s - 1) * per < kb  # no empty range
+            assert s == 1 or per >= engine.SPLIT_MIN_KBLOCKS and engine.tiles(M, N) * s <= engine.SPLIT_SMS
+            assert engine.split_bytes(M, N, s) >= engine.tiles(M, N) * (32 + s * 128 * 256 * 4)

@@ -221,6 +221,44 @@ def feature_accumulate():
     assert rel < 1e-2
 
 
+def feature_split_k():
+    """Split K (config.gemm_split_k; few tiles, long K): integer inputs exact against float64 for
+    every layout and output type, off-grid shapes, accumulate; random inputs within 1e-2; the same
+    bits over three launches (the arrival counts reset), each followed by a one-row call sharing the
+    stream's buffers."""
+    from mkernel import config
+
+    cases = [(128, 4096, 14336, "kn", None), (200, 1032, 4104, "nk", None), (1, 256, 65536, "kn", None),
+             (256, 2048, 2056, "kn", np.float32), (130, 520, 8200, "nk", np.float32)]
+    with config.override(gemm_split_k=True):
+        for M, N, K, lay, out_dt in cases:
+            assert mg.split_k(M, N, K) > 1, (M, N, K)
+            for integer in (True, False):
+                a, b, ref = _simple(M, N, K, integer=integer, seed=M + K)
+                bb = b if lay == "kn" else _dev(np.ascontiguousarray(_host(b).T))
+                outs = []
+                for _ in range(3):
+                    out = _poisoned((M, N), "f32" if out_dt else "bf16")
+                    mg.gemm(a, bb, out=out, b_layout=lay)
+                    mg.gemm(a[:1], bb, out=_poisoned((1, N), "f32" if out_dt else "bf16"), b_layout=lay)
+                    _sync(f"split K {M}x{N}x{K} {lay}")
+                    outs.append(_host(out).astype(np.float64))
+                what = f"{M}x{N}x{K} {lay} {out_dt or 'bf16'} {'integer' if integer else 'random'}"
+                assert all(np.array_equal(outs[0], o, equal_nan=True) for o in outs[1:]), f"{what}: not reproducible"
+                if integer and (out_dt or np.abs(ref).max() <= 256):
+                    assert np.array_equal(outs[0], ref), f"{what}: {int((outs[0] != ref).sum())} elements wrong"
+                rel, _, bad = _errors(outs[0], ref)
+                assert bad == 0 and rel < 1e-2, f"{what}: relative error {rel:.3g}, {bad} not finite"
+        M, N, K = 128, 1032, 8200  # accumulate: the sum of the ranges is added once
+        a, b, ref = _simple(M, N, K, seed=4)
+        c0 = np.random.default_rng(5).integers(-50, 50, size=(M, N)).astype(np.float32)
+        out = _dev(c0)
+        mg.gemm(a, b, out=out, accumulate=True)
+        _sync("split K accumulate")
+        assert (_host(out) == c0 + ref).all(), "split K accumulate"
+    print("split K: exact, reproducible, accumulate once")
+
+
 def _grouped_case(dtn, lay, outk, integer, rows, M_cap, N, K, accumulate=False, seed=3):
     import cupy
 
@@ -355,6 +393,11 @@ def test_accumulate():
 @pytest.mark.slow
 def test_grouped():
     child_cases.feature(__file__, "grouped")
+
+
+@pytest.mark.gpu
+def test_split_k():
+    child_cases.feature(__file__, "split_k")
 
 
 @pytest.mark.gpu

@@ -1,5 +1,6 @@
 // The standalone and grouped GEMM kernels: persistent, warp-specialized (1 TMA producer
-// warpgroup + 2 wgmma consumer warpgroups), 128 x 256 x 64 tiles, 4 stages. See docs/GEMM.md.
+// warpgroup + 2 wgmma consumer warpgroups), 128 x 256 x 64 tiles, 4 stages; plain mode may split K
+// (gemm_splitk.cuh). See docs/GEMM.md.
 //
 // Template parameters: DT (MK_DT_BF16 / MK_DT_F16), BL (MK_B_NK: B is [N, K]; MK_B_KN: B is
 // [K, N]), OUT (MK_OUT_BF16 / MK_OUT_F16 / MK_OUT_F32), GROUPED (per-group row counts on device).
@@ -9,8 +10,23 @@
 #include "gemm_args.cuh"
 #include "gemm_mainloop.cuh"
 #include "gemm_epilogue.cuh"
+#include "gemm_splitk.cuh"
 
 #define MK_GEMM_CLUSTER 2
+
+// Consumer warpgroup wg: the mainloop and the store epilogue (plain mode: behind split K's).
+template <class Cfg, int OUT, bool GROUPED>
+MK_DEV void gemm_consumers(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, int wg, u32 epoch) {
+  MkTmaEpilogue<OUT, Cfg, GROUPED> store{args, sm, epoch, MkGemmDest{args}};
+  if constexpr (!GROUPED && Cfg::CLUSTER == 1) {
+    MkSplitEpilogue<MkTmaEpilogue<OUT, Cfg, GROUPED> > epi{args, store};
+    gemm_consumer<Cfg>(args, sm, wg, epi);
+    epi.finish();
+  } else {
+    gemm_consumer<Cfg>(args, sm, wg, store);
+    store.finish();
+  }
+}
 
 template <int DT, int BL, int OUT, bool GROUPED, int CLUSTER>
 MK_DEV void gemm_cta(const MkGemmArgs& args) {
@@ -24,11 +40,7 @@ MK_DEV void gemm_cta(const MkGemmArgs& args) {
         gemm_producer<Cfg, GROUPED>(args, sm, space);
         sched_finish(args.sched);
       },
-      [&](int wg) {
-        MkTmaEpilogue<OUT, Cfg, GROUPED> epi{args, sm, epoch, MkGemmDest{args}};
-        gemm_consumer<Cfg>(args, sm, wg, epi);
-        epi.finish();
-      });
+      [&](int wg) { gemm_consumers<Cfg, OUT, GROUPED>(args, sm, wg, epoch); });
   if (CLUSTER > 1) cluster_sync();  // no CTA leaves while another can still write into it
   launch_exit(args.sync, epoch);
 }

@@ -204,6 +204,18 @@ MK_DEV void gemm_load_stage(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, con
   }
 }
 
+// The k-blocks [kb0, kb1) of tile t: all of K, or (split K: args.splits > 1) its range t.pad[0],
+// ceil(kblocks / splits) k-blocks each (the host picks splits so that none is empty).
+MK_DEV void gemm_k_range(const MkGemmArgs& args, const MkTile& t, int kblocks, int& kb0, int& kb1) {
+  kb0 = 0;
+  kb1 = kblocks;
+  if (args.splits > 1) {
+    const int per = (kblocks + (int)args.splits - 1) / (int)args.splits;
+    kb0 = (int)t.pad[0] * per;
+    kb1 = min(kblocks, kb0 + per);
+  }
+}
+
 template <class Cfg>
 MK_DEV void gemm_ring_put(const GemmSmem<Cfg>& sm, u32 r, const MkTile& t, u32 rank) {
   const uint4* v = reinterpret_cast<const uint4*>(&t);
@@ -251,7 +263,9 @@ MK_DEV void gemm_producer_loop(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, 
     if (t.id == MK_TILE_DONE) break;
     if (t.id == MK_TILE_COMM) continue;
     const i32 bi = src.b_index(t);
-    for (int kb = 0; kb < kblocks; ++kb, ++it) {
+    int kb0, kb1;
+    gemm_k_range(args, t, kblocks, kb0, kb1);
+    for (int kb = kb0; kb < kb1; ++kb, ++it) {
       const int s = it % Cfg::STAGES;
       mbar_wait_timed(smem_u32(&bars->empty[s]), ((it / Cfg::STAGES) & 1) ^ 1, args.sync, MK_WAIT_EMPTY);
       gemm_load_stage<Cfg>(args, sm, t, bi, s, kb * Cfg::BK, rank);
@@ -259,21 +273,33 @@ MK_DEV void gemm_producer_loop(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, 
   }
 }
 
-// The engine's tile source: the persistent scheduler (tile order, role words), group = B index.
-template <class Cfg>
+// The engine's tile source: the persistent scheduler (tile order, role words), group = B index;
+// SPLIT (plain mode, one CTA per claim), when args.splits > 1: claims of (tile, range of K), the
+// range in MkTile::pad[0].
+template <class Cfg, bool SPLIT = false>
 struct MkSchedTiles {
   const MkGemmArgs& args;
   const MkTileSpace<Cfg::UNIT_M>& space;
-  MK_DEV u32 claim() const { return sched_next(args.sched, space, args.sync); }
+  MK_DEV u32 claim() const {
+    if (SPLIT && args.splits > 1)
+      return sched_next(args.sched, MkSplitOrder<MkTileSpace<Cfg::UNIT_M> >{space, args.splits, space.num_tiles},
+                        args.sync);
+    return sched_next(args.sched, space, args.sync);
+  }
   MK_DEV bool done(u32 id) const { return id == MK_TILE_DONE; }
-  MK_DEV MkTile decode(u32 id) const { return space.template decode<Cfg::BN>(id); }
+  MK_DEV MkTile decode(u32 id) const {
+    if (!SPLIT || args.splits <= 1) return space.template decode<Cfg::BN>(id);
+    MkTile t = space.template decode<Cfg::BN>(id / args.splits);
+    t.pad[0] = id % args.splits;
+    return t;
+  }
   MK_DEV void before_loads(const MkTile&) const {}
   MK_DEV i32 b_index(const MkTile& t) const { return t.group; }
 };
 
 template <class Cfg, bool GROUPED>
 MK_DEV void gemm_producer(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, const MkTileSpace<Cfg::UNIT_M>& space) {
-  MkSchedTiles<Cfg> src{args, space};
+  MkSchedTiles<Cfg, !GROUPED && Cfg::CLUSTER == 1> src{args, space};
   gemm_producer_loop<Cfg>(args, sm, src);
 }
 
@@ -317,7 +343,6 @@ MK_DEV void gemm_consumer(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, int w
   const u32 lane = threadIdx.x & 31;
   float acc[128];
   u32 it = 0, tile_it = 0;
-  const int pub_kb = kblocks - 1 < 2 ? kblocks - 1 : 2;
   for (;;) {
     const u32 r = tile_it % Cfg::RING;
     mbar_wait_timed<(Cfg::CLUSTER > 1)>(smem_u32(&bars->tfull[r]), (tile_it / Cfg::RING) & 1, args.sync,
@@ -335,8 +360,10 @@ MK_DEV void gemm_consumer(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, int w
       continue;
     }
     const u64 t_start = args.sync.trace_events ? globaltimer_ns() : 0;
-
-    for (int kb = 0; kb < kblocks; ++kb, ++it) {
+    int kb0, kb1;
+    gemm_k_range(args, t, kblocks, kb0, kb1);
+    const int pub_kb = kb0 + (kb1 - kb0 - 1 < 2 ? kb1 - kb0 - 1 : 2);
+    for (int kb = kb0; kb < kb1; ++kb, ++it) {
       const int s = it % Cfg::STAGES;
       mbar_wait_timed(smem_u32(&bars->full[s]), (it / Cfg::STAGES) & 1, args.sync, MK_WAIT_FULL);
 #pragma unroll
@@ -345,7 +372,7 @@ MK_DEV void gemm_consumer(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, int w
 #pragma unroll
       for (int kk = 0; kk < Cfg::BK / 16; ++kk)
         wgmma_m64n256k16<Cfg::DT, Cfg::BL>(acc, gemm_desc_a<Cfg>(sm, s, wg, kk), gemm_desc_b<Cfg>(sm, s, kk),
-                                           (kb > 0 || kk > 0) ? 1u : 0u);
+                                           (kb > kb0 || kk > 0) ? 1u : 0u);
       wgmma_commit();
 #pragma unroll
       for (int i = 0; i < 128; ++i) wgmma_fence_operand(acc[i]);
@@ -354,13 +381,13 @@ MK_DEV void gemm_consumer(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, int w
         __syncwarp();  // lane 0 may have diverged: converge before the .aligned wait
       }
       wgmma_wait<1>();  // the previous k-block's group is complete: release its stage
-      if (kb > 0 && lane == 0) gemm_release_stage<Cfg>(sm, (it + Cfg::STAGES - 1) % Cfg::STAGES);
+      if (kb > kb0 && lane == 0) gemm_release_stage<Cfg>(sm, (it + Cfg::STAGES - 1) % Cfg::STAGES);
     }
     wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < 128; ++i) wgmma_fence_operand(acc[i]);
-    if (kblocks > 0 && lane == 0) gemm_release_stage<Cfg>(sm, (it + Cfg::STAGES - 1) % Cfg::STAGES);
-    if (kblocks == 0) {
+    if (kb1 > kb0 && lane == 0) gemm_release_stage<Cfg>(sm, (it + Cfg::STAGES - 1) % Cfg::STAGES);
+    if (kb1 == kb0) {
 #pragma unroll
       for (int i = 0; i < 128; ++i) acc[i] = 0.f;
     }

@@ -155,6 +155,16 @@ MK_DEV void build_group_table(MkGroupTable* tab, const int* group_rows, u32 num_
 
 // Claims the next position for this CTA. Returns the tile id, MK_TILE_DONE when every tile is
 // claimed, or MK_TILE_YIELD when this CTA's role word is not MK_SCHED_GEMM. One thread calls it.
+// Split K (plain mode, MkGemmArgs::splits > 1): claim c = tile * splits + range, over a tile space
+// of num_tiles = tiles * splits claims; a tile's ranges are consecutive in the built-in order.
+template <class Space>
+struct MkSplitOrder {
+  const Space& s;
+  u32 splits;
+  u32 num_tiles;
+  MK_DEV u32 builtin_id(u32 pos) const { return s.builtin_id(pos / splits) * splits + pos % splits; }
+};
+
 // Space: any tile space with num_tiles and builtin_id(pos) (the GEMM's MkTileSpace, attention's).
 template <class Space>
 MK_DEV u32 sched_try_next(const MkGemmSched& s, const Space& space) {
