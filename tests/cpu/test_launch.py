@@ -85,3 +85,20 @@ def test_the_overlap_knob_is_a_bool():
     with pytest.raises(ArgumentError):
         with config.override(tp_latency_ll_overlap=1):
             pass
+
+
+def test_an_overlapped_launch_without_a_driver_says_why():
+    import ctypes
+    import ctypes.util
+    import types
+
+    import pytest
+
+    from mkernel.core.errors import MKernelError
+    from mkernel.runtime import launch as _launch
+
+    if ctypes.util.find_library("cuda"):
+        pytest.skip("a CUDA driver is present: the GPU tests launch overlapped kernels for real")
+    params = (ctypes.c_void_p * 1)(0)
+    with pytest.raises(MKernelError, match="libcuda"):
+        _launch._launch_overlapped(types.SimpleNamespace(ptr=0), (1, 1, 1), (32, 1, 1), 0, 0, params)
