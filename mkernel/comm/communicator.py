@@ -20,6 +20,7 @@ Rules every rank follows (ops on a communicator are collective):
 import atexit
 import hashlib
 import weakref
+from typing import NamedTuple
 
 from mkernel.comm import collectives, topology
 from mkernel.comm.plans import PlanRegistry
@@ -53,6 +54,14 @@ def _check_transport(transport):
     if transport not in TRANSPORTS:
         raise ArgumentError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     return transport
+
+
+class ProxyService(NamedTuple):
+    """The root's proxy and what it was started with (``Communicator.proxy``)."""
+    proxy: object  # mkernel.comm.proxy.Proxy
+    queue: object  # its CommandQueue, which the kernels enqueue into
+    flags_ptr: int  # the proxy flags: mapped host memory (the same pointer on the device)
+    flags: object  # ... as a NumPy uint32 view
 
 
 class Communicator:
@@ -97,7 +106,7 @@ class Communicator:
         self.scratch = Scratch(self)  # the plans' transient buffers (mkernel/comm/scratch.py)
         self._closed = False
         self._nccl = None
-        self._proxy = None  # root only: (Proxy, CommandQueue, flags pointer, flags array), started by .proxy
+        self._proxy = None  # root only: the ProxyService, started by .proxy
         self._gpus_per_node = gpus_per_node
         self._workspace_bytes = workspace_bytes
         global _atexit_registered
@@ -222,8 +231,8 @@ class Communicator:
         elif not self.heap.growable:
             blockers.append("the workspace is mapped through legacy CUDA IPC, which cannot grow "
                             "(MKERNEL_WORKSPACE_SHARING)")
-        elif self._proxy is not None and not self._proxy[0].regions_grow:
-            blockers.append(f"the {self._proxy[0].transport} transport registered the workspace with the NIC "
+        elif self._proxy is not None and not self._proxy.proxy.regions_grow:
+            blockers.append(f"the {self._proxy.proxy.transport} transport registered the workspace with the NIC "
                             f"(pass a larger workspace_bytes to mkernel.init)")
         else:
             cap = max_workspace_bytes()
@@ -240,7 +249,7 @@ class Communicator:
         old = self.heap.nbytes
         self.heap.grow(self.node_mpi, want, token)
         if self._proxy is not None:  # every rank grows here, before any allocation can use the new range
-            self._proxy[0].grow_region(self.PROXY_WORKSPACE_REGION, self.heap.nbytes)
+            self._proxy.proxy.grow_region(self.PROXY_WORKSPACE_REGION, self.heap.nbytes)
         log.info("rank %d: workspace grown in place from %d to %d bytes for an allocation of %d", self.rank, old,
                  want, nbytes)
 
@@ -337,7 +346,7 @@ class Communicator:
             if self._root._proxy is None:
                 raise MKernelError("this communicator's root spans one node: there is no proxy (no traffic "
                                    "between nodes)")
-            return self._root._proxy[0]
+            return self._root._proxy.proxy
         if self._proxy is None:
             import ctypes
 
@@ -366,17 +375,17 @@ class Communicator:
                 queue.close()
                 cupy.cuda.runtime.freeHost(ptr)
                 raise
-            self._proxy = (proxy, queue, ptr, flags)
+            self._proxy = ProxyService(proxy, queue, ptr, flags)
             log.debug("rank %d: proxy started (%s transport, %d peers on other nodes)", self.rank,
                       proxy.transport, len(proxy.peers))
-        return self._proxy[0]
+        return self._proxy.proxy
 
     def proxy_queue_args(self, flag_base: int = 0):
         """The MkQueue a kernel of this communicator enqueues through (mkernel.proxy.QueueArgs): the
         root's queue, with this communicator's ranks, workspace and flag range translated; flag ids
         in commands are relative to ``flag_base`` (a :meth:`proxy_flag_block`'s base)."""
         self.proxy  # noqa: B018  (starts the root's)
-        queue = self._root._proxy[1]
+        queue = self._root._proxy.queue
         return queue.device_args(self._root_ranks_dev, self.heap.base - self._root.heap.base,
                                  self._flag_range * self.PROXY_FLAGS + flag_base)
 
@@ -385,7 +394,7 @@ class Communicator:
         """(device pointer, NumPy uint32 view) of this communicator's PROXY_FLAGS flags of the root's
         proxy flag array: commands of this communicator name them 0..PROXY_FLAGS-1."""
         self.proxy  # noqa: B018
-        ptr, flags = self._root._proxy[2], self._root._proxy[3]
+        ptr, flags = self._root._proxy.flags_ptr, self._root._proxy.flags
         base = self._flag_range * self.PROXY_FLAGS
         return ptr + 4 * base, flags[base:base + self.PROXY_FLAGS]
 
@@ -434,8 +443,8 @@ class Communicator:
         root = self._root
         if root._proxy is None:
             return out
-        out.update(root._proxy[0].stats())
-        out["proxy"] = root._proxy[0].transport
+        out.update(root._proxy.proxy.stats())
+        out["proxy"] = root._proxy.proxy.transport
         out["peers"] = {r: out["peers"][int(q)] for r, q in enumerate(self._root_ranks)}  # this one's ranks
         return out
 
@@ -445,7 +454,7 @@ class Communicator:
         self._check_open()
         self.sync.check()
         if self._root._proxy is not None:
-            self._root._proxy[0].check()
+            self._root._proxy.proxy.check()
 
     def _check_open(self):
         if self._closed:

@@ -118,6 +118,11 @@ class _FakeProxy:
         self.grown.append((region, nbytes))
 
 
+def _service(proxy):
+    from mkernel.comm.communicator import ProxyService
+    return ProxyService(proxy, None, 0, None)
+
+
 def _fake_comm(heap, proxy=None, sub=False):
     from mpi4py import MPI
 
@@ -146,12 +151,12 @@ def test_empty_grows_the_workspace_in_place_when_it_is_full(monkeypatch):
     assert heap.nbytes >= 8 * MiB + 6 * MiB + 64 * MiB and len(heap.grown) == 2
     for fake, kw, why in [(_FakeHeap(8 * MiB, growable=False), {}, "legacy CUDA IPC"),
                           (_FakeHeap(8 * MiB), {"sub": True}, "sub-communicator"),
-                          (_FakeHeap(8 * MiB), {"proxy": (_FakeProxy("verbs"),)}, "verbs transport registered")]:
+                          (_FakeHeap(8 * MiB), {"proxy": _service(_FakeProxy("verbs"))}, "verbs transport registered")]:
         with pytest.raises(mkernel.WorkspaceError, match=why):
             _fake_comm(fake, **kw).empty(16 * MiB, "uint8")
         assert not fake.grown
     heap, proxy = _FakeHeap(8 * MiB), _FakeProxy("host")  # a running proxy that grows its region with the heap
-    _fake_comm(heap, proxy=(proxy,)).empty(16 * MiB, "uint8")
+    _fake_comm(heap, proxy=_service(proxy)).empty(16 * MiB, "uint8")
     assert heap.grown and proxy.grown == [(mkernel.Communicator.PROXY_WORKSPACE_REGION, heap.nbytes)]
     monkeypatch.setenv("MKERNEL_WORKSPACE_MAX_BYTES", str(12 * MiB))
     with pytest.raises(mkernel.WorkspaceError, match="MKERNEL_WORKSPACE_MAX_BYTES"):
