@@ -195,6 +195,10 @@ unsigned char* mk_region_span(mk_proxy* p, int id, uint64_t offset, uint64_t byt
   return r->base + offset;
 }
 
+unsigned char* mk_payload_span(mk_proxy* p, int id, uint64_t offset, uint64_t bytes, int* kind) {
+  return id == p->flags_region ? NULL : mk_region_span(p, id, offset, bytes, kind);
+}
+
 int mk_copy(mk_proxy* p, void* dst, int dst_kind, const void* src, int src_kind, size_t bytes, int peer) {
   if (dst_kind == MKP_REGION_HOST && src_kind == MKP_REGION_HOST) {
     memcpy(dst, src, bytes);

@@ -80,6 +80,9 @@ uint64_t mk_now_ns(void);
 
 /* Checks that [offset, offset + bytes) lies inside registered region `id`; returns its address or NULL. */
 unsigned char* mk_region_span(mk_proxy* p, int id, uint64_t offset, uint64_t bytes, int* kind);
+/* A received payload's destination: mk_region_span of a data region, never the flag array (flags
+ * change only through a frame's flag, in order after its write's bytes). */
+unsigned char* mk_payload_span(mk_proxy* p, int id, uint64_t offset, uint64_t bytes, int* kind);
 /* Copies between any two of host and CUDA memory; returns 0 or -1 after mk_fail. */
 int mk_copy(mk_proxy* p, void* dst, int dst_kind, const void* src, int src_kind, size_t bytes, int peer);
 /* The same, asynchronous where GPU memory is involved: *event is NULL when the copy is already done.

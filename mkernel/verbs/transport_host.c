@@ -346,8 +346,8 @@ static int pull_inbox(mk_proxy* p, int peer, host_peer* hp) {
         n++;
       }
       int kind;
-      unsigned char* dst = mk_region_span(p, d.dst_region, d.dst_offset, bytes, &kind);
-      if (!dst) return bad_desc(p, peer, "payload outside the registered destination region");
+      unsigned char* dst = mk_payload_span(p, d.dst_region, d.dst_offset, bytes, &kind);
+      if (!dst) return bad_desc(p, peer, "payload outside the registered data regions");
       if (bytes && mk_copy_start(p, dst, kind, chunk_of(s, tail), MKP_REGION_HOST, bytes, peer, &event)) return -1;
       p->peers[peer].bytes_received += bytes;
       d = s->desc[(tail + n - 1) % MK_HOST_SLOTS];

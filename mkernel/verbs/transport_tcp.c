@@ -148,8 +148,8 @@ static int check_frame(mk_proxy* p, const mk_frame* f, char* why, int cap) {
     case MK_FRAME_DATA:
       if (f->bytes > MK_FRAME_PAYLOAD_MAX || f->bytes > f->write_bytes)
         return reject(why, cap, "payload larger than a frame or its write");
-      if (!mk_region_span(p, f->dst_region, f->dst_offset, f->bytes, NULL))
-        return reject(why, cap, "payload outside the registered destination region");
+      if (!mk_payload_span(p, f->dst_region, f->dst_offset, f->bytes, NULL))
+        return reject(why, cap, "payload outside the registered data regions");
       return 0;
     case MK_FRAME_SIGNAL:
       if (f->bytes || !flagged) return reject(why, cap, "SIGNAL with a payload or without a flag");
@@ -398,7 +398,7 @@ static int frame_complete(mk_proxy* p, tcp_state* t, conn* c) {
   switch (f->type) {
     case MK_FRAME_DATA:
       if (c->in_dst_kind == MKP_REGION_CUDA &&
-          mk_copy(p, mk_region_span(p, f->dst_region, f->dst_offset, f->bytes, NULL), MKP_REGION_CUDA, c->bounce,
+          mk_copy(p, mk_payload_span(p, f->dst_region, f->dst_offset, f->bytes, NULL), MKP_REGION_CUDA, c->bounce,
                   MKP_REGION_HOST, f->bytes, c->peer))
         return -1;
       p->peers[c->peer].bytes_received += f->bytes;
@@ -480,7 +480,7 @@ static int recv_some(mk_proxy* p, tcp_state* t, conn* c) {
         return -1;
       }
       if (c->in.type == MK_FRAME_DATA) {
-        c->in_dst = mk_region_span(p, c->in.dst_region, c->in.dst_offset, c->in.bytes, &c->in_dst_kind);
+        c->in_dst = mk_payload_span(p, c->in.dst_region, c->in.dst_offset, c->in.bytes, &c->in_dst_kind);
         if (c->in_dst_kind == MKP_REGION_CUDA) c->in_dst = c->bounce;
       }
     }

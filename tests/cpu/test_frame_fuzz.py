@@ -89,6 +89,16 @@ def test_check_agrees_with_model(f):
     assert accepted == _valid_model(*f), (f, ffi.string(why))
 
 
+def test_a_payload_into_the_flag_array_is_rejected():
+    """Flags change only through a frame's flag (after its write's bytes), never by a payload (the
+    case hypothesis found: the check took the flag array for a data region)."""
+    why = ffi.new("char[]", 96)
+    check = lambda f: lib.mk_tcp_check_frame(_PROXY, 1, FRAME.pack(*f), FRAME.size, why, 96)  # noqa: E731
+    assert check((MAGIC, DATA, 0, FLAGS_REGION, 0, 0, 0, 0, 0, 0, 0, 0)) != 0
+    assert check((MAGIC, DATA, 0, FLAGS_REGION, 0, 4, 4, 0, 0, 0, 0, 8)) != 0
+    assert check((MAGIC, DATA, 0, 0, 0, 8, 8, 0, 0, 0, 0, 0)) == 0  # a data region still takes it
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.binary(min_size=0, max_size=64))
 def test_arbitrary_bytes_never_crash(data):
