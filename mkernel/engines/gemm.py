@@ -107,25 +107,30 @@ class _Workspace:
         self.partials = None  # the decode path's (gemm_decode.Partials), grown to a call's need
         self.split = None  # split K's counts and partials (gemm_splitk.cuh), grown to a call's need
 
-    def decode_partials(self, nbytes: int, blocks: int):
-        """The decode path's buffer, replaced by a larger one when a call needs more (the launch
-        plans that hold the old one keep it alive). Its counts must be zero before any launch uses it."""
+    @staticmethod
+    def _zeroed(make):
+        """A new zeroed buffer (its counts must be zero before a launch uses it); the launch plans
+        that hold the one it replaces keep that alive."""
         import cupy
 
+        buf = make()
+        cupy.cuda.runtime.deviceSynchronize()  # zeroed on CuPy's current stream: done before our stream's launch
+        return buf
+
+    def decode_partials(self, nbytes: int, blocks: int):
+        """The decode path's buffer, replaced by a larger one when a call needs more."""
         if self.partials is None or not self.partials.fits(nbytes, blocks):
             old_bytes, old_blocks = (self.partials.nbytes, self.partials.blocks) if self.partials else (0, 0)
-            self.partials = _decode.Partials(max(nbytes, old_bytes), max(blocks, old_blocks))
-            cupy.cuda.runtime.deviceSynchronize()  # zeroed on CuPy's current stream: done before our stream's launch
+            self.partials = self._zeroed(lambda: _decode.Partials(max(nbytes, old_bytes), max(blocks, old_blocks)))
         return self.partials
 
     def split_buffer(self, nbytes: int):
-        """Split K's buffer (zeroed: its counts must be zero before a launch uses it), replaced by a
-        larger one when a call needs more (launch plans keep the old one alive)."""
+        """Split K's counts and partials, replaced by a larger buffer when a call needs more."""
         import cupy
 
         if self.split is None or self.split.nbytes < nbytes:
-            self.split = cupy.zeros(max(nbytes, self.split.nbytes if self.split is not None else 0), cupy.uint8)
-            cupy.cuda.runtime.deviceSynchronize()  # zeroed on CuPy's current stream: done before our stream's launch
+            old = self.split.nbytes if self.split is not None else 0
+            self.split = self._zeroed(lambda: cupy.zeros(max(nbytes, old), cupy.uint8))
         return self.split
 
     def sync(self) -> MkSync:
