@@ -374,6 +374,7 @@ def tiles(M: int, N: int) -> int:
 SPLIT_SMS = 132  # split K is planned for this many SMs whatever the device: the bits follow the shape
 SPLIT_MIN_KBLOCKS = 8  # k-blocks (of BK) a range keeps at least: its pipeline still fills
 SPLIT_MAX = 16
+SPLIT_COUNTS_BYTES = 4096  # MK_SPLIT_COUNTS_BYTES: counts of up to 128 tiles, a fixed region for every call
 
 
 def split_k(M: int, N: int, K: int) -> int:
@@ -389,9 +390,10 @@ def split_k(M: int, N: int, K: int) -> int:
 
 
 def split_bytes(M: int, N: int, splits: int) -> int:
-    """Bytes of split K's buffer (gemm_splitk.cuh): 8 counts per tile, then the fp32 partials."""
+    """Bytes of split K's buffer (gemm_splitk.cuh): the counts' fixed region, then the fp32 partials."""
     nt = tiles(M, N)
-    return -(-nt * 8 * 4 // 256) * 256 + nt * splits * BM * BN * 4
+    assert nt * 8 * 4 <= SPLIT_COUNTS_BYTES, nt  # split_k: tiles <= SPLIT_SMS // 2
+    return SPLIT_COUNTS_BYTES + nt * splits * BM * BN * 4
 
 
 def use_cluster(M: int, N: int, K: int, cluster=None, *, tile_order=None, roles=None, sms=None) -> bool:

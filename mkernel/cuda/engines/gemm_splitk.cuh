@@ -7,13 +7,15 @@
 // ranges' values in range order (all read back, its own too) and hands the sum to the inner
 // epilogue: bitwise reproducible, whichever range is last. No barrier spans more than one warp.
 //
-// split_ws: 8 arrival counts per tile (zero between launches: the last arrival resets its count),
-// padded to 256 bytes, then the partials [tile][range][slice][value 0..127][lane 0..31].
+// split_ws: 8 arrival counts per tile (zero between launches: the last arrival resets its count) in
+// a fixed region of MK_SPLIT_MAX_TILES tiles, so that no call's partials overlap another call's
+// counts, then the partials [tile][range][slice][value 0..127][lane 0..31].
 #include "common.cuh"
 #include "gemm_args.cuh"
 #include "tile_scheduler.cuh"
 
-MK_DEV u64 mk_split_counts_bytes(u32 tiles) { return ((u64)tiles * 8u * 4u + 255u) / 256u * 256u; }
+constexpr u32 MK_SPLIT_MAX_TILES = 128;  // splits >= 2 only where tiles * 2 <= 132 (mkernel/engines/gemm.py)
+constexpr u64 MK_SPLIT_COUNTS_BYTES = MK_SPLIT_MAX_TILES * 8u * 4u;
 
 template <class Inner>
 struct MkSplitEpilogue {
@@ -34,7 +36,7 @@ struct MkSplitEpilogue {
     const u32 lane = threadIdx.x & 31, slice = (u32)wg * 4 + ((threadIdx.x & 127) >> 5), own = t.pad[0];
     u8* ws = reinterpret_cast<u8*>(args.split_ws);
     u32* count = reinterpret_cast<u32*>(ws) + (u64)t.id * 8 + slice;
-    const float* part = reinterpret_cast<const float*>(ws + mk_split_counts_bytes(args.sched.num_tiles / S)) +
+    const float* part = reinterpret_cast<const float*>(ws + MK_SPLIT_COUNTS_BYTES) +
                         ((u64)t.id * S * 8 + slice) * 4096 + lane;  // range r's values: part + r * 8 * 4096
     float* mine = const_cast<float*>(part) + (u64)own * 8 * 4096;
 #pragma unroll
