@@ -114,10 +114,8 @@ def main():
             if M > 32:
                 settings.update(group32={"gemm_decode_group": 32}, group64={"gemm_decode_group": 64})
             settings = {k: dict(v, gemm_decode_max_m=256) for k, v in settings.items()}
-        if M > config.get().gemm_decode_max_m and mg.split_k(M, N, K) == 1:
-            with config.override(gemm_split_k=True):
-                if mg.split_k(M, N, K) > 1:  # the engine with K split (few tiles)
-                    settings["splitk"] = {"gemm_split_k": True}
+        if M > config.get().gemm_decode_max_m and mg.split_k(M, N, K) > 1:
+            settings["nosplit"] = {"gemm_split_k": False}  # the engine with one CTA per tile
         for name, knobs in settings.items():
             with config.override(**knobs):
                 mg.gemm(a, b, out=out)

@@ -55,9 +55,9 @@ class Config:
     # 2 or 4 at 64 tokens) and the CTA waves its split of K aims for (1, 2, 4).
     gemm_decode_unroll: int = 0
     gemm_decode_waves: int = 1
-    # mkernel.gemm splits K when the output has too few 128 x 256 tiles to fill the SMs (engines/
-    # gemm.py split_k; off until bench/gemm.py --decode measures it)
-    gemm_split_k: bool = False
+    # mkernel.gemm splits K when the output has too few 128 x 256 tiles to fill the SMs and K is
+    # long (engines/gemm.py split_k); False: one CTA per tile
+    gemm_split_k: bool = True
 
     def __post_init__(self):
         if self.tp_controller not in CONTROLLER_SETTINGS:

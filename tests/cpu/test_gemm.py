@@ -120,7 +120,8 @@ def test_split_k_fills_the_sms_with_few_tiles_and_long_k():
     from mkernel import config
     from mkernel.engines import gemm as engine
 
-    assert engine.split_k(128, 8192, 8192) == 1  # off by default until measured
+    with config.override(gemm_split_k=False):
+        assert engine.split_k(128, 8192, 8192) == 1
     with config.override(gemm_split_k=True):
         assert engine.split_k(128, 8192, 8192) == 4  # 32 tiles: 4 ranges of 32 k-blocks fill 132 SMs once
         assert engine.split_k(128, 4096, 14336) == 8  # 16 tiles
@@ -132,4 +133,5 @@ def test_split_k_fills_the_sms_with_few_tiles_and_long_k():
             per = -(-kb // s)
             assert 1 <= s <= engine.SPLIT_MAX and (s - 1) * per < kb  # no empty range
             assert s == 1 or per >= engine.SPLIT_MIN_KBLOCKS and engine.tiles(M, N) * s <= engine.SPLIT_SMS
-            assert engine.split_bytes(M, N, s) >= engine.tiles(M, N) * (32 + s * 128 * 256 * 4)
+            assert engine.split_bytes(M, N, s) >= engine.SPLIT_COUNTS_BYTES + engine.tiles(M, N) * s * 128 * 256 * 4
+            assert s == 1 or engine.tiles(M, N) * 8 * 4 <= engine.SPLIT_COUNTS_BYTES  # counts in the fixed region
