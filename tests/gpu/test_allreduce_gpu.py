@@ -257,8 +257,8 @@ def test_repeated_calls_launch_what_their_first_call_recorded(comm, M, overlap):
     """A call repeated on the same arrays (new values in them) only launches what its first call
     recorded (comm.plans): gemm_allreduce's latency path (M 4: the fused kernels; M 64: the decode
     GEMM, then the all-reduce) and mkernel.allreduce, exact integer sums over 20 calls, outputs
-    poisoned before each, through a release of every plan (the records go with them) halfway; the
-    fused kernels' sum also launched overlapped."""
+    poisoned before each, through a release of every plan (the records go with them) halfway; from
+    each half's second call on, every call is recorded. The fused kernels' sum also launched overlapped."""
     import cupy
 
     from mkernel import config
@@ -299,6 +299,7 @@ def test_repeated_calls_launch_what_their_first_call_recorded(comm, M, overlap):
             if not np.array_equal(host(x_out).astype(np.float64), sum(xs).astype(dt).astype(np.float64)):
                 msgs.append(f"call {i}: allreduce not exact")
             recorded = {op: comm.plans.launches(k) is not None for op, k in keys.items()}
-            if not all(recorded.values()):
+            # a round's first calls may grow the scratch, which releases the plans (and records) before it
+            if i % 10 and not all(recorded.values()):
                 msgs.append(f"call {i}: recorded {recorded}")
     assert all_ranks(comm.mpi, not msgs), msgs[:6]
