@@ -2,7 +2,7 @@
 """Fault injection: a rank dies or stops inside each op, and every survivor must fail fast.
 
     python3 tools/faults.py [--ops rs,ar,ag,ring,moe_dispatch_gemm,moe_gemm_combine,allreduce,ar_latency]
-                            [--scenarios abcde]
+                            [--scenarios abcde] [--logs DIR]
 
 For every (op, scenario) a job of 2 ranks (under MPS when a daemon runs: tools/mps.sh) is started
 with ``--mca orte_abort_on_non_zero_status 0`` (else Open MPI kills the survivor itself and nothing
@@ -188,7 +188,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ops", default=",".join(OPS))
     p.add_argument("--scenarios", default="abcde")
+    p.add_argument("--logs", metavar="DIR", help="write each job's whole output to DIR/OP-SCENARIO.log")
     opts = p.parse_args()
+    if opts.logs:
+        Path(opts.logs).mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MKERNEL_TIMEOUT_S", "5")
     timeout = float(os.environ["MKERNEL_TIMEOUT_S"])
     failed = 0
@@ -198,6 +201,8 @@ def main():
                 continue
             text, rc, wall = _mpirun([op, sc], timeout=4 * timeout + 60)
             ok, why = check(op, sc, text, wall, timeout)
+            if opts.logs:
+                (Path(opts.logs) / f"{op}-{sc}.log").write_text(text)
             failed += not ok
             print(f"{'OK ' if ok else 'FAIL'} {op:18s} {sc}  {why}  (job {wall:.0f} s, rc {rc})", flush=True)
             if not ok:
