@@ -259,6 +259,53 @@ def feature_split_k():
     print("split K: exact, reproducible, accumulate once")
 
 
+def feature_error_recorded():
+    """Launches that find an error already recorded (every pipeline wait gives up at once, as after a
+    peer's failure) run to their end without a GPU fault: a TMA producer never arms a stage again
+    while its bytes are landing, and drains its stages before leaving (mbar_wait_landed). Plain,
+    split-K and grouped GEMMs and attention, many k-blocks each (not the clustered GEMM: its second
+    CTA's producer reads the tile ring unchecked once waits give up); then the same GEMM, on a
+    stream whose word is clear, is exact (the context is healthy)."""
+    import cupy
+
+    from mkernel import config
+    from mkernel.engines import attention as ma
+
+    M, N, K = 1024, 1024, 16384
+    a, b, ref = _simple(M, N, K, seed=9)
+    rng = np.random.default_rng(10)
+    q, k, v = (_dev(rng.standard_normal((4096, 8, 128)).astype(BF16)) for _ in range(3))
+    bs = _dev(rng.integers(-3, 4, size=(4, K, N)).astype(BF16))
+    rows = cupy.asarray(np.array([200, 0, 300, 524], dtype=np.int32))
+
+    def plain():
+        with config.override(gemm_split_k=False):
+            mg.gemm(a, b, out=_poisoned((M, N), "bf16"), cluster=False)
+
+    launches = {"plain": plain,
+                "split K": lambda: mg.gemm(a[:128], b, out=_poisoned((128, N), "bf16")),
+                "grouped": lambda: mg.grouped_gemm(a, bs, rows, out=_poisoned((M, N), "bf16")),
+                "attention": lambda: ma.attention(q, k, v)}
+    assert mg.split_k(128, N, K) > 1
+    ws = mg.workspace()
+    code = ws.sync_state._dev[8:12].view(cupy.uint32)  # MkStatus.code, after the epoch and exit count
+    code.fill(1)  # the kernels test it for nonzero; the host mirror stays clear
+    try:
+        for name, fn in launches.items():
+            fn()
+            _sync(f"{name} with an error recorded")
+            cupy.cuda.runtime.deviceSynchronize()  # a GPU fault raises here
+            print(f"{name}: ran to its end with an error recorded")
+    finally:
+        code.fill(0)
+    with cupy.cuda.Stream():  # its own workspace: the runs above may leave split K's counts unbalanced
+        out = _poisoned((M, N), "f32")
+        mg.gemm(a, b, out=out)
+        _sync("the same GEMM on a clear stream")
+        assert np.array_equal(_host(out).astype(np.float64), ref), "the GEMM after the error runs is not exact"
+    print("error recorded: every launch ran to its end; the next GEMM is exact")
+
+
 def _grouped_case(dtn, lay, outk, integer, rows, M_cap, N, K, accumulate=False, seed=3):
     import cupy
 
@@ -398,6 +445,11 @@ def test_grouped():
 @pytest.mark.gpu
 def test_split_k():
     child_cases.feature(__file__, "split_k")
+
+
+@pytest.mark.gpu
+def test_error_recorded():
+    child_cases.feature(__file__, "error_recorded")
 
 
 @pytest.mark.gpu

@@ -217,9 +217,10 @@ MK_DEV void attn_producer(const MkAttnArgs& args, const AttnSmem<Cfg>& sm, const
     const i32 hk = t.h / group;
     const TmaDesc* kmap = src.kmap(t);
     const TmaDesc* vmap = src.vmap(t);
-    mbar_wait_timed(smem_u32(&bars->q_empty), (q_it & 1) ^ 1, args.sync, MK_WAIT_EMPTY);
-    ++q_it;
     const u32 qf = smem_u32(&bars->q_full);
+    if (!mbar_wait_timed(smem_u32(&bars->q_empty), (q_it & 1) ^ 1, args.sync, MK_WAIT_EMPTY))
+      mbar_wait_landed(qf, (q_it & 1) ^ 1);
+    ++q_it;
     mbar_arrive_expect_tx(qf, Cfg::Q_BYTES);
 #pragma unroll
     for (int c = 0; c < Cfg::DCHUNKS; ++c)
@@ -228,18 +229,21 @@ MK_DEV void attn_producer(const MkAttnArgs& args, const AttnSmem<Cfg>& sm, const
       const int s = it % Cfg::STAGES;
       const u32 ph = ((it / Cfg::STAGES) & 1) ^ 1;
       const u32 kf = smem_u32(&bars->k_full[s]), vf = smem_u32(&bars->v_full[s]);
-      mbar_wait_timed(smem_u32(&bars->k_empty[s]), ph, args.sync, MK_WAIT_EMPTY + 1);
+      if (!mbar_wait_timed(smem_u32(&bars->k_empty[s]), ph, args.sync, MK_WAIT_EMPTY + 1)) mbar_wait_landed(kf, ph);
       mbar_arrive_expect_tx(kf, Cfg::KV_BYTES);
 #pragma unroll
       for (int c = 0; c < Cfg::DCHUNKS; ++c)
         tma_load_4d(sm.k(s) + c * (Cfg::BN * 128), kmap, kf, 64 * c, j * Cfg::BN, hk, t.b);
-      mbar_wait_timed(smem_u32(&bars->v_empty[s]), ph, args.sync, MK_WAIT_EMPTY + 2);
+      if (!mbar_wait_timed(smem_u32(&bars->v_empty[s]), ph, args.sync, MK_WAIT_EMPTY + 2)) mbar_wait_landed(vf, ph);
       mbar_arrive_expect_tx(vf, Cfg::KV_BYTES);
 #pragma unroll
       for (int c = 0; c < Cfg::DCHUNKS; ++c)
         tma_load_4d(sm.v(s) + c * (Cfg::BN * 128), vmap, vf, 64 * c, j * Cfg::BN, hk, t.b);
     }
   }
+  mbar_drain_landed(smem_u32(&bars->k_full[0]), Cfg::STAGES, it);
+  mbar_drain_landed(smem_u32(&bars->v_full[0]), Cfg::STAGES, it);
+  mbar_drain_landed(smem_u32(&bars->q_full), 1, q_it);
 }
 
 // Shared-memory descriptors (128-byte swizzle; every box is BM or BN rows of 128 bytes).

@@ -267,10 +267,13 @@ MK_DEV void gemm_producer_loop(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, 
     gemm_k_range(args, t, kblocks, kb0, kb1);
     for (int kb = kb0; kb < kb1; ++kb, ++it) {
       const int s = it % Cfg::STAGES;
-      mbar_wait_timed(smem_u32(&bars->empty[s]), ((it / Cfg::STAGES) & 1) ^ 1, args.sync, MK_WAIT_EMPTY);
+      const u32 ph = ((it / Cfg::STAGES) & 1) ^ 1;
+      if (!mbar_wait_timed(smem_u32(&bars->empty[s]), ph, args.sync, MK_WAIT_EMPTY))
+        mbar_wait_landed(smem_u32(&bars->full[s]), ph);
       gemm_load_stage<Cfg>(args, sm, t, bi, s, kb * Cfg::BK, rank);
     }
   }
+  mbar_drain_landed(smem_u32(&bars->full[0]), Cfg::STAGES, it);
 }
 
 // The engine's tile source: the persistent scheduler (tile order, role words), group = B index;

@@ -124,7 +124,8 @@ struct MoeCopier {
 
   MK_DEV void store_previous() {  // piece k - 1: wait for its load, store it
     const u32 b = (k - 1) & 1;
-    mbar_wait_timed(bar + 8 * b, ((k - 1) >> 1) & 1, sync, MOE_WAIT_COPY);
+    if (!mbar_wait_timed(bar + 8 * b, ((k - 1) >> 1) & 1, sync, MOE_WAIT_COPY))
+      mbar_wait_landed(bar + 8 * b, ((k - 1) >> 1) & 1);  // its buffer is stored and re-armed next
     bulk_store_1d(last_dst, buf + b * CHUNK, last_bytes);
     bulk_commit();
   }
