@@ -399,11 +399,12 @@ def split_bytes(M: int, N: int, splits: int) -> int:
 def use_cluster(M: int, N: int, K: int, cluster=None, *, tile_order=None, roles=None, sms=None) -> bool:
     """Whether a plain GEMM runs the clustered kernel (pairs of CTAs sharing each B tile through
     TMA multicast). cluster=None decides by shape, and only where the caller left the CTAs to the
-    engine (no sms, tile_order or roles: the fused ops' controls address single tiles and CTAs);
+    engine (no sms, tile_order or roles: the fused ops' controls address single tiles and CTAs)
+    and where split K does not apply (too few tiles: split K fills the SMs, the pairs would not);
     True / False force it."""
     if cluster is None:
         return (tile_order is None and roles is None and sms is None and -(-M // BM) >= CLUSTER_MIN_TILES_M
-                and K >= CLUSTER_MIN_K)
+                and K >= CLUSTER_MIN_K and split_k(M, N, K) == 1)
     if cluster and (tile_order is not None or roles is not None):
         raise ArgumentError("cluster=True cannot take tile_order or roles (they address single tiles and CTAs)")
     return bool(cluster)

@@ -229,10 +229,11 @@ def feature_split_k():
     from mkernel import config
 
     cases = [(128, 4096, 14336, "kn", None), (200, 1032, 4104, "nk", None), (1, 256, 65536, "kn", None),
-             (256, 2048, 2056, "kn", np.float32), (130, 520, 8200, "nk", np.float32)]
+             (256, 2048, 2056, "kn", np.float32), (130, 520, 8200, "nk", np.float32),
+             (256, 4096, 14336, "nk", None)]  # 2 M-tiles, long K: split, not the clustered pairs
     with config.override(gemm_split_k=True):
         for M, N, K, lay, out_dt in cases:
-            assert mg.split_k(M, N, K) > 1, (M, N, K)
+            assert mg.split_k(M, N, K) > 1 and not mg.use_cluster(M, N, K), (M, N, K)
             for integer in (True, False):
                 a, b, ref = _simple(M, N, K, integer=integer, seed=M + K)
                 bb = b if lay == "kn" else _dev(np.ascontiguousarray(_host(b).T))
