@@ -142,7 +142,7 @@ def test_bad_arguments_raise_before_launch(comm, bad):
 @pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("M", [1, 5, 64])
 def test_gemm_allreduce_latency_path(comm, M, strided):
-    """gemm_allreduce(path='latency'): this rank's partial by the decode GEMM into its slot of the
+    """gemm_allreduce(path='latency'): this rank's partial by mkernel.gemm into its slot of the
     one-shot all-reduce, then the all-reduce; against the float64 sum, the same bits on every rank,
     into a contiguous out and a strided one (three launches each)."""
     import cupy
@@ -255,8 +255,8 @@ def test_fused_latency_kernels_give_the_two_kernel_paths_bits(comm, M):
 @pytest.mark.parametrize("M,overlap", [(4, False), (4, True), (64, False)])
 def test_repeated_calls_launch_what_their_first_call_recorded(comm, M, overlap):
     """A call repeated on the same arrays (new values in them) only launches what its first call
-    recorded (comm.plans): gemm_allreduce's latency path (M 4: the fused kernels; M 64: the decode
-    GEMM, then the all-reduce) and mkernel.allreduce, exact integer sums over 20 calls, outputs
+    recorded (comm.plans): gemm_allreduce's latency path (M 4: the fused kernels; M 64: the GEMM
+    engine, then the all-reduce) and mkernel.allreduce, exact integer sums over 20 calls, outputs
     poisoned before each, through a release of every plan (the records go with them) halfway; from
     each half's second call on, every call is recorded. The fused kernels' sum also launched overlapped."""
     import cupy

@@ -52,6 +52,13 @@ def _run(a64, w64, dt, out_kind=None, accumulate=False, start=None, a_pad=0, out
     return out
 
 
+@pytest.fixture(autouse=True)
+def decode_up_to_64_tokens():
+    """The decode kernel's cases up to 64 tokens (the default sends 33-64 tokens to the engine)."""
+    with config.override(gemm_decode_max_m=64):
+        yield
+
+
 @pytest.fixture
 def decode_calls(monkeypatch):
     """Counts the launches that took the decode path."""
