@@ -3,6 +3,7 @@
 # benchmarks), logs under $OUT, then a summary last. Usage on the device:
 #   source .whl/prepare.sh || exit 1; bash tools/device_session.sh [steps...]
 # Steps (default: info suite main sanitizer gemm transport); finer ones: decode tpdecode arphases ringmps nodesdiag runtime
+# faultsd (tools/faults.py scenario d for every op with a path between nodes, time-sliced)
 # runtime2 queue queue2
 # mpi2 gemmtest tp attention ring ringbench tpbench tpnodes moebench controller controllernodes (the last six want 2 GPUs)
 # controller1: bench/controller.py at world 1 (the comm is a local tile copy; the mechanism, not the rows).
@@ -54,6 +55,11 @@ for s in $steps; do
     tpdiag) step tpdiag 60 python3 tools/tp_diag.py ;;
     main) step main 60 $MPI2 python3 -m mkernel --quick ;;
     sanitizer) step sanitizer 180 bash tools/sanitize.sh ;;
+    faultsd)  # scenario d time-sliced (under MPS a client that dies with a kernel in flight faults every client)
+      [ "${MKERNEL_MPS_STARTED:-0}" = 1 ] && mps_quit
+      step faultsd 300 env MKERNEL_TIMEOUT_S=5 python3 tools/faults.py --scenarios d --logs "$LOGS/faults" \
+        --ops "${FAULT_OPS:-ring,rs,ar,ag,moe_dispatch_gemm,moe_gemm_combine}"
+      [ "${MKERNEL_MPS_STARTED:-0}" = 1 ] && mps_start ;;
     gemm) step gemm 120 python3 bench/gemm.py ;;
     decode) step decode 120 python3 bench/gemm.py --decode ;;
     tpdecode) step tpdecode 200 $MPI2 python3 bench/tp_decode.py ;;
