@@ -90,16 +90,12 @@ def main():
         out, part = cupy.empty((M, N), dt), cupy.empty((M, N), dt)
         paths = ("latency", "fused") if M % W == 0 else ("latency",)
         f = {p: (lambda p=p: mkernel.gemm_allreduce(a, w.T, comm=comm, out=out, path=p)) for p in paths}
-        if M <= config.get().tp_latency_ll_max_rows:  # the fused LL kernels' counterpart: two kernels
-            def two_kernels():
-                with config.override(tp_latency_ll_max_rows=0):
-                    mkernel.gemm_allreduce(a, w.T, comm=comm, out=out, path="latency")
-            f["latency_2k"] = two_kernels
-
-            def overlapped():
-                with config.override(tp_latency_ll_overlap=True):
-                    mkernel.gemm_allreduce(a, w.T, comm=comm, out=out, path="latency")
-            f["latency_overlap"] = overlapped
+        knobs = {}  # the variants' settings, entered once around each measurement (not per call: a
+        # new configuration object per call would void the recorded launches and time the full path)
+        if M <= config.get().tp_latency_ll_max_rows:  # the fused LL kernels' counterparts
+            knobs = {"latency_2k": {"tp_latency_ll_max_rows": 0}, "latency_overlap": {"tp_latency_ll_overlap": True}}
+            for p in knobs:
+                f[p] = f["latency"]
         f["gemm"] = lambda: mkernel.gemm(a, w.T, out=part)
         f["allreduce"] = lambda: mkernel.allreduce(part, comm=comm, out=out)
         f["unfused"] = lambda: (mkernel.gemm(a, w.T, out=part), mkernel.allreduce(part, comm=comm, out=out))
@@ -107,19 +103,23 @@ def main():
         extra = tuple(p for p in ("latency_2k", "latency_overlap") if p in f)
         checked = paths + ("unfused",) + extra
         for p in checked:  # every path gives the same sum (partials rounded alike: the same bits)
-            f[p]()
+            with config.override(**knobs.get(p, {})):
+                f[p]()
             cupy.cuda.get_current_stream().synchronize()
             comm.check()
             results[p] = harness.as_float(out, "float64")
         diff = max(float(cupy.linalg.norm(results[p] - results["unfused"]) / cupy.linalg.norm(results["unfused"]))
                    for p in checked if p != "unfused")
-        t = {p: timed(fn) for p, fn in f.items()}
-        host = {p: host_us(fn) for p, fn in f.items()}
+        t, host = {}, {}
+        for p, fn in f.items():
+            with config.override(**knobs.get(p, {})):
+                t[p], host[p] = timed(fn), host_us(fn)
         graph = {}  # the device's time per call (n calls in one CUDA graph): what the host's launch work hides
         if shared:
             for p in ("latency", "gemm", "allreduce") + extra:
                 try:
-                    graph[p] = cc.graph_batch_ms(comm, barrier, f[p])
+                    with config.override(**knobs.get(p, {})):
+                        graph[p] = cc.graph_batch_ms(comm, barrier, f[p])
                 except Exception as e:  # noqa: BLE001  (a capture that fails is reported, not fatal)
                     graph[p] = f"capture failed: {type(e).__name__}: {e}"[:200]
         best = min(paths, key=t.__getitem__)
