@@ -20,6 +20,7 @@ set -u
 OUT=${OUT:-/tmp/mkernel-out}
 LOGS=$(mktemp -d)/logs  # only the tarball, the summary and results JSON go to $OUT (8 files come back)
 mkdir -p "$LOGS" "$OUT"
+touch "$LOGS/.start"  # results copied back are only those this call wrote: 8 files come back at most
 [ -d .kcache ] && export MKERNEL_CACHE_DIR=$PWD/.kcache
 export MKERNEL_CACHE_DIR=${MKERNEL_CACHE_DIR:-$HOME/.cache/mkernel} PYTHONPATH=${PYTHONPATH:-}
 export NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -94,7 +95,7 @@ for s in $steps; do
 done
 mps_stop
 grep -h "compiling " "$LOGS"/*.log | sort | uniq -c > "$LOGS/compiles.txt" || true
-cp bench/results/*.json bench/results/*.png "$OUT"/ 2>/dev/null
+find bench/results -newer "$LOGS/.start" \( -name '*.json' -o -name '*.png' \) -exec cp {} "$OUT"/ \;
 tar -C "$(dirname "$LOGS")" -czf "$OUT/logs.tar.gz" logs
 echo "== summary =="
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"

@@ -195,6 +195,7 @@ MK_DEV void attn_producer(const MkAttnArgs& args, const AttnSmem<Cfg>& sm, const
   AttnBars<Cfg>* bars = sm.bars;
   const int group = args.heads_q / args.heads_kv;
   u32 it = 0, tile_it = 0, q_it = 0;
+  bool loads = true;  // false once a stage's bytes never landed: no stage is armed again
   for (;;) {
     const u32 id = src.claim();
     const u32 r = tile_it % Cfg::RING;
@@ -218,27 +219,33 @@ MK_DEV void attn_producer(const MkAttnArgs& args, const AttnSmem<Cfg>& sm, const
     const TmaDesc* kmap = src.kmap(t);
     const TmaDesc* vmap = src.vmap(t);
     const u32 qf = smem_u32(&bars->q_full);
-    if (!mbar_wait_timed(smem_u32(&bars->q_empty), (q_it & 1) ^ 1, args.sync, MK_WAIT_EMPTY))
-      mbar_wait_landed(qf, (q_it & 1) ^ 1);
+    const u32 qph = (q_it & 1) ^ 1;
     ++q_it;
-    mbar_arrive_expect_tx(qf, Cfg::Q_BYTES);
+    mbar_wait_timed(smem_u32(&bars->q_empty), qph, args.sync, MK_WAIT_EMPTY);
+    if ((loads = loads && mbar_can_arm(qf, qph, args.sync, MK_WAIT_LANDED))) {
+      mbar_arrive_expect_tx(qf, Cfg::Q_BYTES);
 #pragma unroll
-    for (int c = 0; c < Cfg::DCHUNKS; ++c)
-      tma_load_4d(sm.q() + c * (Cfg::BM * 128), &args.q, qf, 64 * c, t.q0, t.h, t.b);
+      for (int c = 0; c < Cfg::DCHUNKS; ++c)
+        tma_load_4d(sm.q() + c * (Cfg::BM * 128), &args.q, qf, 64 * c, t.q0, t.h, t.b);
+    }
     for (int j = 0; j < t.blocks; ++j, ++it) {
       const int s = it % Cfg::STAGES;
       const u32 ph = ((it / Cfg::STAGES) & 1) ^ 1;
       const u32 kf = smem_u32(&bars->k_full[s]), vf = smem_u32(&bars->v_full[s]);
-      if (!mbar_wait_timed(smem_u32(&bars->k_empty[s]), ph, args.sync, MK_WAIT_EMPTY + 1)) mbar_wait_landed(kf, ph);
-      mbar_arrive_expect_tx(kf, Cfg::KV_BYTES);
+      mbar_wait_timed(smem_u32(&bars->k_empty[s]), ph, args.sync, MK_WAIT_EMPTY + 1);
+      if ((loads = loads && mbar_can_arm(kf, ph, args.sync, MK_WAIT_LANDED + 1))) {
+        mbar_arrive_expect_tx(kf, Cfg::KV_BYTES);
 #pragma unroll
-      for (int c = 0; c < Cfg::DCHUNKS; ++c)
-        tma_load_4d(sm.k(s) + c * (Cfg::BN * 128), kmap, kf, 64 * c, j * Cfg::BN, hk, t.b);
-      if (!mbar_wait_timed(smem_u32(&bars->v_empty[s]), ph, args.sync, MK_WAIT_EMPTY + 2)) mbar_wait_landed(vf, ph);
-      mbar_arrive_expect_tx(vf, Cfg::KV_BYTES);
+        for (int c = 0; c < Cfg::DCHUNKS; ++c)
+          tma_load_4d(sm.k(s) + c * (Cfg::BN * 128), kmap, kf, 64 * c, j * Cfg::BN, hk, t.b);
+      }
+      mbar_wait_timed(smem_u32(&bars->v_empty[s]), ph, args.sync, MK_WAIT_EMPTY + 2);
+      if ((loads = loads && mbar_can_arm(vf, ph, args.sync, MK_WAIT_LANDED + 2))) {
+        mbar_arrive_expect_tx(vf, Cfg::KV_BYTES);
 #pragma unroll
-      for (int c = 0; c < Cfg::DCHUNKS; ++c)
-        tma_load_4d(sm.v(s) + c * (Cfg::BN * 128), vmap, vf, 64 * c, j * Cfg::BN, hk, t.b);
+        for (int c = 0; c < Cfg::DCHUNKS; ++c)
+          tma_load_4d(sm.v(s) + c * (Cfg::BN * 128), vmap, vf, 64 * c, j * Cfg::BN, hk, t.b);
+      }
     }
   }
   mbar_drain_landed(smem_u32(&bars->k_full[0]), Cfg::STAGES, it);

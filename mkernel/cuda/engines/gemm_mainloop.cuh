@@ -232,6 +232,7 @@ MK_DEV void gemm_producer_loop(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, 
   const int kblocks = (args.k + Cfg::BK - 1) / Cfg::BK;
   const u32 rank = Cfg::CLUSTER > 1 ? cluster_ctarank() : 0u;
   u32 it = 0, tile_it = 0;
+  bool loads = true;  // false once a stage's bytes never landed: no stage is armed again
   for (;;) {
     const u32 r = tile_it % Cfg::RING;
     MkTile t;
@@ -268,9 +269,9 @@ MK_DEV void gemm_producer_loop(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, 
     for (int kb = kb0; kb < kb1; ++kb, ++it) {
       const int s = it % Cfg::STAGES;
       const u32 ph = ((it / Cfg::STAGES) & 1) ^ 1;
-      if (!mbar_wait_timed(smem_u32(&bars->empty[s]), ph, args.sync, MK_WAIT_EMPTY))
-        mbar_wait_landed(smem_u32(&bars->full[s]), ph);
-      gemm_load_stage<Cfg>(args, sm, t, bi, s, kb * Cfg::BK, rank);
+      mbar_wait_timed(smem_u32(&bars->empty[s]), ph, args.sync, MK_WAIT_EMPTY);
+      loads = loads && mbar_can_arm(smem_u32(&bars->full[s]), ph, args.sync, MK_WAIT_LANDED);
+      if (loads) gemm_load_stage<Cfg>(args, sm, t, bi, s, kb * Cfg::BK, rank);
     }
   }
   mbar_drain_landed(smem_u32(&bars->full[0]), Cfg::STAGES, it);
