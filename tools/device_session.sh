@@ -92,6 +92,7 @@ for s in $steps; do
     *) summary+=("unknown step $s") ;;
   esac
   tar -C "$(dirname "$LOGS")" -czf "$OUT/logs.tar.gz" logs  # after every step: a cut-off run still reports
+  find bench/results -newer "$LOGS/.start" \( -name '*.json' -o -name '*.png' \) -exec cp {} "$OUT"/ \;
 done
 mps_stop
 grep -h "compiling " "$LOGS"/*.log | sort | uniq -c > "$LOGS/compiles.txt" || true
