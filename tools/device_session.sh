@@ -26,8 +26,8 @@ export MKERNEL_CACHE_DIR=${MKERNEL_CACHE_DIR:-$HOME/.cache/mkernel} PYTHONPATH=$
 export NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 steps=${*:-info suite main sanitizer gemm transport}
 summary=()
-step() {  # step NAME TIMEOUT CMD...
-  local name=$1 limit=$2; shift 2
+step() {  # step NAME TIMEOUT CMD...; LIMIT_<NAME>=seconds overrides TIMEOUT
+  local name=$1 v=LIMIT_$1; local limit=${!v:-$2}; shift 2
   local t0=$SECONDS rc=0
   timeout -k 5 "$limit" "$@" >"$LOGS/$name.log" 2>&1 || rc=$?
   summary+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - t0)) "$(tail -1 "$LOGS/$name.log" | cut -c1-150)")")
