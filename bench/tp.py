@@ -377,6 +377,7 @@ def main():
         rate = None
     else:
         rate = exchange_rate_gbs(comm) if args.nodes == 1 else None
+    gpus = len(set(comm.mpi.allgather(comm.device_id))) if shared else W  # every rank: a collective
     table = ONE_NODE if args.nodes == 1 else BETWEEN_NODES
     cols = [("shape", "shape", None), ("mkernel_ms", "mkernel ms", ".3f"), ("baseline_ms", "baseline ms", ".3f"),
             ("chunked_ms" if args.nodes == 1 else "nccl_ms", "chunked ms" if args.nodes == 1 else "nccl ms", ".3f"),
@@ -395,15 +396,15 @@ def main():
             summary.append(f"{op} refused")
             continue
         if comm.rank == 0:
-            gpus = len({d for d in comm.mpi.allgather(comm.device_id)}) if shared else W
             path = harness.write(op, rows, gpus=gpus, nodes=args.nodes, out_dir=args.out,
                                  transport=(comm.stats()["proxy"] or args.transport) if args.nodes > 1 else "nvlink",
                                  exchange_rate_gbs=rate, ranks_per_gpu=W // gpus)
             if args.nodes == 1 or shared:
                 plot(op, rows, path.with_suffix(".png"), shared=shared)
             print(f"== {op} ({W} GPUs, {args.nodes} node(s)) -> {path}")
-            print(harness.table(rows, cols))
+            print(harness.table(rows, cols), flush=True)
             summary.append(f"{op} " + " ".join(f"{r['speedup']:.2f}x" for r in rows))
+        comm.mpi.Barrier()  # rank 0's plot may outlast the next op's 30 s agreement
     if comm.rank == 0:
         print("SUMMARY tp: " + "; ".join(summary))
     comm.close()
