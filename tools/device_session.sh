@@ -18,9 +18,14 @@
 # $(git rev-parse ...) would run on the device) so that results JSON name the commit that ran.
 set -u
 OUT=${OUT:-/tmp/mkernel-out}
-LOGS=$(mktemp -d)/logs  # only the tarball, the summary and results JSON go to $OUT (8 files come back)
+LOGS=$(mktemp -d)/logs  # $OUT gets logs.tar.gz, results.tar.gz and summary.txt (8 files come back at most)
 mkdir -p "$LOGS" "$OUT"
-touch "$LOGS/.start"  # results copied back are only those this call wrote: 8 files come back at most
+touch "$LOGS/.start"  # results.tar.gz holds only the results this call wrote
+collect() {  # after every step: a cut-off run still reports
+  tar -C "$(dirname "$LOGS")" -czf "$OUT/logs.tar.gz" logs
+  find bench/results -newer "$LOGS/.start" \( -name '*.json' -o -name '*.png' \) -print0 |
+    tar --null -T - -czf "$OUT/results.tar.gz"
+}
 [ -d .kcache ] && export MKERNEL_CACHE_DIR=$PWD/.kcache
 export MKERNEL_CACHE_DIR=${MKERNEL_CACHE_DIR:-$HOME/.cache/mkernel} PYTHONPATH=${PYTHONPATH:-}
 export NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -91,12 +96,10 @@ for s in $steps; do
     controllernodes) step controllernodes 500 $MPI2 python3 bench/controller.py --nodes 2 ;;
     *) summary+=("unknown step $s") ;;
   esac
-  tar -C "$(dirname "$LOGS")" -czf "$OUT/logs.tar.gz" logs  # after every step: a cut-off run still reports
-  find bench/results -newer "$LOGS/.start" \( -name '*.json' -o -name '*.png' \) -exec cp {} "$OUT"/ \;
+  collect
 done
 mps_stop
 grep -h "compiling " "$LOGS"/*.log | sort | uniq -c > "$LOGS/compiles.txt" || true
-find bench/results -newer "$LOGS/.start" \( -name '*.json' -o -name '*.png' \) -exec cp {} "$OUT"/ \;
-tar -C "$(dirname "$LOGS")" -czf "$OUT/logs.tar.gz" logs
+collect
 echo "== summary =="
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
