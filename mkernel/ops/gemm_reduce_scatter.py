@@ -158,6 +158,7 @@ def _plan(op, allreduce, comm, c):
         # at this node's index) and received (by source node); AR: reduced tiles received
         tiles = (nodes, tiles_blk, tp.TILE_BYTES // 2)
         sizes += [("stage", tiles, dt), ("xrecv", tiles, dt)] + ([("xgath", tiles, dt)] if allreduce else [])
+        sizes += [("xstaged", (tp.send_groups(tiles_blk),), "uint32")]
     plan = tp.plan_buffers(op, comm, ("buffers", op, c.M, c.N, dt.name), sizes)
     build = lambda: _static_args(allreduce, comm, plan, c, tiles_blk)  # noqa: E731
     return plan, tp.launch_template(plan, (c.K, c.layout, c.join, c.path), build)
@@ -173,7 +174,8 @@ def _static_args(allreduce, comm, plan, c, tiles_blk):
         args.gflag_off = comm.offset_of(plan["gflag"])
     nodes, L, lr, esize = comm.num_nodes, comm.local_size, comm.local_rank, c.a.dtype.itemsize
     if nodes > 1:  # arrival counters of node partials (AR: and of reduced tiles)
-        tp.plan_between_nodes(comm, plan, args, tiles_blk, kinds=2 if allreduce else 1)
+        tp.plan_between_nodes(comm, plan, args, tiles_blk, kinds=2 if allreduce else 1, min_group=tp.SEND_TILES)
+        args.xstaged = plan["xstaged"].data.ptr
         args.stage_off = comm.offset_of(plan["stage"])
         args.xrecv_off = comm.offset_of(plan["xrecv"])
         if allreduce:

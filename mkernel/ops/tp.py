@@ -46,15 +46,23 @@ CNT_WORDS = 8  # TP_CNT_WORDS (reset by the kernel), then TP_CNT_LAUNCHES
 TILE_BYTES = BM * BN * 2  # TP_TILE_BYTES: one node partial tile between nodes (compact)
 PF_ARRIVED = 2 * MAX_WORLD  # TP_PF_ARRIVED: the first arrival counter of a plan's proxy flags
 ARRIVAL_FLAGS = 1024  # arrival counters of one plan (source nodes x tile or chunk groups)
+SEND_TILES = 16  # RS / AR between nodes: tiles per WRITE (1 MiB; one 64 KiB WRITE each ran at a third of the link)
 
 
-def plan_between_nodes(comm, plan, args, items, kinds=1):
+def send_groups(items, min_group=SEND_TILES):
+    """RS / AR: the staged-tile counters' length, [2 kinds][nodes][groups] for any node count: groups
+    of at least ``min_group`` tiles (plan_between_nodes's xgroup is at least that)."""
+    return 2 * MAX_WORLD * -(-items // min_group)
+
+
+def plan_between_nodes(comm, plan, args, items, kinds=1, min_group=1):
     """Between nodes: the plan's proxy flags (once per plan, collective like its buffers): arrival
-    counters for ``kinds`` x nodes x ``items`` (tiles, or A chunks) in groups small enough to fit
-    ARRIVAL_FLAGS; and the proxy fields of ``args``."""
+    counters for ``kinds`` x nodes x ``items`` (tiles, or A chunks) in groups of at least
+    ``min_group`` (items sent in one WRITE), small enough to fit ARRIVAL_FLAGS; and the proxy fields
+    of ``args``."""
     nodes = comm.num_nodes
     if "pflags" not in plan:
-        xgroup = -(-kinds * nodes * items // ARRIVAL_FLAGS)
+        xgroup = max(min_group, -(-kinds * nodes * items // ARRIVAL_FLAGS))
         plan["xgroup"] = xgroup
         plan["pflags"] = comm.proxy_flag_block(PF_ARRIVED + kinds * nodes * -(-items // xgroup))
     base = plan["pflags"].offset
@@ -80,10 +88,10 @@ class TpArgs(ctypes.Structure):
                 ("tiles_mb", ctypes.c_int32), ("tiles_n", ctypes.c_int32), ("gemm_ctas", ctypes.c_int32),
                 ("join", ctypes.c_int32), ("nodes", ctypes.c_int32), ("local", ctypes.c_int32),
                 ("lrank", ctypes.c_int32), ("node", ctypes.c_int32), ("xgroup", ctypes.c_uint32),
-                ("xgroups", ctypes.c_uint32), ("queue", _proxy.QueueArgs), ("pflags", ctypes.c_void_p),
+                ("xgroups", ctypes.c_uint32), ("xstaged", ctypes.c_void_p), ("queue", _proxy.QueueArgs), ("pflags", ctypes.c_void_p),
                 ("stage_off", ctypes.c_uint64), ("xrecv_off", ctypes.c_uint64), ("xgath_off", ctypes.c_uint64),
                 ("partial", ctypes.c_void_p), ("ldp", ctypes.c_int64), ("ctl", ctypes.c_void_p),
-                ("ctl_mode", ctypes.c_int32), ("ctl_lend_max", ctypes.c_int32), ("pad", ctypes.c_int32 * 14)]
+                ("ctl_mode", ctypes.c_int32), ("ctl_lend_max", ctypes.c_int32), ("pad", ctypes.c_int32 * 12)]
 
 
 class TpCtlStats(ctypes.Structure):

@@ -223,8 +223,10 @@ def test_reduce_ops_between_nodes_launch_arguments(fake_launch, world, nodes, ra
         assert plan[name].size_bytes == nodes * tiles_blk * tp.TILE_BYTES
     assert args.stage_off == comm.offset_of(plan["stage"]) and args.xrecv_off == comm.offset_of(plan["xrecv"])
     assert args.xgath_off == (comm.offset_of(plan["xgath"]) if allreduce else 0)
-    assert args.xgroup == 1 and args.xgroups == tiles_blk
-    assert comm.flag_blocks == [tp.PF_ARRIVED + (2 if allreduce else 1) * nodes * tiles_blk]
+    # tiles go out in groups of SEND_TILES (here all 4 in one WRITE), counted in the plan's xstaged words
+    assert args.xgroup == tp.SEND_TILES and args.xgroups == 1
+    assert comm.flag_blocks == [tp.PF_ARRIVED + (2 if allreduce else 1) * nodes]
+    assert args.xstaged == plan["xstaged"].data.ptr and plan["xstaged"].size_bytes == 4 * 2 * tp.MAX_WORLD
     assert args.queue.flag_base == 100 and args.pflags == 0x7000000 + 4 * 100
     items = (world + nodes - 1 if allreduce else nodes) * tiles_blk  # AR: also gather copies and forwards
     n_comm = config.get().tp_comm_sms[fake_launch["launch"]["op"]]

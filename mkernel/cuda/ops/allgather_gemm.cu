@@ -60,7 +60,7 @@ MK_DEV bool tp_push_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, Ba
     if (d == l)  // in this rank's own buffer now: a registered source for the other nodes
       for (u32 j = 0; j < N; ++j)
         if (j != n && tp_remote_credit(a, j, E, &sh->credited))
-          tp_send_tile(a, j, dst_off, dst_off, rows * (u32)row_bytes, TP_PF_ARRIVED + n * a.xgroups + c / a.xgroup,
+          tp_send_tile(a, j, dst_off, dst_off, rows * (u32)row_bytes, TP_PF_ARRIVED + n * a.xgroups + c / a.xgroup, 1u,
                        (N - 1) * chunks, E);
   }
   return true;

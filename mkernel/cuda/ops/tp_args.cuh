@@ -113,11 +113,13 @@ struct TpArgs {
   int node;
   unsigned int xgroup;  // tiles per arrival counter (TP_PF_ARRIVED)
   unsigned int xgroups;  // arrival counters per source node: ceil(tiles_blk / xgroup)
+  unsigned int* xstaged;  // RS / AR: [2 kinds][nodes][xgroups] tiles staged so far, over the plan's launches
   MkQueue queue;  // the proxy queue, flag ids relative to pflags
   unsigned int* pflags;  // this plan's proxy flags (mapped host memory), TP_PF_*
-  unsigned long long stage_off;  // [nodes][tiles_blk] TP_TILE_BYTES: node partials to send
-  unsigned long long xrecv_off;  // [nodes][tiles_blk] TP_TILE_BYTES: node partials received, by source node
-  unsigned long long xgath_off;  // AR: [nodes][tiles_blk] TP_TILE_BYTES: reduced tiles received, by source node
+  // [nodes][tiles_blk * TP_TILE_BYTES], each node's tiles packed in tl order (TpTileShape::packed):
+  unsigned long long stage_off;  // node partials to send
+  unsigned long long xrecv_off;  // node partials received, by source node
+  unsigned long long xgath_off;  // AR: reduced tiles received, by source node
   const void* partial;  // RS / AR unfused (the baseline that isolates overlap): this rank's whole
       // partial [W * mb][n], computed before the launch; CTAs [0, gemm_ctas)
       // then copy its tiles where the GEMM epilogue would store them
@@ -125,5 +127,5 @@ struct TpArgs {
   TpCtl* ctl;  // the plan's controller state
   int ctl_mode;  // TP_CTL_*
   int ctl_lend_max;  // adaptive: at most this many GEMM CTAs lent at once
-  int pad[14];  // explicit tail: sizeof is a multiple of 64
+  int pad[12];  // explicit tail: sizeof is a multiple of 64
 };

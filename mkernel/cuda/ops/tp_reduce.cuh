@@ -98,6 +98,10 @@ MK_DEV bool tp_remote_credit(const TpArgs& a, u32 j, u32 E, u32* credited) {
   return ok;
 }
 
+MK_DEV u32 tp_launch_count(const TpArgs& a) {  // this launch's number (targets of the counting flags between nodes)
+  return a.nodes > 1 ? ld_relaxed_sys(&a.counters[TP_CNT_LAUNCHES]) + 1 : 0u;
+}
+
 // Several nodes: the arrival counter (first of its kind: `base`) of tile tl from node j, and the
 // count it reaches once launch `launch` of the plan delivered every tile of tl's group.
 MK_DEV const u32* tp_arrival_flag(const TpArgs& a, u32 base, u32 j, u32 tl) {
@@ -140,25 +144,42 @@ MK_DEV void tp_remote_flush(const TpArgs& a, u32 E) {
       return;
 }
 
-// Tile tl of a block: its rows, columns, and 16-byte vectors per row (n % 8 == 0).
+// Tile tl of a block: its rows, columns, and 16-byte vectors per row (n % 8 == 0); `packed`: its
+// byte offset among the block's tiles stored densely in tl order (rows of cols), so a run of tiles is one span.
 struct TpTileShape {
   u32 mt, nt, rows, cols, vpr;
+  u64 packed;
   MK_DEV TpTileShape(const TpArgs& a, u32 tl) {
     mt = tl / (u32)a.tiles_n;
     nt = tl - mt * (u32)a.tiles_n;
     rows = min(128u, (u32)a.mb - mt * 128u);
     cols = min(256u, (u32)a.g.n - nt * 256u);
     vpr = cols / 8u;
+    packed = ((u64)mt * 128u * (u64)a.g.n + (u64)rows * nt * 256u) * 2;
   }
 };
 
-// Thread 0: a WRITE of one compact tile from this rank's workspace to rank (j, lrank)'s, counted in
-// its arrival counter `counter` (+ group); the launch's last one flushes.
-MK_DEV void tp_send_tile(const TpArgs& a, u32 j, u64 src_off, u64 dst_off, u32 bytes, u32 counter, u32 sends, u32 E) {
+// Thread 0: a WRITE from this rank's workspace to rank (j, lrank)'s, adding `value` to its arrival
+// counter `counter`; the launch's last one (of `sends`) flushes.
+MK_DEV void tp_send_tile(const TpArgs& a, u32 j, u64 src_off, u64 dst_off, u32 bytes, u32 counter, u32 value, u32 sends,
+                         u32 E) {
   queue_push(a.g.sync, a.queue,
              mk_write_cmd(j * a.local + a.lrank, MK_WORKSPACE_REGION, src_off, MK_WORKSPACE_REGION, dst_off, bytes,
-                          counter, 1u, MK_FLAG_ADD));
+                          counter, value, MK_FLAG_ADD));
   if (atomicAdd(&a.counters[TP_CNT_SENT], 1u) + 1 == sends) tp_remote_flush(a, E);
+}
+
+// Thread 0, after tile tl of stream `kind` (0: node partials, 1: AR's reduced tiles) to node j is
+// staged (fenced): the CTA that stages a group's last tile WRITEs the group's contiguous slots at once.
+MK_DEV void tp_send_staged(const TpArgs& a, u32 kind, u32 j, u32 tl, u64 src_base, u64 dst_base, u32 counter,
+                           u32 sends, u32 E) {
+  const u32 first = tl / a.xgroup * a.xgroup, count = min(a.xgroup, tp_tiles_blk(a) - first);
+  const u32 k = (kind * (u32)a.nodes + j) * a.xgroups + tl / a.xgroup;
+  if (atomicAdd(&a.xstaged[k], 1u) + 1 != tp_launch_count(a) * count) return;  // counts over the plan's launches
+  __threadfence();  // the other CTAs' tiles of the group (fenced before their counts) before the WRITE
+  const TpTileShape head(a, first), last(a, first + count - 1);
+  const u32 bytes = (u32)(last.packed + last.rows * last.cols * 2 - head.packed);
+  tp_send_tile(a, j, src_base + head.packed, dst_base + head.packed, bytes, counter, count, sends, E);
 }
 
 // Reduction item `item` of this rank: node block j (other nodes' first, own last) and tile tl.
@@ -173,10 +194,6 @@ struct TpReduceItem {
     tl = tp_block_tile(item - i * tb, (u32)a.tiles_mb, (u32)a.tiles_n);
   }
 };
-
-MK_DEV u32 tp_launch_count(const TpArgs& a) {  // this launch's number (targets of the counting flags between nodes)
-  return a.nodes > 1 ? ld_relaxed_sys(&a.counters[TP_CNT_LAUNCHES]) + 1 : 0u;
-}
 
 // Whether reduction item `item` can run without waiting: every local sender's partial of its tile
 // is in and, between nodes, the other nodes' partials (own block) or the destination's credit (a
@@ -213,7 +230,7 @@ MK_DEV bool tp_reduce_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, 
   const u32* rflag = peer_ptr<u32>(peers, l, a.rflag_off);  // [L][N][tb]
   const u8* xrecv = peer_ptr<u8>(peers, l, a.xrecv_off);  // [N][tb] compact tiles (N > 1)
   u8* stage = peer_ptr<u8>(peers, l, a.stage_off);  // [N][tb] compact tiles (N > 1)
-  const u32 sends = (OP == TP_OP_AR ? 2u : 1u) * (N - 1) * tb;  // WRITEs of this rank per launch
+  const u32 sends = (OP == TP_OP_AR ? 2u : 1u) * (N - 1) * a.xgroups;  // WRITEs of this rank per launch
   const u32 gathered = TP_PF_ARRIVED + N * a.xgroups;  // AR: counters of reduced tiles, by node
   u8* out = reinterpret_cast<u8*>(a.out);
   const TpReduceItem it(a, item);
@@ -234,7 +251,7 @@ MK_DEV bool tp_reduce_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, 
   bar();
   if (!sh->ok) return false;
   const TpTileShape ts(a, tl);
-  const u64 tile_off = ((u64)j * tb + tl) * TP_TILE_BYTES;  // own: the reduced tile to send (AR)
+  const u64 tile_off = (u64)j * tb * TP_TILE_BYTES + ts.packed;  // own: the reduced tile to send (AR)
   const u32 nv = ts.rows * ts.vpr;
   for (u32 v0 = tid; v0 < nv; v0 += U * nthr) {  // U vectors per thread at a time
     const u32 vecs = min(U, (nv - v0 + nthr - 1) / nthr);
@@ -253,7 +270,7 @@ MK_DEV bool tp_reduce_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, 
         if (jj == n)
           tp_add_partials<DT, U>(s, recv + j * blk_bytes, N * blk_bytes, L, off, vecs);
         else
-          tp_add_partials<DT, U>(s, xrecv + ((u64)jj * tb + tl) * TP_TILE_BYTES, 0, 1, compact, vecs);
+          tp_add_partials<DT, U>(s, xrecv + (u64)jj * tb * TP_TILE_BYTES + ts.packed, 0, 1, compact, vecs);
       }
     } else {
       tp_add_partials<DT, U>(s, recv + j * blk_bytes, N * blk_bytes, L, off, vecs);
@@ -278,17 +295,17 @@ MK_DEV bool tp_reduce_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, 
     bar();
   }
   if (tid == 0) {
-    const u32 g = tl / a.xgroup, bytes = ts.rows * ts.cols * 2;
+    const u32 g = tl / a.xgroup;
     if (!own)  // the node partial, counted in its owner's arrivals
-      tp_send_tile(a, j, a.stage_off + tile_off, a.xrecv_off + ((u64)n * tb + tl) * TP_TILE_BYTES, bytes,
-                   TP_PF_ARRIVED + n * a.xgroups + g, sends, E);
+      tp_send_staged(a, 0, j, tl, a.stage_off + (u64)j * tb * TP_TILE_BYTES, a.xrecv_off + (u64)n * tb * TP_TILE_BYTES,
+                     TP_PF_ARRIVED + n * a.xgroups + g, sends, E);
     if (own && OP == TP_OP_AR) {  // the reduced tile: to this node's peers, and once to every other node
       for (u32 p = 0; p < L; ++p)
         if (p != l) set_flag(peer_ptr<u32>(peers, p, a.gflag_off) + me * tb + tl, E);
       for (u32 jj = 0; jj < N; ++jj)
         if (jj != n && tp_remote_credit(a, jj, E, &sh->credited))
-          tp_send_tile(a, jj, a.stage_off + tile_off, a.xgath_off + ((u64)n * tb + tl) * TP_TILE_BYTES, bytes,
-                       gathered + n * a.xgroups + g, sends, E);
+          tp_send_staged(a, 1, jj, tl, a.stage_off + (u64)j * tb * TP_TILE_BYTES,
+                         a.xgath_off + (u64)n * tb * TP_TILE_BYTES, gathered + n * a.xgroups + g, sends, E);
     }
   }
   return true;
@@ -339,7 +356,7 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, T
     bar();
     if (!sh->ok) break;
     const TpTileShape ts(a, tl);
-    const u8* src = xgath + ((u64)jj * tb + tl) * TP_TILE_BYTES;
+    const u8* src = xgath + (u64)jj * tb * TP_TILE_BYTES + ts.packed;
     copy_vectors<U>(
         ts.rows * ts.vpr, tid, nthr,
         [&](u32 v) {

@@ -169,19 +169,35 @@ MK_DEV bool queue_push_warp(const MkSync& s, const MkQueue& q, const MkCmd& c, b
   return ok;
 }
 
+// Polls of mapped host memory cross PCIe: a waiter backs off from the first to the last pause (ns)
+// and reads the proxy's error word every MK_REMOTE_ERROR_EVERY polls, so waiters leave the link to the data.
+constexpr u32 MK_REMOTE_PAUSE_FIRST_NS = 128, MK_REMOTE_PAUSE_LAST_NS = 4096, MK_REMOTE_ERROR_EVERY = 8;
+
 // Waits for a flag a peer's proxy sets (in mapped host memory) to satisfy done(); gives up,
 // recording it, when the proxy reports a failure instead of waiting out the timeout.
 template <typename Done>
 MK_DEV bool wait_remote(const MkSync& s, const MkQueue& q, const u32* flag, Done done, u32 expected, i32 peer,
                         u32 where) {
-  const u32* proxy_error = &q.header->error;
-  const bool ok = wait_flag(
-      s, flag, [done, proxy_error](u32 v) { return done(v) || ld_relaxed_sys(proxy_error) != 0; }, expected, peer,
-      where);
-  if (!ok) return false;
-  if (done(ld_acquire_sys(flag))) return true;
-  record_proxy_error(s, q, peer, MK_WHERE_PROXY, expected);
-  return false;
+  u32 v = ld_acquire_sys(flag);
+  if (done(v)) return true;
+  const u64 start = globaltimer_ns();
+  for (u32 i = 1, pause = MK_REMOTE_PAUSE_FIRST_NS;; ++i) {
+    __nanosleep(pause);
+    pause = pause < MK_REMOTE_PAUSE_LAST_NS ? pause * 2 : pause;
+    v = ld_acquire_sys(flag);
+    if (done(v)) return true;
+    if (error_recorded(s)) return false;
+    if (i % MK_REMOTE_ERROR_EVERY == 0 && ld_relaxed_sys(&q.header->error) != 0) {
+      if (done(ld_acquire_sys(flag))) return true;
+      record_proxy_error(s, q, peer, MK_WHERE_PROXY, expected);
+      return false;
+    }
+    const u64 waited = globaltimer_ns() - start;
+    if (waited > s.timeout_ns) {
+      record_error(s, MK_ERR_TIMEOUT, peer, where, expected, v, waited);
+      return false;
+    }
+  }
 }
 MK_DEV bool wait_remote_epoch(const MkSync& s, const MkQueue& q, const u32* flag, u32 epoch, i32 peer, u32 where) {
   return wait_remote(s, q, flag, [epoch](u32 v) { return v == epoch; }, epoch, peer, where);
