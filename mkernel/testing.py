@@ -3,6 +3,8 @@
 import os
 import time
 
+from mkernel.runtime import gpu
+
 
 def sync_or_exit(what: str, timeout_s: float = 30.0, stream=None) -> None:
     """Wait for the work queued so far on ``stream`` (default: the current one); if it has not
@@ -75,12 +77,10 @@ def mpi_child_env(n: int, env: dict = None) -> tuple:
     """(environment, extra mpirun arguments) for a child job of ``n`` ranks on this machine's GPUs.
     Under MPS each rank gets its share of a GPU's SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE): clients
     that each count on all of them cannot run their persistent kernels at once."""
-    from mkernel.runtime.gpu import device_count, mps_client
-
     env = dict(os.environ if env is None else env)
-    if not mps_client():
+    if not gpu.mps_client():
         return env, []
-    gpus = max(1, device_count())
+    gpus = max(1, gpu.device_count())
     env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, min(100, 100 * gpus // n)))
     return env, ["-x", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] + (
         ["-x", "CUDA_MPS_PIPE_DIRECTORY"] if "CUDA_MPS_PIPE_DIRECTORY" in env else [])

@@ -24,10 +24,25 @@ from typing import NamedTuple
 
 from mkernel.comm import collectives, topology
 from mkernel.comm.plans import PlanRegistry
+from mkernel.comm.proxy import CommandQueue, Proxy
 from mkernel.comm.scratch import Scratch
+from mkernel.comm.symmetric import (
+    FreeList,
+    Lease,
+    SymmetricHeap,
+    carve_bytes,
+    check_owner,
+    default_workspace_bytes,
+    grown_size,
+    max_workspace_bytes,
+    take_symmetric,
+)
 from mkernel.core import env
 from mkernel.core.errors import ArgumentError, ClosedError, MKernelError, PeerError, WorkspaceError, peer_failures
 from mkernel.core.log import get_logger, set_rank
+from mkernel.runtime import gpu
+from mkernel.runtime.sync import SyncState
+from mkernel.runtime.trace import Trace
 
 log = get_logger("comm")
 
@@ -119,11 +134,6 @@ class Communicator:
 
     # --- GPU state -------------------------------------------------------------------------------
     def _init_gpu(self):
-        from mkernel.comm.symmetric import SymmetricHeap
-        from mkernel.runtime import gpu
-        from mkernel.runtime.sync import SyncState
-        from mkernel.runtime.trace import Trace
-
         gpu.require_hopper()
         # A sub-communicator stays on its root's GPU: its workspace lies in the root's.
         self.device_id = (self.topology.host_rank % gpu.device_count() if self._parent is None
@@ -136,7 +146,6 @@ class Communicator:
         devices = collectives.allgather_object(self.mpi, (self.topology.host, self.device_id), "comparing GPUs")
         self.gpus_shared = len(set(devices)) != len(devices)  # some ranks share a GPU (NCCL cannot run)
         if self._workspace_bytes is None:  # auto: the smallest rank's share of its GPU
-            from mkernel.comm.symmetric import default_workspace_bytes
 
             mine = default_workspace_bytes(self.device.mem_info[1], devices.count(devices[self.mpi.rank]))
             self._workspace_bytes = min(collectives.allgather_object(self.mpi, mine, "sizing the workspace"))
@@ -222,7 +231,6 @@ class Communicator:
         cannot. Collective: every rank of the communicator grows to the same size."""
         import uuid
 
-        from mkernel.comm.symmetric import grown_size, max_workspace_bytes
 
         blockers, want = [], None
         if self._root is not self:
@@ -255,7 +263,6 @@ class Communicator:
 
     def offset_of(self, arr) -> int:
         """The symmetric offset of an array from :meth:`empty` (raises if it is not one, or is closed)."""
-        from mkernel.comm.symmetric import check_owner
         return check_owner(self.heap, arr)
 
     def split(self, color: int, key: int = 0, workspace_bytes: int = None) -> "Communicator":
@@ -277,7 +284,6 @@ class Communicator:
                                    "proxy")
         # Carved over all of this communicator's ranks (disjoint children share the offset), so that
         # releasing plans or growing, collective here, can make room.
-        from mkernel.comm.symmetric import carve_bytes
 
         ok = isinstance(workspace_bytes, int) and not isinstance(workspace_bytes, bool) and workspace_bytes > 0
         views = collectives.allgather_object(self.mpi, carve_bytes(workspace_bytes) if ok else None,
@@ -353,7 +359,6 @@ class Communicator:
             import cupy
             import numpy as np
 
-            from mkernel.comm.proxy import CommandQueue, Proxy
 
             node_ids = self.mpi.allgather(self.node)
             nbytes = 4 * self.PROXY_FLAGS * self.PROXY_FLAG_RANGES
@@ -403,8 +408,6 @@ class Communicator:
         :class:`symmetric.Lease` whose ``offset`` is the first one's id (the plan's commands name its
         flags relative to it: ``proxy_queue_args(flag_base=offset)``, ``proxy_flags[0] + 4 * offset``);
         they go back when it is dropped. Collective (the same ids on every rank)."""
-        from mkernel.comm.symmetric import FreeList, Lease, take_symmetric
-
         if not hasattr(self, "_pflag_free"):
             self._pflag_free = FreeList(0, self.PROXY_FLAGS)
         views = collectives.allgather_object(self.mpi, list(self._pflag_free.free), "allocating proxy flags")
@@ -566,7 +569,6 @@ class Communicator:
             raise PeerError(f"rank {self.rank}: a peer did not answer while the workspace was replaced")
         self._workspace_bytes = workspace_bytes
         self._agreed[("workspace", "bytes")] = workspace_bytes
-        from mkernel.comm.symmetric import SymmetricHeap
         self.heap = SymmetricHeap.allocate(self.node_mpi, workspace_bytes, self.device_id)
         if hasattr(self, "_pflag_free"):
             del self._pflag_free  # the plans that held proxy flags were released; a new proxy starts at 0

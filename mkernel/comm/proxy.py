@@ -31,6 +31,7 @@ from mkernel.core import env
 from mkernel.core.errors import ArgumentError, MKernelError, NoRDMADeviceError, PeerError, TimeoutError
 from mkernel.core.log import get_logger
 from mkernel.runtime import compile as _compile
+from mkernel.runtime.extension import proxy_ext
 from mkernel.runtime.sync import MkSync
 
 log = get_logger("proxy")
@@ -43,11 +44,6 @@ _CMD_NAMES = {0: "none", 1: "WRITE", 2: "SIGNAL", 3: "FLUSH", 4: "NOP"}
 _HELLO = struct.Struct("<8s32s16sii")  # magic, secret, nonce, rank, connection index
 _ACK = struct.Struct("<8s32si")        # magic, hmac(secret, nonce), rank
 _MAGIC_HELLO, _MAGIC_ACK = b"MKTCPHI1", b"MKTCPOK1"
-
-
-def _ext():
-    from mkernel import verbs
-    return verbs.ffi, verbs.lib
 
 
 def _timeout_s(timeout_s):
@@ -105,7 +101,7 @@ class CommandQueue:
         if self.gpu:
             raise ArgumentError("host pushes take tickets from the host counter; a GPU queue's come from the device "
                                 "counter, so only kernels enqueue into it")
-        _, lib = _ext()
+        _, lib, _ = proxy_ext()
         body = _CMD.pack(0, type_, flag[2], peer, nbytes, flag[1], flag[0], src[0], dst[0],
                          src[1] >> 32, dst[1] >> 32, src[1] & 0xFFFFFFFF, dst[1] & 0xFFFFFFFF)
         if lib.mk_queue_push(self.header_address, self.slots_address, body, _timeout_s(timeout_s)):
@@ -122,7 +118,7 @@ class CommandQueue:
 
     def produce_test_commands(self, threads: int, per_thread: int, timeout_s=None):
         """CPU producer threads (C, GIL released) enqueue threads*per_thread verify NOPs."""
-        _, lib = _ext()
+        _, lib, _ = proxy_ext()
         if lib.mk_test_produce(self.header_address, self.slots_address, threads, per_thread, _timeout_s(timeout_s)):
             raise TimeoutError(f"CPU producers could not enqueue {threads}x{per_thread} commands: the queue stayed "
                                f"full (proxy error word {self.header.error})")
@@ -136,7 +132,7 @@ class CommandQueue:
 
 def probe_rdma():
     """(active RDMA ports, what the probe saw). -1 ports: libibverbs is not installed."""
-    ffi, lib = _ext()
+    ffi, lib, _ = proxy_ext()
     buf = ffi.new("char[]", 256)
     n = lib.mk_verbs_probe(buf, 256)
     return n, ffi.string(buf).decode()
@@ -145,13 +141,13 @@ def probe_rdma():
 def describe_transports() -> list:
     """Lines for ``python -m mkernel info``: what this build and this machine can use."""
     try:
-        from mkernel import verbs
+        have_verbs = proxy_ext()[2]
     except MKernelError as e:
         return [f"transports: none ({e})"]
     ports, report = probe_rdma()
-    verbs_line = ("verbs: not in this build (no rdma-core headers at build time)" if not verbs.HAVE_VERBS
+    verbs_line = ("verbs: not in this build (no rdma-core headers at build time)" if not have_verbs
                   else f"verbs: {'available' if ports > 0 else 'no active RDMA port'} ({report})")
-    return ["transports: host, tcp" + (", verbs" if verbs.HAVE_VERBS and ports > 0 else ""), "  " + verbs_line]
+    return ["transports: host, tcp" + (", verbs" if have_verbs and ports > 0 else ""), "  " + verbs_line]
 
 
 def select_transport(requested: str, comm, node_ids) -> str:
@@ -209,7 +205,7 @@ class Proxy:
             raise ArgumentError(f"host_run_chunks (MKERNEL_HOST_RUN_CHUNKS) must be 1 to 16; "
                                 f"got {self.host_run_chunks}")
         self.shuffle_seed = shuffle_seed
-        self._ffi, self._lib = _ext()
+        self._ffi, self._lib, _ = proxy_ext()
         self._p = self._lib.mk_proxy_create(self.rank, self.nranks, TRANSPORTS.index(self.transport), self.timeout_s)
         if self._p == self._ffi.NULL:
             raise ArgumentError(f"could not create a proxy for rank {self.rank} of {self.nranks}")

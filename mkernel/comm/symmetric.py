@@ -14,9 +14,10 @@ communicators hold in a shared pool never break that.
 import threading
 import weakref
 
-from mkernel.comm import collectives
+from mkernel.comm import collectives, vmm
 from mkernel.core import env
 from mkernel.core.errors import ArgumentError, ClosedError, MKernelError, WorkspaceError
+from mkernel.core.log import get_logger
 
 ALIGN = 1024  # TMA with 128-byte swizzle wants 1024-byte aligned shared tiles; keep global buffers so too
 CONTROL_BYTES = 1 << 20  # at offset 0: the runtime's flags; words [0, MAX_LOCAL) are credits (peers.cuh)
@@ -123,7 +124,6 @@ class SymmetricHeap:
         return self._regions is not None and self._parent_range is None and not self.closed
 
     def granularity(self) -> int:
-        from mkernel.comm import vmm
         return vmm.granularity(self.device_id)
 
     def grow(self, node_mpi, nbytes: int, token: str):
@@ -132,7 +132,6 @@ class SymmetricHeap:
         of the communicator grow to the same size); ``token`` names the node's sockets."""
         import cupy
 
-        from mkernel.comm import vmm
 
         old = self.nbytes
         vmm.add_node_chunk(node_mpi, self._regions, nbytes - old, self.device_id, token)
@@ -270,9 +269,6 @@ def _shareable(node_mpi, nbytes: int, device_id: int):
     up to MKERNEL_WORKSPACE_MAX_BYTES to grow into; None where a rank of the node cannot make one
     (the node then falls back to CUDA IPC together). Collective over the node."""
     import uuid
-
-    from mkernel.comm import vmm
-    from mkernel.core.log import get_logger
 
     regions, why = [], ""
     try:

@@ -5,6 +5,7 @@ import sys
 import warnings
 
 from mkernel._version import __version__
+from mkernel.comm import proxy
 from mkernel.runtime import compile as kcompile
 from mkernel.runtime import gpu
 
@@ -54,7 +55,6 @@ def _nvidia_smi_topology():
 
 
 def _transports():
-    from mkernel.comm import proxy
     return proxy.describe_transports()
 
 

@@ -3,8 +3,17 @@ against a reference and timed against its baseline, printed as one table by rank
 
 import numpy as np
 
+import mkernel
 from mkernel.comm import collectives
 from mkernel.core.log import get_logger
+from mkernel.diagnostics.selftest import Protocol
+from mkernel.engines import attention as _attn
+from mkernel.engines import attention as attention_engine
+from mkernel.ops.ring_attention import ring_attention
+from mkernel.ops.sequence import shard_sequence
+from mkernel.ops.tp import gpus_distinct
+from mkernel.runtime.arrays import BFLOAT16
+from mkernel.runtime.arrays import BFLOAT16 as bf16
 
 log = get_logger("main")
 
@@ -28,7 +37,6 @@ def check_runtime(comm, quick):
     """The protocol every fused op relies on: peers' slots written through the pointer table."""
     import cupy
 
-    from mkernel.diagnostics.selftest import Protocol
 
     words = 1 << 16
     proto = Protocol(comm, words)
@@ -46,9 +54,6 @@ def check_runtime(comm, quick):
 def check_gemm(comm, quick):
     """The GEMM engine on this rank's GPU against cupy.matmul (cuBLAS), random bf16 inputs."""
     import cupy
-
-    import mkernel
-    from mkernel.runtime.arrays import BFLOAT16
 
     m, n, k = (2048, 2048, 2048) if quick else (8192, 8192, 4096)
     rng = cupy.random.default_rng(comm.rank)
@@ -69,10 +74,6 @@ def check_attention(comm, quick):
     32 heads x 128; no cuDNN here (torch is not a dependency: bench/attention.py compares)."""
     import cupy
 
-    import mkernel
-    from mkernel.engines import attention as attention_engine
-    from mkernel.runtime.arrays import BFLOAT16
-
     rng = cupy.random.default_rng(comm.rank)
     S_small, S, H, D = 300, (2048 if quick else 8192), 32, 128
     q, k, v = (rng.standard_normal((S_small, 4, D), dtype=cupy.float32).astype(BFLOAT16) for _ in range(3))
@@ -90,9 +91,6 @@ def check_attention(comm, quick):
 
 def check_tp(comm, quick, op):
     import cupy
-
-    import mkernel
-    from mkernel.ops.tp import gpus_distinct
 
     fn = getattr(mkernel, op)
     W, r = comm.size, comm.rank
@@ -130,11 +128,6 @@ def check_ring_attention(comm, quick):
     engine on the whole sequence (every rank builds the same global inputs), then timed."""
     import cupy
 
-    from mkernel.engines import attention as _attn
-    from mkernel.ops.ring_attention import ring_attention
-    from mkernel.ops.sequence import shard_sequence
-    from mkernel.runtime.arrays import BFLOAT16
-
     W, me = comm.size, comm.rank
     S, H, D = (512 if quick else 2048), 8, 128
     rng = cupy.random.default_rng(11)  # the same global inputs on every rank
@@ -159,9 +152,6 @@ def check_moe(comm, quick):
     and summed); each timed against its building blocks (the unfused paths: moe_dispatch +
     grouped_gemm, grouped_gemm + moe_combine)."""
     import cupy
-
-    import mkernel
-    from mkernel.runtime.arrays import BFLOAT16 as bf16
 
     W, r = comm.size, comm.rank
     T, H, F, El, k = (256, 512, 256, 2, 2) if quick else (1024, 1024, 512, 4, 2)
@@ -222,7 +212,6 @@ def _ms(x):
 def run(quick=False) -> int:
     """Every row on every rank; rank 0 prints the table and, last, which ops failed. Returns 1 when
     a check failed on any rank."""
-    import mkernel
     comm = mkernel.init()
     rows = []
     for name, check in checks():

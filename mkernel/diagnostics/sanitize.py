@@ -5,10 +5,12 @@ the answer."""
 import contextlib
 
 import mkernel
+from mkernel.comm.communicator import init
 from mkernel.core import config
 from mkernel.engines import attention as _attn
 from mkernel.engines.attention import HEAD_DIMS, reference
 from mkernel.ops import tp
+from mkernel.ops.sequence import shard_sequence
 from mkernel.runtime.arrays import cupy_mod
 
 
@@ -58,7 +60,6 @@ def target_allreduce(world=None):
     import numpy as np
     from mpi4py import MPI
 
-    from mkernel.comm.communicator import init
 
     cupy = cupy_mod()
     comm = init(world or MPI.COMM_WORLD, workspace_bytes=16 << 20)
@@ -81,9 +82,6 @@ def _latency_paths(world):
     all-reduce), integer inputs (exact), twice each."""
     import numpy as np
     from mpi4py import MPI
-
-    from mkernel import config
-    from mkernel.comm.communicator import init
 
     cupy = cupy_mod()
     comm = init(world or MPI.COMM_WORLD, workspace_bytes=16 << 20)
@@ -173,9 +171,6 @@ def target_ring_attention():
     import cupy
     from mpi4py import MPI
 
-    from mkernel.comm.communicator import init
-    from mkernel.ops.sequence import shard_sequence
-
     comm = init(MPI.COMM_WORLD, workspace_bytes=16 << 20)
     W, me = comm.size, comm.rank
     S, H, D = 130, 2, 64
@@ -202,7 +197,6 @@ def target_moe():
     import numpy as np
     from mpi4py import MPI
 
-    from mkernel.comm.communicator import init
 
     comm = init(MPI.COMM_SELF, workspace_bytes=16 << 20)
     try:
@@ -229,7 +223,6 @@ def target_moe_gemm():
     import numpy as np
     from mpi4py import MPI
 
-    from mkernel.comm.communicator import init
 
     comm = init(MPI.COMM_SELF, workspace_bytes=32 << 20)
     try:
@@ -265,7 +258,6 @@ def target_moe_nodes():
     import numpy as np
     from mpi4py import MPI
 
-    from mkernel.comm.communicator import init
 
     world = MPI.COMM_WORLD
     comm = init(world, gpus_per_node=1, transport="host", workspace_bytes=32 << 20)
@@ -304,7 +296,6 @@ def _tp_world(world):
     import numpy as np
     from mpi4py import MPI
 
-    from mkernel.comm.communicator import init
 
     comm = init(world or MPI.COMM_SELF, workspace_bytes=16 << 20)
     M, K, N = 200, 136, 264

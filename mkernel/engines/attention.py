@@ -25,8 +25,8 @@ from mkernel.engines.gemm import MkGemmSched, _check_device, _num_sms
 from mkernel.engines.gemm import workspace as _gemm_workspace
 from mkernel.runtime import compile as _compile
 from mkernel.runtime import tma as _tma
-from mkernel.runtime.arrays import DT, cupy_mod
-from mkernel.runtime.launch import PlanCache
+from mkernel.runtime.arrays import DT, as_cupy, cupy_mod
+from mkernel.runtime.launch import PlanCache, launch
 from mkernel.runtime.sync import MkSync
 
 log = logging.getLogger("mkernel.engines.attention")
@@ -162,7 +162,6 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
             (x.data.ptr, x.shape, x.strides, x.dtype.str) for x in (q, k, v, out))
         if _plans.launch(key, stream):
             return out
-    from mkernel.runtime.arrays import as_cupy
 
     q, k, v = (as_cupy(x, name, stream=stream) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     if out is not None:
@@ -195,7 +194,6 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     args.q_blocks = q_blocks
     grid = min(int(sms) if sms is not None else _num_sms(), num_tiles)
     fn = _compile.module(SPEC).function(kernel_expr(DT[q.dtype.name], D, bool(causal)))
-    from mkernel.runtime.launch import launch
 
     launch(fn, (grid,), (THREADS,), args, smem=SMEM[D], stream=stream)
     if key is not None:

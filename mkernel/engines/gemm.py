@@ -23,7 +23,8 @@ from mkernel.engines import gemm_decode as _decode
 from mkernel.runtime import compile as _compile
 from mkernel.runtime import tma as _tma
 from mkernel.runtime.arrays import DT, check_matrix, cupy_mod
-from mkernel.runtime.launch import PlanCache, call_key  # all SMs: its CTAs never wait on each other
+from mkernel.runtime.gpu import require_hopper
+from mkernel.runtime.launch import PlanCache, call_key, launch  # all SMs: its CTAs never wait on each other
 from mkernel.runtime.launch import device_sms as _num_sms
 from mkernel.runtime.sync import MkStatus, MkSync, SyncState  # noqa: F401  (MkStatus: the layout test)
 
@@ -247,7 +248,6 @@ def _check_device(cupy):
         dev = None
     if dev is not None and dev in _hopper_devices:
         return
-    from mkernel.runtime.gpu import require_hopper
 
     require_hopper()
     _hopper_devices.add(dev)
@@ -294,8 +294,6 @@ def check_grouped_b(b_arr, what="b"):
 def _launch(cupy, *, a, b_arr, layout, N, K, M, G, out, out_code, group_rows, epi_op, stream, sms,
             tile_order, roles, tile_flags, tile_counts, group_m, num_tiles_host, max_tiles, order="m",
             cluster=False, splits=1):
-    from mkernel.runtime.launch import launch
-
     step = CLUSTER if cluster else 1  # CTAs per claim
     if sms is None:
         sms = step * default_ctas(num_tiles_host, _num_sms() // step) if num_tiles_host and roles is None \
@@ -335,8 +333,6 @@ def _launch(cupy, *, a, b_arr, layout, N, K, M, G, out, out_code, group_rows, ep
 
 def _launch_decode(a, b_arr, out, out_code, *, M, N, K, accumulate, stream):
     """The decode path's launch; returns its plan (the buffer it uses rides along, kept alive)."""
-    from mkernel.runtime.launch import launch
-
     fn, grid, args, buffer = _decode.build(a, b_arr, out, out_code, M=M, N=N, K=K, accumulate=accumulate,
                                            partial=workspace(stream).decode_partials)
     launch(fn, grid, (_decode.THREADS,), args, stream=stream)

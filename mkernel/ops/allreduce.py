@@ -11,6 +11,8 @@ import ctypes
 from mkernel.core.errors import ArgumentError
 from mkernel.ops import tp
 from mkernel.runtime import compile as _compile
+from mkernel.runtime.arrays import as_cupy
+from mkernel.runtime.launch import launch_persistent, persistent_grid
 from mkernel.runtime.sync import MkSync
 
 OP = "allreduce"
@@ -81,8 +83,6 @@ def own_slot(comm, shape, dtype):
 
 
 def _check(comm, x, out, stream):
-    from mkernel.runtime.arrays import as_cupy
-
     tp.check_comm(OP, comm)
     if comm.num_nodes > 1:
         raise ArgumentError(f"{OP}: the one-shot kernel works inside one node; this communicator spans "
@@ -147,8 +147,6 @@ def _plan(comm, count, dt):
 
 def _launch(comm, template, src, out, stream, src_is_slot=False):
     """Launches the all-reduce of src into out; returns the launch ``(fn, grid, block, args, smem)``."""
-    from mkernel.runtime.launch import launch_persistent, persistent_grid
-
     args = MkAllreduceArgs.from_buffer_copy(template["args"])
     args.sync = comm.sync_args(OP)
     args.src, args.out = src.data.ptr, out.data.ptr

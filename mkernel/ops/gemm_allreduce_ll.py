@@ -18,6 +18,7 @@ from mkernel.engines import gemm as _gemm
 from mkernel.engines import gemm_decode as _decode
 from mkernel.ops import tp
 from mkernel.runtime import compile as _compile
+from mkernel.runtime.launch import launch_all
 from mkernel.runtime.sync import MkSync
 
 OP = "gemm_allreduce"
@@ -54,8 +55,6 @@ def eligible(c) -> bool:
 def run(comm, c, stream):
     """The two launches of one call (out, c.out, may have strided rows); returns them, their plan's
     key and the decode partials' buffer they use: (launches, plans, keep), for comm.plans' record."""
-    from mkernel.runtime.launch import launch_all
-
     W, dt, pairs = comm.size, c.a.dtype, -(-c.M // 2)
     plan_key = ("buffers", "gemm_allreduce_ll", c.M, c.N, dt.name)
     plan = tp.plan_buffers("gemm_allreduce_ll", comm, plan_key, [("ll", (W, c.N, pairs, 2), "uint32")],

@@ -20,11 +20,13 @@ above run over the tokens a rank owns and forwards.
 
 import ctypes
 
+from mkernel.comm.communicator import Communicator
 from mkernel.core.errors import ArgumentError
 from mkernel.ops import moe_nodes as _nodes
 from mkernel.ops import tp as _tp
 from mkernel.runtime import compile as _compile
-from mkernel.runtime.arrays import DT
+from mkernel.runtime.arrays import DT, as_cupy, check_matrix
+from mkernel.runtime.launch import launch_persistent, persistent_grid
 from mkernel.runtime.sync import MkSync
 
 MAX_WORLD = 8          # MOE_MAX_WORLD
@@ -106,8 +108,6 @@ class MoeHandle:
 
 
 def _check_comm(op, comm):
-    from mkernel.comm.communicator import Communicator
-
     if not isinstance(comm, Communicator):
         raise ArgumentError(f"{op} needs comm=, an mkernel.Communicator (mkernel.init()); got {type(comm).__name__}")
     _tp.check_node_major(op, comm)  # between nodes, node j owns the experts of its ranks
@@ -118,7 +118,6 @@ def _check_comm(op, comm):
 def _check_routing(op, x, topk_ids, topk_weights, num_experts, world, stream):
     import cupy
 
-    from mkernel.runtime.arrays import as_cupy, check_matrix
 
     x = check_matrix(as_cupy(x, "x", stream=stream), "x")
     T, H = x.shape
@@ -179,8 +178,6 @@ def _args(comm, plan, op, T, k, E, H):
 
 
 def _launch(op, expr, args, ctas, stream, smem=0):
-    from mkernel.runtime.launch import launch_persistent, persistent_grid
-
     fn = _compile.module(SPEC).function(expr)
     persistent_grid(fn, THREADS, smem, blocks=ctas, what=op)
     # roles by arrival, work claimed: any resident part of the grid finishes (docs/MOE.md "Residency")
@@ -277,8 +274,6 @@ def moe_combine(y, handle, *, comm, out=None, stream=None):
 
 def combine(op, y, handle, *, comm, out, stream):
     """moe_combine on behalf of ``op`` (the name its errors and timeouts carry)."""
-    from mkernel.runtime.arrays import as_cupy, check_matrix
-
     _check_comm(op, comm)
     comm.check()
     if not isinstance(handle, MoeHandle):

@@ -22,6 +22,8 @@ from mkernel.engines import gemm as _gemm
 from mkernel.ops import moe as _moe
 from mkernel.ops import tp as _tp
 from mkernel.runtime import compile as _compile
+from mkernel.runtime.arrays import as_cupy, check_matrix
+from mkernel.runtime.launch import launch_persistent, persistent_grid
 
 KERNEL = "mk_moe_dispatch_gemm_kernel"
 THREADS = 384            # MOE_GEMM_THREADS (the GEMM engine's CTA)
@@ -89,7 +91,6 @@ def moe_dispatch_gemm(x, topk_ids, topk_weights, w, *, comm, num_experts, capaci
     """
     import cupy
 
-    from mkernel.runtime.arrays import as_cupy
 
     op = "moe_dispatch_gemm"
     path, comm_sms = _check_path(op, path, comm_sms, "fused")
@@ -160,8 +161,6 @@ def _staging(comm, cap, H, El, dtype, stream):
 
 
 def _launch(op, spec, kernel, layout, dtype, args, grid, stream):
-    from mkernel.runtime.launch import launch_persistent, persistent_grid
-
     fn = _compile.module(spec).function(f"{kernel}<{_gemm.DT[dtype.name]},{layout}>")
     persistent_grid(fn, THREADS, _gemm.SMEM_GROUPED, blocks=grid, what=op)
     # roles by arrival, work claimed: any resident part of the grid finishes (docs/MOE.md "Residency")
@@ -182,7 +181,6 @@ def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=No
     """
     import cupy
 
-    from mkernel.runtime.arrays import as_cupy, check_matrix
 
     op = "moe_gemm_combine"
     path, comm_sms = _check_path(op, path, comm_sms, "unfused")

@@ -19,6 +19,7 @@ from mkernel.comm import proxy as _proxy
 from mkernel.core.errors import ArgumentError
 from mkernel.ops import tp as _tp
 from mkernel.runtime import compile as _compile
+from mkernel.runtime.launch import launch_persistent
 from mkernel.runtime.sync import MkSync
 
 MAX_NODES = 8       # MOE_MAX_NODES
@@ -128,8 +129,6 @@ def set_virtual(m, p, comm):
 
 
 def _launch(op, expr, a, ctas, stream):
-    from mkernel.runtime.launch import launch_persistent
-
     fn = _compile.module(SPEC).function(expr)
     launch_persistent(fn, (ctas,), (THREADS,), a, smem=0, stream=stream)
 

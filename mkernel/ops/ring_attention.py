@@ -20,6 +20,7 @@ see README for what ran where.
 import ctypes
 
 from mkernel.comm import proxy as _proxy
+from mkernel.comm.communicator import Communicator
 from mkernel.core import config
 from mkernel.core.errors import ArgumentError
 from mkernel.engines import attention as _attn
@@ -27,6 +28,8 @@ from mkernel.engines import gemm as _gemm
 from mkernel.ops import tp as _tp
 from mkernel.runtime import compile as _compile
 from mkernel.runtime import tma as _tma
+from mkernel.runtime.arrays import as_cupy
+from mkernel.runtime.launch import launch_persistent, persistent_grid
 
 MAX_WORLD = 8             # RING_MAX_WORLD
 CNT_WORDS = 2 + 3 * MAX_WORLD
@@ -102,9 +105,6 @@ def _check(comm, q, k, v, out, stream, causal, softmax_scale, comm_sms):
     """Typed errors before anything launches; the shapes and options, agreed by every rank."""
     import cupy
 
-    from mkernel.comm.communicator import Communicator
-    from mkernel.runtime.arrays import as_cupy
-
     if not isinstance(comm, Communicator):
         raise ArgumentError(f"ring_attention needs comm= an mkernel Communicator (mkernel.init()); got "
                             f"{type(comm).__name__}")
@@ -171,8 +171,6 @@ def _plan(comm, c):
 
 
 def _static_args(comm, plan, c):
-    from mkernel.runtime.launch import persistent_grid
-
     B, S, Hq, D = c.q4.shape
     k4 = c.k4
     Hkv = k4.shape[2]
@@ -228,7 +226,6 @@ def _launch(comm, planned, c, return_lse, stream):
     of the own block; the launch. Returns (out, lse or None)."""
     import cupy
 
-    from mkernel.runtime.launch import launch_persistent, persistent_grid
 
     q4, k4, v4 = c.q4, c.k4, c.v4
     B, S, Hq, D = q4.shape

@@ -31,8 +31,10 @@ from mkernel.core.errors import ArgumentError, MKernelError, WorkspaceError
 from mkernel.core.log import get_logger
 from mkernel.engines import gemm as _gemm
 from mkernel.runtime import compile as _compile
+from mkernel.runtime import launch as _launch
 from mkernel.runtime import tma as _tma
-from mkernel.runtime.arrays import DT, cupy_mod  # noqa: F401  (tp.DT, tp.cupy_mod: the ops below use them through tp)
+from mkernel.runtime.arrays import DT, HALF_TYPES, as_cupy, check_matrix, cupy_mod  # noqa: F401  (tp.DT, tp.cupy_mod: the ops below use them through tp)
+from mkernel.runtime.launch import launch_all, launch_persistent, persistent_grid
 from mkernel.split import search as autosplit
 from mkernel.split.policy import MkSplitCtl
 
@@ -88,7 +90,8 @@ class TpArgs(ctypes.Structure):
                 ("tiles_mb", ctypes.c_int32), ("tiles_n", ctypes.c_int32), ("gemm_ctas", ctypes.c_int32),
                 ("join", ctypes.c_int32), ("nodes", ctypes.c_int32), ("local", ctypes.c_int32),
                 ("lrank", ctypes.c_int32), ("node", ctypes.c_int32), ("xgroup", ctypes.c_uint32),
-                ("xgroups", ctypes.c_uint32), ("xstaged", ctypes.c_void_p), ("queue", _proxy.QueueArgs), ("pflags", ctypes.c_void_p),
+                ("xgroups", ctypes.c_uint32), ("xstaged", ctypes.c_void_p), ("queue", _proxy.QueueArgs),
+                ("pflags", ctypes.c_void_p),
                 ("stage_off", ctypes.c_uint64), ("xrecv_off", ctypes.c_uint64), ("xgath_off", ctypes.c_uint64),
                 ("partial", ctypes.c_void_p), ("ldp", ctypes.c_int64), ("ctl", ctypes.c_void_p),
                 ("ctl_mode", ctypes.c_int32), ("ctl_lend_max", ctypes.c_int32), ("pad", ctypes.c_int32 * 12)]
@@ -125,8 +128,6 @@ def kernel_expr(kernel: str, dt: int, layout: int) -> str:
 
 def check_inputs(op, a, b, b_layout, stream):
     """(a, layout, b_arr, N): a and b on this GPU, 16-bit, rows contiguous; b as [K, N] or [N, K]."""
-    from mkernel.runtime.arrays import HALF_TYPES, as_cupy, check_matrix
-
     a = check_matrix(as_cupy(a, "a", stream=stream), "a")
     b = as_cupy(b, "b", stream=stream)
     if b.dtype != a.dtype:
@@ -183,7 +184,6 @@ def check_comm(op, comm):
 
 def prepare_out(op, out, shape, dtype, comm):
     cupy = cupy_mod()
-    from mkernel.runtime.arrays import check_matrix
 
     if out is None:
         return cupy.empty(shape, dtype=dtype)
@@ -249,8 +249,7 @@ def call_key(comm, op, stream, arrays, options):
     cupy = cupy_mod()
     if comm is None or not all(isinstance(x, cupy.ndarray) for x in arrays) or comm.trace.path:
         return None
-    from mkernel.runtime.launch import call_key as _key
-    return _key(cupy, stream, arrays, (op,) + tuple(options))
+    return _launch.call_key(cupy, stream, arrays, (op,) + tuple(options))
 
 
 def replay(comm, key, stream) -> bool:
@@ -259,7 +258,6 @@ def replay(comm, key, stream) -> bool:
     launches = None if key is None else comm.plans.launches(key)
     if launches is None:
         return False
-    from mkernel.runtime.launch import launch_all
     comm.check()
     launch_all(launches, stream)
     return True
@@ -469,8 +467,6 @@ def call_args(template, c, *, a_ptr, a_row_bytes):
 
 
 def launch_fused(comm, op, spec, kernel, args, dtype, layout, grid, stream):
-    from mkernel.runtime.launch import launch_persistent, persistent_grid
-
     fn = _compile.module(spec).function(kernel_expr(kernel, DT[dtype.name], layout))
     persistent_grid(fn, THREADS, SMEM_BYTES, blocks=grid, what=op)  # checked once per grid (cached)
     args.g.sync = comm.sync_args(op)
@@ -479,8 +475,7 @@ def launch_fused(comm, op, spec, kernel, args, dtype, layout, grid, stream):
 
 
 def sm_count():
-    from mkernel.runtime.launch import sm_count as _n
-    return _n()
+    return _launch.sm_count()
 
 
 def quiesced_first_use(comm, plan, key):

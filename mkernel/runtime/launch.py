@@ -7,6 +7,10 @@ the two layouts. Launch goes straight to ``cuLaunchKernel`` through CuPy's drive
 
 import ctypes
 
+from mkernel.core.errors import ArgumentError, MKernelError
+from mkernel.runtime import gpu
+from mkernel.runtime.extension import proxy_ext
+
 # cuFuncSetAttribute attribute ids (cuda.h); CuPy does not export every name.
 FUNC_ATTR_MAX_DYNAMIC_SHARED = 8
 _smem_set = {}  # function pointer -> the dynamic shared memory limit already raised for it
@@ -42,10 +46,7 @@ def launch(fn, grid, block, args: ctypes.Structure, *, smem: int = 0, stream=Non
 
 
 def _launch_overlapped(fn, grid, block, smem, stream_ptr, params):
-    from mkernel import verbs
-    from mkernel.core.errors import MKernelError
-
-    ffi, lib = verbs.ffi, verbs.lib
+    ffi, lib, _ = proxy_ext()
     why = ffi.new("char[]", 256)
     rc = lib.mk_cuda_launch_overlapped(ffi.cast("void *", fn.ptr), grid, block, smem, ffi.cast("void *", stream_ptr),
                                        ffi.cast("void **", ctypes.addressof(params)), why, 256)
@@ -98,10 +99,8 @@ def device_sms() -> int:
 def sm_count() -> int:
     """SMs whose CTAs a persistent grid may count on being resident at once: :func:`device_sms`,
     under MPS less a margin."""
-    from mkernel.runtime.gpu import mps_client
-
     n = device_sms()
-    return max(1, int(n * MPS_RESIDENT_FRACTION)) if mps_client() else n
+    return max(1, int(n * MPS_RESIDENT_FRACTION)) if gpu.mps_client() else n
 
 
 _grids = {}
@@ -110,8 +109,6 @@ _grids = {}
 def persistent_grid(fn, block_threads: int, smem: int, blocks: int = None, what: str = "kernel") -> int:
     """The grid of a persistent kernel: ``blocks`` (default: as many as fit on :func:`sm_count`
     SMs), checked to fit at once."""
-    from mkernel.core.errors import ArgumentError, MKernelError
-
     key = (fn.ptr, block_threads, smem, blocks)  # occupancy is a driver query: once per function
     if key in _grids:
         return _grids[key]

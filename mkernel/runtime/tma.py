@@ -19,6 +19,7 @@ import threading
 from collections import OrderedDict
 
 from mkernel.core.errors import ArgumentError, NoGPUError
+from mkernel.runtime.extension import proxy_ext
 
 # CUtensorMapDataType
 DTYPE_UINT8, DTYPE_UINT16, DTYPE_UINT32 = 0, 1, 2
@@ -53,10 +54,6 @@ def dtype_code(dtype) -> int:
     raise ArgumentError(f"no TMA data type for dtype {dt}")
 
 
-def _ext():
-    """The extension's ffi and lib, imported on first use (importing mkernel needs no built extension)."""
-    from mkernel import verbs
-    return verbs.ffi, verbs.lib
 
 
 def check_tiled(dtype: int, ptr: int, dims, strides, box, swizzle: int) -> None:
@@ -100,7 +97,7 @@ def encode_tiled(dtype: int, ptr: int, dims, strides, box, swizzle: int = SWIZZL
             return hit
     check_tiled(dtype, ptr, dims, strides, box, swizzle)
     rank = len(dims)
-    ffi, lib = _ext()
+    ffi, lib, _ = proxy_ext()
     tmap = TensorMap()
     g_dims = ffi.new("unsigned long long[]", list(dims))
     g_strides = ffi.new("unsigned long long[]", list(strides) or [0])

@@ -24,7 +24,7 @@ inside.
 
 import contextlib
 
-from mkernel.core import config
+from mkernel.core import config, env
 from mkernel.core.log import get_logger
 from mkernel.split import policy as split
 
@@ -152,7 +152,6 @@ def memory(comm) -> split.SplitMemory:
     starts known keys from the file and rank 0 keeps converged keys there."""
     state = comm.plans.state
     if "autosplit.memory" not in state:
-        from mkernel.core import env
         persist = env.get_int("MKERNEL_SPLIT_PERSIST") == 1
         state["autosplit.memory"] = split.SplitMemory(persist=persist, write=comm.rank == 0)
     return state["autosplit.memory"]

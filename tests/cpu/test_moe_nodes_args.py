@@ -13,6 +13,8 @@ from mkernel.comm.communicator import Communicator
 from mkernel.comm.plans import PlanRegistry
 from mkernel.comm.scratch import layout as scratch_layout
 
+from tests.helpers.tp_fakes import pass_arrays_through
+
 mmoe = importlib.import_module("mkernel.ops.moe")
 mnodes = importlib.import_module("mkernel.ops.moe_nodes")
 tp = importlib.import_module("mkernel.ops.tp")
@@ -82,8 +84,6 @@ def fake(monkeypatch):
     """Fake arrays for every allocation, recorded launches."""
     import cupy
 
-    import mkernel.runtime.arrays
-
     calls = {"launches": [], "next": 0x100000}
 
     def alloc(shape, dtype=np.float32, base=0):
@@ -101,7 +101,7 @@ def fake(monkeypatch):
             comm.plans.add(key, plan)
         return plan
 
-    monkeypatch.setattr(mkernel.runtime.arrays, "as_cupy", lambda x, name, stream=None: x)
+    pass_arrays_through(monkeypatch)
     monkeypatch.setattr(tp, "prepare_out", lambda op, out, shape, dtype, comm: out or alloc(shape, dtype))
     monkeypatch.setattr(tp, "plan_buffers", plan_buffers)
     monkeypatch.setattr(tp, "sm_count", lambda: 132)

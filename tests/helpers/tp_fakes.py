@@ -78,13 +78,23 @@ class _Comm:
         return QueueArgs(0, 0, 0, None, 0, 0, flag_base)
 
 
+def pass_arrays_through(monkeypatch):
+    """``as_cupy`` returns its argument, in every mkernel module that imported it (fakes stay fakes)."""
+    import sys
+
+    import mkernel.runtime.arrays
+
+    real = mkernel.runtime.arrays.as_cupy
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("mkernel") and getattr(mod, "as_cupy", None) is real:
+            monkeypatch.setattr(mod, "as_cupy", lambda x, name, stream=None: x)
+
+
 def fake_launch(monkeypatch):
     """Fakes what the fused TP ops launch with (arrays, tensor maps, plan buffers, the launch itself)
     on ``monkeypatch``; returns the record of the calls (calls["launch"]: the last launch's arguments)."""
-    import mkernel.runtime.arrays
-
     calls = {"maps": [], "launch": None}
-    monkeypatch.setattr(mkernel.runtime.arrays, "as_cupy", lambda x, name, stream=None: x)
+    pass_arrays_through(monkeypatch)
     monkeypatch.setattr(tp, "prepare_out",
                         lambda op, out, shape, dtype, comm: (out, calls.setdefault("out_shape", shape))[0])
 
