@@ -74,7 +74,7 @@ for s in $steps; do
     nodesdiag) step nodesdiag 200 bash -c 'for s in ${NODESDIAG_SEQS:-grown first pregrow}; do CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=33 \
       mpirun -n 3 --oversubscribe --bind-to none -x MKERNEL_CACHE_DIR -x MKERNEL_TIMEOUT_S -x CUDA_MPS_PIPE_DIRECTORY \
       -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE python3 tools/nodes_diag.py --seq $s; done' ;;
-    nodesrate) step nodesrate 240 $MPI2 python3 tools/nodes_rate.py ;;
+    nodesrate) step nodesrate 240 $MPI2 python3 tools/nodes_rate.py ${NODESRATE_ARGS:-} ;;
     attention) step attention 150 python3 bench/attention.py ;;
     ring) step ring 240 $MPI2 $PYT -m "gpu and mpi" tests/gpu/test_ring_attention_gpu.py tests/gpu/test_ring_attention_errors_gpu.py tests/gpu/test_ring_attention_worlds_gpu.py ;;
     ringbench) step ringbench 240 $MPI2 python3 bench/ring_attention.py ;;

@@ -3,7 +3,9 @@ path crawled at 0.3 GB/s, the fused one at 3.6 GB/s, against a 25 GB/s host link
 
 1. The host transport with many small WRITEs: both ranks send 64 MiB to each other as WRITEs of
    64 KiB (one output tile) to 64 MiB, each adding 1 to a counter; the time until the counter is full.
-2. gemm_allreduce / gemm_reduce_scatter, fused and unfused, at several comm_sms: ms per call (the
+2. The same with GPU threads polling a word of mapped host memory meanwhile (as waits on the
+   proxy's flags do): pollers x pause between polls.
+3. gemm_allreduce / gemm_reduce_scatter, fused and unfused, at several comm_sms: ms per call (the
    slower rank, events after a barrier) and the proxy's commands and bytes per call.
 
     mpirun -n 2 --bind-to none python3 tools/nodes_rate.py [--shape 8192,8192,4096]
@@ -20,10 +22,73 @@ WORLD = MPI.COMM_WORLD
 MiB = 1 << 20
 
 
-def small_writes(total, sizes, reps):
+POLL = r"""
+extern "C" __global__ void poll(const unsigned* flag, const unsigned* stop, unsigned pause, unsigned long long* n) {
+  unsigned long long i = 0;
+  for (;;) {
+    unsigned v, s;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
+    if (++i % 8 == 0) {
+      asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(s) : "l"(stop) : "memory");
+      if (s) break;
+    }
+    if (pause) __nanosleep(pause);
+  }
+  atomicAdd(n, i);
+}
+"""
+
+
+class Pollers:
+    """``ctas`` single-thread CTAs polling a word of mapped host memory every ``pause_ns`` until stop()."""
+
+    def __init__(self, ctas, pause_ns):
+        import cupy
+
+        self.ctas, self.pause = ctas, pause_ns
+        self.ptr = cupy.cuda.runtime.hostAlloc(64, 2)
+        self.words = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint32 * 16).from_address(self.ptr))
+        self.words[:] = 0
+        self.count = cupy.zeros(1, cupy.uint64)
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.fn = cupy.RawKernel(POLL, "poll")
+
+    def __enter__(self):
+        if self.ctas:
+            args = (self.ptr, self.ptr + 32, np.uint32(self.pause), self.count)
+            self.fn((self.ctas,), (1,), args, stream=self.stream)
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        import cupy
+
+        self.words[8] = 1
+        self.stream.synchronize()
+        self.rate = int(self.count.get()[0]) / (time.perf_counter() - self.t0)  # polls per second
+        cupy.cuda.runtime.freeHost(self.ptr)
+
+
+def exchange(proxy, queue, flags, peer, n, size):
+    """Both ranks WRITE n x size bytes to each other at once: (the slower rank's s, this rank's push s)."""
+    from mkernel.comm.proxy import FLAG_ADD, WRITE
+
+    flags[0] = 0
+    WORLD.Barrier()
+    t = time.perf_counter()
+    for i in range(n):
+        queue.push(WRITE, peer, size, src=(0, i * size), dst=(1, i * size), flag=(0, 1, FLAG_ADD))
+    pushed = time.perf_counter() - t
+    proxy.wait_flag(flags, 0, n, timeout_s=120)
+    took = WORLD.allreduce(time.perf_counter() - t, op=MPI.MAX)
+    WORLD.Barrier()
+    return took, pushed
+
+
+def small_writes(total, sizes, reps, pollers=((0, 0),)):
     import cupy
 
-    from mkernel.comm.proxy import FLAG_ADD, WRITE, CommandQueue, Proxy, barrier
+    from mkernel.comm.proxy import CommandQueue, Proxy, barrier
 
     peer = 1 - WORLD.Get_rank()
     flags_ptr = cupy.cuda.runtime.hostAlloc(64, 2)
@@ -38,25 +103,17 @@ def small_writes(total, sizes, reps):
         proxy.attach_queue(queue)
         proxy.connect()
         proxy.start()
-        for size in sizes:
+        for (ctas, pause), size in [(p, z) for p in pollers for z in sizes]:
             n = total // size
-            times, pushes = [], []
-            for _ in range(reps + 1):
-                flags[0] = 0
-                WORLD.Barrier()
-                t = time.perf_counter()
-                for i in range(n):
-                    queue.push(WRITE, peer, size, src=(0, i * size), dst=(1, i * size), flag=(0, 1, FLAG_ADD))
-                pushed = time.perf_counter() - t
-                proxy.wait_flag(flags, 0, n, timeout_s=120)
-                times.append(WORLD.allreduce(time.perf_counter() - t, op=MPI.MAX))
-                pushes.append(pushed)
-                WORLD.Barrier()
-            t = statistics.median(times[1:])
+            with Pollers(ctas, pause) as poll:
+                rows = [exchange(proxy, queue, flags, peer, n, size) for _ in range(reps + 1)][1:]
+            t = statistics.median(r[0] for r in rows)
             if WORLD.Get_rank() == 0:
                 print(f"host transport: {n:5d} WRITEs of {size >> 10:6d} KiB  {t * 1e3:8.2f} ms  "
                       f"{total / t / 1e9:6.2f} GB/s  {t / n * 1e6:7.2f} us per WRITE  "
-                      f"(host pushes {statistics.median(pushes[1:]) * 1e3:.2f} ms)", flush=True)
+                      f"(host pushes {statistics.median(r[1] for r in rows) * 1e3:.2f} ms)  "
+                      f"pollers {ctas} every {pause} ns ({poll.rate / 1e6:.1f} M polls/s)",
+                      flush=True)
         barrier(WORLD)
     cupy.cuda.runtime.freeHost(flags_ptr)
 
@@ -103,9 +160,13 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="8192,8192,4096")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--transport-only", action="store_true")
     args = p.parse_args()
-    small_writes(64 * MiB, (64 << 10, 256 << 10, 1 * MiB, 4 * MiB, 64 * MiB), args.reps)
-    ops(tuple(int(x) for x in args.shape.split(",")), args.reps)
+    small_writes(64 * MiB, (64 << 10, 1 * MiB, 64 * MiB), args.reps)
+    polled = [(c, p) for c in (8, 32, 64) for p in (0, 1000, 4000, 16000)]
+    small_writes(64 * MiB, (1 * MiB,), args.reps, pollers=polled)
+    if not args.transport_only:
+        ops(tuple(int(x) for x in args.shape.split(",")), args.reps)
 
 
 if __name__ == "__main__":
