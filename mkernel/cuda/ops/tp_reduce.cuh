@@ -171,8 +171,8 @@ MK_DEV void tp_send_tile(const TpArgs& a, u32 j, u64 src_off, u64 dst_off, u32 b
 
 // Thread 0, after tile tl of stream `kind` (0: node partials, 1: AR's reduced tiles) to node j is
 // staged (fenced): the CTA that stages a group's last tile WRITEs the group's contiguous slots at once.
-MK_DEV void tp_send_staged(const TpArgs& a, u32 kind, u32 j, u32 tl, u64 src_base, u64 dst_base, u32 counter,
-                           u32 sends, u32 E) {
+MK_DEV void tp_send_staged(const TpArgs& a, u32 kind, u32 j, u32 tl, u64 src_base, u64 dst_base, u32 counter, u32 sends,
+                           u32 E) {
   const u32 first = tl / a.xgroup * a.xgroup, count = min(a.xgroup, tp_tiles_blk(a) - first);
   const u32 k = (kind * (u32)a.nodes + j) * a.xgroups + tl / a.xgroup;
   if (atomicAdd(&a.xstaged[k], 1u) + 1 != tp_launch_count(a) * count) return;  // counts over the plan's launches
