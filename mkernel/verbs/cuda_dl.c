@@ -29,7 +29,6 @@ static struct {
   CUresult (*ctx_pop_current)(CUcontext*);
   CUresult (*stream_create)(CUstream*, unsigned);
   CUresult (*memcpy_async)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
-  CUresult (*memset_d32_async)(CUdeviceptr, unsigned, size_t, CUstream);
   CUresult (*stream_synchronize)(CUstream);
   CUresult (*stream_destroy)(CUstream);
   CUresult (*host_register)(void*, size_t, unsigned);
@@ -92,7 +91,6 @@ static void cu_load(void) {
       {(void**)&cu.ctx_pop_current, "cuCtxPopCurrent_v2", 0},
       {(void**)&cu.stream_create, "cuStreamCreate", 0},
       {(void**)&cu.memcpy_async, "cuMemcpyAsync", 0},
-      {(void**)&cu.memset_d32_async, "cuMemsetD32Async", 0},
       {(void**)&cu.stream_synchronize, "cuStreamSynchronize", 0},
       {(void**)&cu.stream_destroy, "cuStreamDestroy_v2", 0},
       {(void**)&cu.host_register, "cuMemHostRegister_v2", 0},
@@ -181,10 +179,11 @@ int mk_cuda_copy(mk_proxy* p, void* dst, const void* src, size_t bytes, char* wh
   return r ? -1 : 0;
 }
 
-/* A memset of one word: ordered after the copies into GPU memory already issued, no source to keep alive. */
-int mk_cuda_write32(mk_proxy* p, uint64_t address, uint32_t value, char* why, int cap) {
-  CUresult r = cu.memset_d32_async((CUdeviceptr)address, value, 1, p->cuda_streams[1]);
-  if (r) describe(r, "cuMemsetD32Async", why, cap);
+/* A copy engine's copy, not a memset: a memset is a kernel, and the persistent kernels waiting for
+ * this word may hold every SM. The word may change again before the copy runs: it then carries the newer value. */
+int mk_cuda_mirror_word(mk_proxy* p, uint64_t address, const uint32_t* word, char* why, int cap) {
+  CUresult r = cu.memcpy_async((CUdeviceptr)address, (CUdeviceptr)(uintptr_t)word, 4, p->cuda_streams[1]);
+  if (r) describe(r, "cuMemcpyAsync", why, cap);
   return r ? -1 : 0;
 }
 

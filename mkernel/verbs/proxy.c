@@ -253,13 +253,12 @@ int mk_apply_flag(mk_proxy* p, int flag_op, uint32_t flag_id, uint32_t value, in
             "flag %u (op %d) from rank %d is outside this rank's flag array; rejected", flag_id, flag_op, peer);
     return -1;
   }
-  uint32_t now = value;
   if (flag_op == MK_FLAG_SET)
     __atomic_store_n(flag, value, __ATOMIC_RELEASE);
   else
-    now = __atomic_add_fetch(flag, value, __ATOMIC_RELEASE);
+    __atomic_fetch_add(flag, value, __ATOMIC_RELEASE);
   char why[MKP_MESSAGE_BYTES];
-  if (p->flag_mirror && mk_cuda_write32(p, p->flag_mirror + (uint64_t)flag_id * 4, now, why, sizeof why)) {
+  if (p->flag_mirror && mk_cuda_mirror_word(p, p->flag_mirror + (uint64_t)flag_id * 4, flag, why, sizeof why)) {
     mk_fail(p, MKP_ERR_LOCAL, peer, MK_CMD_SIGNAL, "flag %u could not be mirrored to the GPU: %s", flag_id, why);
     return -1;
   }

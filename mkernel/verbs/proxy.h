@@ -100,8 +100,8 @@ int mk_cuda_load(char* why, int cap);
 int mk_cuda_thread_init(mk_proxy* p);
 void mk_cuda_thread_fini(mk_proxy* p);
 int mk_cuda_copy(mk_proxy* p, void* dst, const void* src, size_t bytes, char* why, int cap);
-/* Stores value into the 32-bit word at a device address, on the stream of copies into GPU memory. */
-int mk_cuda_write32(mk_proxy* p, uint64_t address, uint32_t value, char* why, int cap);
+/* Copies a (pinned host) flag word to a device address, on the stream of copies into GPU memory. */
+int mk_cuda_mirror_word(mk_proxy* p, uint64_t address, const uint32_t* word, char* why, int cap);
 int mk_cuda_copy_start(mk_proxy* p, int lane, void* dst, const void* src, size_t bytes, void** event, char* why,
                        int cap);
 int mk_cuda_event_poll(mk_proxy* p, void* event, char* why,
