@@ -83,6 +83,7 @@ def bench_shape(op, comm, M, N, K, dt, barrier=None):
     from mpi4py import MPI
 
     from mkernel.ops import tp
+    from mkernel.runtime import launch
     from mkernel.split import policy as split
     from mkernel.split import search as autosplit
 
@@ -100,7 +101,7 @@ def bench_shape(op, comm, M, N, K, dt, barrier=None):
     harness.wait(f"{op} search")
     key = comm.plans.state["autosplit.keys"][(op, M, N, K)].key
     search = autosplit.memory(comm).search(key)
-    sms = tp.sm_count()
+    sms = launch.sm_count()
     statics = [n for n in (GRID_MPS if barrier else GRID) if n < sms]
     variants = statics + ["auto"]
     times = {v: [] for v in variants}

@@ -4,7 +4,7 @@
 #   source .whl/prepare.sh || exit 1; bash tools/device_session.sh [steps...]
 # Steps (default: info suite main sanitizer gemm transport); finer ones: decode tpdecode arphases ringmps nodesdiag runtime
 # faultsd (tools/faults.py scenario d for every op with a path between nodes, time-sliced)
-# runtime2 queue queue2 nodesrate (tools/nodes_rate.py: small WRITEs and the TP ops between 2 emulated nodes)
+# runtime2 queue queue2 tpnodes4 nodestest nodesrate (tools/nodes_rate.py: small WRITEs and the TP ops between 2 emulated nodes)
 # mpi2 gemmtest tp attention ring ringbench tpbench tpnodes moebench controller controllernodes (the last six want 2 GPUs)
 # controller1: bench/controller.py at world 1 (the comm is a local tile copy; the mechanism, not the issue's rows).
 # branchsuite / branchtpbench: the GPU suite / bench/tp.py of a branch checked out at scratch/branch
@@ -42,8 +42,10 @@ step() {  # step NAME TIMEOUT CMD...; LIMIT_<NAME>=seconds overrides TIMEOUT
 # MKERNEL_SESSION_MPS=0; tests/run_gpu.sh manages MPS for the suite itself.
 source tools/mps.sh
 MPI2="mpirun -n 2 --oversubscribe --bind-to none -x MKERNEL_CACHE_DIR -x NCCL_NVLS_ENABLE -x PYTHONPATH"
+MPI4=${MPI2/-n 2/-n 4}
 if [ "${MKERNEL_SESSION_MPS:-1}" = 1 ] && mps_start; then
   MPI2="env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 $MPI2 -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+  MPI4="env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 $MPI4 -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 fi
 PYT="python3 -m pytest -q -p no:cacheprovider"
 for s in $steps; do
@@ -81,6 +83,8 @@ for s in $steps; do
     transport) step transport 90 $MPI2 python3 bench/transport.py ;;
     tpbench) step tpbench 400 $MPI2 python3 bench/tp.py ;;
     tpnodes) step tpnodes 300 $MPI2 python3 bench/tp.py --nodes 2 ;;
+    tpnodes4) step tpnodes4 300 $MPI4 python3 bench/tp.py --nodes 2 ;;  # 2 nodes x 2 ranks, 33 SMs each
+    nodestest) step nodestest 150 $PYT -rfE tests/gpu/test_tp_nodes_gpu.py ;;
     moebench) step moebench 300 $MPI2 python3 bench/moe.py ;;
     moebench1) step moebench1 200 python3 bench/moe.py ;;
     moe) step moe 200 bash -c "$PYT -m gpu tests/gpu/test_moe_gpu.py tests/gpu/test_moe_errors_gpu.py tests/gpu/test_moe_gemm_gpu.py && \

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 from mkernel.comm import collectives, topology
 from mkernel.comm.plans import PlanRegistry
-from mkernel.comm.proxy import CommandQueue, Proxy
+from mkernel.comm.proxy import USER_TRANSPORTS, CommandQueue, Proxy
 from mkernel.comm.scratch import Scratch
 from mkernel.comm.symmetric import (
     FreeList,
@@ -46,7 +46,6 @@ from mkernel.runtime.trace import Trace
 
 log = get_logger("comm")
 
-TRANSPORTS = ("auto", "verbs", "host", "tcp")
 _roots = []  # weak references to the communicators init() made, in creation order
 _atexit_registered = False
 _finalize_unsafe = False  # a peer did not answer after a failure: MPI_Finalize would wait for it
@@ -66,8 +65,8 @@ def init(mpi_comm=None, gpus_per_node=None, transport="auto", workspace_bytes=No
 
 def _check_transport(transport):
     transport = env.get("MKERNEL_TRANSPORT") if transport is None else transport
-    if transport not in TRANSPORTS:
-        raise ArgumentError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if transport not in USER_TRANSPORTS:
+        raise ArgumentError(f"transport must be one of {USER_TRANSPORTS}, got {transport!r}")
     return transport
 
 

@@ -38,7 +38,8 @@ log = get_logger("proxy")
 SPIN_S = 0.02  # host waits (wait_flag) poll without sleeping this long, then back off to 1 ms
 CHECK_S = 0.001  # and look at the proxy's error state this often
 
-TRANSPORTS = ("null", "tcp", "host", "verbs")
+TRANSPORTS = ("null", "tcp", "host", "verbs")  # the C ids' order (mk_proxy_create); null: the proxy's tests only
+USER_TRANSPORTS = ("auto", "verbs", "host", "tcp")  # what a communicator accepts ("auto": select_transport)
 _KIND = {"host": 0, "cuda": 1}
 _CMD_NAMES = {0: "none", 1: "WRITE", 2: "SIGNAL", 3: "FLUSH", 4: "NOP"}
 _HELLO = struct.Struct("<8s32s16sii")  # magic, secret, nonce, rank, connection index
@@ -153,8 +154,8 @@ def describe_transports() -> list:
 def select_transport(requested: str, comm, node_ids) -> str:
     """Resolves "auto": verbs when an active RDMA port exists, else host memory when every rank of
     another node is on this very host, else TCP. The same answer on every rank (agreed over MPI)."""
-    if requested not in TRANSPORTS + ("auto",):
-        raise ArgumentError(f"transport {requested!r} is not one of auto, {', '.join(TRANSPORTS)}")
+    if requested not in TRANSPORTS + USER_TRANSPORTS:
+        raise ArgumentError(f"transport {requested!r} is not one of {', '.join(USER_TRANSPORTS)} (or null)")
     if requested != "auto":
         return requested
     ports, report = probe_rdma()

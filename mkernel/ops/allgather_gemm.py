@@ -7,6 +7,7 @@ without CuPy; the kernels are registered at import.
 from mkernel.core.errors import ArgumentError
 from mkernel.engines import gemm as _gemm
 from mkernel.ops import tp
+from mkernel.runtime import launch
 from mkernel.split import search as autosplit
 
 OP = "allgather_gemm"
@@ -117,7 +118,7 @@ def _launch(comm, plan, template, c, stream):
     comm_items = (L + nodes - 1) * tiles_mb
     n, token = tp.resolve_comm_sms(OP, comm, c.comm_sms, c.path, M=c.M, N=c.N, K=c.K, esize=esize,
                                    comm_items=comm_items)
-    gemm_ctas, comm_ctas = tp.grid_split(OP, n, W * tiles_mb * args.tiles_n, comm_items, tp.sm_count())
+    gemm_ctas, comm_ctas = tp.grid_split(OP, n, W * tiles_mb * args.tiles_n, comm_items, launch.sm_count())
     if c.path == "unfused":  # the kernel only gathers; the GEMM follows it
         gemm_ctas = 0
     tp.set_split(args, plan, gemm_ctas, tp.controller_mode(OP, c.comm_sms, c.path), comm)

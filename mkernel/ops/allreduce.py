@@ -11,6 +11,7 @@ import ctypes
 from mkernel.core.errors import ArgumentError
 from mkernel.ops import tp
 from mkernel.runtime import compile as _compile
+from mkernel.runtime import launch
 from mkernel.runtime.arrays import as_cupy
 from mkernel.runtime.launch import launch_persistent, persistent_grid
 from mkernel.runtime.sync import MkSync
@@ -153,6 +154,6 @@ def _launch(comm, template, src, out, stream, src_is_slot=False):
     args.in_place = int(src.data.ptr == out.data.ptr)
     args.src_is_slot = int(src_is_slot)
     fn = _compile.module(SPEC).function(f"{KERNEL}<{ELEMENT[src.dtype.name]}>")
-    grid = persistent_grid(fn, THREADS, 0, blocks=min(args.chunks * args.world, MAX_CTAS, tp.sm_count()), what=OP)
+    grid = persistent_grid(fn, THREADS, 0, blocks=min(args.chunks * args.world, MAX_CTAS, launch.sm_count()), what=OP)
     launch_persistent(fn, (grid,), (THREADS,), args, smem=0, stream=stream)
     return fn, (grid,), (THREADS,), args, 0

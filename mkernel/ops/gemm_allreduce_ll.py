@@ -18,6 +18,7 @@ from mkernel.engines import gemm as _gemm
 from mkernel.engines import gemm_decode as _decode
 from mkernel.ops import tp
 from mkernel.runtime import compile as _compile
+from mkernel.runtime import launch
 from mkernel.runtime.launch import launch_all
 from mkernel.runtime.sync import MkSync
 
@@ -69,7 +70,7 @@ def run(comm, c, stream):
     red = MkAllreduceLLArgs(sync=sync, peer_base=push.peer_base, ll_off=push.ll_off, out=c.out.data.ptr,
                             counters=push.counters, ldo=tp._row_stride(c.out) // dt.itemsize, m=c.M, n=c.N,
                             pairs=pairs, world=W, me=comm.local_rank)
-    blocks = max(1, min(-(-c.N * pairs // REDUCE_THREADS), tp.sm_count()))
+    blocks = max(1, min(-(-c.N * pairs // REDUCE_THREADS), launch.sm_count()))
     launches = ((module.function(f"{PUSH}<{tp.DT[dt.name]},{mt},{_decode.unroll(mt)}>"), grid, (_decode.THREADS,),
                  push, 0),
                 (module.function(f"{REDUCE}<{tp.DT[dt.name]}>"), (blocks,), (REDUCE_THREADS,), red, 0,

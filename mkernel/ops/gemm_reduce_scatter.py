@@ -11,6 +11,7 @@ from mkernel.engines import gemm as _gemm
 from mkernel.ops import allreduce as _ar
 from mkernel.ops import gemm_allreduce_ll as _ll
 from mkernel.ops import tp
+from mkernel.runtime import launch
 from mkernel.split import search as autosplit
 
 OP = "gemm_reduce_scatter"
@@ -205,7 +206,7 @@ def _launch(op, spec, kernel, allreduce, comm, planned, c, stream):
     comm_items = (W + nodes - 1 if allreduce else nodes) * tiles_blk
     n, token = tp.resolve_comm_sms(op, comm, c.comm_sms, c.path, M=c.M, N=c.N, K=c.K, esize=esize,
                                    comm_items=comm_items)
-    gemm_ctas, comm_ctas = tp.grid_split(op, n, W * tiles_blk, comm_items, tp.sm_count())
+    gemm_ctas, comm_ctas = tp.grid_split(op, n, W * tiles_blk, comm_items, launch.sm_count())
     tp.set_split(args, plan, gemm_ctas, tp.controller_mode(op, c.comm_sms, c.path), comm)
     with autosplit.timed(token, stream):
         tp.launch_fused(comm, op, spec, kernel, args, c.a.dtype, c.layout, gemm_ctas + comm_ctas, stream)

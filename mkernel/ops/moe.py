@@ -25,6 +25,7 @@ from mkernel.core.errors import ArgumentError
 from mkernel.ops import moe_nodes as _nodes
 from mkernel.ops import tp as _tp
 from mkernel.runtime import compile as _compile
+from mkernel.runtime import launch
 from mkernel.runtime.arrays import DT, as_cupy, check_matrix
 from mkernel.runtime.launch import launch_persistent, persistent_grid
 from mkernel.runtime.sync import MkSync
@@ -151,7 +152,7 @@ def _plan(op, comm, H, dtype, k, E, capacity, stream):
              ("recv", (capacity, H), dtype), ("ret", (capacity, H), dtype)]
     plan = _tp.plan_buffers(op, comm, key, sizes, counter_words=CNT_WORDS)
     if "generation" not in plan:
-        sms = _tp.sm_count()
+        sms = launch.sm_count()
         with _tp.on_stream(stream):  # zeroed on the stream the kernels run on, before them
             plan.update(generation=0, capacity=capacity, E=E, k=k, H=H, sms=sms,
                         send_order=cupy.empty(capacity, dtype=cupy.int32), esent=cupy.zeros(E, dtype=cupy.uint32),

@@ -22,6 +22,7 @@ from mkernel.engines import gemm as _gemm
 from mkernel.ops import moe as _moe
 from mkernel.ops import tp as _tp
 from mkernel.runtime import compile as _compile
+from mkernel.runtime import launch
 from mkernel.runtime.arrays import as_cupy, check_matrix
 from mkernel.runtime.launch import launch_persistent, persistent_grid
 
@@ -109,7 +110,7 @@ def moe_dispatch_gemm(x, topk_ids, topk_weights, w, *, comm, num_experts, capaci
     args.m = d.plan_args()
     _gemm_args(args.g, d.plan["recv"], wb, layout, out, d.plan["group_rows"], d.capacity, d.H, F, El, args.m.sync,
                d.plan, op)
-    sms = _tp.sm_count()
+    sms = launch.sm_count()
     args.gemm_ctas = sms - comm_sms
     args.join = 1 if config.get().moe_join_gemm else 0
     d.exchange()
@@ -122,8 +123,8 @@ def _check_path(op, path, comm_sms, default):
     if path not in PATHS:
         raise ArgumentError(f"{op}: path must be one of {PATHS}; got {path!r}")
     comm_sms = config.get().moe_comm_sms if comm_sms is None else comm_sms
-    if not isinstance(comm_sms, int) or isinstance(comm_sms, bool) or not 1 <= comm_sms < _tp.sm_count():
-        raise ArgumentError(f"{op}: comm_sms must be an integer in 1..{_tp.sm_count() - 1}; got {comm_sms!r}")
+    if not isinstance(comm_sms, int) or isinstance(comm_sms, bool) or not 1 <= comm_sms < launch.sm_count():
+        raise ArgumentError(f"{op}: comm_sms must be an integer in 1..{launch.sm_count() - 1}; got {comm_sms!r}")
     return path, comm_sms
 
 
@@ -220,7 +221,7 @@ def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=No
     args.g.tile_flags = tile_flags.data.ptr
     counters = plan["counters"].data.ptr
     args.g.sched.tile_counter, args.g.sched.done_count = counters + 4 * CNT_TILE, counters + 4 * CNT_GEMM_DONE
-    sms = _tp.sm_count()
+    sms = launch.sm_count()
     args.gemm_ctas = sms - comm_sms
     _launch(op, COMBINE_SPEC, COMBINE_KERNEL, layout, handle.dtype, args, sms, stream)
     return out

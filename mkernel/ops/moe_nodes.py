@@ -19,6 +19,7 @@ from mkernel.comm import proxy as _proxy
 from mkernel.core.errors import ArgumentError
 from mkernel.ops import tp as _tp
 from mkernel.runtime import compile as _compile
+from mkernel.runtime import launch
 from mkernel.runtime.launch import launch_persistent
 from mkernel.runtime.sync import MkSync
 
@@ -139,7 +140,7 @@ def exchange(d, p, stream):
     a = args(d.comm, p, d.op, d.T, d.k, d.E, d.H, d.capacity)
     a.x, a.ldx = d.x.data.ptr, (d.x.strides[0] if d.T > 1 else d.H * d.x.itemsize) // d.x.itemsize
     a.topk_ids, a.topk_w = d.ids.data.ptr, d.w.data.ptr
-    ctas = max(1, min(_tp.sm_count(), EXCHANGE_MAX_CTAS, -(-d.T // TOKENS_PER_CTA)))
+    ctas = max(1, min(launch.sm_count(), EXCHANGE_MAX_CTAS, -(-d.T // TOKENS_PER_CTA)))
     _launch(d.op, "mk_moe_exchange_kernel", a, ctas, stream)
 
 
@@ -149,5 +150,5 @@ def partials(op, comm, handle, out, stream):
     p = handle._nodes
     a = args(comm, p, op, handle.T, handle.k, handle.E, handle.H, handle.capacity)
     a.out, a.ldo = out.data.ptr, (out.strides[0] if handle.T > 1 else handle.H * out.itemsize) // out.itemsize
-    ctas = max(1, min(_tp.sm_count(), -(-handle.T // PARTIAL_TOKENS_PER_CTA)))
+    ctas = max(1, min(launch.sm_count(), -(-handle.T // PARTIAL_TOKENS_PER_CTA)))
     _launch(op, f"mk_moe_partials_kernel<{_tp.DT[handle.dtype.name]}>", a, ctas, stream)

@@ -366,7 +366,7 @@ def resolve_comm_sms(op, comm, comm_sms, chosen, *, M, N, K, esize, comm_items):
         return comm_sms, None
     if chosen != "fused":
         return config.get().tp_comm_sms[op], None
-    return autosplit.choose(comm, op, M=M, N=N, K=K, esize=esize, comm_items=comm_items, sms=sm_count())
+    return autosplit.choose(comm, op, M=M, N=N, K=K, esize=esize, comm_items=comm_items, sms=_launch.sm_count())
 
 
 def controller_mode(op, comm_sms, chosen):
@@ -472,10 +472,6 @@ def launch_fused(comm, op, spec, kernel, args, dtype, layout, grid, stream):
     args.g.sync = comm.sync_args(op)
     args.g.c = args.dst[0]
     launch_persistent(fn, (grid,), (THREADS,), args, smem=SMEM_BYTES, stream=stream)
-
-
-def sm_count():
-    return _launch.sm_count()
 
 
 def quiesced_first_use(comm, plan, key):

@@ -10,6 +10,7 @@ import pytest
 
 from mkernel import config
 from mkernel.ops import tp
+from mkernel.runtime import launch
 from mkernel.split import policy as split
 from mkernel.split import search as autosplit
 
@@ -208,7 +209,7 @@ def test_the_bound_is_this_ranks_own(fake_launch, auto):
                                comm=comm, out=_Arr((4096, 4096), "float16", 0x300000), comm_sms="auto", path="fused")
         counts.append(_launched_comm_ctas(fake_launch))
     st = next(iter(comm.plans.state['autosplit.keys'].values()))
-    assert st.hi == min(autosplit.MAX_COMM_CTAS, tp.sm_count() - 1) and max(counts) <= st.hi
+    assert st.hi == min(autosplit.MAX_COMM_CTAS, launch.sm_count() - 1) and max(counts) <= st.hi
 
 
 def _converged_with_persistence(fake_launch, monkeypatch, cache_dir, rank):

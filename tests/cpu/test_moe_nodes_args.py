@@ -12,6 +12,7 @@ import pytest
 from mkernel.comm.communicator import Communicator
 from mkernel.comm.plans import PlanRegistry
 from mkernel.comm.scratch import layout as scratch_layout
+from mkernel.runtime import launch
 
 from tests.helpers.tp_fakes import pass_arrays_through
 
@@ -104,7 +105,7 @@ def fake(monkeypatch):
     pass_arrays_through(monkeypatch)
     monkeypatch.setattr(tp, "prepare_out", lambda op, out, shape, dtype, comm: out or alloc(shape, dtype))
     monkeypatch.setattr(tp, "plan_buffers", plan_buffers)
-    monkeypatch.setattr(tp, "sm_count", lambda: 132)
+    monkeypatch.setattr(launch, "sm_count", lambda: 132)
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype=np.float32: alloc(shape, dtype))
     monkeypatch.setattr(cupy, "zeros", lambda shape, dtype=np.float32: alloc(shape, dtype))
     monkeypatch.setattr(cupy.cuda.runtime, "deviceSynchronize", lambda: None)

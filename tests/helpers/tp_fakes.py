@@ -6,6 +6,7 @@ import ctypes
 
 from mkernel.comm.plans import PlanRegistry
 from mkernel.ops import tp
+from mkernel.runtime import launch
 
 
 class _Ptr:
@@ -121,7 +122,7 @@ def fake_launch(monkeypatch):
         return plan
 
     monkeypatch.setattr(tp, "plan_buffers", plan_buffers)
-    monkeypatch.setattr(tp, "sm_count", lambda: 132)
+    monkeypatch.setattr(launch, "sm_count", lambda: 132)
 
     def launch_fused(comm, op, spec, kernel, args, dtype, layout, grid, stream):
         calls["launch"] = dict(op=op, kernel=kernel, args=args, layout=layout, grid=grid)
