@@ -37,13 +37,9 @@ B_NK, B_KN = 0, 1
 OUT_BF16, OUT_F16, OUT_F32 = 0, 1, 2
 EPI_STORE, EPI_ADD = 0, 1
 SCHED_LEAVE, SCHED_GEMM = 0, 1  # role words (MK_SCHED_*)
-# Built-in tile order: M-tiles per group. 8 beat 16 by 7% at 8192 x 14336 x 8192 ([K, N]) and by 2%
-# at 8192^2 x 4096, and lost 1% at 16384 x 8192 x 14336, in one run (bench/NOTES.md, 2026-12-01).
-DEFAULT_GROUP_M = 8
+DEFAULT_GROUP_M = 8  # built-in tile order: M-tiles per group (8 beat 16 on the rows: bench/NOTES.md)
 # Where use_cluster() picks the clustered kernel: at least 2 M-tiles (a unit's second tile is not all
-# padding) and K of at least CLUSTER_MIN_K. Measured in one interleaved run (bench/NOTES.md): clustered
-# 1-7% faster at K 8192 and 14336, equal at 4096, 38% faster at 4000 x 7000 x 3000; 1-4% slower at
-# K 1024 and 2048 (likely: a tile is only 16-32 k-blocks, and a pair's CTAs wait for each other's epilogue).
+# padding) and K of at least CLUSTER_MIN_K (below it a pair's CTAs wait on each other's epilogue; bench/NOTES.md).
 CLUSTER_MIN_TILES_M = 2
 CLUSTER_MIN_K = 2560
 
