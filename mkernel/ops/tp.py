@@ -33,7 +33,7 @@ from mkernel.engines import gemm as _gemm
 from mkernel.runtime import compile as _compile
 from mkernel.runtime import launch as _launch
 from mkernel.runtime import tma as _tma
-from mkernel.runtime.arrays import DT, HALF_TYPES, as_cupy, check_matrix, cupy_mod  # noqa: F401  (tp.DT, tp.cupy_mod: the ops below use them through tp)
+from mkernel.runtime.arrays import DT, HALF_TYPES, as_cupy, check_matrix, cupy_mod
 from mkernel.runtime.launch import launch_all, launch_persistent, persistent_grid
 from mkernel.split import search as autosplit
 from mkernel.split.policy import MkSplitCtl
