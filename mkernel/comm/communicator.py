@@ -145,7 +145,6 @@ class Communicator:
         devices = collectives.allgather_object(self.mpi, (self.topology.host, self.device_id), "comparing GPUs")
         self.gpus_shared = len(set(devices)) != len(devices)  # some ranks share a GPU (NCCL cannot run)
         if self._workspace_bytes is None:  # auto: the smallest rank's share of its GPU
-
             mine = default_workspace_bytes(self.device.mem_info[1], devices.count(devices[self.mpi.rank]))
             self._workspace_bytes = min(collectives.allgather_object(self.mpi, mine, "sizing the workspace"))
         # Agree on the size first: a workspace of different sizes would break symmetric offsets.
@@ -229,7 +228,6 @@ class Communicator:
         """Grows the workspace in place so that ``nbytes`` fit, or raises WorkspaceError saying why it
         cannot. Collective: every rank of the communicator grows to the same size."""
         import uuid
-
 
         blockers, want = [], None
         if self._root is not self:
@@ -357,7 +355,6 @@ class Communicator:
 
             import cupy
             import numpy as np
-
 
             node_ids = self.mpi.allgather(self.node)
             nbytes = 4 * self.PROXY_FLAGS * self.PROXY_FLAG_RANGES

@@ -132,7 +132,6 @@ class SymmetricHeap:
         of the communicator grow to the same size); ``token`` names the node's sockets."""
         import cupy
 
-
         old = self.nbytes
         vmm.add_node_chunk(node_mpi, self._regions, nbytes - old, self.device_id, token)
         cupy.cuda.runtime.memset(self.base + old, 0, nbytes - old)

@@ -37,7 +37,6 @@ def check_runtime(comm, quick):
     """The protocol every fused op relies on: peers' slots written through the pointer table."""
     import cupy
 
-
     words = 1 << 16
     proto = Protocol(comm, words)
     launches = 100 if quick else 1000

@@ -60,7 +60,6 @@ def target_allreduce(world=None):
     import numpy as np
     from mpi4py import MPI
 
-
     cupy = cupy_mod()
     comm = init(world or MPI.COMM_WORLD, workspace_bytes=16 << 20)
     try:
@@ -197,7 +196,6 @@ def target_moe():
     import numpy as np
     from mpi4py import MPI
 
-
     comm = init(MPI.COMM_SELF, workspace_bytes=16 << 20)
     try:
         # Rows of 4112 bytes: two copier pieces each; 600 pairs: 3 CTAs (their barriers), 2 runs per warp.
@@ -222,7 +220,6 @@ def target_moe_gemm():
     import cupy
     import numpy as np
     from mpi4py import MPI
-
 
     comm = init(MPI.COMM_SELF, workspace_bytes=32 << 20)
     try:
@@ -257,7 +254,6 @@ def target_moe_nodes():
     import cupy
     import numpy as np
     from mpi4py import MPI
-
 
     world = MPI.COMM_WORLD
     comm = init(world, gpus_per_node=1, transport="host", workspace_bytes=32 << 20)
@@ -295,7 +291,6 @@ def _tp_world(world):
     in fp16 at any world size up to 4 (|a| <= 3, |b| <= 1, K = 136)."""
     import numpy as np
     from mpi4py import MPI
-
 
     comm = init(world or MPI.COMM_SELF, workspace_bytes=16 << 20)
     M, K, N = 200, 136, 264

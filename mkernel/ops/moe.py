@@ -119,7 +119,6 @@ def _check_comm(op, comm):
 def _check_routing(op, x, topk_ids, topk_weights, num_experts, world, stream):
     import cupy
 
-
     x = check_matrix(as_cupy(x, "x", stream=stream), "x")
     T, H = x.shape
     ids = as_cupy(topk_ids, "topk_ids", stream=stream)

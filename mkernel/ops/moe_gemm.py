@@ -92,7 +92,6 @@ def moe_dispatch_gemm(x, topk_ids, topk_weights, w, *, comm, num_experts, capaci
     """
     import cupy
 
-
     op = "moe_dispatch_gemm"
     path, comm_sms = _check_path(op, path, comm_sms, "fused")
     d = _moe.check_dispatch(op, x, topk_ids, topk_weights, comm, num_experts, capacity, stream)
@@ -181,7 +180,6 @@ def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=No
     unfused path serves).
     """
     import cupy
-
 
     op = "moe_gemm_combine"
     path, comm_sms = _check_path(op, path, comm_sms, "unfused")

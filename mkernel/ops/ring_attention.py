@@ -226,7 +226,6 @@ def _launch(comm, planned, c, return_lse, stream):
     of the own block; the launch. Returns (out, lse or None)."""
     import cupy
 
-
     q4, k4, v4 = c.q4, c.k4, c.v4
     B, S, Hq, D = q4.shape
     out = c.out if c.out is not None else cupy.empty(c.q.shape, dtype=c.q.dtype)
