@@ -198,6 +198,25 @@ def test_reduce_scatter_and_allreduce_launch_arguments(fake_launch, world, rank)
         assert fake_launch["launch"]["args"].ctl_mode == tp.CTL_OFF and fake_launch["launch"]["grid"] == tiles + 3
 
 
+@pytest.mark.parametrize("tiles_blk", [1, 4, 15, 16, 17, 255, 1024, 4096, 16384])
+@pytest.mark.parametrize("nodes", [2, 3, 8])
+def test_send_groups_cover_every_tile_once(tiles_blk, nodes):
+    """RS / AR between nodes (tp_send_staged): groups of consecutive tiles, at least SEND_TILES each
+    (ARRIVAL_FLAGS permitting), partition the block; the staged-tile word of every (kind, node,
+    group) lies inside xstaged, and the arrival counters fit their flag block."""
+    comm = _Comm(nodes, 0, nodes)
+    plan, args = {}, tp.TpArgs()
+    tp.plan_between_nodes(comm, plan, args, tiles_blk, kinds=2, min_group=tp.SEND_TILES)
+    xgroup, xgroups = args.xgroup, args.xgroups
+    assert xgroup >= tp.SEND_TILES
+    groups = [(g * xgroup, min(xgroup, tiles_blk - g * xgroup)) for g in range(xgroups)]
+    assert sum(n for _, n in groups) == tiles_blk and all(n > 0 for _, n in groups)
+    assert max((kind * nodes + j) * xgroups + g for kind in (0, 1) for j in range(nodes)
+               for g in range(xgroups)) < tp.send_groups(tiles_blk)
+    assert comm.flag_blocks == [tp.PF_ARRIVED + 2 * nodes * xgroups]
+    assert 2 * nodes * xgroups <= tp.ARRIVAL_FLAGS + 2 * nodes  # the flag block stays bounded
+
+
 @pytest.mark.parametrize("allreduce", [False, True], ids=["rs", "ar"])
 @pytest.mark.parametrize("world,nodes,rank", [(2, 2, 1), (4, 2, 1), (4, 2, 2), (8, 4, 5)])
 def test_reduce_ops_between_nodes_launch_arguments(fake_launch, world, nodes, rank, allreduce):
