@@ -4,7 +4,7 @@
 #   source .whl/prepare.sh || exit 1; bash tools/device_session.sh [steps...]
 # Steps (default: info suite main sanitizer gemm transport); finer ones: decode tpdecode arphases ringmps nodesdiag runtime
 # faultsd (tools/faults.py scenario d for every op with a path between nodes, time-sliced)
-# runtime2 queue queue2 tpnodes4 nodestest nodesrate (tools/nodes_rate.py: small WRITEs and the TP ops between 2 emulated nodes)
+# runtime2 queue queue2 tpnodes4 nodestest nodesrate suitets maints (tools/nodes_rate.py: small WRITEs and the TP ops between 2 emulated nodes)
 # mpi2 gemmtest tp attention ring ringbench tpbench tpnodes moebench controller controllernodes (the last six want 2 GPUs)
 # controller1: bench/controller.py at world 1 (the comm is a local tile copy; the mechanism, not the issue's rows).
 # branchsuite / branchtpbench: the GPU suite / bench/tp.py of a branch checked out at scratch/branch
@@ -62,6 +62,11 @@ for s in $steps; do
       $MPI2 $PYT -m 'gpu and mpi' tests/gpu/test_tp_gpu.py tests/gpu/test_tp_controller_gpu.py && exit \$r" ;;
     tpdiag) step tpdiag 60 python3 tools/tp_diag.py ;;
     main) step main 60 $MPI2 python3 -m mkernel --quick ;;
+    suitets|maints)  # issue 24: the 2-rank suite pass and the main job time-sliced (no MPS daemon)
+      [ "${MKERNEL_MPS_STARTED:-0}" = 1 ] && mps_quit
+      if [ $s = suitets ]; then step suitets 300 env MKERNEL_SUITE_PASSES=" " MKERNEL_SUITE_TIMESLICED=1 bash tests/run_gpu.sh
+      else step maints 120 mpirun -n 2 --oversubscribe --bind-to none -x MKERNEL_CACHE_DIR python3 -m mkernel; fi
+      [ "${MKERNEL_MPS_STARTED:-0}" = 1 ] && mps_start ;;
     sanitizer) step sanitizer 180 bash tools/sanitize.sh ;;
     faultsd)  # scenario d time-sliced (under MPS a client that dies with a kernel in flight faults every client)
       [ "${MKERNEL_MPS_STARTED:-0}" = 1 ] && mps_quit
