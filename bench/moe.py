@@ -542,7 +542,7 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
             if mps is not None:  # per variant: batches of back-to-back calls behind a device barrier
                 import mps_timing as cc
 
-                t = {n: [cc.batch_ms(comm, mps, f, n=10, batches=1) for _ in range(5)] for n, f in fns.items()}
+                t = {n: [cc.batch_ms(comm, mps, f, batches=1) for _ in range(5)] for n, f in fns.items()}
             else:
                 t = timed_interleaved(comm, fns, reps)
             comm.check()

@@ -375,8 +375,6 @@ class SharedMode:
     block with every rank computing at once; link_ms the K and V blocks each rank forwards
     ((world - 1) x 2 blocks) over the device copy rate measured in this run with every rank copying."""
 
-    BATCH = 10  # calls of a few ms each
-
     def __init__(self, comm):
         import mps_timing as cc
 
@@ -386,13 +384,13 @@ class SharedMode:
 
     def row(self, comm, shape, dt, mk, base, block, block_bytes, err_mk, err_base, err_vs, correct, comm_sms):
         W, cc = comm.size, self.cc
-        t_mk = cc.batch_ms(comm, self.barrier, mk, n=self.BATCH)
-        t_base = cc.batch_ms(comm, self.barrier, base, n=self.BATCH) if base is not None else None
+        t_mk = cc.batch_ms(comm, self.barrier, mk)  # issue 25's rule: batches of cc.BATCH (50) calls
+        t_base = cc.batch_ms(comm, self.barrier, base) if base is not None else None
 
         def computing():  # the local queries against every rank's block: W engine calls
             for _ in range(W):
                 block()
-        compute_ms = cc.batch_ms(comm, self.barrier, computing, n=self.BATCH)
+        compute_ms = cc.batch_ms(comm, self.barrier, computing)
         sent = (W - 1) * 2 * block_bytes
         link_ms = sent / (self.link_gbs * 1e9) * 1e3
         S, H, Hkv, D, causal = shape
