@@ -20,6 +20,7 @@ NCCL numbers are the issue's reference measurements (NCCL refuses two ranks on o
 """
 
 import argparse
+import contextlib
 import ctypes
 import socket
 import statistics
@@ -111,54 +112,69 @@ def pcie_rate(nbytes, reps):
     return nbytes / statistics.median(times) / 1e9
 
 
-def exchange_times(proxy, queue, flags, nbytes, reps, src_region=0, dst_region=1):
-    """Per rep: both ranks WRITE nbytes to each other at once; the slower rank's time to see its data."""
-    from mkernel.comm.proxy import FLAG_SET, WRITE
+def exchange_times(proxy, queue, flags, nbytes, reps, writes=1, src_region=0, dst_region=1):
+    """Per rep: both ranks WRITE nbytes to each other at once, as ``writes`` WRITEs that each add 1
+    to flag 0; the slower rank's time until all of its data landed."""
+    from mkernel.comm.proxy import FLAG_ADD, WRITE
 
-    peer = 1 - WORLD.Get_rank()
-    out = []
-    for rep in range(1, reps + 1):
+    peer, size, out = 1 - WORLD.Get_rank(), nbytes // writes, []
+    for _ in range(reps):
+        flags[0] = 0  # the peer writes only after the barrier
         WORLD.Barrier()
         t = time.perf_counter()
-        queue.push(WRITE, peer, nbytes, src=(src_region, 0), dst=(dst_region, 0), flag=(0, rep, FLAG_SET))
-        proxy.wait_flag(flags, 0, rep, timeout_s=120)
+        for i in range(writes):
+            queue.push(WRITE, peer, size, src=(src_region, i * size), dst=(dst_region, i * size), flag=(0, 1, FLAG_ADD))
+        proxy.wait_flag(flags, 0, writes, timeout_s=120)
         out.append(WORLD.allreduce(time.perf_counter() - t, op=MPI.MAX))
     return out
 
 
-def transport_rows(transport, sizes, reps, memory, limit, peer_gbps, goal, ranks_per_gpu=1, **extra):
-    """extra: Proxy options (tcp_connections), also recorded in every row."""
+@contextlib.contextmanager
+def exchange_proxy(transport, nbytes, memory="gpu", **extra):
+    """A started proxy of the 2 ranks as 2 nodes: regions 0 (source) and 1 (destination) of nbytes
+    in GPU or pinned host memory, flags region 2 (pinned); yields (proxy, queue, flags).
+    extra: Proxy options."""
     import cupy
 
     from mkernel.comm.proxy import CommandQueue, Proxy, barrier
 
-    rank = WORLD.Get_rank()
-    big = max(sizes)
     flags_ptr, flags_bytes = host_array(64)
     flags = flags_bytes.view(np.uint32)
+    flags[:] = 0
     if memory == "gpu":
-        src, dst = cupy.ones(big, cupy.uint8), cupy.zeros(big, cupy.uint8)
+        src, dst = cupy.ones(nbytes, cupy.uint8), cupy.zeros(nbytes, cupy.uint8)
         regions, kind, dev = (src.data.ptr, dst.data.ptr), "cuda", cupy.cuda.runtime.getDevice()
     else:
-        (sp, _), (dp, _) = host_array(big), host_array(big)
+        (sp, _), (dp, _) = host_array(nbytes), host_array(nbytes)
         regions, kind, dev = (sp, dp), "host", None
-    queue = CommandQueue(1 << 10)
+    queue = CommandQueue(1 << 14)
+    try:
+        with Proxy(WORLD, node_ids=[0, 1], transport=transport, cuda_device=dev, bind_address="127.0.0.1",
+                   **extra) as proxy:
+            proxy.register(0, regions[0], nbytes, kind)
+            proxy.register(1, regions[1], nbytes, kind)
+            proxy.register_flags(2, flags_ptr, 16)
+            proxy.attach_queue(queue)
+            proxy.connect()
+            proxy.start()
+            yield proxy, queue, flags
+            barrier(WORLD)  # nobody stops its proxy while the other may still send
+    finally:
+        if memory != "gpu":
+            for p in regions:
+                cupy.cuda.runtime.freeHost(p)
+        cupy.cuda.runtime.freeHost(flags_ptr)
+
+
+def transport_rows(transport, sizes, reps, memory, limit, peer_gbps, goal, ranks_per_gpu=1, **extra):
+    """extra: Proxy options (tcp_connections), also recorded in every row."""
+    rank = WORLD.Get_rank()
     rows = []
-    with Proxy(WORLD, node_ids=[0, 1], transport=transport, cuda_device=dev, bind_address="127.0.0.1",
-               **extra) as proxy:
-        proxy.register(0, regions[0], big, kind)
-        proxy.register(1, regions[1], big, kind)
-        proxy.register_flags(2, flags_ptr, 16)
-        proxy.attach_queue(queue)
-        proxy.connect()
-        proxy.start()
+    with exchange_proxy(transport, max(sizes), memory, **extra) as (proxy, queue, flags):
         exchange_times(proxy, queue, flags, 1 << 20, 2)  # warm-up
-        flags[:] = 0
         for nbytes in sizes:
             exchange_times(proxy, queue, flags, nbytes, 2)  # this size's warm-up
-            flags[:] = 0
             t = statistics.median(exchange_times(proxy, queue, flags, nbytes, reps))
-            flags[:] = 0
             gbps = nbytes / t / 1e9
             lim = limit(nbytes)
             rows.append({"transport": transport, "bytes": nbytes, "GBps": gbps, "limit_GBps": lim,
@@ -175,11 +191,6 @@ def transport_rows(transport, sizes, reps, memory, limit, peer_gbps, goal, ranks
                 opts = " ".join(f"{k}={v}" for k, v in extra.items())
                 print(f"{transport:5s} {memory:4s} {nbytes / MiB:7.0f} MiB  {gbps:7.2f} GB/s  limit {lim:7.2f}  "
                       f"NCCL {peer_gbps:5.2f}  {opts}", flush=True)
-        barrier(WORLD)  # nobody stops its proxy while the other may still send
-    if memory != "gpu":
-        for p in regions:
-            cupy.cuda.runtime.freeHost(p)
-    cupy.cuda.runtime.freeHost(flags_ptr)
     return rows
 
 

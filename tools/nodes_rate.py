@@ -13,10 +13,15 @@ path crawled at 0.3 GB/s, the fused one at 3.6 GB/s, against a 25 GB/s host link
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import transport  # noqa: E402  (bench/transport.py: the proxy exchange it measures with)
 
 WORLD = MPI.COMM_WORLD
 MiB = 1 << 20
@@ -40,14 +45,15 @@ extern "C" __global__ void poll(const unsigned* flag, const unsigned* stop, unsi
 
 
 class Pollers:
-    """``ctas`` single-thread CTAs polling a word of mapped host memory every ``pause_ns`` until stop()."""
+    """``ctas`` single-thread CTAs polling a word of mapped host memory every ``pause_ns`` until the
+    block ends (word 8 set)."""
 
     def __init__(self, ctas, pause_ns):
         import cupy
 
         self.ctas, self.pause = ctas, pause_ns
-        self.ptr = cupy.cuda.runtime.hostAlloc(64, 2)
-        self.words = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint32 * 16).from_address(self.ptr))
+        self.ptr, raw = transport.host_array(64)
+        self.words = raw.view(np.uint32)
         self.words[:] = 0
         self.count = cupy.zeros(1, cupy.uint64)
         self.stream = cupy.cuda.Stream(non_blocking=True)
@@ -69,53 +75,16 @@ class Pollers:
         cupy.cuda.runtime.freeHost(self.ptr)
 
 
-def exchange(proxy, queue, flags, peer, n, size):
-    """Both ranks WRITE n x size bytes to each other at once: (the slower rank's s, this rank's push s)."""
-    from mkernel.comm.proxy import FLAG_ADD, WRITE
-
-    flags[0] = 0
-    WORLD.Barrier()
-    t = time.perf_counter()
-    for i in range(n):
-        queue.push(WRITE, peer, size, src=(0, i * size), dst=(1, i * size), flag=(0, 1, FLAG_ADD))
-    pushed = time.perf_counter() - t
-    proxy.wait_flag(flags, 0, n, timeout_s=120)
-    took = WORLD.allreduce(time.perf_counter() - t, op=MPI.MAX)
-    WORLD.Barrier()
-    return took, pushed
-
-
 def small_writes(total, sizes, reps, pollers=((0, 0),)):
-    import cupy
-
-    from mkernel.comm.proxy import CommandQueue, Proxy, barrier
-
-    peer = 1 - WORLD.Get_rank()
-    flags_ptr = cupy.cuda.runtime.hostAlloc(64, 2)
-    flags = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint32 * 16).from_address(flags_ptr))
-    src, dst = cupy.ones(total, cupy.uint8), cupy.zeros(total, cupy.uint8)
-    queue = CommandQueue(1 << 14)
-    with Proxy(WORLD, node_ids=[0, 1], transport="host", cuda_device=cupy.cuda.runtime.getDevice(),
-               bind_address="127.0.0.1") as proxy:
-        proxy.register(0, src.data.ptr, total, "cuda")
-        proxy.register(1, dst.data.ptr, total, "cuda")
-        proxy.register_flags(2, flags_ptr, 16)
-        proxy.attach_queue(queue)
-        proxy.connect()
-        proxy.start()
+    with transport.exchange_proxy("host", total) as (proxy, queue, flags):
         for (ctas, pause), size in [(p, z) for p in pollers for z in sizes]:
             n = total // size
             with Pollers(ctas, pause) as poll:
-                rows = [exchange(proxy, queue, flags, peer, n, size) for _ in range(reps + 1)][1:]
-            t = statistics.median(r[0] for r in rows)
+                t = statistics.median(transport.exchange_times(proxy, queue, flags, total, reps + 1, writes=n)[1:])
             if WORLD.Get_rank() == 0:
                 print(f"host transport: {n:5d} WRITEs of {size >> 10:6d} KiB  {t * 1e3:8.2f} ms  "
                       f"{total / t / 1e9:6.2f} GB/s  {t / n * 1e6:7.2f} us per WRITE  "
-                      f"(host pushes {statistics.median(r[1] for r in rows) * 1e3:.2f} ms)  "
-                      f"pollers {ctas} every {pause} ns ({poll.rate / 1e6:.1f} M polls/s)",
-                      flush=True)
-        barrier(WORLD)
-    cupy.cuda.runtime.freeHost(flags_ptr)
+                      f"pollers {ctas} every {pause} ns ({poll.rate / 1e6:.1f} M polls/s)", flush=True)
 
 
 def ops(shape, reps):
