@@ -13,7 +13,13 @@ block with NCCL between the blocks (no overlap), one process per rank, side by s
   global chunks i in (me, 2W-1-me), the block's keys chunks j in (src, 2W-1-src); each pair is
   computed full if j < i, causal with offset 0 if j == i, skipped if j > i. The fp32 result is
   rounded to the input dtype at the end (part of the timed work). NCCL needs one GPU per rank:
-  where ranks share a GPU the baseline is skipped, recorded as null, and the JSON says why.
+  where ranks share a GPU in one node under MPS the ring step is a device copy into the next
+  rank's symmetric slot and a device barrier instead (SymmetricExchange); otherwise skipped.
+- between emulated nodes (``--nodes N``, over ``--transport``, default host): the best unfused
+  path over the same transport (GatherBaseline): every rank's K and V gathered by the library's
+  own hierarchical all-gather (allgather_gemm's unfused path; its GEMM against an [2 H_kv D, 8]
+  matrix is the only extra work), then the engine over the whole gathered sequence in one call
+  (causal: one call per local query chunk over the global keys up to it).
 - bound_ms = W x the engine's time on one local block with all SMs: ``mkernel.attention(q, k, v)``
   non-causal, ``mkernel.attention(q, k, v, causal=True)`` causal (under the zigzag every step of the
   ring is S_local^2 / 2 of score work, two full (S_local / 2)^2 chunk pairs, which is what causal
@@ -33,6 +39,7 @@ bench/results/ring_attention-<W>gpu.json (bench/harness.py), prints a table, the
 SUMMARY line last.
 
     mpirun -n <gpus> python3 bench/ring_attention.py [--quick] [--reps N] [--seq 4096,8192] [--comm-sms N]
+                                                   [--nodes N [--transport host]]
 """
 
 import argparse
@@ -267,6 +274,50 @@ class SymmetricExchange:
         self.barrier()
 
 
+class GatherBaseline:
+    """The unfused path between nodes (module docstring): K and V side by side in one row, gathered
+    by allgather_gemm's unfused path, then the engine over the gathered sequence. Causal: the
+    gathered zigzag chunks copied into global order, then query chunk i against keys [0, (i+1) c)
+    (the engine's default causal offset, S_kv - S_q = i c, is the global one). __call__ writes out."""
+
+    def __init__(self, comm, q, k, v, out, causal):
+        import cupy
+
+        self.comm, self.q, self.k, self.v, self.out, self.causal = comm, q, k, v, out, causal
+        self.attention = importlib.import_module("mkernel.engines.attention").attention
+        self.allgather_gemm = importlib.import_module("mkernel.ops.allgather_gemm").allgather_gemm
+        S, Hkv, D = k.shape
+        W = comm.size
+        self.rows = cupy.empty((S, 2 * Hkv * D), k.dtype)  # [K row | V row]
+        self.b = cupy.zeros((2 * Hkv * D, 8), k.dtype)
+        self.sink = cupy.empty((W * S, 8), k.dtype)
+        if causal:
+            self.kg = cupy.empty((2 * W, S // 2, Hkv, D), k.dtype)  # global chunk order
+            self.vg = cupy.empty_like(self.kg)
+
+    def __call__(self):
+        S, Hkv, D = self.k.shape
+        W, me, HD = self.comm.size, self.comm.rank, Hkv * D
+        self.rows[:, :HD] = self.k.reshape(S, HD)
+        self.rows[:, HD:] = self.v.reshape(S, HD)
+        _, g = self.allgather_gemm(self.rows, self.b, comm=self.comm, out=self.sink, path="unfused",
+                                   return_gathered=True)
+        if not self.causal:
+            g = g.reshape(W * S, 2, Hkv, D)
+            self.attention(self.q, g[:, 0], g[:, 1], out=self.out)
+            return
+        c = S // 2
+        g = g.reshape(W, 2, c, 2, Hkv, D)  # (rank, zigzag half, row, K or V, head, dim)
+        for dst, kv in ((self.kg, 0), (self.vg, 1)):
+            dst[:W] = g[:, 0, :, kv]  # chunk j < W: rank j's first half
+            dst[W:] = g[::-1, 1, :, kv]  # chunk j >= W: rank 2W - 1 - j's second half
+        kg, vg = (x.reshape(2 * W * c, Hkv, D) for x in (self.kg, self.vg))
+        for half, chunk in ((0, me), (1, 2 * W - 1 - me)):
+            rows = slice(half * c, (half + 1) * c)
+            end = (chunk + 1) * c
+            self.attention(self.q[rows], kg[:end], vg[:end], causal=True, out=self.out[rows])
+
+
 # --------------------------------------------------------------------------- sampled reference
 def sampled_reference(comm, row, q, rows, S, Hq, Hkv, D, dt, causal):
     """float32 attention of this rank's local query rows ``rows`` (host int array) against the
@@ -331,8 +382,11 @@ def bench_row(comm, ring, attention, row, S, causal, dt, reps, have_baseline, co
     base, err_base, err_vs = None, None, None
     if have_baseline:
         base_out = cupy.empty_like(q)
-        exchange = SymmetricExchange(comm, k, shared.barrier) if shared is not None and W > 1 else None
-        base = Baseline(comm, q, k, v, base_out, causal, shared=exchange)
+        if comm.num_nodes > 1:
+            base = GatherBaseline(comm, q, k, v, base_out, causal)
+        else:
+            exchange = SymmetricExchange(comm, k, shared.barrier) if shared is not None and W > 1 else None
+            base = Baseline(comm, q, k, v, base_out, causal, shared=exchange)
         base()
         wait(f"baseline first call {S} causal={causal}")
         err_base = _rel(harness.as_float(harness.take_rows(base_out, cupy.asarray(rows))), ref)
@@ -370,17 +424,23 @@ def bench_row(comm, ring, attention, row, S, causal, dt, reps, have_baseline, co
 
 
 class SharedMode:
-    """Ranks sharing a GPU under MPS, one node (issue 25's rule, bench/mps_timing.py): a device
-    barrier starts each batch of back-to-back calls; compute_ms is world x the engine on the local
-    block with every rank computing at once; link_ms the K and V blocks each rank forwards
-    ((world - 1) x 2 blocks) over the device copy rate measured in this run with every rank copying."""
+    """Ranks sharing a GPU under MPS (issue 25's rule, bench/mps_timing.py): a device barrier starts
+    each batch of back-to-back calls; compute_ms is world x the engine on the local block with every
+    rank computing at once; link_ms the bytes each rank must send over the link measured in this run
+    with every rank copying: in a node the K and V blocks it forwards ((world - 1) x 2 blocks over the
+    device copy rate), between nodes its share of the other nodes' blocks ((nodes - 1) x 2 blocks over
+    the host copy rate, device to host and back at once)."""
 
     def __init__(self, comm):
         import mps_timing as cc
 
         self.cc = cc
         self.barrier = cc.DeviceBarrier(comm)
-        self.link_gbs = cc.device_link_gbs(comm, self.barrier)
+        self.nodes = comm.num_nodes
+        self.link_gbs = (cc.host_link_gbs if self.nodes > 1 else cc.device_link_gbs)(comm, self.barrier)
+        # issue 25: between nodes fraction_of_bound >= 0.80 (one rank a node) / 0.70, speedup >= 1.0
+        self.goal_speedup = SHARED_GOAL_SPEEDUP if self.nodes == 1 else 1.0
+        self.goal_fraction = None if self.nodes == 1 else 0.80 if comm.local_size == 1 else 0.70
 
     def row(self, comm, shape, dt, mk, base, block, block_bytes, err_mk, err_base, err_vs, correct, comm_sms):
         W, cc = comm.size, self.cc
@@ -391,17 +451,20 @@ class SharedMode:
             for _ in range(W):
                 block()
         compute_ms = cc.batch_ms(comm, self.barrier, computing)
-        sent = (W - 1) * 2 * block_bytes
+        sent = ((W - 1) if self.nodes == 1 else (self.nodes - 1)) * 2 * block_bytes
         link_ms = sent / (self.link_gbs * 1e9) * 1e3
         S, H, Hkv, D, causal = shape
         r = harness.row(list(shape), t_mk, t_base, max(compute_ms, link_ms), compute_ms=compute_ms,
                         link_ms=link_ms, bytes_per_direction=sent, link_GBps=self.link_gbs, path="fused",
-                        sms_per_rank=cc.sms_per_rank(), mps=True, world=W, dtype=dt.name, comm_sms=comm_sms,
-                        rel_err_vs_baseline=err_vs, ref_rel_err_mkernel=err_mk, ref_rel_err_baseline=err_base,
-                        correct=bool(correct), goal_speedup=SHARED_GOAL_SPEEDUP, goal_fraction_of_bound=None,
+                        sms_per_rank=cc.sms_per_rank(), mps=True, world=W, nodes=self.nodes, dtype=dt.name,
+                        comm_sms=comm_sms, rel_err_vs_baseline=err_vs, ref_rel_err_mkernel=err_mk,
+                        ref_rel_err_baseline=err_base, correct=bool(correct), goal_speedup=self.goal_speedup,
+                        goal_fraction_of_bound=self.goal_fraction,
                         name=f"{S} {H}/{Hkv} {D} {'causal' if causal else 'full'}")
-        r["meets_speedup_goal"] = None if r["speedup"] is None else bool(r["speedup"] >= SHARED_GOAL_SPEEDUP)
-        r["meets_fraction_goal"] = None  # reported; inside a node the goal is fusion never costing time
+        r["meets_speedup_goal"] = None if r["speedup"] is None else bool(r["speedup"] >= self.goal_speedup)
+        # inside a node the goal is fusion never costing time: the fraction is reported only
+        r["meets_fraction_goal"] = (None if self.goal_fraction is None
+                                    else bool(r["fraction_of_bound"] >= self.goal_fraction))
         return r
 
 
@@ -412,13 +475,13 @@ TABLE = [("name", "S_local H_q/H_kv D mask", None), ("mkernel_ms", "mkernel ms",
          ("ref_rel_err_mkernel", "err vs ref", ".1e")]
 
 
-def summary(rows, n_rows, W, shared, baseline_note, errors, path, seconds):
-    mps = shared and mps_client()
-    parts = [f"{W} ranks" + (f" sharing a GPU under MPS (goal: speedup >= {SHARED_GOAL_SPEEDUP})" if mps
-                             else " sharing a GPU (speed not meaningful)" if shared else ""),
+def summary(rows, n_rows, W, shared, baseline_note, errors, path, seconds, mode=None):
+    nodes = f", {mode.nodes} nodes" if mode is not None and mode.nodes > 1 else ""
+    parts = [f"{W} ranks{nodes}" + (f" sharing a GPU under MPS (goal: speedup >= {mode.goal_speedup})" if mode
+                                    else " sharing a GPU (speed not meaningful)" if shared else ""),
              f"{len(rows)}/{n_rows} rows"]
     for S, goal in GOAL_SPEEDUP.items():
-        goal = SHARED_GOAL_SPEEDUP if mps else goal
+        goal = mode.goal_speedup if mode else goal
         rs = [r for r in rows if r["shape"][0] == S]
         if not rs:
             continue
@@ -436,10 +499,11 @@ def summary(rows, n_rows, W, shared, baseline_note, errors, path, seconds):
             rows_for_goal = rows
         worst = min(rows, key=lambda r: r["fraction_of_bound"] or 0.0)
         below = [r for r in rows_for_goal if r["meets_fraction_goal"] is False]
-        verdict = ("n/a at world 1" if W == 1 else "no goal under MPS in one node" if mps else "met" if not below
-                   else f"NOT met on {len(below)} rows")
+        fgoal = GOAL_FRACTION if mode is None else mode.goal_fraction
+        verdict = ("n/a at world 1" if W == 1 else "no goal under MPS in one node" if fgoal is None else "met"
+                   if not below else f"NOT met on {len(below)} rows")
         parts.append(f"fraction of bound min {worst['fraction_of_bound']:.3f} at {worst['shape']} (goal >= "
-                     f"{GOAL_FRACTION:.2f} everywhere: {verdict})")
+                     f"{fgoal or GOAL_FRACTION:.2f} everywhere: {verdict})")
         wrong = [r for r in rows if not r["correct"]]
         parts.append(f"results {'correct' if not wrong else f'WRONG on {len(wrong)} rows'} (max rel err vs ref "
                      f"{max(r['ref_rel_err_mkernel'] for r in rows):.1e}"
@@ -460,6 +524,8 @@ def main():
     ap.add_argument("--comm-sms", type=int, default=None, help="ring_attention's comm_sms (default: the op's)")
     ap.add_argument("--kv-heads", type=int, default=HEADS, help=f"key/value heads (of {HEADS} query heads)")
     ap.add_argument("--workspace-gb", type=float, default=4.0, help="symmetric workspace per rank (GiB)")
+    ap.add_argument("--nodes", type=int, default=1, help="emulated nodes (gpus_per_node = ranks / nodes)")
+    ap.add_argument("--transport", default="host", help="between emulated nodes: host, tcp or verbs")
     ap.add_argument("--out", default=None, help="results directory (default bench/results)")
     args = ap.parse_args()
 
@@ -471,7 +537,13 @@ def main():
 
     harness.require_gpu("bench/ring_attention.py")
     t_start = time.time()
-    comm = mkernel.init(workspace_bytes=int(args.workspace_gb * (1 << 30)))
+    from mpi4py import MPI
+
+    if args.nodes < 1 or MPI.COMM_WORLD.size % args.nodes:
+        sys.exit(f"bench/ring_attention.py: --nodes {args.nodes} does not divide the {MPI.COMM_WORLD.size} ranks")
+    comm = mkernel.init(workspace_bytes=int(args.workspace_gb * (1 << 30)),
+                        gpus_per_node=MPI.COMM_WORLD.size // args.nodes if args.nodes > 1 else None,
+                        transport=args.transport if args.nodes > 1 else "auto")
     # The benchmark's own collectives (barriers, reductions, status) on a duplicate, so that they can
     # never be matched against a collective inside the op.
     comm.bench_mpi = comm.mpi.Dup()
@@ -489,10 +561,11 @@ def main():
     if W == 1:  # no ring: the op is the engine on one block, and the issue's goals are about overlap
         baseline_note = ("world 1: there is no ring to overlap, so no baseline; the speedup and bound goals apply "
                          "at 2+ GPUs")
-    elif shared and (comm.num_nodes > 1 or not mps_client()):  # MPS in one node: SymmetricExchange
-        where = "between nodes" if comm.num_nodes > 1 else "time-sliced"
-        baseline_note = (f"the {W} ranks share {physical} GPU(s) {where}: NCCL needs one GPU per rank and "
-                         "the symmetric-copy baseline runs under MPS in one node only, so the baseline was "
+    elif comm.num_nodes > 1:  # GatherBaseline: the library's own transport, on any placement
+        pass
+    elif shared and not mps_client():  # MPS in one node: SymmetricExchange
+        baseline_note = (f"the {W} ranks share {physical} GPU(s) time-sliced: NCCL needs one GPU per rank and "
+                         "the symmetric-copy baseline runs under MPS only, so the baseline was "
                          "skipped (baseline_ms and speedup are null)")
     elif W > 1 and not shared:
         try:
@@ -500,14 +573,17 @@ def main():
         except Exception as e:  # noqa: BLE001
             baseline_note = f"NCCL is not usable ({type(e).__name__}: {e}); baseline skipped"
     have_baseline = baseline_note is None
-    mode = SharedMode(comm) if shared and have_baseline else None  # MPS, one node: issue 25's timing
+    mode = SharedMode(comm) if shared and have_baseline and mps_client() else None  # issue 25's timing
     if me == 0:
         nsm = cupy.cuda.Device().attributes["MultiProcessorCount"]
         print(f"# {W} ranks, {physical} GPU(s) ({harness.device_name()}, {nsm} SMs), {dt.name}, median of {reps}, "
               f"setup {time.time() - t_start:.1f} s", flush=True)
         print("# NO BASELINE: " + baseline_note if baseline_note else
-              "# baseline: mkernel.attention per KV block + fp32 LSE merge + NCCL send/recv, no overlap", flush=True)
-        print(f"# goals: speedup >= {GOAL_SPEEDUP[4096]} at 4096, >= {GOAL_SPEEDUP[8192]} at 8192; "
+              "# baseline: K/V all-gather over the transport, then the engine" if comm.num_nodes > 1 else
+              "# baseline: mkernel.attention per KV block + fp32 LSE merge + ring exchange, no overlap", flush=True)
+        print(f"# goals: speedup >= {mode.goal_speedup}" + (f", fraction_of_bound >= {mode.goal_fraction}"
+                                                           if mode.goal_fraction else "") if mode else
+              f"# goals: speedup >= {GOAL_SPEEDUP[4096]} at 4096, >= {GOAL_SPEEDUP[8192]} at 8192; "
               f"fraction_of_bound >= {GOAL_FRACTION} everywhere", flush=True)
 
     rows, errors = [], {}
@@ -544,20 +620,28 @@ def main():
         comm.release_plans()  # every rank, same point (synchronises)
 
     if me == 0:
+        nodes = comm.num_nodes
+        if nodes > 1:
+            baseline = ("K and V gathered by allgather_gemm's unfused path (the library's hierarchical all-gather "
+                        "over the same transport), then mkernel.attention over the gathered sequence (causal: per "
+                        "local query chunk over the global keys up to it), no overlap")
+        else:
+            baseline = ("mkernel.attention per KV block (causal: zigzag chunk pairs) + fp32 log-sum-exp merge "
+                        "(CuPy) + " + ("a device copy into the next rank's symmetric slot and a device barrier"
+                                       if mode else "NCCL send/recv") + " ring, one stream, no overlap")
+        link = "host copy rate (device to host and back, every rank at once)" if nodes > 1 else "device copy rate"
         path = harness.write("ring_attention", rows, gpus=physical if shared else W, ranks_per_gpu=W // physical,
-                             out_dir=args.out, reps=reps, errors=errors,
+                             nodes=nodes, transport=(comm.stats()["proxy"] or args.transport) if nodes > 1 else
+                             "nvlink", out_dir=args.out, reps=reps, errors=errors,
                              physical_gpus=physical, shared_gpu=shared, baseline_note=baseline_note,
-                             baseline="mkernel.attention per KV block (causal: zigzag chunk pairs) + fp32 "
-                                      "log-sum-exp merge (CuPy) + " + (
-                                          "a device copy into the next rank's symmetric slot and a device barrier"
-                                          if mode else "NCCL send/recv") + " ring, one stream, no overlap",
+                             baseline=baseline,
                              bound_definition=(
                                  "max(compute_ms: world x mkernel.attention on the local block, every rank at once; "
-                                 "link_ms: the blocks forwarded over the device copy rate)" if mode else
+                                 f"link_ms: the bytes a rank must send over the {link})" if mode else
                                  "world x mkernel.attention(q, k, v, causal=causal) on the local block with all SMs"),
-                             goals=({"speedup": SHARED_GOAL_SPEEDUP} if mode else
-                                    {"speedup": {str(s): g for s, g in GOAL_SPEEDUP.items()},
-                                     "fraction_of_bound": GOAL_FRACTION}),
+                             goals=({"speedup": mode.goal_speedup, "fraction_of_bound": mode.goal_fraction} if mode
+                                    else {"speedup": {str(s): g for s, g in GOAL_SPEEDUP.items()},
+                                          "fraction_of_bound": GOAL_FRACTION}),
                              mps=bool(mode), kv_heads=args.kv_heads, comm_sms=args.comm_sms)
         rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
         print()
@@ -570,7 +654,8 @@ def main():
         for r in (r for r in rows if r["goal_fraction_of_bound"] is not None):
             print(f"goal fraction_of_bound >= {r['goal_fraction_of_bound']:.2f} at {r['name']}: "
                   f"{'met' if r['meets_fraction_goal'] else 'NOT met'} ({r['fraction_of_bound']:.3f})")
-        print(summary(rows, len(shapes), W, shared, baseline_note, errors, rel, time.time() - t_start), flush=True)
+        print(summary(rows, len(shapes), W, shared, baseline_note, errors, rel, time.time() - t_start, mode),
+              flush=True)
     comm.bench_mpi.Free()
     comm.close()
 

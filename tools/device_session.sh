@@ -3,6 +3,7 @@
 # benchmarks), logs under $OUT, then a summary last. Usage on the device:
 #   source .whl/prepare.sh || exit 1; bash tools/device_session.sh [steps...]
 # Steps (default: info suite main sanitizer gemm transport); finer ones: decode tpdecode arphases ringmps nodesdiag runtime
+# ringnodes / ringnodes4: bench/ring_attention.py between 2 emulated nodes (2 ranks; 2 x 2 ranks)
 # faultsd (tools/faults.py scenario d for every op with a path between nodes, time-sliced)
 # runtime2 queue queue2 tpnodes4 nodestest nodesrate suitets maints (tools/nodes_rate.py: small WRITEs and the TP ops between 2 emulated nodes)
 # mpi2 gemmtest tp attention ring ringbench tpbench tpnodes moebench controller controllernodes (the last six want 2 GPUs)
@@ -78,6 +79,8 @@ for s in $steps; do
     tpdecode) step tpdecode 200 $MPI2 python3 bench/tp_decode.py ;;
     arphases) step arphases 90 $MPI2 python3 tools/allreduce_phases.py ;;
     ringmps) step ringmps 300 $MPI2 python3 bench/ring_attention.py --quick --kv-heads 8 ;;
+    ringnodes) step ringnodes 300 $MPI2 python3 bench/ring_attention.py --quick --kv-heads 8 --nodes 2 ;;
+    ringnodes4) step ringnodes4 300 $MPI4 python3 bench/ring_attention.py --quick --kv-heads 8 --nodes 2 ;;
     nodesdiag) step nodesdiag 200 bash -c 'for s in ${NODESDIAG_SEQS:-grown first pregrow}; do CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=33 \
       mpirun -n 3 --oversubscribe --bind-to none -x MKERNEL_CACHE_DIR -x MKERNEL_TIMEOUT_S -x CUDA_MPS_PIPE_DIRECTORY \
       -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE python3 tools/nodes_diag.py --seq $s; done' ;;
