@@ -416,12 +416,10 @@ class Communicator:
         base, size = take_symmetric(views, count, self.PROXY_FLAGS, align=1)
         self._pflag_free.take_at(base, size)
         self.proxy_flags[1][base:base + size] = 0
-        offset = 4 * (self._flag_range * self.PROXY_FLAGS + base)
-        service, runtime = self._root._proxy, cupy_mod().cuda.runtime
-        # The zeroed host range into the mirror by a copy engine (a memset may be a kernel, which waits
-        # for SMs that persistent kernels hold); synchronous, so before any peer's flag lands.
-        runtime.memcpy(service.mirror.data.ptr + offset, service.flags_ptr + offset, 4 * size,
-                       runtime.memcpyHostToDevice)
+        first = self._root._proxy.mirror.data.ptr + 4 * (self._flag_range * self.PROXY_FLAGS + base)
+        runtime = cupy_mod().cuda.runtime
+        runtime.memset(first, 0, 4 * size)  # a memset, not a kernel (see tp.quiesced_first_use)
+        runtime.deviceSynchronize()  # zero on the device before any peer's flag lands
         # Peers SIGNAL these flags from their kernels' entry, without waiting for this rank (a
         # credit), so no rank may launch before every rank has zeroed them: a SIGNAL landing before
         # the zeroing would be wiped out, and its waiter would time out.
