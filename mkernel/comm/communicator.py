@@ -41,7 +41,6 @@ from mkernel.core import env
 from mkernel.core.errors import ArgumentError, ClosedError, MKernelError, PeerError, WorkspaceError, peer_failures
 from mkernel.core.log import get_logger, set_rank
 from mkernel.runtime import gpu
-from mkernel.runtime.arrays import cupy_mod
 from mkernel.runtime.sync import SyncState
 from mkernel.runtime.trace import Trace
 
@@ -75,9 +74,8 @@ class ProxyService(NamedTuple):
     """The root's proxy and what it was started with (``Communicator.proxy``)."""
     proxy: object  # mkernel.comm.proxy.Proxy
     queue: object  # its CommandQueue, which the kernels enqueue into
-    flags_ptr: int  # the proxy flags: pinned host memory (host waits read them)
+    flags_ptr: int  # the proxy flags: mapped host memory (the same pointer on the device)
     flags: object  # ... as a NumPy uint32 view
-    mirror: object = None  # their device copy (cupy uint32), which kernels poll
 
 
 class Communicator:
@@ -343,8 +341,7 @@ class Communicator:
         """The host proxy (mkernel.proxy.Proxy) that carries this communicator's traffic between nodes:
         started on first use (collective), stopped by close(). Region PROXY_WORKSPACE_REGION is the
         symmetric workspace (offsets into it), PROXY_FLAGS_REGION the PROXY_FLAGS u32 flags in
-        host memory, mirrored on the device (``proxy_flags``: (device pointer of the mirror, NumPy view
-        of the host array)); kernels enqueue through
+        mapped host memory (``proxy_flags``: (device pointer, NumPy view)); kernels enqueue through
         ``proxy_queue_args()``. On one node it has no peer and moves nothing. A sub-communicator's is
         its root's (started by the split that made it)."""
         self._check_open()
@@ -364,14 +361,12 @@ class Communicator:
             ptr = cupy.cuda.runtime.hostAlloc(nbytes, 2)  # mapped: valid on the device as it is (UVA)
             flags = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr)).view(np.uint32)
             flags[:] = 0
-            mirror = cupy.zeros(self.PROXY_FLAGS * self.PROXY_FLAG_RANGES, dtype=cupy.uint32)
             queue = CommandQueue(self.PROXY_QUEUE_CAPACITY, gpu=True)
             proxy = None
             try:
                 proxy = Proxy(self.mpi, node_ids, transport=self.transport, cuda_device=self.device_id)
                 proxy.register(self.PROXY_WORKSPACE_REGION, self.heap.base, self.heap.nbytes, "cuda")
                 proxy.register_flags(self.PROXY_FLAGS_REGION, ptr, self.PROXY_FLAGS * self.PROXY_FLAG_RANGES)
-                proxy.mirror_flags(mirror.data.ptr)
                 proxy.attach_queue(queue)
                 proxy.connect()
                 proxy.start()
@@ -381,7 +376,7 @@ class Communicator:
                 queue.close()
                 cupy.cuda.runtime.freeHost(ptr)
                 raise
-            self._proxy = ProxyService(proxy, queue, ptr, flags, mirror)
+            self._proxy = ProxyService(proxy, queue, ptr, flags)
             log.debug("rank %d: proxy started (%s transport, %d peers on other nodes)", self.rank,
                       proxy.transport, len(proxy.peers))
         return self._proxy.proxy
@@ -398,12 +393,11 @@ class Communicator:
     @property
     def proxy_flags(self):
         """(device pointer, NumPy uint32 view) of this communicator's PROXY_FLAGS flags of the root's
-        proxy flag array: commands of this communicator name them 0..PROXY_FLAGS-1. Kernels poll the
-        device mirror (the pointer); the view is the host array, set once a flag's write landed."""
+        proxy flag array: commands of this communicator name them 0..PROXY_FLAGS-1."""
         self.proxy  # noqa: B018
-        mirror, flags = self._root._proxy.mirror, self._root._proxy.flags
+        ptr, flags = self._root._proxy.flags_ptr, self._root._proxy.flags
         base = self._flag_range * self.PROXY_FLAGS
-        return mirror.data.ptr + 4 * base, flags[base:base + self.PROXY_FLAGS]
+        return ptr + 4 * base, flags[base:base + self.PROXY_FLAGS]
 
     def proxy_flag_block(self, count: int):
         """``count`` of this communicator's proxy flags for one op plan, zeroed: a
@@ -416,10 +410,6 @@ class Communicator:
         base, size = take_symmetric(views, count, self.PROXY_FLAGS, align=1)
         self._pflag_free.take_at(base, size)
         self.proxy_flags[1][base:base + size] = 0
-        first = self._root._proxy.mirror.data.ptr + 4 * (self._flag_range * self.PROXY_FLAGS + base)
-        runtime = cupy_mod().cuda.runtime
-        runtime.memset(first, 0, 4 * size)  # a memset, not a kernel (see tp.quiesced_first_use)
-        runtime.deviceSynchronize()  # zero on the device before any peer's flag lands
         # Peers SIGNAL these flags from their kernels' entry, without waiting for this rank (a
         # credit), so no rank may launch before every rank has zeroed them: a SIGNAL landing before
         # the zeroing would be wiped out, and its waiter would time out.
@@ -521,8 +511,8 @@ class Communicator:
             return failed
         import cupy
 
-        proxy, queue, ptr = self._proxy.proxy, self._proxy.queue, self._proxy.flags_ptr
-        self._proxy = None  # the mirror goes with it, once the proxy thread (its writer) stopped below
+        proxy, queue, ptr, _ = self._proxy
+        self._proxy = None
         if not failed:
             try:
                 self._allgather_bytes(b"\0", "stopping the proxy")

@@ -256,12 +256,6 @@ class Proxy:
         self.register(region_id, address, 4 * count, "host")
         self._setup(self._lib.mk_proxy_set_flags(self._p, region_id), "register_flags")
 
-    def mirror_flags(self, device_address: int):
-        """A device array as long as the flag array, kept equal to it: each applied flag is copied
-        there too (a copy engine's 4 bytes) for kernels to poll; their polls of mapped host memory
-        take the PCIe link from the transport's copies (bench/NOTES.md, session 18)."""
-        self._setup(self._lib.mk_proxy_set_flag_mirror(self._p, device_address), "mirror_flags")
-
     def attach_queue(self, queue: CommandQueue):
         self.queue = queue
         self._setup(self._lib.mk_proxy_attach_queue(self._p, queue.header_address, queue.slots_address), "attach_queue")

@@ -179,14 +179,6 @@ int mk_cuda_copy(mk_proxy* p, void* dst, const void* src, size_t bytes, char* wh
   return r ? -1 : 0;
 }
 
-/* A copy engine's copy, not a memset: a memset is a kernel, and the persistent kernels waiting for
- * this word may hold every SM. The word may change again before the copy runs: it then carries the newer value. */
-int mk_cuda_mirror_word(mk_proxy* p, uint64_t address, const uint32_t* word, char* why, int cap) {
-  CUresult r = cu.memcpy_async((CUdeviceptr)address, (CUdeviceptr)(uintptr_t)word, 4, p->cuda_streams[1]);
-  if (r) describe(r, "cuMemcpyAsync", why, cap);
-  return r ? -1 : 0;
-}
-
 int mk_cuda_copy_start(mk_proxy* p, int lane, void* dst, const void* src, size_t bytes, void** event, char* why,
                        int cap) {
   CUevent ev = NULL;

@@ -172,14 +172,6 @@ int mk_proxy_set_flags(mk_proxy* p, int region_id) {
   return 0;
 }
 
-int mk_proxy_set_flag_mirror(mk_proxy* p, unsigned long long device_address) {
-  if (p->running) return setup_error(p, "set the flag mirror before start()");
-  if (p->cuda_device < 0) return setup_error(p, "a flag mirror needs the CUDA device (set_cuda_device first)");
-  if (device_address & 3) return setup_error(p, "the flag mirror must be 4-byte aligned");
-  p->flag_mirror = device_address;
-  return 0;
-}
-
 int mk_proxy_attach_queue(mk_proxy* p, unsigned long long header, unsigned long long slots) {
   if (p->running) return setup_error(p, "attach the queue before start()");
   struct MkQueueHeader* h = (struct MkQueueHeader*)(uintptr_t)header;
@@ -257,11 +249,6 @@ int mk_apply_flag(mk_proxy* p, int flag_op, uint32_t flag_id, uint32_t value, in
     __atomic_store_n(flag, value, __ATOMIC_RELEASE);
   else
     __atomic_fetch_add(flag, value, __ATOMIC_RELEASE);
-  char why[MKP_MESSAGE_BYTES];
-  if (p->flag_mirror && mk_cuda_mirror_word(p, p->flag_mirror + (uint64_t)flag_id * 4, flag, why, sizeof why)) {
-    mk_fail(p, MKP_ERR_LOCAL, peer, MK_CMD_SIGNAL, "flag %u could not be mirrored to the GPU: %s", flag_id, why);
-    return -1;
-  }
   return 0;
 }
 

@@ -41,7 +41,6 @@ struct mk_proxy {
   uint64_t timeout_ns;
   mk_region regions[MK_MAX_REGIONS];
   int flags_region;
-  uint64_t flag_mirror; /* device copy of the flag array that kernels poll (0: none); written after each flag */
 
   struct MkQueueHeader* header;
   struct MkCmd* slots;
@@ -100,8 +99,6 @@ int mk_cuda_load(char* why, int cap);
 int mk_cuda_thread_init(mk_proxy* p);
 void mk_cuda_thread_fini(mk_proxy* p);
 int mk_cuda_copy(mk_proxy* p, void* dst, const void* src, size_t bytes, char* why, int cap);
-/* Copies a (pinned host) flag word to a device address, on the stream of copies into GPU memory. */
-int mk_cuda_mirror_word(mk_proxy* p, uint64_t address, const uint32_t* word, char* why, int cap);
 int mk_cuda_copy_start(mk_proxy* p, int lane, void* dst, const void* src, size_t bytes, void** event, char* why,
                        int cap);
 int mk_cuda_event_poll(mk_proxy* p, void* event, char* why,

@@ -32,9 +32,6 @@ void mk_proxy_destroy(mk_proxy* p);
 int mk_proxy_set_cuda_device(mk_proxy* p, int ordinal);
 int mk_proxy_register(mk_proxy* p, int id, unsigned long long base, unsigned long long bytes, int kind);
 int mk_proxy_set_flags(mk_proxy* p, int region_id);
-/* A device array as long as the flag array, which the proxy updates after each flag (kernels poll it there:
- * their polls of mapped host memory took the PCIe link from the copies). Needs the CUDA device; before start. */
-int mk_proxy_set_flag_mirror(mk_proxy* p, unsigned long long device_address);
 /* A registered region grown in place (its base unchanged), also while running; -1 where the transport registered
  * it with a NIC (verbs). */
 int mk_proxy_grow_region(mk_proxy* p, int id, unsigned long long bytes);

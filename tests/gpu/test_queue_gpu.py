@@ -248,10 +248,6 @@ def _comm_proxy_tiles(transport, via_split):
             assert int(mismatches.get()[0]) == 0, f"launch {epoch}: tile words differ from the peer's pattern"
             e = comm.sync.epoch()
             assert (flags[:tiles + 1] == e).all(), f"launch {epoch}: flags {flags[:tiles + 1]}, epoch {e}"
-            cupy.cuda.runtime.deviceSynchronize()  # the proxy's mirror stores (its own stream) are done
-            mirror = cupy.ndarray((tiles + 1,), cupy.uint32,
-                                  cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(fptr, 4 * (tiles + 1), comm), 0))
-            assert (mirror.get() == flags[:tiles + 1]).all(), "the kernels' device mirror equals the host flags"
             barrier(WORLD)  # the peer's next launch may overwrite flags and tiles only after this check
         stats = comm.stats()
         assert stats["proxy"] == transport

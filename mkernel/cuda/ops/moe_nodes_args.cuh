@@ -37,7 +37,7 @@ struct MkMoeNodeArgs {
   MkSync sync;
   const unsigned long long* peer_base;  // the node's workspaces (the communicator's peer_table)
   struct MkQueue queue;  // the proxy's queue, flag ids relative to this plan's block
-  unsigned int* pflags;  // this plan's proxy flags (the proxy's device mirror), MOE_PF_*
+  unsigned int* pflags;  // this plan's proxy flags (mapped host memory), MOE_PF_*
   // Symmetric workspace (offsets into every rank's workspace). Segment i of a [N - 1] array: the
   // i-th other node in node order.
   unsigned long long gcounts_off;  // u32 [W][MOE_GROW_WORDS(E)]: row s, written by rank s

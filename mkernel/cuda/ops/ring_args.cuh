@@ -51,7 +51,7 @@ struct MkRingArgs {
   unsigned int chunk_rows;  // rows (b, s) per forwarding chunk (next rank on this node)
   // Next or previous rank on another node: blocks travel as WRITE commands through the proxy.
   MkQueue queue;  // the communicator's proxy queue
-  unsigned int* pflags;  // the proxy's device mirror: this rank's proxy flags (RING_PF_*), set to the epoch
+  unsigned int* pflags;  // mapped host memory: this rank's proxy flags (RING_PF_*), set to the epoch
   unsigned long long stage_off;  // workspace offset of this rank's k | v (a WRITE source needs a region)
   int next_remote;
   int prev_remote;

@@ -115,7 +115,7 @@ struct TpArgs {
   unsigned int xgroups;  // arrival counters per source node: ceil(tiles_blk / xgroup)
   unsigned int* xstaged;  // RS / AR: [2 kinds][nodes][xgroups] tiles staged so far, over the plan's launches
   MkQueue queue;  // the proxy queue, flag ids relative to pflags
-  unsigned int* pflags;  // this plan's proxy flags (the proxy's device mirror), TP_PF_*
+  unsigned int* pflags;  // this plan's proxy flags (mapped host memory), TP_PF_*
   // [nodes][tiles_blk * TP_TILE_BYTES], each node's tiles packed in tl order (TpTileShape::packed):
   unsigned long long stage_off;  // node partials to send
   unsigned long long xrecv_off;  // node partials received, by source node

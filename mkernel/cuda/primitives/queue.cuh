@@ -169,39 +169,34 @@ MK_DEV bool queue_push_warp(const MkSync& s, const MkQueue& q, const MkCmd& c, b
   return ok;
 }
 
-// The proxy's error word lives in mapped host memory: a waiter reads it once per this many ns, since
-// GPU polls of host memory take the PCIe link from the transport's copies (2 M polls/s cost a tenth).
-constexpr u64 MK_REMOTE_ERROR_NS = 200000;
+// Polls of mapped host memory cross PCIe: a waiter backs off from the first to the last pause (ns)
+// and reads the proxy's error word every MK_REMOTE_ERROR_EVERY polls, so waiters leave the link to the data.
+constexpr u32 MK_REMOTE_PAUSE_FIRST_NS = 128, MK_REMOTE_PAUSE_LAST_NS = 4096, MK_REMOTE_ERROR_EVERY = 8;
 
-// Waits for a flag the proxy sets (in its device mirror, or in host memory where a test registered no
-// mirror) to satisfy done(); gives up, recording it, when the proxy reports a failure instead of
-// waiting out the timeout.
+// Waits for a flag a peer's proxy sets (in mapped host memory) to satisfy done(); gives up,
+// recording it, when the proxy reports a failure instead of waiting out the timeout.
 template <typename Done>
 MK_DEV bool wait_remote(const MkSync& s, const MkQueue& q, const u32* flag, Done done, u32 expected, i32 peer,
                         u32 where) {
   u32 v = ld_acquire_sys(flag);
   if (done(v)) return true;
   const u64 start = globaltimer_ns();
-  for (u64 checked = start;;) {
-    for (u32 i = 0; i < MK_POLL_BATCH; ++i) {
-      v = ld_acquire_sys(flag);
-      if (done(v)) return true;
-    }
+  for (u32 i = 1, pause = MK_REMOTE_PAUSE_FIRST_NS;; ++i) {
+    __nanosleep(pause);
+    pause = pause < MK_REMOTE_PAUSE_LAST_NS ? pause * 2 : pause;
+    v = ld_acquire_sys(flag);
+    if (done(v)) return true;
     if (error_recorded(s)) return false;
-    const u64 now = globaltimer_ns();
-    if (now - checked > MK_REMOTE_ERROR_NS) {
-      checked = now;
-      if (ld_relaxed_sys(&q.header->error) != 0) {
-        if (done(ld_acquire_sys(flag))) return true;
-        record_proxy_error(s, q, peer, MK_WHERE_PROXY, expected);
-        return false;
-      }
-    }
-    if (now - start > s.timeout_ns) {
-      record_error(s, MK_ERR_TIMEOUT, peer, where, expected, v, now - start);
+    if (i % MK_REMOTE_ERROR_EVERY == 0 && ld_relaxed_sys(&q.header->error) != 0) {
+      if (done(ld_acquire_sys(flag))) return true;
+      record_proxy_error(s, q, peer, MK_WHERE_PROXY, expected);
       return false;
     }
-    __nanosleep(64);  // lets a peer context sharing this GPU be scheduled
+    const u64 waited = globaltimer_ns() - start;
+    if (waited > s.timeout_ns) {
+      record_error(s, MK_ERR_TIMEOUT, peer, where, expected, v, waited);
+      return false;
+    }
   }
 }
 MK_DEV bool wait_remote_epoch(const MkSync& s, const MkQueue& q, const u32* flag, u32 epoch, i32 peer, u32 where) {
