@@ -38,7 +38,7 @@ class Config:
         {"gemm_reduce_scatter": 8, "gemm_allreduce": 16, "allgather_gemm": 8}))
     moe_comm_sms: int = 16        # dispatch CTAs of the fused MoE kernels
     moe_join_gemm: bool = True    # the dispatch CTAs take GEMM tiles once their rows are sent
-    ring_comm_sms: int = 8        # ring attention's forwarding CTAs
+    ring_comm_sms: int = 2        # ring attention's forwarding CTAs (a step's block is little next to its compute)
     # The split search's prior (mkernel/split/search.py): rates of its cost model.
     cta_gbps: float = 20.0        # bytes loaded + stored per second by one communication CTA
     nvlink_gbps: float = 365.0    # one direction, inside a node

@@ -24,7 +24,7 @@ GPU, 1 rank and under mpirun (marked gpu and mpi; tests/run_gpu.sh runs them at 
   launches are the classic bug); 1000 back-to-back launches alternating two inputs (marked slow);
 - two shapes back to back, 5 times each, all queued before one synchronisation: each bitwise equal
   to its solo run;
-- comm_sms=1 and 2 and another stream give the default's bits;
+- comm_sms=1 and 8 and another stream give the default's bits;
 - argument errors raise ArgumentError on every rank, before anything is launched; at 2 ranks also
   shapes and dtypes that disagree across ranks (marked multi_gpu).
 GPU, 1-rank pass only: world 1 (mkernel.init(MPI.COMM_SELF)) equals mkernel.attention bitwise.
@@ -357,7 +357,7 @@ def test_back_to_back_shapes(comm):
 
 # =========================================================================== comm_sms, stream
 def _options_body(comm, name):
-    """comm_sms=1 / 2 and stream= give the default's bits (out and lse)."""
+    """comm_sms=1 / 8 and stream= give the default's bits (out and lse)."""
     import cupy
 
     ring = _ring()
@@ -385,7 +385,7 @@ def _options_body(comm, name):
 
 @collective_cases.gpu_mpi
 def test_comm_sms_and_stream(comm):
-    names = ["comm_sms=1", "comm_sms=2", "stream"]
+    names = ["comm_sms=1", "comm_sms=8", "stream"]
     results = _run_cases(comm, names, lambda n: _options_body(comm, n))
     _report_and_decide(comm, "comm_sms and stream (bf16 D128 H 8/2 S_local 1000 causal) vs default bits", names,
                        results)
