@@ -13,7 +13,8 @@ three launches of each shape alternating with another shape (stale flags and cou
 bitwise equal from launch to launch (AllReduce: and on every rank), and the bytes the proxy sent
 equal to the hierarchical minimum: (nodes - 1) * M / world * N elements per rank and launch for
 ReduceScatter, twice that for AllReduce, (nodes - 1) * M / world * K for AllGather (whose
-gathered A is also compared bitwise).
+gathered A is also compared bitwise). A caller's copies queued right behind an op on its stream
+must not hold up the proxy (each launch on a new stream).
 """
 
 import hashlib
@@ -201,6 +202,57 @@ def test_allgather_gemm_between_two_emulated_nodes(transport):
     """The first use of a CuPy or cuBLAS kernel behind a launch once stalled it (tp.quiesced_first_use);
     the 4-rank test below runs in a fresh job, where every use is a first one."""
     _two_emulated_nodes(transport, _run_ag_cases)
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("transport", ["host", "tcp"])
+def test_caller_copies_queued_behind_an_op_between_nodes(transport):
+    """A caller's copies queued on its stream right behind an op between nodes (``cupy.asarray`` of
+    host data, a copy of the output into pinned memory) must not hold up the proxy's copies the op
+    waits for (docs/ARCHITECTURE.md, known debts). Each launch on a new stream, kept alive, so the
+    streams' hardware queues move from launch to launch; exact integer results, the copies' too."""
+    def run(comm):
+        _collective(comm, lambda: _copies_behind_body(comm))
+    _two_emulated_nodes(transport, run)
+
+
+def _copies_behind_body(comm, launches=8):
+    import cupy
+
+    M, K, N = 256, 128, 512
+    dt = DTYPES["bf16"]
+    (a, b), total, _, _, _ = _reduce_problem(comm, 77, M, K, N, "bf16", True)
+    da, db = _dev(a.astype(dt)), _dev(b.astype(dt))
+    host_in = np.arange(1 << 18, dtype=np.float32) + comm.rank
+    pinned = cupy.cuda.alloc_pinned_memory(M * N * dt.itemsize)
+    copied = np.frombuffer(pinned, dtype=np.uint16, count=M * N).reshape(M, N)
+    streams = []
+    for i in range(launches):
+        what = f"gemm_allreduce {M}x{N}x{K} launch {i} with copies behind it"
+        s = cupy.cuda.Stream(non_blocking=True)
+        streams.append(s)
+        out = _poisoned((M, N), "bf16")
+        cupy.cuda.get_current_stream().synchronize()  # the poison lands before s runs
+        copied[...] = 0xFFFF
+        try:
+            with s:
+                gemm_allreduce(da, db, comm=comm, out=out)
+                arrived = cupy.asarray(host_in)  # host to device, queued behind the op
+                cupy.cuda.runtime.memcpyAsync(pinned.ptr, out.data.ptr, out.nbytes, 2, s.ptr)  # and back
+            sync_or_exit(what, HANG_S, stream=s)
+            comm.check()
+        except mkernel.MKernelError as e:
+            return False, f"{what}: {type(e).__name__}: {e}"
+        ok, msg = _check_exact(_host(out), total, dt, what)
+        if not ok:
+            return False, msg
+        if not np.array_equal(copied, _host(out).view(np.uint16)):
+            return False, f"{what}: the copy behind the op does not hold its output"
+        if not np.array_equal(_host(arrived), host_in):
+            return False, f"{what}: the host-to-device copy behind the op lost data"
+    return True, f"{launches} launches on {len(streams)} streams"
 
 
 def _two_emulated_nodes(transport, run):
