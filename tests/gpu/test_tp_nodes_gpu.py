@@ -245,10 +245,11 @@ def _copies_behind_body(comm, launches=8):
             comm.check()
         except mkernel.MKernelError as e:
             return False, f"{what}: {type(e).__name__}: {e}"
-        ok, msg = _check_exact(_host(out), total, dt, what)
+        got = _host(out)
+        ok, msg = _check_exact(got, total, dt, what)
         if not ok:
             return False, msg
-        if not np.array_equal(copied, _host(out).view(np.uint16)):
+        if not np.array_equal(copied, got.view(np.uint16)):
             return False, f"{what}: the copy behind the op does not hold its output"
         if not np.array_equal(_host(arrived), host_in):
             return False, f"{what}: the host-to-device copy behind the op lost data"
