@@ -104,8 +104,9 @@ def _max():
     return MPI.MAX
 
 
-def setup(op, comm, M, N, K, dt):
-    """This rank's inputs and the three callables (mkernel, baseline, chunked)."""
+def setup(op, comm, M, N, K, dt, comm_sms="auto"):
+    """This rank's inputs and the three callables (mkernel, baseline, chunked); ``comm_sms`` that
+    of the default call."""
     import cupy
     from cupy.cuda import nccl
 
@@ -144,7 +145,7 @@ def setup(op, comm, M, N, K, dt):
 
         gemm_only = lambda: cupy.matmul(gath, b, out=out)  # noqa: E731
         unfused = lambda: mkernel.allgather_gemm(a, b, comm=comm, out=out, path="unfused")  # noqa: E731
-        default = lambda: mkernel.allgather_gemm(a, b, comm=comm, out=out)  # noqa: E731
+        default = lambda: mkernel.allgather_gemm(a, b, comm=comm, out=out, comm_sms=comm_sms)  # noqa: E731
         sent = (W - 1) * mb * K * dt.itemsize
         return dict(fused=fused, base=base, chunked=chunked, gemm=gemm_only, unfused=unfused, default=default,
                     sent=sent, out=out,
@@ -190,7 +191,7 @@ def setup(op, comm, M, N, K, dt):
 
     gemm_only = lambda: cupy.matmul(a, b, out=partial)  # noqa: E731
     unfused = lambda: fn(a, b, comm=comm, out=out, path="unfused")  # noqa: E731
-    default = lambda: fn(a, b, comm=comm, out=out)  # noqa: E731
+    default = lambda: fn(a, b, comm=comm, out=out, comm_sms=comm_sms)  # noqa: E731
     sent = (2 if ar else 1) * (W - 1) * mb * N * dt.itemsize
     return dict(fused=fused, base=base, chunked=chunked, gemm=gemm_only, unfused=unfused, default=default,
                 sent=sent, out=out,
@@ -276,19 +277,23 @@ def bench_op(op, comm, shapes, dt, rate_gbs):
     return rows_out
 
 
-def bench_op_shared(op, comm, shapes, dt, barrier, link_gbs):
+def bench_op_shared(op, comm, shapes, dt, barrier, link_gbs, comm_sms="auto"):
     """Rows of one op with ranks sharing GPUs (MPS; NCCL cannot run): the default call against the
     op's unfused path (cupy.matmul, then mkernel's own collective over the same transport), timed by
     bench/mps_timing.py's rule; compute_ms the GEMM with every rank computing at once, link_ms the
     fewest bytes a rank sends per direction over the link rate measured in this run."""
     import mps_timing as cc
 
+    from mkernel.ops import tp as _tp
+
     W, nodes = comm.size, comm.num_nodes
     rows_out = []
     for (M, N, K), goal in shapes:
-        f = setup(op, comm, M, N, K, dt)
+        f = setup(op, comm, M, N, K, dt, comm_sms)
         network, path, err_mk, err_base = checked_calls(comm, op, f, "default", "unfused")
-        t = {name: cc.batch_ms(comm, barrier, f[name]) for name in ("default", "unfused", "gemm")}
+        t = {"default": cc.batch_ms(comm, barrier, f["default"])}
+        split = _tp.controller_stats(comm) if path == "fused" else {}  # the timed batch's last launch
+        t.update({name: cc.batch_ms(comm, barrier, f[name]) for name in ("unfused", "gemm")})
         minimum = f["sent"] if nodes == 1 else f["sent"] * (nodes - 1) // (W - 1)  # per rank, per direction
         link_ms = minimum / (link_gbs * 1e9) * 1e3
         bound = max(t["gemm"], link_ms)
@@ -301,6 +306,7 @@ def bench_op_shared(op, comm, shapes, dt, barrier, link_gbs):
         rows_out.append(harness.row(
             (M, N, K), t["default"], t["unfused"], bound, compute_ms=t["gemm"], link_ms=link_ms, path=path,
             sms_per_rank=cc.sms_per_rank(), mps=True, link_GBps=link_gbs, bytes_per_direction=minimum,
+            comm_sms=comm_sms, comm_ctas=split.get("comm_ctas"), lent_peak=split.get("lent_peak"),
             network_bytes_per_rank=network if nodes > 1 else None, max_err_mkernel=err_mk, max_err_baseline=err_base,
             dtype=dt.name, baseline="mkernel unfused: cupy.matmul, then mkernel's collective",
             goal=(f"speedup >= {goal}" if nodes == 1 else f"fraction_of_bound >= {goal}, speedup >= 1.0"),
@@ -349,12 +355,18 @@ def main():
     p.add_argument("--transport", default="host", help="between nodes: host, tcp or verbs")
     p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     p.add_argument("--out", default=None, help="results directory (default bench/results)")
+    p.add_argument("--shapes", default=None, help="per-rank shapes MxNxK,... in place of the table (every op given)")
+    p.add_argument("--comm-sms", default="auto", help="ranks sharing GPUs: the default call's comm_sms")
+    p.add_argument("--controller", default=None, help="config.tp_controller for the run (auto, always, pattern, off)")
     args = p.parse_args()
     import ml_dtypes
     from mpi4py import MPI
 
     import mkernel
 
+    if args.controller:
+        mkernel.config.configure(tp_controller=args.controller)
+    comm_sms = args.comm_sms if args.comm_sms == "auto" else int(args.comm_sms)
     W = MPI.COMM_WORLD.size
     if args.nodes < 1 or W % args.nodes:
         raise SystemExit(f"--nodes {args.nodes} must divide the world size {W}")
@@ -387,8 +399,10 @@ def main():
     summary = []
     for op in (OPS if args.op == "all" else (args.op,)):
         shapes = QUICK if args.quick else table[op]
+        if args.shapes:
+            shapes = [(tuple(int(x) for x in s.split("x")), None) for s in args.shapes.split(",")]
         try:
-            rows = (bench_op_shared(op, comm, shapes, dt, barrier, link) if shared
+            rows = (bench_op_shared(op, comm, shapes, dt, barrier, link, comm_sms) if shared
                     else bench_op(op, comm, shapes, dt, rate))
         except mkernel.ArgumentError as e:  # a layout the op refuses (allgather_gemm between nodes)
             if comm.rank == 0:

@@ -128,20 +128,29 @@ def test_workspace_grows_in_place_when_an_allocation_finds_no_room(comm):
         b[...] = root.rank + 1
         cupy.cuda.runtime.deviceSynchronize()
         comm.mpi.Barrier()
-        ok = root.heap.nbytes >= 2 * old and root.offset_of(a) == off_a and root.offset_of(b) + b.size > old
+        bad = []  # the checks that failed on this rank, by name
+        if not (root.heap.nbytes >= 2 * old and root.offset_of(a) == off_a and root.offset_of(b) + b.size > old):
+            bad.append(f"layout: {old} -> {root.heap.nbytes} bytes, a at {root.offset_of(a)} (was {off_a}), "
+                       f"b at {root.offset_of(b)}")
         for p, base in enumerate(root.heap.peer_base):
             r = root.node_mpi.allgather(root.rank)[p]
             pa = cupy.ndarray((1 << 18,), cupy.uint32, cupy.cuda.MemoryPointer(
                 cupy.cuda.UnownedMemory(base + off_a, 1 << 20, root), 0))
             pb = cupy.ndarray((b.size,), cupy.uint8, cupy.cuda.MemoryPointer(
                 cupy.cuda.UnownedMemory(base + root.offset_of(b), b.size, root), 0))
-            ok &= bool((pa == cupy.arange(1 << 18, dtype=cupy.uint32) + r).all()) and bool((pb == r + 1).all())
+            wrong_a = int((pa != cupy.arange(1 << 18, dtype=cupy.uint32) + r).sum())
+            wrong_b = (pb != r + 1).nonzero()[0]
+            if wrong_a or wrong_b.size:
+                first = int(wrong_b[0]) if wrong_b.size else None
+                bad.append(f"node rank {p}'s data through this rank's mapping: {wrong_a} words of a wrong, "
+                           f"{wrong_b.size} bytes of b wrong (first at b + {first}, b at {root.offset_of(b)})")
         comm.mpi.Barrier()
         del a, b
-        ok &= _exchange_arrives(root, Protocol(root, WORDS))  # (its arrays are freed before close)
+        if not _exchange_arrives(root, Protocol(root, WORDS)):  # (its arrays are freed before close)
+            bad.append("an exchange on the grown workspace")
     finally:
         root.close()
-    assert all_ranks(comm.mpi, ok)
+    assert all_ranks(comm.mpi, not bad), f"rank {comm.rank}: {bad}"
 
 
 def test_two_thousand_launches_never_see_a_flag_without_its_data(comm, proto):
