@@ -15,6 +15,7 @@ tokens (inside one node; between nodes the unfused path).
 """
 
 import ctypes
+import types
 
 from mkernel.core import config
 from mkernel.core.errors import ArgumentError
@@ -29,6 +30,8 @@ from mkernel.runtime.launch import launch_persistent, persistent_grid
 KERNEL = "mk_moe_dispatch_gemm_kernel"
 THREADS = 384            # MOE_GEMM_THREADS (the GEMM engine's CTA)
 PATHS = ("fused", "unfused")
+# path=None: the fused combine is slower than its blocks wherever measured (world 1; 2 ranks under MPS)
+DEFAULT_PATH = types.MappingProxyType({"moe_dispatch_gemm": "fused", "moe_gemm_combine": "unfused"})
 MAX_EXPERTS_LOCAL = _gemm.MAX_GROUPS  # one GEMM group per local expert
 
 COMBINE_KERNEL = "mk_moe_gemm_combine_kernel"
@@ -93,7 +96,7 @@ def moe_dispatch_gemm(x, topk_ids, topk_weights, w, *, comm, num_experts, capaci
     import cupy
 
     op = "moe_dispatch_gemm"
-    path, comm_sms = _check_path(op, path, comm_sms, "fused")
+    path, comm_sms = _check_path(op, path, comm_sms)
     d = _moe.check_dispatch(op, x, topk_ids, topk_weights, comm, num_experts, capacity, stream)
     El = num_experts // comm.size
     wb, layout, F = _expert_weights(op, as_cupy(w, "w", stream=stream), El, d.H, d.x.dtype, w_layout)
@@ -117,8 +120,8 @@ def moe_dispatch_gemm(x, topk_ids, topk_weights, w, *, comm, num_experts, capaci
     return out, d.handle()
 
 
-def _check_path(op, path, comm_sms, default):
-    path = default if path is None else path
+def _check_path(op, path, comm_sms):
+    path = DEFAULT_PATH[op] if path is None else path
     if path not in PATHS:
         raise ArgumentError(f"{op}: path must be one of {PATHS}; got {path!r}")
     comm_sms = config.get().moe_comm_sms if comm_sms is None else comm_sms
@@ -182,7 +185,7 @@ def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=No
     import cupy
 
     op = "moe_gemm_combine"
-    path, comm_sms = _check_path(op, path, comm_sms, "unfused")
+    path, comm_sms = _check_path(op, path, comm_sms)
     _moe._check_comm(op, comm)
     if path == "fused" and comm.num_nodes > 1:
         raise ArgumentError(f"{op}: the fused kernel works inside one node; between nodes use path='unfused' "
