@@ -182,6 +182,7 @@ class Communicator:
     # --- user-facing -----------------------------------------------------------------------------
     def empty(self, shape, dtype):
         """A CuPy array in symmetric memory: rank p's copy lies at the same offset of p's workspace.
+        Its contents are undefined, as numpy.empty's (freed ranges are reused without zeroing).
 
         Collective over the communicator: every rank allocates the same shapes in the same order."""
         import numpy

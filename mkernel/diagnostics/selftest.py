@@ -36,6 +36,8 @@ class Protocol:
         self.slots = comm.empty((comm.local_size, words), "uint32")
         self.mismatches = cupy.zeros(1, dtype=cupy.uint32)
         self.first = cupy.zeros(5, dtype=cupy.uint32)
+        self.flags.fill(0)  # comm.empty reuses memory: a stale word equal to an epoch would read as a flag
+        cupy.cuda.runtime.deviceSynchronize()  # zero before this rank's first credit lets a peer set one
         self.module = kcompile.module(SPEC)
 
     def args(self, *, rounds=1, consume_delay_ns=0, skip_credit=False, host_area=0, timeout_s=None):

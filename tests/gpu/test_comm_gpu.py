@@ -35,9 +35,9 @@ def _sync():
     cupy.cuda.get_current_stream().synchronize()
 
 
-def _exchange_arrives(c, proto):
-    """One launch of the exchange kernel (poisoned slots first): True when the epoch advanced by one
-    and every node peer's pattern arrived intact through c's pointer table."""
+def _exchange_problem(c, proto):
+    """One launch of the exchange kernel (poisoned slots first): None when the epoch advanced by one
+    and every node peer's pattern arrived intact through c's pointer table, else what went wrong."""
     proto.slots.fill(0xDEADBEEF)
     c.mpi.Barrier()
     e0 = c.sync.epoch()
@@ -45,10 +45,15 @@ def _exchange_arrives(c, proto):
     _sync()
     c.check()
     got = proto.slots.get()
-    ok = c.sync.epoch() == e0 + 1 and proto.mismatch_count() == 0
-    for p in range(c.local_size):
-        ok &= np.array_equal(got[p], expected_pattern(e0 + 1, p, WORDS))
-    return ok
+    wrong = {p: int((got[p] != expected_pattern(e0 + 1, p, WORDS)).sum()) for p in range(c.local_size)}
+    if c.sync.epoch() == e0 + 1 and proto.mismatch_count() == 0 and not any(wrong.values()):
+        return None
+    return (f"epoch {e0} -> {c.sync.epoch()}, {proto.mismatch_count()} mismatches seen by the kernel "
+            f"({proto.first_mismatch()}), wrong words by sender {wrong}")
+
+
+def _exchange_arrives(c, proto):
+    return _exchange_problem(c, proto) is None
 
 
 def test_each_rank_writes_every_peer_through_the_pointer_table(comm, proto):
@@ -146,8 +151,9 @@ def test_workspace_grows_in_place_when_an_allocation_finds_no_room(comm):
                            f"{wrong_b.size} bytes of b wrong (first at b + {first}, b at {root.offset_of(b)})")
         comm.mpi.Barrier()
         del a, b
-        if not _exchange_arrives(root, Protocol(root, WORDS)):  # (its arrays are freed before close)
-            bad.append("an exchange on the grown workspace")
+        problem = _exchange_problem(root, Protocol(root, WORDS))  # (its arrays are freed before close)
+        if problem:
+            bad.append(f"an exchange on the grown workspace: {problem}")
     finally:
         root.close()
     assert all_ranks(comm.mpi, not bad), f"rank {comm.rank}: {bad}"
