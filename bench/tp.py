@@ -61,6 +61,7 @@ BETWEEN_NODES = {
 }
 QUICK = [((4096, 4096, 1024), None)]
 SAMPLE_ROWS = 64
+AUTO_WARMUP = 20  # default calls before timing: comm_sms="auto" searches its split over the first ~10
 
 
 def _f64(x):
@@ -291,7 +292,7 @@ def bench_op_shared(op, comm, shapes, dt, barrier, link_gbs, comm_sms="auto"):
     for (M, N, K), goal in shapes:
         f = setup(op, comm, M, N, K, dt, comm_sms)
         network, path, err_mk, err_base = checked_calls(comm, op, f, "default", "unfused")
-        t = {"default": cc.batch_ms(comm, barrier, f["default"])}
+        t = {"default": cc.batch_ms(comm, barrier, f["default"], warmup=AUTO_WARMUP)}
         split = _tp.controller_stats(comm) if path == "fused" else {}  # the timed batch's last launch
         t.update({name: cc.batch_ms(comm, barrier, f[name]) for name in ("unfused", "gemm")})
         minimum = f["sent"] if nodes == 1 else f["sent"] * (nodes - 1) // (W - 1)  # per rank, per direction
