@@ -4,6 +4,7 @@
 #   source .whl/prepare.sh || exit 1; bash tools/device_session.sh [steps...]
 # Steps (default: info suite main sanitizer gemm transport); finer ones: decode tpdecode arphases ringmps nodesdiag runtime
 # ringnodes / ringnodes4: bench/ring_attention.py between 2 emulated nodes (2 ranks; 2 x 2 ranks)
+# test1 / test2: the pytest arguments in TEST_ARGS at 1 rank, and at 2 ranks (under MPS)
 # moetcp / copiestest: MoE between 2 emulated nodes over tcp, and a caller's copies behind an op between nodes (2 ranks)
 # faultsd (tools/faults.py scenario d for every op with a path between nodes, time-sliced)
 # runtime2 queue queue2 tpnodes4 nodestest nodesrate suitets maints (tools/nodes_rate.py: small WRITEs and the TP ops between 2 emulated nodes)
@@ -94,6 +95,8 @@ for s in $steps; do
     tpnodes) step tpnodes 300 $MPI2 python3 bench/tp.py --nodes 2 ;;
     tpnodes4) step tpnodes4 300 $MPI4 python3 bench/tp.py --nodes 2 ;;  # 2 nodes x 2 ranks, 33 SMs each
     nodestest) step nodestest 150 $PYT -rfE tests/gpu/test_tp_nodes_gpu.py ;;
+    test1) step test1 200 $PYT -rfE ${TEST_ARGS:?TEST_ARGS: the pytest arguments} ;;  # any tests at 1 rank
+    test2) step test2 200 $MPI2 $PYT -rfE ${TEST_ARGS:?TEST_ARGS: the pytest arguments} ;;  # and at 2 (MPS)
     moetcp) step moetcp 120 $MPI2 $PYT -rfE -k 'emulated_nodes and tcp' tests/gpu/test_moe_nodes_gpu.py ;;
     copiestest) step copiestest 120 $MPI2 $PYT -rfE -k caller_copies tests/gpu/test_tp_nodes_gpu.py ;;
     moebench) step moebench 300 $MPI2 python3 bench/moe.py ;;

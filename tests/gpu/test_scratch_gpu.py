@@ -45,10 +45,14 @@ def _sparse_ints(cupy, seed, shape, dt):
 
 
 def _tp_case(rng, W, op, case_seed):
+    m, N, K = _log_uniform(rng, 1, 4096), _log_uniform(rng, 8, 8192, 8), _log_uniform(rng, 8, 8192, 8)
+    return _tp_problem(W, op, m, N, K, DTYPES[("bf16", "fp16")[int(rng.integers(2))]], case_seed)
+
+
+def _tp_problem(W, op, m, N, K, dt, case_seed):
+    """(name, call, reference) of one TP op on sparse integer inputs: m rows per rank's block."""
     import cupy
 
-    m, N, K = _log_uniform(rng, 1, 4096), _log_uniform(rng, 8, 8192, 8), _log_uniform(rng, 8, 8192, 8)
-    dt = DTYPES[("bf16", "fp16")[int(rng.integers(2))]]
     fn = {"rs": mkernel.gemm_reduce_scatter, "ar": mkernel.gemm_allreduce, "ag": mkernel.allgather_gemm}[op]
     rows = m if op == "ag" else m * W  # A of one rank: [M, K] for RS / AR, [m, K] for AG
 
@@ -166,6 +170,27 @@ def test_three_hundred_interleaved_calls_share_the_scratch(comm):
         return True, f"{len(cases)} shapes, {CALLS} calls; scratch {st['scratch']}, plans {st['plans']}"
 
     collective_cases.collective(comm, "300 interleaved calls", body)
+
+
+@collective_cases.gpu_mpi
+def test_the_sequences_that_once_exhausted_the_workspace_fit_by_default(comm):
+    """Issue 24's reports, on the default workspace: the three TP ops at bf16 2048x2048x1024, then
+    bf16 and fp16 6144x3072x2560 (the third failed), and gemm_allreduce of 8192x2048 @ 2048x8192
+    in fp16 (671 MB of workspace at 2 ranks); M is the whole problem's rows. Every output exact."""
+    W = comm.size
+    shapes = [(2048, 2048, 1024, "bf16"), (6144, 3072, 2560, "bf16"), (6144, 3072, 2560, "fp16")]
+    cases = [_tp_problem(W, op, M // W, N, K, DTYPES[dt], 200 + i)
+             for i, (M, N, K, dt) in enumerate(shapes) for op in ("rs", "ar", "ag")]
+    cases.append(_tp_problem(W, "ar", 8192 // W, 8192, 2048, DTYPES["fp16"], 300))
+
+    def body():
+        for name, call, reference in cases:
+            ok, msg = _matches(call(comm), reference(comm), "tp")
+            if not ok:
+                return False, f"{name}: {msg}"
+        return True, f"{len(cases)} calls exact; scratch {comm.stats()['scratch']}"
+
+    collective_cases.collective(comm, "the reported sequences", body)
 
 
 @collective_cases.gpu_mpi
