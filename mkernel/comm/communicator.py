@@ -245,6 +245,8 @@ class Communicator:
             want = grown_size(self.heap.nbytes, nbytes, self.heap.granularity(), cap)
             if want is None:
                 blockers.append(f"growing past MKERNEL_WORKSPACE_MAX_BYTES ({cap}) would be needed")
+            elif want - self.heap.nbytes > self.heap.device_free():
+                blockers.append(self._out_of_memory(want - self.heap.nbytes))
         views = collectives.allgather_object(self.mpi, (blockers, want), "growing the workspace")
         reasons = [f"rank {r}: {'; '.join(b)}" for r, (b, _) in enumerate(views) if b]
         if reasons:
@@ -253,11 +255,30 @@ class Communicator:
         want = max(w for _, w in views)
         token = self.node_mpi.bcast(uuid.uuid4().hex if self.node_mpi.rank == 0 else None)
         old = self.heap.nbytes
-        self.heap.grow(self.node_mpi, want, token)
+        failed = None
+        try:  # a node whose allocation failed (the memory went meanwhile) fails on all of its ranks
+            self.heap.grow(self.node_mpi, want, token)
+        except WorkspaceError as e:
+            failed = str(e)
+        views = collectives.allgather_object(self.mpi, failed, "growing the workspace")
+        failures = [(r, f) for r, f in enumerate(views) if f]
+        if failures:
+            raise WorkspaceError(f"{exhausted}, and growing it failed on rank {failures[0][0]}: {failures[0][1]}")
         if self._proxy is not None:  # every rank grows here, before any allocation can use the new range
             self._proxy.proxy.grow_region(self.PROXY_WORKSPACE_REGION, self.heap.nbytes)
         log.info("rank %d: workspace grown in place from %d to %d bytes for an allocation of %d", self.rank, old,
                  want, nbytes)
+
+    def _out_of_memory(self, more: int) -> str:
+        """Why a growth by ``more`` bytes cannot fit on this GPU, and what holds its memory."""
+        import cupy
+
+        pool = cupy.get_default_memory_pool().total_bytes()
+        return (f"growing the workspace needs {more} more bytes on GPU {self.device_id}, which has "
+                f"{self.heap.device_free()} free; this rank holds a workspace of {self.heap.nbytes} bytes "
+                f"({self.heap.in_use} in use by arrays and the ops' buffers, {self.scratch.nbytes} of them the "
+                f"ops' scratch, {len(self.plans)} cached plans; comm.release_plans() frees them) and CuPy's "
+                f"pool {pool}; other processes on the GPU hold the rest")
 
     def offset_of(self, arr) -> int:
         """The symmetric offset of an array from :meth:`empty` (raises if it is not one, or is closed)."""

@@ -126,6 +126,13 @@ class SymmetricHeap:
     def granularity(self) -> int:
         return vmm.granularity(self.device_id)
 
+    def device_free(self) -> int:
+        """Bytes free on this heap's GPU now."""
+        import cupy
+
+        with cupy.cuda.Device(self.device_id):
+            return cupy.cuda.runtime.memGetInfo()[0]
+
     def grow(self, node_mpi, nbytes: int, token: str):
         """Maps more memory at the end of every node rank's workspace, to ``nbytes`` in all: the base,
         the offsets and every array stay valid. Collective over the node (the caller makes every rank

@@ -14,7 +14,7 @@ import ctypes
 import os
 import socket
 
-from mkernel.core.errors import MKernelError
+from mkernel.core.errors import MKernelError, WorkspaceError
 
 # cuda.h enumerations
 _ALLOCATION_TYPE_PINNED = 1
@@ -192,8 +192,18 @@ def exchange_fds(node_mpi, token: str, fd: int) -> list:
 
 def add_node_chunk(node_mpi, regions: list, nbytes: int, device: int, token: str):
     """Every rank of ``node_mpi`` makes an allocation of ``nbytes``; each maps every rank's at the end
-    of that rank's region (``regions[p]``). Collective over the node; ``token`` names its sockets."""
-    own = create(nbytes, device)
+    of that rank's region (``regions[p]``). Collective over the node; ``token`` names its sockets.
+    Raises WorkspaceError on every node rank when any rank's allocation fails."""
+    try:
+        own, why = create(nbytes, device), None
+    except MKernelError as e:
+        own, why = None, str(e)
+    whys = node_mpi.allgather(why) if node_mpi.size > 1 else [why]
+    if any(whys):
+        if own is not None:
+            release(own)
+        r = next(r for r, w in enumerate(whys) if w)
+        raise WorkspaceError(f"allocating {nbytes} more bytes of workspace failed on node rank {r}: {whys[r]}")
     try:
         fd = export_fd(own)
     except MKernelError:

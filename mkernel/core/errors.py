@@ -55,7 +55,8 @@ class CapacityError(MKernelError):
 
 class WorkspaceError(MKernelError):
     """No range of the symmetric workspace is large enough, and it could not grow (a legacy-IPC or
-    sub-communicator workspace, a running proxy, or MKERNEL_WORKSPACE_MAX_BYTES reached)."""
+    sub-communicator workspace, a running proxy, MKERNEL_WORKSPACE_MAX_BYTES reached, or the GPU
+    out of memory: the message then says what this rank holds)."""
 
 
 class ClosedError(MKernelError):

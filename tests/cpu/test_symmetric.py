@@ -2,6 +2,7 @@
 across ranks), even when ranks' free ranges differ (ranges other communicators of a shared pool hold)."""
 
 import random
+import types
 
 import pytest
 
@@ -89,11 +90,15 @@ class _FakeHeap:
         from mkernel.comm.symmetric import CONTROL_BYTES, take_symmetric
 
         self.nbytes, self.growable, self.grown, self.base = nbytes, growable, [], 0
+        self.in_use, self.free_on_device = 0, 1 << 40
         self._take = take_symmetric
         self.free = FreeList(CONTROL_BYTES, nbytes - CONTROL_BYTES)
 
     def granularity(self):
         return 2 << 20
+
+    def device_free(self):
+        return self.free_on_device
 
     def alloc_symmetric(self, mpi, nbytes, what, agree=None):
         views = mpi.allgather(self.free.free)
@@ -127,7 +132,7 @@ def _fake_comm(heap, proxy=None, sub=False):
     from mpi4py import MPI
 
     c = mkernel.Communicator.__new__(mkernel.Communicator)
-    c._closed, c.heap, c._proxy, c.rank = False, heap, proxy, MPI.COMM_WORLD.rank
+    c._closed, c.heap, c._proxy, c.rank, c.device_id = False, heap, proxy, MPI.COMM_WORLD.rank, 0
     c.mpi = c.node_mpi = MPI.COMM_WORLD
     c._root = object() if sub else c
     c.plans = PlanRegistry(synchronize=lambda: None)
@@ -161,6 +166,42 @@ def test_empty_grows_the_workspace_in_place_when_it_is_full(monkeypatch):
     monkeypatch.setenv("MKERNEL_WORKSPACE_MAX_BYTES", str(12 * MiB))
     with pytest.raises(mkernel.WorkspaceError, match="MKERNEL_WORKSPACE_MAX_BYTES"):
         _fake_comm(_FakeHeap(8 * MiB)).empty(16 * MiB, "uint8")
+
+
+@pytest.mark.mpi
+def test_a_growth_the_gpu_cannot_hold_raises_on_every_rank_saying_what_is_held(monkeypatch):
+    """The GPU short of memory on one rank: every rank raises WorkspaceError before any allocation,
+    naming the bytes needed, the bytes free and what this communicator holds. Any rank count."""
+    import cupy
+    from mpi4py import MPI
+
+    monkeypatch.setattr(cupy, "get_default_memory_pool", lambda: types.SimpleNamespace(total_bytes=lambda: 0))
+    monkeypatch.setenv("MKERNEL_WORKSPACE_MAX_BYTES", str(1 << 30))
+    MiB = 1 << 20
+    heap = _FakeHeap(8 * MiB)
+    if MPI.COMM_WORLD.rank == MPI.COMM_WORLD.size - 1:
+        heap.free_on_device = 4 * MiB
+    with pytest.raises(mkernel.WorkspaceError, match=r"needs \d+ more bytes on GPU 0, which has \d+ free.*plans"):
+        _fake_comm(heap).empty(16 * MiB, "uint8")
+    assert not heap.grown
+
+
+@pytest.mark.mpi
+def test_a_failed_allocation_during_growth_fails_every_rank(monkeypatch):
+    """A rank whose growth raises (its cuMemCreate failed after the check): every rank raises
+    WorkspaceError naming that rank, none hangs. Any rank count."""
+    from mpi4py import MPI
+
+    monkeypatch.setenv("MKERNEL_WORKSPACE_MAX_BYTES", str(1 << 30))
+    MiB = 1 << 20
+    heap = _FakeHeap(8 * MiB)
+    last = MPI.COMM_WORLD.size - 1
+    if MPI.COMM_WORLD.rank == last:
+        def grow(node_mpi, nbytes, token):
+            raise mkernel.WorkspaceError("allocating 8388608 more bytes of workspace failed on node rank 0: oom")
+        heap.grow = grow
+    with pytest.raises(mkernel.WorkspaceError, match=f"growing it failed on rank {last}"):
+        _fake_comm(heap).empty(16 * MiB, "uint8")
 
 
 @pytest.mark.mpi
