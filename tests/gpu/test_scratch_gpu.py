@@ -45,7 +45,8 @@ def _sparse_ints(cupy, seed, shape, dt):
 
 
 def _tp_case(rng, W, op, case_seed):
-    m, N, K = _log_uniform(rng, 1, 4096), _log_uniform(rng, 8, 8192, 8), _log_uniform(rng, 8, 8192, 8)
+    # issue 24's ranges: M = m W from 1 row per rank to 16384, N and K multiples of 8 up to 16384
+    m, N, K = _log_uniform(rng, 1, 16384 // W), _log_uniform(rng, 8, 16384, 8), _log_uniform(rng, 8, 16384, 8)
     return _tp_problem(W, op, m, N, K, DTYPES[("bf16", "fp16")[int(rng.integers(2))]], case_seed)
 
 
