@@ -10,7 +10,7 @@
 # runtime2 queue queue2 tpnodes4 nodestest nodesrate suitets maints (tools/nodes_rate.py: small WRITEs and the TP ops between 2 emulated nodes)
 # mpi2 gemmtest tp attention ring ringbench tpbench tpnodes moebench controller controllernodes (the last six want 2 GPUs)
 # controller1: bench/controller.py at world 1 (the comm is a local tile copy; the mechanism, not the issue's rows).
-# branchsuite / branchtpbench: the GPU suite / bench/tp.py of a branch checked out at scratch/branch
+# branchsuite / branchtpbench / branchtpnodes: the GPU suite / bench/tp.py (in a node / 2 emulated nodes) of a branch checked out at scratch/branch
 # (git worktree add scratch/branch <branch>; carry scratch), results under $OUT/branch (the A/B of
 # a branch against main's tpbench). moe: the MoE tests at
 # 1 and 2 ranks; moebench1: bench/moe.py at world 1; moenodes: tests/gpu/test_moe_nodes_gpu.py (its
@@ -110,6 +110,8 @@ for s in $steps; do
       PYTHONPATH=\$PWD bash tests/run_gpu.sh" ;;
     branchtpbench) step branchtpbench 400 bash -c "cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null && \
       PYTHONPATH=\$PWD $MPI2 python3 bench/tp.py --out \$OUT/branch" ;;
+    branchtpnodes) step branchtpnodes 300 bash -c "cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null && \
+      PYTHONPATH=\$PWD $MPI2 python3 bench/tp.py --nodes 2 --out \$OUT/branch" ;;
     controller) step controller 500 $MPI2 python3 bench/controller.py ;;
     controller1) step controller1 500 python3 bench/controller.py ;;
     controllernodes) step controllernodes 500 $MPI2 python3 bench/controller.py --nodes 2 ;;
