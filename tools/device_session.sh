@@ -95,7 +95,7 @@ for s in $steps; do
     tpnodes) step tpnodes 300 $MPI2 python3 bench/tp.py --nodes 2 ;;
     tpnodes4) step tpnodes4 300 $MPI4 python3 bench/tp.py --nodes 2 ;;  # 2 nodes x 2 ranks, 33 SMs each
     nodestest) step nodestest 150 $PYT -rfE tests/gpu/test_tp_nodes_gpu.py ;;
-    test1) step test1 200 $PYT -rfE ${TEST_ARGS:?TEST_ARGS: the pytest arguments} ;;  # any tests at 1 rank
+    test1) step test1 200 $PYT -rfE ${TEST_ARGS:?TEST_ARGS: the pytest arguments} ;;  # word-split: no spaces inside -k
     test2) step test2 200 $MPI2 $PYT -rfE ${TEST_ARGS:?TEST_ARGS: the pytest arguments} ;;  # and at 2 (MPS)
     moetcp) step moetcp 120 $MPI2 $PYT -rfE -k 'emulated_nodes and tcp' tests/gpu/test_moe_nodes_gpu.py ;;
     copiestest) step copiestest 120 $MPI2 $PYT -rfE -k caller_copies tests/gpu/test_tp_nodes_gpu.py ;;
