@@ -80,7 +80,7 @@ for s in $steps; do
     decode) step decode 120 python3 bench/gemm.py --decode ;;
     tpdecode) step tpdecode 200 $MPI2 python3 bench/tp_decode.py ;;
     arphases) step arphases 90 $MPI2 python3 tools/allreduce_phases.py ;;
-    ringmps) step ringmps 300 $MPI2 python3 bench/ring_attention.py --quick --kv-heads 8 ;;
+    ringmps) step ringmps 300 $MPI2 python3 bench/ring_attention.py --quick --kv-heads 8 ${RING_ARGS:-} ;;
     ringnodes) step ringnodes 300 $MPI2 python3 bench/ring_attention.py --quick --kv-heads 8 --nodes 2 ;;
     ringnodes4) step ringnodes4 300 $MPI4 python3 bench/ring_attention.py --quick --kv-heads 8 --nodes 2 ;;
     nodesdiag) step nodesdiag 200 bash -c 'for s in ${NODESDIAG_SEQS:-grown first pregrow}; do CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=33 \
