@@ -10,7 +10,7 @@
 # runtime2 queue queue2 tpnodes4 nodestest nodesrate suitets maints (tools/nodes_rate.py: small WRITEs and the TP ops between 2 emulated nodes)
 # mpi2 gemmtest tp attention ring ringbench tpbench tpnodes moebench controller controllernodes (the last six want 2 GPUs)
 # controller1: bench/controller.py at world 1 (the comm is a local tile copy; the mechanism, not the issue's rows).
-# branchsuite / branchtpbench / branchtpnodes: the GPU suite / bench/tp.py (in a node / 2 emulated nodes) of a branch checked out at scratch/branch
+# branchsuite / branchnodes / branchtpbench / branchtpnodes: the GPU suite / its tests between nodes (2 ranks) / bench/tp.py (in a node / 2 emulated nodes) of a branch checked out at scratch/branch
 # (git worktree add scratch/branch <branch>; carry scratch), results under $OUT/branch (the A/B of
 # a branch against main's tpbench). moe: the MoE tests at
 # 1 and 2 ranks; moebench1: bench/moe.py at world 1; moenodes: tests/gpu/test_moe_nodes_gpu.py (its
@@ -108,6 +108,9 @@ for s in $steps; do
       $MPI2 $PYT -m 'gpu and mpi' tests/gpu/test_moe_nodes_gpu.py && exit \$r" ;;
     branchsuite) step branchsuite 420 bash -c "cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null && \
       PYTHONPATH=\$PWD bash tests/run_gpu.sh" ;;
+    branchnodes) step branchnodes 300 bash -c "cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null && \
+      PYTHONPATH=\$PWD $MPI2 $PYT -rfE -m 'gpu and mpi and not slow' tests/gpu/test_queue_gpu.py tests/gpu/test_tp_nodes_gpu.py \
+      tests/gpu/test_moe_nodes_gpu.py tests/gpu/test_ring_attention_worlds_gpu.py" ;;
     branchtpbench) step branchtpbench 400 bash -c "cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null && \
       PYTHONPATH=\$PWD $MPI2 python3 bench/tp.py --out \$OUT/branch" ;;
     branchtpnodes) step branchtpnodes 300 bash -c "cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null && \
