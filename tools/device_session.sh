@@ -112,9 +112,9 @@ for s in $steps; do
       PYTHONPATH=\$PWD $MPI2 $PYT -rfE -m 'gpu and mpi and not slow' tests/gpu/test_queue_gpu.py tests/gpu/test_tp_nodes_gpu.py \
       tests/gpu/test_moe_nodes_gpu.py tests/gpu/test_ring_attention_worlds_gpu.py" ;;
     branchtpbench) step branchtpbench 400 bash -c "cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null && \
-      PYTHONPATH=\$PWD $MPI2 python3 bench/tp.py --out \$OUT/branch" ;;
+      BENCH_COMMIT=${BRANCH_COMMIT:-${BENCH_COMMIT:-}} PYTHONPATH=\$PWD $MPI2 -x BENCH_COMMIT python3 bench/tp.py --out \$OUT/branch" ;;
     branchtpnodes) step branchtpnodes 300 bash -c "cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null && \
-      PYTHONPATH=\$PWD $MPI2 python3 bench/tp.py --nodes 2 --out \$OUT/branch" ;;
+      BENCH_COMMIT=${BRANCH_COMMIT:-${BENCH_COMMIT:-}} PYTHONPATH=\$PWD $MPI2 -x BENCH_COMMIT python3 bench/tp.py --nodes 2 --out \$OUT/branch" ;;
     controller) step controller 500 $MPI2 python3 bench/controller.py ;;
     controller1) step controller1 500 python3 bench/controller.py ;;
     controllernodes) step controllernodes 500 $MPI2 python3 bench/controller.py --nodes 2 ;;
