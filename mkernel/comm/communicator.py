@@ -539,7 +539,8 @@ class Communicator:
             return failed
         import cupy
 
-        proxy, queue, ptr, _ = self._proxy
+        svc = self._proxy
+        proxy, queue, ptr = svc.proxy, svc.queue, svc.flags_ptr
         self._proxy = None
         if not failed:
             try:
