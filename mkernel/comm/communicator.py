@@ -76,6 +76,7 @@ class ProxyService(NamedTuple):
     queue: object  # its CommandQueue, which the kernels enqueue into
     flags_ptr: int  # the proxy flags: mapped host memory (the same pointer on the device)
     flags: object  # ... as a NumPy uint32 view
+    relay: object  # CuPy uint32 [2 * flags]: what the kernels' waiters read of each flag (queue.cuh)
 
 
 class Communicator:
@@ -398,7 +399,7 @@ class Communicator:
                 queue.close()
                 cupy.cuda.runtime.freeHost(ptr)
                 raise
-            self._proxy = ProxyService(proxy, queue, ptr, flags)
+            self._proxy = ProxyService(proxy, queue, ptr, flags, cupy.zeros(2 * flags.size, dtype=cupy.uint32))
             log.debug("rank %d: proxy started (%s transport, %d peers on other nodes)", self.rank,
                       proxy.transport, len(proxy.peers))
         return self._proxy.proxy
@@ -408,9 +409,9 @@ class Communicator:
         root's queue, with this communicator's ranks, workspace and flag range translated; flag ids
         in commands are relative to ``flag_base`` (a :meth:`proxy_flag_block`'s base)."""
         self.proxy  # noqa: B018  (starts the root's)
-        queue = self._root._proxy.queue
-        return queue.device_args(self._root_ranks_dev, self.heap.base - self._root.heap.base,
-                                 self._flag_range * self.PROXY_FLAGS + flag_base)
+        svc = self._root._proxy
+        return svc.queue.device_args(self._root_ranks_dev, self.heap.base - self._root.heap.base,
+                                     self._flag_range * self.PROXY_FLAGS + flag_base, svc.flags_ptr, svc.relay)
 
     @property
     def proxy_flags(self):
@@ -426,12 +427,17 @@ class Communicator:
         :class:`symmetric.Lease` whose ``offset`` is the first one's id (the plan's commands name its
         flags relative to it: ``proxy_queue_args(flag_base=offset)``, ``proxy_flags[0] + 4 * offset``);
         they go back when it is dropped. Collective (the same ids on every rank)."""
+        import cupy
+
         if not hasattr(self, "_pflag_free"):
             self._pflag_free = FreeList(0, self.PROXY_FLAGS)
         views = collectives.allgather_object(self.mpi, list(self._pflag_free.free), "allocating proxy flags")
         base, size = take_symmetric(views, count, self.PROXY_FLAGS, align=1)
         self._pflag_free.take_at(base, size)
         self.proxy_flags[1][base:base + size] = 0
+        first = 2 * (self._flag_range * self.PROXY_FLAGS + base)
+        self._root._proxy.relay[first:first + 2 * size] = 0  # the waiters' copies too, before any launch
+        cupy.cuda.runtime.deviceSynchronize()
         # Peers SIGNAL these flags from their kernels' entry, without waiting for this rank (a
         # credit), so no rank may launch before every rank has zeroed them: a SIGNAL landing before
         # the zeroing would be wiped out, and its waiter would time out.
@@ -533,7 +539,8 @@ class Communicator:
             return failed
         import cupy
 
-        proxy, queue, ptr, _ = self._proxy
+        svc = self._proxy
+        proxy, queue, ptr = svc.proxy, svc.queue, svc.flags_ptr
         self._proxy = None
         if not failed:
             try:

@@ -61,7 +61,7 @@ class QueueArgs(ctypes.Structure):
     """Mirror of MkQueue, the producer's view inside a kernel's argument struct."""
     _fields_ = [("header", ctypes.c_void_p), ("slots", ctypes.c_void_p), ("reserve", ctypes.c_void_p),
                 ("ranks", ctypes.c_void_p), ("workspace_base", ctypes.c_uint64), ("mask", ctypes.c_uint32),
-                ("flag_base", ctypes.c_uint32)]
+                ("flag_base", ctypes.c_uint32), ("flags", ctypes.c_void_p), ("relay", ctypes.c_void_p)]
 
 
 CMD_BYTES = 32
@@ -109,13 +109,16 @@ class CommandQueue:
             raise TimeoutError(f"the command queue stayed full for {_timeout_s(timeout_s):.1f} s "
                                f"(proxy error word {self.header.error})")
 
-    def device_args(self, ranks=None, workspace_base=0, flag_base=0) -> QueueArgs:
+    def device_args(self, ranks=None, workspace_base=0, flag_base=0, flags=None, relay=None) -> QueueArgs:
         """The producer's view. ranks (device u16 array: the caller's rank -> the proxy's), workspace_base
-        and flag_base translate a sub-communicator's names into the proxy's (MkQueue)."""
+        and flag_base translate a sub-communicator's names into the proxy's (MkQueue). Kernels that wait
+        for flags need flags (the proxy's flag array, a pointer) and relay (a zeroed device uint32 array
+        of two words per flag, zeroed again with any flag the host zeroes)."""
         if not self.gpu:
             raise ArgumentError("device_args() needs a queue made with gpu=True")
         return QueueArgs(self.header_address, self.slots_address, self._reserve.data.ptr,
-                         ranks.data.ptr if ranks is not None else None, workspace_base, self.capacity - 1, flag_base)
+                         ranks.data.ptr if ranks is not None else None, workspace_base, self.capacity - 1, flag_base,
+                         flags, relay.data.ptr if relay is not None else None)
 
     def produce_test_commands(self, threads: int, per_thread: int, timeout_s=None):
         """CPU producer threads (C, GIL released) enqueue threads*per_thread verify NOPs."""

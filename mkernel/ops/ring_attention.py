@@ -61,7 +61,7 @@ class MkRingArgs(ctypes.Structure):
                 ("queue", _proxy.QueueArgs), ("pflags", ctypes.c_void_p), ("stage_off", ctypes.c_uint64),
                 ("next_remote", ctypes.c_int32), ("prev_remote", ctypes.c_int32), ("chunks", ctypes.c_uint32),
                 ("chunk_bytes", ctypes.c_uint32), ("kv_bytes", ctypes.c_uint64), ("local", ctypes.c_int32),
-                ("lrank", ctypes.c_int32), ("pad", ctypes.c_uint32 * 14)]
+                ("lrank", ctypes.c_int32), ("pad", ctypes.c_uint32 * 10)]
 
 
 def _rows_contiguous(x):

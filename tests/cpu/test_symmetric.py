@@ -125,7 +125,7 @@ class _FakeProxy:
 
 def _service(proxy):
     from mkernel.comm.communicator import ProxyService
-    return ProxyService(proxy, None, 0, None)
+    return ProxyService(proxy, None, 0, None, None)
 
 
 def _fake_comm(heap, proxy=None, sub=False):

@@ -175,7 +175,9 @@ def _exchange_tiles(transport):
             proxy.attach_queue(queue)
             proxy.connect()
             proxy.start()
-            args = TileExchangeArgs(sync.args("queue", 30), queue.device_args(), send.data.ptr, recv.data.ptr,
+            relay = cupy.zeros(2 * (tiles + 1), dtype=cupy.uint32)
+            args = TileExchangeArgs(sync.args("queue", 30), queue.device_args(flags=flags_ptr, relay=relay),
+                                    send.data.ptr, recv.data.ptr,
                                     flags_ptr, mismatches.data.ptr, tiles, tile_bytes, 0, 1 - rank, 0, 1)
             for epoch in range(1, epochs + 1):
                 _launch("tile_exchange", (16,), (256,), args)

@@ -127,5 +127,5 @@ struct TpArgs {
   TpCtl* ctl;  // the plan's controller state
   int ctl_mode;  // TP_CTL_*
   int ctl_lend_max;  // adaptive: at most this many GEMM CTAs lent at once
-  int pad[12];  // explicit tail: sizeof is a multiple of 64
+  int pad[8];  // explicit tail: sizeof is a multiple of 64
 };

@@ -206,10 +206,10 @@ MK_DEV bool tp_reduce_ready(const TpArgs& a, u32 E, u32 item) {
   for (u32 s = 0; s < L; ++s)
     if (ld_acquire_sys(rflag + (s * N + it.j) * tb + it.tl) != E) return false;
   if (N == 1) return true;
-  if (!it.own) return ld_acquire_sys(a.pflags + TP_PF_CREDIT + it.j) == E;
+  if (!it.own) return remote_peek(a.queue, a.pflags + TP_PF_CREDIT + it.j) == E;  // no PCIe read
   const u32 launch = tp_launch_count(a);
   for (u32 jj = 0; jj < N; ++jj)
-    if (jj != (u32)a.node && !epoch_reached(ld_acquire_sys(tp_arrival_flag(a, TP_PF_ARRIVED, jj, it.tl)),
+    if (jj != (u32)a.node && !epoch_reached(remote_peek(a.queue, tp_arrival_flag(a, TP_PF_ARRIVED, jj, it.tl)),
                                             tp_arrival_target(a, it.tl, launch)))
       return false;
   return true;

@@ -169,35 +169,57 @@ MK_DEV bool queue_push_warp(const MkSync& s, const MkQueue& q, const MkCmd& c, b
   return ok;
 }
 
-// Polls of mapped host memory cross PCIe: a waiter backs off from the first to the last pause (ns)
-// and reads the proxy's error word every MK_REMOTE_ERROR_EVERY polls, so waiters leave the link to the data.
+// Polls of mapped host memory cross PCIe: of the waiters of one flag only one (the claim in its relay
+// words) reads the host, backing off from the first to the last pause (ns), and passes each value it
+// reads on in device memory, where the others poll; so waiters leave the link to the data.
 constexpr u32 MK_REMOTE_PAUSE_FIRST_NS = 128, MK_REMOTE_PAUSE_LAST_NS = 4096, MK_REMOTE_ERROR_EVERY = 8;
+
+// A proxy flag's relay words: [0] the last value a waiter read from the host, [1] 1 while one polls it.
+MK_DEV u32* remote_relay(const MkQueue& q, const u32* flag) { return q.relay + 2 * (flag - q.flags); }
+
+// A proxy flag's value as its waiters last relayed it (device memory only; may lag the host).
+MK_DEV u32 remote_peek(const MkQueue& q, const u32* flag) { return ld_acquire_sys(remote_relay(q, flag)); }
 
 // Waits for a flag a peer's proxy sets (in mapped host memory) to satisfy done(); gives up,
 // recording it, when the proxy reports a failure instead of waiting out the timeout.
 template <typename Done>
 MK_DEV bool wait_remote(const MkSync& s, const MkQueue& q, const u32* flag, Done done, u32 expected, i32 peer,
                         u32 where) {
-  u32 v = ld_acquire_sys(flag);
+  u32* relay = remote_relay(q, flag);
+  u32 v = ld_acquire_sys(relay);
   if (done(v)) return true;
+  bool polls = false;  // this waiter holds the claim: it reads the host flag and relays it
+  bool ok = false;
   const u64 start = globaltimer_ns();
-  for (u32 i = 1, pause = MK_REMOTE_PAUSE_FIRST_NS;; ++i) {
-    __nanosleep(pause);
-    pause = pause < MK_REMOTE_PAUSE_LAST_NS ? pause * 2 : pause;
-    v = ld_acquire_sys(flag);
-    if (done(v)) return true;
-    if (error_recorded(s)) return false;
-    if (i % MK_REMOTE_ERROR_EVERY == 0 && ld_relaxed_sys(&q.header->error) != 0) {
-      if (done(ld_acquire_sys(flag))) return true;
-      record_proxy_error(s, q, peer, MK_WHERE_PROXY, expected);
-      return false;
+  for (u32 i = 0, pause = MK_REMOTE_PAUSE_FIRST_NS;; ++i) {
+    if (!polls && atomicCAS(relay + 1, 0u, 1u) == 0u) polls = true;
+    if (polls) {
+      const u32 h = ld_acquire_sys(flag);
+      if (h != v) st_release_sys(relay, h);  // cumulative: what the host flag published is visible too
+      v = h;
+    } else {
+      v = ld_acquire_sys(relay);
+    }
+    if (done(v)) {
+      ok = true;
+      break;
+    }
+    if (error_recorded(s)) break;
+    if (polls && i % MK_REMOTE_ERROR_EVERY == 0 && ld_relaxed_sys(&q.header->error) != 0) {
+      ok = done(ld_acquire_sys(flag));
+      if (!ok) record_proxy_error(s, q, peer, MK_WHERE_PROXY, expected);
+      break;
     }
     const u64 waited = globaltimer_ns() - start;
     if (waited > s.timeout_ns) {
       record_error(s, MK_ERR_TIMEOUT, peer, where, expected, v, waited);
-      return false;
+      break;
     }
+    __nanosleep(pause);
+    pause = pause < MK_REMOTE_PAUSE_LAST_NS ? pause * 2 : pause;
   }
+  if (polls) st_release_sys(relay + 1, 0u);  // the next waiter that still waits takes the claim
+  return ok;
 }
 MK_DEV bool wait_remote_epoch(const MkSync& s, const MkQueue& q, const u32* flag, u32 epoch, i32 peer, u32 where) {
   return wait_remote(s, q, flag, [epoch](u32 v) { return v == epoch; }, epoch, peer, where);

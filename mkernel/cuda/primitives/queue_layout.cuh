@@ -73,6 +73,9 @@ struct MkQueue {
       // workspace lies in the proxy's
   unsigned int mask;  // capacity - 1
   unsigned int flag_base;  // added to flag ids: the communicator's range of the proxy's flag array
+  const unsigned int* flags;  // mapped host memory: the proxy's flag array (what its commands set)
+  unsigned int* relay;  // device memory, 2 words per flag: the last value one waiter read from the host
+      // flag, then 1 while a waiter polls it (queue.cuh, wait_remote): one GPU poller per flag on PCIe
 };
 
 // The region every communicator's proxy registers its root workspace as (comm.PROXY_WORKSPACE_REGION).
