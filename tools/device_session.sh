@@ -11,7 +11,7 @@
 # mpi2 gemmtest tp attention ring ringbench tpbench tpnodes moebench controller controllernodes (the last six want 2 GPUs)
 # controller1: bench/controller.py at world 1 (the comm is a local tile copy; the mechanism, not the issue's rows).
 # branchsuite / branchnodes / branchtpbench / branchtpnodes: the GPU suite / its tests between nodes (2 ranks) / bench/tp.py (in a node / 2 emulated nodes) of a branch checked out at scratch/branch
-# (git worktree add scratch/branch <branch>; carry scratch), results under $OUT/branch (the A/B of
+# (git worktree add scratch/branch <branch>; carry scratch), results in $OUT/branch.tar.gz (the A/B of
 # a branch against main's tpbench). moe: the MoE tests at
 # 1 and 2 ranks; moebench1: bench/moe.py at world 1; moenodes: tests/gpu/test_moe_nodes_gpu.py (its
 # child jobs at 3 and 4 ranks, then 2 ranks as 2 nodes); moebenchnodes: bench/moe.py --nodes 2 (2 GPUs).
@@ -22,12 +22,15 @@
 set -u
 OUT=${OUT:-/tmp/mkernel-out}
 LOGS=$(mktemp -d)/logs  # $OUT gets logs.tar.gz, results.tar.gz and summary.txt (8 files come back at most)
+BRANCH_OUT=$(dirname "$LOGS")/branch  # a branch's results, as branch.tar.gz (loose files count against the 8)
 mkdir -p "$LOGS" "$OUT"
 touch "$LOGS/.start"  # results.tar.gz holds only the results this call wrote
 collect() {  # after every step: a cut-off run still reports
   tar -C "$(dirname "$LOGS")" -czf "$OUT/logs.tar.gz" logs
   find bench/results -newer "$LOGS/.start" \( -name '*.json' -o -name '*.png' \) -print0 |
     tar --null -T - -czf "$OUT/results.tar.gz"
+  [ -d "$BRANCH_OUT" ] && tar -C "$(dirname "$LOGS")" -czf "$OUT/branch.tar.gz" branch
+  return 0
 }
 [ -d .kcache ] && export MKERNEL_CACHE_DIR=$PWD/.kcache
 export MKERNEL_CACHE_DIR=${MKERNEL_CACHE_DIR:-$HOME/.cache/mkernel} PYTHONPATH=${PYTHONPATH:-}
@@ -112,9 +115,9 @@ for s in $steps; do
       PYTHONPATH=\$PWD $MPI2 $PYT -rfE -m 'gpu and mpi and not slow' tests/gpu/test_queue_gpu.py tests/gpu/test_tp_nodes_gpu.py \
       tests/gpu/test_moe_nodes_gpu.py tests/gpu/test_ring_attention_worlds_gpu.py" ;;
     branchtpbench) step branchtpbench 400 bash -c "cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null && \
-      BENCH_COMMIT=${BRANCH_COMMIT:-${BENCH_COMMIT:-}} PYTHONPATH=\$PWD $MPI2 -x BENCH_COMMIT python3 bench/tp.py --out \$OUT/branch" ;;
+      BENCH_COMMIT=${BRANCH_COMMIT:-${BENCH_COMMIT:-}} PYTHONPATH=\$PWD $MPI2 -x BENCH_COMMIT python3 bench/tp.py --out $BRANCH_OUT" ;;
     branchtpnodes) step branchtpnodes 300 bash -c "cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null && \
-      BENCH_COMMIT=${BRANCH_COMMIT:-${BENCH_COMMIT:-}} PYTHONPATH=\$PWD $MPI2 -x BENCH_COMMIT python3 bench/tp.py --nodes 2 --out \$OUT/branch" ;;
+      BENCH_COMMIT=${BRANCH_COMMIT:-${BENCH_COMMIT:-}} PYTHONPATH=\$PWD $MPI2 -x BENCH_COMMIT python3 bench/tp.py --nodes 2 --out $BRANCH_OUT" ;;
     controller) step controller 500 $MPI2 python3 bench/controller.py ;;
     controller1) step controller1 500 python3 bench/controller.py ;;
     controllernodes) step controllernodes 500 $MPI2 python3 bench/controller.py --nodes 2 ;;
