@@ -5,7 +5,8 @@
 // this epilogue wrapper, warp by warp, stores the warp's 16 x 256 fp32 slice of the range's partial
 // in split_ws, counts its arrival for (tile, slice), and the last of the ranges to arrive adds the
 // ranges' values in range order (all read back, its own too) and hands the sum to the inner
-// epilogue: bitwise reproducible, whichever range is last. No barrier spans more than one warp.
+// epilogue: bitwise reproducible, whichever range is last. Warps whose 16 rows lie past M move no
+// partial (at 33-64 rows, half the tile). No barrier spans more than one warp.
 //
 // split_ws: 8 arrival counts per tile (zero between launches: the last arrival resets its count) in
 // a fixed region of MK_SPLIT_MAX_TILES tiles, so that no call's partials overlap another call's
@@ -34,6 +35,9 @@ struct MkSplitEpilogue {
   MK_DEV bool reduce(float (&acc)[128], const MkTile& t, int wg) {
     const u32 S = args.splits;
     const u32 lane = threadIdx.x & 31, slice = (u32)wg * 4 + ((threadIdx.x & 127) >> 5), own = t.pad[0];
+    // No row of this warp is in the tile (M's last tile): no partial to move; range 0 alone runs the
+    // inner epilogue, which stores nothing for it.
+    if (16 * (i32)slice >= t.rows) return own == 0;
     u8* ws = reinterpret_cast<u8*>(args.split_ws);
     u32* count = reinterpret_cast<u32*>(ws) + (u64)t.id * 8 + slice;
     const float* part = reinterpret_cast<const float*>(ws + MK_SPLIT_COUNTS_BYTES) +
