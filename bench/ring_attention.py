@@ -294,14 +294,27 @@ class GatherBaseline:
         if causal:
             self.kg = cupy.empty((2 * W, S // 2, Hkv, D), k.dtype)  # global chunk order
             self.vg = cupy.empty_like(self.kg)
+        # Every kernel after the gather loads its module here, with nothing of ours in flight: a first
+        # load behind a gather between nodes blocks the proxy's copies it waits for (tp.quiesced_first_use).
+        cupy.cuda.runtime.deviceSynchronize()
+        self._stage()
+        self._attend(cupy.zeros((W * S, 2 * Hkv * D), k.dtype))
+        cupy.cuda.runtime.deviceSynchronize()
 
     def __call__(self):
-        S, Hkv, D = self.k.shape
-        W, me, HD = self.comm.size, self.comm.rank, Hkv * D
-        self.rows[:, :HD] = self.k.reshape(S, HD)
-        self.rows[:, HD:] = self.v.reshape(S, HD)
+        self._stage()
         _, g = self.allgather_gemm(self.rows, self.b, comm=self.comm, out=self.sink, path="unfused",
                                    return_gathered=True)
+        self._attend(g)
+
+    def _stage(self):
+        S, Hkv, D = self.k.shape
+        self.rows[:, :Hkv * D] = self.k.reshape(S, Hkv * D)
+        self.rows[:, Hkv * D:] = self.v.reshape(S, Hkv * D)
+
+    def _attend(self, g):
+        S, Hkv, D = self.k.shape
+        W, me = self.comm.size, self.comm.rank
         if not self.causal:
             g = g.reshape(W * S, 2, Hkv, D)
             self.attention(self.q, g[:, 0], g[:, 1], out=self.out)

@@ -14,7 +14,7 @@
 # (git worktree add scratch/branch <branch>; carry scratch), results in $OUT/branch.tar.gz (the A/B of
 # a branch against main's tpbench). moe: the MoE tests at
 # 1 and 2 ranks; moebench1: bench/moe.py at world 1; moenodes: tests/gpu/test_moe_nodes_gpu.py (its
-# child jobs at 3 and 4 ranks, then 2 ranks as 2 nodes); moebenchnodes: bench/moe.py --nodes 2 (2 GPUs).
+# child jobs at 3 and 4 ranks, then 2 ranks as 2 nodes); moebenchnodes / moebenchnodes4: bench/moe.py --nodes 2 at 2 ranks / 2 x 2 ranks (MPS).
 # A kernel cache built on a CPU machine (python -m mkernel precompile) is used when carried as .kcache.
 # The copy on the device has no .git of its own (in session 6 git there reported the session's first
 # commit, "-dirty"): write BENCH_COMMIT=<local HEAD's hash> into the command (a literal: a
@@ -84,8 +84,8 @@ for s in $steps; do
     tpdecode) step tpdecode 200 $MPI2 python3 bench/tp_decode.py ;;
     arphases) step arphases 90 $MPI2 python3 tools/allreduce_phases.py ;;
     ringmps) step ringmps 300 $MPI2 python3 bench/ring_attention.py --quick --kv-heads 8 ${RING_ARGS:-} ;;
-    ringnodes) step ringnodes 300 $MPI2 python3 bench/ring_attention.py --quick --kv-heads 8 --nodes 2 ;;
-    ringnodes4) step ringnodes4 300 $MPI4 python3 bench/ring_attention.py --quick --kv-heads 8 --nodes 2 ;;
+    ringnodes) step ringnodes 300 $MPI2 python3 bench/ring_attention.py --quick --kv-heads 8 --nodes 2 ${RING_ARGS:-} ;;
+    ringnodes4) step ringnodes4 300 $MPI4 python3 bench/ring_attention.py --quick --kv-heads 8 --nodes 2 ${RING_ARGS:-} ;;
     nodesdiag) step nodesdiag 200 bash -c 'for s in ${NODESDIAG_SEQS:-grown first pregrow}; do CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=33 \
       mpirun -n 3 --oversubscribe --bind-to none -x MKERNEL_CACHE_DIR -x MKERNEL_TIMEOUT_S -x CUDA_MPS_PIPE_DIRECTORY \
       -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE python3 tools/nodes_diag.py --seq $s; done' ;;
@@ -107,6 +107,7 @@ for s in $steps; do
     moe) step moe 200 bash -c "$PYT -m gpu tests/gpu/test_moe_gpu.py tests/gpu/test_moe_errors_gpu.py tests/gpu/test_moe_gemm_gpu.py && \
       $MPI2 $PYT -m 'gpu and mpi and not slow' tests/gpu/test_moe_gpu.py tests/gpu/test_moe_errors_gpu.py tests/gpu/test_moe_gemm_gpu.py" ;;
     moebenchnodes) step moebenchnodes 300 $MPI2 python3 bench/moe.py --nodes 2 ;;
+    moebenchnodes4) step moebenchnodes4 300 $MPI4 python3 bench/moe.py --nodes 2 ;;  # 2 nodes x 2 ranks
     moenodes) step moenodes 400 bash -c "$PYT -m gpu tests/gpu/test_moe_nodes_gpu.py; r=\$?; \
       $MPI2 $PYT -m 'gpu and mpi' tests/gpu/test_moe_nodes_gpu.py && exit \$r" ;;
     branchsuite) step branchsuite 420 bash -c "cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null && \
