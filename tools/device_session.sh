@@ -95,7 +95,7 @@ for s in $steps; do
     ringbench) step ringbench 240 $MPI2 python3 bench/ring_attention.py ;;
     transport) step transport 90 $MPI2 python3 bench/transport.py ;;
     tpbench) step tpbench 400 $MPI2 python3 bench/tp.py ;;
-    tpnodes) step tpnodes 300 $MPI2 python3 bench/tp.py --nodes 2 ;;
+    tpnodes) step tpnodes 300 $MPI2 python3 bench/tp.py --nodes 2 ${TP_ARGS:-} ;;
     tpnodes4) step tpnodes4 300 $MPI4 python3 bench/tp.py --nodes 2 ;;  # 2 nodes x 2 ranks, 33 SMs each
     nodestest) step nodestest 150 $PYT -rfE tests/gpu/test_tp_nodes_gpu.py ;;
     test1) step test1 200 $PYT -rfE ${TEST_ARGS:?TEST_ARGS: the pytest arguments} ;;  # word-split: no spaces inside -k
