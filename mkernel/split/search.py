@@ -31,7 +31,7 @@ from mkernel.split import policy as split
 log = get_logger("autosplit")
 
 HOLD_SAMPLE = 16  # once a key holds, every this-many-th call is timed (drift re-opens the search)
-MAX_COMM_CTAS = 64  # the search's upper bound (the GEMM needs the rest)
+MAX_COMM_CTAS = 64  # the search's upper bound, and at most half the SMs: the GEMM keeps the rest
 # The prior's model (docs/CONTROLLER.md): the comm CTAs load and store cta_bytes() (their copies and
 # reductions, local traffic included) at config.cta_gbps each, and the link carries comm_bytes() at
 # its rate (config.nvlink_gbps, or between nodes config.transport_gbps[transport]).
@@ -163,7 +163,7 @@ def choose(comm, op: str, *, M: int, N: int, K: int, esize: int, comm_items: int
     st = _states(comm).get((op, M, N, K))
     if st is None:
         key = split.split_key(op, (M, N, K), comm.size, f"{comm.num_nodes}x{comm.local_size}", _transport(comm))
-        hi = max(1, min(MAX_COMM_CTAS, comm_items, sms - 1))
+        hi = max(1, min(MAX_COMM_CTAS, comm_items, sms // 2))
         prior = prior_for(op, M, N, K, comm.size, esize, comm.num_nodes, _link_gbps(comm), sms, hi)
         st = _states(comm)[(op, M, N, K)] = _KeyState(key, hi, prior)
     st.collect(mem)

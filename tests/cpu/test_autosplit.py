@@ -200,8 +200,11 @@ def test_two_communicators_keep_their_own_searches(fake_launch, auto):
     assert tp_obs == sp_obs == 5  # each its own five observations, none of the other's
 
 
-def test_the_bound_is_this_ranks_own(fake_launch, auto):
-    """The search's bound comes from this rank's SM count alone (counts need not agree)."""
+@pytest.mark.parametrize("sms", [132, 66])
+def test_the_bound_is_this_ranks_own(fake_launch, auto, monkeypatch, sms):
+    """The search's bound comes from this rank's SM count alone (counts need not agree), at most half
+    of it: under a 66-SM MPS share the GEMM keeps 33 CTAs, not 2."""
+    monkeypatch.setattr(launch, "sm_count", lambda: sms)
     comm = _comm()
     counts = []
     for _ in range(10):
@@ -209,7 +212,7 @@ def test_the_bound_is_this_ranks_own(fake_launch, auto):
                                comm=comm, out=_Arr((4096, 4096), "float16", 0x300000), comm_sms="auto", path="fused")
         counts.append(_launched_comm_ctas(fake_launch))
     st = next(iter(comm.plans.state['autosplit.keys'].values()))
-    assert st.hi == min(autosplit.MAX_COMM_CTAS, launch.sm_count() - 1) and max(counts) <= st.hi
+    assert st.hi == min(autosplit.MAX_COMM_CTAS, sms // 2) and max(counts) <= st.hi
 
 
 def _converged_with_persistence(fake_launch, monkeypatch, cache_dir, rank):
