@@ -7,6 +7,7 @@
 # test1 / test2: the pytest arguments in TEST_ARGS at 1 rank, and at 2 ranks (under MPS)
 # moetcp / copiestest: MoE between 2 emulated nodes over tcp, and a caller's copies behind an op between nodes (2 ranks)
 # faultsd (tools/faults.py scenario d for every op with a path between nodes, time-sliced)
+# tptrace: tools/tp_trace.py (TRACE_ARGS: --op, --shape, --nodes, --comm-sms; default AR between 2 nodes), traces in logs
 # runtime2 queue queue2 tpnodes4 nodestest nodesrate suitets maints (tools/nodes_rate.py: small WRITEs and the TP ops between 2 emulated nodes)
 # mpi2 gemmtest tp attention ring ringbench tpbench tpnodes moebench controller controllernodes (the last six want 2 GPUs)
 # controller1: bench/controller.py at world 1 (the comm is a local tile copy; the mechanism, not the issue's rows).
@@ -119,6 +120,7 @@ for s in $steps; do
       BENCH_COMMIT=${BRANCH_COMMIT:-${BENCH_COMMIT:-}} PYTHONPATH=\$PWD $MPI2 -x BENCH_COMMIT python3 bench/tp.py --out $BRANCH_OUT" ;;
     branchtpnodes) step branchtpnodes 300 bash -c "cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null && \
       BENCH_COMMIT=${BRANCH_COMMIT:-${BENCH_COMMIT:-}} PYTHONPATH=\$PWD $MPI2 -x BENCH_COMMIT python3 bench/tp.py --nodes 2 --out $BRANCH_OUT" ;;
+    tptrace) step tptrace 120 $MPI2 python3 tools/tp_trace.py --out "$LOGS/trace" ${TRACE_ARGS:-} ;;  # one traced TP call per SM
     controller) step controller 500 $MPI2 python3 bench/controller.py ;;
     controller1) step controller1 500 python3 bench/controller.py ;;
     controllernodes) step controllernodes 500 $MPI2 python3 bench/controller.py --nodes 2 ;;

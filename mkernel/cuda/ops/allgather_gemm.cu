@@ -43,9 +43,11 @@ MK_DEV bool tp_push_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, Ba
   const u32 i = item / chunks, c = item - i * chunks;
   const u32 d = (l + i) % L;
   if (tid == 0) {
-    const u64 start = tp_ctl_clock(a);
+    const u64 start = tp_ctl_clock(a), t_wait = trace_start(a.g.sync);
     sh->ok = credits_wait(a.g.sync, peers, d, E) ? 1 : 0;
     tp_ctl_wait(a, &a.ctl->comm_stall_ns, start);
+    trace_span(a.g.sync, MK_ROLE_WAIT, TP_TRACE_PUSH | item, t_wait);
+    sh->traced = trace_start(a.g.sync);
   }
   bar();
   if (!sh->ok) return false;
@@ -62,6 +64,7 @@ MK_DEV bool tp_push_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, Ba
         if (j != n && tp_remote_credit(a, j, E, &sh->credited))
           tp_send_tile(a, j, dst_off, dst_off, rows * (u32)row_bytes, TP_PF_ARRIVED + n * a.xgroups + c / a.xgroup, 1u,
                        (N - 1) * chunks, E);
+    trace_span(a.g.sync, d == l && N > 1 ? MK_ROLE_SEND : MK_ROLE_INTRA, TP_TRACE_PUSH | item, sh->traced);
   }
   return true;
 }
@@ -99,6 +102,7 @@ MK_DEV void tp_push_cta(const TpArgs& a) {
     const u32 j = (n + N - 1 - i) % N, o = j * L + l;
     if (threadIdx.x == 0) {
       const u32 g = c / a.xgroup;
+      const u64 t_wait = trace_start(a.g.sync);
       int good = wait_remote_at_least(a.g.sync, a.queue, a.pflags + TP_PF_ARRIVED + j * a.xgroups + g,
                                       launch * min(a.xgroup, chunks - g * a.xgroup), (i32)o, 0x60000u + c)
                      ? 1
@@ -106,6 +110,8 @@ MK_DEV void tp_push_cta(const TpArgs& a) {
       for (u32 p = 0; p < L && good; ++p)
         if (p != l) good = credits_wait(a.g.sync, peers, p, E) ? 1 : 0;
       comm.ok = good;
+      trace_span(a.g.sync, MK_ROLE_WAIT, TP_TRACE_FORWARD | item, t_wait);
+      comm.traced = trace_start(a.g.sync);
       __threadfence();
     }
     __syncthreads();
@@ -118,8 +124,10 @@ MK_DEV void tp_push_cta(const TpArgs& a) {
                                    blockDim.x);
     __threadfence_system();
     __syncthreads();
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0) {
       for (u32 p = 0; p < L; ++p) set_flag(peer_ptr<u32>(peers, p, a.aflag_off) + o * chunks + c, E);
+      trace_span(a.g.sync, MK_ROLE_RECV, TP_TRACE_FORWARD | item, comm.traced);
+    }
   }
   // Unfused (no GEMM CTAs): the GEMM after this kernel reads the gathered A, so every chunk of
   // it, local peers' pushes and forwards included, must have landed before the kernel ends.

@@ -80,6 +80,17 @@ struct TpCommShared {
   u32 local_ok;  // AR: every local peer's credit was seen (their gather buffers may be written)
   int ok;  // the group's last wait succeeded
   u32 cta;  // a GEMM CTA's index among the GEMM CTAs (by arrival: tp_arrive)
+  u64 traced;  // trace mode, the group's thread 0: when the current item's work began
+};
+
+// Trace ids of the TP kernels' spans (tools/tp_trace.py reads them): the kind in the top byte.
+enum : u32 {
+  TP_TRACE_REDUCE = 0x00000000u,  // | reduction item: WAIT, then SEND (a node partial) or INTRA (own tile)
+  TP_TRACE_FORWARD = 0x01000000u,  // | forward item (between nodes): WAIT, then RECV
+  TP_TRACE_COPY = 0x02000000u,  // | AR gather copy item: WAIT, then INTRA
+  TP_TRACE_PUSH = 0x03000000u,  // | AG push item: WAIT (credit), then INTRA (to a peer) or SEND (own, then WRITEs)
+  TP_TRACE_TILE =
+      0x04000000u  // | GEMM tile: COMPUTE at its flag (RS / AR), WAIT for its A chunk (AG: group << 16 | mt)
 };
 MK_DEV void tp_comm_shared_init(TpCommShared* sh) {
   sh->queued = 0;
@@ -88,6 +99,7 @@ MK_DEV void tp_comm_shared_init(TpCommShared* sh) {
   sh->local_ok = 0;
   sh->ok = 1;
   sh->cta = 0;
+  sh->traced = 0;
 }
 
 // A communication CTA's entry, every thread: this launch's epoch and the CTA's shared state.
@@ -165,9 +177,10 @@ struct TpTiles {
     const u32 mt = t.id / (u32)args.tiles_n;
     const u32* flag =
         peer_ptr<u32>(tp_peers(args), (u32)args.lrank, args.aflag_off) + (u32)t.group * (u32)args.tiles_mb + mt;
-    const u64 start = tp_ctl_clock(args);
+    const u64 start = tp_ctl_clock(args), t_wait = trace_start(args.g.sync);
     wait_epoch(args.g.sync, flag, epoch, t.group, mt);  // on a timeout the error is recorded; go on
     tp_ctl_wait(args, &args.ctl->gemm_stall_ns, start);
+    trace_span(args.g.sync, MK_ROLE_WAIT, TP_TRACE_TILE | ((u32)t.group << 16) | mt, t_wait);
     fence_proxy_async_global();
   }
   MK_DEV i32 b_index(const MkTile&) const { return 0; }
@@ -205,7 +218,9 @@ struct TpDest {
     credited |= 1u << d;
     return true;
   }
-  MK_DEV void published(u32) const {}
+  MK_DEV void published(u32 id) const {
+    trace_span(args.g.sync, MK_ROLE_COMPUTE, TP_TRACE_TILE | id, globaltimer_ns());
+  }
   MK_DEV void comm_turn(const MkTile&) const {
     Turn::run(args, epoch, comm);
     if (threadIdx.x == 128) atomicSub(&comm->queued, 1u);  // after the group's last barrier of the turn

@@ -237,7 +237,7 @@ MK_DEV bool tp_reduce_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, 
   const u32 j = it.j, tl = it.tl;
   const bool own = it.own;
   if (tid == 0) {
-    const u64 start = tp_ctl_clock(a);
+    const u64 start = tp_ctl_clock(a), t_wait = trace_start(a.g.sync);
     bool good = OP != TP_OP_AR || tp_local_credits(a, E, sh);
     for (u32 s = 0; s < L && good; ++s)
       good = wait_epoch(a.g.sync, rflag + (s * N + j) * tb + tl, E, (i32)(n * L + s), tl);
@@ -245,6 +245,8 @@ MK_DEV bool tp_reduce_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, 
       good =
           own ? tp_remote_arrivals(a, TP_PF_ARRIVED, tl, tp_launch_count(a)) : tp_remote_credit(a, j, E, &sh->credited);
     tp_ctl_wait(a, &a.ctl->comm_stall_ns, start);
+    trace_span(a.g.sync, MK_ROLE_WAIT, TP_TRACE_REDUCE | item, t_wait);
+    sh->traced = trace_start(a.g.sync);
     __threadfence();
     sh->ok = good ? 1 : 0;
   }
@@ -307,6 +309,7 @@ MK_DEV bool tp_reduce_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, 
           tp_send_staged(a, 1, jj, tl, a.stage_off + (u64)j * tb * TP_TILE_BYTES,
                          a.xgath_off + (u64)n * tb * TP_TILE_BYTES, gathered + n * a.xgroups + g, sends, E);
     }
+    trace_span(a.g.sync, own ? MK_ROLE_INTRA : MK_ROLE_SEND, TP_TRACE_REDUCE | item, sh->traced);
   }
   return true;
 }
@@ -346,11 +349,14 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, T
     const u32 jj = (n + 1 + i) % N, o = jj * L + l;
     const u32 tl = tp_block_tile(item - i * tb, (u32)a.tiles_mb, (u32)a.tiles_n);
     if (tid == 0) {
+      const u64 t_wait = trace_start(a.g.sync);
       sh->ok =
           tp_local_credits(a, E, sh) && wait_remote_at_least(a.g.sync, a.queue, tp_arrival_flag(a, gathered, jj, tl),
                                                              tp_arrival_target(a, tl, launch), (i32)o, 0x50000u + tl)
               ? 1
               : 0;
+      trace_span(a.g.sync, MK_ROLE_WAIT, TP_TRACE_FORWARD | item, t_wait);
+      sh->traced = trace_start(a.g.sync);
       __threadfence();
     }
     bar();
@@ -372,9 +378,11 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, T
         });
     __threadfence_system();
     bar();
-    if (tid == 0)
+    if (tid == 0) {
       for (u32 p = 0; p < L; ++p)
         if (p != l) set_flag(peer_ptr<u32>(peers, p, a.gflag_off) + o * tb + tl, E);
+      trace_span(a.g.sync, MK_ROLE_RECV, TP_TRACE_FORWARD | item, sh->traced);
+    }
   }
   // AR: copy the other blocks (owned, or forwarded, by this node's other ranks) from the gather buffer.
   const u8* gath = peer_ptr<u8>(peers, l, a.gath_off);
@@ -389,7 +397,10 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, T
     }
     const u32 tl = tp_block_tile(item - i * tb, (u32)a.tiles_mb, (u32)a.tiles_n);
     if (tid == 0) {
+      const u64 t_wait = trace_start(a.g.sync);
       sh->ok = wait_epoch(a.g.sync, gflag + o * tb + tl, E, (i32)o, 0x10000u + tl) ? 1 : 0;
+      trace_span(a.g.sync, MK_ROLE_WAIT, TP_TRACE_COPY | item, t_wait);
+      sh->traced = trace_start(a.g.sync);
       __threadfence();
     }
     bar();
@@ -412,6 +423,7 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, T
           at(v, row, col);
           st_v4(out + (((u64)o * (u64)a.mb + row) * (u64)a.ldo + col) * 2, x);
         });
+    if (tid == 0) trace_span(a.g.sync, MK_ROLE_INTRA, TP_TRACE_COPY | item, sh->traced);
   }
   bar();
 }

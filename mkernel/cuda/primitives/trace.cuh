@@ -15,6 +15,9 @@ enum : u32 {
   MK_ROLE_CONTROL = 5
 };
 
+// A span's start: the clock when tracing, else 0 (no timer read).
+MK_DEV u64 trace_start(const MkSync& s) { return s.trace_events ? globaltimer_ns() : 0ull; }
+
 MK_DEV void trace_span(const MkSync& s, u32 role, u32 id, u64 start_ns) {
   if (s.trace_events == nullptr) return;
   const u64 end_ns = globaltimer_ns();

@@ -1,0 +1,44 @@
+"""tools/tp_trace.py's summary on synthetic spans: the last launch is cut out by its announce span
+and the item kinds, roles and times come out of the ids as the TP kernels write them."""
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("tp_trace", ROOT / "tools" / "tp_trace.py")
+tp_trace = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tp_trace)
+
+
+def _ev(cat, ident, ts, dur, sm=0):
+    return {"cat": cat, "ts": ts, "dur": dur, "tid": sm, "args": {"id": ident, "block": 0}}
+
+
+def _launch(epoch, t0):
+    """A launch: 4 GEMM tiles, 2 node partials sent, 2 own tiles reduced, 2 forwards, exits."""
+    ev = [_ev("control", 0x80000000 | epoch, t0, 0.1)]
+    ev += [_ev("compute", 0x04000000 | i, t0 + 10 * (i + 1), 0.001, sm=1) for i in range(4)]
+    for i in range(4):
+        ev.append(_ev("wait", i, t0 + 10 * i, 5.0, sm=2))
+        ev.append(_ev("send" if i < 2 else "intra-node", i, t0 + 10 * i + 5, 5.0, sm=2))
+    for i in range(2):
+        ev.append(_ev("wait", 0x01000000 | i, t0 + 40 + 10 * i, 8.0, sm=3))
+        ev.append(_ev("recv", 0x01000000 | i, t0 + 48 + 10 * i, 2.0, sm=3))
+    ev += [_ev("control", 0x40000000 | b, t0 + 70, 0.001, sm=b) for b in range(4)]
+    return ev
+
+
+def test_summary_of_the_last_launch():
+    events = _launch(1, 0.0) + _launch(2, 1000.0)
+    spans = tp_trace.last_launch(events)
+    assert min(s[2] for s in spans) == 1000.0 and len(spans) == len(_launch(2, 0.0))
+    text = "\n".join(tp_trace.summarize(spans))
+    assert text.startswith("launch      70.0 us")
+    assert "GEMM tiles      4" in text and "tail after the last:     30.0 us" in text
+    assert "reduce  send            2" in text and "reduce  intra-node      2" in text
+    assert "forward recv            2  done at 25/50/75/100%:     50.0,     50.0,     60.0,     60.0 us" in text
+    assert "forward waits           2       16.0 us summed" in text
+
+
+def test_no_launch():
+    assert "no launch found" in tp_trace.summarize(tp_trace.last_launch([]))[0]

@@ -1,0 +1,132 @@
+"""One fused TP call traced per SM, and where its time went (issue 25: the overlap between nodes).
+
+Run (every rank; MKERNEL_TRACE is set here, before the communicator exists):
+    mpirun -n 2 python3 tools/tp_trace.py --op gemm_allreduce --nodes 2 --shape 8192x8192x14336 --out DIR
+It times `--calls` calls of the op (per-rank shapes as bench/tp.py's), writes each rank's Chrome trace
+(DIR/trace.rank<r>.json, Perfetto) and prints the summary of the last call. Summarise files again:
+    python3 tools/tp_trace.py --summarize DIR/trace.rank0.json DIR/trace.rank1.json
+Span ids: TP_TRACE_* in mkernel/cuda/ops/tp_epilogue.cuh; the launch starts at its announce span
+(control, 0x80000000 | epoch) and ends at its last CTA's exit (control, 0x40000000 | block).
+"""
+
+import argparse
+import json
+import os
+import sys
+
+KINDS = {0: "reduce", 1: "forward", 2: "copy", 3: "push", 4: "tile"}
+ANNOUNCE, EXIT = 0x80000000, 0x40000000
+
+
+def last_launch(events):
+    """The spans (role, id, start_us, end_us, tid) of the trace's last launch."""
+    spans = [(e["cat"], e["args"]["id"], e["ts"], e["ts"] + e["dur"], e["tid"]) for e in events]
+    starts = [(i & 0x7FFFFFFF, t0) for r, i, t0, _, _ in spans if r == "control" and i & ANNOUNCE]
+    if not starts:
+        return []
+    t_start = max(starts)[1]
+    return [s for s in spans if s[2] >= t_start - 1e-3]
+
+
+def _pct(times, fracs=(0.25, 0.5, 0.75, 1.0)):
+    times = sorted(times)
+    return [times[max(0, min(len(times) - 1, int(round(f * len(times))) - 1))] for f in fracs] if times else []
+
+
+def summarize(spans):
+    """Text lines: the launch's length, the GEMM's progress, and per kind of comm item its count,
+    when its items finished (25/50/75/100%), its busy time and its wait time (summed over CTAs)."""
+    if not spans:
+        return ["no launch found (was MKERNEL_TRACE set before mkernel.init?)"]
+    t0 = min(s[2] for s in spans)
+    exits = [s[3] for s in spans if s[0] == "control" and s[1] & EXIT and not s[1] & ANNOUNCE]
+    t_end = max(exits) if exits else max(s[3] for s in spans)
+    out = [f"launch {t_end - t0:9.1f} us, {len(spans)} spans, {len({s[4] for s in spans})} SMs"]
+    tiles = [s[3] - t0 for s in spans if s[0] == "compute"]
+    if tiles:
+        q = ", ".join(f"{t:8.1f}" for t in _pct(tiles))
+        out.append(f"GEMM tiles {len(tiles):6d}  done at 25/50/75/100%: {q} us  (tail after the last: "
+                   f"{t_end - t0 - max(tiles):8.1f} us)")
+    stalls = [s[3] - s[2] for s in spans if s[0] == "wait" and s[1] >> 24 == 4]
+    if stalls:
+        out.append(f"GEMM waits for A chunks: {len(stalls)} tiles, {sum(stalls):9.1f} us summed, longest "
+                   f"{max(stalls):8.1f} us")
+    for kind in (0, 1, 2, 3):
+        work = [s for s in spans if s[1] >> 24 == kind and s[0] in ("send", "intra-node", "recv")]
+        waits = [s[3] - s[2] for s in spans if s[1] >> 24 == kind and s[0] == "wait"]
+        if not work:
+            continue
+        for role in sorted({s[0] for s in work}):
+            done = [s[3] - t0 for s in work if s[0] == role]
+            busy = sum(s[3] - s[2] for s in work if s[0] == role)
+            q = ", ".join(f"{t:8.1f}" for t in _pct(done))
+            out.append(f"{KINDS[kind]:7s} {role:10s} {len(done):6d}  done at 25/50/75/100%: {q} us  busy "
+                       f"{busy:9.1f} us")
+        out.append(f"{KINDS[kind]:7s} waits      {len(waits):6d}  {sum(waits):9.1f} us summed, longest "
+                   f"{max(waits, default=0):8.1f} us")
+    return out
+
+
+def summarize_files(paths):
+    for p in paths:
+        with open(p) as f:
+            events = json.load(f)["traceEvents"]
+        print(f"== {p}")
+        print("\n".join(summarize(last_launch(events))))
+
+
+def run(args):
+    os.environ["MKERNEL_TRACE"] = os.path.join(args.out, "trace.rank{rank}.json")
+    os.makedirs(args.out, exist_ok=True)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+    import cupy
+    import ml_dtypes
+    import numpy as np
+    from mpi4py import MPI
+
+    import mkernel
+
+    import harness
+
+    W = MPI.COMM_WORLD.size
+    comm = mkernel.init(workspace_bytes=6 << 30, gpus_per_node=W // args.nodes if args.nodes > 1 else None,
+                        transport=args.transport if args.nodes > 1 else "auto")
+    dt = np.dtype(ml_dtypes.bfloat16)
+    M, N, K = (int(x) for x in args.shape.split("x"))
+    r = comm.rank
+    if args.op == "allgather_gemm":
+        a, b = harness.rand((M // W, K), 100 + r, dt), harness.rand((K, N), 200 + r, dt)
+    else:
+        a, b = harness.rand((M, K), 300 + r, dt), harness.rand((K, N), 400 + r, dt)
+    fn = getattr(mkernel, args.op)
+    comm_sms = args.comm_sms if args.comm_sms == "auto" else int(args.comm_sms)
+    for _ in range(args.calls):
+        fn(a, b, comm=comm, comm_sms=comm_sms)
+    cupy.cuda.runtime.deviceSynchronize()
+    comm.check()
+    comm.close()  # writes the traces
+    MPI.COMM_WORLD.Barrier()
+    if r == 0:
+        summarize_files([os.path.join(args.out, f"trace.rank{i}.json") for i in range(W)])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--summarize", nargs="+", metavar="JSON", help="summarise these trace files and exit")
+    p.add_argument("--op", default="gemm_allreduce", choices=("gemm_allreduce", "gemm_reduce_scatter",
+                                                               "allgather_gemm"))
+    p.add_argument("--shape", default="8192x8192x14336", help="per-rank MxNxK, as bench/tp.py's")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--transport", default="host")
+    p.add_argument("--comm-sms", default="auto")
+    p.add_argument("--calls", type=int, default=12, help="calls (the last is summarised; auto searches early)")
+    p.add_argument("--out", default="trace-out")
+    args = p.parse_args()
+    if args.summarize:
+        summarize_files(args.summarize)
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main()
