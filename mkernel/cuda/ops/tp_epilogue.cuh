@@ -219,7 +219,7 @@ struct TpDest {
     return true;
   }
   MK_DEV void published(u32 id) const {
-    trace_span(args.g.sync, MK_ROLE_COMPUTE, TP_TRACE_TILE | id, globaltimer_ns());
+    trace_span(args.g.sync, MK_ROLE_COMPUTE, TP_TRACE_TILE | id, trace_start(args.g.sync));  // no timer read when off
   }
   MK_DEV void comm_turn(const MkTile&) const {
     Turn::run(args, epoch, comm);
