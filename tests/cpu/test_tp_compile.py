@@ -328,3 +328,31 @@ def test_uneven_rows_raise(fake_launch):
     with pytest.raises(ArgumentError, match="split evenly"):
         rs.gemm_reduce_scatter(_Arr((201, 64), "float16", 0x1000), _Arr((64, 64), "float16", 0x2000), comm=comm,
                                out=_Arr((100, 64), "float16", 0x3000))
+
+
+def _tile_shape(p, mb, n):
+    """Mirror of TpTileShape (tp_reduce.cuh) and TpBlockPos (tp_epilogue.cuh): (tile id, rows, cols,
+    packed byte offset) of the tile at position p of a block in the GEMM's order."""
+    tiles_mb, tiles_n, group_m = -(-mb // 128), -(-n // 256), 16
+    g, rr = divmod(p, group_m * tiles_n)
+    first = g * group_m
+    band = min(group_m, tiles_mb - first)
+    mt, nt = first + rr % band, rr // band
+    rows, cols = min(128, mb - mt * 128), min(256, n - nt * 256)
+    band_rows = min(band * 128, mb - first * 128)
+    packed = (first * 128 * n + nt * 256 * band_rows + (mt - first) * 128 * cols) * 2
+    return mt * tiles_n + nt, rows, cols, packed
+
+
+@pytest.mark.parametrize("mb,n", [(128, 256), (4096, 8192), (4000, 8200), (2056, 520), (130, 8), (2048 + 1, 256 * 33)])
+def test_packed_tiles_follow_the_gemm_order(mb, n):
+    """Between nodes a block's tiles are staged and sent packed in the GEMM's order: every tile once,
+    each right after the one before it (so any run of positions is one span), filling the block."""
+    tiles = -(-mb // 128) * -(-n // 256)
+    shapes = [_tile_shape(p, mb, n) for p in range(tiles)]
+    assert sorted(s[0] for s in shapes) == list(range(tiles))
+    end = 0
+    for _, rows, cols, packed in shapes:
+        assert packed == end
+        end = packed + rows * cols * 2
+    assert end == mb * n * 2

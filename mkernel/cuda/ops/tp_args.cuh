@@ -116,7 +116,7 @@ struct TpArgs {
   unsigned int* xstaged;  // RS / AR: [2 kinds][nodes][xgroups] tiles staged so far, over the plan's launches
   MkQueue queue;  // the proxy queue, flag ids relative to pflags
   unsigned int* pflags;  // this plan's proxy flags (mapped host memory), TP_PF_*
-  // [nodes][tiles_blk * TP_TILE_BYTES], each node's tiles packed in tl order (TpTileShape::packed):
+  // [nodes][tiles_blk * TP_TILE_BYTES], each node's tiles packed in the GEMM's order (TpTileShape::packed):
   unsigned long long stage_off;  // node partials to send
   unsigned long long xrecv_off;  // node partials received, by source node
   unsigned long long xgath_off;  // AR: reduced tiles received, by source node

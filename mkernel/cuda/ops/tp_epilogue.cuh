@@ -30,14 +30,23 @@ constexpr u32 TP_GROUP_M = 16;  // inside a block, tiles run in groups of 16 M-t
 MK_DEV MkPeers tp_peers(const TpArgs& a) { return MkPeers{a.peer_base, (u32)a.local, (u32)a.lrank}; }
 MK_DEV u32 tp_tiles_blk(const TpArgs& a) { return (u32)a.tiles_mb * (u32)a.tiles_n; }
 
-// Position r inside one block -> block-local tile id (groups of TP_GROUP_M M-tiles, N inside).
+// Position r inside one block, in the GEMM's order (bands of TP_GROUP_M M-tiles, N inside): its
+// M-tile, N-tile, and its band's first M-tile and M-tiles.
+struct TpBlockPos {
+  u32 mt, nt, first, band;
+  MK_DEV TpBlockPos(u32 r, u32 tiles_mb, u32 tiles_n) {
+    const u32 span = TP_GROUP_M * tiles_n, g = r / span, rr = r - g * span;
+    first = g * TP_GROUP_M;
+    band = min(TP_GROUP_M, tiles_mb - first);
+    mt = first + rr % band;
+    nt = rr / band;
+  }
+};
+
+// Position r inside one block -> block-local tile id.
 MK_DEV u32 tp_block_tile(u32 r, u32 tiles_mb, u32 tiles_n) {
-  const u32 span = TP_GROUP_M * tiles_n;
-  const u32 g = r / span, rr = r - g * span;
-  const u32 first = g * TP_GROUP_M;
-  const u32 gs = min(TP_GROUP_M, tiles_mb - first);
-  const u32 mt = first + rr % gs, nt = rr / gs;
-  return mt * tiles_n + nt;
+  const TpBlockPos b(r, tiles_mb, tiles_n);
+  return b.mt * tiles_n + b.nt;
 }
 
 // The block the i-th group of GEMM tiles belongs to. RS / AR: peers' blocks first, those of other

@@ -102,22 +102,23 @@ MK_DEV u32 tp_launch_count(const TpArgs& a) {  // this launch's number (targets 
   return a.nodes > 1 ? ld_relaxed_sys(&a.counters[TP_CNT_LAUNCHES]) + 1 : 0u;
 }
 
-// Several nodes: the arrival counter (first of its kind: `base`) of tile tl from node j, and the
-// count it reaches once launch `launch` of the plan delivered every tile of tl's group.
-MK_DEV const u32* tp_arrival_flag(const TpArgs& a, u32 base, u32 j, u32 tl) {
-  return a.pflags + base + j * a.xgroups + tl / a.xgroup;
+// Several nodes: the arrival counter (first of its kind: `base`) from node j of the tile at position
+// p of its block (groups of consecutive positions), and the count it reaches once launch `launch`
+// of the plan delivered every tile of p's group.
+MK_DEV const u32* tp_arrival_flag(const TpArgs& a, u32 base, u32 j, u32 p) {
+  return a.pflags + base + j * a.xgroups + p / a.xgroup;
 }
-MK_DEV u32 tp_arrival_target(const TpArgs& a, u32 tl, u32 launch) {
-  const u32 g = tl / a.xgroup;
+MK_DEV u32 tp_arrival_target(const TpArgs& a, u32 p, u32 launch) {
+  const u32 g = p / a.xgroup;
   return launch * min(a.xgroup, tp_tiles_blk(a) - g * a.xgroup);
 }
 
-// Reducer thread 0, several nodes: the arrival counters (first: `base`) of tile tl from every other node.
-MK_DEV bool tp_remote_arrivals(const TpArgs& a, u32 base, u32 tl, u32 launch) {
+// Reducer thread 0, several nodes: the arrival counters (first: `base`) of position p from every other node.
+MK_DEV bool tp_remote_arrivals(const TpArgs& a, u32 base, u32 p, u32 launch) {
   for (u32 j = 0; j < (u32)a.nodes; ++j)
     if (j != (u32)a.node &&
-        !wait_remote_at_least(a.g.sync, a.queue, tp_arrival_flag(a, base, j, tl), tp_arrival_target(a, tl, launch),
-                              (i32)(j * a.local + a.lrank), 0x30000u + tl))
+        !wait_remote_at_least(a.g.sync, a.queue, tp_arrival_flag(a, base, j, p), tp_arrival_target(a, p, launch),
+                              (i32)(j * a.local + a.lrank), 0x30000u + p))
       return false;
   return true;
 }
@@ -144,18 +145,24 @@ MK_DEV void tp_remote_flush(const TpArgs& a, u32 E) {
       return;
 }
 
-// Tile tl of a block: its rows, columns, and 16-byte vectors per row (n % 8 == 0); `packed`: its
-// byte offset among the block's tiles stored densely in tl order (rows of cols), so a run of tiles is one span.
+// The tile at position p of a block (the GEMM's order, TpBlockPos): its id, rows, columns and 16-byte
+// vectors per row (n % 8 == 0); `packed`: its byte offset among the block's tiles stored densely in
+// that order (rows of cols), so a group of consecutive positions is one span, complete as the GEMM goes.
 struct TpTileShape {
-  u32 mt, nt, rows, cols, vpr;
+  u32 tl, mt, nt, rows, cols, vpr;
   u64 packed;
-  MK_DEV TpTileShape(const TpArgs& a, u32 tl) {
-    mt = tl / (u32)a.tiles_n;
-    nt = tl - mt * (u32)a.tiles_n;
+  MK_DEV TpTileShape(const TpArgs& a, u32 p) {
+    const TpBlockPos b(p, (u32)a.tiles_mb, (u32)a.tiles_n);
+    const u64 n = (u64)a.g.n, band_rows = min((u64)b.band * 128u, (u64)a.mb - (u64)b.first * 128u);
+    mt = b.mt;
+    nt = b.nt;
+    tl = mt * (u32)a.tiles_n + nt;
     rows = min(128u, (u32)a.mb - mt * 128u);
     cols = min(256u, (u32)a.g.n - nt * 256u);
     vpr = cols / 8u;
-    packed = ((u64)mt * 128u * (u64)a.g.n + (u64)rows * nt * 256u) * 2;
+    // Earlier bands (whole rows), this band's earlier columns (256 wide: only the last is narrower),
+    // this column's earlier M-tiles (128 rows: only the last is shorter).
+    packed = ((u64)b.first * 128u * n + (u64)nt * 256u * band_rows + (u64)(mt - b.first) * 128u * cols) * 2;
   }
 };
 
@@ -169,12 +176,12 @@ MK_DEV void tp_send_tile(const TpArgs& a, u32 j, u64 src_off, u64 dst_off, u32 b
   if (atomicAdd(&a.counters[TP_CNT_SENT], 1u) + 1 == sends) tp_remote_flush(a, E);
 }
 
-// Thread 0, after tile tl of stream `kind` (0: node partials, 1: AR's reduced tiles) to node j is
-// staged (fenced): the CTA that stages a group's last tile WRITEs the group's contiguous slots at once.
-MK_DEV void tp_send_staged(const TpArgs& a, u32 kind, u32 j, u32 tl, u64 src_base, u64 dst_base, u32 counter, u32 sends,
+// Thread 0, after the tile at position p of stream `kind` (0: node partials, 1: AR's reduced tiles) to
+// node j is staged (fenced): the CTA that stages a group's last tile WRITEs the group's slots at once.
+MK_DEV void tp_send_staged(const TpArgs& a, u32 kind, u32 j, u32 p, u64 src_base, u64 dst_base, u32 counter, u32 sends,
                            u32 E) {
-  const u32 first = tl / a.xgroup * a.xgroup, count = min(a.xgroup, tp_tiles_blk(a) - first);
-  const u32 k = (kind * (u32)a.nodes + j) * a.xgroups + tl / a.xgroup;
+  const u32 first = p / a.xgroup * a.xgroup, count = min(a.xgroup, tp_tiles_blk(a) - first);
+  const u32 k = (kind * (u32)a.nodes + j) * a.xgroups + p / a.xgroup;
   if (atomicAdd(&a.xstaged[k], 1u) + 1 != tp_launch_count(a) * count) return;  // counts over the plan's launches
   __threadfence();  // the other CTAs' tiles of the group (fenced before their counts) before the WRITE
   const TpTileShape head(a, first), last(a, first + count - 1);
@@ -182,16 +189,18 @@ MK_DEV void tp_send_staged(const TpArgs& a, u32 kind, u32 j, u32 tl, u64 src_bas
   tp_send_tile(a, j, src_base + head.packed, dst_base + head.packed, bytes, counter, count, sends, E);
 }
 
-// Reduction item `item` of this rank: node block j (other nodes' first, own last) and tile tl.
+// Reduction item `item` of this rank: node block j (other nodes' first, own last), the tile's position
+// p in it (send groups, packed slots) and its id tl (flags inside the node).
 struct TpReduceItem {
-  u32 j, tl;
+  u32 j, p, tl;
   bool own;
   MK_DEV TpReduceItem(const TpArgs& a, u32 item) {
     const u32 tb = tp_tiles_blk(a), N = (u32)a.nodes, n = (u32)a.node;
     const u32 i = item / tb;
     j = (n + 1 + i) % N;
     own = j == n;
-    tl = tp_block_tile(item - i * tb, (u32)a.tiles_mb, (u32)a.tiles_n);
+    p = item - i * tb;
+    tl = tp_block_tile(p, (u32)a.tiles_mb, (u32)a.tiles_n);
   }
 };
 
@@ -209,8 +218,8 @@ MK_DEV bool tp_reduce_ready(const TpArgs& a, u32 E, u32 item) {
   if (!it.own) return remote_peek(a.queue, a.pflags + TP_PF_CREDIT + it.j) == E;  // no PCIe read
   const u32 launch = tp_launch_count(a);
   for (u32 jj = 0; jj < N; ++jj)
-    if (jj != (u32)a.node && !epoch_reached(remote_peek(a.queue, tp_arrival_flag(a, TP_PF_ARRIVED, jj, it.tl)),
-                                            tp_arrival_target(a, it.tl, launch)))
+    if (jj != (u32)a.node && !epoch_reached(remote_peek(a.queue, tp_arrival_flag(a, TP_PF_ARRIVED, jj, it.p)),
+                                            tp_arrival_target(a, it.p, launch)))
       return false;
   return true;
 }
@@ -242,8 +251,8 @@ MK_DEV bool tp_reduce_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, 
     for (u32 s = 0; s < L && good; ++s)
       good = wait_epoch(a.g.sync, rflag + (s * N + j) * tb + tl, E, (i32)(n * L + s), tl);
     if (good && N > 1)
-      good =
-          own ? tp_remote_arrivals(a, TP_PF_ARRIVED, tl, tp_launch_count(a)) : tp_remote_credit(a, j, E, &sh->credited);
+      good = own ? tp_remote_arrivals(a, TP_PF_ARRIVED, it.p, tp_launch_count(a))
+                 : tp_remote_credit(a, j, E, &sh->credited);
     tp_ctl_wait(a, &a.ctl->comm_stall_ns, start);
     trace_span(a.g.sync, MK_ROLE_WAIT, TP_TRACE_REDUCE | item, t_wait);
     sh->traced = trace_start(a.g.sync);
@@ -252,7 +261,7 @@ MK_DEV bool tp_reduce_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, 
   }
   bar();
   if (!sh->ok) return false;
-  const TpTileShape ts(a, tl);
+  const TpTileShape ts(a, it.p);
   const u64 tile_off = (u64)j * tb * TP_TILE_BYTES + ts.packed;  // own: the reduced tile to send (AR)
   const u32 nv = ts.rows * ts.vpr;
   for (u32 v0 = tid; v0 < nv; v0 += U * nthr) {  // U vectors per thread at a time
@@ -297,16 +306,16 @@ MK_DEV bool tp_reduce_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, 
     bar();
   }
   if (tid == 0) {
-    const u32 g = tl / a.xgroup;
+    const u32 g = it.p / a.xgroup;
     if (!own)  // the node partial, counted in its owner's arrivals
-      tp_send_staged(a, 0, j, tl, a.stage_off + (u64)j * tb * TP_TILE_BYTES, a.xrecv_off + (u64)n * tb * TP_TILE_BYTES,
-                     TP_PF_ARRIVED + n * a.xgroups + g, sends, E);
+      tp_send_staged(a, 0, j, it.p, a.stage_off + (u64)j * tb * TP_TILE_BYTES,
+                     a.xrecv_off + (u64)n * tb * TP_TILE_BYTES, TP_PF_ARRIVED + n * a.xgroups + g, sends, E);
     if (own && OP == TP_OP_AR) {  // the reduced tile: to this node's peers, and once to every other node
       for (u32 p = 0; p < L; ++p)
         if (p != l) set_flag(peer_ptr<u32>(peers, p, a.gflag_off) + me * tb + tl, E);
       for (u32 jj = 0; jj < N; ++jj)
         if (jj != n && tp_remote_credit(a, jj, E, &sh->credited))
-          tp_send_staged(a, 1, jj, tl, a.stage_off + (u64)j * tb * TP_TILE_BYTES,
+          tp_send_staged(a, 1, jj, it.p, a.stage_off + (u64)j * tb * TP_TILE_BYTES,
                          a.xgath_off + (u64)n * tb * TP_TILE_BYTES, gathered + n * a.xgroups + g, sends, E);
     }
     trace_span(a.g.sync, own ? MK_ROLE_INTRA : MK_ROLE_SEND, TP_TRACE_REDUCE | item, sh->traced);
@@ -347,12 +356,13 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, T
     if (item >= (N - 1) * tb) break;
     const u32 i = item / tb;
     const u32 jj = (n + 1 + i) % N, o = jj * L + l;
-    const u32 tl = tp_block_tile(item - i * tb, (u32)a.tiles_mb, (u32)a.tiles_n);
+    const TpTileShape ts(a, item - i * tb);
+    const u32 pos = item - i * tb, tl = ts.tl;
     if (tid == 0) {
       const u64 t_wait = trace_start(a.g.sync);
       sh->ok =
-          tp_local_credits(a, E, sh) && wait_remote_at_least(a.g.sync, a.queue, tp_arrival_flag(a, gathered, jj, tl),
-                                                             tp_arrival_target(a, tl, launch), (i32)o, 0x50000u + tl)
+          tp_local_credits(a, E, sh) && wait_remote_at_least(a.g.sync, a.queue, tp_arrival_flag(a, gathered, jj, pos),
+                                                             tp_arrival_target(a, pos, launch), (i32)o, 0x50000u + pos)
               ? 1
               : 0;
       trace_span(a.g.sync, MK_ROLE_WAIT, TP_TRACE_FORWARD | item, t_wait);
@@ -361,7 +371,6 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, T
     }
     bar();
     if (!sh->ok) break;
-    const TpTileShape ts(a, tl);
     const u8* src = xgath + (u64)jj * tb * TP_TILE_BYTES + ts.packed;
     copy_vectors<U>(
         ts.rows * ts.vpr, tid, nthr,
@@ -395,7 +404,8 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, T
       o = (me + 1 + d) % W;
       if (o % L != l) ++seen;
     }
-    const u32 tl = tp_block_tile(item - i * tb, (u32)a.tiles_mb, (u32)a.tiles_n);
+    const TpTileShape ts(a, item - i * tb);
+    const u32 tl = ts.tl;
     if (tid == 0) {
       const u64 t_wait = trace_start(a.g.sync);
       sh->ok = wait_epoch(a.g.sync, gflag + o * tb + tl, E, (i32)o, 0x10000u + tl) ? 1 : 0;
@@ -405,7 +415,6 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, T
     }
     bar();
     if (!sh->ok) break;
-    const TpTileShape ts(a, tl);
     const auto at = [&](u32 v, u64& row, u64& col) {
       const u32 r = v / ts.vpr;
       row = ts.mt * 128u + r;
