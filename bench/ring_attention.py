@@ -589,7 +589,12 @@ def main():
     mode = SharedMode(comm) if shared and have_baseline and mps_client() else None  # issue 25's timing
     if me == 0:
         nsm = cupy.cuda.Device().attributes["MultiProcessorCount"]
-        print(f"# {W} ranks, {physical} GPU(s) ({harness.device_name()}, {nsm} SMs), {dt.name}, median of {reps}, "
+        timing = f"median of {reps}"
+        if mode:
+            import mps_timing as cc
+
+            timing = f"median of {cc.BATCHES} batches of {cc.BATCH} calls behind a device barrier (MPS)"
+        print(f"# {W} ranks, {physical} GPU(s) ({harness.device_name()}, {nsm} SMs), {dt.name}, {timing}, "
               f"setup {time.time() - t_start:.1f} s", flush=True)
         print("# NO BASELINE: " + baseline_note if baseline_note else
               "# baseline: K/V all-gather over the transport, then the engine" if comm.num_nodes > 1 else
