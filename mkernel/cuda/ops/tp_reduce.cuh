@@ -356,8 +356,9 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, T
     if (item >= (N - 1) * tb) break;
     const u32 i = item / tb;
     const u32 jj = (n + 1 + i) % N, o = jj * L + l;
-    const TpTileShape ts(a, item - i * tb);
-    const u32 pos = item - i * tb, tl = ts.tl;
+    const u32 pos = item - i * tb;
+    const TpTileShape ts(a, pos);
+    const u32 tl = ts.tl;
     if (tid == 0) {
       const u64 t_wait = trace_start(a.g.sync);
       sh->ok =
