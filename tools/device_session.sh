@@ -42,6 +42,10 @@ step() {  # step NAME TIMEOUT CMD...; LIMIT_<NAME>=seconds overrides TIMEOUT
   local name=$1 v=LIMIT_$1; local limit=${!v:-$2}; shift 2
   local t0=$SECONDS rc=0
   timeout -k 5 "$limit" "$@" >"$LOGS/$name.log" 2>&1 || rc=$?
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then  # a cut step's ranks outlive its shell: they would share the next step's GPU
+    pkill -9 -f "python3 -m pytest" ; pkill -9 mpirun ; pkill -9 prted ; sleep 2
+    echo "(step $name cut at ${limit}s: its leftover processes were killed)" >>"$LOGS/$name.log"
+  fi
   summary+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - t0)) "$(tail -1 "$LOGS/$name.log" | cut -c1-150)")")
   echo "${summary[-1]}"
 }

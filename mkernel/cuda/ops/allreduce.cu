@@ -45,8 +45,7 @@ MK_DEV void ar_reduce_vector(const u8* slots, u64 slot_bytes, u32 W, u64 off, u8
     st_v4(out + off, make_uint4(__float_as_uint(s0), __float_as_uint(s1), __float_as_uint(s2), __float_as_uint(s3)));
   } else {
     float s[1][8] = {{0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}};
-    const u64 offs[1] = {off};
-    tp_add_partials<DT, 1>(s, slots, slot_bytes, W, offs, 1);
+    tp_add_partials<DT, 1, 4>(s, W, 1, [&](u32 r, u32) { return slots + r * slot_bytes + off; });
     st_v4(out + off, tp_pack8<DT>(s[0]));
   }
 }

@@ -244,8 +244,11 @@ using TpEpilogue = MkTileEpilogue<Cfg::DT, Cfg, false, TpDest<OP, Turn> >;
 // Vectors a thread has in flight in the communication loops: a loop with one 16-byte load at a
 // time is latency-bound (10-13 GB/s a CTA, measured in the MoE dispatch and in the TP reduction at
 // world 1), so each thread issues TP_IN_FLIGHT loads before it uses the first.
-// A GEMM CTA's consumers (turns, join) keep their accumulators live: they afford fewer.
-constexpr u32 TP_IN_FLIGHT = 4;
+// A reduction has TP_REDUCE_IN_FLIGHT vectors of TP_PARTIALS_IN_FLIGHT partials in flight (its fp32
+// sums take registers too). A GEMM CTA's consumers (turns, join) keep their accumulators live: fewer.
+constexpr u32 TP_IN_FLIGHT = 8;
+constexpr u32 TP_REDUCE_IN_FLIGHT = 4;
+constexpr u32 TP_PARTIALS_IN_FLIGHT = 2;
 constexpr u32 TP_IN_FLIGHT_GEMM = 2;
 
 // Two 16-bit values (low, high) of the input dtype -> fp32.

@@ -40,16 +40,20 @@ MK_DEV void tp_add_vectors(float (&s)[U][8], const uint4 (&x)[U], u32 count) {
   }
 }
 
-// s[u] += partials p = 0 .. count - 1 of vector u (u < vecs), at base + p * stride + off[u], in p
-// order (deterministic); the loads of all vecs vectors of one partial are in flight together.
-template <int DT, u32 U>
-MK_DEV void tp_add_partials(float (&s)[U][8], const u8* base, u64 stride, u32 count, const u64 (&off)[U], u32 vecs) {
-  for (u32 p = 0; p < count; ++p) {
-    uint4 x[U];
+// s[u] += partials p = 0 .. count - 1 of vector u (u < vecs), at src(p, u), in p order (deterministic);
+// the loads of PB partials' vecs vectors are in flight together (a round trip costs 1-3 us under load).
+template <int DT, u32 U, u32 PB, class Src>
+MK_DEV void tp_add_partials(float (&s)[U][8], u32 count, u32 vecs, Src src) {
+  for (u32 p0 = 0; p0 < count; p0 += PB) {
+    uint4 x[PB][U];
 #pragma unroll
-    for (u32 u = 0; u < U; ++u)
-      if (u < vecs) x[u] = ld_cg_v4(base + p * stride + off[u]);
-    tp_add_vectors<DT, U>(s, x, vecs);
+    for (u32 q = 0; q < PB; ++q)
+#pragma unroll
+      for (u32 u = 0; u < U; ++u)
+        if (p0 + q < count && u < vecs) x[q][u] = ld_cg_v4(src(p0 + q, u));
+#pragma unroll
+    for (u32 q = 0; q < PB; ++q)
+      if (p0 + q < count) tp_add_vectors<DT, U>(s, x[q], vecs);
   }
 }
 
@@ -228,7 +232,7 @@ MK_DEV bool tp_reduce_ready(const TpArgs& a, u32 E, u32 item) {
 // bar(): the waits for its inputs (thread 0), the fp32 sums, the stores, flags and sends; U vectors
 // in flight per thread (a GEMM CTA's consumers, whose accumulators stay live, afford fewer than a
 // comm CTA). Returns false when a wait failed (the error is recorded).
-template <int DT, int OP, u32 U, class Bar>
+template <int DT, int OP, u32 U, u32 PB, class Bar>
 MK_DEV bool tp_reduce_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, Bar bar, TpCommShared* sh) {
   const u32 me = (u32)a.me, tb = tp_tiles_blk(a);
   const u32 L = (u32)a.local, N = (u32)a.nodes, l = (u32)a.lrank, n = (u32)a.node;
@@ -266,39 +270,38 @@ MK_DEV bool tp_reduce_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, 
   const u32 nv = ts.rows * ts.vpr;
   for (u32 v0 = tid; v0 < nv; v0 += U * nthr) {  // U vectors per thread at a time
     const u32 vecs = min(U, (nv - v0 + nthr - 1) / nthr);
-    u64 off[U], compact[U];  // of vector u: in a row block, in a compact tile
+    u32 rc[U];  // vector u's row in the tile (high half) and column (low half): offsets are recomputed
     float s[U][8];
 #pragma unroll
     for (u32 u = 0; u < U; ++u) {
-      const u32 v = v0 + u * nthr, r = v / ts.vpr, c = (v - r * ts.vpr) * 8u;
-      off[u] = (((u64)ts.mt * 128u + r) * ncol + ts.nt * 256u + c) * 2;
-      compact[u] = ((u64)r * ts.cols + c) * 2;
+      const u32 v = v0 + u * nthr, r = v / ts.vpr;
+      rc[u] = r << 16 | (v - r * ts.vpr) * 8u;
 #pragma unroll
       for (int e = 0; e < 8; ++e) s[u][e] = 0.f;
     }
-    if (own) {  // node order; inside this node, rank order
-      for (u32 jj = 0; jj < N; ++jj) {
-        if (jj == n)
-          tp_add_partials<DT, U>(s, recv + j * blk_bytes, N * blk_bytes, L, off, vecs);
-        else
-          tp_add_partials<DT, U>(s, xrecv + (u64)jj * tb * TP_TILE_BYTES + ts.packed, 0, 1, compact, vecs);
-      }
-    } else {
-      tp_add_partials<DT, U>(s, recv + j * blk_bytes, N * blk_bytes, L, off, vecs);
-    }
+    const auto row_of = [&](u32 u) { return (u64)ts.mt * 128u + (rc[u] >> 16); };
+    const auto col_of = [&](u32 u) { return (u64)ts.nt * 256u + (rc[u] & 0xFFFFu); };
+    const auto compact = [&](u32 u) { return ((u64)(rc[u] >> 16) * ts.cols + (rc[u] & 0xFFFFu)) * 2; };
+    // Partial q: own block, node order (nodes before n, this node's L ranks in rank order, the rest);
+    // another node's block, this node's ranks.
+    tp_add_partials<DT, U, PB>(s, own ? N - 1 + L : L, vecs, [&](u32 q, u32 u) {
+      const u32 s_l = own ? q - n : q;  // local rank, when q is one of this node's partials
+      if (s_l < L) return recv + (u64)(s_l * N + j) * blk_bytes + (row_of(u) * ncol + col_of(u)) * 2;
+      const u32 jj = q < n ? q : q - L + 1;
+      return xrecv + (u64)jj * tb * TP_TILE_BYTES + ts.packed + compact(u);
+    });
 #pragma unroll
     for (u32 u = 0; u < U; ++u) {
       if (u >= vecs) break;
       const uint4 sum = tp_pack8<DT>(s[u]);
-      if (!own || (OP == TP_OP_AR && N > 1)) st_v4(stage + tile_off + compact[u], sum);
+      if (!own || (OP == TP_OP_AR && N > 1)) st_v4(stage + tile_off + compact(u), sum);
       if (!own) continue;
-      const u32 v = v0 + u * nthr, r = v / ts.vpr;
-      const u64 row = ts.mt * 128u + r, col = ts.nt * 256u + (v - r * ts.vpr) * 8u;
+      const u64 row = row_of(u), col = col_of(u);
       const u64 orow = OP == TP_OP_AR ? (u64)me * (u64)a.mb + row : row;
       st_v4(out + (orow * (u64)a.ldo + col) * 2, sum);
       if (OP == TP_OP_AR)
         for (u32 p = 0; p < L; ++p)
-          if (p != l) st_v4(peer_ptr<u8>(peers, p, a.gath_off) + me * blk_bytes + off[u], sum);
+          if (p != l) st_v4(peer_ptr<u8>(peers, p, a.gath_off) + me * blk_bytes + (row * ncol + col) * 2, sum);
     }
   }
   if (!own || OP == TP_OP_AR) {
@@ -326,7 +329,7 @@ MK_DEV bool tp_reduce_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, 
 // The reduction (and, AR, the gather copies) by a group of nthr threads (tid in [0, nthr)) that
 // synchronise with bar(): a communication CTA from the start, or a GEMM CTA's consumers after
 // their tiles. Items are claimed from the shared counters, so any number of groups cooperate.
-template <int DT, int OP, u32 U, class Bar>
+template <int DT, int OP, u32 U, u32 PB, u32 C, class Bar>
 MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, TpCommShared* sh) {
   const u32 W = (u32)a.world, me = (u32)a.me, tb = tp_tiles_blk(a);
   const u32 L = (u32)a.local, N = (u32)a.nodes, l = (u32)a.lrank, n = (u32)a.node;
@@ -341,7 +344,7 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, T
   while (ok) {
     const u32 item = tp_claim(&a.counters[TP_CNT_REDUCE], &sh->item, tid, bar);
     if (item >= N * tb) break;
-    ok = tp_reduce_item<DT, OP, U>(a, E, item, tid, nthr, bar, sh);
+    ok = tp_reduce_item<DT, OP, U, PB>(a, E, item, tid, nthr, bar, sh);
     if (tid == 0) tp_ctl_tick<OP>(a);
   }
   if (OP != TP_OP_AR) {
@@ -373,7 +376,7 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, T
     bar();
     if (!sh->ok) break;
     const u8* src = xgath + (u64)jj * tb * TP_TILE_BYTES + ts.packed;
-    copy_vectors<U>(
+    copy_vectors<C>(
         ts.rows * ts.vpr, tid, nthr,
         [&](u32 v) {
           const u32 r = v / ts.vpr;
@@ -421,7 +424,7 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, T
       row = ts.mt * 128u + r;
       col = ts.nt * 256u + (v - r * ts.vpr) * 8u;
     };
-    copy_vectors<U>(
+    copy_vectors<C>(
         ts.rows * ts.vpr, tid, nthr,
         [&](u32 v) {
           u64 row, col;
@@ -444,7 +447,7 @@ struct TpReduceItems {
   static MK_DEV bool ready(const TpArgs& a, u32 E, u32 item) { return tp_reduce_ready(a, E, item); }
   template <class Bar>
   static MK_DEV bool run(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, Bar bar, TpCommShared* sh) {
-    return tp_reduce_item<DT, OP, TP_IN_FLIGHT_GEMM>(a, E, item, tid, nthr, bar, sh);
+    return tp_reduce_item<DT, OP, TP_IN_FLIGHT_GEMM, 1>(a, E, item, tid, nthr, bar, sh);
   }
 };
 
@@ -452,7 +455,8 @@ struct TpReduceItems {
 template <int DT, int OP>
 MK_DEV void tp_reduce_cta(const TpArgs& a) {
   const TpCommCta c = tp_comm_enter(a);
-  tp_reduce_work<DT, OP, TP_IN_FLIGHT>(a, c.E, threadIdx.x, blockDim.x, MkBarCta(), c.sh);
+  tp_reduce_work<DT, OP, TP_REDUCE_IN_FLIGHT, TP_PARTIALS_IN_FLIGHT, TP_IN_FLIGHT>(a, c.E, threadIdx.x, blockDim.x,
+                                                                                   MkBarCta(), c.sh);
   if (threadIdx.x == 0) tp_counters_done(a);
   launch_exit(a.g.sync, c.E);
 }
@@ -514,7 +518,9 @@ MK_DEV void tp_partial_cta(const TpArgs& a) {
 template <int DT, int OP>
 struct TpJoinReduce {
   MK_DEV void operator()(const TpArgs& a, u32 E, TpCommShared* sh) const {
-    if (a.join) tp_reduce_work<DT, OP, TP_IN_FLIGHT_GEMM>(a, E, threadIdx.x - 128, 256, MkBarConsumers(), sh);
+    if (a.join)
+      tp_reduce_work<DT, OP, TP_IN_FLIGHT_GEMM, 1, TP_IN_FLIGHT_GEMM>(a, E, threadIdx.x - 128, 256, MkBarConsumers(),
+                                                                      sh);
   }
 };
 
