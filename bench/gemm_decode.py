@@ -116,6 +116,8 @@ def main():
             settings = {k: dict(v, gemm_decode_max_m=256) for k, v in settings.items()}
         if M > config.get().gemm_decode_max_m and mg.split_k(M, N, K) > 1:
             settings["nosplit"] = {"gemm_split_k": False}  # the engine with one CTA per tile
+            if kind == "decode" and M <= 64:
+                settings["decode"] = {"gemm_decode_max_m": 256}  # the decode path, its default knobs
         elif kind == "decode":
             settings["engine"] = {"gemm_decode_max_m": 0}  # the engine (split K) at the decode path's rows
         for name, knobs in settings.items():

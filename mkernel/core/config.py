@@ -47,7 +47,7 @@ class Config:
     gemm_tflops: float = 650.0
     # mkernel.gemm at M up to this (0: never; at most 256) with B as [N, K] takes the decode path
     # (gemm_decode.py); above, the engine (split K where its tiles are few).
-    gemm_decode_max_m: int = 32
+    gemm_decode_max_m: int = 16
     # The decode path's tokens per CTA above 32 tokens: 32 (CTAs of 32 tokens side by side, B read
     # again from L2) or 64 (one CTA, half the loads in flight).
     gemm_decode_group: int = 32

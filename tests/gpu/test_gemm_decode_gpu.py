@@ -54,7 +54,7 @@ def _run(a64, w64, dt, out_kind=None, accumulate=False, start=None, a_pad=0, out
 
 @pytest.fixture(autouse=True)
 def decode_up_to_64_tokens():
-    """The decode kernel's cases up to 64 tokens (the default sends 33-64 tokens to the engine)."""
+    """The decode kernel's cases up to 64 tokens (the default sends 17-64 tokens to the engine)."""
     with config.override(gemm_decode_max_m=64):
         yield
 
