@@ -295,6 +295,16 @@ def bench_op_shared(op, comm, shapes, dt, barrier, link_gbs, comm_sms="auto"):
         t = {"default": cc.batch_ms(comm, barrier, f["default"], warmup=AUTO_WARMUP)}
         split = _tp.controller_stats(comm) if path == "fused" else {}  # the timed batch's last launch
         t.update({name: cc.batch_ms(comm, barrier, f[name]) for name in ("unfused", "gemm")})
+        variants = {}  # the default call with another setting, timed last (A/B in the same run)
+        if op == "allgather_gemm" and path == "fused":
+            import mkernel
+
+            flip = not mkernel.config.get().tp_ag_copy_first
+            with mkernel.config.override(tp_ag_copy_first=flip):
+                variants[f"tp_ag_copy_first={flip}"] = cc.batch_ms(comm, barrier, f["default"], warmup=AUTO_WARMUP)
+            if comm.rank == 0:
+                print(f"   {M}x{N}x{K}: default {t['default']:.3f} ms, " +
+                      ", ".join(f"{k} {v:.3f} ms" for k, v in variants.items()), flush=True)
         minimum = f["sent"] if nodes == 1 else f["sent"] * (nodes - 1) // (W - 1)  # per rank, per direction
         link_ms = minimum / (link_gbs * 1e9) * 1e3
         bound = max(t["gemm"], link_ms)
@@ -307,7 +317,7 @@ def bench_op_shared(op, comm, shapes, dt, barrier, link_gbs, comm_sms="auto"):
         rows_out.append(harness.row(
             (M, N, K), t["default"], t["unfused"], bound, compute_ms=t["gemm"], link_ms=link_ms, path=path,
             sms_per_rank=cc.sms_per_rank(), mps=True, link_GBps=link_gbs, bytes_per_direction=minimum,
-            comm_sms=comm_sms, comm_ctas=split.get("comm_ctas"), lent_peak=split.get("lent_peak"),
+            comm_sms=comm_sms, comm_ctas=split.get("comm_ctas"), lent_peak=split.get("lent_peak"), variants_ms=variants,
             network_bytes_per_rank=network if nodes > 1 else None, max_err_mkernel=err_mk, max_err_baseline=err_base,
             dtype=dt.name, baseline="mkernel unfused: cupy.matmul, then mkernel's collective",
             goal=(f"speedup >= {goal}" if nodes == 1 else f"fraction_of_bound >= {goal}, speedup >= 1.0"),

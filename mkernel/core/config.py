@@ -36,6 +36,9 @@ class Config:
     # Communication CTAs where comm_sms is not searched (the unfused baseline, the search's start).
     tp_comm_sms: types.MappingProxyType = dataclasses.field(default_factory=lambda: types.MappingProxyType(
         {"gemm_reduce_scatter": 8, "gemm_allreduce": 16, "allgather_gemm": 8}))
+    # allgather_gemm copies this rank's shard into its own gathered rows (cudaMemcpy2DAsync) before
+    # the kernel, whose pushes then only flag it and send it on (False: the push CTAs copy it)
+    tp_ag_copy_first: bool = False
     moe_comm_sms: int = 16        # dispatch CTAs of the fused MoE kernels
     moe_join_gemm: bool = True    # the dispatch CTAs take GEMM tiles once their rows are sent
     ring_comm_sms: int = 2        # ring attention's forwarding CTAs (a step's block is little next to its compute)
@@ -74,7 +77,7 @@ class Config:
                                 f"{self.gemm_decode_unroll!r}, {self.gemm_decode_waves!r}")
         if self.gemm_decode_group not in (32, 64):
             raise ArgumentError(f"gemm_decode_group must be 32 or 64; got {self.gemm_decode_group!r}")
-        for name in ("tp_join_reduce", "moe_join_gemm", "tp_latency_ll_overlap", "gemm_split_k"):
+        for name in ("tp_join_reduce", "moe_join_gemm", "tp_latency_ll_overlap", "gemm_split_k", "tp_ag_copy_first"):
             if not isinstance(getattr(self, name), bool):
                 raise ArgumentError(f"{name} must be True or False; got {getattr(self, name)!r}")
         for name in ("tp_comm_sms", "transport_gbps"):  # mappings stay read-only

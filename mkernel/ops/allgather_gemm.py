@@ -4,6 +4,7 @@ rows while the GEMM runs on the chunks that have arrived (design: docs/TP.md). I
 without CuPy; the kernels are registered at import.
 """
 
+from mkernel.core import config
 from mkernel.core.errors import ArgumentError
 from mkernel.engines import gemm as _gemm
 from mkernel.ops import tp
@@ -122,7 +123,12 @@ def _launch(comm, plan, template, c, stream):
     if c.path == "unfused":  # the kernel only gathers; the GEMM follows it
         gemm_ctas = 0
     tp.set_split(args, plan, gemm_ctas, tp.controller_mode(OP, c.comm_sms, c.path), comm)
+    args.own_copied = int(config.get().tp_ag_copy_first)
     with autosplit.timed(token, stream):
+        if args.own_copied:  # the shard into this rank's own gathered rows (a copy, no kernel: no module load)
+            rt = tp.cupy_mod().cuda.runtime
+            rt.memcpy2DAsync(ga.data.ptr + comm.rank * c.mb * c.K * esize, c.K * esize, c.a.data.ptr,
+                             tp._row_stride(c.a), c.K * esize, c.mb, rt.memcpyDeviceToDevice, tp.stream_ptr(stream))
         tp.launch_fused(comm, OP, SPEC, KERNEL, args, c.a.dtype, c.layout, gemm_ctas + comm_ctas, stream)
     if c.path == "unfused":
         with tp.on_stream(stream):

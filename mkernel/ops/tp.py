@@ -94,7 +94,8 @@ class TpArgs(ctypes.Structure):
                 ("pflags", ctypes.c_void_p),
                 ("stage_off", ctypes.c_uint64), ("xrecv_off", ctypes.c_uint64), ("xgath_off", ctypes.c_uint64),
                 ("partial", ctypes.c_void_p), ("ldp", ctypes.c_int64), ("ctl", ctypes.c_void_p),
-                ("ctl_mode", ctypes.c_int32), ("ctl_lend_max", ctypes.c_int32), ("pad", ctypes.c_int32 * 8)]
+                ("ctl_mode", ctypes.c_int32), ("ctl_lend_max", ctypes.c_int32),
+                ("own_copied", ctypes.c_int32), ("pad", ctypes.c_int32 * 7)]
 
 
 class TpCtlStats(ctypes.Structure):

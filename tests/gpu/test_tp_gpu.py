@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 
 import mkernel
+from mkernel import config
 from mkernel.ops.allgather_gemm import allgather_gemm
 from mkernel.ops.gemm_allreduce import gemm_allreduce
 from mkernel.ops.gemm_reduce_scatter import gemm_reduce_scatter
@@ -131,9 +132,10 @@ def test_reduce_ops_against_float64(comm, op, kind):
     _collective(comm, body)
 
 
+@pytest.mark.parametrize("copy_first", [False, True])  # config.tp_ag_copy_first
 @pytest.mark.parametrize("kind", ["bf16", "fp16"])
 @pytest.mark.parametrize("layout", ["kn", "nk", "view"])
-def test_allgather_gemm_integer_inputs_are_exact_per_tile(comm, layout, kind):
+def test_allgather_gemm_integer_inputs_are_exact_per_tile(comm, layout, kind, copy_first):
     W = comm.size
     mb, K, N = 200, 136, 264
     dt = DTYPES[kind]
@@ -146,8 +148,9 @@ def test_allgather_gemm_integer_inputs_are_exact_per_tile(comm, layout, kind):
         msgs = []
         for path in PATHS:
             bb, bl = _b_arg(b, layout, dt)
-            out, gathered = allgather_gemm(_dev(a.astype(dt)), bb, comm=comm, out=_poisoned((W * mb, N), kind),
-                                           b_layout=bl, path=path, return_gathered=True)
+            with config.override(tp_ag_copy_first=copy_first):
+                out, gathered = allgather_gemm(_dev(a.astype(dt)), bb, comm=comm, out=_poisoned((W * mb, N), kind),
+                                               b_layout=bl, path=path, return_gathered=True)
             _sync(f"ag {layout} {kind}")
             comm.check()
             ok, msg = _check_exact(_host(out), ref, dt, f"path {path}")
@@ -160,8 +163,9 @@ def test_allgather_gemm_integer_inputs_are_exact_per_tile(comm, layout, kind):
     _collective(comm, body)
 
 
+@pytest.mark.parametrize("copy_first", [False, True])  # config.tp_ag_copy_first
 @pytest.mark.parametrize("kind", ["bf16", "fp16"])
-def test_allgather_gemm_against_float64(comm, kind):
+def test_allgather_gemm_against_float64(comm, kind, copy_first):
     W = comm.size
     mb, K, N = 320, 1024, 520
     dt = DTYPES[kind]
@@ -171,7 +175,9 @@ def test_allgather_gemm_against_float64(comm, kind):
     ref, absprod = full @ b, np.abs(full) @ np.abs(b)
 
     def body():
-        out = allgather_gemm(_dev(a.astype(dt)), _dev(b.astype(dt)), comm=comm, path="fused")
+        padded = _dev(np.hstack([a, np.full((mb, 24), np.nan)]).astype(dt))[:, :K]  # rows 24 elements apart
+        with config.override(tp_ag_copy_first=copy_first):
+            out = allgather_gemm(padded, _dev(b.astype(dt)), comm=comm, path="fused")
         _sync(f"ag float64 {kind}")
         comm.check()
         ok, err = _check_close(_host(out), ref, 0.0, absprod, K, dt, f"ag {kind}")

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import mkernel
+from mkernel import config
 from mkernel.ops.allgather_gemm import allgather_gemm
 from mkernel.ops.gemm_allreduce import gemm_allreduce
 from mkernel.ops.gemm_reduce_scatter import gemm_reduce_scatter
@@ -155,10 +156,12 @@ def _run_ag_cases(comm):
             mb, N, K, kind, integer, a, b, full, ref, absprod = problem
             dt = DTYPES[kind]
             before = bytes_sent(comm)
-            what = f"allgather_gemm {path} case {i} {mb}x{N}x{K} {kind} launch {rep}"
+            copy_first = rep % 2 == 1  # launches alternate who copies the shard into its own rows
+            what = f"allgather_gemm {path} case {i} {mb}x{N}x{K} {kind} launch {rep} copy_first {copy_first}"
             try:
-                out, gathered = allgather_gemm(a, b, comm=comm, out=_poisoned((W * mb, N), kind), path=path,
-                                               return_gathered=True)
+                with config.override(tp_ag_copy_first=copy_first):
+                    out, gathered = allgather_gemm(a, b, comm=comm, out=_poisoned((W * mb, N), kind), path=path,
+                                                   return_gathered=True)
                 sync_or_exit(what, HANG_S)
                 comm.check()
             except mkernel.MKernelError as e:

@@ -54,8 +54,10 @@ MK_DEV bool tp_push_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, Ba
   const u32 rows = min(128u, (u32)a.mb - c * 128u);
   const u64 dst_off = a.ga_off + ((u64)me * (u64)a.mb + c * 128u) * row_bytes;
   const u8* src = reinterpret_cast<const u8*>(a.a_local) + (u64)c * 128u * (u64)a.lda * 2;
-  tp_copy_rows<U>(peer_ptr<u8>(peers, d, dst_off), src, rows, k, (u64)a.lda, tid, nthr);
-  __threadfence_system();
+  if (d != l || !a.own_copied) {  // own_copied: the rows are there already (stream order)
+    tp_copy_rows<U>(peer_ptr<u8>(peers, d, dst_off), src, rows, k, (u64)a.lda, tid, nthr);
+    __threadfence_system();
+  }
   bar();
   if (tid == 0) {
     set_flag(peer_ptr<u32>(peers, d, a.aflag_off) + me * chunks + c, E);

@@ -127,5 +127,6 @@ struct TpArgs {
   TpCtl* ctl;  // the plan's controller state
   int ctl_mode;  // TP_CTL_*
   int ctl_lend_max;  // adaptive: at most this many GEMM CTAs lent at once
-  int pad[8];  // explicit tail: sizeof is a multiple of 64
+  int own_copied;  // AG: this rank's shard is in its own gathered rows already (copied before the launch)
+  int pad[7];  // explicit tail: sizeof is a multiple of 64
 };
