@@ -464,6 +464,11 @@ class SharedMode:
             for _ in range(W):
                 block()
         compute_ms = cc.batch_ms(comm, self.barrier, computing)
+        import mkernel
+
+        flip = not mkernel.config.get().comm_staged  # the forwarders' loads the other way (A/B, same run)
+        with mkernel.config.override(comm_staged=flip):
+            variants = {f"comm_staged={flip}": cc.batch_ms(comm, self.barrier, mk)}
         sent = ((W - 1) if self.nodes == 1 else (self.nodes - 1)) * 2 * block_bytes
         link_ms = sent / (self.link_gbs * 1e9) * 1e3
         S, H, Hkv, D, causal = shape
@@ -472,6 +477,7 @@ class SharedMode:
                         sms_per_rank=cc.sms_per_rank(), mps=True, world=W, nodes=self.nodes, dtype=dt.name,
                         comm_sms=comm_sms, rel_err_vs_baseline=err_vs, ref_rel_err_mkernel=err_mk,
                         ref_rel_err_baseline=err_base, correct=bool(correct), goal_speedup=self.goal_speedup,
+                        variants_ms=variants,
                         goal_fraction_of_bound=self.goal_fraction,
                         name=f"{S} {H}/{Hkv} {D} {'causal' if causal else 'full'}")
         r["meets_speedup_goal"] = None if r["speedup"] is None else bool(r["speedup"] >= self.goal_speedup)

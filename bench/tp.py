@@ -295,13 +295,15 @@ def bench_op_shared(op, comm, shapes, dt, barrier, link_gbs, comm_sms="auto"):
         t = {"default": cc.batch_ms(comm, barrier, f["default"], warmup=AUTO_WARMUP)}
         split = _tp.controller_stats(comm) if path == "fused" else {}  # the timed batch's last launch
         t.update({name: cc.batch_ms(comm, barrier, f[name]) for name in ("unfused", "gemm")})
-        variants = {}  # the default call with another setting, timed last (A/B in the same run)
-        if op == "allgather_gemm" and path == "fused":
+        variants = {}  # the default call with one knob flipped, timed last (A/B in the same run)
+        knobs = ("comm_staged", "tp_ag_copy_first") if op == "allgather_gemm" else ("comm_staged",)
+        if path == "fused":
             import mkernel
 
-            flip = not mkernel.config.get().tp_ag_copy_first
-            with mkernel.config.override(tp_ag_copy_first=flip):
-                variants[f"tp_ag_copy_first={flip}"] = cc.batch_ms(comm, barrier, f["default"], warmup=AUTO_WARMUP)
+            for knob in knobs:
+                flip = not getattr(mkernel.config.get(), knob)
+                with mkernel.config.override(**{knob: flip}):
+                    variants[f"{knob}={flip}"] = cc.batch_ms(comm, barrier, f["default"], warmup=AUTO_WARMUP)
             if comm.rank == 0:
                 print(f"   {M}x{N}x{K}: default {t['default']:.3f} ms, " +
                       ", ".join(f"{k} {v:.3f} ms" for k, v in variants.items()), flush=True)

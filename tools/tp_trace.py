@@ -99,6 +99,9 @@ def run(args):
     else:
         a, b = harness.rand((M, K), 300 + r, dt), harness.rand((K, N), 400 + r, dt)
     fn = getattr(mkernel, args.op)
+    knobs = {k: v.strip().lower() in ("1", "true", "on") for k, v in (s.split("=", 1) for s in args.knob)}
+    if knobs:
+        mkernel.config.configure(**knobs)
     comm_sms = args.comm_sms if args.comm_sms == "auto" else int(args.comm_sms)
     for _ in range(args.calls):
         fn(a, b, comm=comm, comm_sms=comm_sms)
@@ -121,6 +124,8 @@ def main():
     p.add_argument("--comm-sms", default="auto")
     p.add_argument("--calls", type=int, default=12, help="calls (the last is summarised; auto searches early)")
     p.add_argument("--out", default="trace-out")
+    p.add_argument("--knob", action="append", default=[], metavar="NAME=BOOL",
+                   help="a boolean mkernel.config knob for the run (e.g. comm_staged=1); repeatable")
     args = p.parse_args()
     if args.summarize:
         summarize_files(args.summarize)

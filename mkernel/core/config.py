@@ -39,6 +39,9 @@ class Config:
     # allgather_gemm copies this rank's shard into its own gathered rows (cudaMemcpy2DAsync) before
     # the kernel, whose pushes then only flag it and send it on (False: the push CTAs copy it)
     tp_ag_copy_first: bool = False
+    # communication CTAs (the TP ops', ring attention's forwarders) stage their loads in their idle
+    # shared memory (cp.async, copy.cuh MkStage; False: in registers, 4-8 vectors a thread)
+    comm_staged: bool = False
     moe_comm_sms: int = 16        # dispatch CTAs of the fused MoE kernels
     moe_join_gemm: bool = True    # the dispatch CTAs take GEMM tiles once their rows are sent
     ring_comm_sms: int = 2        # ring attention's forwarding CTAs (a step's block is little next to its compute)
@@ -77,7 +80,8 @@ class Config:
                                 f"{self.gemm_decode_unroll!r}, {self.gemm_decode_waves!r}")
         if self.gemm_decode_group not in (32, 64):
             raise ArgumentError(f"gemm_decode_group must be 32 or 64; got {self.gemm_decode_group!r}")
-        for name in ("tp_join_reduce", "moe_join_gemm", "tp_latency_ll_overlap", "gemm_split_k", "tp_ag_copy_first"):
+        for name in ("tp_join_reduce", "moe_join_gemm", "tp_latency_ll_overlap", "gemm_split_k", "tp_ag_copy_first",
+                     "comm_staged"):
             if not isinstance(getattr(self, name), bool):
                 raise ArgumentError(f"{name} must be True or False; got {getattr(self, name)!r}")
         for name in ("tp_comm_sms", "transport_gbps"):  # mappings stay read-only

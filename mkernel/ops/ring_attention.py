@@ -61,7 +61,8 @@ class MkRingArgs(ctypes.Structure):
                 ("queue", _proxy.QueueArgs), ("pflags", ctypes.c_void_p), ("stage_off", ctypes.c_uint64),
                 ("next_remote", ctypes.c_int32), ("prev_remote", ctypes.c_int32), ("chunks", ctypes.c_uint32),
                 ("chunk_bytes", ctypes.c_uint32), ("kv_bytes", ctypes.c_uint64), ("local", ctypes.c_int32),
-                ("lrank", ctypes.c_int32), ("pad", ctypes.c_uint32 * 10)]
+                ("lrank", ctypes.c_int32), ("comm_staged", ctypes.c_int32),
+                ("pad", ctypes.c_uint32 * 9)]
 
 
 def _rows_contiguous(x):
@@ -244,6 +245,7 @@ def _launch(comm, planned, c, return_lse, stream):
     r.own_stride_b = k4.strides[0] if B > 1 else S * k4.shape[2] * D * k4.itemsize
     r.own_stride_s = k4.strides[1] if S > 1 else k4.shape[2] * D * k4.itemsize
     r.out = o4.data.ptr
+    r.comm_staged = int(config.get().comm_staged)
     r.out_stride_b = o4.strides[0] // o4.itemsize if B > 1 else S * Hq * D
     r.out_stride_s = o4.strides[1] // o4.itemsize if S > 1 else Hq * D
     if r.next_remote:  # only a rank sending across reads the staged block

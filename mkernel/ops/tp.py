@@ -95,7 +95,7 @@ class TpArgs(ctypes.Structure):
                 ("stage_off", ctypes.c_uint64), ("xrecv_off", ctypes.c_uint64), ("xgath_off", ctypes.c_uint64),
                 ("partial", ctypes.c_void_p), ("ldp", ctypes.c_int64), ("ctl", ctypes.c_void_p),
                 ("ctl_mode", ctypes.c_int32), ("ctl_lend_max", ctypes.c_int32),
-                ("own_copied", ctypes.c_int32), ("pad", ctypes.c_int32 * 7)]
+                ("own_copied", ctypes.c_int32), ("comm_staged", ctypes.c_int32), ("pad", ctypes.c_int32 * 6)]
 
 
 class TpCtlStats(ctypes.Structure):
@@ -472,6 +472,7 @@ def launch_fused(comm, op, spec, kernel, args, dtype, layout, grid, stream):
     persistent_grid(fn, THREADS, SMEM_BYTES, blocks=grid, what=op)  # checked once per grid (cached)
     args.g.sync = comm.sync_args(op)
     args.g.c = args.dst[0]
+    args.comm_staged = int(config.get().comm_staged)
     launch_persistent(fn, (grid,), (THREADS,), args, smem=SMEM_BYTES, stream=stream)
 
 

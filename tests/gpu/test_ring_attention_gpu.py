@@ -229,8 +229,11 @@ def test_exact(comm):
 def _repeat_body(comm, n=20):
     """n launches in a row on the same buffers (the output poisoned before each, a copy of its bits
     taken after, nothing synchronised in between): every result identical bitwise, and right. Even
-    launches return lse, odd ones do not (calls with out= and no lse may reuse a launch plan)."""
+    launches return lse, odd ones do not (calls with out= and no lse may reuse a launch plan); launches
+    2-3, 6-7, ... forward with config.comm_staged (through shared memory: the same bits)."""
     import cupy
+
+    from mkernel import config
 
     ring = _ring()
     W = comm.size
@@ -240,11 +243,12 @@ def _repeat_body(comm, n=20):
     snaps, lses = [], []
     for i in range(n):
         _poison(out)
-        if i % 2 == 0:
-            res = ring(dq, dk, dv, comm=comm, causal=True, out=out, return_lse=True)
-            lses.append(res[1].copy())
-        else:
-            res = ring(dq, dk, dv, comm=comm, causal=True, out=out)
+        with config.override(comm_staged=i % 4 >= 2):
+            if i % 2 == 0:
+                res = ring(dq, dk, dv, comm=comm, causal=True, out=out, return_lse=True)
+                lses.append(res[1].copy())
+            else:
+                res = ring(dq, dk, dv, comm=comm, causal=True, out=out)
         snaps.append(out.view(cupy.uint16).copy())
     _sync(f"{n} repeated launches")
     comm.check()

@@ -26,6 +26,7 @@ are tests/helpers/tp_cases.py.
 """
 
 import hashlib
+import itertools
 
 import numpy as np
 import pytest
@@ -96,6 +97,47 @@ def test_reduce_ops_integer_inputs_are_exact_per_tile(comm, op, layout, kind):
     if op == "ar":  # every rank passed: compare the bits they hold (a collective all ranks reach)
         _collective(comm, lambda: (len({tuple(d) for d in comm.mpi.allgather(digests)}) == 1,
                                    "ranks hold different bits"))
+
+
+@pytest.mark.parametrize("op", ["rs", "ar", "ag"])
+def test_comm_staging_changes_no_bit(comm, op):
+    """config.comm_staged (the comm CTAs' loads through shared memory) sums in the same order:
+    fused and unfused results bitwise equal to the register loops', exact on integer inputs, over
+    launches that alternate the setting (off-grid shapes; partial tiles in every direction)."""
+    W = comm.size
+    kind, dt = "bf16", BF16
+    if op == "ag":
+        mb, K, N = 330, 136, 520  # K as the exact cases above: every sum exact in the 16-bit output
+        shards = [_rank_inputs(23, r, (mb, K), (K, N), dt, True) for r in range(W)]
+        a, b = shards[comm.rank]
+        ref = np.vstack([s[0] for s in shards]) @ b
+        a_d, b_d, shape = _dev(a.astype(dt)), _dev(b.astype(dt)), (W * mb, N)
+        call = lambda out, path: allgather_gemm(a_d, b_d, comm=comm, out=out, path=path)  # noqa: E731
+    else:
+        M, K, N = 330 * W, 120, 520
+        (a, b), total, _, _, _ = _reduce_problem(comm, 13, M, K, N, kind, True)
+        ref = _rows(total, comm, M) if op == "rs" else total
+        a_d, b_d, shape = _dev(a.astype(dt)), _dev(b.astype(dt)), (M // W, N) if op == "rs" else (M, N)
+        fn = gemm_reduce_scatter if op == "rs" else gemm_allreduce
+        call = lambda out, path: fn(a_d, b_d, comm=comm, out=out, path=path)  # noqa: E731
+
+    def body():
+        bits = {}
+        for staged, path in itertools.product((False, True, False, True), ("fused", "unfused")):
+            with config.override(comm_staged=staged):
+                out = call(_poisoned(shape, kind), path)
+            _sync(f"{op} staged {staged} {path}")
+            comm.check()
+            g = _host(out)
+            ok, msg = _check_exact(g, ref, dt, f"{op} {path} staged {staged}",
+                                   comm.rank * shape[0] if op == "rs" else 0)
+            if not ok:
+                return False, msg
+            if not np.array_equal(bits.setdefault(path, g.view(np.uint16).copy()), g.view(np.uint16)):
+                return False, f"{op} {path}: staged {staged} gave other bits than the first launch"
+        return True, ""
+
+    _collective(comm, body)
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp16"])

@@ -76,9 +76,11 @@ def _run_cases(comm, allreduce):
             dt = DTYPES[kind]
             out = _poisoned((M, N) if allreduce else (M // W, N), kind)
             before = bytes_sent(comm)
-            what = f"{fn.__name__} {path} case {i} {M}x{N}x{K} {kind} launch {rep}"
+            staged = rep >= 1  # config.comm_staged from the second launch on: the same bits
+            what = f"{fn.__name__} {path} case {i} {M}x{N}x{K} {kind} launch {rep} staged {staged}"
             try:
-                fn(a, b, comm=comm, out=out, b_layout=bl, path=path)
+                with config.override(comm_staged=staged):
+                    fn(a, b, comm=comm, out=out, b_layout=bl, path=path)
                 sync_or_exit(what, HANG_S)
                 comm.check()
             except mkernel.MKernelError as e:
@@ -157,9 +159,11 @@ def _run_ag_cases(comm):
             dt = DTYPES[kind]
             before = bytes_sent(comm)
             copy_first = rep % 2 == 1  # launches alternate who copies the shard into its own rows
-            what = f"allgather_gemm {path} case {i} {mb}x{N}x{K} {kind} launch {rep} copy_first {copy_first}"
+            staged = rep >= 1  # config.comm_staged from the second launch on: the same bits
+            what = f"allgather_gemm {path} case {i} {mb}x{N}x{K} {kind} launch {rep} copy_first {copy_first} " \
+                   f"staged {staged}"
             try:
-                with config.override(tp_ag_copy_first=copy_first):
+                with config.override(tp_ag_copy_first=copy_first, comm_staged=staged):
                     out, gathered = allgather_gemm(a, b, comm=comm, out=_poisoned((W * mb, N), kind), path=path,
                                                    return_gathered=True)
                 sync_or_exit(what, HANG_S)

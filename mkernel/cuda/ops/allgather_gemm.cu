@@ -14,12 +14,13 @@
 #include "tp_reduce.cuh"
 
 // Copies `rows` rows of k elements (16-byte vectors) from src (row stride lds elements) to dst
-// (row stride k), by a group of nthr threads (tid in [0, nthr)), U vectors in flight per thread.
+// (row stride k), by a group of nthr threads (tid in [0, nthr)): through `st`, or U vectors in flight
+// per thread in registers.
 template <u32 U>
-MK_DEV void tp_copy_rows(u8* dst, const u8* src, u32 rows, u64 k, u64 lds, u32 tid, u32 nthr) {
+MK_DEV void tp_copy_rows(MkStage st, u8* dst, const u8* src, u32 rows, u64 k, u64 lds, u32 tid, u32 nthr) {
   const u32 vpr = (u32)(k / 8);  // 16-byte vectors per row (k % 8 == 0)
   copy_vectors<U>(
-      rows * vpr, tid, nthr,
+      st, rows * vpr, tid, nthr,
       [&](u32 v) {
         const u32 r = v / vpr;
         return src + ((u64)r * lds + (u64)(v - r * vpr) * 8u) * 2;
@@ -35,7 +36,7 @@ MK_DEV void tp_copy_rows(u8* dst, const u8* src, u32 rows, u64 k, u64 lds, u32 t
 // chunk's flag there and, once the chunk is in this rank's own buffer between nodes, its WRITE to
 // every other node. Returns false when a wait failed (the error is recorded).
 template <u32 U, class Bar>
-MK_DEV bool tp_push_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, Bar bar, TpCommShared* sh) {
+MK_DEV bool tp_push_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, Bar bar, TpCommShared* sh, MkStage st) {
   const u32 me = (u32)a.me, chunks = (u32)a.tiles_mb;
   const u32 L = (u32)a.local, N = (u32)a.nodes, l = (u32)a.lrank, n = (u32)a.node;
   const MkPeers peers = tp_peers(a);
@@ -55,7 +56,7 @@ MK_DEV bool tp_push_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, Ba
   const u64 dst_off = a.ga_off + ((u64)me * (u64)a.mb + c * 128u) * row_bytes;
   const u8* src = reinterpret_cast<const u8*>(a.a_local) + (u64)c * 128u * (u64)a.lda * 2;
   if (d != l || !a.own_copied) {  // own_copied: the rows are there already (stream order)
-    tp_copy_rows<U>(peer_ptr<u8>(peers, d, dst_off), src, rows, k, (u64)a.lda, tid, nthr);
+    tp_copy_rows<U>(st, peer_ptr<u8>(peers, d, dst_off), src, rows, k, (u64)a.lda, tid, nthr);
     __threadfence_system();
   }
   bar();
@@ -77,7 +78,7 @@ struct TpPushItems {
   static MK_DEV bool ready(const TpArgs& a, u32, u32 item) { return item < tp_ctl_items<TP_OP_AG>(a); }
   template <class Bar>
   static MK_DEV bool run(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, Bar bar, TpCommShared* sh) {
-    return tp_push_item<TP_IN_FLIGHT_GEMM>(a, E, item, tid, nthr, bar, sh);
+    return tp_push_item<TP_IN_FLIGHT_GEMM>(a, E, item, tid, nthr, bar, sh, MkStage{0, 0});
   }
 };
 
@@ -94,7 +95,7 @@ MK_DEV void tp_push_cta(const TpArgs& a) {
   while (ok) {  // this rank's chunks to its node (own buffer first), then across the network
     const u32 item = tp_claim(&a.counters[TP_CNT_PUSH], &comm.item, threadIdx.x, MkBarCta());
     if (item >= tp_ctl_items<TP_OP_AG>(a)) break;
-    ok = tp_push_item<TP_IN_FLIGHT>(a, E, item, threadIdx.x, blockDim.x, MkBarCta(), &comm);
+    ok = tp_push_item<TP_IN_FLIGHT>(a, E, item, threadIdx.x, blockDim.x, MkBarCta(), &comm, tp_comm_stage(a));
     if (threadIdx.x == 0) tp_ctl_tick<TP_OP_AG>(a);
   }
   while (ok) {  // several nodes: the chunks of blocks j * L + l that arrived, into this node
@@ -122,8 +123,8 @@ MK_DEV void tp_push_cta(const TpArgs& a) {
     const u64 off = a.ga_off + ((u64)o * (u64)a.mb + c * 128u) * row_bytes;
     for (u32 p = 0; p < L; ++p)
       if (p != l)
-        tp_copy_rows<TP_IN_FLIGHT>(peer_ptr<u8>(peers, p, off), peer_ptr<u8>(peers, l, off), rows, k, k, threadIdx.x,
-                                   blockDim.x);
+        tp_copy_rows<TP_IN_FLIGHT>(tp_comm_stage(a), peer_ptr<u8>(peers, p, off), peer_ptr<u8>(peers, l, off), rows, k,
+                                   k, threadIdx.x, blockDim.x);
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) {

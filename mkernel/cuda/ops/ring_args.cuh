@@ -60,7 +60,8 @@ struct MkRingArgs {
   unsigned long long kv_bytes;  // bytes of one combined K | V block (2 * B * S * H_kv * D * 2)
   int local;  // ranks per node (node-major ring: rank = node * local + lrank)
   int lrank;  // this rank's index in its node (its peer_base entry)
-  unsigned int pad[10];  // explicit tail: sizeof is a multiple of 64
+  int comm_staged;  // forwarders stage their loads in shared memory (ring_stage)
+  unsigned int pad[9];  // explicit tail: sizeof is a multiple of 64
 };
 
 // Proxy flags (RingArgs::pflags): set by the neighbours' commands, or by this rank's FLUSHes.

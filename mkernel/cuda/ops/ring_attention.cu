@@ -26,8 +26,12 @@
 #include "queue.cuh"
 #include "attn_mainloop.cuh"
 
-// 16-byte loads in flight per forwarding thread (copy_vectors).
+// 16-byte loads in flight per forwarding thread (copy_vectors), in registers; or, with
+// args.comm_staged, through RING_STAGE_BYTES of the forwarder's shared memory (idle until it turns
+// to attention; every staged copy has landed by then).
 constexpr u32 RING_IN_FLIGHT = 4;
+template <int D>
+constexpr u32 RING_STAGE_BYTES = (D == 128 ? 192u : 96u) << 10;
 
 // The node's ranks (IPC-mapped workspaces). The ring is node-major, so a ring rank on this node is
 // peer rank % local; a neighbour on another node is reached through the proxy (next_remote,
@@ -227,6 +231,9 @@ MK_DEV bool ring_forward_cta(const MkRingArgs& r, u32 E, u32 role, u32 forwarder
   const u32 S = (u32)r.a.seq_kv, rows = (u32)r.a.batch * S;
   const u32 row_bytes = (u32)r.a.heads_kv * D * 2, vpr = row_bytes / 16;
   const u32 chunks = (rows + r.chunk_rows - 1) / r.chunk_rows;
+  extern __shared__ __align__(1024) u8 mk_smem[];
+  const MkStage st =
+      r.comm_staged ? MkStage{(u32)__cvta_generic_to_shared(mk_smem), RING_STAGE_BYTES<D>} : MkStage{0, 0};
   for (u32 step = 0; step < W; ++step) {
     if (receiver && step > 0 && !ring_receive_remote(r, step, E)) return false;
     if (step + 1 == W) break;
@@ -283,7 +290,7 @@ MK_DEV bool ring_forward_cta(const MkRingArgs& r, u32 E, u32 role, u32 forwarder
         dst_off = (i64)row * row_bytes + off;
       };
       copy_vectors<RING_IN_FLIGHT>(
-          2 * nv, threadIdx.x, blockDim.x,
+          st, 2 * nv, threadIdx.x, blockDim.x,
           [&](u32 v) {
             i64 s, d;
             at(v, s, d);
@@ -307,6 +314,7 @@ MK_DEV bool ring_forward_cta(const MkRingArgs& r, u32 E, u32 role, u32 forwarder
 template <int DT, int D, bool CAUSAL>
 __global__ void __launch_bounds__(384, 1) mk_ring_attention_kernel(const __grid_constant__ MkRingArgs r) {
   using Cfg = AttnCfg<DT, D, CAUSAL>;
+  static_assert(RING_STAGE_BYTES<D> <= attn_smem_bytes<Cfg>(), "the forwarders' stage fits the launch's shared memory");
   extern __shared__ __align__(1024) u8 mk_smem[];
   const MkAttnArgs& a = r.a;
   __shared__ u32 s_role;

@@ -128,5 +128,6 @@ struct TpArgs {
   int ctl_mode;  // TP_CTL_*
   int ctl_lend_max;  // adaptive: at most this many GEMM CTAs lent at once
   int own_copied;  // AG: this rank's shard is in its own gathered rows already (copied before the launch)
-  int pad[7];  // explicit tail: sizeof is a multiple of 64
+  int comm_staged;  // communication CTAs stage their loads in shared memory (tp_comm_stage)
+  int pad[6];  // explicit tail: sizeof is a multiple of 64
 };

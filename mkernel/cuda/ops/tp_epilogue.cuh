@@ -250,6 +250,13 @@ constexpr u32 TP_IN_FLIGHT = 8;
 constexpr u32 TP_REDUCE_IN_FLIGHT = 4;
 constexpr u32 TP_PARTIALS_IN_FLIGHT = 2;
 constexpr u32 TP_IN_FLIGHT_GEMM = 2;
+// With args.comm_staged, a communication CTA (no GEMM: the launch's dynamic shared memory is idle
+// there) stages its loads in TP_COMM_STAGE_BYTES of it (cp.async): 4-8x the bytes in flight.
+constexpr u32 TP_COMM_STAGE_BYTES = 192u << 10;
+MK_DEV MkStage tp_comm_stage(const TpArgs& a) {
+  extern __shared__ __align__(1024) u8 mk_smem[];
+  return a.comm_staged ? MkStage{(u32)__cvta_generic_to_shared(mk_smem), TP_COMM_STAGE_BYTES} : MkStage{0, 0};
+}
 
 // Two 16-bit values (low, high) of the input dtype -> fp32.
 template <int DT>
@@ -323,3 +330,4 @@ MK_DEV void tp_gemm_cta(const TpArgs& args, u32 cta, Join join = Join()) {
 
 // Shared memory the fused kernels launch with (the engine's plain GEMM layout).
 #define TP_SMEM_BYTES (gemm_smem_bytes<GemmCfg<0, 0>, false>())
+static_assert(TP_COMM_STAGE_BYTES <= TP_SMEM_BYTES, "the comm CTAs' stage fits the launch's shared memory");

@@ -229,11 +229,12 @@ MK_DEV bool tp_reduce_ready(const TpArgs& a, u32 E, u32 item) {
 }
 
 // One claimed reduction item by a group of nthr threads (tid in [0, nthr)) that synchronise with
-// bar(): the waits for its inputs (thread 0), the fp32 sums, the stores, flags and sends; U vectors
-// in flight per thread (a GEMM CTA's consumers, whose accumulators stay live, afford fewer than a
+// bar(): the waits for its inputs (thread 0), the fp32 sums, the stores, flags and sends. Loads in
+// flight: through `st` where it holds a vector of every partial a thread, else U vectors of PB
+// partials in registers (a GEMM CTA's consumers, whose accumulators stay live, afford fewer than a
 // comm CTA). Returns false when a wait failed (the error is recorded).
 template <int DT, int OP, u32 U, u32 PB, class Bar>
-MK_DEV bool tp_reduce_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, Bar bar, TpCommShared* sh) {
+MK_DEV bool tp_reduce_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, Bar bar, TpCommShared* sh, MkStage st) {
   const u32 me = (u32)a.me, tb = tp_tiles_blk(a);
   const u32 L = (u32)a.local, N = (u32)a.nodes, l = (u32)a.lrank, n = (u32)a.node;
   const MkPeers peers = tp_peers(a);
@@ -267,41 +268,61 @@ MK_DEV bool tp_reduce_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, 
   if (!sh->ok) return false;
   const TpTileShape ts(a, it.p);
   const u64 tile_off = (u64)j * tb * TP_TILE_BYTES + ts.packed;  // own: the reduced tile to send (AR)
-  const u32 nv = ts.rows * ts.vpr;
-  for (u32 v0 = tid; v0 < nv; v0 += U * nthr) {  // U vectors per thread at a time
-    const u32 vecs = min(U, (nv - v0 + nthr - 1) / nthr);
-    u32 rc[U];  // vector u's row in the tile (high half) and column (low half): offsets are recomputed
-    float s[U][8];
-#pragma unroll
-    for (u32 u = 0; u < U; ++u) {
-      const u32 v = v0 + u * nthr, r = v / ts.vpr;
-      rc[u] = r << 16 | (v - r * ts.vpr) * 8u;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) s[u][e] = 0.f;
+  const u32 nv = ts.rows * ts.vpr, P = own ? N - 1 + L : L;
+  // Partial q of the vector at tile row r, column c: own block, node order (nodes before n, this
+  // node's L ranks in rank order, the rest); another node's block, this node's ranks.
+  const auto src = [&](u32 q, u32 r, u32 c) -> const u8* {
+    const u32 s_l = own ? q - n : q;  // local rank, when q is one of this node's partials
+    if (s_l < L) return recv + (u64)(s_l * N + j) * blk_bytes + (((u64)ts.mt * 128u + r) * ncol + ts.nt * 256u + c) * 2;
+    const u32 jj = q < n ? q : q - L + 1;
+    return xrecv + (u64)jj * tb * TP_TILE_BYTES + ts.packed + ((u64)r * ts.cols + c) * 2;
+  };
+  const auto finish = [&](u32 r, u32 c, const float(&s)[8]) {  // the rounded sum, where it goes
+    const uint4 sum = tp_pack8<DT>(s);
+    if (!own || (OP == TP_OP_AR && N > 1)) st_v4(stage + tile_off + ((u64)r * ts.cols + c) * 2, sum);
+    if (!own) return;
+    const u64 row = ts.mt * 128u + r, col = ts.nt * 256u + c;
+    const u64 orow = OP == TP_OP_AR ? (u64)me * (u64)a.mb + row : row;
+    st_v4(out + (orow * (u64)a.ldo + col) * 2, sum);
+    if (OP == TP_OP_AR)
+      for (u32 p = 0; p < L; ++p)
+        if (p != l) st_v4(peer_ptr<u8>(peers, p, a.gath_off) + me * blk_bytes + (row * ncol + col) * 2, sum);
+  };
+  const u32 per = st.per(nthr, P);
+  if (per > 0) {  // staged: `per` vectors of every partial in flight a thread, summed in q order
+    for (u32 v0 = tid; v0 < nv; v0 += per * nthr) {
+      const u32 cnt = min(per, (nv - v0 + nthr - 1) / nthr);
+      for (u32 u = 0; u < cnt; ++u) {
+        const u32 v = v0 + u * nthr, r = v / ts.vpr;
+        for (u32 q = 0; q < P; ++q) cp_async_cg16(st.slot(q * per + u, tid, nthr), src(q, r, (v - r * ts.vpr) * 8u));
+      }
+      cp_async_wait_own();
+      for (u32 u = 0; u < cnt; ++u) {
+        const u32 v = v0 + u * nthr, r = v / ts.vpr;
+        float s[1][8] = {};
+        for (u32 q = 0; q < P; ++q) {
+          const uint4 x[1] = {ld_shared_v4(st.slot(q * per + u, tid, nthr))};
+          tp_add_vectors<DT, 1>(s, x, 1);
+        }
+        finish(r, (v - r * ts.vpr) * 8u, s[0]);
+      }
     }
-    const auto row_of = [&](u32 u) { return (u64)ts.mt * 128u + (rc[u] >> 16); };
-    const auto col_of = [&](u32 u) { return (u64)ts.nt * 256u + (rc[u] & 0xFFFFu); };
-    const auto compact = [&](u32 u) { return ((u64)(rc[u] >> 16) * ts.cols + (rc[u] & 0xFFFFu)) * 2; };
-    // Partial q: own block, node order (nodes before n, this node's L ranks in rank order, the rest);
-    // another node's block, this node's ranks.
-    tp_add_partials<DT, U, PB>(s, own ? N - 1 + L : L, vecs, [&](u32 q, u32 u) {
-      const u32 s_l = own ? q - n : q;  // local rank, when q is one of this node's partials
-      if (s_l < L) return recv + (u64)(s_l * N + j) * blk_bytes + (row_of(u) * ncol + col_of(u)) * 2;
-      const u32 jj = q < n ? q : q - L + 1;
-      return xrecv + (u64)jj * tb * TP_TILE_BYTES + ts.packed + compact(u);
-    });
+  } else {
+    for (u32 v0 = tid; v0 < nv; v0 += U * nthr) {  // U vectors per thread at a time
+      const u32 vecs = min(U, (nv - v0 + nthr - 1) / nthr);
+      u32 rc[U];  // vector u's row in the tile (high half) and column (low half)
+      float s[U][8];
 #pragma unroll
-    for (u32 u = 0; u < U; ++u) {
-      if (u >= vecs) break;
-      const uint4 sum = tp_pack8<DT>(s[u]);
-      if (!own || (OP == TP_OP_AR && N > 1)) st_v4(stage + tile_off + compact(u), sum);
-      if (!own) continue;
-      const u64 row = row_of(u), col = col_of(u);
-      const u64 orow = OP == TP_OP_AR ? (u64)me * (u64)a.mb + row : row;
-      st_v4(out + (orow * (u64)a.ldo + col) * 2, sum);
-      if (OP == TP_OP_AR)
-        for (u32 p = 0; p < L; ++p)
-          if (p != l) st_v4(peer_ptr<u8>(peers, p, a.gath_off) + me * blk_bytes + (row * ncol + col) * 2, sum);
+      for (u32 u = 0; u < U; ++u) {
+        const u32 v = v0 + u * nthr, r = v / ts.vpr;
+        rc[u] = r << 16 | (v - r * ts.vpr) * 8u;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) s[u][e] = 0.f;
+      }
+      tp_add_partials<DT, U, PB>(s, P, vecs, [&](u32 q, u32 u) { return src(q, rc[u] >> 16, rc[u] & 0xFFFFu); });
+#pragma unroll
+      for (u32 u = 0; u < U; ++u)
+        if (u < vecs) finish(rc[u] >> 16, rc[u] & 0xFFFFu, s[u]);
     }
   }
   if (!own || OP == TP_OP_AR) {
@@ -330,7 +351,7 @@ MK_DEV bool tp_reduce_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, 
 // synchronise with bar(): a communication CTA from the start, or a GEMM CTA's consumers after
 // their tiles. Items are claimed from the shared counters, so any number of groups cooperate.
 template <int DT, int OP, u32 U, u32 PB, u32 C, class Bar>
-MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, TpCommShared* sh) {
+MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, TpCommShared* sh, MkStage st) {
   const u32 W = (u32)a.world, me = (u32)a.me, tb = tp_tiles_blk(a);
   const u32 L = (u32)a.local, N = (u32)a.nodes, l = (u32)a.lrank, n = (u32)a.node;
   const MkPeers peers = tp_peers(a);
@@ -344,7 +365,7 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, T
   while (ok) {
     const u32 item = tp_claim(&a.counters[TP_CNT_REDUCE], &sh->item, tid, bar);
     if (item >= N * tb) break;
-    ok = tp_reduce_item<DT, OP, U, PB>(a, E, item, tid, nthr, bar, sh);
+    ok = tp_reduce_item<DT, OP, U, PB>(a, E, item, tid, nthr, bar, sh, st);
     if (tid == 0) tp_ctl_tick<OP>(a);
   }
   if (OP != TP_OP_AR) {
@@ -377,7 +398,7 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, T
     if (!sh->ok) break;
     const u8* src = xgath + (u64)jj * tb * TP_TILE_BYTES + ts.packed;
     copy_vectors<C>(
-        ts.rows * ts.vpr, tid, nthr,
+        st, ts.rows * ts.vpr, tid, nthr,
         [&](u32 v) {
           const u32 r = v / ts.vpr;
           return src + ((u64)r * ts.cols + (v - r * ts.vpr) * 8u) * 2;
@@ -425,7 +446,7 @@ MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, T
       col = ts.nt * 256u + (v - r * ts.vpr) * 8u;
     };
     copy_vectors<C>(
-        ts.rows * ts.vpr, tid, nthr,
+        st, ts.rows * ts.vpr, tid, nthr,
         [&](u32 v) {
           u64 row, col;
           at(v, row, col);
@@ -447,7 +468,7 @@ struct TpReduceItems {
   static MK_DEV bool ready(const TpArgs& a, u32 E, u32 item) { return tp_reduce_ready(a, E, item); }
   template <class Bar>
   static MK_DEV bool run(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, Bar bar, TpCommShared* sh) {
-    return tp_reduce_item<DT, OP, TP_IN_FLIGHT_GEMM, 1>(a, E, item, tid, nthr, bar, sh);
+    return tp_reduce_item<DT, OP, TP_IN_FLIGHT_GEMM, 1>(a, E, item, tid, nthr, bar, sh, MkStage{0, 0});
   }
 };
 
@@ -456,7 +477,7 @@ template <int DT, int OP>
 MK_DEV void tp_reduce_cta(const TpArgs& a) {
   const TpCommCta c = tp_comm_enter(a);
   tp_reduce_work<DT, OP, TP_REDUCE_IN_FLIGHT, TP_PARTIALS_IN_FLIGHT, TP_IN_FLIGHT>(a, c.E, threadIdx.x, blockDim.x,
-                                                                                   MkBarCta(), c.sh);
+                                                                                   MkBarCta(), c.sh, tp_comm_stage(a));
   if (threadIdx.x == 0) tp_counters_done(a);
   launch_exit(a.g.sync, c.E);
 }
@@ -494,17 +515,18 @@ MK_DEV void tp_partial_cta(const TpArgs& a) {
       r = v / vpr;
       return (u64)t.n0 + (v - r * vpr) * 8u;
     };
-    copy_vectors<TP_IN_FLIGHT>((u32)t.rows * vpr, threadIdx.x, blockDim.x,
-                               [&](u32 v) {
-                                 u32 r;
-                                 const u64 col = col_of(v, r);
-                                 return src + ((u64)r * (u64)a.ldp + col) * 2;
-                               },
-                               [&](u32 v, uint4 x) {
-                                 u32 r;
-                                 const u64 col = col_of(v, r);
-                                 st_v4(dst + ((u64)r * ncol + col) * 2, x);
-                               });
+    copy_vectors<TP_IN_FLIGHT>(
+        tp_comm_stage(a), (u32)t.rows * vpr, threadIdx.x, blockDim.x,
+        [&](u32 v) {
+          u32 r;
+          const u64 col = col_of(v, r);
+          return src + ((u64)r * (u64)a.ldp + col) * 2;
+        },
+        [&](u32 v, uint4 x) {
+          u32 r;
+          const u64 col = col_of(v, r);
+          st_v4(dst + ((u64)r * ncol + col) * 2, x);
+        });
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) set_flag(dest.flag(t), E);
@@ -520,7 +542,7 @@ struct TpJoinReduce {
   MK_DEV void operator()(const TpArgs& a, u32 E, TpCommShared* sh) const {
     if (a.join)
       tp_reduce_work<DT, OP, TP_IN_FLIGHT_GEMM, 1, TP_IN_FLIGHT_GEMM>(a, E, threadIdx.x - 128, 256, MkBarConsumers(),
-                                                                      sh);
+                                                                      sh, MkStage{0, 0});
   }
 };
 

@@ -1,6 +1,7 @@
 #pragma once
 // The kernels' one 16-byte copy loop: every copy of rows, tiles, chunks and spans between this
-// rank's memory and its peers' goes through copy_vectors (the MoE kernels' TMA bulk copies aside).
+// rank's memory and its peers' goes through copy_vectors (the MoE kernels' TMA bulk copies aside),
+// its data in registers or, where a CTA has shared memory to spare, staged there (MkStage).
 #include "common.cuh"
 
 // 16-byte global load through L2 (.cg): data a peer wrote is never read from a stale L1 line.
@@ -26,6 +27,43 @@ MK_DEV void copy_vectors(u32 n, u32 tid, u32 nthr, Src src, Store store) {
 #pragma unroll
     for (u32 u = 0; u < U; ++u)
       if (v0 + u * nthr < n) store(v0 + u * nthr, x[u]);
+  }
+}
+
+// 16-byte copy global -> shared through L2 (cp.async.cg, as ld_cg_v4 reads): the data in flight
+// takes no registers. cp_async_wait_own: this thread's copies have landed (visible to it).
+MK_DEV void cp_async_cg16(u32 dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+MK_DEV void cp_async_wait_own() { asm volatile("cp.async.commit_group;\n\tcp.async.wait_group 0;" ::: "memory"); }
+MK_DEV uint4 ld_shared_v4(u32 addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+
+// Shared memory that copy loops stage vectors in (bytes 0: none). Slot (u, tid) of a group of nthr
+// threads is addr + (u * nthr + tid) * 16: a thread reads back only what it staged, so no barrier.
+struct MkStage {
+  u32 addr, bytes;
+  MK_DEV u32 per(u32 nthr, u32 lanes = 1) const { return bytes / (16u * nthr * lanes); }  // slots a thread has
+  MK_DEV u32 slot(u32 u, u32 tid, u32 nthr) const { return addr + (u * nthr + tid) * 16u; }
+};
+
+// copy_vectors through `st` where it holds at least one vector a thread: every thread has st.per()
+// loads in flight (cp.async), then stores them; otherwise U a thread in registers.
+template <u32 U, class Src, class Store>
+MK_DEV void copy_vectors(MkStage st, u32 n, u32 tid, u32 nthr, Src src, Store store) {
+  const u32 per = st.per(nthr);
+  if (per == 0) return copy_vectors<U>(n, tid, nthr, src, store);
+  for (u32 v0 = tid; v0 < n; v0 += per * nthr) {
+    const u32 cnt = min(per, (n - v0 + nthr - 1) / nthr);
+    for (u32 u = 0; u < cnt; ++u) cp_async_cg16(st.slot(u, tid, nthr), src(v0 + u * nthr));
+    cp_async_wait_own();
+    for (u32 u = 0; u < cnt; ++u) store(v0 + u * nthr, ld_shared_v4(st.slot(u, tid, nthr)));
   }
 }
 
