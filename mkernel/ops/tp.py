@@ -300,6 +300,7 @@ def plan_buffers(op, comm, key, sizes, counter_words=CNT_WORDS + 1, scratch_star
         raise WorkspaceError(f"{op}: needs {need} bytes of symmetric workspace for this shape ({e})") from e
     for name, _, _ in flags:
         plan[name].data.memset_async(0, plan[name].nbytes)  # a memset, not a kernel: see quiesced_first_use
+    autosplit.preload()  # once per process: not in a key's first "auto" call
     plan["scratch_end"] = scratch_start + scratch_layout(data)[0]
     plan["counters"] = cupy.zeros(counter_words, dtype=cupy.uint32)
     plan["ctl"] = cupy.zeros(ctypes.sizeof(TpCtl) // 4, dtype=cupy.uint32)  # TpCtl, zero before the first launch

@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from mkernel.core import env
@@ -109,10 +110,15 @@ def _build(cxx: str, out: Path) -> None:
         so = Path(tmp) / out.name
         cmd = [cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-Wall", "-Werror",
                *(f"-I{d}" for d in _compile.include_dirs()), str(src), "-o", str(so)]
-        r = subprocess.run(cmd, capture_output=True, text=True)
+        t0 = time.perf_counter()
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as e:
+            raise MKernelError(f"the host C++ compiler {cxx} did not run ({e}); set CXX to one that does") from e
         if r.returncode:
             raise MKernelError(f"building the split policy's host library failed ({' '.join(cmd)}):\n{r.stderr}")
         os.replace(so, out)  # atomic: ranks building at once never load a torn library
+        log.info("built the split policy's host library in %.0f ms (%s)", (time.perf_counter() - t0) * 1e3, out)
 
 
 def library():

@@ -25,6 +25,7 @@ inside.
 import contextlib
 
 from mkernel.core import config, env
+from mkernel.core.errors import MKernelError
 from mkernel.core.log import get_logger
 from mkernel.split import policy as split
 
@@ -155,6 +156,16 @@ def memory(comm) -> split.SplitMemory:
         persist = env.get_int("MKERNEL_SPLIT_PERSIST") == 1
         state["autosplit.memory"] = split.SplitMemory(persist=persist, write=comm.rank == 0)
     return state["autosplit.memory"]
+
+
+def preload():
+    """Builds or loads the split policy's host library now (from a plan's first call), so that the
+    first "auto" call of a key is not the one that pays for it; without a host compiler that call
+    raises, as before."""
+    try:
+        split.library()
+    except MKernelError as e:
+        log.info("the split policy's host library is not available yet: %s", e)
 
 
 def choose(comm, op: str, *, M: int, N: int, K: int, esize: int, comm_items: int, sms: int):

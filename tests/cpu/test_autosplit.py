@@ -9,6 +9,7 @@ import importlib
 import pytest
 
 from mkernel import config
+from mkernel.core.errors import MKernelError
 from mkernel.ops import tp
 from mkernel.runtime import launch
 from mkernel.split import policy as split
@@ -258,3 +259,20 @@ def test_unwritable_split_file_does_not_fail_the_op(fake_launch, auto, monkeypat
     blocker.write_text("")
     comm, _ = _converged_with_persistence(fake_launch, monkeypatch, blocker, rank=0)
     assert autosplit.memory(comm).persist is False
+
+
+def test_preload_builds_the_host_library_once_and_never_raises(monkeypatch, tmp_path):
+    """A plan's first call loads the policy's host library (so a key's first "auto" call does not
+    pay for building it); without a working compiler it only logs, and the "auto" call raises."""
+    split.library()  # built or loaded by the cache of this run
+    assert split._lib is not None
+    monkeypatch.setattr(split, "_lib", None)
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("MKERNEL_CACHE_DIR", str(tmp_path))
+    autosplit.preload()  # logs, does not raise
+    assert split._lib is None
+    with pytest.raises(MKernelError, match="did not run"):
+        split.library()
+    monkeypatch.delenv("CXX")
+    autosplit.preload()
+    assert split._lib is not None and (tmp_path / "host").is_dir()
