@@ -19,6 +19,7 @@
 // gemm_decode.cu; gemm_allreduce's push to every rank, ops/allreduce.cu).
 #pragma once
 #include "common.cuh"
+#include "copy.cuh"
 #include "gemm_args.cuh"
 #include "gemm_decode_args.cuh"
 
@@ -57,21 +58,6 @@ MK_DEV uint4 ld_stream_v4(const void* p) {
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
-  return v;
-}
-
-// 16 bytes global -> shared, zero-filled when !in (no bytes read then).
-MK_DEV void cp_async_16(u32 dst, const void* src, bool in) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(in ? 16 : 0) : "memory");
-}
-MK_DEV void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-MK_DEV void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-MK_DEV uint4 lds_v4(u32 addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
   return v;
 }
 

@@ -294,14 +294,15 @@ MK_DEV bool tp_reduce_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, 
       const u32 cnt = min(per, (nv - v0 + nthr - 1) / nthr);
       for (u32 u = 0; u < cnt; ++u) {
         const u32 v = v0 + u * nthr, r = v / ts.vpr;
-        for (u32 q = 0; q < P; ++q) cp_async_cg16(st.slot(q * per + u, tid, nthr), src(q, r, (v - r * ts.vpr) * 8u));
+        for (u32 q = 0; q < P; ++q) cp_async_16(st.slot(q * per + u, tid, nthr), src(q, r, (v - r * ts.vpr) * 8u));
       }
-      cp_async_wait_own();
+      cp_async_commit();
+      cp_async_wait<0>();
       for (u32 u = 0; u < cnt; ++u) {
         const u32 v = v0 + u * nthr, r = v / ts.vpr;
         float s[1][8] = {};
         for (u32 q = 0; q < P; ++q) {
-          const uint4 x[1] = {ld_shared_v4(st.slot(q * per + u, tid, nthr))};
+          const uint4 x[1] = {lds_v4(st.slot(q * per + u, tid, nthr))};
           tp_add_vectors<DT, 1>(s, x, 1);
         }
         finish(r, (v - r * ts.vpr) * 8u, s[0]);

@@ -30,18 +30,20 @@ MK_DEV void copy_vectors(u32 n, u32 tid, u32 nthr, Src src, Store store) {
   }
 }
 
-// 16-byte copy global -> shared through L2 (cp.async.cg, as ld_cg_v4 reads): the data in flight
-// takes no registers. cp_async_wait_own: this thread's copies have landed (visible to it).
-MK_DEV void cp_async_cg16(u32 dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+// 16 bytes global -> shared through L2 (cp.async.cg, as ld_cg_v4 reads), zero-filled when !in (no
+// bytes read then): the data in flight takes no registers. After cp_async_commit, cp_async_wait<N>
+// leaves at most N of this thread's groups in flight; the landed ones are visible to it.
+MK_DEV void cp_async_16(u32 dst, const void* src, bool in = true) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(in ? 16 : 0) : "memory");
 }
-MK_DEV void cp_async_wait_own() { asm volatile("cp.async.commit_group;\n\tcp.async.wait_group 0;" ::: "memory"); }
-MK_DEV uint4 ld_shared_v4(u32 addr) {
+MK_DEV void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+MK_DEV void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+MK_DEV uint4 lds_v4(u32 addr) {
   uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(addr)
-               : "memory");
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
   return v;
 }
 
@@ -61,9 +63,10 @@ MK_DEV void copy_vectors(MkStage st, u32 n, u32 tid, u32 nthr, Src src, Store st
   if (per == 0) return copy_vectors<U>(n, tid, nthr, src, store);
   for (u32 v0 = tid; v0 < n; v0 += per * nthr) {
     const u32 cnt = min(per, (n - v0 + nthr - 1) / nthr);
-    for (u32 u = 0; u < cnt; ++u) cp_async_cg16(st.slot(u, tid, nthr), src(v0 + u * nthr));
-    cp_async_wait_own();
-    for (u32 u = 0; u < cnt; ++u) store(v0 + u * nthr, ld_shared_v4(st.slot(u, tid, nthr)));
+    for (u32 u = 0; u < cnt; ++u) cp_async_16(st.slot(u, tid, nthr), src(v0 + u * nthr));
+    cp_async_commit();
+    cp_async_wait<0>();
+    for (u32 u = 0; u < cnt; ++u) store(v0 + u * nthr, lds_v4(st.slot(u, tid, nthr)));
   }
 }
 
