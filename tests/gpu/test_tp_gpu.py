@@ -123,7 +123,8 @@ def test_comm_staging_changes_no_bit(comm, op):
 
     def body():
         bits = {}
-        for staged, path in itertools.product((False, True, False, True), ("fused", "unfused")):
+        paths = ("fused", "unfused") if W > 1 else ("fused",)  # unfused: the baseline of 2 or more ranks
+        for staged, path in itertools.product((False, True, False, True), paths):
             with config.override(comm_staged=staged):
                 out = call(_poisoned(shape, kind), path)
             _sync(f"{op} staged {staged} {path}")
