@@ -60,7 +60,7 @@ struct MkRingArgs {
   unsigned long long kv_bytes;  // bytes of one combined K | V block (2 * B * S * H_kv * D * 2)
   int local;  // ranks per node (node-major ring: rank = node * local + lrank)
   int lrank;  // this rank's index in its node (its peer_base entry)
-  int comm_staged;  // forwarders stage their loads in shared memory (ring_stage)
+  int comm_staged;  // forwarders stage their loads in shared memory (RING_STAGE_BYTES, ring_forward_cta)
   unsigned int pad[9];  // explicit tail: sizeof is a multiple of 64
 };
 

@@ -251,7 +251,7 @@ constexpr u32 TP_REDUCE_IN_FLIGHT = 4;
 constexpr u32 TP_PARTIALS_IN_FLIGHT = 2;
 constexpr u32 TP_IN_FLIGHT_GEMM = 2;
 // With args.comm_staged, a communication CTA (no GEMM: the launch's dynamic shared memory is idle
-// there) stages its loads in TP_COMM_STAGE_BYTES of it (cp.async): 4-8x the bytes in flight.
+// there) stages its loads in TP_COMM_STAGE_BYTES of it (cp.async): 4x the bytes in flight.
 constexpr u32 TP_COMM_STAGE_BYTES = 192u << 10;
 MK_DEV MkStage tp_comm_stage(const TpArgs& a) {
   extern __shared__ __align__(1024) u8 mk_smem[];

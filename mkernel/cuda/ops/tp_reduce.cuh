@@ -41,7 +41,7 @@ MK_DEV void tp_add_vectors(float (&s)[U][8], const uint4 (&x)[U], u32 count) {
 }
 
 // s[u] += partials p = 0 .. count - 1 of vector u (u < vecs), at src(p, u), in p order (deterministic);
-// the loads of PB partials' vecs vectors are in flight together (a round trip costs 1-3 us under load).
+// the loads of PB partials' vecs vectors are in flight together (a round trip costs 2-5 us under a GEMM's load).
 template <int DT, u32 U, u32 PB, class Src>
 MK_DEV void tp_add_partials(float (&s)[U][8], u32 count, u32 vecs, Src src) {
   for (u32 p0 = 0; p0 < count; p0 += PB) {
@@ -288,26 +288,22 @@ MK_DEV bool tp_reduce_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, 
       for (u32 p = 0; p < L; ++p)
         if (p != l) st_v4(peer_ptr<u8>(peers, p, a.gath_off) + me * blk_bytes + (row * ncol + col) * 2, sum);
   };
-  const u32 per = st.per(nthr, P);
-  if (per > 0) {  // staged: `per` vectors of every partial in flight a thread, summed in q order
-    for (u32 v0 = tid; v0 < nv; v0 += per * nthr) {
-      const u32 cnt = min(per, (nv - v0 + nthr - 1) / nthr);
-      for (u32 u = 0; u < cnt; ++u) {
-        const u32 v = v0 + u * nthr, r = v / ts.vpr;
-        for (u32 q = 0; q < P; ++q) cp_async_16(st.slot(q * per + u, tid, nthr), src(q, r, (v - r * ts.vpr) * 8u));
-      }
-      cp_async_commit();
-      cp_async_wait<0>();
-      for (u32 u = 0; u < cnt; ++u) {
-        const u32 v = v0 + u * nthr, r = v / ts.vpr;
-        float s[1][8] = {};
-        for (u32 q = 0; q < P; ++q) {
-          const uint4 x[1] = {lds_v4(st.slot(q * per + u, tid, nthr))};
-          tp_add_vectors<DT, 1>(s, x, 1);
-        }
-        finish(r, (v - r * ts.vpr) * 8u, s[0]);
-      }
-    }
+  if (st.per(nthr, P) > 0) {  // staged: every partial of several vectors in flight a thread, summed in q order
+    stage_vectors(
+        st, P, nv, tid, nthr,
+        [&](u32 q, u32 v) {
+          const u32 r = v / ts.vpr;
+          return src(q, r, (v - r * ts.vpr) * 8u);
+        },
+        [&](u32 v, const MkStaged& at) {
+          const u32 r = v / ts.vpr;
+          float s[1][8] = {};
+          for (u32 q = 0; q < P; ++q) {
+            const uint4 x[1] = {at(q)};
+            tp_add_vectors<DT, 1>(s, x, 1);
+          }
+          finish(r, (v - r * ts.vpr) * 8u, s[0]);
+        });
   } else {
     for (u32 v0 = tid; v0 < nv; v0 += U * nthr) {  // U vectors per thread at a time
       const u32 vecs = min(U, (nv - v0 + nthr - 1) / nthr);

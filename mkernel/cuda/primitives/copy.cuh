@@ -55,19 +55,36 @@ struct MkStage {
   MK_DEV u32 slot(u32 u, u32 tid, u32 nthr) const { return addr + (u * nthr + tid) * 16u; }
 };
 
-// copy_vectors through `st` where it holds at least one vector a thread: every thread has st.per()
-// loads in flight (cp.async), then stores them; otherwise U a thread in registers.
-template <u32 U, class Src, class Store>
-MK_DEV void copy_vectors(MkStage st, u32 n, u32 tid, u32 nthr, Src src, Store store) {
-  const u32 per = st.per(nthr);
-  if (per == 0) return copy_vectors<U>(n, tid, nthr, src, store);
+// The staged sources of one vector of a thread: at(q) reads source q (stage_vectors).
+struct MkStaged {
+  MkStage st;
+  u32 per, u, tid, nthr;
+  MK_DEV uint4 operator()(u32 q) const { return lds_v4(st.slot(q * per + u, tid, nthr)); }
+};
+
+// Vectors [0, n) of `lanes` sources each (src(q, v): source q of vector v), by a group of nthr
+// threads through `st`, which must hold per = st.per(nthr, lanes) >= 1 vectors of every source a
+// thread: each thread stages per vectors' sources (cp.async), then use(v, at) reads source q as at(q).
+template <class Src, class Use>
+MK_DEV void stage_vectors(MkStage st, u32 lanes, u32 n, u32 tid, u32 nthr, Src src, Use use) {
+  const u32 per = st.per(nthr, lanes);
   for (u32 v0 = tid; v0 < n; v0 += per * nthr) {
     const u32 cnt = min(per, (n - v0 + nthr - 1) / nthr);
-    for (u32 u = 0; u < cnt; ++u) cp_async_16(st.slot(u, tid, nthr), src(v0 + u * nthr));
+    for (u32 u = 0; u < cnt; ++u)
+      for (u32 q = 0; q < lanes; ++q) cp_async_16(st.slot(q * per + u, tid, nthr), src(q, v0 + u * nthr));
     cp_async_commit();
     cp_async_wait<0>();
-    for (u32 u = 0; u < cnt; ++u) store(v0 + u * nthr, lds_v4(st.slot(u, tid, nthr)));
+    for (u32 u = 0; u < cnt; ++u) use(v0 + u * nthr, MkStaged{st, per, u, tid, nthr});
   }
+}
+
+// copy_vectors through `st` where it holds at least one vector a thread (stage_vectors), otherwise
+// U a thread in registers.
+template <u32 U, class Src, class Store>
+MK_DEV void copy_vectors(MkStage st, u32 n, u32 tid, u32 nthr, Src src, Store store) {
+  if (st.per(nthr) == 0) return copy_vectors<U>(n, tid, nthr, src, store);
+  stage_vectors(
+      st, 1, n, tid, nthr, [&](u32, u32 v) { return src(v); }, [&](u32 v, const MkStaged& at) { store(v, at(0)); });
 }
 
 // A contiguous span of `bytes` (a multiple of 16).
