@@ -38,10 +38,10 @@ class Config:
         {"gemm_reduce_scatter": 8, "gemm_allreduce": 16, "allgather_gemm": 8}))
     # allgather_gemm copies this rank's shard into its own gathered rows (cudaMemcpy2DAsync) before
     # the kernel, whose pushes then only flag it and send it on (False: the push CTAs copy it)
-    tp_ag_copy_first: bool = False
+    tp_ag_copy_first: bool = True
     # communication CTAs (the TP ops', ring attention's forwarders) stage their loads in their idle
     # shared memory (cp.async, copy.cuh MkStage; False: in registers, 4-8 vectors a thread)
-    comm_staged: bool = False
+    comm_staged: bool = True
     moe_comm_sms: int = 16        # dispatch CTAs of the fused MoE kernels
     moe_join_gemm: bool = True    # the dispatch CTAs take GEMM tiles once their rows are sent
     ring_comm_sms: int = 2        # ring attention's forwarding CTAs (a step's block is little next to its compute)

@@ -126,9 +126,7 @@ def _launch(comm, plan, template, c, stream):
     args.own_copied = int(config.get().tp_ag_copy_first)
     with autosplit.timed(token, stream):
         if args.own_copied:  # the shard into this rank's own gathered rows (a copy, no kernel: no module load)
-            rt = tp.cupy_mod().cuda.runtime
-            rt.memcpy2DAsync(ga.data.ptr + comm.rank * c.mb * c.K * esize, c.K * esize, c.a.data.ptr,
-                             tp._row_stride(c.a), c.K * esize, c.mb, rt.memcpyDeviceToDevice, tp.stream_ptr(stream))
+            tp.copy_rows(ga.data.ptr + comm.rank * c.mb * c.K * esize, c.K * esize, c.a, c.mb, c.K * esize, stream)
         tp.launch_fused(comm, OP, SPEC, KERNEL, args, c.a.dtype, c.layout, gemm_ctas + comm_ctas, stream)
     if c.path == "unfused":
         with tp.on_stream(stream):

@@ -503,6 +503,13 @@ def nccl_dtype(dtype):
     return nccl.NCCL_BFLOAT16 if dtype.name == "bfloat16" else nccl.NCCL_FLOAT16
 
 
+def copy_rows(dst_ptr, dst_pitch, src, rows, row_bytes, stream):
+    """rows x row_bytes of ``src`` (row stride as _row_stride) to dst_ptr (dst_pitch bytes apart), on ``stream``."""
+    rt = cupy_mod().cuda.runtime
+    rt.memcpy2DAsync(dst_ptr, dst_pitch, src.data.ptr, _row_stride(src), row_bytes, rows, rt.memcpyDeviceToDevice,
+                     stream_ptr(stream))
+
+
 def stream_ptr(stream):
     cupy = cupy_mod()
     return (stream if stream is not None else cupy.cuda.get_current_stream()).ptr

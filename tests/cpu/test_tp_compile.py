@@ -60,6 +60,10 @@ def test_auto_split_launches_with_the_adaptive_controller(fake_launch, monkeypat
     ag.allgather_gemm(_Arr((M // 2, K), "float16", 0x100000), _Arr((K, N), "float16", 0x200000), comm=comm, out=out,
                       path="fused", comm_sms="auto")
     assert fake_launch["launch"]["args"].ctl_mode == tp.CTL_ADAPT
+    # config.tp_ag_copy_first (default): the shard's M // 2 rows of K halves copied before the launch
+    (dst, pitch, src, rows, row_bytes, _), = fake_launch["copies"]
+    assert (pitch, rows, row_bytes, src.data.ptr) == (K * 2, M // 2, K * 2, 0x100000)
+    assert fake_launch["launch"]["args"].own_copied == 1
 
 
 def test_args_layout_matches_host_compiler(tmp_path):

@@ -93,7 +93,8 @@ def pass_arrays_through(monkeypatch):
 
 def fake_launch(monkeypatch):
     """Fakes what the fused TP ops launch with (arrays, tensor maps, plan buffers, the launch itself)
-    on ``monkeypatch``; returns the record of the calls (calls["launch"]: the last launch's arguments)."""
+    on ``monkeypatch``; returns the record of the calls (calls["launch"]: the last launch's arguments,
+    calls["copies"]: tp.copy_rows's)."""
     calls = {"maps": [], "launch": None}
     pass_arrays_through(monkeypatch)
     monkeypatch.setattr(tp, "prepare_out",
@@ -128,4 +129,5 @@ def fake_launch(monkeypatch):
         calls["launch"] = dict(op=op, kernel=kernel, args=args, layout=layout, grid=grid)
 
     monkeypatch.setattr(tp, "launch_fused", launch_fused)
+    monkeypatch.setattr(tp, "copy_rows", lambda *args: calls.setdefault("copies", []).append(args))
     return calls
