@@ -245,10 +245,10 @@ using TpEpilogue = MkTileEpilogue<Cfg::DT, Cfg, false, TpDest<OP, Turn> >;
 // time is latency-bound (10-13 GB/s a CTA, measured in the MoE dispatch and in the TP reduction at
 // world 1), so each thread issues TP_IN_FLIGHT loads before it uses the first.
 // A reduction has TP_REDUCE_IN_FLIGHT vectors of TP_PARTIALS_IN_FLIGHT partials in flight (its fp32
-// sums take registers too; 2 partials spill in gemm_allreduce). GEMM CTAs' consumers (turns, join): fewer.
+// sums take registers too). A GEMM CTA's consumers (turns, join) keep their accumulators live: fewer.
 constexpr u32 TP_IN_FLIGHT = 8;
 constexpr u32 TP_REDUCE_IN_FLIGHT = 4;
-constexpr u32 TP_PARTIALS_IN_FLIGHT = 1;
+constexpr u32 TP_PARTIALS_IN_FLIGHT = 2;
 constexpr u32 TP_IN_FLIGHT_GEMM = 2;
 // With args.comm_staged, a communication CTA (no GEMM: the launch's dynamic shared memory is idle
 // there) stages its loads in TP_COMM_STAGE_BYTES of it (cp.async): 4x the bytes in flight.

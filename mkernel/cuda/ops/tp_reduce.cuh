@@ -13,16 +13,13 @@
 // is rounded, staged compactly and sent to its owner as one WRITE per tile (the network carries
 // each node's partial of a block once: the minimum), counting in the owner's arrival flag; the
 // own block's tiles (last) add, in node order, this node's partials and the other nodes' node
-// partials as their arrival counters reach this launch's target, then round once into `out`.
-// AllReduce also pushes each reduced tile into every peer's gather buffer (gath[me], flag
-// gflag[me][tl]), forwards the other nodes' reduced tiles of its blocks (TP_CNT_FORWARD) and copies
-// the peers' reduced tiles from its own gather buffer into `out` as their flags arrive (TP_CNT_COPY).
+// partials as their arrival counters reach this launch's target, then round once into `out`. AllReduce also pushes each reduced tile
+// into every peer's gather buffer (gath[me], flag gflag[me][tl]), then copies the peers' reduced
+// tiles from its own gather buffer into `out` as their flags arrive (counter TP_CNT_COPY).
 // Waits: reducers wait on GEMM tiles only, copiers on reducers only, and the GEMM on credits only:
-// no cycle. A group first takes any item whose inputs are in (tp_next_work), so forwards and copies
-// whose data arrived do not queue behind reductions that wait for the GEMM. GEMM CTAs the
-// controller lent (tp_controller.cuh) take reduction items between their tiles only when the item's
-// inputs are already in (TpTurn, TpReduceItems): a turn never waits on a tile (at most on credits,
-// announced by every rank at entry).
+// no cycle. GEMM CTAs the controller lent (tp_controller.cuh) take reduction items between their
+// tiles only when the item's inputs are already in (TpTurn, TpReduceItems): a turn never waits on a tile
+// (at most on credits, announced by every rank at entry).
 #include "tp_epilogue.cuh"
 #include "queue.cuh"
 
@@ -347,162 +344,117 @@ MK_DEV bool tp_reduce_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, 
   return true;
 }
 
-// AR, several nodes: forward item `item`, the reduced tile at position pos of block o = jj * L + l
-// that node jj sent (into `out` and this node's peers' gather buffers: it crosses the network once).
-struct TpForwardItem {
-  u32 jj, o, pos;
-  MK_DEV TpForwardItem(const TpArgs& a, u32 item) {
-    const u32 tb = tp_tiles_blk(a), i = item / tb;
-    jj = ((u32)a.node + 1 + i) % (u32)a.nodes;
-    o = jj * (u32)a.local + (u32)a.lrank;
-    pos = item - i * tb;
-  }
-};
-MK_DEV const u32* tp_gathered_flag(const TpArgs& a, const TpForwardItem& f) {  // counts node jj's reduced tiles
-  return tp_arrival_flag(a, TP_PF_ARRIVED + (u32)a.nodes * a.xgroups, f.jj, f.pos);
-}
-MK_DEV bool tp_forward_ready(const TpArgs& a, u32 item) {
-  if (item >= ((u32)a.nodes - 1) * tp_tiles_blk(a)) return false;
-  const TpForwardItem f(a, item);
-  return epoch_reached(remote_peek(a.queue, tp_gathered_flag(a, f)), tp_arrival_target(a, f.pos, tp_launch_count(a)));
-}
-
-// AR: gather copy item `item`, the reduced tile tl of block o (owned or forwarded by a local peer)
-// from this rank's gather buffer into `out`.
-struct TpCopyItem {
-  u32 o, tl, pos;
-  MK_DEV TpCopyItem(const TpArgs& a, u32 item) {
-    const u32 W = (u32)a.world, L = (u32)a.local, l = (u32)a.lrank, tb = tp_tiles_blk(a), i = item / tb;
-    o = (u32)a.me;
-    for (u32 d = 0, seen = 0; seen <= i; ++d) {  // the i-th block after me whose local index is not l
-      o = ((u32)a.me + 1 + d) % W;
-      if (o % L != l) ++seen;
-    }
-    pos = item - i * tb;
-    tl = tp_block_tile(pos, (u32)a.tiles_mb, (u32)a.tiles_n);
-  }
-};
-MK_DEV const u32* tp_copy_flag(const TpArgs& a, const TpCopyItem& c) {
-  return peer_ptr<u32>(tp_peers(a), (u32)a.lrank, a.gflag_off) + c.o * tp_tiles_blk(a) + c.tl;
-}
-MK_DEV bool tp_copy_ready(const TpArgs& a, u32 E, u32 item) {
-  if (item >= ((u32)a.world - (u32)a.nodes) * tp_tiles_blk(a)) return false;
-  return ld_acquire_sys(tp_copy_flag(a, TpCopyItem(a, item))) == E;
-}
-
-// One AR forward or gather copy item (`forward`) by a group as tp_reduce_item's; false: a wait failed.
-template <u32 C, class Bar>
-MK_DEV bool tp_move_item(const TpArgs& a, u32 E, bool forward, u32 item, u32 tid, u32 nthr, Bar bar, TpCommShared* sh,
-                         MkStage st) {
-  const u32 L = (u32)a.local, l = (u32)a.lrank, tb = tp_tiles_blk(a);
+// The reduction (and, AR, the gather copies) by a group of nthr threads (tid in [0, nthr)) that
+// synchronise with bar(): a communication CTA from the start, or a GEMM CTA's consumers after
+// their tiles. Items are claimed from the shared counters, so any number of groups cooperate.
+template <int DT, int OP, u32 U, u32 PB, u32 C, class Bar>
+MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, TpCommShared* sh, MkStage st) {
+  const u32 W = (u32)a.world, me = (u32)a.me, tb = tp_tiles_blk(a);
+  const u32 L = (u32)a.local, N = (u32)a.nodes, l = (u32)a.lrank, n = (u32)a.node;
   const MkPeers peers = tp_peers(a);
-  const u64 ncol = (u64)a.g.n, blk_bytes = (u64)a.mb * ncol * 2;
-  u32 o, pos, jj = 0;  // block, position in it, and (forward) the node that sent it
-  if (forward) {
-    const TpForwardItem f(a, item);
-    o = f.o, pos = f.pos, jj = f.jj;
-  } else {
-    const TpCopyItem c(a, item);
-    o = c.o, pos = c.pos;
-  }
-  const TpTileShape ts(a, pos);
-  if (tid == 0) {
-    const u64 t_wait = trace_start(a.g.sync);
-    if (forward) {
-      const TpForwardItem f(a, item);
-      sh->ok = tp_local_credits(a, E, sh) &&
-               wait_remote_at_least(a.g.sync, a.queue, tp_gathered_flag(a, f),
-                                    tp_arrival_target(a, pos, tp_launch_count(a)), (i32)o, 0x50000u + pos);
-    } else {
-      sh->ok = wait_epoch(a.g.sync, tp_copy_flag(a, TpCopyItem(a, item)), E, (i32)o, 0x10000u + ts.tl);
-    }
-    trace_span(a.g.sync, MK_ROLE_WAIT, (forward ? TP_TRACE_FORWARD : TP_TRACE_COPY) | item, t_wait);
-    sh->traced = trace_start(a.g.sync);
-    __threadfence();
-  }
-  bar();
-  if (!sh->ok) return false;
-  // Forward: from the compact tile in xgath[jj]; copy: from the block's rows in this rank's gather buffer.
-  const u8* src =
-      forward ? peer_ptr<u8>(peers, l, a.xgath_off) + (u64)jj * tb * TP_TILE_BYTES + ts.packed
-              : peer_ptr<u8>(peers, l, a.gath_off) + o * blk_bytes + ((u64)ts.mt * 128u * ncol + ts.nt * 256u) * 2;
-  const u64 src_ld = forward ? ts.cols : ncol;
+  const u64 ncol = (u64)a.g.n;
+  const u64 blk_bytes = (u64)a.mb * ncol * 2;  // one row block of 16-bit elements
+  const u8* xgath = peer_ptr<u8>(peers, l, a.xgath_off);  // AR: [N][tb] compact reduced tiles (N > 1)
+  const u32 gathered = TP_PF_ARRIVED + N * a.xgroups;  // AR: counters of reduced tiles, by node
   u8* out = reinterpret_cast<u8*>(a.out);
-  copy_vectors<C>(
-      st, ts.rows * ts.vpr, tid, nthr,
-      [&](u32 v) {
-        const u32 r = v / ts.vpr;
-        return src + ((u64)r * src_ld + (v - r * ts.vpr) * 8u) * 2;
-      },
-      [&](u32 v, uint4 x) {
-        const u32 r = v / ts.vpr;
-        const u64 row = ts.mt * 128u + r, col = ts.nt * 256u + (v - r * ts.vpr) * 8u;
-        st_v4(out + (((u64)o * (u64)a.mb + row) * (u64)a.ldo + col) * 2, x);
-        if (forward)
+  bool ok = true;
+  // Reduce: blocks j * L + l (other nodes' first, own last).
+  while (ok) {
+    const u32 item = tp_claim(&a.counters[TP_CNT_REDUCE], &sh->item, tid, bar);
+    if (item >= N * tb) break;
+    ok = tp_reduce_item<DT, OP, U, PB>(a, E, item, tid, nthr, bar, sh, st);
+    if (tid == 0) tp_ctl_tick<OP>(a);
+  }
+  if (OP != TP_OP_AR) {
+    bar();
+    return;
+  }
+  // AR, several nodes: forward the reduced tiles of blocks jj * L + l that arrived from node jj into
+  // `out` and to this node's peers (their gather buffers), so each crosses the network once per node.
+  const u32 launch = tp_launch_count(a);
+  while (ok && N > 1) {
+    const u32 item = tp_claim(&a.counters[TP_CNT_FORWARD], &sh->item, tid, bar);
+    if (item >= (N - 1) * tb) break;
+    const u32 i = item / tb;
+    const u32 jj = (n + 1 + i) % N, o = jj * L + l;
+    const u32 pos = item - i * tb;
+    const TpTileShape ts(a, pos);
+    const u32 tl = ts.tl;
+    if (tid == 0) {
+      const u64 t_wait = trace_start(a.g.sync);
+      sh->ok =
+          tp_local_credits(a, E, sh) && wait_remote_at_least(a.g.sync, a.queue, tp_arrival_flag(a, gathered, jj, pos),
+                                                             tp_arrival_target(a, pos, launch), (i32)o, 0x50000u + pos)
+              ? 1
+              : 0;
+      trace_span(a.g.sync, MK_ROLE_WAIT, TP_TRACE_FORWARD | item, t_wait);
+      sh->traced = trace_start(a.g.sync);
+      __threadfence();
+    }
+    bar();
+    if (!sh->ok) break;
+    const u8* src = xgath + (u64)jj * tb * TP_TILE_BYTES + ts.packed;
+    copy_vectors<C>(
+        st, ts.rows * ts.vpr, tid, nthr,
+        [&](u32 v) {
+          const u32 r = v / ts.vpr;
+          return src + ((u64)r * ts.cols + (v - r * ts.vpr) * 8u) * 2;
+        },
+        [&](u32 v, uint4 x) {
+          const u32 r = v / ts.vpr;
+          const u64 row = ts.mt * 128u + r, col = ts.nt * 256u + (v - r * ts.vpr) * 8u;
+          st_v4(out + (((u64)o * (u64)a.mb + row) * (u64)a.ldo + col) * 2, x);
           for (u32 p = 0; p < L; ++p)
             if (p != l) st_v4(peer_ptr<u8>(peers, p, a.gath_off) + o * blk_bytes + (row * ncol + col) * 2, x);
-      });
-  if (forward) {
+        });
     __threadfence_system();
     bar();
-  }
-  if (tid == 0) {
-    if (forward)
+    if (tid == 0) {
       for (u32 p = 0; p < L; ++p)
-        if (p != l) set_flag(peer_ptr<u32>(peers, p, a.gflag_off) + o * tb + ts.tl, E);
-    trace_span(a.g.sync, forward ? MK_ROLE_RECV : MK_ROLE_INTRA, (forward ? TP_TRACE_FORWARD : TP_TRACE_COPY) | item,
-               sh->traced);
-  }
-  return true;
-}
-
-// Kinds of work of the reduction loop, in the top bits of a claimed word (tp_next_work).
-enum : u32 { TP_WORK_REDUCE = 0u, TP_WORK_FORWARD = 1u << 30, TP_WORK_COPY = 2u << 30, TP_WORK_DONE = 3u << 30 };
-constexpr u32 TP_WORK_ITEM = (1u << 30) - 1;
-
-// Thread 0 of a group: its next work. First an item whose inputs are in (a reduction, else AR's
-// forward, else gather copy: reductions feed other ranks); else the next item in order, waiting:
-// reductions, then forwards, then copies. Only in-order claims wait, as before ready claims
-// existed, so no wait cycle is added: a copy that is in no longer queues behind a waiting reduction.
-template <int OP, bool READY>
-MK_DEV u32 tp_next_work(const TpArgs& a, u32 E) {
-  const u32 tb = tp_tiles_blk(a), N = (u32)a.nodes;
-  u32* cnt = a.counters;
-  u32 v = TP_CTL_NO_ITEM;
-  if (READY &&
-      (v = tp_try_claim(&cnt[TP_CNT_REDUCE], [&](u32 i) { return tp_reduce_ready(a, E, i); })) != TP_CTL_NO_ITEM)
-    return TP_WORK_REDUCE | v;
-  if (READY && OP == TP_OP_AR) {
-    if (N > 1 &&
-        (v = tp_try_claim(&cnt[TP_CNT_FORWARD], [&](u32 i) { return tp_forward_ready(a, i); })) != TP_CTL_NO_ITEM)
-      return TP_WORK_FORWARD | v;
-    if ((v = tp_try_claim(&cnt[TP_CNT_COPY], [&](u32 i) { return tp_copy_ready(a, E, i); })) != TP_CTL_NO_ITEM)
-      return TP_WORK_COPY | v;
-  }
-  if ((v = atomicAdd(&cnt[TP_CNT_REDUCE], 1u)) < N * tb) return TP_WORK_REDUCE | v;
-  if (OP != TP_OP_AR) return TP_WORK_DONE;
-  if (N > 1 && (v = atomicAdd(&cnt[TP_CNT_FORWARD], 1u)) < (N - 1) * tb) return TP_WORK_FORWARD | v;
-  if ((v = atomicAdd(&cnt[TP_CNT_COPY], 1u)) < ((u32)a.world - N) * tb) return TP_WORK_COPY | v;
-  return TP_WORK_DONE;
-}
-
-// The reduction (and, AR, the forwards and gather copies) by a group of nthr threads (tid in
-// [0, nthr)) that synchronise with bar(): a communication CTA from the start, or a GEMM CTA's
-// consumers after their tiles. Work is claimed from the shared counters, so any number of groups cooperate.
-template <int DT, int OP, u32 U, u32 PB, u32 C, bool READY, class Bar>
-MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, TpCommShared* sh, MkStage st) {
-  for (bool ok = true; ok;) {
-    bar();  // the group's previous use of sh->item is over
-    if (tid == 0) sh->item = tp_next_work<OP, READY>(a, E);
-    bar();
-    const u32 w = sh->item, kind = w & ~TP_WORK_ITEM, item = w & TP_WORK_ITEM;
-    if (kind == TP_WORK_DONE) break;
-    if (kind == TP_WORK_REDUCE) {
-      ok = tp_reduce_item<DT, OP, U, PB>(a, E, item, tid, nthr, bar, sh, st);
-      if (tid == 0) tp_ctl_tick<OP>(a);
-    } else {
-      ok = tp_move_item<C>(a, E, kind == TP_WORK_FORWARD, item, tid, nthr, bar, sh, st);
+        if (p != l) set_flag(peer_ptr<u32>(peers, p, a.gflag_off) + o * tb + tl, E);
+      trace_span(a.g.sync, MK_ROLE_RECV, TP_TRACE_FORWARD | item, sh->traced);
     }
+  }
+  // AR: copy the other blocks (owned, or forwarded, by this node's other ranks) from the gather buffer.
+  const u8* gath = peer_ptr<u8>(peers, l, a.gath_off);
+  const u32* gflag = peer_ptr<u32>(peers, l, a.gflag_off);
+  while (ok) {
+    const u32 item = tp_claim(&a.counters[TP_CNT_COPY], &sh->item, tid, bar);
+    if (item >= (W - N) * tb) break;
+    u32 i = item / tb, o = me;
+    for (u32 d = 0, seen = 0; seen <= i; ++d) {  // the i-th block after me whose local index is not l
+      o = (me + 1 + d) % W;
+      if (o % L != l) ++seen;
+    }
+    const TpTileShape ts(a, item - i * tb);
+    const u32 tl = ts.tl;
+    if (tid == 0) {
+      const u64 t_wait = trace_start(a.g.sync);
+      sh->ok = wait_epoch(a.g.sync, gflag + o * tb + tl, E, (i32)o, 0x10000u + tl) ? 1 : 0;
+      trace_span(a.g.sync, MK_ROLE_WAIT, TP_TRACE_COPY | item, t_wait);
+      sh->traced = trace_start(a.g.sync);
+      __threadfence();
+    }
+    bar();
+    if (!sh->ok) break;
+    const auto at = [&](u32 v, u64& row, u64& col) {
+      const u32 r = v / ts.vpr;
+      row = ts.mt * 128u + r;
+      col = ts.nt * 256u + (v - r * ts.vpr) * 8u;
+    };
+    copy_vectors<C>(
+        st, ts.rows * ts.vpr, tid, nthr,
+        [&](u32 v) {
+          u64 row, col;
+          at(v, row, col);
+          return gath + o * blk_bytes + (row * ncol + col) * 2;
+        },
+        [&](u32 v, uint4 x) {
+          u64 row, col;
+          at(v, row, col);
+          st_v4(out + (((u64)o * (u64)a.mb + row) * (u64)a.ldo + col) * 2, x);
+        });
+    if (tid == 0) trace_span(a.g.sync, MK_ROLE_INTRA, TP_TRACE_COPY | item, sh->traced);
   }
   bar();
 }
@@ -521,8 +473,8 @@ struct TpReduceItems {
 template <int DT, int OP>
 MK_DEV void tp_reduce_cta(const TpArgs& a) {
   const TpCommCta c = tp_comm_enter(a);
-  tp_reduce_work<DT, OP, TP_REDUCE_IN_FLIGHT, TP_PARTIALS_IN_FLIGHT, TP_IN_FLIGHT, true>(
-      a, c.E, threadIdx.x, blockDim.x, MkBarCta(), c.sh, tp_comm_stage(a));
+  tp_reduce_work<DT, OP, TP_REDUCE_IN_FLIGHT, TP_PARTIALS_IN_FLIGHT, TP_IN_FLIGHT>(a, c.E, threadIdx.x, blockDim.x,
+                                                                                   MkBarCta(), c.sh, tp_comm_stage(a));
   if (threadIdx.x == 0) tp_counters_done(a);
   launch_exit(a.g.sync, c.E);
 }
@@ -586,8 +538,8 @@ template <int DT, int OP>
 struct TpJoinReduce {
   MK_DEV void operator()(const TpArgs& a, u32 E, TpCommShared* sh) const {
     if (a.join)
-      tp_reduce_work<DT, OP, TP_IN_FLIGHT_GEMM, 1, TP_IN_FLIGHT_GEMM, false>(a, E, threadIdx.x - 128, 256,
-                                                                             MkBarConsumers(), sh, MkStage{0, 0});
+      tp_reduce_work<DT, OP, TP_IN_FLIGHT_GEMM, 1, TP_IN_FLIGHT_GEMM>(a, E, threadIdx.x - 128, 256, MkBarConsumers(),
+                                                                      sh, MkStage{0, 0});
   }
 };
 
