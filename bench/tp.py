@@ -296,7 +296,7 @@ def bench_op_shared(op, comm, shapes, dt, barrier, link_gbs, comm_sms="auto"):
         split = _tp.controller_stats(comm) if path == "fused" else {}  # the timed batch's last launch
         t.update({name: cc.batch_ms(comm, barrier, f[name]) for name in ("unfused", "gemm")})
         variants = {}  # the default call with one knob flipped, timed last (A/B in the same run)
-        knobs = ("comm_staged", "tp_ag_copy_first") if op == "allgather_gemm" else ("comm_staged",)
+        knobs = ("comm_staged", "tp_ag_copy_first") if op == "allgather_gemm" else ("comm_staged", "tp_join_reduce")
         if path == "fused":
             import mkernel
 
