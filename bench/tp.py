@@ -300,8 +300,9 @@ def bench_op_shared(op, comm, shapes, dt, barrier, link_gbs, comm_sms="auto"):
         if path == "fused":
             import mkernel
 
-            for knob in knobs:
-                flip = not getattr(mkernel.config.get(), knob)
+            for knob in knobs:  # tp_join_reduce: the opposite of what this call resolved ("auto")
+                now = _tp.default_join(op, comm) if knob == "tp_join_reduce" else getattr(mkernel.config.get(), knob)
+                flip = not now
                 with mkernel.config.override(**{knob: flip}):
                     variants[f"{knob}={flip}"] = cc.batch_ms(comm, barrier, f["default"], warmup=AUTO_WARMUP)
             if comm.rank == 0:

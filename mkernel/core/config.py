@@ -23,7 +23,9 @@ class Config:
     # "always" every fused call, "pattern" lends every odd GEMM CTA (tests), "off" never.
     tp_controller: str = "auto"
     tp_lend_share: int = 2        # it lends at most gemm_ctas / tp_lend_share GEMM CTAs
-    tp_join_reduce: bool = False  # RS / AR: the GEMM CTAs also reduce after their tiles
+    # RS / AR: the GEMM CTAs also reduce (AR: forward, gather) after their tiles; "auto": AR in one
+    # node only (faster on each of its rows there; RS and AR between nodes both ways: bench/NOTES.md)
+    tp_join_reduce: object = "auto"
     # gemm_allreduce in a node at most this many rows: GEMM + one-shot all-reduce (0: never; the
     # crossover with the fused kernel is measured by bench/tp_decode.py)
     tp_latency_max_rows: int = 128
@@ -80,7 +82,9 @@ class Config:
                                 f"{self.gemm_decode_unroll!r}, {self.gemm_decode_waves!r}")
         if self.gemm_decode_group not in (32, 64):
             raise ArgumentError(f"gemm_decode_group must be 32 or 64; got {self.gemm_decode_group!r}")
-        for name in ("tp_join_reduce", "moe_join_gemm", "tp_latency_ll_overlap", "gemm_split_k", "tp_ag_copy_first",
+        if not (isinstance(self.tp_join_reduce, bool) or self.tp_join_reduce == "auto"):
+            raise ArgumentError(f"tp_join_reduce must be True, False or \"auto\"; got {self.tp_join_reduce!r}")
+        for name in ("moe_join_gemm", "tp_latency_ll_overlap", "gemm_split_k", "tp_ag_copy_first",
                      "comm_staged"):
             if not isinstance(getattr(self, name), bool):
                 raise ArgumentError(f"{name} must be True or False; got {getattr(self, name)!r}")

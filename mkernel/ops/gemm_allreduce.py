@@ -23,7 +23,8 @@ def gemm_allreduce(a, b, *, comm, out=None, stream=None, b_layout=None, comm_sms
     Each row block is reduced once, by its owner (fp32 sum in rank order, rounded once), and copied
     to every rank, so all ranks hold identical bits. ``comm_sms``: CTAs that reduce and gather,
     ``"auto"`` by default (:mod:`mkernel.autosplit`), or an integer; ``join``: the GEMM CTAs also
-    reduce and gather once their tiles are done (default ``mkernel.config.get().tp_join_reduce``).
+    reduce and gather once their tiles are done (default: ``mkernel.config.get().tp_join_reduce``,
+    "auto": inside one node).
 
     Between nodes, hierarchically: the ReduceScatter between nodes of gemm_reduce_scatter, then
     each reduced tile goes to this node's peers over NVLink and once to every other node (to the

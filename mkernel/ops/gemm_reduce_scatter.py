@@ -5,7 +5,6 @@ computed by one fused kernel that reduces every output tile as soon as all its p
 Importable without CuPy; the kernels are registered with mkernel.compile at import.
 """
 
-from mkernel.core import config
 from mkernel.core.errors import ArgumentError
 from mkernel.engines import gemm as _gemm
 from mkernel.ops import allreduce as _ar
@@ -35,7 +34,8 @@ def gemm_reduce_scatter(a, b, *, comm, out=None, stream=None, b_layout=None, com
     or a plain GEMM at world 1), 'fused', 'fallback', 'gemm' (world 1) or 'unfused' (the GEMM engine,
     then this op's own collective: the benchmarks' baseline for overlap). ``out``: optional
     ``[M / world, N]`` of the input dtype, outside the symmetric workspace. ``join``: the GEMM
-    CTAs also reduce once their tiles are done (default ``mkernel.config.get().tp_join_reduce``).
+    CTAs also reduce once their tiles are done (default: ``mkernel.config.get().tp_join_reduce``,
+    "auto": not for this op).
 
     Between nodes (node-major ranks, at most 8 in all), hierarchically: each node first sums its
     ranks' partials of every block over NVLink, and only that node partial (rounded to the input
@@ -81,7 +81,7 @@ def _check(op, allreduce, comm, a, b, out, stream, b_layout, comm_sms, determini
                             f"pad A to a multiple of {W} rows)")
     if not isinstance(deterministic, bool):
         raise ArgumentError(f"{op}: deterministic must be True or False")
-    join = config.get().tp_join_reduce if join is None else join
+    join = tp.default_join(op, comm) if join is None else join
     if not isinstance(join, bool):
         raise ArgumentError(f"{op}: join must be None, True or False")
     comm_sms = tp.check_comm_sms(op, comm_sms)

@@ -503,6 +503,12 @@ def nccl_dtype(dtype):
     return nccl.NCCL_BFLOAT16 if dtype.name == "bfloat16" else nccl.NCCL_FLOAT16
 
 
+def default_join(op, comm) -> bool:
+    """Whether the GEMM CTAs join the reduction when the call leaves ``join`` to the config."""
+    v = config.get().tp_join_reduce
+    return (op == "gemm_allreduce" and comm.num_nodes == 1) if v == "auto" else v
+
+
 def copy_rows(dst_ptr, dst_pitch, src, rows, row_bytes, stream):
     """rows x row_bytes of ``src`` (row stride as _row_stride) to dst_ptr (dst_pitch bytes apart), on ``stream``."""
     rt = cupy_mod().cuda.runtime
