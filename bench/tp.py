@@ -295,16 +295,22 @@ def bench_op_shared(op, comm, shapes, dt, barrier, link_gbs, comm_sms="auto"):
         t = {"default": cc.batch_ms(comm, barrier, f["default"], warmup=AUTO_WARMUP)}
         split = _tp.controller_stats(comm) if path == "fused" else {}  # the timed batch's last launch
         t.update({name: cc.batch_ms(comm, barrier, f[name]) for name in ("unfused", "gemm")})
-        variants = {}  # the default call with one knob flipped, timed last (A/B in the same run)
-        knobs = ("comm_staged", "tp_ag_copy_first") if op == "allgather_gemm" else ("comm_staged", "tp_join_reduce")
+        variants = {}  # the default call with knobs changed, timed last (A/B in the same run)
         if path == "fused":
             import mkernel
 
-            for knob in knobs:  # tp_join_reduce: the opposite of what this call resolved ("auto")
-                now = _tp.default_join(op, comm) if knob == "tp_join_reduce" else getattr(mkernel.config.get(), knob)
-                flip = not now
-                with mkernel.config.override(**{knob: flip}):
-                    variants[f"{knob}={flip}"] = cc.batch_ms(comm, barrier, f["default"], warmup=AUTO_WARMUP)
+            cfg = mkernel.config.get()
+            changes = [{"comm_staged": not cfg.comm_staged}]
+            if op == "allgather_gemm":
+                changes.append({"tp_ag_copy_first": not cfg.tp_ag_copy_first})
+            else:  # join flipped from what this call resolved ("auto"); joined and staged
+                changes.append({"tp_join_reduce": not _tp.default_join(op, comm)})
+                if not (_tp.default_join(op, comm) and cfg.tp_join_staged):
+                    changes.append({"tp_join_reduce": True, "tp_join_staged": True})
+            for change in changes:
+                with mkernel.config.override(**change):
+                    name = ",".join(f"{k}={v}" for k, v in change.items())
+                    variants[name] = cc.batch_ms(comm, barrier, f["default"], warmup=AUTO_WARMUP)
             if comm.rank == 0:
                 print(f"   {M}x{N}x{K}: default {t['default']:.3f} ms, " +
                       ", ".join(f"{k} {v:.3f} ms" for k, v in variants.items()), flush=True)

@@ -26,6 +26,9 @@ class Config:
     # RS / AR: the GEMM CTAs also reduce (AR: forward, gather) after their tiles; "auto": AR in one
     # node only (faster on each of its rows there; RS and AR between nodes both ways: bench/NOTES.md)
     tp_join_reduce: object = "auto"
+    # joined GEMM CTAs stage their loads in the GEMM's A / B stages once their last tile is done
+    # (False: 2 vectors a thread in registers, ~27 us an item where a staged comm CTA takes ~17)
+    tp_join_staged: bool = False
     # gemm_allreduce in a node at most this many rows: GEMM + one-shot all-reduce (0: never; the
     # crossover with the fused kernel is measured by bench/tp_decode.py)
     tp_latency_max_rows: int = 128
@@ -85,7 +88,7 @@ class Config:
         if not (isinstance(self.tp_join_reduce, bool) or self.tp_join_reduce == "auto"):
             raise ArgumentError(f"tp_join_reduce must be True, False or \"auto\"; got {self.tp_join_reduce!r}")
         for name in ("moe_join_gemm", "tp_latency_ll_overlap", "gemm_split_k", "tp_ag_copy_first",
-                     "comm_staged"):
+                     "comm_staged", "tp_join_staged"):
             if not isinstance(getattr(self, name), bool):
                 raise ArgumentError(f"{name} must be True or False; got {getattr(self, name)!r}")
         for name in ("tp_comm_sms", "transport_gbps"):  # mappings stay read-only

@@ -312,13 +312,16 @@ def _tp_reduce(op_fn, world):
         full = sum(a_of(r)[:M].astype(np.float64) for r in range(comm.size)) @ b.astype(np.float64)
         rows = M // comm.size
         want = full if op_fn is mkernel.gemm_allreduce else full[comm.rank * rows:(comm.rank + 1) * rows]
-        # dedicated reducers only; the GEMM CTAs joining them; odd GEMM CTAs reducing between tiles
-        for join, controller in ((False, "off"), (True, "off"), (False, "pattern")):
-            with config.override(tp_controller=controller):
+        # dedicated reducers only; the GEMM CTAs joining them (in registers, then staged in the GEMM's
+        # freed stages); odd GEMM CTAs reducing between tiles
+        for join, staged, controller in ((False, False, "off"), (True, False, "off"), (True, True, "off"),
+                                         (False, False, "pattern")):
+            with config.override(tp_controller=controller, tp_join_staged=staged):
                 out = op_fn(cupy.asarray(a[:M]), cupy.asarray(b), comm=comm, path="fused", join=join, comm_sms=1)
             cupy.cuda.runtime.deviceSynchronize()
             comm.check()
-            tp.check_result(out, want, f"{op_fn.__name__} join={join} controller={controller}", 0.0)
+            tp.check_result(out, want, f"{op_fn.__name__} join={join} join_staged={staged} controller={controller}",
+                            0.0)
 
 
 # world 1 (tools/sanitize_targets.py runs these); ring attention and MoE between nodes need 2 ranks

@@ -95,7 +95,8 @@ class TpArgs(ctypes.Structure):
                 ("stage_off", ctypes.c_uint64), ("xrecv_off", ctypes.c_uint64), ("xgath_off", ctypes.c_uint64),
                 ("partial", ctypes.c_void_p), ("ldp", ctypes.c_int64), ("ctl", ctypes.c_void_p),
                 ("ctl_mode", ctypes.c_int32), ("ctl_lend_max", ctypes.c_int32),
-                ("own_copied", ctypes.c_int32), ("comm_staged", ctypes.c_int32), ("pad", ctypes.c_int32 * 6)]
+                ("own_copied", ctypes.c_int32), ("comm_staged", ctypes.c_int32),
+                ("join_staged", ctypes.c_int32), ("pad", ctypes.c_int32 * 5)]
 
 
 class TpCtlStats(ctypes.Structure):
@@ -474,6 +475,7 @@ def launch_fused(comm, op, spec, kernel, args, dtype, layout, grid, stream):
     args.g.sync = comm.sync_args(op)
     args.g.c = args.dst[0]
     args.comm_staged = int(config.get().comm_staged)
+    args.join_staged = int(config.get().tp_join_staged)
     launch_persistent(fn, (grid,), (THREADS,), args, smem=SMEM_BYTES, stream=stream)
 
 

@@ -101,9 +101,10 @@ def test_reduce_ops_integer_inputs_are_exact_per_tile(comm, op, layout, kind):
 
 @pytest.mark.parametrize("op", ["rs", "ar", "ag"])
 def test_comm_staging_changes_no_bit(comm, op):
-    """config.comm_staged (the comm CTAs' loads through shared memory) sums in the same order:
-    fused and unfused results bitwise equal to the register loops', exact on integer inputs, over
-    launches that alternate the setting (off-grid shapes; partial tiles in every direction)."""
+    """config.comm_staged (the comm CTAs' loads through shared memory) and, RS / AR with the GEMM
+    CTAs joining, config.tp_join_staged (theirs through the GEMM's freed stages) sum in the same
+    order: fused and unfused results bitwise equal to the register loops', exact on integer inputs,
+    over launches that alternate the settings (off-grid shapes; partial tiles in every direction)."""
     W = comm.size
     kind, dt = "bf16", BF16
     if op == "ag":
@@ -119,23 +120,24 @@ def test_comm_staging_changes_no_bit(comm, op):
         ref = _rows(total, comm, M) if op == "rs" else total
         a_d, b_d, shape = _dev(a.astype(dt)), _dev(b.astype(dt)), (M // W, N) if op == "rs" else (M, N)
         fn = gemm_reduce_scatter if op == "rs" else gemm_allreduce
-        call = lambda out, path: fn(a_d, b_d, comm=comm, out=out, path=path)  # noqa: E731
+        call = lambda out, path: fn(a_d, b_d, comm=comm, out=out, path=path, join=True)  # noqa: E731
+    settings = [(False, False), (True, False), (False, True), (True, True)]  # (comm_staged, tp_join_staged)
 
     def body():
         bits = {}
         paths = ("fused", "unfused") if W > 1 else ("fused",)  # unfused: the baseline of 2 or more ranks
-        for staged, path in itertools.product((False, True, False, True), paths):
-            with config.override(comm_staged=staged):
+        for (staged, join_staged), path in itertools.product(settings + settings[::-1], paths):
+            what = f"{op} {path} staged {staged} join_staged {join_staged}"
+            with config.override(comm_staged=staged, tp_join_staged=join_staged):
                 out = call(_poisoned(shape, kind), path)
-            _sync(f"{op} staged {staged} {path}")
+            _sync(what)
             comm.check()
             g = _host(out)
-            ok, msg = _check_exact(g, ref, dt, f"{op} {path} staged {staged}",
-                                   comm.rank * shape[0] if op == "rs" else 0)
+            ok, msg = _check_exact(g, ref, dt, what, comm.rank * shape[0] if op == "rs" else 0)
             if not ok:
                 return False, msg
             if not np.array_equal(bits.setdefault(path, g.view(np.uint16).copy()), g.view(np.uint16)):
-                return False, f"{op} {path}: staged {staged} gave other bits than the first launch"
+                return False, f"{what}: other bits than the first launch"
         return True, ""
 
     _collective(comm, body)

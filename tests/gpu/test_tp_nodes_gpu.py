@@ -77,10 +77,10 @@ def _run_cases(comm, allreduce):
             out = _poisoned((M, N) if allreduce else (M // W, N), kind)
             before = bytes_sent(comm)
             staged = rep >= 1  # config.comm_staged from the second launch on: the same bits
-            join = rep == 1  # the GEMM CTAs join the reduction and forwards on the second launch
+            join = rep >= 1  # the GEMM CTAs join the reduction and forwards; the third launch stages theirs
             what = f"{fn.__name__} {path} case {i} {M}x{N}x{K} {kind} launch {rep} staged {staged} join {join}"
             try:
-                with config.override(comm_staged=staged):
+                with config.override(comm_staged=staged, tp_join_staged=rep == 2):
                     fn(a, b, comm=comm, out=out, b_layout=bl, path=path, join=join)
                 sync_or_exit(what, HANG_S)
                 comm.check()

@@ -129,5 +129,6 @@ struct TpArgs {
   int ctl_lend_max;  // adaptive: at most this many GEMM CTAs lent at once
   int own_copied;  // AG: this rank's shard is in its own gathered rows already (copied before the launch)
   int comm_staged;  // communication CTAs stage their loads in shared memory (tp_comm_stage)
-  int pad[6];  // explicit tail: sizeof is a multiple of 64
+  int join_staged;  // joined GEMM CTAs stage theirs in the GEMM's freed stages (tp_join_stage)
+  int pad[5];  // explicit tail: sizeof is a multiple of 64
 };
