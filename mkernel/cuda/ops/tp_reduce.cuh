@@ -533,13 +533,14 @@ MK_DEV void tp_partial_cta(const TpArgs& a) {
   launch_exit(a.g.sync, E);
 }
 
-// With args.join_staged, the joined consumers stage their loads in the GEMM's A / B stages: free
-// once both warpgroups passed the join's first barrier (their last wgmma waited, every load landed).
+// With args.join_staged, the joined consumers (every consumer thread calls this) stage their loads
+// in the GEMM's A / B stages: after this barrier both warpgroups' last wgmma waited, every load landed.
 template <class Cfg>
 MK_DEV MkStage tp_join_stage(const TpArgs& a) {
   static_assert(Cfg::CLUSTER == 1, "a peer CTA's multicast could still land in the stages");
   extern __shared__ __align__(1024) u8 mk_smem[];
   if (!a.join_staged) return MkStage{0, 0};
+  MkBarConsumers()();
   fence_proxy_async_smem();  // the stages were the async proxy's (TMA, wgmma); cp.async writes them now
   return MkStage{gemm_smem_carve<Cfg, false>(mk_smem).a(0), Cfg::OFF_C - Cfg::OFF_A};
 }
