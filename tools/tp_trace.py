@@ -51,6 +51,7 @@ def summarize(spans):
     if stalls:
         out.append(f"GEMM waits for A chunks: {len(stalls)} tiles, {sum(stalls):9.1f} us summed, longest "
                    f"{max(stalls):8.1f} us")
+    gemm_sms = {s[4] for s in spans if s[0] == "compute"}  # SMs that ran GEMM tiles (lent or joined)
     for kind in (0, 1, 2, 3):
         work = [s for s in spans if s[1] >> 24 == kind and s[0] in ("send", "intra-node", "recv")]
         waits = [s[3] - s[2] for s in spans if s[1] >> 24 == kind and s[0] == "wait"]
@@ -62,6 +63,12 @@ def summarize(spans):
             q = ", ".join(f"{t:8.1f}" for t in _pct(done))
             out.append(f"{KINDS[kind]:7s} {role:10s} {len(done):6d}  done at 25/50/75/100%: {q} us  busy "
                        f"{busy:9.1f} us")
+            for where, on_gemm in (("GEMM SMs", True), ("comm SMs", False)):  # an item's time by who ran it
+                mine = [s for s in work if s[0] == role and (s[4] in gemm_sms) == on_gemm]
+                if mine:
+                    d = sorted(s[3] - s[2] for s in mine)
+                    out.append(f"{'':18s} on {where}: {len(d):6d} items, median {d[len(d) // 2]:7.1f} us, "
+                               f"last done at {max(s[3] for s in mine) - t0:9.1f} us")
         out.append(f"{KINDS[kind]:7s} waits      {len(waits):6d}  {sum(waits):9.1f} us summed, longest "
                    f"{max(waits, default=0):8.1f} us")
     return out

@@ -38,6 +38,9 @@ def test_summary_of_the_last_launch():
     assert "reduce  send            2" in text and "reduce  intra-node      2" in text
     assert "forward recv            2  done at 25/50/75/100%:     50.0,     50.0,     60.0,     60.0 us" in text
     assert "forward waits           2       16.0 us summed" in text
+    # items by where they ran: the reductions on SM 2 and forwards on SM 3 (no GEMM tile there)
+    assert "on comm SMs:      2 items, median     5.0 us, last done at      40.0 us" in text
+    assert "on GEMM SMs" not in text
 
 
 def test_no_launch():
