@@ -304,8 +304,9 @@ def bench_op_shared(op, comm, shapes, dt, barrier, link_gbs, comm_sms="auto"):
             if op == "allgather_gemm":
                 changes.append({"tp_ag_copy_first": not cfg.tp_ag_copy_first})
             else:  # join flipped from what this call resolved ("auto"); joined and staged
-                changes.append({"tp_join_reduce": not _tp.default_join(op, comm)})
-                if not (_tp.default_join(op, comm) and cfg.tp_join_staged):
+                joins = _tp.default_join(op, comm)
+                changes.append({"tp_join_reduce": not joins})
+                if not (joins and cfg.tp_join_staged):
                     changes.append({"tp_join_reduce": True, "tp_join_staged": True})
             for change in changes:
                 with mkernel.config.override(**change):
