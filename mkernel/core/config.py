@@ -27,7 +27,7 @@ class Config:
     # node only (faster on each of its rows there; RS and AR between nodes both ways: bench/NOTES.md)
     tp_join_reduce: object = "auto"
     # joined GEMM CTAs stage their loads in the GEMM's A / B stages once their last tile is done
-    # (False: 2 vectors a thread in registers, their accumulators' registers taken)
+    # (False: 2 vectors a thread in registers, the GEMM CTAs' budget)
     tp_join_staged: bool = False
     # gemm_allreduce in a node at most this many rows: GEMM + one-shot all-reduce (0: never; the
     # crossover with the fused kernel is measured by bench/tp_decode.py)
