@@ -105,6 +105,8 @@ for s in $steps; do
     nodestest) step nodestest 150 $PYT -rfE tests/gpu/test_tp_nodes_gpu.py ;;
     test1) step test1 200 $PYT -rfE ${TEST_ARGS:?TEST_ARGS: the pytest arguments} ;;  # word-split: no spaces inside -k
     test2) step test2 200 $MPI2 $PYT -rfE ${TEST_ARGS:?TEST_ARGS: the pytest arguments} ;;  # and at 2 (MPS)
+    test4) step test4 200 $MPI4 $PYT -rfE ${TEST_ARGS:?TEST_ARGS: the pytest arguments} ;;  # and at 4 (MPS, 25% each)
+    sanitp) step sanitp 240 env MKERNEL_SANITIZE_ONLY=tp bash tools/sanitize.sh ;;  # the TP ops' 2-rank target only
     moetcp) step moetcp 120 $MPI2 $PYT -rfE -k 'emulated_nodes and tcp' tests/gpu/test_moe_nodes_gpu.py ;;
     copiestest) step copiestest 120 $MPI2 $PYT -rfE -k caller_copies tests/gpu/test_tp_nodes_gpu.py ;;
     moebench) step moebench 300 $MPI2 python3 bench/moe.py ;;
