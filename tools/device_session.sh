@@ -38,13 +38,14 @@ export MKERNEL_CACHE_DIR=${MKERNEL_CACHE_DIR:-$HOME/.cache/mkernel} PYTHONPATH=$
 export NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 steps=${*:-info suite main sanitizer gemm transport}
 summary=()
-step() {  # step NAME TIMEOUT CMD...; LIMIT_<NAME>=seconds overrides TIMEOUT
-  local name=$1 v=LIMIT_$1; local limit=${!v:-$2}; shift 2
+step() {  # step NAME[_i] TIMEOUT CMD...; LIMIT_<NAME>=seconds overrides TIMEOUT
+  local name=$1 v=LIMIT_${1%%_*}; local limit=${!v:-$2}; shift 2
   local t0=$SECONDS rc=0
   timeout -k 5 "$limit" "$@" >"$LOGS/$name.log" 2>&1 || rc=$?
   if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then  # a cut step's ranks outlive its shell: they would share the next step's GPU
     pkill -9 -f "python3 -m pytest" ; pkill -9 mpirun ; pkill -9 prted ; sleep 2
     echo "(step $name cut at ${limit}s: its leftover processes were killed)" >>"$LOGS/$name.log"
+    [ "${MKERNEL_MPS_STARTED:-0}" = 1 ] && mps_restart  # killed clients can leave the server refusing new ones
   fi
   summary+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - t0)) "$(tail -1 "$LOGS/$name.log" | cut -c1-150)")")
   echo "${summary[-1]}"
@@ -105,7 +106,8 @@ for s in $steps; do
     nodestest) step nodestest 150 $PYT -rfE tests/gpu/test_tp_nodes_gpu.py ;;
     test1) step test1 200 $PYT -rfE ${TEST_ARGS:?TEST_ARGS: the pytest arguments} ;;  # word-split: no spaces inside -k
     test2) step test2 200 $MPI2 $PYT -rfE ${TEST_ARGS:?TEST_ARGS: the pytest arguments} ;;  # and at 2 (MPS)
-    test4) step test4 200 $MPI4 $PYT -rfE ${TEST_ARGS:?TEST_ARGS: the pytest arguments} ;;  # and at 4 (MPS, 25% each)
+    test4) for i in $(seq "${REPEAT:-1}"); do  # and at 4 (MPS, 25% each), REPEAT times (logs test4_1, ...)
+        step "test4_$i" 200 $MPI4 $PYT -rfE ${TEST_ARGS:?TEST_ARGS: the pytest arguments}; done ;;
     sanitp) step sanitp 240 env MKERNEL_SANITIZE_ONLY=tp bash tools/sanitize.sh ;;  # the TP ops' 2-rank target only
     moetcp) step moetcp 120 $MPI2 $PYT -rfE -k 'emulated_nodes and tcp' tests/gpu/test_moe_nodes_gpu.py ;;
     copiestest) step copiestest 120 $MPI2 $PYT -rfE -k caller_copies tests/gpu/test_tp_nodes_gpu.py ;;
