@@ -303,11 +303,10 @@ def bench_op_shared(op, comm, shapes, dt, barrier, link_gbs, comm_sms="auto"):
             changes = [{"comm_staged": not cfg.comm_staged}]
             if op == "allgather_gemm":
                 changes.append({"tp_ag_copy_first": not cfg.tp_ag_copy_first})
-            else:  # join flipped from what this call resolved ("auto"); joined and staged
+            else:  # join flipped from what this call resolved ("auto"); joined with the staging flipped
                 joins = _tp.default_join(op, comm)
                 changes.append({"tp_join_reduce": not joins})
-                if not (joins and cfg.tp_join_staged):
-                    changes.append({"tp_join_reduce": True, "tp_join_staged": True})
+                changes.append({"tp_join_reduce": True, "tp_join_staged": not (joins and cfg.tp_join_staged)})
             for change in changes:
                 with mkernel.config.override(**change):
                     name = ",".join(f"{k}={v}" for k, v in change.items())

@@ -23,12 +23,12 @@ class Config:
     # "always" every fused call, "pattern" lends every odd GEMM CTA (tests), "off" never.
     tp_controller: str = "auto"
     tp_lend_share: int = 2        # it lends at most gemm_ctas / tp_lend_share GEMM CTAs
-    # RS / AR: the GEMM CTAs also reduce (AR: forward, gather) after their tiles; "auto": AR in one
-    # node only (faster on each of its rows there; RS and AR between nodes both ways: bench/NOTES.md)
+    # RS / AR: the GEMM CTAs also reduce (AR: forward, gather) after their tiles; "auto": unless
+    # one rank per node between nodes (there the link, not the reduction, is the tail: bench/NOTES.md)
     tp_join_reduce: object = "auto"
     # joined GEMM CTAs stage their loads in the GEMM's A / B stages once their last tile is done
     # (False: 2 vectors a thread in registers, the GEMM CTAs' budget)
-    tp_join_staged: bool = False
+    tp_join_staged: bool = True
     # gemm_allreduce in a node at most this many rows: GEMM + one-shot all-reduce (0: never; the
     # crossover with the fused kernel is measured by bench/tp_decode.py)
     tp_latency_max_rows: int = 128

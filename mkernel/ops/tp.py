@@ -508,7 +508,7 @@ def nccl_dtype(dtype):
 def default_join(op, comm) -> bool:
     """Whether the GEMM CTAs join the reduction when the call leaves ``join`` to the config."""
     v = config.get().tp_join_reduce
-    return (op == "gemm_allreduce" and comm.num_nodes == 1) if v == "auto" else v
+    return (comm.num_nodes == 1 or comm.local_size > 1) if v == "auto" else v
 
 
 def copy_rows(dst_ptr, dst_pitch, src, rows, row_bytes, stream):

@@ -365,16 +365,17 @@ def test_packed_tiles_follow_the_gemm_order(mb, n):
 
 @pytest.mark.parametrize("setting", ["auto", True, False])
 def test_join_follows_the_config_per_op_and_nodes(fake_launch, setting):
-    """config.tp_join_reduce "auto": the GEMM CTAs join gemm_allreduce's reduction in one node only;
-    True / False: every RS and AR call; an explicit join= wins."""
+    """config.tp_join_reduce "auto": the GEMM CTAs join RS's and AR's reduction unless there is one
+    rank per node between nodes; True / False: every RS and AR call; an explicit join= wins."""
     M, K, N = 400, 136, 264
     with config.override(tp_join_reduce=setting):
-        for fn, nodes in itertools.product((rs.gemm_reduce_scatter, ar.gemm_allreduce), (1, 2)):
-            comm = _Comm(2, 0, nodes=nodes)
-            out = _Arr((M, N) if fn is ar.gemm_allreduce else (M // 2, N), "float16", 0x300000)
+        for fn, (world, nodes) in itertools.product((rs.gemm_reduce_scatter, ar.gemm_allreduce),
+                                                    ((1, 1), (2, 1), (2, 2), (4, 2))):
+            comm = _Comm(world, 0, nodes=nodes)
+            out = _Arr((M, N) if fn is ar.gemm_allreduce else (M // world, N), "float16", 0x300000)
             a, b = _Arr((M, K), "float16", 0x100000), _Arr((K, N), "float16", 0x200000)
             fn(a, b, comm=comm, out=out, path="fused", comm_sms=8)
-            want = (fn is ar.gemm_allreduce and nodes == 1) if setting == "auto" else setting
+            want = (world, nodes) != (2, 2) if setting == "auto" else setting
             assert fake_launch["launch"]["args"].join == int(want), (fn.__name__, nodes)
             fn(a, b, comm=comm, out=out, path="fused", comm_sms=8, join=not want)
             assert fake_launch["launch"]["args"].join == int(not want), (fn.__name__, nodes)
