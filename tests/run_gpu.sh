@@ -10,6 +10,7 @@
 #   MKERNEL_SUITE_MPS=0         run the multi-rank passes time-sliced instead
 #   MKERNEL_SUITE_TIMESLICED=1  add a time-sliced 2-rank pass (needs a daemon this script may stop)
 #   MKERNEL_SUITE_PASSES="1 2 4" the passes to run, in order (rank counts)
+#   MKERNEL_SUITE_DURATIONS=12  the slowest tests each pass names (those over 2 s)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -45,6 +46,8 @@ pass() {  # pass NAME RANKS CMD...: runs one pass, records its status, restarts 
 # A test past this limit dumps every thread's stack and ends its process (pytest-timeout's thread
 # method): a rank stuck inside a C call (a blocking MPI collective) is seen instead of hanging the pass.
 TEST_LIMIT=(--timeout="${MKERNEL_SUITE_TEST_TIMEOUT_S:-150}" -o timeout_method=thread)
+# Each pass names its slowest tests, so that a pass that grows shows where (the budget is 8 minutes).
+TEST_LIMIT+=(--durations="${MKERNEL_SUITE_DURATIONS:-12}" --durations-min=2)
 MPIRUN=(mpirun --oversubscribe --bind-to none -x NCCL_NVLS_ENABLE -x PYTHONPATH -x MKERNEL_CACHE_DIR -x CUDA_MPS_PIPE_DIRECTORY)
 for n in ${MKERNEL_SUITE_PASSES:-1 2 4}; do
   if [ "$n" = 1 ]; then
