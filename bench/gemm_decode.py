@@ -2,8 +2,10 @@
 """Decode-size GEMM benchmark (issue 26): mkernel.gemm against cupy.matmul (cuBLAS) at small M and odd
 shapes, and the grouped GEMM of MoE decode against one cupy.matmul per expert; one GPU, one process.
 
-Every timed call of either library follows an L2 flush (a 256 MiB fill, outside the events), so
-weights are read from HBM as in a decode step. Per row: ``speedup`` (cuBLAS time / mkernel time)
+Every timed call of either library follows an L2 flush (a read of 256 MiB, outside the events), so
+weights are read from HBM as in a decode step. A read, not a fill: a fill leaves L2 full of dirty
+lines whose write-back then runs inside the timed call (~50 MB on the H200, a third more traffic
+than a 1 x 8192 x 8192 call's weights; bench/NOTES.md session 25). Per row: ``speedup`` (cuBLAS time / mkernel time)
 and ``fraction_of_bound`` (bound / mkernel time), the bound being max(bytes of A, B and C over the
 copy rate, FLOPs at the tensor peak), the copy rate (bytes read + written per second) of a 1 GiB
 device-to-device copy measured in the same run. Results are checked against cuBLAS before timing.
@@ -85,8 +87,8 @@ def main():
     from mkernel.engines import gemm as mg
 
     reps = 5 if opts.quick else max(20, opts.reps)
-    flush_buf = cupy.empty(FLUSH_BYTES, cupy.uint8)
-    flush = lambda: flush_buf.fill(1)  # noqa: E731
+    flush_words = cupy.ones(FLUSH_BYTES // 8, cupy.uint64)
+    flush = lambda: flush_words.max()  # noqa: E731  (reads every byte, writes one word)
     rate = copy_rate(reps)
     print(f"# {harness.device_name()}: copy rate {rate / 1e12:.2f} TB/s (read + write, 1 GiB D2D)", flush=True)
     errors = {}
