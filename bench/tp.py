@@ -304,7 +304,7 @@ def bench_op_shared(op, comm, shapes, dt, barrier, link_gbs, comm_sms="auto"):
             if op == "allgather_gemm":
                 changes.append({"tp_ag_copy_first": not cfg.tp_ag_copy_first})
             else:  # join flipped from what this call resolved ("auto"); joined with the staging flipped
-                joins = _tp.default_join(op, comm)
+                joins = _tp.default_join(op, comm, M=M, N=N, K=K, esize=dt.itemsize)
                 changes.append({"tp_join_reduce": not joins})
                 changes.append({"tp_join_reduce": True, "tp_join_staged": not (joins and cfg.tp_join_staged)})
             for change in changes:

@@ -23,9 +23,11 @@ class Config:
     # "always" every fused call, "pattern" lends every odd GEMM CTA (tests), "off" never.
     tp_controller: str = "auto"
     tp_lend_share: int = 2        # it lends at most gemm_ctas / tp_lend_share GEMM CTAs
-    # RS / AR: the GEMM CTAs also reduce (AR: forward, gather) after their tiles; "auto": unless
-    # one rank per node between nodes (there the link, not the reduction, is the tail: bench/NOTES.md)
+    # RS / AR: the GEMM CTAs also reduce (AR: forward, gather) after their tiles; "auto": always,
+    # but at one rank per node between nodes only where the split model's GEMM time is at least
+    # tp_join_min_gemm_share of its link time (else the link is the tail: bench/NOTES.md session 25)
     tp_join_reduce: object = "auto"
+    tp_join_min_gemm_share: float = 0.3
     # joined GEMM CTAs stage their loads in the GEMM's A / B stages once their last tile is done
     # (False: 2 vectors a thread in registers, the GEMM CTAs' budget)
     tp_join_staged: bool = True
@@ -91,6 +93,9 @@ class Config:
                      "comm_staged", "tp_join_staged"):
             if not isinstance(getattr(self, name), bool):
                 raise ArgumentError(f"{name} must be True or False; got {getattr(self, name)!r}")
+        v = self.tp_join_min_gemm_share
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+            raise ArgumentError(f"tp_join_min_gemm_share must be a number >= 0; got {v!r}")
         for name in ("tp_comm_sms", "transport_gbps"):  # mappings stay read-only
             object.__setattr__(self, name, types.MappingProxyType(dict(getattr(self, name))))
 

@@ -81,7 +81,7 @@ def _check(op, allreduce, comm, a, b, out, stream, b_layout, comm_sms, determini
                             f"pad A to a multiple of {W} rows)")
     if not isinstance(deterministic, bool):
         raise ArgumentError(f"{op}: deterministic must be True or False")
-    join = tp.default_join(op, comm) if join is None else join
+    join = tp.default_join(op, comm, M=M, N=N, K=K, esize=a.dtype.itemsize) if join is None else join
     if not isinstance(join, bool):
         raise ArgumentError(f"{op}: join must be None, True or False")
     comm_sms = tp.check_comm_sms(op, comm_sms)

@@ -505,10 +505,19 @@ def nccl_dtype(dtype):
     return nccl.NCCL_BFLOAT16 if dtype.name == "bfloat16" else nccl.NCCL_FLOAT16
 
 
-def default_join(op, comm) -> bool:
-    """Whether the GEMM CTAs join the reduction when the call leaves ``join`` to the config."""
-    v = config.get().tp_join_reduce
-    return (comm.num_nodes == 1 or comm.local_size > 1) if v == "auto" else v
+def default_join(op, comm, *, M, N, K, esize) -> bool:
+    """Whether the GEMM CTAs join the reduction of a call of ``a: [M, K]`` that leaves ``join`` to
+    the config (the same on every rank: the model's inputs are the agreed shape and topology)."""
+    cfg = config.get()
+    if cfg.tp_join_reduce != "auto":
+        return cfg.tp_join_reduce
+    if comm.num_nodes == 1 or comm.local_size > 1:
+        return True
+    shares = comm.plans.state.setdefault("tp.gemm_share", {})  # the shape's first call decides: its transport
+    share = shares.get((op, M, N, K, esize))
+    if share is None:
+        share = shares[(op, M, N, K, esize)] = autosplit.gemm_share(op, M, N, K, comm, esize)
+    return share >= cfg.tp_join_min_gemm_share
 
 
 def copy_rows(dst_ptr, dst_pitch, src, rows, row_bytes, stream):

@@ -85,6 +85,16 @@ def prior_for(op: str, M: int, N: int, K: int, world: int, esize: int, nodes: in
                        gemm_ms=2.0 * M * N * K / (cfg.gemm_tflops * 1e12) * 1e3, total=sms, lo=1, hi=hi)
 
 
+def gemm_share(op: str, M: int, N: int, K: int, comm, esize: int) -> float:
+    """The model's GEMM time over the time its link takes for one call's comm_bytes (the prior's
+    rates): below 1 the link, not the GEMM, sets the call's pace."""
+    lb = comm_bytes(op, M, N, K, comm.size, esize, comm.num_nodes)
+    if not lb:
+        return float("inf")
+    gemm_s = 2.0 * M * N * K / (config.get().gemm_tflops * 1e12)
+    return gemm_s * _link_gbps(comm) * 1e9 / lb
+
+
 def _transport(comm) -> str:
     """The key's transport: "nvlink" inside a node, else the proxy's (started by the op's plan)."""
     if comm.num_nodes == 1:

@@ -30,6 +30,8 @@ def test_configure_sets_the_knobs_for_the_process():
                                            ({"ring_comm_sms": 0}, "ring_comm_sms"),
                                            ({"tp_join_reduce": 1}, "tp_join_reduce"),
                                            ({"tp_join_reduce": "sometimes"}, "tp_join_reduce"),
+                                           ({"tp_join_min_gemm_share": -1}, "tp_join_min_gemm_share"),
+                                           ({"tp_join_min_gemm_share": "0.3"}, "tp_join_min_gemm_share"),
                                            ({"no_such_knob": 1}, "unknown configuration")])
 def test_bad_values_raise_where_they_are_set(changes, match):
     with pytest.raises(ArgumentError, match=match):

@@ -365,8 +365,9 @@ def test_packed_tiles_follow_the_gemm_order(mb, n):
 
 @pytest.mark.parametrize("setting", ["auto", True, False])
 def test_join_follows_the_config_per_op_and_nodes(fake_launch, setting):
-    """config.tp_join_reduce "auto": the GEMM CTAs join RS's and AR's reduction unless there is one
-    rank per node between nodes; True / False: every RS and AR call; an explicit join= wins."""
+    """config.tp_join_reduce "auto": the GEMM CTAs join RS's and AR's reduction, at one rank per node
+    between nodes only where the model's GEMM is a share of its link time (not at this small shape);
+    True / False: every RS and AR call; an explicit join= wins."""
     M, K, N = 400, 136, 264
     with config.override(tp_join_reduce=setting):
         for fn, (world, nodes) in itertools.product((rs.gemm_reduce_scatter, ar.gemm_allreduce),
@@ -379,3 +380,18 @@ def test_join_follows_the_config_per_op_and_nodes(fake_launch, setting):
             assert fake_launch["launch"]["args"].join == int(want), (fn.__name__, nodes)
             fn(a, b, comm=comm, out=out, path="fused", comm_sms=8, join=not want)
             assert fake_launch["launch"]["args"].join == int(not want), (fn.__name__, nodes)
+
+
+@pytest.mark.parametrize("op,K,joins", [("gemm_allreduce", 14336, True), ("gemm_allreduce", 4096, False),
+                                        ("gemm_reduce_scatter", 14336, True)])
+def test_join_between_nodes_of_one_rank_follows_the_gemm_share_of_the_link(op, K, joins):
+    """At one rank per node between nodes, "auto" joins where the split model's GEMM time is at
+    least config.tp_join_min_gemm_share of its link time (host transport, 20 GB/s; 650 TFLOP/s):
+    AR 8192^2 x 14336 0.44, x 4096 0.13, RS x 14336 0.88 (bench/NOTES.md session 25's rows)."""
+    comm = _Comm(2, 0, nodes=2)
+    M = N = 8192
+    assert tp.default_join(op, comm, M=M, N=N, K=K, esize=2) is joins
+    with config.override(tp_join_min_gemm_share=0.0):
+        assert tp.default_join(op, comm, M=M, N=N, K=K, esize=2)
+    with config.override(tp_join_reduce=False):
+        assert not tp.default_join(op, _Comm(4, 0, nodes=2), M=M, N=N, K=K, esize=2)
