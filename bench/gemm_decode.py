@@ -5,8 +5,8 @@ shapes, and the grouped GEMM of MoE decode against one cupy.matmul per expert; o
 Every timed call of either library follows an L2 flush (a read of 256 MiB, outside the events), so
 weights are read from HBM as in a decode step. A read, not a fill: a fill leaves L2 full of dirty
 lines whose write-back then runs inside the timed call (~50 MB on the H200, a third more traffic
-than a 1 x 8192 x 8192 call's weights; bench/NOTES.md session 25). Per row: ``speedup`` (cuBLAS time / mkernel time)
-and ``fraction_of_bound`` (bound / mkernel time), the bound being max(bytes of A, B and C over the
+than a 1 x 8192 x 8192 call's weights; bench/NOTES.md session 25). Per row: ``speedup`` (cuBLAS
+time / mkernel time) and ``fraction_of_bound`` (bound / mkernel time), the bound being max(bytes of A, B and C over the
 copy rate, FLOPs at the tensor peak), the copy rate (bytes read + written per second) of a 1 GiB
 device-to-device copy measured in the same run. Results are checked against cuBLAS before timing.
 Writes bench/results/gemm_decode-1gpu.json.
