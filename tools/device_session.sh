@@ -63,7 +63,7 @@ PYT="python3 -m pytest -q -p no:cacheprovider"
 for s in $steps; do
   case $s in
     info) step info 30 python3 -m mkernel info ;;
-    suite) step suite 480 bash tests/run_gpu.sh ${SUITE_ARGS:-} ;;  # SUITE_ARGS: pytest arguments (word-split), e.g. -k tp_
+    suite) step suite 560 bash tests/run_gpu.sh ${SUITE_ARGS:-} ;;  # SUITE_ARGS: pytest arguments (word-split), e.g. -k tp_
     runtime) step runtime 90 $PYT -m gpu tests/gpu/test_comm_gpu.py ;;
     queue) step queue 60 $PYT -m "gpu and not (mpi and multi_gpu)" tests/gpu/test_queue_gpu.py ;;
     runtime2) step runtime2 90 $MPI2 $PYT -m "gpu and mpi and not slow" tests/gpu/test_comm_gpu.py ;;
