@@ -31,13 +31,15 @@ __global__ void __launch_bounds__(MOE_THREADS, 1) mk_moe_dispatch_kernel(const _
     __syncthreads();
     if (sh.ok) {
       const u32 vpr = (u32)a.H / 8u;  // 16-byte vectors per row
-      const uint4* src = reinterpret_cast<const uint4*>(peer_ptr<u8>(peers, (u32)a.me, a.recv_off));
+      const u8* src = peer_ptr<u8>(peers, (u32)a.me, a.recv_off);
       u8* out = reinterpret_cast<u8*>(a.out);
-      const u64 n = (u64)sh.total_me * vpr;
-      for (u64 v = (u64)blockIdx.x * MOE_THREADS + tid; v < n; v += (u64)gridDim.x * MOE_THREADS) {
-        const u64 r = v / vpr, c = v - r * vpr;
-        *reinterpret_cast<uint4*>(out + r * (u64)a.ldo * 2u + c * 16u) = __ldcg(src + v);
-      }
+      copy_vectors<MOE_COPY_UNROLL>(  // the receive buffer (in the workspace) holds < 2^32 vectors
+          sh.total_me * vpr, blockIdx.x * MOE_THREADS + tid, gridDim.x * MOE_THREADS,
+          [&](u32 v) { return src + (u64)v * 16u; },
+          [&](u32 v, uint4 x) {
+            const u32 r = v / vpr;
+            st_v4(out + (u64)r * (u64)a.ldo * 2u + (u64)(v - r * vpr) * 16u, x);
+          });
     }
   }
   __syncthreads();

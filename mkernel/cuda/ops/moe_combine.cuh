@@ -18,6 +18,8 @@ MK_DEV float half_to_float(u16 h) {
 
 // Loads in flight per lane when a warp copies one row (copy_span over its 32 lanes).
 constexpr u32 MOE_COPY_UNROLL = 8;
+// Rows of a token a lane loads before it adds them (the weighted sum; one at a time is latency-bound).
+constexpr u32 MOE_SUM_IN_FLIGHT = 4;
 
 // Thread 0: every rank entered this epoch (its return buffer may be written).
 MK_DEV bool moe_credits_all(const MkMoeArgs& a, const MkPeers& peers, u32 Ep) {
@@ -60,15 +62,30 @@ MK_DEV void moe_weighted_sum(const MkMoeArgs& a, const MkPeers& peers, u32 part,
   for (u32 t = lo + warp; t < hi; t += nthr / 32) {
     for (u32 o = lane * 16u; o < row_bytes; o += 32u * 16u) {
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (u32 j = 0; j < K; ++j) {
-        if (a.nseg && a.topk_ids[(u64)t * K + j] < 0) continue;  // another node's pair: no row here
-        const float w = a.topk_w[(u64)t * K + j];
-        const uint4 v = __ldcg(reinterpret_cast<const uint4*>(ret + ((u64)t * K + j) * row_bytes + o));
-        const u32 words[4] = {v.x, v.y, v.z, v.w};
+      for (u32 j0 = 0; j0 < K; j0 += MOE_SUM_IN_FLIGHT) {  // loads first, then the sums in j order
+        uint4 v[MOE_SUM_IN_FLIGHT];
+        float w[MOE_SUM_IN_FLIGHT];
+        bool in[MOE_SUM_IN_FLIGHT];  // a row here: not past k, not another node's pair (id -1)
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          acc[2 * q] = fmaf(w, half_to_float<DT>((u16)(words[q] & 0xFFFFu)), acc[2 * q]);
-          acc[2 * q + 1] = fmaf(w, half_to_float<DT>((u16)(words[q] >> 16)), acc[2 * q + 1]);
+        for (u32 u = 0; u < MOE_SUM_IN_FLIGHT; ++u)
+          in[u] = j0 + u < K && !(a.nseg && a.topk_ids[(u64)t * K + j0 + u] < 0);
+#pragma unroll
+        for (u32 u = 0; u < MOE_SUM_IN_FLIGHT; ++u) {
+          const u64 pair = (u64)t * K + j0 + u;
+          if (in[u]) {
+            w[u] = a.topk_w[pair];
+            v[u] = __ldcg(reinterpret_cast<const uint4*>(ret + pair * row_bytes + o));
+          }
+        }
+#pragma unroll
+        for (u32 u = 0; u < MOE_SUM_IN_FLIGHT; ++u) {
+          if (!in[u]) continue;
+          const u32 words[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            acc[2 * q] = fmaf(w[u], half_to_float<DT>((u16)(words[q] & 0xFFFFu)), acc[2 * q]);
+            acc[2 * q + 1] = fmaf(w[u], half_to_float<DT>((u16)(words[q] >> 16)), acc[2 * q + 1]);
+          }
         }
       }
       if (a.partial_out) {
