@@ -339,3 +339,25 @@ def test_layer_reference_against_a_loop():
                     h = np.maximum(P.xs[me][t].astype(np.float64) @ P.W1[e].astype(np.float64), 0)
                     acc += float(P.ws[me][t, j]) * (h @ P.W2[e].astype(np.float64))
                 assert np.allclose(out_ref[t], acc, rtol=1e-12, atol=1e-12)
+
+
+def test_combine_sum_has_several_row_loads_in_flight():
+    """The combine's weighted sum issues MOE_SUM_IN_FLIGHT 16-byte row loads before the FMAs that use
+    them: one at a time (LDG.128, then its 8 FFMA, repeated) it was latency-bound."""
+    from mkernel.runtime import compile as mkc
+    from mkernel.runtime.compile import cuda_files
+
+    from tests.helpers import sass
+
+    n = int(re.search(r"MOE_SUM_IN_FLIGHT\s*=\s*(\d+)", cuda_files()["moe_combine.cuh"].read_text()).group(1))
+    assert n >= 4
+    for name, text in sass.kernels(mkc.compile_spec(mmoe.SPEC).cubin).items():
+        if "combine" not in name:
+            continue
+        loads, before_sums, prev = 0, [], None  # 16-byte loads since the last store or FMA, at each run of FMAs
+        for op in re.findall(r"\b(LDG\.E\.128|STG\.E\.128|FFMA)\b", text):
+            if op == "FFMA" and prev != "FFMA":
+                before_sums.append(loads)
+            loads = loads + 1 if op == "LDG.E.128" else 0
+            prev = op
+        assert before_sums and max(before_sums) >= n, (name, before_sums)
