@@ -80,19 +80,20 @@ def prior_for(op: str, M: int, N: int, K: int, world: int, esize: int, nodes: in
     # split.prior's comm time is bytes / min(n * cta_rate, link_rate): with bytes = cta_bytes and the
     # link rate scaled to CTA bytes it is max(cta_bytes / (n * cta_rate), comm_bytes / link_rate).
     link_scaled = link_gbps * cb / lb if lb else 1e9
-    cfg = config.get()
-    return split.prior(comm_bytes=cb, cta_gbps=cfg.cta_gbps, link_gbps=link_scaled,
-                       gemm_ms=2.0 * M * N * K / (cfg.gemm_tflops * 1e12) * 1e3, total=sms, lo=1, hi=hi)
+    return split.prior(comm_bytes=cb, cta_gbps=config.get().cta_gbps, link_gbps=link_scaled,
+                       gemm_ms=gemm_s(M, N, K) * 1e3, total=sms, lo=1, hi=hi)
+
+
+def gemm_s(M: int, N: int, K: int) -> float:
+    """The model's time of one rank's GEMM of ``[M, K] x [K, N]`` (config.gemm_tflops)."""
+    return 2.0 * M * N * K / (config.get().gemm_tflops * 1e12)
 
 
 def gemm_share(op: str, M: int, N: int, K: int, comm, esize: int) -> float:
     """The model's GEMM time over the time its link takes for one call's comm_bytes (the prior's
     rates): below 1 the link, not the GEMM, sets the call's pace."""
     lb = comm_bytes(op, M, N, K, comm.size, esize, comm.num_nodes)
-    if not lb:
-        return float("inf")
-    gemm_s = 2.0 * M * N * K / (config.get().gemm_tflops * 1e12)
-    return gemm_s * _link_gbps(comm) * 1e9 / lb
+    return gemm_s(M, N, K) * _link_gbps(comm) * 1e9 / lb if lb else float("inf")
 
 
 def _transport(comm) -> str:

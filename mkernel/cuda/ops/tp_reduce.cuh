@@ -13,13 +13,14 @@
 // is rounded, staged compactly and sent to its owner as one WRITE per tile (the network carries
 // each node's partial of a block once: the minimum), counting in the owner's arrival flag; the
 // own block's tiles (last) add, in node order, this node's partials and the other nodes' node
-// partials as their arrival counters reach this launch's target, then round once into `out`. AllReduce also pushes each reduced tile
-// into every peer's gather buffer (gath[me], flag gflag[me][tl]), then copies the peers' reduced
-// tiles from its own gather buffer into `out` as their flags arrive (counter TP_CNT_COPY).
+// partials as their arrival counters reach this launch's target, then round once into `out`.
+// AllReduce also pushes each reduced tile into every peer's gather buffer (gath[me], flag
+// gflag[me][tl]), forwards the other nodes' reduced tiles of its blocks (TP_CNT_FORWARD) and copies
+// the peers' reduced tiles from its own gather buffer into `out` as their flags arrive (TP_CNT_COPY).
 // Waits: reducers wait on GEMM tiles only, copiers on reducers only, and the GEMM on credits only:
 // no cycle. GEMM CTAs the controller lent (tp_controller.cuh) take reduction items between their
-// tiles only when the item's inputs are already in (TpTurn, TpReduceItems): a turn never waits on a tile
-// (at most on credits, announced by every rank at entry).
+// tiles only when the item's inputs are already in (TpTurn, TpReduceItems): a turn never waits on a
+// tile (at most on credits, announced by every rank at entry).
 #include "tp_epilogue.cuh"
 #include "queue.cuh"
 
@@ -344,117 +345,102 @@ MK_DEV bool tp_reduce_item(const TpArgs& a, u32 E, u32 item, u32 tid, u32 nthr, 
   return true;
 }
 
-// The reduction (and, AR, the gather copies) by a group of nthr threads (tid in [0, nthr)) that
-// synchronise with bar(): a communication CTA from the start, or a GEMM CTA's consumers after
-// their tiles. Items are claimed from the shared counters, so any number of groups cooperate.
+// One AR item by a group as tp_reduce_item's; false: a wait failed. Forward (several nodes): the
+// reduced tile at position pos of block o = jj * L + l that node jj sent, into `out` and this
+// node's peers' gather buffers (it crosses the network once). Copy: the reduced tile of block o
+// (owned or forwarded by a local peer) from this rank's gather buffer into `out`.
+template <u32 C, class Bar>
+MK_DEV bool tp_move_item(const TpArgs& a, u32 E, bool forward, u32 item, u32 tid, u32 nthr, Bar bar, TpCommShared* sh,
+                         MkStage st) {
+  const u32 W = (u32)a.world, L = (u32)a.local, l = (u32)a.lrank, tb = tp_tiles_blk(a), i = item / tb;
+  const MkPeers peers = tp_peers(a);
+  const u64 ncol = (u64)a.g.n, blk_bytes = (u64)a.mb * ncol * 2;
+  const u32 pos = item - i * tb;
+  u32 o = (u32)a.me, jj = 0;  // the block, and (forward) the node that sent it
+  if (forward) {
+    jj = ((u32)a.node + 1 + i) % (u32)a.nodes;
+    o = jj * L + l;
+  } else {
+    for (u32 d = 0, seen = 0; seen <= i; ++d) {  // the i-th block after me whose local index is not l
+      o = ((u32)a.me + 1 + d) % W;
+      if (o % L != l) ++seen;
+    }
+  }
+  const TpTileShape ts(a, pos);
+  if (tid == 0) {
+    const u64 t_wait = trace_start(a.g.sync);
+    if (forward) {  // node jj's reduced tiles are counted by groups of positions
+      const u32* arrived = tp_arrival_flag(a, TP_PF_ARRIVED + (u32)a.nodes * a.xgroups, jj, pos);
+      sh->ok = tp_local_credits(a, E, sh) &&
+               wait_remote_at_least(a.g.sync, a.queue, arrived, tp_arrival_target(a, pos, tp_launch_count(a)), (i32)o,
+                                    0x50000u + pos);
+    } else {
+      const u32* gflag = peer_ptr<u32>(peers, l, a.gflag_off) + o * tb + ts.tl;
+      sh->ok = wait_epoch(a.g.sync, gflag, E, (i32)o, 0x10000u + ts.tl);
+    }
+    trace_span(a.g.sync, MK_ROLE_WAIT, (forward ? TP_TRACE_FORWARD : TP_TRACE_COPY) | item, t_wait);
+    sh->traced = trace_start(a.g.sync);
+    __threadfence();
+  }
+  bar();
+  if (!sh->ok) return false;
+  // Forward: from the compact tile in xgath[jj]; copy: from the block's rows in this rank's gather buffer.
+  const u8* src =
+      forward ? peer_ptr<u8>(peers, l, a.xgath_off) + (u64)jj * tb * TP_TILE_BYTES + ts.packed
+              : peer_ptr<u8>(peers, l, a.gath_off) + o * blk_bytes + ((u64)ts.mt * 128u * ncol + ts.nt * 256u) * 2;
+  const u64 src_ld = forward ? ts.cols : ncol;
+  u8* out = reinterpret_cast<u8*>(a.out);
+  copy_vectors<C>(
+      st, ts.rows * ts.vpr, tid, nthr,
+      [&](u32 v) {
+        const u32 r = v / ts.vpr;
+        return src + ((u64)r * src_ld + (v - r * ts.vpr) * 8u) * 2;
+      },
+      [&](u32 v, uint4 x) {
+        const u32 r = v / ts.vpr;
+        const u64 row = ts.mt * 128u + r, col = ts.nt * 256u + (v - r * ts.vpr) * 8u;
+        st_v4(out + (((u64)o * (u64)a.mb + row) * (u64)a.ldo + col) * 2, x);
+        if (forward)
+          for (u32 p = 0; p < L; ++p)
+            if (p != l) st_v4(peer_ptr<u8>(peers, p, a.gath_off) + o * blk_bytes + (row * ncol + col) * 2, x);
+      });
+  if (forward) {
+    __threadfence_system();
+    bar();
+  }
+  if (tid == 0) {
+    if (forward)
+      for (u32 p = 0; p < L; ++p)
+        if (p != l) set_flag(peer_ptr<u32>(peers, p, a.gflag_off) + o * tb + ts.tl, E);
+    trace_span(a.g.sync, forward ? MK_ROLE_RECV : MK_ROLE_INTRA, (forward ? TP_TRACE_FORWARD : TP_TRACE_COPY) | item,
+               sh->traced);
+  }
+  return true;
+}
+
+// The reduction (and, AR, the forwards and gather copies) by a group of nthr threads (tid in
+// [0, nthr)) that synchronise with bar(): a communication CTA from the start, or a GEMM CTA's
+// consumers after their tiles. Items are claimed in order from the shared counters, so any number
+// of groups cooperate; a failed wait ends the group's work (the error is recorded).
 template <int DT, int OP, u32 U, u32 PB, u32 C, class Bar>
 MK_DEV void tp_reduce_work(const TpArgs& a, u32 E, u32 tid, u32 nthr, Bar bar, TpCommShared* sh, MkStage st) {
-  const u32 W = (u32)a.world, me = (u32)a.me, tb = tp_tiles_blk(a);
-  const u32 L = (u32)a.local, N = (u32)a.nodes, l = (u32)a.lrank, n = (u32)a.node;
-  const MkPeers peers = tp_peers(a);
-  const u64 ncol = (u64)a.g.n;
-  const u64 blk_bytes = (u64)a.mb * ncol * 2;  // one row block of 16-bit elements
-  const u8* xgath = peer_ptr<u8>(peers, l, a.xgath_off);  // AR: [N][tb] compact reduced tiles (N > 1)
-  const u32 gathered = TP_PF_ARRIVED + N * a.xgroups;  // AR: counters of reduced tiles, by node
-  u8* out = reinterpret_cast<u8*>(a.out);
+  const u32 W = (u32)a.world, N = (u32)a.nodes, tb = tp_tiles_blk(a);
   bool ok = true;
-  // Reduce: blocks j * L + l (other nodes' first, own last).
-  while (ok) {
+  while (ok) {  // reductions: blocks j * L + l (other nodes' first, own last)
     const u32 item = tp_claim(&a.counters[TP_CNT_REDUCE], &sh->item, tid, bar);
     if (item >= N * tb) break;
     ok = tp_reduce_item<DT, OP, U, PB>(a, E, item, tid, nthr, bar, sh, st);
     if (tid == 0) tp_ctl_tick<OP>(a);
   }
-  if (OP != TP_OP_AR) {
-    bar();
-    return;
-  }
-  // AR, several nodes: forward the reduced tiles of blocks jj * L + l that arrived from node jj into
-  // `out` and to this node's peers (their gather buffers), so each crosses the network once per node.
-  const u32 launch = tp_launch_count(a);
-  while (ok && N > 1) {
+  while (OP == TP_OP_AR && ok && N > 1) {  // forwards of the other nodes' reduced tiles
     const u32 item = tp_claim(&a.counters[TP_CNT_FORWARD], &sh->item, tid, bar);
     if (item >= (N - 1) * tb) break;
-    const u32 i = item / tb;
-    const u32 jj = (n + 1 + i) % N, o = jj * L + l;
-    const u32 pos = item - i * tb;
-    const TpTileShape ts(a, pos);
-    const u32 tl = ts.tl;
-    if (tid == 0) {
-      const u64 t_wait = trace_start(a.g.sync);
-      sh->ok =
-          tp_local_credits(a, E, sh) && wait_remote_at_least(a.g.sync, a.queue, tp_arrival_flag(a, gathered, jj, pos),
-                                                             tp_arrival_target(a, pos, launch), (i32)o, 0x50000u + pos)
-              ? 1
-              : 0;
-      trace_span(a.g.sync, MK_ROLE_WAIT, TP_TRACE_FORWARD | item, t_wait);
-      sh->traced = trace_start(a.g.sync);
-      __threadfence();
-    }
-    bar();
-    if (!sh->ok) break;
-    const u8* src = xgath + (u64)jj * tb * TP_TILE_BYTES + ts.packed;
-    copy_vectors<C>(
-        st, ts.rows * ts.vpr, tid, nthr,
-        [&](u32 v) {
-          const u32 r = v / ts.vpr;
-          return src + ((u64)r * ts.cols + (v - r * ts.vpr) * 8u) * 2;
-        },
-        [&](u32 v, uint4 x) {
-          const u32 r = v / ts.vpr;
-          const u64 row = ts.mt * 128u + r, col = ts.nt * 256u + (v - r * ts.vpr) * 8u;
-          st_v4(out + (((u64)o * (u64)a.mb + row) * (u64)a.ldo + col) * 2, x);
-          for (u32 p = 0; p < L; ++p)
-            if (p != l) st_v4(peer_ptr<u8>(peers, p, a.gath_off) + o * blk_bytes + (row * ncol + col) * 2, x);
-        });
-    __threadfence_system();
-    bar();
-    if (tid == 0) {
-      for (u32 p = 0; p < L; ++p)
-        if (p != l) set_flag(peer_ptr<u32>(peers, p, a.gflag_off) + o * tb + tl, E);
-      trace_span(a.g.sync, MK_ROLE_RECV, TP_TRACE_FORWARD | item, sh->traced);
-    }
+    ok = tp_move_item<C>(a, E, true, item, tid, nthr, bar, sh, st);
   }
-  // AR: copy the other blocks (owned, or forwarded, by this node's other ranks) from the gather buffer.
-  const u8* gath = peer_ptr<u8>(peers, l, a.gath_off);
-  const u32* gflag = peer_ptr<u32>(peers, l, a.gflag_off);
-  while (ok) {
+  while (OP == TP_OP_AR && ok) {  // gather copies of the blocks this node's other ranks hold
     const u32 item = tp_claim(&a.counters[TP_CNT_COPY], &sh->item, tid, bar);
     if (item >= (W - N) * tb) break;
-    u32 i = item / tb, o = me;
-    for (u32 d = 0, seen = 0; seen <= i; ++d) {  // the i-th block after me whose local index is not l
-      o = (me + 1 + d) % W;
-      if (o % L != l) ++seen;
-    }
-    const TpTileShape ts(a, item - i * tb);
-    const u32 tl = ts.tl;
-    if (tid == 0) {
-      const u64 t_wait = trace_start(a.g.sync);
-      sh->ok = wait_epoch(a.g.sync, gflag + o * tb + tl, E, (i32)o, 0x10000u + tl) ? 1 : 0;
-      trace_span(a.g.sync, MK_ROLE_WAIT, TP_TRACE_COPY | item, t_wait);
-      sh->traced = trace_start(a.g.sync);
-      __threadfence();
-    }
-    bar();
-    if (!sh->ok) break;
-    const auto at = [&](u32 v, u64& row, u64& col) {
-      const u32 r = v / ts.vpr;
-      row = ts.mt * 128u + r;
-      col = ts.nt * 256u + (v - r * ts.vpr) * 8u;
-    };
-    copy_vectors<C>(
-        st, ts.rows * ts.vpr, tid, nthr,
-        [&](u32 v) {
-          u64 row, col;
-          at(v, row, col);
-          return gath + o * blk_bytes + (row * ncol + col) * 2;
-        },
-        [&](u32 v, uint4 x) {
-          u64 row, col;
-          at(v, row, col);
-          st_v4(out + (((u64)o * (u64)a.mb + row) * (u64)a.ldo + col) * 2, x);
-        });
-    if (tid == 0) trace_span(a.g.sync, MK_ROLE_INTRA, TP_TRACE_COPY | item, sh->traced);
+    ok = tp_move_item<C>(a, E, false, item, tid, nthr, bar, sh, st);
   }
   bar();
 }
