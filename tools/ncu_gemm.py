@@ -1,0 +1,58 @@
+#!/usr/bin/env python3
+"""mkernel.gemm and cupy.matmul (cuBLAS) once each per shape inside the profiler's range, for Nsight
+Compute (which flushes caches before each profiled kernel by default). Weights as [N, K] read as
+w.T, as bench/gemm_decode.py. Also prints the rate of a plain read (a max over 1 GiB).
+
+    ncu --clock-control none --profile-from-start off --section SpeedOfLight ... \
+        python3 tools/ncu_gemm.py 1x8192x8192 128x8192x8192
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("shapes", nargs="+", help="MxNxK")
+    opts = ap.parse_args()
+    import cupy
+
+    from mkernel.engines import gemm as mg
+
+    from harness import rand
+
+    words = cupy.ones((1 << 30) // 8, cupy.uint64)
+    words.max()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(10):
+        words.max()
+    stop.record()
+    stop.synchronize()
+    ms = cupy.cuda.get_elapsed_time(start, stop)
+    print(f"read rate {10 * (1 << 30) / (ms * 1e-3) / 1e12:.2f} TB/s (max over 1 GiB)")
+    cases = []
+    for s in opts.shapes:
+        M, N, K = (int(x) for x in s.split("x"))
+        a, w = rand((M, K), 10), rand((N, K), 11)
+        out = cupy.empty((M, N), a.dtype)
+        mg.gemm(a, w.T, out=out)  # compiles, plans, allocates outside the profiled range
+        cupy.matmul(a, w.T, out=out)
+        cases.append((s, a, w, out))
+    cupy.cuda.Device().synchronize()
+    cupy.cuda.profiler.start()
+    for _s, a, w, out in cases:
+        mg.gemm(a, w.T, out=out)
+        cupy.matmul(a, w.T, out=out)
+    cupy.cuda.Device().synchronize()
+    cupy.cuda.profiler.stop()
+    print("profiled:", " ".join(s for s, *_ in cases))
+
+
+if __name__ == "__main__":
+    main()
