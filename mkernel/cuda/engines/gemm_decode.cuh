@@ -1,14 +1,15 @@
 // The decode GEMM: out[m, n] = a[m, k] . b[n, k] for few rows m (tokens, at most 64), bound by
 // reading the weights b once. Swap-AB on mma.sync.m16n8k16: b's rows take the 16-row side, the
-// tokens the 8-column side. Each warp streams 16 rows of b along K (4 lanes read 64 contiguous
-// bytes of a row per 32 elements of K, U such steps a stage); a CTA is 8 warps (128 rows of b:
+// tokens the 8-column side. Each warp streams 16 rows of b along K (U 32-element steps a stage;
+// lane (g, t) of an mma takes rows g, g + 8 and elements 8t..8t+7 of each step); a CTA is 8 warps (128 rows of b:
 // blockIdx.y) over one K range (blockIdx.z of `splits`) and MT tokens (group blockIdx.x: tokens
 // x * MT ...), the groups innermost so that those reading the same rows of b run side by side and
 // the second read hits L2.
 //
 // Loads: a ring of STAGES stages in shared memory filled by cp.async, STAGES - 1 ahead of the
-// mmas, so the loads in flight never drain between steps. A lane's b bytes land in its own slots
-// (it reads back only what it loaded); the tokens' slice of a is staged once per CTA.
+// mmas, so the loads in flight never drain between steps. b's loads run along rows (64 x U
+// contiguous bytes of a row per load), each vector stored where its mma lane reads it; a's slice
+// is staged once per CTA.
 //
 // K order inside a 32-element step: lane t's 16 bytes (elements 8t..8t+7) feed the k-slots
 // {2t, 2t+1, 2t+8, 2t+9} of two mmas (elements 8t..8t+3, then 8t+4..8t+7). The same bijection
@@ -122,25 +123,29 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
   const i64 r0 = (i64)blockIdx.y * MK_DECODE_ROWS + warp * 16 + g, r1 = r0 + 8;  // rows of b
   const i64 K = args.k, k_begin = (i64)blockIdx.z * args.k_split, tok0 = (i64)blockIdx.x * MT;
   const i64 k_end = k_begin + args.k_split < K ? k_begin + args.k_split : K;
-  const bool b0ok = r0 < args.n, b1ok = r1 < args.n;
-  const u8* b0p = reinterpret_cast<const u8*>(args.b) + (b0ok ? r0 : 0) * args.ldb * 2;
-  const u8* b1p = reinterpret_cast<const u8*>(args.b) + (b1ok ? r1 : 0) * args.ldb * 2;
   float acc[Cfg::BLOCKS][4];
 #pragma unroll
   for (int j = 0; j < Cfg::BLOCKS; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
   extern __shared__ __align__(128) u8 mk_decode_smem[];
   const u32 ring = (u32)__cvta_generic_to_shared(mk_decode_smem);
-  const u32 b_slot = Cfg::A_BYTES + warp * Cfg::WARP_B_BYTES + lane * 16;  // + (u * 2 + r) * 512
-  // Stage `slot` <- a's and this lane's b's vectors of [k0, k0 + STEP) (past k_end: zeros).
+  const u32 b_warp = Cfg::A_BYTES + warp * Cfg::WARP_B_BYTES;
+  // b's vectors: a load instruction covers LPR lanes x 16 B contiguous of each of RPI rows; each
+  // lands in the slot of the mma lane that uses it (rows g ^ u: 4 wavefronts both ways).
+  constexpr int LPR = 4 * Cfg::U, RPI = 32 / LPR;
+  const u32 pu = (lane % LPR) / 4, pt = lane % 4;
+  const i64 prow = (i64)blockIdx.y * MK_DECODE_ROWS + warp * 16 + lane / LPR;
+  const u8* bp = reinterpret_cast<const u8*>(args.b) + (prow < args.n ? prow : 0) * args.ldb * 2;
+  // Stage `slot` <- a's and the warp's b's vectors of [k0, k0 + STEP) (past k_end or n: zeros).
   auto load = [&](u32 slot, i64 k0) {
     const u32 st = ring + slot * Cfg::STAGE_BYTES;
     stage_a<MT, U>(args, st, tok0, k0, k_end);
+    const i64 k = k0 + 32 * pu + 8 * pt;
 #pragma unroll
-    for (int u = 0; u < Cfg::U; ++u) {
-      const i64 k = k0 + 32 * u + 8 * t;
-      const bool in = k < k_end;  // K, k_begin, k_end are multiples of 8: a vector is all in or all out
-      cp_async_16(st + b_slot + (u * 2) * 512, b0p + (in && b0ok ? k * 2 : 0), in && b0ok);
-      cp_async_16(st + b_slot + (u * 2 + 1) * 512, b1p + (in && b1ok ? k * 2 : 0), in && b1ok);
+    for (int q = 0; q < 16 / RPI; ++q) {
+      const u32 i = q * RPI + lane / LPR;  // row warp * 16 + i: mma row g = i % 8 of half r = i / 8
+      const bool in = k < k_end && prow + q * RPI < args.n;  // K, k_begin, k_end: multiples of 8
+      const u32 dst = st + b_warp + (((pu * 2 + i / 8) * 32 + ((i % 8) ^ pu) * 4 + pt) * 16);
+      cp_async_16(dst, bp + (in ? ((i64)q * RPI * args.ldb + k) * 2 : 0), in);
     }
   };
 #pragma unroll
@@ -159,7 +164,8 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
     const u32 base = st + g * Cfg::ROW_BYTES + t * 16;
 #pragma unroll
     for (int u = 0; u < Cfg::U; ++u) {
-      const uint4 b0 = lds_v4(st + b_slot + (u * 2) * 512), b1 = lds_v4(st + b_slot + (u * 2 + 1) * 512);
+      const u32 bs = st + b_warp + ((g ^ u) * 4 + t) * 16;
+      const uint4 b0 = lds_v4(bs + (u * 2) * 512), b1 = lds_v4(bs + (u * 2 + 1) * 512);
 #pragma unroll
       for (int j = 0; j < Cfg::BLOCKS; ++j) {
         const uint4 av = lds_v4(base + j * 8 * Cfg::ROW_BYTES + u * 64);
