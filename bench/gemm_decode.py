@@ -121,7 +121,7 @@ def main():
 
         settings = {}
         if kind == "decode":  # the decode path's knobs (taking up to 256 rows)
-            settings = {"deep": {"gemm_decode_unroll": 4},
+            settings = {"deep": {"gemm_decode_unroll": 8 if M <= 32 else 4},
                         "waves2": {"gemm_decode_waves": 2}, "waves4": {"gemm_decode_waves": 4}}
             if M > 32:
                 settings.update(group32={"gemm_decode_group": 32}, group64={"gemm_decode_group": 64})

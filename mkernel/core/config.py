@@ -64,8 +64,8 @@ class Config:
     # The decode path's tokens per CTA above 32 tokens: 32 (CTAs of 32 tokens side by side, B read
     # again from L2) or 64 (one CTA, half the loads in flight).
     gemm_decode_group: int = 32
-    # The decode path's 32-element steps of K a stage of its shared-memory ring (0: 2, the most
-    # stages; or 4) and the CTA waves its split of K aims for (1, 2, 4).
+    # The decode path's 32-element steps of K in flight per lane (0: 4, or 2 at 64 tokens; 4 or 8,
+    # 2 or 4 at 64 tokens) and the CTA waves its split of K aims for (1, 2, 4).
     gemm_decode_unroll: int = 0
     gemm_decode_waves: int = 1
     # mkernel.gemm splits K when the output has too few 128 x 256 tiles to fill the SMs and K is
@@ -82,8 +82,8 @@ class Config:
                                                              "tp_latency_ll_max_rows")
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if zero_ok else 1):
                 raise ArgumentError(f"{name} must be a {'non-negative' if zero_ok else 'positive'} integer; got {v!r}")
-        if self.gemm_decode_unroll not in (0, 2, 4) or self.gemm_decode_waves not in (1, 2, 4):
-            raise ArgumentError(f"gemm_decode_unroll must be 0, 2 or 4 and gemm_decode_waves 1, 2 or 4; got "
+        if self.gemm_decode_unroll not in (0, 2, 4, 8) or self.gemm_decode_waves not in (1, 2, 4):
+            raise ArgumentError(f"gemm_decode_unroll must be 0, 2, 4 or 8 and gemm_decode_waves 1, 2 or 4; got "
                                 f"{self.gemm_decode_unroll!r}, {self.gemm_decode_waves!r}")
         if self.gemm_decode_group not in (32, 64):
             raise ArgumentError(f"gemm_decode_group must be 32 or 64; got {self.gemm_decode_group!r}")

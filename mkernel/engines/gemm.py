@@ -331,8 +331,8 @@ def _launch_decode(a, b_arr, out, out_code, *, M, N, K, accumulate, stream):
     """The decode path's launch; returns its plan (the buffer it uses rides along, kept alive)."""
     fn, grid, args, buffer = _decode.build(a, b_arr, out, out_code, M=M, N=N, K=K, accumulate=accumulate,
                                            partial=workspace(stream).decode_partials)
-    launch(fn, grid, (_decode.THREADS,), args, smem=_decode.SMEM, stream=stream)
-    return (fn, grid, (_decode.THREADS,), args, _decode.SMEM, buffer)
+    launch(fn, grid, (_decode.THREADS,), args, stream=stream)
+    return (fn, grid, (_decode.THREADS,), args, 0, buffer)
 
 
 # Launch plans of gemm() calls that passed `out` (launch.PlanCache).

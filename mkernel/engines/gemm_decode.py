@@ -16,7 +16,6 @@ from mkernel.runtime.arrays import DT
 
 ROWS = 128  # MK_DECODE_ROWS: rows of B per CTA
 THREADS = 256  # MK_DECODE_THREADS
-SMEM = 104 * 1024  # MK_DECODE_SMEM: dynamic shared memory of a CTA (its ring of stages)
 RESIDENT = 2  # CTAs per SM (launch bounds)
 M_TILES = (8, 16, 32, 64)  # token columns of the instantiations
 MAX_M = 256  # tokens the path takes at most (config.gemm_decode_max_m picks up to this)
@@ -28,12 +27,12 @@ SPLIT_SMS = 132
 OUT_F32 = 2
 
 
-UNROLLS = {mt: (4, 2) for mt in M_TILES}  # instantiated U per MT; the last the default
+UNROLLS = {8: (8, 4), 16: (8, 4), 32: (8, 4), 64: (4, 2)}  # instantiated U per MT; the last the default
 
 
 def unroll(mt: int) -> int:
-    """U: 32-element steps of K a stage of the kernel's ring (config.gemm_decode_unroll where
-    instantiated for mt, else the shallower of the two, which fits more stages: bench/NOTES.md)."""
+    """U: 32-element steps of K in flight per lane (config.gemm_decode_unroll where instantiated
+    for mt, else the shallower of the two, measured the faster: bench/NOTES.md)."""
     u = config.get().gemm_decode_unroll
     return u if u in UNROLLS[mt] else UNROLLS[mt][-1]
 
@@ -91,9 +90,8 @@ def split_k(N: int, K: int, mt: int, groups: int = 1) -> tuple:
 
 
 def build(a, b_arr, out, out_code, *, M, N, K, accumulate, partial):
-    """(function, grid, args, buffer) of one launch (SMEM bytes of dynamic shared memory).
-    ``partial(nbytes, blocks)`` returns the stream's (partials, counts) buffer of at least that size
-    (only called for splits > 1)."""
+    """(function, grid, args, buffer) of one launch. ``partial(nbytes, blocks)`` returns the
+    stream's (partials, counts) buffer of at least that size (only called for splits > 1)."""
     mt, groups = m_tile(M)
     splits, k_split = split_k(N, K, mt, groups)
     blocks = -(-N // ROWS)

@@ -24,7 +24,7 @@ from mkernel.runtime.sync import MkSync
 
 OP = "gemm_allreduce"
 PUSH, REDUCE = "mk_gemm_allreduce_ll_push", "mk_allreduce_ll_reduce"
-M_TILES = (8, 16)  # the decode instantiations it pushes from (config.tp_latency_ll_max_rows: 16)
+M_TILES = (8, 16)  # the decode instantiations it pushes from (32 tokens: its U = 8 variant spills)
 EXPRESSIONS = tuple(f"{PUSH}<{dt},{mt},{u}>" for dt in (0, 1) for mt in M_TILES for u in _decode.UNROLLS[mt]) + \
     tuple(f"{REDUCE}<{dt}>" for dt in (0, 1))
 SPEC = _compile.register("gemm_allreduce_ll", "gemm_allreduce_ll.cu", EXPRESSIONS, hot=True)
@@ -72,7 +72,7 @@ def run(comm, c, stream):
                             pairs=pairs, world=W, me=comm.local_rank)
     blocks = max(1, min(-(-c.N * pairs // REDUCE_THREADS), launch.sm_count()))
     launches = ((module.function(f"{PUSH}<{tp.DT[dt.name]},{mt},{_decode.unroll(mt)}>"), grid, (_decode.THREADS,),
-                 push, _decode.SMEM),
+                 push, 0),
                 (module.function(f"{REDUCE}<{tp.DT[dt.name]}>"), (blocks,), (REDUCE_THREADS,), red, 0,
                  config.get().tp_latency_ll_overlap))
     launch_all(launches, stream)

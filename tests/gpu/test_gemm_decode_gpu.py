@@ -117,7 +117,7 @@ def test_token_groups_exact_and_the_same_bits_as_one_group(M, N, K, group, decod
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("knobs", [{"gemm_decode_unroll": 2}, {"gemm_decode_unroll": 4},
+@pytest.mark.parametrize("knobs", [{"gemm_decode_unroll": 8}, {"gemm_decode_unroll": 4},
                                    {"gemm_decode_waves": 2}, {"gemm_decode_waves": 4}])
 @pytest.mark.parametrize("M,N,K", [(1, 4096, 8192), (24, 1032, 4104), (64, 520, 2056)])
 def test_unroll_and_waves_variants_exact(M, N, K, knobs, decode_calls):

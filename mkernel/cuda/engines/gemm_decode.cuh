@@ -1,15 +1,11 @@
 // The decode GEMM: out[m, n] = a[m, k] . b[n, k] for few rows m (tokens, at most 64), bound by
 // reading the weights b once. Swap-AB on mma.sync.m16n8k16: b's rows take the 16-row side, the
-// tokens the 8-column side. Each warp streams 16 rows of b along K (U 32-element steps a stage;
-// lane (g, t) of an mma takes rows g, g + 8 and elements 8t..8t+7 of each step); a CTA is 8 warps (128 rows of b:
-// blockIdx.y) over one K range (blockIdx.z of `splits`) and MT tokens (group blockIdx.x: tokens
-// x * MT ...), the groups innermost so that those reading the same rows of b run side by side and
-// the second read hits L2.
-//
-// Loads: a ring of STAGES stages in shared memory filled by cp.async, STAGES - 1 ahead of the
-// mmas, so the loads in flight never drain between steps. b's loads run along rows (64 x U
-// contiguous bytes of a row per load), each vector stored where its mma lane reads it; a's slice
-// is staged once per CTA.
+// tokens the 8-column side. Each warp streams 16 rows of b along K with 16-byte loads (4 lanes
+// read 64 contiguous bytes of a row per 32 elements of K, U such steps in flight); a CTA is 8
+// warps (128 rows of b: blockIdx.y) over one K range (blockIdx.z of `splits`) and MT tokens (group
+// blockIdx.x: tokens x * MT ...), the groups innermost so that those reading the same rows of b run
+// side by side and the second read hits L2. The tokens' slice of a for a step is staged once per
+// CTA in shared memory (cp.async, two stages), not once per warp.
 //
 // K order inside a 32-element step: lane t's 16 bytes (elements 8t..8t+7) feed the k-slots
 // {2t, 2t+1, 2t+8, 2t+9} of two mmas (elements 8t..8t+3, then 8t+4..8t+7). The same bijection
@@ -19,30 +15,25 @@
 // last to arrive adds the splits' partials in split order (not arrival order) and stores out.
 //
 // Template parameters: DT (MK_DT_BF16 / MK_DT_F16), MT (token columns: 8, 16, 32 or 64), U
-// (32-element steps of K a stage), Epi (what becomes of the finished values: the engine's store,
-// gemm_decode.cu; gemm_allreduce's push to every rank, ops/gemm_allreduce_ll.cu). The kernel is
-// launched with MK_DECODE_SMEM bytes of dynamic shared memory.
+// (32-element steps of K in flight), Epi (what becomes of the finished values: the engine's store,
+// gemm_decode.cu; gemm_allreduce's push to every rank, ops/allreduce.cu).
 #pragma once
 #include "common.cuh"
 #include "copy.cuh"
 #include "gemm_args.cuh"
 #include "gemm_decode_args.cuh"
 
-// U: 32-element steps of K a stage (the host picks it, gemm_decode.unroll). A stage: a's slice, MT
-// rows of STEP elements, each row padded by 64 B so that the two rows of one 8-lane phase of a
-// 16-byte shared load fall in different banks; then b's, per warp U x 2 rows x 32 lanes x 16 B.
+// U: 32-element steps of K in flight per lane (b: 2 x U 16-byte registers; the host picks it,
+// gemm_decode.unroll). A's stage: MT rows of STEP elements, each row padded by 64 B so that the two
+// rows of one 8-lane phase of a 16-byte shared load fall in different banks.
 template <int MT, int U_>
 struct DecodeCfg {
   static constexpr int BLOCKS = MT / 8;  // n8 column blocks of tokens
   static constexpr int U = U_;
-  static constexpr int STEP = 32 * U;  // K elements a stage
+  static constexpr int STEP = 32 * U;  // K elements per iteration
   static constexpr int ROW_BYTES = STEP * 2 + 64;
-  static constexpr int A_BYTES = MT * ROW_BYTES;
-  static constexpr int WARP_B_BYTES = U * 2 * 32 * 16;
-  static constexpr int STAGE_BYTES = A_BYTES + (MK_DECODE_THREADS / 32) * WARP_B_BYTES;
-  static constexpr int STAGES = MK_DECODE_SMEM / STAGE_BYTES < 8 ? MK_DECODE_SMEM / STAGE_BYTES : 8;
-  static constexpr int VECS = MT * STEP / 8;  // 16-byte vectors of a's slice
-  static_assert(STAGES >= 2, "a decode stage must fit twice in MK_DECODE_SMEM");
+  static constexpr int STAGE_BYTES = MT * ROW_BYTES;
+  static constexpr int VECS = MT * STEP / 8;  // 16-byte vectors of one stage
 };
 
 template <int DT>
@@ -59,6 +50,15 @@ MK_DEV void mma_16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32
         "{%0,%1,%2,%3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Streamed once: do not keep b in L1.
+MK_DEV uint4 ld_stream_v4(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
 }
 
 // A's slice [tok0, tok0 + MT) x [k0, k0 + STEP) into a stage, every thread of the CTA (tokens past
@@ -123,60 +123,42 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
   const i64 r0 = (i64)blockIdx.y * MK_DECODE_ROWS + warp * 16 + g, r1 = r0 + 8;  // rows of b
   const i64 K = args.k, k_begin = (i64)blockIdx.z * args.k_split, tok0 = (i64)blockIdx.x * MT;
   const i64 k_end = k_begin + args.k_split < K ? k_begin + args.k_split : K;
+  const u8* b0p = reinterpret_cast<const u8*>(args.b) + (r0 < args.n ? r0 : 0) * args.ldb * 2;
+  const u8* b1p = reinterpret_cast<const u8*>(args.b) + (r1 < args.n ? r1 : 0) * args.ldb * 2;
+  const bool b0ok = r0 < args.n, b1ok = r1 < args.n;
   float acc[Cfg::BLOCKS][4];
 #pragma unroll
   for (int j = 0; j < Cfg::BLOCKS; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-  extern __shared__ __align__(128) u8 mk_decode_smem[];
-  const u32 ring = (u32)__cvta_generic_to_shared(mk_decode_smem);
-  const u32 b_warp = Cfg::A_BYTES + warp * Cfg::WARP_B_BYTES;
-  // b's vectors: a load instruction covers LPR lanes x 16 B contiguous of each of RPI rows; each
-  // lands in the slot of the mma lane that uses it (rows g ^ u: 4 wavefronts both ways).
-  constexpr int LPR = 4 * Cfg::U, RPI = 32 / LPR;
-  const u32 pu = (lane % LPR) / 4, pt = lane % 4;
-  const i64 prow = (i64)blockIdx.y * MK_DECODE_ROWS + warp * 16 + lane / LPR;
-  const u8* bp = reinterpret_cast<const u8*>(args.b) + (prow < args.n ? prow : 0) * args.ldb * 2;
-  // Stage `slot` <- a's and the warp's b's vectors of [k0, k0 + STEP) (past k_end or n: zeros).
-  auto load = [&](u32 slot, i64 k0) {
-    const u32 st = ring + slot * Cfg::STAGE_BYTES;
-    stage_a<MT, U>(args, st, tok0, k0, k_end);
-    const i64 k = k0 + 32 * pu + 8 * pt;
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  __shared__ __align__(16) u8 sa[2][Cfg::STAGE_BYTES];
+  const u32 sa0 = (u32)__cvta_generic_to_shared(&sa[0][0]);
+
+  stage_a<MT, U>(args, sa0, tok0, k_begin, k_end);
+  cp_async_commit();
+  u32 s = 0;
+  for (i64 k0 = k_begin; k0 < k_end; k0 += Cfg::STEP, s ^= 1) {
+    cp_async_wait<0>();
+    __syncthreads();  // stage s is every thread's; the other stage's readers are done
+    uint4 bv[Cfg::U][2];
 #pragma unroll
-    for (int q = 0; q < 16 / RPI; ++q) {
-      const u32 i = q * RPI + lane / LPR;  // row warp * 16 + i: mma row g = i % 8 of half r = i / 8
-      const bool in = k < k_end && prow + q * RPI < args.n;  // K, k_begin, k_end: multiples of 8
-      const u32 dst = st + b_warp + (((pu * 2 + i / 8) * 32 + ((i % 8) ^ pu) * 4 + pt) * 16);
-      cp_async_16(dst, bp + (in ? ((i64)q * RPI * args.ldb + k) * 2 : 0), in);
+    for (int u = 0; u < Cfg::U; ++u) {  // every b load of the step first: U x 64 B per row in flight
+      const i64 k = k0 + 32 * u + 8 * t;
+      const bool in = k < k_end;  // K, k_begin, k_end are multiples of 8: a vector is all in or all out
+      bv[u][0] = in && b0ok ? ld_stream_v4(b0p + k * 2) : zero;
+      bv[u][1] = in && b1ok ? ld_stream_v4(b1p + k * 2) : zero;
     }
-  };
-#pragma unroll
-  for (int p = 0; p < Cfg::STAGES - 1; ++p) {  // one group per stage, empty past k_end: the count stays fixed
-    if (k_begin + p * Cfg::STEP < k_end) load(p, k_begin + p * Cfg::STEP);
+    if (k0 + Cfg::STEP < k_end) stage_a<MT, U>(args, sa0 + (s ^ 1) * Cfg::STAGE_BYTES, tok0, k0 + Cfg::STEP, k_end);
     cp_async_commit();
-  }
-  u32 slot = 0, fill = Cfg::STAGES - 1;
-  for (i64 k0 = k_begin; k0 < k_end; k0 += Cfg::STEP) {
-    cp_async_wait<Cfg::STAGES - 2>();  // this thread's vectors of stage `slot` have landed
-    __syncthreads();  // every thread's a of `slot` too; every thread is done reading stage `fill`
-    const i64 kn = k0 + (Cfg::STAGES - 1) * Cfg::STEP;
-    if (kn < k_end) load(fill, kn);
-    cp_async_commit();
-    const u32 st = ring + slot * Cfg::STAGE_BYTES;
-    const u32 base = st + g * Cfg::ROW_BYTES + t * 16;
+    const u32 base = sa0 + s * Cfg::STAGE_BYTES + g * Cfg::ROW_BYTES + t * 16;
 #pragma unroll
-    for (int u = 0; u < Cfg::U; ++u) {
-      const u32 bs = st + b_warp + ((g ^ u) * 4 + t) * 16;
-      const uint4 b0 = lds_v4(bs + (u * 2) * 512), b1 = lds_v4(bs + (u * 2 + 1) * 512);
+    for (int u = 0; u < Cfg::U; ++u)
 #pragma unroll
       for (int j = 0; j < Cfg::BLOCKS; ++j) {
         const uint4 av = lds_v4(base + j * 8 * Cfg::ROW_BYTES + u * 64);
-        mma_16816<DT>(acc[j], b0.x, b1.x, b0.y, b1.y, av.x, av.y);
-        mma_16816<DT>(acc[j], b0.z, b1.z, b0.w, b1.w, av.z, av.w);
+        mma_16816<DT>(acc[j], bv[u][0].x, bv[u][1].x, bv[u][0].y, bv[u][1].y, av.x, av.y);
+        mma_16816<DT>(acc[j], bv[u][0].z, bv[u][1].z, bv[u][0].w, bv[u][1].w, av.z, av.w);
       }
-    }
-    slot = slot + 1 == Cfg::STAGES ? 0 : slot + 1;
-    fill = fill + 1 == Cfg::STAGES ? 0 : fill + 1;
   }
-  cp_async_wait<0>();  // no copy into the ring outlives the loop (the empty groups included)
 
   // acc[j]: {row r0: tokens 8j + 2t, 8j + 2t + 1; row r1: the same tokens}
   const u64 N = (u64)args.n, M = (u64)args.m;

@@ -6,8 +6,6 @@
 // Rows of B (output columns) one CTA covers: 8 warps of 16.
 #define MK_DECODE_ROWS 128
 #define MK_DECODE_THREADS 256
-// Dynamic shared memory of a decode CTA (its ring of stages): two CTAs fit in an SM's 228 KiB.
-#define MK_DECODE_SMEM (104 * 1024)
 
 struct MkDecodeArgs {
   const void* a;  // [m, k] rows contiguous, row stride lda elements (the tokens)
