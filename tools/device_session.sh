@@ -133,7 +133,7 @@ for s in $steps; do
       BENCH_COMMIT=${BRANCH_COMMIT:-${BENCH_COMMIT:-}} PYTHONPATH=\$PWD $MPI2 -x BENCH_COMMIT python3 bench/tp.py --nodes 2 --out $BRANCH_OUT" ;;
     tptrace) step tptrace 120 $MPI2 python3 tools/tp_trace.py --out "$LOGS/trace" ${TRACE_ARGS:-} ;;  # one traced TP call per SM
     tptrace4) step tptrace4 120 $MPI4 python3 tools/tp_trace.py --out "$LOGS/trace4" ${TRACE_ARGS:-} ;;  # at 2 x 2 ranks
-    controller) step controller 500 $MPI2 python3 bench/controller.py ;;
+    controller) step controller 500 $MPI2 python3 bench/controller.py ${CONTROLLER_ARGS:-} ;;  # e.g. --op allgather_gemm
     controller1) step controller1 500 python3 bench/controller.py ;;
     controllernodes) step controllernodes 500 $MPI2 python3 bench/controller.py --nodes 2 ;;
     *) summary+=("unknown step $s") ;;
