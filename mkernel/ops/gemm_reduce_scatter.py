@@ -205,7 +205,7 @@ def _launch(op, spec, kernel, allreduce, comm, planned, c, stream):
     tiles_blk = args.tiles_mb * args.tiles_n
     comm_items = (W + nodes - 1 if allreduce else nodes) * tiles_blk
     n, token = tp.resolve_comm_sms(op, comm, c.comm_sms, c.path, M=c.M, N=c.N, K=c.K, esize=esize,
-                                   comm_items=comm_items)
+                                   comm_items=comm_items, join=c.join)
     gemm_ctas, comm_ctas = tp.grid_split(op, n, W * tiles_blk, comm_items, launch.sm_count())
     tp.set_split(args, plan, gemm_ctas, tp.controller_mode(op, c.comm_sms, c.path), comm)
     with autosplit.timed(token, stream):

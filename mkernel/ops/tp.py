@@ -362,14 +362,15 @@ def check_comm_sms(op, comm_sms):
     return comm_sms
 
 
-def resolve_comm_sms(op, comm, comm_sms, chosen, *, M, N, K, esize, comm_items):
+def resolve_comm_sms(op, comm, comm_sms, chosen, *, M, N, K, esize, comm_items, join=False):
     """(comm CTAs of this launch, the token for ``autosplit.timed``): an integer as given; "auto"
     asks the key's split search on the fused path (the unfused baseline runs the default)."""
     if comm_sms != "auto":
         return comm_sms, None
     if chosen != "fused":
         return config.get().tp_comm_sms[op], None
-    return autosplit.choose(comm, op, M=M, N=N, K=K, esize=esize, comm_items=comm_items, sms=_launch.sm_count())
+    return autosplit.choose(comm, op, M=M, N=N, K=K, esize=esize, comm_items=comm_items, sms=_launch.sm_count(),
+                            join=join)
 
 
 def controller_mode(op, comm_sms, chosen):

@@ -97,7 +97,7 @@ def _rs_call(comm, fake_launch, **kw):
 
 def test_auto_converges_to_the_best_split_and_then_samples(fake_launch, auto):
     comm = _comm()
-    counts = [_rs_call(comm, fake_launch, path="fused") for _ in range(12)]
+    counts = [_rs_call(comm, fake_launch, path="fused", join=False) for _ in range(12)]
     key = next(iter(comm.plans.state['autosplit.keys'].values())).key
     search = autosplit.memory(comm).search(key)
     assert search.converged, (counts, search.phase)
@@ -111,11 +111,26 @@ def test_auto_converges_to_the_best_split_and_then_samples(fake_launch, auto):
     assert [n for n, _ in auto["observed"]] == counts[:len(auto["observed"])]
     # holding: only every HOLD_SAMPLE-th call is timed, and it runs the held count
     timers = auto["timers"]
-    held = [_rs_call(comm, fake_launch, path="fused") for _ in range(2 * autosplit.HOLD_SAMPLE)]
+    held = [_rs_call(comm, fake_launch, path="fused", join=False) for _ in range(2 * autosplit.HOLD_SAMPLE)]
     assert set(held) == {search.best}
     assert auto["timers"] - timers == 2
     # one agreement per key, on the shapes and the path; each rank's count is its own
     assert len(set(comm.agreements)) == 1 and "auto" not in next(iter(comm.agreements))
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_a_joined_call_in_a_node_starts_its_search_at_one_comm_cta(fake_launch, auto, nodes):
+    """Joined GEMM CTAs do the reduction's bulk (in a node every AR row's best static split was 1,
+    bench/NOTES.md session 26): the search starts at 1 there, at the model's prior between nodes,
+    and still finds a curve's optimum far from its start."""
+    comm = _Comm(2, 1, nodes)
+    comm.mpi = _NoCollective()
+    counts = [_rs_call(comm, fake_launch, path="fused", join=True) for _ in range(16)]
+    prior = autosplit.prior_for("gemm_reduce_scatter", 8192, 4096, 1024, 2, 2, nodes, autosplit._link_gbps(comm),
+                                132, 64)
+    assert counts[0] == (1 if nodes == 1 else prior)
+    search = autosplit.memory(comm).search(next(iter(comm.plans.state['autosplit.keys'].values())).key)
+    assert search.converged and _curve(search.best) <= 1.03 * min(_curve(n) for n in range(1, 65)), counts
 
 
 def test_auto_never_waits_for_a_call_to_end(fake_launch, auto):
