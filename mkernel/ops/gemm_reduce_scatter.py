@@ -207,6 +207,7 @@ def _launch(op, spec, kernel, allreduce, comm, planned, c, stream):
     n, token = tp.resolve_comm_sms(op, comm, c.comm_sms, c.path, M=c.M, N=c.N, K=c.K, esize=esize,
                                    comm_items=comm_items, join=c.join)
     gemm_ctas, comm_ctas = tp.grid_split(op, n, W * tiles_blk, comm_items, launch.sm_count())
-    tp.set_split(args, plan, gemm_ctas, tp.controller_mode(op, c.comm_sms, c.path), comm)
+    mode = tp.controller_mode(op, c.comm_sms, c.path, joined_in_node=c.join and nodes == 1)
+    tp.set_split(args, plan, gemm_ctas, mode, comm)
     with autosplit.timed(token, stream):
         tp.launch_fused(comm, op, spec, kernel, args, c.a.dtype, c.layout, gemm_ctas + comm_ctas, stream)

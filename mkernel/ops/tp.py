@@ -373,15 +373,18 @@ def resolve_comm_sms(op, comm, comm_sms, chosen, *, M, N, K, esize, comm_items, 
                             join=join)
 
 
-def controller_mode(op, comm_sms, chosen):
+def controller_mode(op, comm_sms, chosen, *, joined_in_node=False):
     """TP_CTL_* of a launch: the controller adapts the calls whose comm_sms is "auto"
-    (config.tp_controller)."""
+    (config.tp_controller), except those whose GEMM CTAs join the reduction inside one node: the
+    joined CTAs already take its items, and lending on top measured 10-20% slower (bench/NOTES.md)."""
     setting = config.get().tp_controller
     if chosen != "fused" or setting == "off":
         return CTL_OFF
     if setting == "pattern":
         return CTL_PATTERN
-    return CTL_ADAPT if comm_sms == "auto" or setting == "always" else CTL_OFF
+    if setting == "always":
+        return CTL_ADAPT
+    return CTL_ADAPT if comm_sms == "auto" and not joined_in_node else CTL_OFF
 
 
 def set_split(args, plan, gemm_ctas, mode, comm):

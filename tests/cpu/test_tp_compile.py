@@ -40,6 +40,8 @@ def test_controller_state_layout_matches_host_compiler(tmp_path):
 def test_controller_mode_follows_comm_sms_and_the_setting(setting, comm_sms, path, mode):
     with config.override(tp_controller=setting):
         assert tp.controller_mode("gemm_reduce_scatter", comm_sms, path) == mode
+        joined = tp.controller_mode("gemm_reduce_scatter", comm_sms, path, joined_in_node=True)
+        assert joined == (tp.CTL_OFF if setting == "auto" else mode)  # joined CTAs: no lending on top
     with pytest.raises(ArgumentError, match="tp_controller"):
         with config.override(tp_controller="sometimes"):
             pass
@@ -53,10 +55,11 @@ def test_auto_split_launches_with_the_adaptive_controller(fake_launch, monkeypat
     M, K, N = 400, 136, 264
     for fn in (rs.gemm_reduce_scatter, ar.gemm_allreduce):
         out = _Arr((M, N) if fn is ar.gemm_allreduce else (M // 2, N), "float16", 0x300000)
-        fn(_Arr((M, K), "float16", 0x100000), _Arr((K, N), "float16", 0x200000), comm=comm, out=out, path="fused",
-           comm_sms="auto")
-        args = fake_launch["launch"]["args"]
-        assert args.ctl_mode == tp.CTL_ADAPT and 0 < fake_launch["launch"]["grid"] - args.gemm_ctas <= 6
+        for join, mode in ((False, tp.CTL_ADAPT), (True, tp.CTL_OFF)):  # in a node, joined CTAs: no lending
+            fn(_Arr((M, K), "float16", 0x100000), _Arr((K, N), "float16", 0x200000), comm=comm, out=out,
+               path="fused", comm_sms="auto", join=join)
+            args = fake_launch["launch"]["args"]
+            assert args.ctl_mode == mode and 0 < fake_launch["launch"]["grid"] - args.gemm_ctas <= 6
     out = _Arr((M, N), "float16", 0x300000)
     ag.allgather_gemm(_Arr((M // 2, K), "float16", 0x100000), _Arr((K, N), "float16", 0x200000), comm=comm, out=out,
                       path="fused", comm_sms="auto")
@@ -196,8 +199,9 @@ def test_reduce_scatter_and_allreduce_launch_arguments(fake_launch, world, rank)
             assert args.dst[o].v[0] == comm.heap.peer_base[o] + args.recv_off + rank * mb * N * 2
         assert args.out == out.data.ptr and args.ldo == N and args.g.a.v[0] == a.data.ptr
         assert comm.agreements and comm.agreements[-1][-1] == "fused"
-        # the default "auto" adapts inside the call; an integer split is static
-        assert args.ctl == plan["ctl"].data.ptr and args.ctl_mode == tp.CTL_ADAPT
+        # the default "auto" adapts inside the call unless its GEMM CTAs join (in a node by
+        # default, where they take the reduction's items themselves); an integer split is static
+        assert args.ctl == plan["ctl"].data.ptr and args.ctl_mode == (tp.CTL_OFF if args.join else tp.CTL_ADAPT)
         assert args.ctl_lend_max == args.gemm_ctas // config.get().tp_lend_share
         fn(a, b, comm=comm, out=out, path="fused", comm_sms=3)
         assert fake_launch["launch"]["args"].ctl_mode == tp.CTL_OFF and fake_launch["launch"]["grid"] == tiles + 3
