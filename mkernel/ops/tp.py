@@ -362,15 +362,16 @@ def check_comm_sms(op, comm_sms):
     return comm_sms
 
 
-def resolve_comm_sms(op, comm, comm_sms, chosen, *, M, N, K, esize, comm_items, join=False):
+def resolve_comm_sms(op, comm, comm_sms, chosen, *, M, N, K, esize, comm_items, joined_in_node=False):
     """(comm CTAs of this launch, the token for ``autosplit.timed``): an integer as given; "auto"
-    asks the key's split search on the fused path (the unfused baseline runs the default)."""
+    asks the key's split search on the fused path (the unfused baseline runs the default).
+    ``joined_in_node``: the GEMM CTAs join the reduction and the world is one node."""
     if comm_sms != "auto":
         return comm_sms, None
     if chosen != "fused":
         return config.get().tp_comm_sms[op], None
     return autosplit.choose(comm, op, M=M, N=N, K=K, esize=esize, comm_items=comm_items, sms=_launch.sm_count(),
-                            join=join)
+                            joined_in_node=joined_in_node)
 
 
 def controller_mode(op, comm_sms, chosen, *, joined_in_node=False):

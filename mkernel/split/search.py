@@ -179,7 +179,8 @@ def preload():
         log.info("the split policy's host library is not available yet: %s", e)
 
 
-def choose(comm, op: str, *, M: int, N: int, K: int, esize: int, comm_items: int, sms: int, join: bool = False):
+def choose(comm, op: str, *, M: int, N: int, K: int, esize: int, comm_items: int, sms: int,
+           joined_in_node: bool = False):
     """(comm CTAs for this call, a token for :func:`timed`). Local: no collective, no wait. A call
     whose GEMM CTAs join the reduction inside one node starts its search at one comm CTA: the
     joined CTAs do the reduction's bulk, which the model's prior does not count (bench/NOTES.md)."""
@@ -188,7 +189,7 @@ def choose(comm, op: str, *, M: int, N: int, K: int, esize: int, comm_items: int
     if st is None:
         key = split.split_key(op, (M, N, K), comm.size, f"{comm.num_nodes}x{comm.local_size}", _transport(comm))
         hi = max(1, min(MAX_COMM_CTAS, comm_items, sms // 2))
-        prior = 1 if join and comm.num_nodes == 1 else \
+        prior = 1 if joined_in_node else \
             prior_for(op, M, N, K, comm.size, esize, comm.num_nodes, _link_gbps(comm), sms, hi)
         st = _states(comm)[(op, M, N, K)] = _KeyState(key, hi, prior)
     st.collect(mem)
