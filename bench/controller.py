@@ -54,10 +54,11 @@ def op_call(op, comm, M, N, K, dt):
     return lambda n: fn(a, b, comm=comm, out=out, path="fused", comm_sms=n)
 
 
-def one_ms(comm, fn, lead_ns):
+def one_ms(comm, fn, lead_ns, barrier=None):
     """One call's CUDA-event time, the max over ranks (the op ends when its slowest rank does), with
     the host's work for the call hidden behind a spin kernel of lead_ns (harness.hidden_launch_ms):
-    the split's effect on the GPU, not Python's. Also returns the call's host time (ms, this rank)."""
+    the split's effect on the GPU, not Python's. Also returns the call's host time (ms, this rank).
+    barrier (ranks sharing a GPU): the spins start together, so no rank's time counts a peer's lateness."""
     import time
 
     import cupy
@@ -65,6 +66,8 @@ def one_ms(comm, fn, lead_ns):
 
     stream = cupy.cuda.get_current_stream()
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    if barrier is not None:
+        barrier()
     harness.spin(lead_ns)
     start.record(stream)
     t0 = time.perf_counter()
@@ -94,7 +97,7 @@ def bench_shape(op, comm, M, N, K, dt, barrier=None):
     lead = comm.mpi.allreduce(harness.launch_lead_ns(lambda: call(GRID[0])), op=MPI.MAX)
     comm.plans.state["autosplit.keys"] = {}  # a fresh key: its first call runs the prior
     comm.plans.state["autosplit.memory"] = split.SplitMemory()
-    first, first_host_ms = one_ms(comm, lambda: call("auto"), FIRST_LEAD_NS)
+    first, first_host_ms = one_ms(comm, lambda: call("auto"), FIRST_LEAD_NS, barrier)
     first_record = tp.controller_stats(comm)
     for _ in range(SEARCH_CALLS):
         call("auto")
