@@ -121,9 +121,8 @@ def main():
 
         settings = {}
         if kind == "decode":  # the decode path's knobs (taking up to 256 rows)
-            settings = {"deep": {"gemm_decode_unroll": 8 if M <= 32 else 4},
-                        "waves2": {"gemm_decode_waves": 2}, "waves4": {"gemm_decode_waves": 4}}
-            if M > 32:
+            settings = {"stages4": {"gemm_decode_stages": 4}, "stages8": {"gemm_decode_stages": 8}}
+            if M > 64:
                 settings.update(group32={"gemm_decode_group": 32}, group64={"gemm_decode_group": 64})
             settings = {k: dict(v, gemm_decode_max_m=256) for k, v in settings.items()}
         if M > config.get().gemm_decode_max_m and mg.split_k(M, N, K) > 1:

@@ -61,13 +61,11 @@ class Config:
     # mkernel.gemm at M up to this (0: never; at most 256) with B as [N, K] takes the decode path
     # (gemm_decode.py); above, the engine (split K where its tiles are few).
     gemm_decode_max_m: int = 16
-    # The decode path's tokens per CTA above 32 tokens: 32 (CTAs of 32 tokens side by side, B read
-    # again from L2) or 64 (one CTA, half the loads in flight).
+    # The decode path's tokens per CTA above 64 tokens: groups of 32 (CTAs side by side, B read
+    # again from L2) or 64.
     gemm_decode_group: int = 32
-    # The decode path's 32-element steps of K in flight per lane (0: 4, or 2 at 64 tokens; 4 or 8,
-    # 2 or 4 at 64 tokens) and the CTA waves its split of K aims for (1, 2, 4).
-    gemm_decode_unroll: int = 0
-    gemm_decode_waves: int = 1
+    # The decode path's ring of TMA stages: 4 (two CTAs per SM) or 8 (one); 0: the default (8).
+    gemm_decode_stages: int = 0
     # mkernel.gemm splits K when the output has too few 128 x 256 tiles to fill the SMs and K is
     # long (engines/gemm.py split_k); False: one CTA per tile
     gemm_split_k: bool = True
@@ -82,9 +80,8 @@ class Config:
                                                              "tp_latency_ll_max_rows")
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if zero_ok else 1):
                 raise ArgumentError(f"{name} must be a {'non-negative' if zero_ok else 'positive'} integer; got {v!r}")
-        if self.gemm_decode_unroll not in (0, 2, 4, 8) or self.gemm_decode_waves not in (1, 2, 4):
-            raise ArgumentError(f"gemm_decode_unroll must be 0, 2, 4 or 8 and gemm_decode_waves 1, 2 or 4; got "
-                                f"{self.gemm_decode_unroll!r}, {self.gemm_decode_waves!r}")
+        if self.gemm_decode_stages not in (0, 4, 8):
+            raise ArgumentError(f"gemm_decode_stages must be 0, 4 or 8; got {self.gemm_decode_stages!r}")
         if self.gemm_decode_group not in (32, 64):
             raise ArgumentError(f"gemm_decode_group must be 32 or 64; got {self.gemm_decode_group!r}")
         if not (isinstance(self.tp_join_reduce, bool) or self.tp_join_reduce == "auto"):

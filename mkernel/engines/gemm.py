@@ -329,10 +329,11 @@ def _launch(cupy, *, a, b_arr, layout, N, K, M, G, out, out_code, group_rows, ep
 
 def _launch_decode(a, b_arr, out, out_code, *, M, N, K, accumulate, stream):
     """The decode path's launch; returns its plan (the buffer it uses rides along, kept alive)."""
-    fn, grid, args, buffer = _decode.build(a, b_arr, out, out_code, M=M, N=N, K=K, accumulate=accumulate,
-                                           partial=workspace(stream).decode_partials)
-    launch(fn, grid, (_decode.THREADS,), args, stream=stream)
-    return (fn, grid, (_decode.THREADS,), args, 0, buffer)
+    ws = workspace(stream)
+    fn, grid, args, buffer, smem = _decode.build(a, b_arr, out, out_code, M=M, N=N, K=K, accumulate=accumulate,
+                                                 sync=ws.sync(), partial=ws.decode_partials)
+    launch(fn, grid, (_decode.THREADS,), args, smem=smem, stream=stream)
+    return (fn, grid, (_decode.THREADS,), args, smem, buffer)
 
 
 # Launch plans of gemm() calls that passed `out` (launch.PlanCache).

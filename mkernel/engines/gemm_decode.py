@@ -1,64 +1,75 @@
 """The decode GEMM: ``mkernel.gemm`` for few rows (tokens) against weights as stored ([N, K], read
-as ``w.T``), bound by reading the weights once (kernel and K order: mkernel/cuda/engines/gemm_decode.cu).
+as ``w.T``), bound by reading the weights once (kernel and protocol: mkernel/cuda/engines/gemm_decode.cuh).
 
 ``gemm`` takes this path by shape (:func:`eligible`: M up to ``config.gemm_decode_max_m``, B as
-[N, K], none of the fused ops' controls). Each CTA covers 128 rows of B over one of ``splits``
-ranges of K; with several, the last CTA of a row block adds the ranges' fp32 partials in range
-order: bitwise reproducible run to run. The partials live in the stream's workspace (grown to a
-call's need at its first call; launch plans keep the buffer they were built with alive).
+[N, K], none of the fused ops' controls). A CTA is 8 consumer warps (128 rows of B) fed by a TMA
+producer warp; the (row block, k-block) units are cut into equal runs, one per CTA (stream-K), a
+function of the shape only. Row blocks shared by several CTAs are added from fp32 partials in a
+fixed order: bitwise reproducible run to run and on any number of SMs. The partials live in the
+stream's workspace (grown to a call's need at its first call; launch plans keep the buffer they
+were built with alive).
 """
 
 import ctypes
 
 from mkernel.core import config
 from mkernel.runtime import compile as _compile
+from mkernel.runtime import tma as _tma
 from mkernel.runtime.arrays import DT
+from mkernel.runtime.sync import MkSync
 
-ROWS = 128  # MK_DECODE_ROWS: rows of B per CTA
-THREADS = 256  # MK_DECODE_THREADS
-RESIDENT = 2  # CTAs per SM (launch bounds)
+ROWS = 128  # MK_DECODE_ROWS: rows of B per row block
+BK = 64  # MK_DECODE_BK: elements of K per stage
+THREADS = 288  # MK_DECODE_THREADS: 8 consumer warps and a producer warp
 M_TILES = (8, 16, 32, 64)  # token columns of the instantiations
+STAGES = (4, 8)  # ring depths: 4 (two CTAs per SM), 8 (one)
+DEFAULT_STAGES = 8
 MAX_M = 256  # tokens the path takes at most (config.gemm_decode_max_m picks up to this)
-MAX_N = 65535 * ROWS  # rows of B: the row blocks are the grid's y dimension
-MIN_SPLIT_K = 512  # elements of K a range keeps at least (its loads must still fill the pipe)
-# The split of K is planned for this many SMs whatever the device has (H100 / H200: 132), so that
-# the sums (their grouping by range) and the bits are the same on 66 SMs of an MPS share as on 132.
+MAX_N = 1 << 24  # rows of B: keeps the counts and the partials' index small
+# The runs are planned for this many SMs whatever the device has (H100 / H200: 132), so that the
+# sums (their grouping by CTA) and the bits are the same on 66 SMs of an MPS share as on 132.
 SPLIT_SMS = 132
 OUT_F32 = 2
 
 
-UNROLLS = {8: (8, 4), 16: (8, 4), 32: (8, 4), 64: (4, 2)}  # instantiated U per MT; the last the default
+def stages() -> int:
+    """The ring depth (config.gemm_decode_stages, 0: DEFAULT_STAGES)."""
+    return config.get().gemm_decode_stages or DEFAULT_STAGES
 
 
-def unroll(mt: int) -> int:
-    """U: 32-element steps of K in flight per lane (config.gemm_decode_unroll where instantiated
-    for mt, else the shallower of the two, measured the faster: bench/NOTES.md)."""
-    u = config.get().gemm_decode_unroll
-    return u if u in UNROLLS[mt] else UNROLLS[mt][-1]
+def resident(st: int) -> int:
+    """CTAs per SM of a ring of st stages (DecodeCfg::RESIDENT)."""
+    return 2 if st == 4 else 1
 
 
-def kernel_expr(dt: int, out: int, mt: int, u: int) -> str:
-    return f"mk_gemm_decode_kernel<{dt},{out},{mt},{u}>"
+def smem_bytes(mt: int, st: int) -> int:
+    """Dynamic shared memory of an instantiation (DecodeCfg::SMEM)."""
+    return st * (ROWS * BK * 2 + mt * BK * 2) + 16 * st + 1024
 
 
-EXPRESSIONS = tuple(kernel_expr(dt, out, mt, u) for dt in (0, 1) for out in (dt, OUT_F32) for mt in M_TILES
-                    for u in UNROLLS[mt])
+def kernel_expr(dt: int, out: int, mt: int, st: int) -> str:
+    return f"mk_gemm_decode_kernel<{dt},{out},{mt},{st}>"
+
+
+EXPRESSIONS = tuple(kernel_expr(dt, out, mt, st) for dt in (0, 1) for out in (dt, OUT_F32) for mt in M_TILES
+                    for st in STAGES)
 SPEC = _compile.register("gemm_decode", "gemm_decode.cu", EXPRESSIONS, hot=True)
 
 
 class MkDecodeArgs(ctypes.Structure):
-    """Mirror of ``MkDecodeArgs`` (mkernel/cuda/engines/gemm_decode_args.cuh), 96 bytes."""
-    _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("out", ctypes.c_void_p),
-                ("partial", ctypes.c_void_p), ("counts", ctypes.c_void_p), ("lda", ctypes.c_int64),
-                ("ldb", ctypes.c_int64), ("ldc", ctypes.c_int64), ("m", ctypes.c_int32), ("n", ctypes.c_int32),
-                ("k", ctypes.c_int32), ("splits", ctypes.c_int32), ("k_split", ctypes.c_int32),
-                ("epi_op", ctypes.c_uint32), ("pad", ctypes.c_uint32 * 2)]
+    """Mirror of ``MkDecodeArgs`` (mkernel/cuda/engines/gemm_decode_args.cuh), 448 bytes (the C
+    struct is 64-byte aligned, its tensor maps; the padding makes the sizes equal)."""
+    _fields_ = [("a_map", _tma.TensorMap), ("b_map", _tma.TensorMap), ("sync", MkSync), ("out", ctypes.c_void_p),
+                ("partial", ctypes.c_void_p), ("counts", ctypes.c_void_p), ("ldc", ctypes.c_int64),
+                ("m", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("kblocks", ctypes.c_int32),
+                ("ctas", ctypes.c_int32), ("slots", ctypes.c_int32), ("epi_op", ctypes.c_uint32),
+                ("pad", ctypes.c_uint32 * 15)]
 
 
 def knobs() -> tuple:
     """The config knobs that pick the decode path's kernel and grid (part of a launch plan's key)."""
     c = config.get()
-    return c.gemm_decode_max_m, c.gemm_decode_group, c.gemm_decode_unroll, c.gemm_decode_waves
+    return c.gemm_decode_max_m, c.gemm_decode_group, c.gemm_decode_stages
 
 
 def eligible(M: int, N: int, layout_nk: bool, *, controls: bool) -> bool:
@@ -67,51 +78,61 @@ def eligible(M: int, N: int, layout_nk: bool, *, controls: bool) -> bool:
 
 
 def m_tile(M: int) -> tuple:
-    """(MT, groups): token columns per CTA and token groups (blockIdx.x, innermost). Up to 32
-    tokens one CTA of the narrowest tile that holds them; above, groups of config.gemm_decode_group."""
-    if M <= 32:
+    """(MT, groups): token columns per CTA and token groups (blockIdx.x). Up to 64 tokens one CTA
+    of the narrowest tile that holds them; above, groups of config.gemm_decode_group."""
+    if M <= M_TILES[-1]:
         return next(mt for mt in M_TILES if mt >= M), 1
     mt = config.get().gemm_decode_group
     return mt, -(-M // mt)
 
 
-def split_k(N: int, K: int, mt: int, groups: int = 1) -> tuple:
-    """(splits, k_split): enough ranges of K that the CTAs (row blocks x token groups x ranges)
-    fill SPLIT_SMS SMs RESIDENT deep, each a multiple of the kernel's step and at least MIN_SPLIT_K
-    long; a function of the shape (and config.gemm_decode_group) only."""
-    step = 32 * unroll(mt)
-    blocks = -(-N // ROWS) * groups
-    want = max(1, (config.get().gemm_decode_waves * RESIDENT * SPLIT_SMS) // blocks)
-    most = max(1, K // MIN_SPLIT_K)
-    splits = min(want, most)
-    k_split = -(-K // splits)
-    k_split = -(-k_split // step) * step
-    return -(-K // k_split), k_split
+def cta_of(x: int, units: int, ctas: int) -> int:
+    """The CTA whose run holds unit x (decode_cta_of)."""
+    return ((x + 1) * ctas - 1) // units
 
 
-def build(a, b_arr, out, out_code, *, M, N, K, accumulate, partial):
-    """(function, grid, args, buffer) of one launch. ``partial(nbytes, blocks)`` returns the
-    stream's (partials, counts) buffer of at least that size (only called for splits > 1)."""
+def runs(N: int, K: int, groups: int = 1, st: int = None) -> tuple:
+    """(ctas, slots): CTAs per token group, each an equal run of the (row block, k-block) units
+    (together SPLIT_SMS SMs at the ring's residency, at most one per unit), and the partial slots a
+    row block may need (a run is at least units // ctas long, so a block meets at most
+    ceil(kblocks / that) + 1 runs); a function of the shape and the knobs only."""
+    st = st or stages()
+    kblocks, blocks = -(-K // BK), -(-N // ROWS)
+    units = blocks * kblocks
+    ctas = max(1, min(units, resident(st) * SPLIT_SMS // groups))
+    return ctas, min(ctas, -(-kblocks // (units // ctas)) + 1)
+
+
+def _row_stride(x) -> int:
+    return x.strides[0] if x.shape[0] > 1 else x.shape[1] * x.itemsize
+
+
+def build(a, b_arr, out, out_code, *, M, N, K, accumulate, sync, partial):
+    """(function, grid, args, buffer, smem) of one launch. ``partial(nbytes, blocks)`` returns the
+    stream's (partials, counts) buffer of at least that size (only called when row blocks are shared)."""
     mt, groups = m_tile(M)
-    splits, k_split = split_k(N, K, mt, groups)
+    st = stages()
+    ctas, slots = runs(N, K, groups, st)
     blocks = -(-N // ROWS)
+    tdt = _tma.DTYPE_BFLOAT16 if a.dtype.name == "bfloat16" else _tma.DTYPE_FLOAT16
     args = MkDecodeArgs()
-    args.a, args.b, args.out = a.data.ptr, b_arr.data.ptr, out.data.ptr
-    args.lda = (a.strides[0] if M > 1 else K * a.itemsize) // a.itemsize
-    args.ldb = (b_arr.strides[0] if N > 1 else K * b_arr.itemsize) // b_arr.itemsize
-    args.ldc = (out.strides[0] if M > 1 else N * out.itemsize) // out.itemsize
-    args.m, args.n, args.k, args.splits, args.k_split = M, N, K, splits, k_split
+    args.a_map = _tma.encode_tiled(tdt, a.data.ptr, (K, M), (_row_stride(a),), (BK, mt))
+    args.b_map = _tma.encode_tiled(tdt, b_arr.data.ptr, (K, N), (_row_stride(b_arr),), (BK, ROWS))
+    args.sync = sync
+    args.out = out.data.ptr
+    args.ldc = _row_stride(out) // out.itemsize
+    args.m, args.n, args.k, args.kblocks, args.ctas, args.slots = M, N, K, -(-K // BK), ctas, slots
     args.epi_op = 1 if accumulate else 0
     buffer = None
-    if splits > 1:
-        buffer = partial(splits * M * N * 4, blocks * groups)
+    if slots > 1:
+        buffer = partial(groups * blocks * slots * mt * ROWS * 4, groups * blocks)
         args.partial, args.counts = buffer.partial_ptr, buffer.counts_ptr
-    fn = _compile.module(SPEC).function(kernel_expr(DT[a.dtype.name], out_code, mt, unroll(mt)))
-    return fn, (groups, blocks, splits), args, buffer
+    fn = _compile.module(SPEC).function(kernel_expr(DT[a.dtype.name], out_code, mt, st))
+    return fn, (groups, ctas), args, buffer, smem_bytes(mt, st)
 
 
 class Partials:
-    """A stream's buffer of the split ranges: fp32 partials, then the row blocks' arrival counts
+    """A stream's buffer of the shared row blocks: fp32 partials, then the row blocks' arrival counts
     (zero between launches: the last CTA of a block resets its count)."""
 
     def __init__(self, nbytes: int, blocks: int):

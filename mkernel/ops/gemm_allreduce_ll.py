@@ -24,8 +24,8 @@ from mkernel.runtime.sync import MkSync
 
 OP = "gemm_allreduce"
 PUSH, REDUCE = "mk_gemm_allreduce_ll_push", "mk_allreduce_ll_reduce"
-M_TILES = (8, 16)  # the decode instantiations it pushes from (32 tokens: its U = 8 variant spills)
-EXPRESSIONS = tuple(f"{PUSH}<{dt},{mt},{u}>" for dt in (0, 1) for mt in M_TILES for u in _decode.UNROLLS[mt]) + \
+M_TILES = (8, 16)  # the decode instantiations it pushes from
+EXPRESSIONS = tuple(f"{PUSH}<{dt},{mt},{st}>" for dt in (0, 1) for mt in M_TILES for st in _decode.STAGES) + \
     tuple(f"{REDUCE}<{dt}>" for dt in (0, 1))
 SPEC = _compile.register("gemm_allreduce_ll", "gemm_allreduce_ll.cu", EXPRESSIONS, hot=True)
 REDUCE_THREADS = 512  # LL_REDUCE_THREADS
@@ -33,10 +33,11 @@ CNT_WORDS = 2  # LL_CNT_WORDS
 
 
 class MkDecodePushArgs(ctypes.Structure):
-    """Mirror of ``MkDecodePushArgs`` (mkernel/cuda/ops/gemm_allreduce_ll_args.cuh), 216 bytes."""
-    _fields_ = [("g", _decode.MkDecodeArgs), ("sync", MkSync), ("peer_base", ctypes.c_void_p),
-                ("ll_off", ctypes.c_uint64), ("counters", ctypes.c_void_p), ("pairs", ctypes.c_int32),
-                ("world", ctypes.c_int32), ("me", ctypes.c_int32), ("pad", ctypes.c_uint32 * 3)]
+    """Mirror of ``MkDecodePushArgs`` (mkernel/cuda/ops/gemm_allreduce_ll_args.cuh), 512 bytes (64-byte
+    aligned in C: the padding makes the sizes equal)."""
+    _fields_ = [("g", _decode.MkDecodeArgs), ("peer_base", ctypes.c_void_p), ("ll_off", ctypes.c_uint64),
+                ("counters", ctypes.c_void_p), ("pairs", ctypes.c_int32), ("world", ctypes.c_int32),
+                ("me", ctypes.c_int32), ("pad", ctypes.c_uint32 * 7)]
 
 
 class MkAllreduceLLArgs(ctypes.Structure):
@@ -60,10 +61,10 @@ def run(comm, c, stream):
     plan_key = ("buffers", "gemm_allreduce_ll", c.M, c.N, dt.name)
     plan = tp.plan_buffers("gemm_allreduce_ll", comm, plan_key, [("ll", (W, c.N, pairs, 2), "uint32")],
                            counter_words=CNT_WORDS)
-    _, grid, g, buffer = _decode.build(c.a, c.b, c.out, tp.DT[dt.name], M=c.M, N=c.N, K=c.K, accumulate=False,
-                                        partial=_gemm.workspace(stream).decode_partials)
     sync = comm.sync_args(OP)
-    push = MkDecodePushArgs(g=g, sync=sync, peer_base=comm.peer_table.data.ptr, ll_off=comm.offset_of(plan["ll"]),
+    _, grid, g, buffer, smem = _decode.build(c.a, c.b, c.out, tp.DT[dt.name], M=c.M, N=c.N, K=c.K, accumulate=False,
+                                              sync=sync, partial=_gemm.workspace(stream).decode_partials)
+    push = MkDecodePushArgs(g=g, peer_base=comm.peer_table.data.ptr, ll_off=comm.offset_of(plan["ll"]),
                             counters=plan["counters"].data.ptr, pairs=pairs, world=W, me=comm.local_rank)
     mt = _decode.m_tile(c.M)[0]
     module = _compile.module(SPEC)
@@ -71,8 +72,8 @@ def run(comm, c, stream):
                             counters=push.counters, ldo=tp._row_stride(c.out) // dt.itemsize, m=c.M, n=c.N,
                             pairs=pairs, world=W, me=comm.local_rank)
     blocks = max(1, min(-(-c.N * pairs // REDUCE_THREADS), launch.sm_count()))
-    launches = ((module.function(f"{PUSH}<{tp.DT[dt.name]},{mt},{_decode.unroll(mt)}>"), grid, (_decode.THREADS,),
-                 push, 0),
+    launches = ((module.function(f"{PUSH}<{tp.DT[dt.name]},{mt},{_decode.stages()}>"), grid, (_decode.THREADS,),
+                 push, smem),
                 (module.function(f"{REDUCE}<{tp.DT[dt.name]}>"), (blocks,), (REDUCE_THREADS,), red, 0,
                  config.get().tp_latency_ll_overlap))
     launch_all(launches, stream)

@@ -1,6 +1,6 @@
 """CPU: the decode GEMM (mkernel/engines/gemm_decode.py): its argument mirror, the choice of the
-path and of the K ranges, and every instantiation compiling without spills, stack or local memory,
-with two CTAs of registers per SM and the HMMA it is built on."""
+path and of the CTAs' runs, and every instantiation compiling without spills, stack or local memory,
+in its residency's registers, with the TMA, ldmatrix and HMMA it is built on."""
 
 import pytest
 
@@ -14,21 +14,26 @@ from tests.helpers.c_layout import assert_same_layout
 
 
 def test_args_mirror_matches_c_layout(tmp_path):
-    assert_same_layout("gemm_decode_args.cuh", dec.MkDecodeArgs, tmp_path)
+    assert_same_layout("gemm_decode_args.cuh", dec.MkDecodeArgs, tmp_path, c_align=64)
 
 
 @pytest.mark.parametrize("N,K", [(8192, 8192), (4096, 14336), (14336, 4096), (10240, 8192), (8192, 28672),
                                  (8200, 1032), (3000, 2000), (8, 8), (264, 136), (128, 512), (100000, 64)])
-@pytest.mark.parametrize("mt", dec.M_TILES)
+@pytest.mark.parametrize("st", dec.STAGES)
 @pytest.mark.parametrize("groups", [1, 3])
-def test_k_ranges_cover_k_once_in_whole_steps(N, K, mt, groups):
-    splits, k_split = dec.split_k(N, K, mt, groups)  # the shape alone: the same bits on any number of SMs
-    step = 32 * dec.unroll(mt)
-    assert splits >= 1 and k_split % step == 0
-    assert (splits - 1) * k_split < K <= splits * k_split  # every range starts inside K
-    assert splits == 1 or k_split >= dec.MIN_SPLIT_K
-    blocks = -(-N // dec.ROWS) * groups
-    assert splits == 1 or blocks * splits <= dec.RESIDENT * dec.SPLIT_SMS + blocks  # about one wave on 132
+def test_runs_cut_the_units_evenly_and_slots_hold_every_block(N, K, st, groups):
+    ctas, slots = dec.runs(N, K, groups, st)  # the shape alone: the same bits on any number of SMs
+    kb, blocks = -(-K // dec.BK), -(-N // dec.ROWS)
+    units = kb * blocks
+    assert 1 <= ctas <= units and ctas * groups <= dec.resident(st) * dec.SPLIT_SMS
+    starts = [c * units // ctas for c in range(ctas + 1)]
+    lengths = [b - a for a, b in zip(starts, starts[1:])]
+    assert min(lengths) >= 1 and max(lengths) - min(lengths) <= 1  # equal runs, none empty
+    for x in (0, units // 2, units - 1):  # the kernel's inverse (decode_cta_of)
+        c = dec.cta_of(x, units, ctas)
+        assert starts[c] <= x < starts[c + 1]
+    most = max(dec.cta_of((b + 1) * kb - 1, units, ctas) - dec.cta_of(b * kb, units, ctas) + 1 for b in range(blocks))
+    assert most <= slots <= ctas
 
 
 def test_the_path_is_chosen_by_shape_layout_and_knob():
@@ -36,34 +41,32 @@ def test_the_path_is_chosen_by_shape_layout_and_knob():
     assert not dec.eligible(17, 4096, True, controls=False)  # 17-64 tokens: the engine with split K
     assert not dec.eligible(8, 4096, False, controls=False)  # B as [K, N]: the engine
     assert not dec.eligible(8, 4096, True, controls=True)  # a fused op's controls address the engine's tiles
-    assert not dec.eligible(8, dec.MAX_N + 1, True, controls=False)  # the row blocks fill the grid's y
+    assert not dec.eligible(8, dec.MAX_N + 1, True, controls=False)
     with config.override(gemm_decode_max_m=32):
         assert dec.eligible(32, 4096, True, controls=False) and not dec.eligible(33, 4096, True, controls=False)
     with config.override(gemm_decode_max_m=0):
         assert not dec.eligible(1, 4096, True, controls=False)
-    assert [dec.m_tile(m) for m in (1, 8, 9, 16, 17, 32)] == [(8, 1), (8, 1), (16, 1), (16, 1), (32, 1), (32, 1)]
-    assert [dec.m_tile(m) for m in (33, 64, 65, 256)] == [(32, 2), (32, 2), (32, 3), (32, 8)]
+    assert [dec.m_tile(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == \
+        [(8, 1), (8, 1), (16, 1), (16, 1), (32, 1), (32, 1), (64, 1), (64, 1)]
+    assert [dec.m_tile(m) for m in (65, 256)] == [(32, 3), (32, 8)]
     with config.override(gemm_decode_group=64):
-        assert [dec.m_tile(m) for m in (33, 64, 65)] == [(64, 1), (64, 1), (64, 2)]
+        assert [dec.m_tile(m) for m in (65, 128, 129)] == [(64, 2), (64, 2), (64, 3)]
     with config.override(gemm_decode_max_m=256):
         assert dec.eligible(256, 4096, True, controls=False) and not dec.eligible(257, 4096, True, controls=False)
     with pytest.raises(ArgumentError), config.override(gemm_decode_group=48):
         pass
 
 
-def test_unroll_and_waves_knobs_pick_instantiated_kernels():
-    assert [dec.unroll(mt) for mt in dec.M_TILES] == [4, 4, 4, 2]  # the shallower of each pair
-    with config.override(gemm_decode_unroll=4):
-        assert [dec.unroll(mt) for mt in dec.M_TILES] == [4, 4, 4, 4]
-    with config.override(gemm_decode_unroll=8):
-        assert [dec.unroll(mt) for mt in dec.M_TILES] == [8, 8, 8, 2]  # 8 exists up to 32 tokens only
-    assert all(dec.kernel_expr(0, 0, mt, dec.unroll(mt)) in dec.EXPRESSIONS for mt in dec.M_TILES)
-    one = dec.split_k(8192, 8192, 8)[0]
-    with config.override(gemm_decode_waves=2):
-        assert dec.split_k(8192, 8192, 8)[0] == 2 * one
-    for bad in ({"gemm_decode_unroll": 3}, {"gemm_decode_waves": 3}):
-        with pytest.raises(ArgumentError), config.override(**bad):
-            pass
+def test_stages_knob_picks_instantiated_kernels():
+    assert dec.stages() == dec.DEFAULT_STAGES
+    for st in dec.STAGES:
+        with config.override(gemm_decode_stages=st):
+            assert dec.stages() == st
+            assert all(dec.kernel_expr(0, 0, mt, st) in dec.EXPRESSIONS for mt in dec.M_TILES)
+            # two CTAs of 4 stages (or one of 8) fit an SM's 227 KiB of shared memory
+            assert all(dec.resident(st) * (dec.smem_bytes(mt, st) + 1024) <= 228 * 1024 for mt in dec.M_TILES)
+    with pytest.raises(ArgumentError), config.override(gemm_decode_stages=6):
+        pass
 
 
 @pytest.fixture(scope="module")
@@ -71,19 +74,22 @@ def compiled():
     return mkc.compile_spec(dec.SPEC, use_cache=False)
 
 
-def test_every_instantiation_compiles_in_two_ctas_of_registers(compiled):
+def test_every_instantiation_compiles_in_its_residency_of_registers(compiled):
     assert set(compiled.lowered) == set(dec.EXPRESSIONS)
     funcs = compiled.resources["functions"]
     assert len(funcs) == len(dec.EXPRESSIONS), funcs
-    for name, res in sorted(funcs.items()):
+    for expr, name in compiled.lowered.items():
+        res = funcs[name]
+        st = int(expr.rstrip(">").split(",")[-1])
         assert res.get("stack", 0) == 0, (name, res)
         assert res.get("spill_stores", 0) == 0 and res.get("spill_loads", 0) == 0, (name, res)
-        assert res.get("registers", 0) <= 65536 // (dec.RESIDENT * dec.THREADS), (name, res)
+        assert res.get("registers", 0) * dec.THREADS * dec.resident(st) <= 65536, (name, res)
     assert not compiled.resources["warnings"], compiled.resources["warnings"]
 
 
-def test_sass_streams_b_with_wide_loads_into_hmma(compiled):
+def test_sass_streams_b_with_tma_into_ldmatrix_and_hmma(compiled):
     for name, text in sass.kernels(compiled.cubin).items():
         assert "HMMA.16816.F32" in text, name
-        assert "LDG.E.NA.128" in text, name  # B: 16-byte loads that skip L1
+        assert "UTMALDG.2D" in text, name  # B and A: TMA boxes
+        assert "LDSM.16.M88.4" in text, name  # fragments from the swizzled stages
         assert "LDL" not in text and "STL" not in text, name

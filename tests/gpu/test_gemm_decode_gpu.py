@@ -86,7 +86,7 @@ def test_random_inputs_against_float64(M, N, K, kind, decode_calls):
     got = host(_run(a, w, dt)).astype(np.float64)
     ref = a @ w.T
     assert np.isfinite(got).all(), "NaN left in the output (a row or column not written)"
-    assert _rel(got, ref) < REL_TOL, (M, N, K, kind, _rel(got, ref), dec.split_k(N, K, *dec.m_tile(M)))
+    assert _rel(got, ref) < REL_TOL, (M, N, K, kind, _rel(got, ref), dec.runs(N, K, dec.m_tile(M)[1]))
     assert decode_calls == [M]
 
 
@@ -107,7 +107,7 @@ def test_integer_inputs_bitwise_per_tile(M, N, K, kind):
 @pytest.mark.parametrize("group", [32, 64])
 @pytest.mark.parametrize("M,N,K", [(40, 1032, 2048), (64, 4096, 1024), (100, 264, 4104), (256, 520, 136)])
 def test_token_groups_exact_and_the_same_bits_as_one_group(M, N, K, group, decode_calls):
-    """Above 32 tokens, CTAs of `group` tokens side by side (blockIdx.z); M up to 256 by the knob:
+    """Above 64 tokens, CTAs of `group` tokens side by side (blockIdx.x); M up to 256 by the knob:
     integer inputs exact, every token group's rows written."""
     a, w = _inputs(21 + M, M, N, K, BF16, integer=True)
     with config.override(gemm_decode_max_m=256, gemm_decode_group=group):
@@ -117,11 +117,10 @@ def test_token_groups_exact_and_the_same_bits_as_one_group(M, N, K, group, decod
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("knobs", [{"gemm_decode_unroll": 8}, {"gemm_decode_unroll": 4},
-                                   {"gemm_decode_waves": 2}, {"gemm_decode_waves": 4}])
+@pytest.mark.parametrize("knobs", [{"gemm_decode_stages": 4}, {"gemm_decode_stages": 8}])
 @pytest.mark.parametrize("M,N,K", [(1, 4096, 8192), (24, 1032, 4104), (64, 520, 2056)])
-def test_unroll_and_waves_variants_exact(M, N, K, knobs, decode_calls):
-    """The benchmark's variants (more steps in flight, more ranges of K): integer inputs exact."""
+def test_stage_variants_exact(M, N, K, knobs, decode_calls):
+    """The benchmark's variants (4 stages at two CTAs per SM, 8 at one): integer inputs exact."""
     a, w = _inputs(41 + M, M, N, K, BF16, integer=True)
     with config.override(**knobs):
         got = bits(_run(a, w, BF16))
@@ -131,8 +130,8 @@ def test_unroll_and_waves_variants_exact(M, N, K, knobs, decode_calls):
 
 @pytest.mark.gpu
 def test_several_k_ranges_are_taken_and_reduced_in_order():
-    M, N, K = 5, 256, 16384  # 2 row blocks: many ranges of K
-    assert dec.split_k(N, K, *dec.m_tile(M))[0] > 1
+    M, N, K = 5, 256, 16384  # 2 row blocks: many CTAs share each
+    assert dec.runs(N, K)[1] > 1
     a, w = _inputs(3, M, N, K, BF16, integer=False)
     outs = [bits(_run(a, w, BF16)) for _ in range(3)]  # the counters reset: launches 2 and 3 reduce too
     assert all(np.array_equal(outs[0], o) for o in outs[1:]), "not bitwise equal from launch to launch"

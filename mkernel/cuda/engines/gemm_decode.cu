@@ -20,11 +20,11 @@ struct DecodeStore {
   }
 };
 
-template <int DT, int OUT, int MT, int U>
-__global__ void __launch_bounds__(MK_DECODE_THREADS, 2)
+template <int DT, int OUT, int MT, int STAGES>
+__global__ void __launch_bounds__(MK_DECODE_THREADS, (DecodeCfg<MT, STAGES>::RESIDENT))
     mk_gemm_decode_kernel(const __grid_constant__ MkDecodeArgs args) {
   DecodeStore<OUT> epi{args};
-  decode_gemm<DT, MT, U>(args, epi);
+  decode_gemm<DT, MT, STAGES>(args, epi);
 }
 
-static_assert(sizeof(MkDecodeArgs) == 96, "MkDecodeArgs layout changed: update mkernel/engines/gemm_decode.py");
+static_assert(sizeof(MkDecodeArgs) == 448, "MkDecodeArgs layout changed: update mkernel/engines/gemm_decode.py");

@@ -1,39 +1,43 @@
-// The decode GEMM: out[m, n] = a[m, k] . b[n, k] for few rows m (tokens, at most 64), bound by
-// reading the weights b once. Swap-AB on mma.sync.m16n8k16: b's rows take the 16-row side, the
-// tokens the 8-column side. Each warp streams 16 rows of b along K with 16-byte loads (4 lanes
-// read 64 contiguous bytes of a row per 32 elements of K, U such steps in flight); a CTA is 8
-// warps (128 rows of b: blockIdx.y) over one K range (blockIdx.z of `splits`) and MT tokens (group
-// blockIdx.x: tokens x * MT ...), the groups innermost so that those reading the same rows of b run
-// side by side and the second read hits L2. The tokens' slice of a for a step is staged once per
-// CTA in shared memory (cp.async, two stages), not once per warp.
+// The decode GEMM: out[m, n] = a[m, k] . b[n, k] for few rows m (tokens, at most 64 per CTA), bound
+// by reading the weights b once. Swap-AB on mma.sync.m16n8k16: b's rows take the 16-row side, the
+// tokens the 8-column side. A CTA is 8 consumer warps (16 rows of b each: a row block of 128) and a
+// producer warp whose one thread streams 64-element k-blocks of b (128 rows) and of a (MT tokens,
+// group blockIdx.x) with TMA into a STAGES-deep ring (128B swizzle; consumers read it by ldmatrix).
 //
-// K order inside a 32-element step: lane t's 16 bytes (elements 8t..8t+7) feed the k-slots
-// {2t, 2t+1, 2t+8, 2t+9} of two mmas (elements 8t..8t+3, then 8t+4..8t+7). The same bijection
-// for a and b, so each mma sums the right products; the order is fixed: bitwise reproducible.
+// Stream-K: the (row block, k-block) units of a token group, row block major, are cut into
+// args.ctas equal runs, one per CTA (blockIdx.y); a function of the shape only, so the bits are the
+// same on any number of SMs. A row block that one CTA covers whole is stored at once; one shared by
+// several: each stores its fp32 partial in its slot (its rank among the block's CTAs) and the last to
+// arrive adds the slots in slot order and stores out: bitwise reproducible run to run.
 //
-// Splits > 1: each CTA stores its fp32 partial, then counts its arrival for its 128 rows; the
-// last to arrive adds the splits' partials in split order (not arrival order) and stores out.
+// Barriers: full[s] (count 1: the producer's arrive.expect_tx; TMA completes it), empty[s] (count 8:
+// lane 0 of each consumer warp once it has read stage s). Use i (over the CTA's whole run) takes stage
+// i % STAGES at parity (i / STAGES) & 1; the producer waits for 'empty' at the opposite parity.
 //
-// Template parameters: DT (MK_DT_BF16 / MK_DT_F16), MT (token columns: 8, 16, 32 or 64), U
-// (32-element steps of K in flight), Epi (what becomes of the finished values: the engine's store,
-// gemm_decode.cu; gemm_allreduce's push to every rank, ops/allreduce.cu).
+// Template parameters: DT (MK_DT_BF16 / MK_DT_F16), MT (token columns: 8, 16, 32 or 64), STAGES (4:
+// two CTAs per SM; 8: one), Epi (what becomes of the finished values: the engine's store,
+// gemm_decode.cu; gemm_allreduce's push to every rank, ops/gemm_allreduce_ll.cu).
 #pragma once
 #include "common.cuh"
-#include "copy.cuh"
+#include "tma.cuh"
+#include "mbar_wait.cuh"
 #include "gemm_args.cuh"
 #include "gemm_decode_args.cuh"
 
-// U: 32-element steps of K in flight per lane (b: 2 x U 16-byte registers; the host picks it,
-// gemm_decode.unroll). A's stage: MT rows of STEP elements, each row padded by 64 B so that the two
-// rows of one 8-lane phase of a 16-byte shared load fall in different banks.
-template <int MT, int U_>
+template <int MT, int STAGES_>
 struct DecodeCfg {
   static constexpr int BLOCKS = MT / 8;  // n8 column blocks of tokens
-  static constexpr int U = U_;
-  static constexpr int STEP = 32 * U;  // K elements per iteration
-  static constexpr int ROW_BYTES = STEP * 2 + 64;
-  static constexpr int STAGE_BYTES = MT * ROW_BYTES;
-  static constexpr int VECS = MT * STEP / 8;  // 16-byte vectors of one stage
+  static constexpr int STAGES = STAGES_;
+  static constexpr int RESIDENT = STAGES == 4 ? 2 : 1;  // CTAs per SM (launch bounds)
+  static constexpr u32 B_BYTES = MK_DECODE_ROWS * MK_DECODE_BK * 2;  // 16 KiB: 128 rows x 128 B
+  static constexpr u32 A_BYTES = MT * MK_DECODE_BK * 2;  // MT rows x 128 B (a multiple of 1 KiB)
+  static constexpr u32 STAGE_BYTES = A_BYTES + B_BYTES;
+  static constexpr u32 OFF_A = STAGES * B_BYTES;
+  static constexpr u32 OFF_BAR = OFF_A + STAGES * A_BYTES;
+  static constexpr u32 SMEM = OFF_BAR + 2 * 8 * STAGES + 1024;  // dynamic bytes, with alignment slack
+  static constexpr u32 SLOT = MT * MK_DECODE_ROWS;  // floats of one partial slot
+  MK_STATIC_ASSERT(STAGES == 4 || STAGES == 8, "4 or 8 stages");
+  MK_STATIC_ASSERT(A_BYTES % 1024 == 0, "stages stay 1 KiB aligned (the 128B swizzle's period)");
 };
 
 template <int DT>
@@ -52,32 +56,18 @@ MK_DEV void mma_16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Streamed once: do not keep b in L1.
-MK_DEV uint4 ld_stream_v4(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
+// Four 8 x 8 matrices of 16-bit values; lane l gives the address of row l % 8 of matrix l / 8.
+MK_DEV void ldsm_x4(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
 }
 
-// A's slice [tok0, tok0 + MT) x [k0, k0 + STEP) into a stage, every thread of the CTA (tokens past
-// m and K past k_end read as zeros).
-template <int MT, int U>
-MK_DEV void stage_a(const MkDecodeArgs& args, u32 stage, i64 tok0, i64 k0, i64 k_end) {
-  using Cfg = DecodeCfg<MT, U>;
-  constexpr int PER_ROW = Cfg::STEP / 8;
-#pragma unroll
-  for (int i = 0; i < (Cfg::VECS + MK_DECODE_THREADS - 1) / MK_DECODE_THREADS; ++i) {
-    const int v = i * MK_DECODE_THREADS + (int)threadIdx.x;
-    if (Cfg::VECS % MK_DECODE_THREADS && v >= Cfg::VECS) break;
-    const int tok = v / PER_ROW, c = v - tok * PER_ROW;
-    const i64 k = k0 + 8 * c;
-    const bool in = tok0 + tok < args.m && k < k_end;
-    const u8* src = reinterpret_cast<const u8*>(args.a) + (in ? ((tok0 + tok) * args.lda + k) * 2 : 0);
-    cp_async_16(stage + tok * Cfg::ROW_BYTES + c * 16, src, in);
-  }
-}
+// 16-byte chunk c of row r of a 128B-swizzled box of 128-byte rows (1 KiB aligned).
+MK_DEV u32 swz(u32 base, u32 r, u32 c) { return base + r * 128u + ((c ^ (r & 7u)) << 4); }
+
+// The consumers' barrier (named barrier 1; the producer warp never takes part): for epilogues.
+MK_DEV void decode_consumers_sync() { named_bar_sync(1, MK_DECODE_CONSUMERS); }
 
 // Two 16-bit values to float (low half first).
 template <int DT>
@@ -110,93 +100,134 @@ MK_DEV void store_out(void* out, u64 i, float v) {
   }
 }
 
-// The decode GEMM of one CTA. Epi: begin() first (every thread), then, in the CTA that finishes a
-// row block (the only one, or the last of its K ranges), ready() (every thread: false skips the
-// rest) and finish(j, tok, r0, r1, v) per token block j: v[0..1] the values of rows r0 and tokens
-// tok, tok + 1, v[2..3] those of row r1 (tokens past m and rows past n included: Epi skips them).
-template <int DT, int MT, int U, class Epi>
-MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
-  using Cfg = DecodeCfg<MT, U>;
-  epi.begin();
-  const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const u32 g = lane >> 2, t = lane & 3;
-  const i64 r0 = (i64)blockIdx.y * MK_DECODE_ROWS + warp * 16 + g, r1 = r0 + 8;  // rows of b
-  const i64 K = args.k, k_begin = (i64)blockIdx.z * args.k_split, tok0 = (i64)blockIdx.x * MT;
-  const i64 k_end = k_begin + args.k_split < K ? k_begin + args.k_split : K;
-  const u8* b0p = reinterpret_cast<const u8*>(args.b) + (r0 < args.n ? r0 : 0) * args.ldb * 2;
-  const u8* b1p = reinterpret_cast<const u8*>(args.b) + (r1 < args.n ? r1 : 0) * args.ldb * 2;
-  const bool b0ok = r0 < args.n, b1ok = r1 < args.n;
-  float acc[Cfg::BLOCKS][4];
-#pragma unroll
-  for (int j = 0; j < Cfg::BLOCKS; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  __shared__ __align__(16) u8 sa[2][Cfg::STAGE_BYTES];
-  const u32 sa0 = (u32)__cvta_generic_to_shared(&sa[0][0]);
+// The stream-K cut: CTA c's run is units [start(c), start(c + 1)), start(c) = c * U / C; the CTA
+// whose run holds unit x is (x * C + C - 1) / U (ctas <= units: no run is empty).
+MK_DEV u64 decode_run_start(u64 c, u64 units, u64 ctas) { return c * units / ctas; }
+MK_DEV u32 decode_cta_of(u64 x, u64 units, u64 ctas) { return (u32)(((x + 1) * ctas - 1) / units); }
 
-  stage_a<MT, U>(args, sa0, tok0, k_begin, k_end);
-  cp_async_commit();
-  u32 s = 0;
-  for (i64 k0 = k_begin; k0 < k_end; k0 += Cfg::STEP, s ^= 1) {
-    cp_async_wait<0>();
-    __syncthreads();  // stage s is every thread's; the other stage's readers are done
-    uint4 bv[Cfg::U][2];
-#pragma unroll
-    for (int u = 0; u < Cfg::U; ++u) {  // every b load of the step first: U x 64 B per row in flight
-      const i64 k = k0 + 32 * u + 8 * t;
-      const bool in = k < k_end;  // K, k_begin, k_end are multiples of 8: a vector is all in or all out
-      bv[u][0] = in && b0ok ? ld_stream_v4(b0p + k * 2) : zero;
-      bv[u][1] = in && b1ok ? ld_stream_v4(b1p + k * 2) : zero;
+// The producer thread: every k-block of the CTA's run, b's box and a's box into the ring.
+template <class Cfg>
+MK_DEV void decode_produce(const MkDecodeArgs& args, u32 smem, u64 u0, u64 u1, i32 tok0) {
+  const u64 kb = (u64)args.kblocks;
+  const u32 full0 = smem + Cfg::OFF_BAR, empty0 = full0 + 8 * Cfg::STAGES;
+  u32 it = 0, rb = (u32)(u0 / kb), kk = (u32)(u0 - rb * kb);  // unit u = (row block rb, k-block kk)
+  bool loads = true;  // false once a stage's bytes never landed: no stage is armed again
+  for (u64 u = u0; u < u1; ++u, ++it) {
+    const u32 s = it % Cfg::STAGES, ph = ((it / Cfg::STAGES) & 1) ^ 1;
+    mbar_wait_timed(empty0 + 8 * s, ph, args.sync, MK_WAIT_EMPTY);
+    loads = loads && mbar_can_arm(full0 + 8 * s, ph, args.sync, MK_WAIT_LANDED);
+    if (loads) {
+      mbar_arrive_expect_tx(full0 + 8 * s, Cfg::STAGE_BYTES);
+      tma_load_2d(smem + s * Cfg::B_BYTES, &args.b_map, full0 + 8 * s, (i32)kk * MK_DECODE_BK,
+                  (i32)rb * MK_DECODE_ROWS);
+      tma_load_2d(smem + Cfg::OFF_A + s * Cfg::A_BYTES, &args.a_map, full0 + 8 * s, (i32)kk * MK_DECODE_BK, tok0);
     }
-    if (k0 + Cfg::STEP < k_end) stage_a<MT, U>(args, sa0 + (s ^ 1) * Cfg::STAGE_BYTES, tok0, k0 + Cfg::STEP, k_end);
-    cp_async_commit();
-    const u32 base = sa0 + s * Cfg::STAGE_BYTES + g * Cfg::ROW_BYTES + t * 16;
-#pragma unroll
-    for (int u = 0; u < Cfg::U; ++u)
-#pragma unroll
-      for (int j = 0; j < Cfg::BLOCKS; ++j) {
-        const uint4 av = lds_v4(base + j * 8 * Cfg::ROW_BYTES + u * 64);
-        mma_16816<DT>(acc[j], bv[u][0].x, bv[u][1].x, bv[u][0].y, bv[u][1].y, av.x, av.y);
-        mma_16816<DT>(acc[j], bv[u][0].z, bv[u][1].z, bv[u][0].w, bv[u][1].w, av.z, av.w);
-      }
+    if (++kk == (u32)kb) kk = 0, ++rb;
   }
+  mbar_drain_landed(full0, Cfg::STAGES, it);
+}
 
-  // acc[j]: {row r0: tokens 8j + 2t, 8j + 2t + 1; row r1: the same tokens}
-  const u64 N = (u64)args.n, M = (u64)args.m;
-  if (args.splits == 1) {
-    if (!epi.ready()) return;
-#pragma unroll
-    for (int j = 0; j < Cfg::BLOCKS; ++j) epi.finish(j, (u64)tok0 + j * 8 + 2 * t, (u64)r0, (u64)r1, acc[j]);
+// The decode GEMM of one CTA (dynamic shared memory: DecodeCfg<MT, STAGES>::SMEM bytes). Epi:
+// begin() first (every thread); then per row block this CTA finishes (covered whole, or the last of
+// its CTAs to arrive) ready() (every consumer thread: false skips the stores) and finish(j, tok, r0,
+// r1, v) per token block j: v[0..1] the values of row r0 and tokens tok, tok + 1, v[2..3] those of
+// row r1 (tokens past m and rows past n included: Epi skips them).
+template <int DT, int MT, int STAGES, class Epi>
+MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
+  using Cfg = DecodeCfg<MT, STAGES>;
+  extern __shared__ __align__(1024) u8 decode_dyn[];
+  __shared__ u32 s_last;
+  const u32 raw = smem_u32(decode_dyn), smem = (raw + 1023u) & ~1023u;
+  const u32 full0 = smem + Cfg::OFF_BAR, empty0 = full0 + 8 * Cfg::STAGES;
+  const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < Cfg::STAGES; ++s) {
+      mbar_init(full0 + 8 * s, 1);
+      mbar_init(empty0 + 8 * s, MK_DECODE_CONSUMERS / 32);
+    }
+    mbar_fence_init();
+  }
+  if (threadIdx.x == MK_DECODE_CONSUMERS) {
+    tma_prefetch_desc(&args.a_map);
+    tma_prefetch_desc(&args.b_map);
+  }
+  epi.begin();
+  __syncthreads();
+  const u64 kb = (u64)args.kblocks, blocks = ((u64)args.n + MK_DECODE_ROWS - 1) / MK_DECODE_ROWS;
+  const u64 units = blocks * kb, C = (u64)args.ctas, cta = blockIdx.y;
+  const u64 u0 = decode_run_start(cta, units, C), u1 = decode_run_start(cta + 1, units, C);
+  const i64 tok0 = (i64)blockIdx.x * MT;
+  if (threadIdx.x >= MK_DECODE_CONSUMERS) {
+    if (threadIdx.x == MK_DECODE_CONSUMERS) decode_produce<Cfg>(args, smem, u0, u1, (i32)tok0);
     return;
   }
-  float* part = args.partial;
+
+  const u32 g = lane >> 2, t = lane & 3;
+  // ldmatrix rows: b's 16 rows of this warp (matrices: rows 0-7 / 8-15 of the low chunk, then of the
+  // high chunk = a0..a3 of the mma); a's token rows (matrices: 4 consecutive chunks).
+  const u32 b_row = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, b_hi = lane >> 4;
+  const u32 a_row = lane & 7, a_chunk = lane >> 3;
+  u32 it = 0;
+  for (u64 u = u0; u < u1;) {
+    const u64 rb = u / kb, kend = (rb + 1) * kb < u1 ? (rb + 1) * kb : u1;
+    float acc[Cfg::BLOCKS][4];
 #pragma unroll
-  for (int j = 0; j < Cfg::BLOCKS; ++j)
+    for (int j = 0; j < Cfg::BLOCKS; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    for (; u < kend; ++u, ++it) {
+      const u32 s = it % Cfg::STAGES;
+      mbar_wait_timed(full0 + 8 * s, (it / Cfg::STAGES) & 1, args.sync, MK_WAIT_FULL);
+      const u32 sb = smem + s * Cfg::B_BYTES, sa = smem + Cfg::OFF_A + s * Cfg::A_BYTES;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const u64 tok = (u64)tok0 + j * 8 + 2 * t + (e & 1), row = (u64)(e < 2 ? r0 : r1);
-      if (tok < M && row < N) __stcg(part + ((u64)blockIdx.z * M + tok) * N + row, acc[j][e]);
+      for (int h = 0; h < 2; ++h) {  // 32 elements of K: chunks 4h .. 4h + 3
+        u32 tk[Cfg::BLOCKS][4];
+#pragma unroll
+        for (int j = 0; j < Cfg::BLOCKS; ++j) ldsm_x4(tk[j], swz(sa, j * 8 + a_row, 4 * h + a_chunk));
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {  // 16 elements: chunks 4h + 2q, 4h + 2q + 1
+          u32 w[4];
+          ldsm_x4(w, swz(sb, b_row, 4 * h + 2 * q + b_hi));
+#pragma unroll
+          for (int j = 0; j < Cfg::BLOCKS; ++j)
+            mma_16816<DT>(acc[j], w[0], w[1], w[2], w[3], tk[j][2 * q], tk[j][2 * q + 1]);
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty0 + 8 * s);
     }
-  __threadfence();
-  __syncthreads();
-  __shared__ u32 s_last;
-  u32* count = args.counts + blockIdx.y * gridDim.x + blockIdx.x;  // this CTA's rows and tokens
-  if (threadIdx.x == 0) s_last = atomicAdd(count, 1u) + 1 == (u32)args.splits;
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();  // every split's partial (published before its arrival) is visible now
-  if (threadIdx.x == 0) *count = 0;  // zero for the next launch (stream ordered)
-  if (!epi.ready()) return;
-  const u32 S = (u32)args.splits;
+
+    // acc[j]: {row r0: tokens 8j + 2t, 8j + 2t + 1; row r1: the same tokens}
+    const u64 r0 = rb * MK_DECODE_ROWS + warp * 16 + g, r1 = r0 + 8;
+    const u32 first = decode_cta_of(rb * kb, units, C), n_ctas = decode_cta_of((rb + 1) * kb - 1, units, C) - first + 1;
+    if (n_ctas == 1) {
+      if (epi.ready())
 #pragma unroll
-  for (int j = 0; j < Cfg::BLOCKS; ++j) {
-    float v[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const u64 tok = (u64)tok0 + j * 8 + 2 * t + (e & 1), row = (u64)(e < 2 ? r0 : r1);
-      v[e] = 0.f;
-      if (tok < M && row < N)
-        for (u32 s = 0; s < S; ++s) v[e] += __ldcg(part + ((u64)s * M + tok) * N + row);
+        for (int j = 0; j < Cfg::BLOCKS; ++j) epi.finish(j, (u64)tok0 + j * 8 + 2 * t, r0, r1, acc[j]);
+      continue;
     }
-    epi.finish(j, (u64)tok0 + j * 8 + 2 * t, (u64)r0, (u64)r1, v);
+    // Slots in fragment order (the reader is the same thread of the last CTA): coalesced both ways.
+    const u64 block_at = ((u64)blockIdx.x * blocks + rb) * (u64)args.slots;
+    float* mine = args.partial + (block_at + (cta - first)) * Cfg::SLOT + threadIdx.x;
+#pragma unroll
+    for (int j = 0; j < Cfg::BLOCKS; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) __stcg(mine + (j * 4 + e) * MK_DECODE_CONSUMERS, acc[j][e]);
+    __threadfence();
+    decode_consumers_sync();
+    u32* count = args.counts + blockIdx.x * blocks + rb;
+    if (threadIdx.x == 0) s_last = atomicAdd(count, 1u) + 1 == n_ctas;
+    decode_consumers_sync();
+    if (!s_last) continue;
+    __threadfence();  // every slot (published before its arrival) is visible now
+    if (threadIdx.x == 0) *count = 0;  // zero for the next launch (stream ordered)
+    if (!epi.ready()) continue;
+    const float* slot0 = args.partial + block_at * Cfg::SLOT + threadIdx.x;
+#pragma unroll
+    for (int j = 0; j < Cfg::BLOCKS; ++j) {
+      float v[4] = {0.f, 0.f, 0.f, 0.f};
+      for (u32 c = 0; c < n_ctas; ++c)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) v[e] += __ldcg(slot0 + (u64)c * Cfg::SLOT + (j * 4 + e) * MK_DECODE_CONSUMERS);
+      epi.finish(j, (u64)tok0 + j * 8 + 2 * t, r0, r1, v);
+    }
   }
 }

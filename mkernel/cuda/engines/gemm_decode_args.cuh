@@ -2,25 +2,28 @@
 // The argument struct of the decode GEMM (gemm_decode.cu), shared with Python
 // (mkernel/engines/gemm_decode.py mirrors it with ctypes; a CPU test compares the layouts).
 // Plain fixed-width fields only, so that a host C++ compiler reads it too.
+#include "gemm_args.cuh"
 
-// Rows of B (output columns) one CTA covers: 8 warps of 16.
+// Rows of B (output columns) one row block covers: 8 consumer warps of 16; K per stage (128 bytes).
 #define MK_DECODE_ROWS 128
-#define MK_DECODE_THREADS 256
+#define MK_DECODE_BK 64
+#define MK_DECODE_CONSUMERS 256
+#define MK_DECODE_THREADS 288  // the consumers, then one producer warp
 
 struct MkDecodeArgs {
-  const void* a;  // [m, k] rows contiguous, row stride lda elements (the tokens)
-  const void* b;  // [n, k] rows contiguous, row stride ldb elements (the weights, w as stored)
+  TmaDesc a_map;  // a [m, k] (the tokens): dims {k, m}, box {64, MT}, 128B swizzle
+  TmaDesc b_map;  // b [n, k] (the weights as stored): dims {k, n}, box {64, 128}, 128B swizzle
+  MkSync sync;  // the pipeline waits' deadline and error word
   void* out;  // [m, n] row stride ldc elements
-  float* partial;  // splits > 1: [splits][m][n] fp32 partial sums (transient)
-  unsigned int* counts;  // splits > 1: [token groups][ceil(n / MK_DECODE_ROWS)] arrivals, zero between launches
-  long long lda;
-  long long ldb;
+  float* partial;  // [groups][row blocks][slots][MT x 128] fp32 partial sums of shared row blocks
+  unsigned int* counts;  // [groups][row blocks] arrivals, zero between launches
   long long ldc;
   int m;
   int n;
   int k;
-  int splits;  // K ranges, one per blockIdx.y
-  int k_split;  // elements of K per range (a multiple of 32 x the unroll)
+  int kblocks;  // ceil(k / MK_DECODE_BK)
+  int ctas;  // CTAs per token group (gridDim.y): each takes an equal run of (row block, k-block) units
+  int slots;  // partial slots per row block (at least its most contributing CTAs)
   unsigned int epi_op;  // MK_EPI_STORE or MK_EPI_ADD (gemm_args.cuh)
-  unsigned int pad[2];
+  unsigned int pad[15];
 };

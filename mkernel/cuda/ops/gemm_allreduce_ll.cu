@@ -31,17 +31,17 @@ struct DecodePush {
   MK_DEV MkPeers peers() const { return MkPeers{a.peer_base, (u32)a.world, (u32)a.me}; }
   MK_DEV void begin() {
     if (threadIdx.x != 0) return;
-    *s_epoch = launch_epoch(a.sync);
+    *s_epoch = launch_epoch(a.g.sync);
     if (atomicAdd(&a.counters[LL_CNT_ENTER], 1u) == 0) credits_announce(peers(), *s_epoch);
   }
   MK_DEV bool ready() {
-    __syncthreads();
+    decode_consumers_sync();
     if (threadIdx.x == 0) {
       int ok = 1;
-      for (u32 d = 0; d < (u32)a.world && ok; ++d) ok = credits_wait(a.sync, peers(), d, *s_epoch) ? 1 : 0;
+      for (u32 d = 0; d < (u32)a.world && ok; ++d) ok = credits_wait(a.g.sync, peers(), d, *s_epoch) ? 1 : 0;
       *s_ok = ok;
     }
-    __syncthreads();
+    decode_consumers_sync();
     return *s_ok != 0;
   }
   MK_DEV void finish(int, u64 tok, u64 r0, u64 r1, const float (&v)[4]) {
@@ -56,14 +56,14 @@ struct DecodePush {
   }
 };
 
-template <int DT, int MT, int U>
-__global__ void __launch_bounds__(MK_DECODE_THREADS, 2)
+template <int DT, int MT, int STAGES>
+__global__ void __launch_bounds__(MK_DECODE_THREADS, (DecodeCfg<MT, STAGES>::RESIDENT))
     mk_gemm_allreduce_ll_push(const __grid_constant__ MkDecodePushArgs args) {
   __shared__ u32 s_epoch;
   __shared__ int s_ok;
   asm volatile("griddepcontrol.launch_dependents;");  // the sum kernel may start (config.tp_latency_ll_overlap)
   DecodePush<DT> epi{args, &s_epoch, &s_ok};
-  decode_gemm<DT, MT, U>(args.g, epi);
+  decode_gemm<DT, MT, STAGES>(args.g, epi);
 }
 
 // Waits until the LL word at p carries epoch E; false after recording a timeout (or another
@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(LL_REDUCE_THREADS, 1)
   launch_exit(a.sync, E);
 }
 
-static_assert(sizeof(MkDecodePushArgs) == 216,
+static_assert(sizeof(MkDecodePushArgs) == 512,
               "MkDecodePushArgs layout changed: update mkernel/ops/gemm_allreduce_ll.py");
 static_assert(sizeof(MkAllreduceLLArgs) == 136,
               "MkAllreduceLLArgs layout changed: update mkernel/ops/gemm_allreduce_ll.py");

@@ -13,15 +13,14 @@
 #define LL_REDUCE_THREADS 512
 
 struct MkDecodePushArgs {
-  MkDecodeArgs g;  // the decode GEMM (g.out unused)
-  MkSync sync;
+  MkDecodeArgs g;  // the decode GEMM (g.out unused; g.sync the op's)
   const unsigned long long* peer_base;  // the node's workspace bases
   unsigned long long ll_off;  // [world][n][pairs] LL words in every rank's workspace (the plan's own)
   unsigned int* counters;  // [LL_CNT_WORDS]
   int pairs;  // token pairs: ceil(m / 2)
   int world;
   int me;
-  unsigned int pad[3];
+  unsigned int pad[7];
 };
 
 struct MkAllreduceLLArgs {
