@@ -60,7 +60,7 @@ class Config:
     gemm_tflops: float = 650.0
     # mkernel.gemm at M up to this (0: never; at most 256) with B as [N, K] takes the decode path
     # (gemm_decode.py); above, the engine (split K where its tiles are few).
-    gemm_decode_max_m: int = 16
+    gemm_decode_max_m: int = 32
     # The decode path's tokens per CTA above 64 tokens: groups of 32 (CTAs side by side, B read
     # again from L2) or 64.
     gemm_decode_group: int = 32

@@ -37,13 +37,13 @@ def test_runs_cut_the_units_evenly_and_slots_hold_every_block(N, K, st, groups):
 
 
 def test_the_path_is_chosen_by_shape_layout_and_knob():
-    assert dec.eligible(1, 4096, True, controls=False) and dec.eligible(16, 4096, True, controls=False)
-    assert not dec.eligible(17, 4096, True, controls=False)  # 17-64 tokens: the engine with split K
+    assert dec.eligible(1, 4096, True, controls=False) and dec.eligible(32, 4096, True, controls=False)
+    assert not dec.eligible(33, 4096, True, controls=False)  # 33 tokens and more: the engine with split K
     assert not dec.eligible(8, 4096, False, controls=False)  # B as [K, N]: the engine
     assert not dec.eligible(8, 4096, True, controls=True)  # a fused op's controls address the engine's tiles
     assert not dec.eligible(8, dec.MAX_N + 1, True, controls=False)
-    with config.override(gemm_decode_max_m=32):
-        assert dec.eligible(32, 4096, True, controls=False) and not dec.eligible(33, 4096, True, controls=False)
+    with config.override(gemm_decode_max_m=16):
+        assert dec.eligible(16, 4096, True, controls=False) and not dec.eligible(17, 4096, True, controls=False)
     with config.override(gemm_decode_max_m=0):
         assert not dec.eligible(1, 4096, True, controls=False)
     assert [dec.m_tile(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == \

@@ -66,6 +66,14 @@ MK_DEV void ldsm_x4(u32 (&r)[4], u32 addr) {
 // 16-byte chunk c of row r of a 128B-swizzled box of 128-byte rows (1 KiB aligned).
 MK_DEV u32 swz(u32 base, u32 r, u32 c) { return base + r * 128u + ((c ^ (r & 7u)) << 4); }
 
+// An arrival that publishes what this thread observed (bar.sync included: the CTA's slot stores
+// before it) and acquires the earlier arrivals' (the last arrival reads every CTA's slot).
+MK_DEV u32 atom_add_acq_rel_gpu(u32* p, u32 v) {
+  u32 old;
+  asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
 // The consumers' barrier (named barrier 1; the producer warp never takes part): for epilogues.
 MK_DEV void decode_consumers_sync() { named_bar_sync(1, MK_DECODE_CONSUMERS); }
 
@@ -211,13 +219,11 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
     for (int j = 0; j < Cfg::BLOCKS; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) __stcg(mine + (j * 4 + e) * MK_DECODE_CONSUMERS, acc[j][e]);
-    __threadfence();
-    decode_consumers_sync();
+    decode_consumers_sync();  // every thread's slot stores precede thread 0's release
     u32* count = args.counts + blockIdx.x * blocks + rb;
-    if (threadIdx.x == 0) s_last = atomicAdd(count, 1u) + 1 == n_ctas;
-    decode_consumers_sync();
+    if (threadIdx.x == 0) s_last = atom_add_acq_rel_gpu(count, 1u) + 1 == n_ctas;
+    decode_consumers_sync();  // the last arrival's acquire precedes every thread's slot reads
     if (!s_last) continue;
-    __threadfence();  // every slot (published before its arrival) is visible now
     if (threadIdx.x == 0) *count = 0;  // zero for the next launch (stream ordered)
     if (!epi.ready()) continue;
     const float* slot0 = args.partial + block_at * Cfg::SLOT + threadIdx.x;
