@@ -66,6 +66,9 @@ class Config:
     gemm_decode_group: int = 32
     # The decode path's ring of TMA stages: 4 (two CTAs per SM) or 8 (one); 0: the default (8).
     gemm_decode_stages: int = 0
+    # How the decode path cuts its (row block, k-block) units: "stream" (equal runs over every CTA
+    # slot, row blocks shared by 2-3 CTAs) or "even" (each row block in the same number of runs).
+    gemm_decode_split: str = "stream"
     # mkernel.gemm splits K when the output has too few 128 x 256 tiles to fill the SMs and K is
     # long (engines/gemm.py split_k); False: one CTA per tile
     gemm_split_k: bool = True
@@ -80,6 +83,8 @@ class Config:
                                                              "tp_latency_ll_max_rows")
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if zero_ok else 1):
                 raise ArgumentError(f"{name} must be a {'non-negative' if zero_ok else 'positive'} integer; got {v!r}")
+        if self.gemm_decode_split not in ("stream", "even"):
+            raise ArgumentError(f"gemm_decode_split must be \"stream\" or \"even\"; got {self.gemm_decode_split!r}")
         if self.gemm_decode_stages not in (0, 4, 8):
             raise ArgumentError(f"gemm_decode_stages must be 0, 4 or 8; got {self.gemm_decode_stages!r}")
         if self.gemm_decode_group not in (32, 64):

@@ -69,7 +69,7 @@ class MkDecodeArgs(ctypes.Structure):
 def knobs() -> tuple:
     """The config knobs that pick the decode path's kernel and grid (part of a launch plan's key)."""
     c = config.get()
-    return c.gemm_decode_max_m, c.gemm_decode_group, c.gemm_decode_stages
+    return c.gemm_decode_max_m, c.gemm_decode_group, c.gemm_decode_stages, c.gemm_decode_split
 
 
 def eligible(M: int, N: int, layout_nk: bool, *, controls: bool) -> bool:
@@ -93,13 +93,17 @@ def cta_of(x: int, units: int, ctas: int) -> int:
 
 def runs(N: int, K: int, groups: int = 1, st: int = None) -> tuple:
     """(ctas, slots): CTAs per token group, each an equal run of the (row block, k-block) units
-    (together SPLIT_SMS SMs at the ring's residency, at most one per unit), and the partial slots a
+    (together SPLIT_SMS SMs at the ring's residency, at most one per unit; config.gemm_decode_split
+    "even": a multiple of the row blocks, so that each is cut alike), and the partial slots a
     row block may need (a run is at least units // ctas long, so a block meets at most
     ceil(kblocks / that) + 1 runs); a function of the shape and the knobs only."""
     st = st or stages()
     kblocks, blocks = -(-K // BK), -(-N // ROWS)
     units = blocks * kblocks
-    ctas = max(1, min(units, resident(st) * SPLIT_SMS // groups))
+    cap = max(1, resident(st) * SPLIT_SMS // groups)
+    if config.get().gemm_decode_split == "even" and blocks <= cap:
+        cap = blocks * (cap // blocks)  # every row block in cap // blocks runs
+    ctas = min(units, cap)
     return ctas, min(ctas, -(-kblocks // (units // ctas)) + 1)
 
 

@@ -21,8 +21,10 @@ def test_args_mirror_matches_c_layout(tmp_path):
                                  (8200, 1032), (3000, 2000), (8, 8), (264, 136), (128, 512), (100000, 64)])
 @pytest.mark.parametrize("st", dec.STAGES)
 @pytest.mark.parametrize("groups", [1, 3])
-def test_runs_cut_the_units_evenly_and_slots_hold_every_block(N, K, st, groups):
-    ctas, slots = dec.runs(N, K, groups, st)  # the shape alone: the same bits on any number of SMs
+@pytest.mark.parametrize("split", ["stream", "even"])
+def test_runs_cut_the_units_evenly_and_slots_hold_every_block(N, K, st, groups, split):
+    with config.override(gemm_decode_split=split):
+        ctas, slots = dec.runs(N, K, groups, st)  # the shape alone: the same bits on any number of SMs
     kb, blocks = -(-K // dec.BK), -(-N // dec.ROWS)
     units = kb * blocks
     assert 1 <= ctas <= units and ctas * groups <= dec.resident(st) * dec.SPLIT_SMS
@@ -34,6 +36,8 @@ def test_runs_cut_the_units_evenly_and_slots_hold_every_block(N, K, st, groups):
         assert starts[c] <= x < starts[c + 1]
     most = max(dec.cta_of((b + 1) * kb - 1, units, ctas) - dec.cta_of(b * kb, units, ctas) + 1 for b in range(blocks))
     assert most <= slots <= ctas
+    if split == "even" and blocks <= dec.resident(st) * dec.SPLIT_SMS // groups and ctas < units:
+        assert ctas % blocks == 0
 
 
 def test_the_path_is_chosen_by_shape_layout_and_knob():
@@ -65,8 +69,9 @@ def test_stages_knob_picks_instantiated_kernels():
             assert all(dec.kernel_expr(0, 0, mt, st) in dec.EXPRESSIONS for mt in dec.M_TILES)
             # two CTAs of 4 stages (or one of 8) fit an SM's 227 KiB of shared memory
             assert all(dec.resident(st) * (dec.smem_bytes(mt, st) + 1024) <= 228 * 1024 for mt in dec.M_TILES)
-    with pytest.raises(ArgumentError), config.override(gemm_decode_stages=6):
-        pass
+    for bad in ({"gemm_decode_stages": 6}, {"gemm_decode_split": "k"}):
+        with pytest.raises(ArgumentError), config.override(**bad):
+            pass
 
 
 @pytest.fixture(scope="module")
