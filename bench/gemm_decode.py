@@ -122,7 +122,7 @@ def main():
         settings = {}
         if kind == "decode":  # the decode path's knobs (taking up to 256 rows)
             settings = {"stages4": {"gemm_decode_stages": 4}, "stages8": {"gemm_decode_stages": 8},
-                        "even": {"gemm_decode_split": "even"}}
+                        "stream": {"gemm_decode_split": "stream"}}
             if M > 64:
                 settings.update(group32={"gemm_decode_group": 32}, group64={"gemm_decode_group": 64})
             settings = {k: dict(v, gemm_decode_max_m=256) for k, v in settings.items()}

@@ -66,9 +66,9 @@ class Config:
     gemm_decode_group: int = 32
     # The decode path's ring of TMA stages: 4 (two CTAs per SM) or 8 (one); 0: the default (8).
     gemm_decode_stages: int = 0
-    # How the decode path cuts its (row block, k-block) units: "stream" (equal runs over every CTA
-    # slot, row blocks shared by 2-3 CTAs) or "even" (each row block in the same number of runs).
-    gemm_decode_split: str = "stream"
+    # How the decode path cuts its (row block, k-block) units: "even" (each row block in the same
+    # number of runs, measured faster: bench/NOTES.md) or "stream" (equal runs over every CTA slot).
+    gemm_decode_split: str = "even"
     # mkernel.gemm splits K when the output has too few 128 x 256 tiles to fill the SMs and K is
     # long (engines/gemm.py split_k); False: one CTA per tile
     gemm_split_k: bool = True

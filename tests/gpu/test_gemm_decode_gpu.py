@@ -117,10 +117,11 @@ def test_token_groups_exact_and_the_same_bits_as_one_group(M, N, K, group, decod
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("knobs", [{"gemm_decode_stages": 4}, {"gemm_decode_stages": 8}, {"gemm_decode_split": "even"}])
+@pytest.mark.parametrize("knobs", [{"gemm_decode_stages": 4}, {"gemm_decode_stages": 8},
+                                   {"gemm_decode_split": "stream"}])
 @pytest.mark.parametrize("M,N,K", [(1, 4096, 8192), (24, 1032, 4104), (64, 520, 2056)])
 def test_stage_variants_exact(M, N, K, knobs, decode_calls):
-    """The benchmark's variants (4 stages at two CTAs per SM, 8 at one; row blocks cut alike):
+    """The benchmark's variants (4 stages at two CTAs per SM, 8 at one; stream-K's equal runs):
     integer inputs exact."""
     a, w = _inputs(41 + M, M, N, K, BF16, integer=True)
     with config.override(**knobs):

@@ -4,9 +4,9 @@
 // producer warp whose one thread streams 64-element k-blocks of b (128 rows) and of a (MT tokens,
 // group blockIdx.x) with TMA into a STAGES-deep ring (128B swizzle; consumers read it by ldmatrix).
 //
-// Stream-K: the (row block, k-block) units of a token group, row block major, are cut into
-// args.ctas equal runs, one per CTA (blockIdx.y); a function of the shape only, so the bits are the
-// same on any number of SMs. A row block that one CTA covers whole is stored at once; one shared by
+// Runs: the (row block, k-block) units of a token group, row block major, are cut into args.ctas
+// equal runs, one per CTA (blockIdx.y; the host picks a multiple of the row blocks, or stream-K's
+// one per SM); a function of the shape only, so the bits are the same on any number of SMs. A row block that one CTA covers whole is stored at once; one shared by
 // several: each stores its fp32 partial in its slot (its rank among the block's CTAs) and the last to
 // arrive adds the slots in slot order and stores out: bitwise reproducible run to run.
 //
