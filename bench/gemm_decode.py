@@ -121,7 +121,7 @@ def main():
 
         settings = {}
         if kind == "decode":  # the decode path's knobs (taking up to 256 rows)
-            settings = {"stages4": {"gemm_decode_stages": 4}, "stages8": {"gemm_decode_stages": 8},
+            settings = {"rows64": {"gemm_decode_rows": 64}, "rows128": {"gemm_decode_rows": 128},
                         "stream": {"gemm_decode_split": "stream"}}
             if M > 64:
                 settings.update(group32={"gemm_decode_group": 32}, group64={"gemm_decode_group": 64})

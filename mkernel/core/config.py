@@ -64,8 +64,8 @@ class Config:
     # The decode path's tokens per CTA above 64 tokens: groups of 32 (CTAs side by side, B read
     # again from L2) or 64.
     gemm_decode_group: int = 32
-    # The decode path's ring of TMA stages: 4 (two CTAs per SM) or 8 (one); 0: the default (8).
-    gemm_decode_stages: int = 0
+    # The decode path's rows of B per CTA: 64 or 128; 0: by shape (gemm_decode.row_block).
+    gemm_decode_rows: int = 0
     # How the decode path cuts its (row block, k-block) units: "even" (each row block in the same
     # number of runs, measured faster: bench/NOTES.md) or "stream" (equal runs over every CTA slot).
     gemm_decode_split: str = "even"
@@ -85,8 +85,8 @@ class Config:
                 raise ArgumentError(f"{name} must be a {'non-negative' if zero_ok else 'positive'} integer; got {v!r}")
         if self.gemm_decode_split not in ("stream", "even"):
             raise ArgumentError(f"gemm_decode_split must be \"stream\" or \"even\"; got {self.gemm_decode_split!r}")
-        if self.gemm_decode_stages not in (0, 4, 8):
-            raise ArgumentError(f"gemm_decode_stages must be 0, 4 or 8; got {self.gemm_decode_stages!r}")
+        if self.gemm_decode_rows not in (0, 64, 128):
+            raise ArgumentError(f"gemm_decode_rows must be 0, 64 or 128; got {self.gemm_decode_rows!r}")
         if self.gemm_decode_group not in (32, 64):
             raise ArgumentError(f"gemm_decode_group must be 32 or 64; got {self.gemm_decode_group!r}")
         if not (isinstance(self.tp_join_reduce, bool) or self.tp_join_reduce == "auto"):

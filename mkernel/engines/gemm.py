@@ -330,10 +330,11 @@ def _launch(cupy, *, a, b_arr, layout, N, K, M, G, out, out_code, group_rows, ep
 def _launch_decode(a, b_arr, out, out_code, *, M, N, K, accumulate, stream):
     """The decode path's launch; returns its plan (the buffer it uses rides along, kept alive)."""
     ws = workspace(stream)
-    fn, grid, args, buffer, smem = _decode.build(a, b_arr, out, out_code, M=M, N=N, K=K, accumulate=accumulate,
-                                                 sync=ws.sync(), partial=ws.decode_partials)
-    launch(fn, grid, (_decode.THREADS,), args, smem=smem, stream=stream)
-    return (fn, grid, (_decode.THREADS,), args, smem, buffer)
+    fn, grid, block, args, buffer, smem = _decode.build(a, b_arr, out, out_code, M=M, N=N, K=K,
+                                                        accumulate=accumulate, sync=ws.sync(),
+                                                        partial=ws.decode_partials)
+    launch(fn, grid, block, args, smem=smem, stream=stream)
+    return (fn, grid, block, args, smem, buffer)
 
 
 # Launch plans of gemm() calls that passed `out` (launch.PlanCache).

@@ -2,8 +2,8 @@
 as ``w.T``), bound by reading the weights once (kernel and protocol: mkernel/cuda/engines/gemm_decode.cuh).
 
 ``gemm`` takes this path by shape (:func:`eligible`: M up to ``config.gemm_decode_max_m``, B as
-[N, K], none of the fused ops' controls). A CTA is 8 consumer warps (128 rows of B) fed by a TMA
-producer warp; the (row block, k-block) units are cut into equal runs, one per CTA, each row block
+[N, K], none of the fused ops' controls). A CTA is 4 or 8 consumer warps (64 or 128 rows of B)
+fed by a TMA producer warp; the (row block, k-block) units are cut into equal runs, one per CTA, each row block
 in the same number of runs (or stream-K: config.gemm_decode_split), a function of the shape only.
 Row blocks shared by several CTAs are added from fp32 partials in a fixed order: bitwise
 reproducible run to run and on any number of SMs. The partials live in the stream's workspace
@@ -18,12 +18,9 @@ from mkernel.runtime import tma as _tma
 from mkernel.runtime.arrays import DT
 from mkernel.runtime.sync import MkSync
 
-ROWS = 128  # MK_DECODE_ROWS: rows of B per row block
 BK = 64  # MK_DECODE_BK: elements of K per stage
-THREADS = 288  # MK_DECODE_THREADS: 8 consumer warps and a producer warp
+ROW_BLOCKS = (64, 128)  # rows of B per CTA (ROWS / 16 consumer warps and a producer warp)
 M_TILES = (8, 16, 32, 64)  # token columns of the instantiations
-STAGES = (4, 8)  # ring depths: 4 (two CTAs per SM), 8 (one)
-DEFAULT_STAGES = 8
 MAX_M = 256  # tokens the path takes at most (config.gemm_decode_max_m picks up to this)
 MAX_N = 1 << 24  # rows of B: keeps the counts and the partials' index small
 # The runs are planned for this many SMs whatever the device has (H100 / H200: 132), so that the
@@ -32,27 +29,25 @@ SPLIT_SMS = 132
 OUT_F32 = 2
 
 
-def stages() -> int:
-    """The ring depth (config.gemm_decode_stages, 0: DEFAULT_STAGES)."""
-    return config.get().gemm_decode_stages or DEFAULT_STAGES
+def threads(rows: int) -> int:
+    """Threads of a CTA of `rows` rows (DecodeCfg::THREADS)."""
+    return 2 * rows + 32
 
 
-def resident(st: int) -> int:
-    """CTAs per SM of a ring of st stages (DecodeCfg::RESIDENT)."""
-    return 2 if st == 4 else 1
+def smem_bytes(mt: int, rows: int) -> int:
+    """Dynamic shared memory of an instantiation (DecodeCfg::SMEM): 128 KiB of B in flight, the
+    ring within 200 KiB."""
+    b, stage = rows * BK * 2, (rows + mt) * BK * 2
+    stages = (128 << 10) // b if (128 << 10) // b * stage <= 200 << 10 else (200 << 10) // stage
+    return stages * stage + 16 * stages + 1024
 
 
-def smem_bytes(mt: int, st: int) -> int:
-    """Dynamic shared memory of an instantiation (DecodeCfg::SMEM)."""
-    return st * (ROWS * BK * 2 + mt * BK * 2) + 16 * st + 1024
+def kernel_expr(dt: int, out: int, mt: int, rows: int) -> str:
+    return f"mk_gemm_decode_kernel<{dt},{out},{mt},{rows}>"
 
 
-def kernel_expr(dt: int, out: int, mt: int, st: int) -> str:
-    return f"mk_gemm_decode_kernel<{dt},{out},{mt},{st}>"
-
-
-EXPRESSIONS = tuple(kernel_expr(dt, out, mt, st) for dt in (0, 1) for out in (dt, OUT_F32) for mt in M_TILES
-                    for st in STAGES)
+EXPRESSIONS = tuple(kernel_expr(dt, out, mt, rows) for dt in (0, 1) for out in (dt, OUT_F32) for mt in M_TILES
+                    for rows in ROW_BLOCKS)
 SPEC = _compile.register("gemm_decode", "gemm_decode.cu", EXPRESSIONS, hot=True)
 
 
@@ -69,7 +64,7 @@ class MkDecodeArgs(ctypes.Structure):
 def knobs() -> tuple:
     """The config knobs that pick the decode path's kernel and grid (part of a launch plan's key)."""
     c = config.get()
-    return c.gemm_decode_max_m, c.gemm_decode_group, c.gemm_decode_stages, c.gemm_decode_split
+    return c.gemm_decode_max_m, c.gemm_decode_group, c.gemm_decode_rows, c.gemm_decode_split
 
 
 def eligible(M: int, N: int, layout_nk: bool, *, controls: bool) -> bool:
@@ -91,20 +86,30 @@ def cta_of(x: int, units: int, ctas: int) -> int:
     return ((x + 1) * ctas - 1) // units
 
 
-def runs(N: int, K: int, groups: int = 1, st: int = None) -> tuple:
+def runs(N: int, K: int, groups: int = 1, rows: int = 128) -> tuple:
     """(ctas, slots): CTAs per token group, each an equal run of the (row block, k-block) units
-    (together SPLIT_SMS SMs at the ring's residency, at most one per unit; config.gemm_decode_split
-    "even": a multiple of the row blocks, so that each is cut alike), and the partial slots a
-    row block may need (a run is at least units // ctas long, so a block meets at most
-    ceil(kblocks / that) + 1 runs); a function of the shape and the knobs only."""
-    st = st or stages()
-    kblocks, blocks = -(-K // BK), -(-N // ROWS)
+    (together at most SPLIT_SMS, one per unit at most; config.gemm_decode_split "even": a multiple
+    of the row blocks, so that each is cut alike), and the partial slots a row block may need (a
+    run is at least units // ctas long, so a block meets at most ceil(kblocks / that) + 1 runs);
+    a function of the shape and the knobs only."""
+    kblocks, blocks = -(-K // BK), -(-N // rows)
     units = blocks * kblocks
-    cap = max(1, resident(st) * SPLIT_SMS // groups)
+    cap = max(1, SPLIT_SMS // groups)
     if config.get().gemm_decode_split == "even" and blocks <= cap:
         cap = blocks * (cap // blocks)  # every row block in cap // blocks runs
     ctas = min(units, cap)
     return ctas, min(ctas, -(-kblocks // (units // ctas)) + 1)
+
+
+def row_block(N: int, K: int, groups: int = 1) -> int:
+    """Rows of B per CTA (config.gemm_decode_rows, or by shape): of the sizes whose row blocks fit
+    SPLIT_SMS CTAs, the one cutting each block into the fewest runs (a shared block costs a
+    reduction at the end), the larger on a tie."""
+    if config.get().gemm_decode_rows:
+        return config.get().gemm_decode_rows
+    cap = max(1, SPLIT_SMS // groups)
+    fits = [r for r in ROW_BLOCKS if -(-N // r) <= cap] or [ROW_BLOCKS[-1]]
+    return min(fits, key=lambda r: (runs(N, K, groups, r)[0] / -(-N // r), -r))
 
 
 def _row_stride(x) -> int:
@@ -112,16 +117,16 @@ def _row_stride(x) -> int:
 
 
 def build(a, b_arr, out, out_code, *, M, N, K, accumulate, sync, partial):
-    """(function, grid, args, buffer, smem) of one launch. ``partial(nbytes, blocks)`` returns the
+    """(function, grid, block, args, buffer, smem) of one launch. ``partial(nbytes, blocks)`` returns the
     stream's (partials, counts) buffer of at least that size (only called when row blocks are shared)."""
     mt, groups = m_tile(M)
-    st = stages()
-    ctas, slots = runs(N, K, groups, st)
-    blocks = -(-N // ROWS)
+    rows = row_block(N, K, groups)
+    ctas, slots = runs(N, K, groups, rows)
+    blocks = -(-N // rows)
     tdt = _tma.DTYPE_BFLOAT16 if a.dtype.name == "bfloat16" else _tma.DTYPE_FLOAT16
     args = MkDecodeArgs()
     args.a_map = _tma.encode_tiled(tdt, a.data.ptr, (K, M), (_row_stride(a),), (BK, mt))
-    args.b_map = _tma.encode_tiled(tdt, b_arr.data.ptr, (K, N), (_row_stride(b_arr),), (BK, ROWS))
+    args.b_map = _tma.encode_tiled(tdt, b_arr.data.ptr, (K, N), (_row_stride(b_arr),), (BK, rows))
     args.sync = sync
     args.out = out.data.ptr
     args.ldc = _row_stride(out) // out.itemsize
@@ -129,10 +134,10 @@ def build(a, b_arr, out, out_code, *, M, N, K, accumulate, sync, partial):
     args.epi_op = 1 if accumulate else 0
     buffer = None
     if slots > 1:
-        buffer = partial(groups * blocks * slots * mt * ROWS * 4, groups * blocks)
+        buffer = partial(groups * blocks * slots * mt * rows * 4, groups * blocks)
         args.partial, args.counts = buffer.partial_ptr, buffer.counts_ptr
-    fn = _compile.module(SPEC).function(kernel_expr(DT[a.dtype.name], out_code, mt, st))
-    return fn, (groups, ctas), args, buffer, smem_bytes(mt, st)
+    fn = _compile.module(SPEC).function(kernel_expr(DT[a.dtype.name], out_code, mt, rows))
+    return fn, (groups, ctas), (threads(rows),), args, buffer, smem_bytes(mt, rows)
 
 
 class Partials:

@@ -25,7 +25,7 @@ from mkernel.runtime.sync import MkSync
 OP = "gemm_allreduce"
 PUSH, REDUCE = "mk_gemm_allreduce_ll_push", "mk_allreduce_ll_reduce"
 M_TILES = (8, 16)  # the decode instantiations it pushes from
-EXPRESSIONS = tuple(f"{PUSH}<{dt},{mt},{st}>" for dt in (0, 1) for mt in M_TILES for st in _decode.STAGES) + \
+EXPRESSIONS = tuple(f"{PUSH}<{dt},{mt},{rows}>" for dt in (0, 1) for mt in M_TILES for rows in _decode.ROW_BLOCKS) + \
     tuple(f"{REDUCE}<{dt}>" for dt in (0, 1))
 SPEC = _compile.register("gemm_allreduce_ll", "gemm_allreduce_ll.cu", EXPRESSIONS, hot=True)
 REDUCE_THREADS = 512  # LL_REDUCE_THREADS
@@ -62,8 +62,9 @@ def run(comm, c, stream):
     plan = tp.plan_buffers("gemm_allreduce_ll", comm, plan_key, [("ll", (W, c.N, pairs, 2), "uint32")],
                            counter_words=CNT_WORDS)
     sync = comm.sync_args(OP)
-    _, grid, g, buffer, smem = _decode.build(c.a, c.b, c.out, tp.DT[dt.name], M=c.M, N=c.N, K=c.K, accumulate=False,
-                                              sync=sync, partial=_gemm.workspace(stream).decode_partials)
+    _, grid, block, g, buffer, smem = _decode.build(c.a, c.b, c.out, tp.DT[dt.name], M=c.M, N=c.N, K=c.K,
+                                                     accumulate=False, sync=sync,
+                                                     partial=_gemm.workspace(stream).decode_partials)
     push = MkDecodePushArgs(g=g, peer_base=comm.peer_table.data.ptr, ll_off=comm.offset_of(plan["ll"]),
                             counters=plan["counters"].data.ptr, pairs=pairs, world=W, me=comm.local_rank)
     mt = _decode.m_tile(c.M)[0]
@@ -72,8 +73,8 @@ def run(comm, c, stream):
                             counters=push.counters, ldo=tp._row_stride(c.out) // dt.itemsize, m=c.M, n=c.N,
                             pairs=pairs, world=W, me=comm.local_rank)
     blocks = max(1, min(-(-c.N * pairs // REDUCE_THREADS), launch.sm_count()))
-    launches = ((module.function(f"{PUSH}<{tp.DT[dt.name]},{mt},{_decode.stages()}>"), grid, (_decode.THREADS,),
-                 push, smem),
+    rows = _decode.row_block(c.N, c.K)  # the row block build() chose (one token group)
+    launches = ((module.function(f"{PUSH}<{tp.DT[dt.name]},{mt},{rows}>"), grid, block, push, smem),
                 (module.function(f"{REDUCE}<{tp.DT[dt.name]}>"), (blocks,), (REDUCE_THREADS,), red, 0,
                  config.get().tp_latency_ll_overlap))
     launch_all(launches, stream)

@@ -19,15 +19,15 @@ def test_args_mirror_matches_c_layout(tmp_path):
 
 @pytest.mark.parametrize("N,K", [(8192, 8192), (4096, 14336), (14336, 4096), (10240, 8192), (8192, 28672),
                                  (8200, 1032), (3000, 2000), (8, 8), (264, 136), (128, 512), (100000, 64)])
-@pytest.mark.parametrize("st", dec.STAGES)
+@pytest.mark.parametrize("rows", dec.ROW_BLOCKS)
 @pytest.mark.parametrize("groups", [1, 3])
 @pytest.mark.parametrize("split", ["stream", "even"])
-def test_runs_cut_the_units_evenly_and_slots_hold_every_block(N, K, st, groups, split):
+def test_runs_cut_the_units_evenly_and_slots_hold_every_block(N, K, rows, groups, split):
     with config.override(gemm_decode_split=split):
-        ctas, slots = dec.runs(N, K, groups, st)  # the shape alone: the same bits on any number of SMs
-    kb, blocks = -(-K // dec.BK), -(-N // dec.ROWS)
+        ctas, slots = dec.runs(N, K, groups, rows)  # the shape alone: the same bits on any number of SMs
+    kb, blocks = -(-K // dec.BK), -(-N // rows)
     units = kb * blocks
-    assert 1 <= ctas <= units and ctas * groups <= dec.resident(st) * dec.SPLIT_SMS
+    assert 1 <= ctas <= units and ctas * groups <= dec.SPLIT_SMS
     starts = [c * units // ctas for c in range(ctas + 1)]
     lengths = [b - a for a, b in zip(starts, starts[1:])]
     assert min(lengths) >= 1 and max(lengths) - min(lengths) <= 1  # equal runs, none empty
@@ -36,7 +36,7 @@ def test_runs_cut_the_units_evenly_and_slots_hold_every_block(N, K, st, groups, 
         assert starts[c] <= x < starts[c + 1]
     most = max(dec.cta_of((b + 1) * kb - 1, units, ctas) - dec.cta_of(b * kb, units, ctas) + 1 for b in range(blocks))
     assert most <= slots <= ctas
-    if split == "even" and blocks <= dec.resident(st) * dec.SPLIT_SMS // groups and ctas < units:
+    if split == "even" and blocks <= dec.SPLIT_SMS // groups and ctas < units:
         assert ctas % blocks == 0
 
 
@@ -61,15 +61,16 @@ def test_the_path_is_chosen_by_shape_layout_and_knob():
         pass
 
 
-def test_stages_knob_picks_instantiated_kernels():
-    assert dec.stages() == dec.DEFAULT_STAGES
-    for st in dec.STAGES:
-        with config.override(gemm_decode_stages=st):
-            assert dec.stages() == st
-            assert all(dec.kernel_expr(0, 0, mt, st) in dec.EXPRESSIONS for mt in dec.M_TILES)
-            # two CTAs of 4 stages (or one of 8) fit an SM's 227 KiB of shared memory
-            assert all(dec.resident(st) * (dec.smem_bytes(mt, st) + 1024) <= 228 * 1024 for mt in dec.M_TILES)
-    for bad in ({"gemm_decode_stages": 6}, {"gemm_decode_split": "k"}):
+def test_row_blocks_by_shape_and_knob():
+    # fewest runs per row block: 64 rows where 128 blocks fill the SMs, 128 where 64-row blocks do not fit
+    assert [dec.row_block(N, K) for N, K in ((8192, 8192), (4096, 14336), (14336, 4096), (10240, 8192))] == \
+        [64, 64, 128, 128]
+    for rows in dec.ROW_BLOCKS:
+        with config.override(gemm_decode_rows=rows):
+            assert dec.row_block(8192, 8192) == rows
+            assert all(dec.kernel_expr(0, 0, mt, rows) in dec.EXPRESSIONS for mt in dec.M_TILES)
+            assert all(dec.smem_bytes(mt, rows) <= 227 * 1024 for mt in dec.M_TILES)  # one CTA per SM
+    for bad in ({"gemm_decode_rows": 96}, {"gemm_decode_split": "k"}):
         with pytest.raises(ArgumentError), config.override(**bad):
             pass
 
@@ -85,10 +86,10 @@ def test_every_instantiation_compiles_in_its_residency_of_registers(compiled):
     assert len(funcs) == len(dec.EXPRESSIONS), funcs
     for expr, name in compiled.lowered.items():
         res = funcs[name]
-        st = int(expr.rstrip(">").split(",")[-1])
+        rows = int(expr.rstrip(">").split(",")[-1])
         assert res.get("stack", 0) == 0, (name, res)
         assert res.get("spill_stores", 0) == 0 and res.get("spill_loads", 0) == 0, (name, res)
-        assert res.get("registers", 0) * dec.THREADS * dec.resident(st) <= 65536, (name, res)
+        assert res.get("registers", 0) * dec.threads(rows) <= 65536, (name, res)
     assert not compiled.resources["warnings"], compiled.resources["warnings"]
 
 

@@ -86,7 +86,9 @@ def test_random_inputs_against_float64(M, N, K, kind, decode_calls):
     got = host(_run(a, w, dt)).astype(np.float64)
     ref = a @ w.T
     assert np.isfinite(got).all(), "NaN left in the output (a row or column not written)"
-    assert _rel(got, ref) < REL_TOL, (M, N, K, kind, _rel(got, ref), dec.runs(N, K, dec.m_tile(M)[1]))
+    groups = dec.m_tile(M)[1]
+    rows = dec.row_block(N, K, groups)
+    assert _rel(got, ref) < REL_TOL, (M, N, K, kind, _rel(got, ref), rows, dec.runs(N, K, groups, rows))
     assert decode_calls == [M]
 
 
@@ -117,12 +119,12 @@ def test_token_groups_exact_and_the_same_bits_as_one_group(M, N, K, group, decod
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("knobs", [{"gemm_decode_stages": 4}, {"gemm_decode_stages": 8},
+@pytest.mark.parametrize("knobs", [{"gemm_decode_rows": 64}, {"gemm_decode_rows": 128},
                                    {"gemm_decode_split": "stream"}])
 @pytest.mark.parametrize("M,N,K", [(1, 4096, 8192), (24, 1032, 4104), (64, 520, 2056)])
-def test_stage_variants_exact(M, N, K, knobs, decode_calls):
-    """The benchmark's variants (4 stages at two CTAs per SM, 8 at one; stream-K's equal runs):
-    integer inputs exact."""
+def test_row_block_and_split_variants_exact(M, N, K, knobs, decode_calls):
+    """The benchmark's variants (row blocks of 64 and of 128; stream-K's equal runs): integer
+    inputs exact."""
     a, w = _inputs(41 + M, M, N, K, BF16, integer=True)
     with config.override(**knobs):
         got = bits(_run(a, w, BF16))
@@ -133,7 +135,7 @@ def test_stage_variants_exact(M, N, K, knobs, decode_calls):
 @pytest.mark.gpu
 def test_several_k_ranges_are_taken_and_reduced_in_order():
     M, N, K = 5, 256, 16384  # 2 row blocks: many CTAs share each
-    assert dec.runs(N, K)[1] > 1
+    assert dec.runs(N, K, 1, dec.row_block(N, K))[1] > 1
     a, w = _inputs(3, M, N, K, BF16, integer=False)
     outs = [bits(_run(a, w, BF16)) for _ in range(3)]  # the counters reset: launches 2 and 3 reduce too
     assert all(np.array_equal(outs[0], o) for o in outs[1:]), "not bitwise equal from launch to launch"

@@ -6,7 +6,10 @@ template <int OUT>
 struct DecodeStore {
   const MkDecodeArgs& args;
   MK_DEV void begin() {}
-  MK_DEV bool ready() { return true; }
+  template <class Bar>
+  MK_DEV bool ready(Bar) {
+    return true;
+  }
   MK_DEV void finish(int, u64 tok, u64 r0, u64 r1, const float (&v)[4]) {
     const u64 ldc = (u64)args.ldc, N = (u64)args.n, M = (u64)args.m;
 #pragma unroll
@@ -20,11 +23,11 @@ struct DecodeStore {
   }
 };
 
-template <int DT, int OUT, int MT, int STAGES>
-__global__ void __launch_bounds__(MK_DECODE_THREADS, (DecodeCfg<MT, STAGES>::RESIDENT))
+template <int DT, int OUT, int MT, int ROWS>
+__global__ void __launch_bounds__(DecodeCfg<MT, ROWS>::THREADS, 1)
     mk_gemm_decode_kernel(const __grid_constant__ MkDecodeArgs args) {
   DecodeStore<OUT> epi{args};
-  decode_gemm<DT, MT, STAGES>(args, epi);
+  decode_gemm<DT, MT, ROWS>(args, epi);
 }
 
 static_assert(sizeof(MkDecodeArgs) == 448, "MkDecodeArgs layout changed: update mkernel/engines/gemm_decode.py");

@@ -1,8 +1,8 @@
 // The decode GEMM: out[m, n] = a[m, k] . b[n, k] for few rows m (tokens, at most 64 per CTA), bound
 // by reading the weights b once. Swap-AB on mma.sync.m16n8k16: b's rows take the 16-row side, the
-// tokens the 8-column side. A CTA is 8 consumer warps (16 rows of b each: a row block of 128) and a
-// producer warp whose one thread streams 64-element k-blocks of b (128 rows) and of a (MT tokens,
-// group blockIdx.x) with TMA into a STAGES-deep ring (128B swizzle; consumers read it by ldmatrix).
+// tokens the 8-column side. A CTA is ROWS / 16 consumer warps (16 rows of b each: a row block of
+// ROWS) and a producer warp whose one thread streams 64-element k-blocks of b (ROWS rows) and of a
+// (MT tokens, group blockIdx.x) with TMA into a STAGES-deep ring (128B swizzle; read by ldmatrix).
 //
 // Runs: the (row block, k-block) units of a token group, row block major, are cut into args.ctas
 // equal runs, one per CTA (blockIdx.y; the host picks a multiple of the row blocks, or stream-K's
@@ -10,13 +10,13 @@
 // several: each stores its fp32 partial in its slot (its rank among the block's CTAs) and the last to
 // arrive adds the slots in slot order and stores out: bitwise reproducible run to run.
 //
-// Barriers: full[s] (count 1: the producer's arrive.expect_tx; TMA completes it), empty[s] (count 8:
-// lane 0 of each consumer warp once it has read stage s). Use i (over the CTA's whole run) takes stage
+// Barriers: full[s] (count 1: the producer's arrive.expect_tx; TMA completes it), empty[s] (lane 0
+// of each consumer warp once it has read stage s). Use i (over the CTA's whole run) takes stage
 // i % STAGES at parity (i / STAGES) & 1; the producer waits for 'empty' at the opposite parity.
 //
-// Template parameters: DT (MK_DT_BF16 / MK_DT_F16), MT (token columns: 8, 16, 32 or 64), STAGES (4:
-// two CTAs per SM; 8: one), Epi (what becomes of the finished values: the engine's store,
-// gemm_decode.cu; gemm_allreduce's push to every rank, ops/gemm_allreduce_ll.cu).
+// Template parameters: DT (MK_DT_BF16 / MK_DT_F16), MT (token columns: 8, 16, 32 or 64), ROWS (64
+// or 128), Epi (what becomes of the finished values: the engine's store, gemm_decode.cu;
+// gemm_allreduce's push to every rank, ops/gemm_allreduce_ll.cu). One CTA per SM.
 #pragma once
 #include "common.cuh"
 #include "tma.cuh"
@@ -24,20 +24,32 @@
 #include "gemm_args.cuh"
 #include "gemm_decode_args.cuh"
 
-template <int MT, int STAGES_>
+template <int MT, int ROWS_>
 struct DecodeCfg {
+  static constexpr int ROWS = ROWS_;
+  static constexpr int WARPS = ROWS / 16;  // consumer warps
+  static constexpr int CONSUMERS = 32 * WARPS;
+  static constexpr int THREADS = CONSUMERS + 32;  // the consumers, then the producer warp
   static constexpr int BLOCKS = MT / 8;  // n8 column blocks of tokens
-  static constexpr int STAGES = STAGES_;
-  static constexpr int RESIDENT = STAGES == 4 ? 2 : 1;  // CTAs per SM (launch bounds)
-  static constexpr u32 B_BYTES = MK_DECODE_ROWS * MK_DECODE_BK * 2;  // 16 KiB: 128 rows x 128 B
+  static constexpr u32 B_BYTES = ROWS * MK_DECODE_BK * 2;  // ROWS rows x 128 B
   static constexpr u32 A_BYTES = MT * MK_DECODE_BK * 2;  // MT rows x 128 B (a multiple of 1 KiB)
   static constexpr u32 STAGE_BYTES = A_BYTES + B_BYTES;
+  // 128 KiB of b in flight, within 200 KiB of ring
+  static constexpr int STAGES =
+      (int)((128u * 1024u / B_BYTES) * STAGE_BYTES <= 200u * 1024u ? 128u * 1024u / B_BYTES
+                                                                   : 200u * 1024u / STAGE_BYTES);
   static constexpr u32 OFF_A = STAGES * B_BYTES;
   static constexpr u32 OFF_BAR = OFF_A + STAGES * A_BYTES;
   static constexpr u32 SMEM = OFF_BAR + 2 * 8 * STAGES + 1024;  // dynamic bytes, with alignment slack
-  static constexpr u32 SLOT = MT * MK_DECODE_ROWS;  // floats of one partial slot
-  MK_STATIC_ASSERT(STAGES == 4 || STAGES == 8, "4 or 8 stages");
+  static constexpr u32 SLOT = MT * ROWS;  // floats of one partial slot
+  MK_STATIC_ASSERT(ROWS == 64 || ROWS == 128, "row blocks of 64 or 128");
   MK_STATIC_ASSERT(A_BYTES % 1024 == 0, "stages stay 1 KiB aligned (the 128B swizzle's period)");
+};
+
+// The consumers' barrier (named barrier 1; the producer warp never takes part): for epilogues.
+template <int CONSUMERS>
+struct DecodeBar {
+  MK_DEV void operator()() const { named_bar_sync(1, CONSUMERS); }
 };
 
 template <int DT>
@@ -73,9 +85,6 @@ MK_DEV u32 atom_add_acq_rel_gpu(u32* p, u32 v) {
   asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
   return old;
 }
-
-// The consumers' barrier (named barrier 1; the producer warp never takes part): for epilogues.
-MK_DEV void decode_consumers_sync() { named_bar_sync(1, MK_DECODE_CONSUMERS); }
 
 // Two 16-bit values to float (low half first).
 template <int DT>
@@ -126,8 +135,7 @@ MK_DEV void decode_produce(const MkDecodeArgs& args, u32 smem, u64 u0, u64 u1, i
     loads = loads && mbar_can_arm(full0 + 8 * s, ph, args.sync, MK_WAIT_LANDED);
     if (loads) {
       mbar_arrive_expect_tx(full0 + 8 * s, Cfg::STAGE_BYTES);
-      tma_load_2d(smem + s * Cfg::B_BYTES, &args.b_map, full0 + 8 * s, (i32)kk * MK_DECODE_BK,
-                  (i32)rb * MK_DECODE_ROWS);
+      tma_load_2d(smem + s * Cfg::B_BYTES, &args.b_map, full0 + 8 * s, (i32)kk * MK_DECODE_BK, (i32)rb * Cfg::ROWS);
       tma_load_2d(smem + Cfg::OFF_A + s * Cfg::A_BYTES, &args.a_map, full0 + 8 * s, (i32)kk * MK_DECODE_BK, tok0);
     }
     if (++kk == (u32)kb) kk = 0, ++rb;
@@ -135,14 +143,14 @@ MK_DEV void decode_produce(const MkDecodeArgs& args, u32 smem, u64 u0, u64 u1, i
   mbar_drain_landed(full0, Cfg::STAGES, it);
 }
 
-// The decode GEMM of one CTA (dynamic shared memory: DecodeCfg<MT, STAGES>::SMEM bytes). Epi:
+// The decode GEMM of one CTA (DecodeCfg<MT, ROWS>::THREADS threads, ::SMEM bytes of dynamic shared memory). Epi:
 // begin() first (every thread); then per row block this CTA finishes (covered whole, or the last of
-// its CTAs to arrive) ready() (every consumer thread: false skips the stores) and finish(j, tok, r0,
+// its CTAs to arrive) ready(bar) (every consumer thread; bar() syncs them; false skips the stores) and finish(j, tok, r0,
 // r1, v) per token block j: v[0..1] the values of row r0 and tokens tok, tok + 1, v[2..3] those of
 // row r1 (tokens past m and rows past n included: Epi skips them).
-template <int DT, int MT, int STAGES, class Epi>
+template <int DT, int MT, int ROWS, class Epi>
 MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
-  using Cfg = DecodeCfg<MT, STAGES>;
+  using Cfg = DecodeCfg<MT, ROWS>;
   extern __shared__ __align__(1024) u8 decode_dyn[];
   __shared__ u32 s_last;
   const u32 raw = smem_u32(decode_dyn), smem = (raw + 1023u) & ~1023u;
@@ -151,22 +159,22 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
   if (threadIdx.x == 0) {
     for (int s = 0; s < Cfg::STAGES; ++s) {
       mbar_init(full0 + 8 * s, 1);
-      mbar_init(empty0 + 8 * s, MK_DECODE_CONSUMERS / 32);
+      mbar_init(empty0 + 8 * s, Cfg::WARPS);
     }
     mbar_fence_init();
   }
-  if (threadIdx.x == MK_DECODE_CONSUMERS) {
+  if (threadIdx.x == Cfg::CONSUMERS) {
     tma_prefetch_desc(&args.a_map);
     tma_prefetch_desc(&args.b_map);
   }
   epi.begin();
   __syncthreads();
-  const u64 kb = (u64)args.kblocks, blocks = ((u64)args.n + MK_DECODE_ROWS - 1) / MK_DECODE_ROWS;
+  const u64 kb = (u64)args.kblocks, blocks = ((u64)args.n + Cfg::ROWS - 1) / Cfg::ROWS;
   const u64 units = blocks * kb, C = (u64)args.ctas, cta = blockIdx.y;
   const u64 u0 = decode_run_start(cta, units, C), u1 = decode_run_start(cta + 1, units, C);
   const i64 tok0 = (i64)blockIdx.x * MT;
-  if (threadIdx.x >= MK_DECODE_CONSUMERS) {
-    if (threadIdx.x == MK_DECODE_CONSUMERS) decode_produce<Cfg>(args, smem, u0, u1, (i32)tok0);
+  if (threadIdx.x >= Cfg::CONSUMERS) {
+    if (threadIdx.x == Cfg::CONSUMERS) decode_produce<Cfg>(args, smem, u0, u1, (i32)tok0);
     return;
   }
 
@@ -175,6 +183,7 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
   // high chunk = a0..a3 of the mma); a's token rows (matrices: 4 consecutive chunks).
   const u32 b_row = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, b_hi = lane >> 4;
   const u32 a_row = lane & 7, a_chunk = lane >> 3;
+  const DecodeBar<Cfg::CONSUMERS> bar{};
   u32 it = 0;
   for (u64 u = u0; u < u1;) {
     const u64 rb = u / kb, kend = (rb + 1) * kb < u1 ? (rb + 1) * kb : u1;
@@ -204,10 +213,10 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
     }
 
     // acc[j]: {row r0: tokens 8j + 2t, 8j + 2t + 1; row r1: the same tokens}
-    const u64 r0 = rb * MK_DECODE_ROWS + warp * 16 + g, r1 = r0 + 8;
+    const u64 r0 = rb * Cfg::ROWS + warp * 16 + g, r1 = r0 + 8;
     const u32 first = decode_cta_of(rb * kb, units, C), n_ctas = decode_cta_of((rb + 1) * kb - 1, units, C) - first + 1;
     if (n_ctas == 1) {
-      if (epi.ready())
+      if (epi.ready(bar))
 #pragma unroll
         for (int j = 0; j < Cfg::BLOCKS; ++j) epi.finish(j, (u64)tok0 + j * 8 + 2 * t, r0, r1, acc[j]);
       continue;
@@ -218,21 +227,21 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
 #pragma unroll
     for (int j = 0; j < Cfg::BLOCKS; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) __stcg(mine + (j * 4 + e) * MK_DECODE_CONSUMERS, acc[j][e]);
-    decode_consumers_sync();  // every thread's slot stores precede thread 0's release
+      for (int e = 0; e < 4; ++e) __stcg(mine + (j * 4 + e) * Cfg::CONSUMERS, acc[j][e]);
+    bar();  // every thread's slot stores precede thread 0's release
     u32* count = args.counts + blockIdx.x * blocks + rb;
     if (threadIdx.x == 0) s_last = atom_add_acq_rel_gpu(count, 1u) + 1 == n_ctas;
-    decode_consumers_sync();  // the last arrival's acquire precedes every thread's slot reads
+    bar();  // the last arrival's acquire precedes every thread's slot reads
     if (!s_last) continue;
     if (threadIdx.x == 0) *count = 0;  // zero for the next launch (stream ordered)
-    if (!epi.ready()) continue;
+    if (!epi.ready(bar)) continue;
     const float* slot0 = args.partial + block_at * Cfg::SLOT + threadIdx.x;
 #pragma unroll
     for (int j = 0; j < Cfg::BLOCKS; ++j) {
       float v[4] = {0.f, 0.f, 0.f, 0.f};
       for (u32 c = 0; c < n_ctas; ++c)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) v[e] += __ldcg(slot0 + (u64)c * Cfg::SLOT + (j * 4 + e) * MK_DECODE_CONSUMERS);
+        for (int e = 0; e < 4; ++e) v[e] += __ldcg(slot0 + (u64)c * Cfg::SLOT + (j * 4 + e) * Cfg::CONSUMERS);
       epi.finish(j, (u64)tok0 + j * 8 + 2 * t, r0, r1, v);
     }
   }

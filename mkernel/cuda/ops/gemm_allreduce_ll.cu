@@ -34,14 +34,15 @@ struct DecodePush {
     *s_epoch = launch_epoch(a.g.sync);
     if (atomicAdd(&a.counters[LL_CNT_ENTER], 1u) == 0) credits_announce(peers(), *s_epoch);
   }
-  MK_DEV bool ready() {
-    decode_consumers_sync();
+  template <class Bar>
+  MK_DEV bool ready(Bar bar) {
+    bar();
     if (threadIdx.x == 0) {
       int ok = 1;
       for (u32 d = 0; d < (u32)a.world && ok; ++d) ok = credits_wait(a.g.sync, peers(), d, *s_epoch) ? 1 : 0;
       *s_ok = ok;
     }
-    decode_consumers_sync();
+    bar();
     return *s_ok != 0;
   }
   MK_DEV void finish(int, u64 tok, u64 r0, u64 r1, const float (&v)[4]) {
@@ -56,14 +57,14 @@ struct DecodePush {
   }
 };
 
-template <int DT, int MT, int STAGES>
-__global__ void __launch_bounds__(MK_DECODE_THREADS, (DecodeCfg<MT, STAGES>::RESIDENT))
+template <int DT, int MT, int ROWS>
+__global__ void __launch_bounds__(DecodeCfg<MT, ROWS>::THREADS, 1)
     mk_gemm_allreduce_ll_push(const __grid_constant__ MkDecodePushArgs args) {
   __shared__ u32 s_epoch;
   __shared__ int s_ok;
   asm volatile("griddepcontrol.launch_dependents;");  // the sum kernel may start (config.tp_latency_ll_overlap)
   DecodePush<DT> epi{args, &s_epoch, &s_ok};
-  decode_gemm<DT, MT, STAGES>(args.g, epi);
+  decode_gemm<DT, MT, ROWS>(args.g, epi);
 }
 
 // Waits until the LL word at p carries epoch E; false after recording a timeout (or another
