@@ -102,14 +102,13 @@ def runs(N: int, K: int, groups: int = 1, rows: int = 128) -> tuple:
 
 
 def row_block(N: int, K: int, groups: int = 1) -> int:
-    """Rows of B per CTA (config.gemm_decode_rows, or by shape): of the sizes whose row blocks fit
-    SPLIT_SMS CTAs, the one cutting each block into the fewest runs (a shared block costs a
-    reduction at the end), the larger on a tie."""
+    """Rows of B per CTA (config.gemm_decode_rows, or by shape): 128, or 64 where that makes every
+    row block one CTA's (no reduction at the end) and 128 would not (561df40, in one run: 64 rows
+    ahead only at N 8192, K 8192; behind or even elsewhere)."""
     if config.get().gemm_decode_rows:
         return config.get().gemm_decode_rows
-    cap = max(1, SPLIT_SMS // groups)
-    fits = [r for r in ROW_BLOCKS if -(-N // r) <= cap] or [ROW_BLOCKS[-1]]
-    return min(fits, key=lambda r: (runs(N, K, groups, r)[0] / -(-N // r), -r))
+    whole = [r for r in ROW_BLOCKS if runs(N, K, groups, r)[0] == -(-N // r)]  # one run per block
+    return 64 if whole == [64] else 128
 
 
 def _row_stride(x) -> int:

@@ -62,9 +62,9 @@ def test_the_path_is_chosen_by_shape_layout_and_knob():
 
 
 def test_row_blocks_by_shape_and_knob():
-    # fewest runs per row block: 64 rows where 128 blocks fill the SMs, 128 where 64-row blocks do not fit
-    assert [dec.row_block(N, K) for N, K in ((8192, 8192), (4096, 14336), (14336, 4096), (10240, 8192))] == \
-        [64, 64, 128, 128]
+    # 64 rows only where that leaves every row block to one CTA and 128 does not
+    assert [dec.row_block(N, K) for N, K in ((8192, 8192), (4096, 14336), (14336, 4096), (10240, 8192), (8, 8))] == \
+        [64, 128, 128, 128, 128]
     for rows in dec.ROW_BLOCKS:
         with config.override(gemm_decode_rows=rows):
             assert dec.row_block(8192, 8192) == rows
