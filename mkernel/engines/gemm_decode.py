@@ -115,11 +115,12 @@ def _row_stride(x) -> int:
     return x.strides[0] if x.shape[0] > 1 else x.shape[1] * x.itemsize
 
 
-def build(a, b_arr, out, out_code, *, M, N, K, accumulate, sync, partial):
+def build(a, b_arr, out, out_code, *, M, N, K, accumulate, sync, partial, rows=None):
     """(function, grid, block, args, buffer, smem) of one launch. ``partial(nbytes, blocks)`` returns the
-    stream's (partials, counts) buffer of at least that size (only called when row blocks are shared)."""
+    stream's (partials, counts) buffer of at least that size (only called when row blocks are shared);
+    rows: the row block (None: row_block's)."""
     mt, groups = m_tile(M)
-    rows = row_block(N, K, groups)
+    rows = rows or row_block(N, K, groups)
     ctas, slots = runs(N, K, groups, rows)
     blocks = -(-N // rows)
     tdt = _tma.DTYPE_BFLOAT16 if a.dtype.name == "bfloat16" else _tma.DTYPE_FLOAT16

@@ -25,6 +25,9 @@ from mkernel.runtime.sync import MkSync
 OP = "gemm_allreduce"
 PUSH, REDUCE = "mk_gemm_allreduce_ll_push", "mk_allreduce_ll_reduce"
 M_TILES = (8, 16)  # the decode instantiations it pushes from
+# Its decode GEMM's row block: 128 (at 2 ranks under MPS, 8192 x 4096, 64-row blocks took the path
+# 48.5 -> 59.9 us from graphs while the engine rows stayed within 0.3 us: bench/NOTES.md session 28).
+ROWS = 128
 EXPRESSIONS = tuple(f"{PUSH}<{dt},{mt},{rows}>" for dt in (0, 1) for mt in M_TILES for rows in _decode.ROW_BLOCKS) + \
     tuple(f"{REDUCE}<{dt}>" for dt in (0, 1))
 SPEC = _compile.register("gemm_allreduce_ll", "gemm_allreduce_ll.cu", EXPRESSIONS, hot=True)
@@ -62,8 +65,9 @@ def run(comm, c, stream):
     plan = tp.plan_buffers("gemm_allreduce_ll", comm, plan_key, [("ll", (W, c.N, pairs, 2), "uint32")],
                            counter_words=CNT_WORDS)
     sync = comm.sync_args(OP)
+    rows = config.get().gemm_decode_rows or ROWS
     _, grid, block, g, buffer, smem = _decode.build(c.a, c.b, c.out, tp.DT[dt.name], M=c.M, N=c.N, K=c.K,
-                                                     accumulate=False, sync=sync,
+                                                     accumulate=False, sync=sync, rows=rows,
                                                      partial=_gemm.workspace(stream).decode_partials)
     push = MkDecodePushArgs(g=g, peer_base=comm.peer_table.data.ptr, ll_off=comm.offset_of(plan["ll"]),
                             counters=plan["counters"].data.ptr, pairs=pairs, world=W, me=comm.local_rank)
@@ -73,7 +77,6 @@ def run(comm, c, stream):
                             counters=push.counters, ldo=tp._row_stride(c.out) // dt.itemsize, m=c.M, n=c.N,
                             pairs=pairs, world=W, me=comm.local_rank)
     blocks = max(1, min(-(-c.N * pairs // REDUCE_THREADS), launch.sm_count()))
-    rows = _decode.row_block(c.N, c.K)  # the row block build() chose (one token group)
     launches = ((module.function(f"{PUSH}<{tp.DT[dt.name]},{mt},{rows}>"), grid, block, push, smem),
                 (module.function(f"{REDUCE}<{tp.DT[dt.name]}>"), (blocks,), (REDUCE_THREADS,), red, 0,
                  config.get().tp_latency_ll_overlap))
