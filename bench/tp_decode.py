@@ -8,7 +8,8 @@ baseline). Every figure with all ranks doing the same at once; under MPS by benc
 (device barrier, batches of 50). Goals (issue 26): mkernel_ms <= gemm_ms + 8 us on every row, and
 unfused_ms - mkernel_ms >= 0.5 x allreduce_ms. bound_ms: this rank's weights read once at the copy
 rate measured in the run. graph_ms: the device's time per call (50 calls in a CUDA graph); host_us:
-the host's time to issue one call.
+the host's time to issue one call; variants_ms: the same calls under other settings (the LL kernels'
+two-kernel and overlapped forms, the decode kernel's row blocks of 64 and 128).
 
     mpirun -n 2 python3 bench/tp_decode.py [--quick]
 """
@@ -97,10 +98,17 @@ def main():
             for p in knobs:
                 f[p] = f["latency"]
         f["gemm"] = lambda: mkernel.gemm(a, w.T, out=part)
+        if M <= config.get().gemm_decode_max_m:  # the decode kernel's row blocks, side by side
+            for rows in (64, 128):
+                knobs[f"gemm_rows{rows}"] = {"gemm_decode_rows": rows}
+                f[f"gemm_rows{rows}"] = f["gemm"]
+                if M <= config.get().tp_latency_ll_max_rows:
+                    knobs[f"latency_rows{rows}"] = {"gemm_decode_rows": rows}
+                    f[f"latency_rows{rows}"] = f["latency"]
         f["allreduce"] = lambda: mkernel.allreduce(part, comm=comm, out=out)
         f["unfused"] = lambda: (mkernel.gemm(a, w.T, out=part), mkernel.allreduce(part, comm=comm, out=out))
         results = {}
-        extra = tuple(p for p in ("latency_2k", "latency_overlap") if p in f)
+        extra = tuple(p for p in ("latency_2k", "latency_overlap", "latency_rows64", "latency_rows128") if p in f)
         checked = paths + ("unfused",) + extra
         for p in checked:  # every path gives the same sum (partials rounded alike: the same bits)
             with config.override(**knobs.get(p, {})):
@@ -116,7 +124,7 @@ def main():
                 t[p], host[p] = timed(fn), host_us(fn)
         graph = {}  # the device's time per call (n calls in one CUDA graph): what the host's launch work hides
         if shared:
-            for p in ("latency", "gemm", "allreduce") + extra:
+            for p in ("latency", "gemm", "allreduce") + extra + tuple(p for p in f if p.startswith("gemm_rows")):
                 try:
                     with config.override(**knobs.get(p, {})):
                         graph[p] = cc.graph_batch_ms(comm, barrier, f[p])
@@ -132,6 +140,7 @@ def main():
                                 allreduce_hidden=hidden,
                                 over_gemm_us=(t[best] - t["gemm"]) * 1e3, rel_diff_unfused=diff, mps=bool(shared),
                                 world=W, baseline="mkernel.gemm then mkernel.allreduce", graph_ms=graph,
+                                variants_ms={p: t[p] for p in knobs},
                                 host_us=host))
         if comm.rank == 0:
             r = rows[-1]
