@@ -57,7 +57,8 @@ def op_call(op, comm, M, N, K, dt):
 def one_ms(comm, fn, lead_ns, barrier=None):
     """One call's CUDA-event time, the max over ranks (the op ends when its slowest rank does), with
     the host's work for the call hidden behind a spin kernel of lead_ns (harness.hidden_launch_ms):
-    the split's effect on the GPU, not Python's. Also returns the call's host time (ms, this rank).
+    the split's effect on the GPU, not Python's. Also returns the call's host time (ms, the slowest
+    rank's: a host slower than lead_ns shows in the GPU time too).
     barrier (ranks sharing a GPU): the spins start together, so no rank's time counts a peer's lateness."""
     import time
 
@@ -76,7 +77,8 @@ def one_ms(comm, fn, lead_ns, barrier=None):
     stop.record(stream)
     stop.synchronize()
     comm.check()
-    return comm.mpi.allreduce(cupy.cuda.get_elapsed_time(start, stop), op=MPI.MAX), host_ms
+    return comm.mpi.allreduce(cupy.cuda.get_elapsed_time(start, stop), op=MPI.MAX), \
+        comm.mpi.allreduce(host_ms, op=MPI.MAX)
 
 
 FIRST_LEAD_NS = 50_000_000  # the first call on a key agrees its bound and computes the prior on the host
