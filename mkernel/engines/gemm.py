@@ -22,7 +22,7 @@ from mkernel.core.errors import ArgumentError
 from mkernel.engines import gemm_decode as _decode
 from mkernel.runtime import compile as _compile
 from mkernel.runtime import tma as _tma
-from mkernel.runtime.arrays import DT, check_matrix, cupy_mod
+from mkernel.runtime.arrays import DT, check_matrix, cupy_mod, row_stride
 from mkernel.runtime.gpu import require_hopper
 from mkernel.runtime.launch import PlanCache, call_key, launch  # all SMs: its CTAs never wait on each other
 from mkernel.runtime.launch import device_sms as _num_sms
@@ -170,9 +170,6 @@ def _dtype_name(x):
     return x.dtype.name
 
 
-def _row_stride(x):
-    return x.strides[0] if x.shape[0] > 1 else x.shape[1] * x.itemsize
-
 
 def _check_inputs(a, b_shape_ok, K, N):
     if _dtype_name(a) not in DT:
@@ -264,14 +261,14 @@ def c_map(out, out_code):
     esize = 4 if out_code == OUT_F32 else 2
     dt = {OUT_BF16: _tma.DTYPE_BFLOAT16, OUT_F16: _tma.DTYPE_FLOAT16, OUT_F32: _tma.DTYPE_FLOAT32}[out_code]
     M, N = out.shape
-    return _tma.encode_tiled(dt, out.data.ptr, (N, M), (_row_stride(out),), (128 // esize, 16))
+    return _tma.encode_tiled(dt, out.data.ptr, (N, M), (row_stride(out),), (128 // esize, 16))
 
 
 def b_map(b_arr, layout, K, N, G, step=1):
     """B's 3-D tensor map (G matrices; a 2-D B is G = 1): [N, K] rows (layout B_NK, box 64 x BN / step
     rows: a cluster's CTAs load BN / step each) or [K, N] rows (B_KN, boxes of 64 columns)."""
     tdt = _tma.DTYPE_BFLOAT16 if _dtype_name(b_arr) == "bfloat16" else _tma.DTYPE_FLOAT16
-    ldb = _row_stride(b_arr) if b_arr.ndim == 2 else b_arr.strides[1]
+    ldb = row_stride(b_arr) if b_arr.ndim == 2 else b_arr.strides[1]
     gstride = max(16, ldb * b_arr.shape[0]) if b_arr.ndim == 2 else b_arr.strides[0]
     if layout == B_NK:  # rows of B are N, contiguous along K
         return _tma.encode_tiled(tdt, b_arr.data.ptr, (K, N, G), (ldb, gstride), (BK, BN // step, 1))
@@ -299,7 +296,7 @@ def _launch(cupy, *, a, b_arr, layout, N, K, M, G, out, out_code, group_rows, ep
     dt_name = _dtype_name(a)
     tdt = _tma.DTYPE_BFLOAT16 if dt_name == "bfloat16" else _tma.DTYPE_FLOAT16
     args = MkGemmArgs()
-    args.a = _tma.encode_tiled(tdt, a.data.ptr, (K, M), (_row_stride(a),), (BK, BM))
+    args.a = _tma.encode_tiled(tdt, a.data.ptr, (K, M), (row_stride(a),), (BK, BM))
     args.b = b_map(b_arr, layout, K, N, G, step)
     args.c = c_map(out, out_code)
     ws = workspace(stream)
@@ -313,7 +310,7 @@ def _launch(cupy, *, a, b_arr, layout, N, K, M, G, out, out_code, group_rows, ep
     args.group_rows = group_rows
     args.tile_flags = _u32_array(cupy, tile_flags, max_tiles, "tile_flags")
     args.tile_counts = _u32_array(cupy, tile_counts, max_tiles, "tile_counts")
-    args.ldc = _row_stride(out) // out.itemsize
+    args.ldc = row_stride(out) // out.itemsize
     args.m, args.n, args.k, args.num_groups = M, N, K, G
     args.epi_op = epi_op
     buffer = None

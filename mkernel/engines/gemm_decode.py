@@ -15,7 +15,7 @@ import ctypes
 from mkernel.core import config
 from mkernel.runtime import compile as _compile
 from mkernel.runtime import tma as _tma
-from mkernel.runtime.arrays import DT
+from mkernel.runtime.arrays import DT, row_stride
 from mkernel.runtime.sync import MkSync
 
 BK = 64  # MK_DECODE_BK: elements of K per stage
@@ -111,9 +111,6 @@ def row_block(N: int, K: int, groups: int = 1) -> int:
     return 64 if whole == [64] else 128
 
 
-def _row_stride(x) -> int:
-    return x.strides[0] if x.shape[0] > 1 else x.shape[1] * x.itemsize
-
 
 def build(a, b_arr, out, out_code, *, M, N, K, accumulate, sync, partial, rows=None):
     """(function, grid, block, args, buffer, smem) of one launch. ``partial(nbytes, blocks)`` returns the
@@ -125,11 +122,11 @@ def build(a, b_arr, out, out_code, *, M, N, K, accumulate, sync, partial, rows=N
     blocks = -(-N // rows)
     tdt = _tma.DTYPE_BFLOAT16 if a.dtype.name == "bfloat16" else _tma.DTYPE_FLOAT16
     args = MkDecodeArgs()
-    args.a_map = _tma.encode_tiled(tdt, a.data.ptr, (K, M), (_row_stride(a),), (BK, mt))
-    args.b_map = _tma.encode_tiled(tdt, b_arr.data.ptr, (K, N), (_row_stride(b_arr),), (BK, rows))
+    args.a_map = _tma.encode_tiled(tdt, a.data.ptr, (K, M), (row_stride(a),), (BK, mt))
+    args.b_map = _tma.encode_tiled(tdt, b_arr.data.ptr, (K, N), (row_stride(b_arr),), (BK, rows))
     args.sync = sync
     args.out = out.data.ptr
-    args.ldc = _row_stride(out) // out.itemsize
+    args.ldc = row_stride(out) // out.itemsize
     args.m, args.n, args.k, args.kblocks, args.ctas, args.slots = M, N, K, -(-K // BK), ctas, slots
     args.epi_op = 1 if accumulate else 0
     buffer = None

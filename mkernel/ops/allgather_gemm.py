@@ -9,6 +9,7 @@ from mkernel.core.errors import ArgumentError
 from mkernel.engines import gemm as _gemm
 from mkernel.ops import tp
 from mkernel.runtime import launch
+from mkernel.runtime.arrays import row_stride
 from mkernel.split import search as autosplit
 
 OP = "allgather_gemm"
@@ -103,12 +104,12 @@ def _launch(comm, plan, template, c, stream):
     ga = plan["ga"]
     args = tp.call_args(template, c, a_ptr=ga.data.ptr, a_row_bytes=c.K * esize)  # the GEMM reads the gathered A
     args.a_local = c.a.data.ptr
-    args.lda = tp._row_stride(c.a) // esize
+    args.lda = row_stride(c.a) // esize
     out = c.out
     if c.path == "unfused" and tp.quiesced_first_use(comm, plan, ("matmul", c.N, c.layout, c.b.strides, out.strides)):
         with tp.on_stream(stream):  # cuBLAS loads its kernel for this shape now, not behind the gather
             tp.matmul(ga, c.b, c.layout, out=out)
-    ldo_bytes = tp._row_stride(out)
+    ldo_bytes = row_stride(out)
     dst = tp.operand_map(template, "out", (out.data.ptr, ldo_bytes), lambda: [
         tp.out_map(c.a.dtype, out.data.ptr + o * c.mb * ldo_bytes, c.mb, c.N, ldo_bytes) for o in range(W)])
     for o in range(W):

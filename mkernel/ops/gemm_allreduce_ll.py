@@ -19,6 +19,7 @@ from mkernel.engines import gemm_decode as _decode
 from mkernel.ops import tp
 from mkernel.runtime import compile as _compile
 from mkernel.runtime import launch
+from mkernel.runtime.arrays import row_stride
 from mkernel.runtime.launch import launch_all
 from mkernel.runtime.sync import MkSync
 
@@ -74,7 +75,7 @@ def run(comm, c, stream):
     mt = _decode.m_tile(c.M)[0]
     module = _compile.module(SPEC)
     red = MkAllreduceLLArgs(sync=sync, peer_base=push.peer_base, ll_off=push.ll_off, out=c.out.data.ptr,
-                            counters=push.counters, ldo=tp._row_stride(c.out) // dt.itemsize, m=c.M, n=c.N,
+                            counters=push.counters, ldo=row_stride(c.out) // dt.itemsize, m=c.M, n=c.N,
                             pairs=pairs, world=W, me=comm.local_rank)
     blocks = max(1, min(-(-c.N * pairs // REDUCE_THREADS), launch.sm_count()))
     launches = ((module.function(f"{PUSH}<{tp.DT[dt.name]},{mt},{rows}>"), grid, block, push, smem),

@@ -11,6 +11,7 @@ from mkernel.ops import allreduce as _ar
 from mkernel.ops import gemm_allreduce_ll as _ll
 from mkernel.ops import tp
 from mkernel.runtime import launch
+from mkernel.runtime.arrays import row_stride
 from mkernel.split import search as autosplit
 
 OP = "gemm_reduce_scatter"
@@ -192,14 +193,14 @@ def _launch(op, spec, kernel, allreduce, comm, planned, c, stream):
     """This call's operands into a copy of the template, the split, the launch."""
     plan, template = planned
     W, nodes, esize = comm.size, comm.num_nodes, c.a.dtype.itemsize
-    args = tp.call_args(template, c, a_ptr=c.a.data.ptr, a_row_bytes=tp._row_stride(c.a))
+    args = tp.call_args(template, c, a_ptr=c.a.data.ptr, a_row_bytes=row_stride(c.a))
     args.out = c.out.data.ptr
-    args.ldo = tp._row_stride(c.out) // esize
+    args.ldo = row_stride(c.out) // esize
     if c.path == "unfused":  # the GEMM first; the kernel's GEMM CTAs then only move its tiles
         tp.quiesced_first_use(comm, plan, ("matmul", c.K, c.layout, c.a.strides, c.b.strides))  # cuBLAS may load one
         with tp.on_stream(stream):
             partial = tp.matmul(c.a, c.b, c.layout)
-        args.partial, args.ldp = partial.data.ptr, tp._row_stride(partial) // esize
+        args.partial, args.ldp = partial.data.ptr, row_stride(partial) // esize
     # Items of the communication CTAs: the node's reductions of this rank's blocks; AR also the
     # copies of the other local ranks' reduced blocks and the forwards of other nodes' ones.
     tiles_blk = args.tiles_mb * args.tiles_n

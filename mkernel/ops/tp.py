@@ -33,7 +33,7 @@ from mkernel.engines import gemm as _gemm
 from mkernel.runtime import compile as _compile
 from mkernel.runtime import launch as _launch
 from mkernel.runtime import tma as _tma
-from mkernel.runtime.arrays import DT, HALF_TYPES, as_cupy, check_matrix, cupy_mod
+from mkernel.runtime.arrays import DT, HALF_TYPES, as_cupy, check_matrix, cupy_mod, row_stride
 from mkernel.runtime.launch import launch_all, launch_persistent, persistent_grid
 from mkernel.split import search as autosplit
 from mkernel.split.policy import MkSplitCtl
@@ -318,9 +318,6 @@ def _nbytes(shape, dt):
 
 
 # ------------------------------------------------------------------------------- launch
-def _row_stride(x):
-    return x.strides[0] if x.shape[0] > 1 else x.shape[1] * x.itemsize
-
 
 def tma_dtype(dtype):
     return _tma.DTYPE_BFLOAT16 if dtype.name == "bfloat16" else _tma.DTYPE_FLOAT16
@@ -331,7 +328,7 @@ def a_map(dtype, ptr, rows, K, row_bytes):
 
 
 def b_map(b_arr, layout, K, N):
-    ldb = _row_stride(b_arr)
+    ldb = row_stride(b_arr)
     gstride = max(16, ldb * b_arr.shape[0])
     if layout == B_NK:
         return _tma.encode_tiled(tma_dtype(b_arr.dtype), b_arr.data.ptr, (K, N, 1), (ldb, gstride), (BK, BN, 1))
@@ -526,9 +523,9 @@ def default_join(op, comm, *, M, N, K, esize) -> bool:
 
 
 def copy_rows(dst_ptr, dst_pitch, src, rows, row_bytes, stream):
-    """rows x row_bytes of ``src`` (row stride as _row_stride) to dst_ptr (dst_pitch bytes apart), on ``stream``."""
+    """rows x row_bytes of ``src`` (row stride as row_stride) to dst_ptr (dst_pitch bytes apart), on ``stream``."""
     rt = cupy_mod().cuda.runtime
-    rt.memcpy2DAsync(dst_ptr, dst_pitch, src.data.ptr, _row_stride(src), row_bytes, rows, rt.memcpyDeviceToDevice,
+    rt.memcpy2DAsync(dst_ptr, dst_pitch, src.data.ptr, row_stride(src), row_bytes, rows, rt.memcpyDeviceToDevice,
                      stream_ptr(stream))
 
 

@@ -55,6 +55,11 @@ def as_cupy(x, name: str, *, stream=None):
     return arr
 
 
+def row_stride(x) -> int:
+    """Bytes between rows of a 2-D array (its row length when it has one row: any stride is valid)."""
+    return x.strides[0] if x.shape[0] > 1 else x.shape[1] * x.itemsize
+
+
 def check_matrix(arr, name: str, dtypes=HALF_TYPES, shape=None):
     """A 2-D array of one of ``dtypes`` (None: any) whose rows are contiguous, 16-byte aligned and
     16-byte strided; ``shape`` entries may be None. A stride along an axis of length 1 is never

@@ -2,6 +2,7 @@
 and export, the generated wgmma header being current, NoGPUError without a GPU. The GPU tests are
 tests/gpu/test_attention_gpu.py."""
 
+import ctypes
 import importlib
 import importlib.util
 from pathlib import Path
@@ -24,17 +25,11 @@ def _module():
 
 
 def test_args_layout_matches_host_compiler(tmp_path):
-    # assert_same_layout() compares alignof too; the C struct is alignas(64) through TmaDesc, which
-    # ctypes cannot express (as for MkGemmArgs), so alignof is checked separately.
-    from tests.helpers.c_layout import c_offsets, py_offsets
+    from tests.helpers.c_layout import assert_same_layout
 
     mirror = _module().MkAttnArgs
-    c = c_offsets("attn_args.cuh", "MkAttnArgs", [name for name, *_ in mirror._fields_], tmp_path)
-    py = py_offsets(mirror)
-    assert c.pop("alignof") == 64
-    py.pop("alignof")
-    assert c == py, "MkAttnArgs mirror differs from attn_args.cuh"
-    assert c["sizeof"] % 64 == 0
+    assert_same_layout("attn_args.cuh", mirror, tmp_path, c_align=64)  # alignas(64) through TmaDesc
+    assert ctypes.sizeof(mirror) % 64 == 0
 
 
 def test_registration_and_export():

@@ -6,9 +6,10 @@
 //
 // Runs: the (row block, k-block) units of a token group, row block major, are cut into args.ctas
 // equal runs, one per CTA (blockIdx.y; the host picks a multiple of the row blocks, or stream-K's
-// one per SM); a function of the shape only, so the bits are the same on any number of SMs. A row block that one CTA covers whole is stored at once; one shared by
-// several: each stores its fp32 partial in its slot (its rank among the block's CTAs) and the last to
-// arrive adds the slots in slot order and stores out: bitwise reproducible run to run.
+// one per SM); a function of the shape only, so the bits are the same on any number of SMs. A row
+// block that one CTA covers whole is stored at once; one shared by several: each stores its fp32
+// partial in its slot (its rank among the block's CTAs) and the last to arrive adds the slots in
+// slot order and stores out: bitwise reproducible run to run.
 //
 // Barriers: full[s] (count 1: the producer's arrive.expect_tx; TMA completes it), empty[s] (lane 0
 // of each consumer warp once it has read stage s). Use i (over the CTA's whole run) takes stage
@@ -40,7 +41,8 @@ struct DecodeCfg {
                                                                    : 200u * 1024u / STAGE_BYTES);
   static constexpr u32 OFF_A = STAGES * B_BYTES;
   static constexpr u32 OFF_BAR = OFF_A + STAGES * A_BYTES;
-  static constexpr u32 SMEM = OFF_BAR + 2 * 8 * STAGES + 1024;  // dynamic bytes, with alignment slack
+  // dynamic bytes with alignment slack (gemm_decode.smem_bytes computes the same on the host)
+  static constexpr u32 SMEM = OFF_BAR + 2 * 8 * STAGES + 1024;
   static constexpr u32 SLOT = MT * ROWS;  // floats of one partial slot
   MK_STATIC_ASSERT(ROWS == 64 || ROWS == 128, "row blocks of 64 or 128");
   MK_STATIC_ASSERT(A_BYTES % 1024 == 0, "stages stay 1 KiB aligned (the 128B swizzle's period)");
