@@ -123,13 +123,9 @@ def main():
         if kind == "decode":  # the decode path's knobs (taking up to 256 rows)
             settings = {"rows64": {"gemm_decode_rows": 64}, "rows128": {"gemm_decode_rows": 128},
                         "stream": {"gemm_decode_split": "stream"}}
-            if M > 64:
-                settings.update(group32={"gemm_decode_group": 32}, group64={"gemm_decode_group": 64})
             settings = {k: dict(v, gemm_decode_max_m=256) for k, v in settings.items()}
         if M > config.get().gemm_decode_max_m and mg.split_k(M, N, K) > 1:
             settings["nosplit"] = {"gemm_split_k": False}  # the engine with one CTA per tile
-            if kind == "decode" and M <= 64:
-                settings["decode"] = {"gemm_decode_max_m": 256}  # the decode path, its default knobs
         elif kind == "decode":
             settings["engine"] = {"gemm_decode_max_m": 0}  # the engine (split K) at the decode path's rows
         for name, knobs in settings.items():

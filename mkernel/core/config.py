@@ -46,6 +46,8 @@ class Config:
     # allgather_gemm copies this rank's shard into its own gathered rows (cudaMemcpy2DAsync) before
     # the kernel, whose pushes then only flag it and send it on (False: the push CTAs copy it)
     tp_ag_copy_first: bool = True
+    # allgather_gemm's push CTAs take GEMM tiles once no push or forward item is left
+    tp_ag_join_gemm: bool = False
     # communication CTAs (the TP ops', ring attention's forwarders) stage their loads in their idle
     # shared memory (cp.async, copy.cuh MkStage; False: in registers, 4-8 vectors a thread)
     comm_staged: bool = True
@@ -61,9 +63,6 @@ class Config:
     # mkernel.gemm at M up to this (0: never; at most 256) with B as [N, K] takes the decode path
     # (gemm_decode.py); above, the engine (split K where its tiles are few).
     gemm_decode_max_m: int = 32
-    # The decode path's tokens per CTA above 64 tokens: groups of 32 (CTAs side by side, B read
-    # again from L2) or 64.
-    gemm_decode_group: int = 32
     # The decode path's rows of B per CTA: 64 or 128; 0: by shape (gemm_decode.row_block).
     gemm_decode_rows: int = 0
     # How the decode path cuts its (row block, k-block) units: "even" (each row block in the same
@@ -85,14 +84,15 @@ class Config:
                 raise ArgumentError(f"{name} must be a {'non-negative' if zero_ok else 'positive'} integer; got {v!r}")
         if self.gemm_decode_split not in ("stream", "even"):
             raise ArgumentError(f"gemm_decode_split must be \"stream\" or \"even\"; got {self.gemm_decode_split!r}")
+        if self.gemm_decode_max_m > 256:
+            raise ArgumentError(f"gemm_decode_max_m must be at most 256 (the decode path's widest tile); got "
+                                f"{self.gemm_decode_max_m!r}")
         if self.gemm_decode_rows not in (0, 64, 128):
             raise ArgumentError(f"gemm_decode_rows must be 0, 64 or 128; got {self.gemm_decode_rows!r}")
-        if self.gemm_decode_group not in (32, 64):
-            raise ArgumentError(f"gemm_decode_group must be 32 or 64; got {self.gemm_decode_group!r}")
         if not (isinstance(self.tp_join_reduce, bool) or self.tp_join_reduce == "auto"):
             raise ArgumentError(f"tp_join_reduce must be True, False or \"auto\"; got {self.tp_join_reduce!r}")
         for name in ("moe_join_gemm", "tp_latency_ll_overlap", "gemm_split_k", "tp_ag_copy_first",
-                     "comm_staged", "tp_join_staged"):
+                     "tp_ag_join_gemm", "comm_staged", "tp_join_staged"):
             if not isinstance(getattr(self, name), bool):
                 raise ArgumentError(f"{name} must be True or False; got {getattr(self, name)!r}")
         v = self.tp_join_min_gemm_share

@@ -2,8 +2,9 @@
 as ``w.T``), bound by reading the weights once (kernel and protocol: mkernel/cuda/engines/gemm_decode.cuh).
 
 ``gemm`` takes this path by shape (:func:`eligible`: M up to ``config.gemm_decode_max_m``, B as
-[N, K], none of the fused ops' controls). A CTA is 4 or 8 consumer warps (64 or 128 rows of B)
-fed by a TMA producer warp; the (row block, k-block) units are cut into equal runs, one per CTA, each row block
+[N, K], none of the fused ops' controls). A CTA is 1 or 2 consumer warpgroups (64 or 128 rows of B,
+wgmma against all the tokens) fed by a TMA producer warp; the (row block, k-block) units are cut
+into equal runs, one per CTA, each row block
 in the same number of runs (or stream-K: config.gemm_decode_split), a function of the shape only.
 Row blocks shared by several CTAs are added from fp32 partials in a fixed order: bitwise
 reproducible run to run and on any number of SMs. The partials live in the stream's workspace
@@ -19,9 +20,9 @@ from mkernel.runtime.arrays import DT, row_stride
 from mkernel.runtime.sync import MkSync
 
 BK = 64  # MK_DECODE_BK: elements of K per stage
-ROW_BLOCKS = (64, 128)  # rows of B per CTA (ROWS / 16 consumer warps and a producer warp)
-M_TILES = (8, 16, 32, 64)  # token columns of the instantiations
-MAX_M = 256  # tokens the path takes at most (config.gemm_decode_max_m picks up to this)
+ROW_BLOCKS = (64, 128)  # rows of B per CTA (ROWS / 64 consumer warpgroups and a producer warp)
+M_TILES = (8, 16, 32, 64, 128, 256)  # token columns of the instantiations (wgmma's N)
+MAX_M = M_TILES[-1]  # tokens the path takes at most (config.gemm_decode_max_m picks up to this)
 MAX_N = 1 << 24  # rows of B: keeps the counts and the partials' index small
 # The runs are planned for this many SMs whatever the device has (H100 / H200: 132), so that the
 # sums (their grouping by CTA) and the bits are the same on 66 SMs of an MPS share as on 132.
@@ -64,7 +65,7 @@ class MkDecodeArgs(ctypes.Structure):
 def knobs() -> tuple:
     """The config knobs that pick the decode path's kernel and grid (part of a launch plan's key)."""
     c = config.get()
-    return c.gemm_decode_max_m, c.gemm_decode_group, c.gemm_decode_rows, c.gemm_decode_split
+    return c.gemm_decode_max_m, c.gemm_decode_rows, c.gemm_decode_split
 
 
 def eligible(M: int, N: int, layout_nk: bool, *, controls: bool) -> bool:
@@ -72,13 +73,9 @@ def eligible(M: int, N: int, layout_nk: bool, *, controls: bool) -> bool:
     return layout_nk and not controls and 1 <= M <= min(config.get().gemm_decode_max_m, MAX_M) and N <= MAX_N
 
 
-def m_tile(M: int) -> tuple:
-    """(MT, groups): token columns per CTA and token groups (blockIdx.x). Up to 64 tokens one CTA
-    of the narrowest tile that holds them; above, groups of config.gemm_decode_group."""
-    if M <= M_TILES[-1]:
-        return next(mt for mt in M_TILES if mt >= M), 1
-    mt = config.get().gemm_decode_group
-    return mt, -(-M // mt)
+def m_tile(M: int) -> int:
+    """Token columns of the instantiation that takes M tokens: the narrowest that holds them."""
+    return next(mt for mt in M_TILES if mt >= M)
 
 
 def cta_of(x: int, units: int, ctas: int) -> int:
@@ -86,28 +83,28 @@ def cta_of(x: int, units: int, ctas: int) -> int:
     return ((x + 1) * ctas - 1) // units
 
 
-def runs(N: int, K: int, groups: int = 1, rows: int = 128) -> tuple:
-    """(ctas, slots): CTAs per token group, each an equal run of the (row block, k-block) units
+def runs(N: int, K: int, rows: int = 128) -> tuple:
+    """(ctas, slots): CTAs, each an equal run of the (row block, k-block) units
     (together at most SPLIT_SMS, one per unit at most; config.gemm_decode_split "even": a multiple
     of the row blocks, so that each is cut alike), and the partial slots a row block may need (a
     run is at least units // ctas long, so a block meets at most ceil(kblocks / that) + 1 runs);
     a function of the shape and the knobs only."""
     kblocks, blocks = -(-K // BK), -(-N // rows)
     units = blocks * kblocks
-    cap = max(1, SPLIT_SMS // groups)
+    cap = SPLIT_SMS
     if config.get().gemm_decode_split == "even" and blocks <= cap:
         cap = blocks * (cap // blocks)  # every row block in cap // blocks runs
     ctas = min(units, cap)
     return ctas, min(ctas, -(-kblocks // (units // ctas)) + 1)
 
 
-def row_block(N: int, K: int, groups: int = 1) -> int:
+def row_block(N: int, K: int) -> int:
     """Rows of B per CTA (config.gemm_decode_rows, or by shape): 128, or 64 where that makes every
     row block one CTA's (no reduction at the end) and 128 would not (561df40, in one run: 64 rows
     ahead only at N 8192, K 8192; behind or even elsewhere)."""
     if config.get().gemm_decode_rows:
         return config.get().gemm_decode_rows
-    whole = [r for r in ROW_BLOCKS if runs(N, K, groups, r)[0] == -(-N // r)]  # one run per block
+    whole = [r for r in ROW_BLOCKS if runs(N, K, r)[0] == -(-N // r)]  # one run per block
     return 64 if whole == [64] else 128
 
 
@@ -116,9 +113,9 @@ def build(a, b_arr, out, out_code, *, M, N, K, accumulate, sync, partial, rows=N
     """(function, grid, block, args, buffer, smem) of one launch. ``partial(nbytes, blocks)`` returns the
     stream's (partials, counts) buffer of at least that size (only called when row blocks are shared);
     rows: the row block (None: row_block's)."""
-    mt, groups = m_tile(M)
-    rows = rows or row_block(N, K, groups)
-    ctas, slots = runs(N, K, groups, rows)
+    mt = m_tile(M)
+    rows = rows or row_block(N, K)
+    ctas, slots = runs(N, K, rows)
     blocks = -(-N // rows)
     tdt = _tma.DTYPE_BFLOAT16 if a.dtype.name == "bfloat16" else _tma.DTYPE_FLOAT16
     args = MkDecodeArgs()
@@ -131,10 +128,10 @@ def build(a, b_arr, out, out_code, *, M, N, K, accumulate, sync, partial, rows=N
     args.epi_op = 1 if accumulate else 0
     buffer = None
     if slots > 1:
-        buffer = partial(groups * blocks * slots * mt * rows * 4, groups * blocks)
+        buffer = partial(blocks * slots * mt * rows * 4, blocks)
         args.partial, args.counts = buffer.partial_ptr, buffer.counts_ptr
     fn = _compile.module(SPEC).function(kernel_expr(DT[a.dtype.name], out_code, mt, rows))
-    return fn, (groups, ctas), (threads(rows),), args, buffer, smem_bytes(mt, rows)
+    return fn, (ctas,), (threads(rows),), args, buffer, smem_bytes(mt, rows)
 
 
 class Partials:

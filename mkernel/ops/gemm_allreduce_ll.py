@@ -72,7 +72,7 @@ def run(comm, c, stream):
                                                      partial=_gemm.workspace(stream).decode_partials)
     push = MkDecodePushArgs(g=g, peer_base=comm.peer_table.data.ptr, ll_off=comm.offset_of(plan["ll"]),
                             counters=plan["counters"].data.ptr, pairs=pairs, world=W, me=comm.local_rank)
-    mt = _decode.m_tile(c.M)[0]
+    mt = _decode.m_tile(c.M)
     module = _compile.module(SPEC)
     red = MkAllreduceLLArgs(sync=sync, peer_base=push.peer_base, ll_off=push.ll_off, out=c.out.data.ptr,
                             counters=push.counters, ldo=row_stride(c.out) // dt.itemsize, m=c.M, n=c.N,

@@ -1,6 +1,6 @@
 """CPU: the decode GEMM (mkernel/engines/gemm_decode.py): its argument mirror, the choice of the
 path and of the CTAs' runs, and every instantiation compiling without spills, stack or local memory,
-in its residency's registers, with the TMA, ldmatrix and HMMA it is built on."""
+in its residency's registers, with the TMA and wgmma (HGMMA) it is built on."""
 
 import pytest
 
@@ -20,14 +20,13 @@ def test_args_mirror_matches_c_layout(tmp_path):
 @pytest.mark.parametrize("N,K", [(8192, 8192), (4096, 14336), (14336, 4096), (10240, 8192), (8192, 28672),
                                  (8200, 1032), (3000, 2000), (8, 8), (264, 136), (128, 512), (100000, 64)])
 @pytest.mark.parametrize("rows", dec.ROW_BLOCKS)
-@pytest.mark.parametrize("groups", [1, 3])
 @pytest.mark.parametrize("split", ["stream", "even"])
-def test_runs_cut_the_units_evenly_and_slots_hold_every_block(N, K, rows, groups, split):
+def test_runs_cut_the_units_evenly_and_slots_hold_every_block(N, K, rows, split):
     with config.override(gemm_decode_split=split):
-        ctas, slots = dec.runs(N, K, groups, rows)  # the shape alone: the same bits on any number of SMs
+        ctas, slots = dec.runs(N, K, rows)  # the shape alone: the same bits on any number of SMs
     kb, blocks = -(-K // dec.BK), -(-N // rows)
     units = kb * blocks
-    assert 1 <= ctas <= units and ctas * groups <= dec.SPLIT_SMS
+    assert 1 <= ctas <= units and ctas <= dec.SPLIT_SMS
     starts = [c * units // ctas for c in range(ctas + 1)]
     lengths = [b - a for a, b in zip(starts, starts[1:])]
     assert min(lengths) >= 1 and max(lengths) - min(lengths) <= 1  # equal runs, none empty
@@ -36,7 +35,7 @@ def test_runs_cut_the_units_evenly_and_slots_hold_every_block(N, K, rows, groups
         assert starts[c] <= x < starts[c + 1]
     most = max(dec.cta_of((b + 1) * kb - 1, units, ctas) - dec.cta_of(b * kb, units, ctas) + 1 for b in range(blocks))
     assert most <= slots <= ctas
-    if split == "even" and blocks <= dec.SPLIT_SMS // groups and ctas < units:
+    if split == "even" and blocks <= dec.SPLIT_SMS and ctas < units:
         assert ctas % blocks == 0
 
 
@@ -50,14 +49,11 @@ def test_the_path_is_chosen_by_shape_layout_and_knob():
         assert dec.eligible(16, 4096, True, controls=False) and not dec.eligible(17, 4096, True, controls=False)
     with config.override(gemm_decode_max_m=0):
         assert not dec.eligible(1, 4096, True, controls=False)
-    assert [dec.m_tile(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == \
-        [(8, 1), (8, 1), (16, 1), (16, 1), (32, 1), (32, 1), (64, 1), (64, 1)]
-    assert [dec.m_tile(m) for m in (65, 256)] == [(32, 3), (32, 8)]
-    with config.override(gemm_decode_group=64):
-        assert [dec.m_tile(m) for m in (65, 128, 129)] == [(64, 2), (64, 2), (64, 3)]
+    assert [dec.m_tile(m) for m in (1, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 256)] == \
+        [8, 8, 16, 16, 32, 32, 64, 64, 128, 128, 256, 256]  # every token in one CTA: B read once
     with config.override(gemm_decode_max_m=256):
         assert dec.eligible(256, 4096, True, controls=False) and not dec.eligible(257, 4096, True, controls=False)
-    with pytest.raises(ArgumentError), config.override(gemm_decode_group=48):
+    with pytest.raises(ArgumentError), config.override(gemm_decode_max_m=257):
         pass
 
 
@@ -93,9 +89,8 @@ def test_every_instantiation_compiles_in_its_residency_of_registers(compiled):
     assert not compiled.resources["warnings"], compiled.resources["warnings"]
 
 
-def test_sass_streams_b_with_tma_into_ldmatrix_and_hmma(compiled):
+def test_sass_streams_b_with_tma_into_wgmma(compiled):
     for name, text in sass.kernels(compiled.cubin).items():
-        assert "HMMA.16816.F32" in text, name
+        assert "HGMMA.64x" in text, name  # both operands from the swizzled stages
         assert "UTMALDG.2D" in text, name  # B and A: TMA boxes
-        assert "LDSM.16.M88.4" in text, name  # fragments from the swizzled stages
         assert "LDL" not in text and "STL" not in text, name

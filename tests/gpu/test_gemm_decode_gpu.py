@@ -86,9 +86,8 @@ def test_random_inputs_against_float64(M, N, K, kind, decode_calls):
     got = host(_run(a, w, dt)).astype(np.float64)
     ref = a @ w.T
     assert np.isfinite(got).all(), "NaN left in the output (a row or column not written)"
-    groups = dec.m_tile(M)[1]
-    rows = dec.row_block(N, K, groups)
-    assert _rel(got, ref) < REL_TOL, (M, N, K, kind, _rel(got, ref), rows, dec.runs(N, K, groups, rows))
+    rows = dec.row_block(N, K)
+    assert _rel(got, ref) < REL_TOL, (M, N, K, kind, _rel(got, ref), rows, dec.runs(N, K, rows))
     assert decode_calls == [M]
 
 
@@ -106,15 +105,29 @@ def test_integer_inputs_bitwise_per_tile(M, N, K, kind):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("group", [32, 64])
-@pytest.mark.parametrize("M,N,K", [(40, 1032, 2048), (64, 4096, 1024), (100, 264, 4104), (256, 520, 136)])
-def test_token_groups_exact_and_the_same_bits_as_one_group(M, N, K, group, decode_calls):
-    """Above 64 tokens, CTAs of `group` tokens side by side (blockIdx.x); M up to 256 by the knob:
-    integer inputs exact, every token group's rows written."""
+@pytest.mark.parametrize("rows", dec.ROW_BLOCKS)
+@pytest.mark.parametrize("M,N,K", [(40, 1032, 2048), (65, 4096, 1024), (100, 264, 4104), (128, 8200, 1032),
+                                   (129, 520, 2056), (256, 520, 136)])
+def test_wide_token_tiles_exact(M, N, K, rows, decode_calls):
+    """M up to 256 by the knob, every token in one CTA's wgmma (tiles of 64 .. 256 columns):
+    integer inputs exact, every token's row written."""
     a, w = _inputs(21 + M, M, N, K, BF16, integer=True)
-    with config.override(gemm_decode_max_m=256, gemm_decode_group=group):
+    with config.override(gemm_decode_max_m=256, gemm_decode_rows=rows):
         got = bits(_run(a, w, BF16))
-    assert np.array_equal(got, (a @ w.T).astype(BF16).view(np.uint16)), (M, N, K, group)
+    assert np.array_equal(got, (a @ w.T).astype(BF16).view(np.uint16)), (M, N, K, rows)
+    assert decode_calls == [M]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", [(96, 4096, 8192), (200, 1000, 1032), (256, 8192, 2048)])
+@pytest.mark.parametrize("kind", ["bf16", "fp16"])
+def test_wide_token_tiles_against_float64(M, N, K, kind, decode_calls):
+    dt = DTYPES[kind]
+    a, w = _inputs(5 * M + K, M, N, K, dt, integer=False)
+    with config.override(gemm_decode_max_m=256):
+        got = host(_run(a, w, dt)).astype(np.float64)
+    assert np.isfinite(got).all()
+    assert _rel(got, a @ w.T) < REL_TOL, (M, N, K, kind, _rel(got, a @ w.T))
     assert decode_calls == [M]
 
 
@@ -135,7 +148,7 @@ def test_row_block_and_split_variants_exact(M, N, K, knobs, decode_calls):
 @pytest.mark.gpu
 def test_several_k_ranges_are_taken_and_reduced_in_order():
     M, N, K = 5, 256, 16384  # 2 row blocks: many CTAs share each
-    assert dec.runs(N, K, 1, dec.row_block(N, K))[1] > 1
+    assert dec.runs(N, K, dec.row_block(N, K))[1] > 1
     a, w = _inputs(3, M, N, K, BF16, integer=False)
     outs = [bits(_run(a, w, BF16)) for _ in range(3)]  # the counters reset: launches 2 and 3 reduce too
     assert all(np.array_equal(outs[0], o) for o in outs[1:]), "not bitwise equal from launch to launch"

@@ -1,39 +1,42 @@
-// The decode GEMM: out[m, n] = a[m, k] . b[n, k] for few rows m (tokens, at most 64 per CTA), bound
-// by reading the weights b once. Swap-AB on mma.sync.m16n8k16: b's rows take the 16-row side, the
-// tokens the 8-column side. A CTA is ROWS / 16 consumer warps (16 rows of b each: a row block of
-// ROWS) and a producer warp whose one thread streams 64-element k-blocks of b (ROWS rows) and of a
-// (MT tokens, group blockIdx.x) with TMA into a STAGES-deep ring (128B swizzle; read by ldmatrix).
+// The decode GEMM: out[m, n] = a[m, k] . b[n, k] for few rows m (tokens, at most 256), bound by
+// reading the weights b once. Swap-AB on wgmma m64nMTk16: b's rows take the 64-row side, the tokens
+// the MT-column side, both operands from shared memory. A CTA is ROWS / 64 consumer warpgroups (64
+// rows of b each: a row block of ROWS) and a producer warp whose one thread streams 64-element
+// k-blocks of b (ROWS rows) and of a (all MT token rows) with TMA into a STAGES-deep ring (128B swizzle).
 //
-// Runs: the (row block, k-block) units of a token group, row block major, are cut into args.ctas
-// equal runs, one per CTA (blockIdx.y; the host picks a multiple of the row blocks, or stream-K's
-// one per SM); a function of the shape only, so the bits are the same on any number of SMs. A row
-// block that one CTA covers whole is stored at once; one shared by several: each stores its fp32
-// partial in its slot (its rank among the block's CTAs) and the last to arrive adds the slots in
-// slot order and stores out: bitwise reproducible run to run.
+// Runs: the (row block, k-block) units, row block major, are cut into args.ctas equal runs, one per
+// CTA (blockIdx.x; the host picks a multiple of the row blocks, or stream-K's one per SM); a
+// function of the shape only, so the bits are the same on any number of SMs. A row block that one
+// CTA covers whole is stored at once; one shared by several: each stores its fp32 partial in its
+// slot (its rank among the block's CTAs) and the last to arrive adds the slots in slot order and
+// stores out: bitwise reproducible run to run.
 //
 // Barriers: full[s] (count 1: the producer's arrive.expect_tx; TMA completes it), empty[s] (lane 0
-// of each consumer warp once it has read stage s). Use i (over the CTA's whole run) takes stage
-// i % STAGES at parity (i / STAGES) & 1; the producer waits for 'empty' at the opposite parity.
+// of each consumer warp once its wgmma group on stage s is complete). Use i (over the CTA's whole
+// run) takes stage i % STAGES at parity (i / STAGES) & 1; the producer waits for 'empty' at the
+// opposite parity.
 //
-// Template parameters: DT (MK_DT_BF16 / MK_DT_F16), MT (token columns: 8, 16, 32 or 64), ROWS (64
-// or 128), Epi (what becomes of the finished values: the engine's store, gemm_decode.cu;
-// gemm_allreduce's push to every rank, ops/gemm_allreduce_ll.cu). One CTA per SM.
+// Template parameters: DT (MK_DT_BF16 / MK_DT_F16), MT (token columns: 8 .. 256, M_TILES of
+// gemm_decode.py), ROWS (64 or 128), Epi (what becomes of the finished values: the engine's store,
+// gemm_decode.cu; gemm_allreduce's push to every rank, ops/gemm_allreduce_ll.cu). One CTA per SM.
 #pragma once
 #include "common.cuh"
 #include "tma.cuh"
 #include "mbar_wait.cuh"
+#include "wgmma.cuh"
 #include "gemm_args.cuh"
 #include "gemm_decode_args.cuh"
 
 template <int MT, int ROWS_>
 struct DecodeCfg {
   static constexpr int ROWS = ROWS_;
-  static constexpr int WARPS = ROWS / 16;  // consumer warps
+  static constexpr int WARPS = ROWS / 16;  // consumer warps: ROWS / 64 warpgroups
   static constexpr int CONSUMERS = 32 * WARPS;
+  static constexpr int ACC = MT / 2;  // fp32 accumulators per consumer thread (m64nMT)
   static constexpr int THREADS = CONSUMERS + 32;  // the consumers, then the producer warp
   static constexpr int BLOCKS = MT / 8;  // n8 column blocks of tokens
   static constexpr u32 B_BYTES = ROWS * MK_DECODE_BK * 2;  // ROWS rows x 128 B
-  static constexpr u32 A_BYTES = MT * MK_DECODE_BK * 2;  // MT rows x 128 B (a multiple of 1 KiB)
+  static constexpr u32 A_BYTES = MT * MK_DECODE_BK * 2;  // MT rows x 128 B
   static constexpr u32 STAGE_BYTES = A_BYTES + B_BYTES;
   // 128 KiB of b in flight, within 200 KiB of ring
   static constexpr int STAGES =
@@ -45,6 +48,7 @@ struct DecodeCfg {
   static constexpr u32 SMEM = OFF_BAR + 2 * 8 * STAGES + 1024;
   static constexpr u32 SLOT = MT * ROWS;  // floats of one partial slot
   MK_STATIC_ASSERT(ROWS == 64 || ROWS == 128, "row blocks of 64 or 128");
+  MK_STATIC_ASSERT(MT % 8 == 0 && MT <= 256, "wgmma takes 8 .. 256 columns in steps of 8");
   MK_STATIC_ASSERT(A_BYTES % 1024 == 0, "stages stay 1 KiB aligned (the 128B swizzle's period)");
 };
 
@@ -53,32 +57,6 @@ template <int CONSUMERS>
 struct DecodeBar {
   MK_DEV void operator()() const { named_bar_sync(1, CONSUMERS); }
 };
-
-template <int DT>
-MK_DEV void mma_16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  if (DT == MK_DT_BF16)
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  else
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// Four 8 x 8 matrices of 16-bit values; lane l gives the address of row l % 8 of matrix l / 8.
-MK_DEV void ldsm_x4(u32 (&r)[4], u32 addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-// 16-byte chunk c of row r of a 128B-swizzled box of 128-byte rows (1 KiB aligned).
-MK_DEV u32 swz(u32 base, u32 r, u32 c) { return base + r * 128u + ((c ^ (r & 7u)) << 4); }
 
 // An arrival that publishes what this thread observed (bar.sync included: the CTA's slot stores
 // before it) and acquires the earlier arrivals' (the last arrival reads every CTA's slot).
@@ -126,7 +104,7 @@ MK_DEV u32 decode_cta_of(u64 x, u64 units, u64 ctas) { return (u32)(((x + 1) * c
 
 // The producer thread: every k-block of the CTA's run, b's box and a's box into the ring.
 template <class Cfg>
-MK_DEV void decode_produce(const MkDecodeArgs& args, u32 smem, u64 u0, u64 u1, i32 tok0) {
+MK_DEV void decode_produce(const MkDecodeArgs& args, u32 smem, u64 u0, u64 u1) {
   const u64 kb = (u64)args.kblocks;
   const u32 full0 = smem + Cfg::OFF_BAR, empty0 = full0 + 8 * Cfg::STAGES;
   u32 it = 0, rb = (u32)(u0 / kb), kk = (u32)(u0 - rb * kb);  // unit u = (row block rb, k-block kk)
@@ -138,18 +116,19 @@ MK_DEV void decode_produce(const MkDecodeArgs& args, u32 smem, u64 u0, u64 u1, i
     if (loads) {
       mbar_arrive_expect_tx(full0 + 8 * s, Cfg::STAGE_BYTES);
       tma_load_2d(smem + s * Cfg::B_BYTES, &args.b_map, full0 + 8 * s, (i32)kk * MK_DECODE_BK, (i32)rb * Cfg::ROWS);
-      tma_load_2d(smem + Cfg::OFF_A + s * Cfg::A_BYTES, &args.a_map, full0 + 8 * s, (i32)kk * MK_DECODE_BK, tok0);
+      tma_load_2d(smem + Cfg::OFF_A + s * Cfg::A_BYTES, &args.a_map, full0 + 8 * s, (i32)kk * MK_DECODE_BK, 0);
     }
     if (++kk == (u32)kb) kk = 0, ++rb;
   }
   mbar_drain_landed(full0, Cfg::STAGES, it);
 }
 
-// The decode GEMM of one CTA (DecodeCfg<MT, ROWS>::THREADS threads, ::SMEM bytes of dynamic shared memory). Epi:
-// begin() first (every thread); then per row block this CTA finishes (covered whole, or the last of
-// its CTAs to arrive) ready(bar) (every consumer thread; bar() syncs them; false skips the stores) and finish(j, tok, r0,
-// r1, v) per token block j: v[0..1] the values of row r0 and tokens tok, tok + 1, v[2..3] those of
-// row r1 (tokens past m and rows past n included: Epi skips them).
+// The decode GEMM of one CTA (DecodeCfg<MT, ROWS>::THREADS threads, ::SMEM bytes of dynamic shared
+// memory). Epi: begin() first (every thread); then per row block this CTA finishes (covered whole,
+// or the last of its CTAs to arrive) ready(bar) (every consumer thread; bar() syncs them; false
+// skips the stores) and finish(j, tok, r0, r1, v) per token block j: v[0..1] the values of row r0
+// and tokens tok, tok + 1, v[2..3] those of row r1 (tokens past m and rows past n included: Epi
+// skips them).
 template <int DT, int MT, int ROWS, class Epi>
 MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
   using Cfg = DecodeCfg<MT, ROWS>;
@@ -172,66 +151,62 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
   epi.begin();
   __syncthreads();
   const u64 kb = (u64)args.kblocks, blocks = ((u64)args.n + Cfg::ROWS - 1) / Cfg::ROWS;
-  const u64 units = blocks * kb, C = (u64)args.ctas, cta = blockIdx.y;
+  const u64 units = blocks * kb, C = (u64)args.ctas, cta = blockIdx.x;
   const u64 u0 = decode_run_start(cta, units, C), u1 = decode_run_start(cta + 1, units, C);
-  const i64 tok0 = (i64)blockIdx.x * MT;
   if (threadIdx.x >= Cfg::CONSUMERS) {
-    if (threadIdx.x == Cfg::CONSUMERS) decode_produce<Cfg>(args, smem, u0, u1, (i32)tok0);
+    if (threadIdx.x == Cfg::CONSUMERS) decode_produce<Cfg>(args, smem, u0, u1);
     return;
   }
 
-  const u32 g = lane >> 2, t = lane & 3;
-  // ldmatrix rows: b's 16 rows of this warp (matrices: rows 0-7 / 8-15 of the low chunk, then of the
-  // high chunk = a0..a3 of the mma); a's token rows (matrices: 4 consecutive chunks).
-  const u32 b_row = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, b_hi = lane >> 4;
-  const u32 a_row = lane & 7, a_chunk = lane >> 3;
+  const u32 g = lane >> 2, t = lane & 3, wg = warp >> 2;
   const DecodeBar<Cfg::CONSUMERS> bar{};
+  float acc[Cfg::ACC];  // acc[4j + i]: row r0 (i < 2) or r1, tokens 8j + 2t + (i & 1)
   u32 it = 0;
   for (u64 u = u0; u < u1;) {
+    __syncwarp();  // the last block's epilogue may have diverged: converge before .aligned wgmma
     const u64 rb = u / kb, kend = (rb + 1) * kb < u1 ? (rb + 1) * kb : u1;
-    float acc[Cfg::BLOCKS][4];
+    const u32 it0 = it;
 #pragma unroll
-    for (int j = 0; j < Cfg::BLOCKS; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    for (int i = 0; i < Cfg::ACC; ++i) acc[i] = 0.f;
     for (; u < kend; ++u, ++it) {
       const u32 s = it % Cfg::STAGES;
       mbar_wait_timed(full0 + 8 * s, (it / Cfg::STAGES) & 1, args.sync, MK_WAIT_FULL);
-      const u32 sb = smem + s * Cfg::B_BYTES, sa = smem + Cfg::OFF_A + s * Cfg::A_BYTES;
+      const u32 sb = smem + s * Cfg::B_BYTES + wg * (64 * 128), sa = smem + Cfg::OFF_A + s * Cfg::A_BYTES;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {  // 32 elements of K: chunks 4h .. 4h + 3
-        u32 tk[Cfg::BLOCKS][4];
+      for (int i = 0; i < Cfg::ACC; ++i) wgmma_fence_operand(acc[i]);
+      wgmma_fence();
 #pragma unroll
-        for (int j = 0; j < Cfg::BLOCKS; ++j) ldsm_x4(tk[j], swz(sa, j * 8 + a_row, 4 * h + a_chunk));
+      for (int kk = 0; kk < MK_DECODE_BK / 16; ++kk)
+        wgmma_ss<DT, 0>(acc, wgmma_desc(sb + kk * 32, 16, 1024), wgmma_desc(sa + kk * 32, 16, 1024), 1u);
+      wgmma_commit();
 #pragma unroll
-        for (int q = 0; q < 2; ++q) {  // 16 elements: chunks 4h + 2q, 4h + 2q + 1
-          u32 w[4];
-          ldsm_x4(w, swz(sb, b_row, 4 * h + 2 * q + b_hi));
-#pragma unroll
-          for (int j = 0; j < Cfg::BLOCKS; ++j)
-            mma_16816<DT>(acc[j], w[0], w[1], w[2], w[3], tk[j][2 * q], tk[j][2 * q + 1]);
-        }
-      }
-      __syncwarp();
-      if (lane == 0) mbar_arrive(empty0 + 8 * s);
+      for (int i = 0; i < Cfg::ACC; ++i) wgmma_fence_operand(acc[i]);
+      wgmma_wait<1>();  // the previous k-block's group is complete: release its stage
+      if (it > it0 && lane == 0) mbar_arrive(empty0 + 8 * ((it + Cfg::STAGES - 1) % Cfg::STAGES));
     }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < Cfg::ACC; ++i) wgmma_fence_operand(acc[i]);
+    if (lane == 0) mbar_arrive(empty0 + 8 * ((it + Cfg::STAGES - 1) % Cfg::STAGES));
 
-    // acc[j]: {row r0: tokens 8j + 2t, 8j + 2t + 1; row r1: the same tokens}
     const u64 r0 = rb * Cfg::ROWS + warp * 16 + g, r1 = r0 + 8;
     const u32 first = decode_cta_of(rb * kb, units, C), n_ctas = decode_cta_of((rb + 1) * kb - 1, units, C) - first + 1;
     if (n_ctas == 1) {
       if (epi.ready(bar))
 #pragma unroll
-        for (int j = 0; j < Cfg::BLOCKS; ++j) epi.finish(j, (u64)tok0 + j * 8 + 2 * t, r0, r1, acc[j]);
+        for (int j = 0; j < Cfg::BLOCKS; ++j) {
+          const float v[4] = {acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]};
+          epi.finish(j, (u64)j * 8 + 2 * t, r0, r1, v);
+        }
       continue;
     }
     // Slots in fragment order (the reader is the same thread of the last CTA): coalesced both ways.
-    const u64 block_at = ((u64)blockIdx.x * blocks + rb) * (u64)args.slots;
+    const u64 block_at = rb * (u64)args.slots;
     float* mine = args.partial + (block_at + (cta - first)) * Cfg::SLOT + threadIdx.x;
 #pragma unroll
-    for (int j = 0; j < Cfg::BLOCKS; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) __stcg(mine + (j * 4 + e) * Cfg::CONSUMERS, acc[j][e]);
+    for (int i = 0; i < Cfg::ACC; ++i) __stcg(mine + i * Cfg::CONSUMERS, acc[i]);
     bar();  // every thread's slot stores precede thread 0's release
-    u32* count = args.counts + blockIdx.x * blocks + rb;
+    u32* count = args.counts + rb;
     if (threadIdx.x == 0) s_last = atom_add_acq_rel_gpu(count, 1u) + 1 == n_ctas;
     bar();  // the last arrival's acquire precedes every thread's slot reads
     if (!s_last) continue;
@@ -244,7 +219,7 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
       for (u32 c = 0; c < n_ctas; ++c)
 #pragma unroll
         for (int e = 0; e < 4; ++e) v[e] += __ldcg(slot0 + (u64)c * Cfg::SLOT + (j * 4 + e) * Cfg::CONSUMERS);
-      epi.finish(j, (u64)tok0 + j * 8 + 2 * t, r0, r1, v);
+      epi.finish(j, (u64)j * 8 + 2 * t, r0, r1, v);
     }
   }
 }

@@ -8,18 +8,18 @@
 #define MK_DECODE_BK 64
 
 struct MkDecodeArgs {
-  TmaDesc a_map;  // a [m, k] (the tokens): dims {k, m}, box {64, MT}, 128B swizzle
+  TmaDesc a_map;  // a [m, k] (the tokens): dims {k, m}, box {64, MT} (all the tokens), 128B swizzle
   TmaDesc b_map;  // b [n, k] (the weights as stored): dims {k, n}, box {64, ROWS}, 128B swizzle
   MkSync sync;  // the pipeline waits' deadline and error word
   void* out;  // [m, n] row stride ldc elements
-  float* partial;  // [groups][row blocks][slots][MT x ROWS] fp32 partial sums of shared row blocks
-  unsigned int* counts;  // [groups][row blocks] arrivals, zero between launches
+  float* partial;  // [row blocks][slots][MT x ROWS] fp32 partial sums of shared row blocks
+  unsigned int* counts;  // [row blocks] arrivals, zero between launches
   long long ldc;
   int m;
   int n;
   int k;
   int kblocks;  // ceil(k / MK_DECODE_BK)
-  int ctas;  // CTAs per token group (gridDim.y): each takes an equal run of (row block, k-block) units
+  int ctas;  // CTAs (gridDim.x): each takes an equal run of (row block, k-block) units
   int slots;  // partial slots per row block (at least its most contributing CTAs)
   unsigned int epi_op;  // MK_EPI_STORE or MK_EPI_ADD (gemm_args.cuh)
   unsigned int pad[15];

@@ -41,6 +41,18 @@ MK_DEV void wgmma_fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory")
 
 // The same, chosen by the accumulator's size (N = 2 x registers): code generic over tile widths.
 template <int DT, int TNSP_B>
+MK_DEV void wgmma_ss(float (&d)[4], u64 a, u64 b, u32 sc) {
+  wgmma_m64n8k16<DT, TNSP_B>(d, a, b, sc);
+}
+template <int DT, int TNSP_B>
+MK_DEV void wgmma_ss(float (&d)[8], u64 a, u64 b, u32 sc) {
+  wgmma_m64n16k16<DT, TNSP_B>(d, a, b, sc);
+}
+template <int DT, int TNSP_B>
+MK_DEV void wgmma_ss(float (&d)[16], u64 a, u64 b, u32 sc) {
+  wgmma_m64n32k16<DT, TNSP_B>(d, a, b, sc);
+}
+template <int DT, int TNSP_B>
 MK_DEV void wgmma_ss(float (&d)[32], u64 a, u64 b, u32 sc) {
   wgmma_m64n64k16<DT, TNSP_B>(d, a, b, sc);
 }
