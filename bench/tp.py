@@ -303,6 +303,7 @@ def bench_op_shared(op, comm, shapes, dt, barrier, link_gbs, comm_sms="auto"):
             changes = [{"comm_staged": not cfg.comm_staged}]
             if op == "allgather_gemm":
                 changes.append({"tp_ag_copy_first": not cfg.tp_ag_copy_first})
+                changes.append({"tp_ag_join_gemm": not cfg.tp_ag_join_gemm})
             else:  # join flipped from what this call resolved ("auto"); joined with the staging flipped
                 joins = _tp.default_join(op, comm, M=M, N=N, K=K, esize=dt.itemsize)
                 changes.append({"tp_join_reduce": not joins})

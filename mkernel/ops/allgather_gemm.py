@@ -125,6 +125,7 @@ def _launch(comm, plan, template, c, stream):
         gemm_ctas = 0
     tp.set_split(args, plan, gemm_ctas, tp.controller_mode(OP, c.comm_sms, c.path), comm)
     args.own_copied = int(config.get().tp_ag_copy_first)
+    args.join = int(config.get().tp_ag_join_gemm and gemm_ctas > 0)
     with autosplit.timed(token, stream):
         if args.own_copied:  # the shard into this rank's own gathered rows (a copy, no kernel: no module load)
             tp.copy_rows(ga.data.ptr + comm.rank * c.mb * c.K * esize, c.K * esize, c.a, c.mb, c.K * esize, stream)

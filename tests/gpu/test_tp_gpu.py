@@ -177,10 +177,10 @@ def test_reduce_ops_against_float64(comm, op, kind):
     _collective(comm, body)
 
 
-@pytest.mark.parametrize("copy_first", [False, True])  # config.tp_ag_copy_first
+@pytest.mark.parametrize("copy_first,join", [(False, False), (True, False), (True, True)])  # config.tp_ag_*
 @pytest.mark.parametrize("kind", ["bf16", "fp16"])
 @pytest.mark.parametrize("layout", ["kn", "nk", "view"])
-def test_allgather_gemm_integer_inputs_are_exact_per_tile(comm, layout, kind, copy_first):
+def test_allgather_gemm_integer_inputs_are_exact_per_tile(comm, layout, kind, copy_first, join):
     W = comm.size
     mb, K, N = 200, 136, 264
     dt = DTYPES[kind]
@@ -193,7 +193,7 @@ def test_allgather_gemm_integer_inputs_are_exact_per_tile(comm, layout, kind, co
         msgs = []
         for path in PATHS:
             bb, bl = _b_arg(b, layout, dt)
-            with config.override(tp_ag_copy_first=copy_first):
+            with config.override(tp_ag_copy_first=copy_first, tp_ag_join_gemm=join):
                 out, gathered = allgather_gemm(_dev(a.astype(dt)), bb, comm=comm, out=_poisoned((W * mb, N), kind),
                                                b_layout=bl, path=path, return_gathered=True)
             _sync(f"ag {layout} {kind}")
@@ -208,9 +208,9 @@ def test_allgather_gemm_integer_inputs_are_exact_per_tile(comm, layout, kind, co
     _collective(comm, body)
 
 
-@pytest.mark.parametrize("copy_first", [False, True])  # config.tp_ag_copy_first
+@pytest.mark.parametrize("copy_first,join", [(False, False), (True, False), (True, True)])  # config.tp_ag_*
 @pytest.mark.parametrize("kind", ["bf16", "fp16"])
-def test_allgather_gemm_against_float64(comm, kind, copy_first):
+def test_allgather_gemm_against_float64(comm, kind, copy_first, join):
     W = comm.size
     mb, K, N = 320, 1024, 520
     dt = DTYPES[kind]
@@ -221,7 +221,7 @@ def test_allgather_gemm_against_float64(comm, kind, copy_first):
 
     def body():
         padded = _dev(np.hstack([a, np.full((mb, 24), np.nan)]).astype(dt))[:, :K]  # rows 24 elements apart
-        with config.override(tp_ag_copy_first=copy_first):
+        with config.override(tp_ag_copy_first=copy_first, tp_ag_join_gemm=join):
             out = allgather_gemm(padded, _dev(b.astype(dt)), comm=comm, path="fused")
         _sync(f"ag float64 {kind}")
         comm.check()

@@ -161,10 +161,11 @@ def _run_ag_cases(comm):
             before = bytes_sent(comm)
             copy_first = rep % 2 == 1  # launches alternate who copies the shard into its own rows
             staged = rep >= 1  # config.comm_staged from the second launch on: the same bits
+            join = rep == REPEATS - 1  # config.tp_ag_join_gemm on the last launch
             what = f"allgather_gemm {path} case {i} {mb}x{N}x{K} {kind} launch {rep} copy_first {copy_first} " \
-                   f"staged {staged}"
+                   f"staged {staged} join {join}"
             try:
-                with config.override(tp_ag_copy_first=copy_first, comm_staged=staged):
+                with config.override(tp_ag_copy_first=copy_first, comm_staged=staged, tp_ag_join_gemm=join):
                     out, gathered = allgather_gemm(a, b, comm=comm, out=_poisoned((W * mb, N), kind), path=path,
                                                    return_gathered=True)
                 sync_or_exit(what, HANG_S)

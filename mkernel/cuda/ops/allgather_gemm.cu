@@ -10,7 +10,8 @@
 // crosses the network once per node. CTAs [0, gemm_ctas) run the GEMM over the gathered rows in
 // arrival order; the producer waits for a chunk's flag before its TMA loads, so the GEMM starts
 // with the first local chunk and overlaps the rest of the gather. GEMM CTAs the controller lent
-// (tp_controller.cuh) also push chunks between their tiles (TpTurn, TpPushItems).
+// (tp_controller.cuh) also push chunks between their tiles (TpTurn, TpPushItems); with args.join,
+// push CTAs that find no item left take GEMM tiles from the same counter.
 #include "tp_reduce.cuh"
 
 // Copies `rows` rows of k elements (16-byte vectors) from src (row stride lds elements) to dst
@@ -82,8 +83,8 @@ struct TpPushItems {
   }
 };
 
-MK_DEV void tp_push_cta(const TpArgs& a) {
-  const TpCommCta cta = tp_comm_enter(a);
+// A push CTA's items, every thread; false when a wait failed (the error is recorded).
+MK_DEV bool tp_push_cta(const TpArgs& a, const TpCommCta& cta) {
   const u32 E = cta.E;
   TpCommShared& comm = *cta.sh;
   const u32 chunks = (u32)a.tiles_mb;
@@ -139,18 +140,31 @@ MK_DEV void tp_push_cta(const TpArgs& a) {
     for (u32 f = threadIdx.x; f < (u32)a.world * chunks; f += blockDim.x)
       if (!wait_epoch(a.g.sync, own + f, E, (i32)(f / chunks), 0x70000u + f % chunks)) break;
   }
-  __syncthreads();
-  if (threadIdx.x == 0) tp_counters_done(a);
-  launch_exit(a.g.sync, E);
+  return ok;
 }
 
 template <int DT, int BL>
 __global__ void __launch_bounds__(384, 1) mk_allgather_gemm_kernel(const __grid_constant__ TpArgs args) {
+  using Gemm = GemmCfg<DT, BL>;
+  using Turn = TpTurn<TP_OP_AG, TpPushItems>;
   const u32 arrival = tp_arrive(args), pushers = gridDim.x - (u32)args.gemm_ctas;
-  if (arrival < pushers)  // pushers first: the GEMM waits for the rows they bring
-    tp_push_cta(args);
-  else
-    tp_gemm_cta<GemmCfg<DT, BL>, TP_OP_AG, TpNoJoin, TpTurn<TP_OP_AG, TpPushItems> >(args, arrival - pushers);
+  if (arrival >= pushers) {  // pushers first: the GEMM waits for the rows they bring
+    tp_gemm_cta<Gemm, TP_OP_AG, TpNoJoin, Turn>(args, arrival - pushers);
+    return;
+  }
+  const TpCommCta cta = tp_comm_enter(args);
+  const bool ok = tp_push_cta(args, cta);
+  // No item left: the SM takes GEMM tiles too (an index past the GEMM CTAs'). Not after an error:
+  // a wait that gave up may have left a staged load in flight into the shared memory.
+  if (args.join && args.gemm_ctas > 0 && !__syncthreads_or(!ok || (threadIdx.x == 0 && error_recorded(args.g.sync)))) {
+    fence_proxy_async_smem();  // the stage's generic use before the GEMM's TMA loads
+    __syncthreads();
+    tp_gemm_cta<Gemm, TP_OP_AG, TpNoJoin, Turn>(args, (u32)args.gemm_ctas + arrival);
+    return;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) tp_counters_done(args);
+  launch_exit(args.g.sync, cta.E);
 }
 
 static_assert(TP_SMEM_BYTES == 230736, "update tp.SMEM_BYTES");

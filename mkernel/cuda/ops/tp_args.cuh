@@ -102,7 +102,8 @@ struct TpArgs {
   int tiles_mb;  // ceil(mb / 128)
   int tiles_n;  // ceil(n / 256)
   int gemm_ctas;  // CTAs [0, gemm_ctas) run GEMM tiles; the rest communicate
-  int join;  // RS / AR: GEMM CTAs' consumers join the reduction after their tiles
+  int join;  // RS / AR: GEMM CTAs' consumers join the reduction after their tiles; AG: push CTAs
+      // take GEMM tiles after their items
   // Nodes: world = nodes * local ranks, me = node * local + lrank (node-major). One node: nodes 1,
   // local = world. Between nodes (RS): block o's partials are first summed on node n by its rank
   // (n, o % local) (receive slot recv[sender lrank][o / local]); that rank sends the node partial
