@@ -99,12 +99,12 @@ def main():
                 f[p] = f["latency"]
         f["gemm"] = lambda: mkernel.gemm(a, w.T, out=part)
         if M <= config.get().gemm_decode_max_m:  # the decode kernel's row blocks, side by side
-            for rows in (64, 128):
-                knobs[f"gemm_rows{rows}"] = {"gemm_decode_rows": rows}
-                f[f"gemm_rows{rows}"] = f["gemm"]
+            for rb in (64, 128):
+                knobs[f"gemm_rows{rb}"] = {"gemm_decode_rows": rb}
+                f[f"gemm_rows{rb}"] = f["gemm"]
                 if M <= config.get().tp_latency_ll_max_rows:
-                    knobs[f"latency_rows{rows}"] = {"gemm_decode_rows": rows}
-                    f[f"latency_rows{rows}"] = f["latency"]
+                    knobs[f"latency_rows{rb}"] = {"gemm_decode_rows": rb}
+                    f[f"latency_rows{rb}"] = f["latency"]
         f["allreduce"] = lambda: mkernel.allreduce(part, comm=comm, out=out)
         f["unfused"] = lambda: (mkernel.gemm(a, w.T, out=part), mkernel.allreduce(part, comm=comm, out=out))
         results = {}

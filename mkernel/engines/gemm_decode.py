@@ -3,7 +3,7 @@ as ``w.T``), bound by reading the weights once (kernel and protocol: mkernel/cud
 
 ``gemm`` takes this path by shape (:func:`eligible`: M up to ``config.gemm_decode_max_m``, B as
 [N, K], none of the fused ops' controls). A CTA is 1 or 2 consumer warpgroups (64 or 128 rows of B,
-wgmma against all the tokens) fed by a TMA producer warp; the (row block, k-block) units are cut
+wgmma against all the tokens) fed by two TMA producer warps (B's ring, A's ring); the (row block, k-block) units are cut
 into equal runs, one per CTA, each row block
 in the same number of runs (or stream-K: config.gemm_decode_split), a function of the shape only.
 Row blocks shared by several CTAs are added from fp32 partials in a fixed order: bitwise
@@ -20,7 +20,7 @@ from mkernel.runtime.arrays import DT, row_stride
 from mkernel.runtime.sync import MkSync
 
 BK = 64  # MK_DECODE_BK: elements of K per stage
-ROW_BLOCKS = (64, 128)  # rows of B per CTA (ROWS / 64 consumer warpgroups and a producer warp)
+ROW_BLOCKS = (64, 128)  # rows of B per CTA (ROWS / 64 consumer warpgroups and two producer warps)
 M_TILES = (8, 16, 32, 64, 128, 256)  # token columns of the instantiations (wgmma's N)
 MAX_M = M_TILES[-1]  # tokens the path takes at most (config.gemm_decode_max_m picks up to this)
 MAX_N = 1 << 24  # rows of B: keeps the counts and the partials' index small
@@ -31,16 +31,16 @@ OUT_F32 = 2
 
 
 def threads(rows: int) -> int:
-    """Threads of a CTA of `rows` rows (DecodeCfg::THREADS)."""
-    return 2 * rows + 32
+    """Threads of a CTA of `rows` rows (DecodeCfg::THREADS: the consumers, two producer warps)."""
+    return 2 * rows + 64
 
 
 def smem_bytes(mt: int, rows: int) -> int:
-    """Dynamic shared memory of an instantiation (DecodeCfg::SMEM): 128 KiB of B in flight, the
-    ring within 200 KiB."""
-    b, stage = rows * BK * 2, (rows + mt) * BK * 2
-    stages = (128 << 10) // b if (128 << 10) // b * stage <= 200 << 10 else (200 << 10) // stage
-    return stages * stage + 16 * stages + 1024
+    """Dynamic shared memory of an instantiation (DecodeCfg::SMEM; the kernel raises MK_ERR_INPUT
+    when given less): a ring of 128 KiB of B and one of up to 8 stages within 96 KiB of A."""
+    b, a = rows * BK * 2, mt * BK * 2
+    stages_b, stages_a = (128 << 10) // b, 8 if 8 * a <= 96 << 10 else (96 << 10) // a
+    return stages_b * b + stages_a * a + 16 * (stages_b + stages_a) + 1024
 
 
 def kernel_expr(dt: int, out: int, mt: int, rows: int) -> str:
