@@ -103,7 +103,7 @@ for s in $steps; do
     ring) step ring 240 $MPI2 $PYT -m "gpu and mpi" tests/gpu/test_ring_attention_gpu.py tests/gpu/test_ring_attention_errors_gpu.py tests/gpu/test_ring_attention_worlds_gpu.py ;;
     ringbench) step ringbench 240 $MPI2 python3 bench/ring_attention.py --kv-heads 8 ${RING_ARGS:-} ;;  # issue 25 heads (32/8): the same file as ringmps
     transport) step transport 90 $MPI2 python3 bench/transport.py ;;
-    tpbench) step tpbench 400 $MPI2 python3 bench/tp.py ;;
+    tpbench) step tpbench 400 $MPI2 python3 bench/tp.py ${TP_ARGS:-} ;;
     tpnodes) step tpnodes 300 $MPI2 python3 bench/tp.py --nodes 2 ${TP_ARGS:-} ;;
     tpnodes4) step tpnodes4 300 $MPI4 python3 bench/tp.py --nodes 2 ;;  # 2 nodes x 2 ranks, 33 SMs each
     nodestest) step nodestest 150 $PYT -rfE tests/gpu/test_tp_nodes_gpu.py ;;

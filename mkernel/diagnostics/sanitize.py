@@ -37,18 +37,19 @@ def target_gemm():
 
 
 def target_gemm_decode():
-    """The decode path (few rows, weights as [N, K]) with one K range and with several, integer
-    inputs (exact); raises on a wrong result."""
+    """The decode path (few rows, weights as [N, K]) with one K range and with several, and in
+    clusters of 2 and 4 CTAs sharing the tokens, integer inputs (exact); raises on a wrong result."""
     import numpy as np
 
     cupy = cupy_mod()
     rng = np.random.default_rng(3)
-    for M, N, K in ((3, 264, 136), (17, 136, 4104)):  # K 4104 over 2 row blocks: CTAs share them
+    # K 4104 over 2 row blocks: CTAs share them; 4 row blocks: clusters of 2 and of 4
+    for M, N, K in ((3, 264, 136), (17, 136, 4104), (40, 512, 1032), (130, 512, 520)):
         a = rng.integers(-1, 2, size=(M, K)).astype(np.float16)
         w = rng.integers(-1, 2, size=(N, K)).astype(np.float16)
         want = (a.astype(np.float64) @ w.astype(np.float64).T).astype(np.float16)
         out = cupy.full((M, N), np.nan, dtype=np.float16)
-        with config.override(gemm_decode_max_m=64):  # 17 tokens: the decode path, not the engine's
+        with config.override(gemm_decode_max_m=256):  # the decode path, not the engine's
             mkernel.gemm(cupy.asarray(a), cupy.asarray(w).T, out=out)
         got = out.get()
         if not np.array_equal(got, want):

@@ -24,6 +24,9 @@ ROW_BLOCKS = (64, 128)  # rows of B per CTA (ROWS / 64 consumer warpgroups and t
 M_TILES = (8, 16, 32, 64, 128, 256)  # token columns of the instantiations (wgmma's N)
 MAX_M = M_TILES[-1]  # tokens the path takes at most (config.gemm_decode_max_m picks up to this)
 MAX_N = 1 << 24  # rows of B: keeps the counts and the partials' index small
+# CTAs of a cluster sharing each k-block of the tokens (TMA multicast: each CTA's L2 reads of the
+# tokens are 1 / CL of them), by token tile: the tokens' share of a stage's bytes grows with the tile.
+CLUSTER_BY_TILE = {8: 1, 16: 1, 32: 2, 64: 2, 128: 4, 256: 4}
 # The runs are planned for this many SMs whatever the device has (H100 / H200: 132), so that the
 # sums (their grouping by CTA) and the bits are the same on 66 SMs of an MPS share as on 132.
 SPLIT_SMS = 132
@@ -43,12 +46,17 @@ def smem_bytes(mt: int, rows: int) -> int:
     return stages_b * b + stages_a * a + 16 * (stages_b + stages_a) + 1024
 
 
-def kernel_expr(dt: int, out: int, mt: int, rows: int) -> str:
+def kernel_expr(dt: int, out: int, mt: int, rows: int, cl: int = 1) -> str:
+    if cl > 1:
+        return f"mk_gemm_decode_cluster_kernel<{dt},{out},{mt},{rows},{cl}>"
     return f"mk_gemm_decode_kernel<{dt},{out},{mt},{rows}>"
 
 
+# Clustered instantiations store the input dtype only (an fp32 output takes the plain kernel).
 EXPRESSIONS = tuple(kernel_expr(dt, out, mt, rows) for dt in (0, 1) for out in (dt, OUT_F32) for mt in M_TILES
-                    for rows in ROW_BLOCKS)
+                    for rows in ROW_BLOCKS) + \
+    tuple(kernel_expr(dt, dt, mt, rows, CLUSTER_BY_TILE[mt]) for dt in (0, 1) for mt in M_TILES for rows in ROW_BLOCKS
+          if CLUSTER_BY_TILE[mt] > 1)
 SPEC = _compile.register("gemm_decode", "gemm_decode.cu", EXPRESSIONS, hot=True)
 
 
@@ -65,7 +73,7 @@ class MkDecodeArgs(ctypes.Structure):
 def knobs() -> tuple:
     """The config knobs that pick the decode path's kernel and grid (part of a launch plan's key)."""
     c = config.get()
-    return c.gemm_decode_max_m, c.gemm_decode_rows, c.gemm_decode_split
+    return c.gemm_decode_max_m, c.gemm_decode_rows, c.gemm_decode_split, c.gemm_decode_cluster
 
 
 def eligible(M: int, N: int, layout_nk: bool, *, controls: bool) -> bool:
@@ -109,17 +117,28 @@ def row_block(N: int, K: int) -> int:
 
 
 
-def build(a, b_arr, out, out_code, *, M, N, K, accumulate, sync, partial, rows=None):
+def cluster(M: int, N: int, K: int, rows: int, out_f32: bool = False) -> int:
+    """CTAs per cluster (CLUSTER_BY_TILE; 1 with config.gemm_decode_cluster off): more than 1 only
+    where the runs are even (each row block cut alike), the clusters take whole groups of row
+    blocks and the output is in the input dtype."""
+    cl = CLUSTER_BY_TILE[m_tile(M)] if config.get().gemm_decode_cluster else 1
+    blocks = -(-N // rows)
+    even = config.get().gemm_decode_split == "even" and blocks <= SPLIT_SMS
+    return cl if cl > 1 and even and blocks % cl == 0 and not out_f32 else 1
+
+
+def build(a, b_arr, out, out_code, *, M, N, K, accumulate, sync, partial, rows=None, clustered=True):
     """(function, grid, block, args, buffer, smem) of one launch. ``partial(nbytes, blocks)`` returns the
     stream's (partials, counts) buffer of at least that size (only called when row blocks are shared);
-    rows: the row block (None: row_block's)."""
+    rows: the row block (None: row_block's); clustered: whether :func:`cluster` may pick clusters."""
     mt = m_tile(M)
     rows = rows or row_block(N, K)
     ctas, slots = runs(N, K, rows)
+    cl = cluster(M, N, K, rows, out_code == OUT_F32) if clustered else 1
     blocks = -(-N // rows)
     tdt = _tma.DTYPE_BFLOAT16 if a.dtype.name == "bfloat16" else _tma.DTYPE_FLOAT16
     args = MkDecodeArgs()
-    args.a_map = _tma.encode_tiled(tdt, a.data.ptr, (K, M), (row_stride(a),), (BK, mt))
+    args.a_map = _tma.encode_tiled(tdt, a.data.ptr, (K, M, 1), (row_stride(a), row_stride(a) * M), (BK, mt // cl, 1))
     args.b_map = _tma.encode_tiled(tdt, b_arr.data.ptr, (K, N), (row_stride(b_arr),), (BK, rows))
     args.sync = sync
     args.out = out.data.ptr
@@ -130,7 +149,7 @@ def build(a, b_arr, out, out_code, *, M, N, K, accumulate, sync, partial, rows=N
     if slots > 1:
         buffer = partial(blocks * slots * mt * rows * 4, blocks)
         args.partial, args.counts = buffer.partial_ptr, buffer.counts_ptr
-    fn = _compile.module(SPEC).function(kernel_expr(DT[a.dtype.name], out_code, mt, rows))
+    fn = _compile.module(SPEC).function(kernel_expr(DT[a.dtype.name], out_code, mt, rows, cl))
     return fn, (ctas,), (threads(rows),), args, buffer, smem_bytes(mt, rows)
 
 

@@ -119,6 +119,22 @@ def test_wide_token_tiles_exact(M, N, K, rows, decode_calls):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("clustered", [False, True])
+@pytest.mark.parametrize("M,N,K", [(32, 4096, 2056), (64, 1024, 2048), (100, 2048, 520), (256, 1024, 1032),
+                                   (64, 640, 512)])
+def test_clusters_sharing_the_tokens_exact(M, N, K, clustered, decode_calls):
+    """Clusters of 2 and 4 CTAs multicasting the tokens' k-blocks (where the shape takes them; 5 row
+    blocks do not group: the plain kernel), and without: integer inputs exact."""
+    a, w = _inputs(61 + M, M, N, K, BF16, integer=True)
+    with config.override(gemm_decode_max_m=256, gemm_decode_cluster=clustered):
+        got = bits(_run(a, w, BF16))
+        took = dec.cluster(M, N, K, dec.row_block(N, K))
+    assert (took > 1) == (clustered and N != 640)
+    assert np.array_equal(got, (a @ w.T).astype(BF16).view(np.uint16)), (M, N, K, took)
+    assert decode_calls == [M]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("M,N,K", [(96, 4096, 8192), (200, 1000, 1032), (256, 8192, 2048)])
 @pytest.mark.parametrize("kind", ["bf16", "fp16"])
 def test_wide_token_tiles_against_float64(M, N, K, kind, decode_calls):
