@@ -93,7 +93,6 @@ def main():
     import cupy
 
     from mkernel.engines import gemm as mg
-    from mkernel.engines import gemm_decode as dec
 
     reps = 5 if opts.quick else max(20, opts.reps)
     flush_words = cupy.ones(FLUSH_BYTES // 8, cupy.uint64)
@@ -124,8 +123,6 @@ def main():
         if kind == "decode":  # the decode path's knobs (taking up to 256 rows)
             settings = {"rows64": {"gemm_decode_rows": 64}, "rows128": {"gemm_decode_rows": 128},
                         "stream": {"gemm_decode_split": "stream"}}
-            if dec.CLUSTER_BY_TILE[dec.m_tile(M)] > 1:
-                settings["nocluster"] = {"gemm_decode_cluster": False}
             settings = {k: dict(v, gemm_decode_max_m=256) for k, v in settings.items()}
         if M > config.get().gemm_decode_max_m and mg.split_k(M, N, K) > 1:
             settings["nosplit"] = {"gemm_split_k": False}  # the engine with one CTA per tile

@@ -47,7 +47,7 @@ class Config:
     # the kernel, whose pushes then only flag it and send it on (False: the push CTAs copy it)
     tp_ag_copy_first: bool = True
     # allgather_gemm's push CTAs take GEMM tiles once no push or forward item is left
-    tp_ag_join_gemm: bool = False
+    tp_ag_join_gemm: bool = True
     # communication CTAs (the TP ops', ring attention's forwarders) stage their loads in their idle
     # shared memory (cp.async, copy.cuh MkStage; False: in registers, 4-8 vectors a thread)
     comm_staged: bool = True
@@ -62,12 +62,9 @@ class Config:
     gemm_tflops: float = 650.0
     # mkernel.gemm at M up to this (0: never; at most 256) with B as [N, K] takes the decode path
     # (gemm_decode.py); above, the engine (split K where its tiles are few).
-    gemm_decode_max_m: int = 32
+    gemm_decode_max_m: int = 64
     # The decode path's rows of B per CTA: 64 or 128; 0: by shape (gemm_decode.row_block).
     gemm_decode_rows: int = 0
-    # The decode path's clusters of CTAs sharing the tokens' loads (gemm_decode.CLUSTER_BY_TILE),
-    # where the shape allows (gemm_decode.cluster); False: never.
-    gemm_decode_cluster: bool = True
     # How the decode path cuts its (row block, k-block) units: "even" (each row block in the same
     # number of runs, measured faster: bench/NOTES.md) or "stream" (equal runs over every CTA slot).
     gemm_decode_split: str = "even"
@@ -95,7 +92,7 @@ class Config:
         if not (isinstance(self.tp_join_reduce, bool) or self.tp_join_reduce == "auto"):
             raise ArgumentError(f"tp_join_reduce must be True, False or \"auto\"; got {self.tp_join_reduce!r}")
         for name in ("moe_join_gemm", "tp_latency_ll_overlap", "gemm_split_k", "tp_ag_copy_first",
-                     "tp_ag_join_gemm", "gemm_decode_cluster", "comm_staged", "tp_join_staged"):
+                     "tp_ag_join_gemm", "comm_staged", "tp_join_staged"):
             if not isinstance(getattr(self, name), bool):
                 raise ArgumentError(f"{name} must be True or False; got {getattr(self, name)!r}")
         v = self.tp_join_min_gemm_share

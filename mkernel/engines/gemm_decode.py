@@ -3,7 +3,7 @@ as ``w.T``), bound by reading the weights once (kernel and protocol: mkernel/cud
 
 ``gemm`` takes this path by shape (:func:`eligible`: M up to ``config.gemm_decode_max_m``, B as
 [N, K], none of the fused ops' controls). A CTA is 1 or 2 consumer warpgroups (64 or 128 rows of B,
-wgmma against all the tokens) fed by two TMA producer warps (B's ring, A's ring); the (row block, k-block) units are cut
+wgmma against all the tokens) fed by a TMA producer warp; the (row block, k-block) units are cut
 into equal runs, one per CTA, each row block
 in the same number of runs (or stream-K: config.gemm_decode_split), a function of the shape only.
 Row blocks shared by several CTAs are added from fp32 partials in a fixed order: bitwise
@@ -20,13 +20,10 @@ from mkernel.runtime.arrays import DT, row_stride
 from mkernel.runtime.sync import MkSync
 
 BK = 64  # MK_DECODE_BK: elements of K per stage
-ROW_BLOCKS = (64, 128)  # rows of B per CTA (ROWS / 64 consumer warpgroups and two producer warps)
+ROW_BLOCKS = (64, 128)  # rows of B per CTA (ROWS / 64 consumer warpgroups and a producer warp)
 M_TILES = (8, 16, 32, 64, 128, 256)  # token columns of the instantiations (wgmma's N)
 MAX_M = M_TILES[-1]  # tokens the path takes at most (config.gemm_decode_max_m picks up to this)
 MAX_N = 1 << 24  # rows of B: keeps the counts and the partials' index small
-# CTAs of a cluster sharing each k-block of the tokens (TMA multicast: each CTA's L2 reads of the
-# tokens are 1 / CL of them), by token tile: the tokens' share of a stage's bytes grows with the tile.
-CLUSTER_BY_TILE = {8: 1, 16: 1, 32: 2, 64: 2, 128: 4, 256: 4}
 # The runs are planned for this many SMs whatever the device has (H100 / H200: 132), so that the
 # sums (their grouping by CTA) and the bits are the same on 66 SMs of an MPS share as on 132.
 SPLIT_SMS = 132
@@ -34,29 +31,24 @@ OUT_F32 = 2
 
 
 def threads(rows: int) -> int:
-    """Threads of a CTA of `rows` rows (DecodeCfg::THREADS: the consumers, two producer warps)."""
-    return 2 * rows + 64
+    """Threads of a CTA of `rows` rows (DecodeCfg::THREADS)."""
+    return 2 * rows + 32
 
 
 def smem_bytes(mt: int, rows: int) -> int:
-    """Dynamic shared memory of an instantiation (DecodeCfg::SMEM; the kernel raises MK_ERR_INPUT
-    when given less): a ring of 128 KiB of B and one of up to 8 stages within 96 KiB of A."""
-    b, a = rows * BK * 2, mt * BK * 2
-    stages_b, stages_a = (128 << 10) // b, 8 if 8 * a <= 96 << 10 else (96 << 10) // a
-    return stages_b * b + stages_a * a + 16 * (stages_b + stages_a) + 1024
+    """Dynamic shared memory of an instantiation (DecodeCfg::SMEM; the kernel records MK_ERR_INPUT
+    when given less): 128 KiB of B in flight, the ring within 200 KiB."""
+    b, stage = rows * BK * 2, (rows + mt) * BK * 2
+    stages = (128 << 10) // b if (128 << 10) // b * stage <= 200 << 10 else (200 << 10) // stage
+    return stages * stage + 16 * stages + 1024
 
 
-def kernel_expr(dt: int, out: int, mt: int, rows: int, cl: int = 1) -> str:
-    if cl > 1:
-        return f"mk_gemm_decode_cluster_kernel<{dt},{out},{mt},{rows},{cl}>"
+def kernel_expr(dt: int, out: int, mt: int, rows: int) -> str:
     return f"mk_gemm_decode_kernel<{dt},{out},{mt},{rows}>"
 
 
-# Clustered instantiations store the input dtype only (an fp32 output takes the plain kernel).
 EXPRESSIONS = tuple(kernel_expr(dt, out, mt, rows) for dt in (0, 1) for out in (dt, OUT_F32) for mt in M_TILES
-                    for rows in ROW_BLOCKS) + \
-    tuple(kernel_expr(dt, dt, mt, rows, CLUSTER_BY_TILE[mt]) for dt in (0, 1) for mt in M_TILES for rows in ROW_BLOCKS
-          if CLUSTER_BY_TILE[mt] > 1)
+                    for rows in ROW_BLOCKS)
 SPEC = _compile.register("gemm_decode", "gemm_decode.cu", EXPRESSIONS, hot=True)
 
 
@@ -73,7 +65,7 @@ class MkDecodeArgs(ctypes.Structure):
 def knobs() -> tuple:
     """The config knobs that pick the decode path's kernel and grid (part of a launch plan's key)."""
     c = config.get()
-    return c.gemm_decode_max_m, c.gemm_decode_rows, c.gemm_decode_split, c.gemm_decode_cluster
+    return c.gemm_decode_max_m, c.gemm_decode_rows, c.gemm_decode_split
 
 
 def eligible(M: int, N: int, layout_nk: bool, *, controls: bool) -> bool:
@@ -117,28 +109,17 @@ def row_block(N: int, K: int) -> int:
 
 
 
-def cluster(M: int, N: int, K: int, rows: int, out_f32: bool = False) -> int:
-    """CTAs per cluster (CLUSTER_BY_TILE; 1 with config.gemm_decode_cluster off): more than 1 only
-    where the runs are even (each row block cut alike), the clusters take whole groups of row
-    blocks and the output is in the input dtype."""
-    cl = CLUSTER_BY_TILE[m_tile(M)] if config.get().gemm_decode_cluster else 1
-    blocks = -(-N // rows)
-    even = config.get().gemm_decode_split == "even" and blocks <= SPLIT_SMS
-    return cl if cl > 1 and even and blocks % cl == 0 and not out_f32 else 1
-
-
-def build(a, b_arr, out, out_code, *, M, N, K, accumulate, sync, partial, rows=None, clustered=True):
+def build(a, b_arr, out, out_code, *, M, N, K, accumulate, sync, partial, rows=None):
     """(function, grid, block, args, buffer, smem) of one launch. ``partial(nbytes, blocks)`` returns the
     stream's (partials, counts) buffer of at least that size (only called when row blocks are shared);
-    rows: the row block (None: row_block's); clustered: whether :func:`cluster` may pick clusters."""
+    rows: the row block (None: row_block's)."""
     mt = m_tile(M)
     rows = rows or row_block(N, K)
     ctas, slots = runs(N, K, rows)
-    cl = cluster(M, N, K, rows, out_code == OUT_F32) if clustered else 1
     blocks = -(-N // rows)
     tdt = _tma.DTYPE_BFLOAT16 if a.dtype.name == "bfloat16" else _tma.DTYPE_FLOAT16
     args = MkDecodeArgs()
-    args.a_map = _tma.encode_tiled(tdt, a.data.ptr, (K, M, 1), (row_stride(a), row_stride(a) * M), (BK, mt // cl, 1))
+    args.a_map = _tma.encode_tiled(tdt, a.data.ptr, (K, M), (row_stride(a),), (BK, mt))
     args.b_map = _tma.encode_tiled(tdt, b_arr.data.ptr, (K, N), (row_stride(b_arr),), (BK, rows))
     args.sync = sync
     args.out = out.data.ptr
@@ -149,7 +130,7 @@ def build(a, b_arr, out, out_code, *, M, N, K, accumulate, sync, partial, rows=N
     if slots > 1:
         buffer = partial(blocks * slots * mt * rows * 4, blocks)
         args.partial, args.counts = buffer.partial_ptr, buffer.counts_ptr
-    fn = _compile.module(SPEC).function(kernel_expr(DT[a.dtype.name], out_code, mt, rows, cl))
+    fn = _compile.module(SPEC).function(kernel_expr(DT[a.dtype.name], out_code, mt, rows))
     return fn, (ctas,), (threads(rows),), args, buffer, smem_bytes(mt, rows)
 
 

@@ -52,13 +52,6 @@ def _run(a64, w64, dt, out_kind=None, accumulate=False, start=None, a_pad=0, out
     return out
 
 
-@pytest.fixture(autouse=True)
-def decode_up_to_64_tokens():
-    """The decode kernel's cases up to 64 tokens (the default sends 17-64 tokens to the engine)."""
-    with config.override(gemm_decode_max_m=64):
-        yield
-
-
 @pytest.fixture
 def decode_calls(monkeypatch):
     """Counts the launches that took the decode path."""
@@ -115,22 +108,6 @@ def test_wide_token_tiles_exact(M, N, K, rows, decode_calls):
     with config.override(gemm_decode_max_m=256, gemm_decode_rows=rows):
         got = bits(_run(a, w, BF16))
     assert np.array_equal(got, (a @ w.T).astype(BF16).view(np.uint16)), (M, N, K, rows)
-    assert decode_calls == [M]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("clustered", [False, True])
-@pytest.mark.parametrize("M,N,K", [(32, 4096, 2056), (64, 1024, 2048), (100, 2048, 520), (256, 1024, 1032),
-                                   (64, 640, 512)])
-def test_clusters_sharing_the_tokens_exact(M, N, K, clustered, decode_calls):
-    """Clusters of 2 and 4 CTAs multicasting the tokens' k-blocks (where the shape takes them; 5 row
-    blocks do not group: the plain kernel), and without: integer inputs exact."""
-    a, w = _inputs(61 + M, M, N, K, BF16, integer=True)
-    with config.override(gemm_decode_max_m=256, gemm_decode_cluster=clustered):
-        got = bits(_run(a, w, BF16))
-        took = dec.cluster(M, N, K, dec.row_block(N, K))
-    assert (took > 1) == (clustered and N != 640)
-    assert np.array_equal(got, (a @ w.T).astype(BF16).view(np.uint16)), (M, N, K, took)
     assert decode_calls == [M]
 
 

@@ -30,12 +30,4 @@ __global__ void __launch_bounds__(DecodeCfg<MT, ROWS>::THREADS, 1)
   decode_gemm<DT, MT, ROWS>(args, epi);
 }
 
-// The same in clusters of CL CTAs that share each k-block of the tokens (TMA multicast).
-template <int DT, int OUT, int MT, int ROWS, int CL>
-__global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(DecodeCfg<MT, ROWS, CL>::THREADS, 1)
-    mk_gemm_decode_cluster_kernel(const __grid_constant__ MkDecodeArgs args) {
-  DecodeStore<OUT> epi{args};
-  decode_gemm<DT, MT, ROWS, CL>(args, epi);
-}
-
 static_assert(sizeof(MkDecodeArgs) == 448, "MkDecodeArgs layout changed: update mkernel/engines/gemm_decode.py");

@@ -8,7 +8,7 @@
 #define MK_DECODE_BK 64
 
 struct MkDecodeArgs {
-  TmaDesc a_map;  // a [m, k] (the tokens): dims {k, m, 1}, box {64, MT / CL, 1} (a cluster CTA's share), 128B swizzle
+  TmaDesc a_map;  // a [m, k] (the tokens): dims {k, m}, box {64, MT} (all the tokens), 128B swizzle
   TmaDesc b_map;  // b [n, k] (the weights as stored): dims {k, n}, box {64, ROWS}, 128B swizzle
   MkSync sync;  // the pipeline waits' deadline and error word
   void* out;  // [m, n] row stride ldc elements
