@@ -89,7 +89,7 @@ for s in $steps; do
     decode) step decode 120 python3 bench/gemm.py --decode ;;
     ncu) step ncu 200 ncu --clock-control none --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis \
       --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
-      python3 tools/ncu_gemm.py ${NCU_SHAPES:-1x8192x8192 16x8192x8192 128x8192x8192} ;;  # not under MPS: MKERNEL_SESSION_MPS=0
+      python3 tools/ncu_gemm.py ${NCU_ARGS:-} ${NCU_SHAPES:-1x8192x8192 16x8192x8192 128x8192x8192} ;;  # not under MPS: MKERNEL_SESSION_MPS=0
     tpdecode) step tpdecode 200 $MPI2 python3 bench/tp_decode.py ;;
     arphases) step arphases 90 $MPI2 python3 tools/allreduce_phases.py ;;
     ringmps) step ringmps 300 $MPI2 python3 bench/ring_attention.py --quick --kv-heads 8 ${RING_ARGS:-} ;;

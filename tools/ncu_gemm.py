@@ -19,10 +19,15 @@ sys.path.insert(0, str(ROOT / "bench"))
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("shapes", nargs="+", help="MxNxK")
+    ap.add_argument("--decode-max-m", type=int, default=None, help="config.gemm_decode_max_m for the run")
     opts = ap.parse_args()
     import cupy
 
+    from mkernel import config
     from mkernel.engines import gemm as mg
+
+    if opts.decode_max_m is not None:
+        config.configure(gemm_decode_max_m=opts.decode_max_m)
 
     from harness import rand
 
