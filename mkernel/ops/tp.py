@@ -359,6 +359,11 @@ def check_comm_sms(op, comm_sms):
     return comm_sms
 
 
+def grid_sms() -> int:
+    """SMs the fused TP kernels' grids take (config.tp_mps_full_share: under MPS the whole share)."""
+    return _launch.sm_count(full_share=config.get().tp_mps_full_share)
+
+
 def resolve_comm_sms(op, comm, comm_sms, chosen, *, M, N, K, esize, comm_items, joined_in_node=False):
     """(comm CTAs of this launch, the token for ``autosplit.timed``): an integer as given; "auto"
     asks the key's split search on the fused path (the unfused baseline runs the default).
@@ -367,7 +372,7 @@ def resolve_comm_sms(op, comm, comm_sms, chosen, *, M, N, K, esize, comm_items, 
         return comm_sms, None
     if chosen != "fused":
         return config.get().tp_comm_sms[op], None
-    return autosplit.choose(comm, op, M=M, N=N, K=K, esize=esize, comm_items=comm_items, sms=_launch.sm_count(),
+    return autosplit.choose(comm, op, M=M, N=N, K=K, esize=esize, comm_items=comm_items, sms=grid_sms(),
                             joined_in_node=joined_in_node)
 
 
@@ -473,7 +478,8 @@ def call_args(template, c, *, a_ptr, a_row_bytes):
 
 def launch_fused(comm, op, spec, kernel, args, dtype, layout, grid, stream):
     fn = _compile.module(spec).function(kernel_expr(kernel, DT[dtype.name], layout))
-    persistent_grid(fn, THREADS, SMEM_BYTES, blocks=grid, what=op)  # checked once per grid (cached)
+    persistent_grid(fn, THREADS, SMEM_BYTES, blocks=grid, what=op,  # checked once per grid (cached)
+                    full_share=config.get().tp_mps_full_share)
     args.g.sync = comm.sync_args(op)
     args.g.c = args.dst[0]
     args.comm_staged = int(config.get().comm_staged)

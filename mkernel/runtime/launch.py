@@ -96,27 +96,29 @@ def device_sms() -> int:
     return n
 
 
-def sm_count() -> int:
+def sm_count(full_share: bool = False) -> int:
     """SMs whose CTAs a persistent grid may count on being resident at once: :func:`device_sms`,
-    under MPS less a margin."""
+    under MPS less a margin (``full_share``: the whole share, for kernels whose work any resident
+    subset of CTAs finishes; the rest start as SMs free up)."""
     n = device_sms()
-    return max(1, int(n * MPS_RESIDENT_FRACTION)) if gpu.mps_client() else n
+    return max(1, int(n * MPS_RESIDENT_FRACTION)) if gpu.mps_client() and not full_share else n
 
 
 _grids = {}
 
 
-def persistent_grid(fn, block_threads: int, smem: int, blocks: int = None, what: str = "kernel") -> int:
+def persistent_grid(fn, block_threads: int, smem: int, blocks: int = None, what: str = "kernel",
+                    full_share: bool = False) -> int:
     """The grid of a persistent kernel: ``blocks`` (default: as many as fit on :func:`sm_count`
-    SMs), checked to fit at once."""
-    key = (fn.ptr, block_threads, smem, blocks)  # occupancy is a driver query: once per function
+    SMs, ``full_share`` as there), checked to fit at once."""
+    key = (fn.ptr, block_threads, smem, blocks, full_share)  # occupancy is a driver query: once per function
     if key in _grids:
         return _grids[key]
     per_sm = max_resident_blocks(fn, block_threads, smem)
     if per_sm == 0:
         raise MKernelError(f"{what}: a block of {block_threads} threads with {smem} bytes of shared memory "
                            f"does not fit on one SM")
-    limit = per_sm * sm_count()
+    limit = per_sm * sm_count(full_share)
     blocks = limit if blocks is None else blocks
     if not 0 < blocks <= limit:
         raise ArgumentError(f"{what}: {blocks} persistent blocks requested, but only {limit} can be resident "

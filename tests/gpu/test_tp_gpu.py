@@ -143,6 +143,48 @@ def test_comm_staging_changes_no_bit(comm, op):
     _collective(comm, body)
 
 
+@pytest.mark.parametrize("op", ["rs", "ar", "ag"])
+def test_full_mps_share_changes_no_bit(comm, op):
+    """config.tp_mps_full_share (under MPS the grid takes the whole SM share; CTAs that find no SM
+    start late and find no work): exact on integer inputs and bitwise equal launch to launch, the
+    setting alternating, with more tiles than CTAs."""
+    W = comm.size
+    kind, dt = "bf16", BF16
+    if op == "ag":
+        mb, K, N = 1024, 136, 2056
+        shards = [_rank_inputs(25, r, (mb, K), (K, N), dt, True) for r in range(W)]
+        a, b = shards[comm.rank]
+        ref = np.vstack([s[0] for s in shards]) @ b
+        a_d, b_d, shape = _dev(a.astype(dt)), _dev(b.astype(dt)), (W * mb, N)
+        call = lambda out: allgather_gemm(a_d, b_d, comm=comm, out=out, path="fused")  # noqa: E731
+    else:
+        M, K, N = 1024 * W, 120, 2056
+        (a, b), total, _, _, _ = _reduce_problem(comm, 15, M, K, N, kind, True)
+        ref = _rows(total, comm, M) if op == "rs" else total
+        a_d, b_d, shape = _dev(a.astype(dt)), _dev(b.astype(dt)), (M // W, N) if op == "rs" else (M, N)
+        fn = gemm_reduce_scatter if op == "rs" else gemm_allreduce
+        call = lambda out: fn(a_d, b_d, comm=comm, out=out, path="fused")  # noqa: E731
+
+    def body():
+        first = None
+        for full in (True, False, True, True):
+            what = f"{op} full_share {full}"
+            with config.override(tp_mps_full_share=full):
+                out = call(_poisoned(shape, kind))
+            _sync(what)
+            comm.check()
+            g = _host(out)
+            ok, msg = _check_exact(g, ref, dt, what, comm.rank * shape[0] if op == "rs" else 0)
+            if not ok:
+                return False, msg
+            first = g.view(np.uint16).copy() if first is None else first
+            if not np.array_equal(first, g.view(np.uint16)):
+                return False, f"{what}: other bits than the first launch"
+        return True, ""
+
+    _collective(comm, body)
+
+
 @pytest.mark.parametrize("kind", ["bf16", "fp16"])
 @pytest.mark.parametrize("op", ["rs", "ar"])
 def test_reduce_ops_against_float64(comm, op, kind):
