@@ -220,7 +220,7 @@ def test_two_communicators_keep_their_own_searches(fake_launch, auto):
 def test_the_bound_is_this_ranks_own(fake_launch, auto, monkeypatch, sms):
     """The search's bound comes from this rank's SM count alone (counts need not agree), at most half
     of it: under a 66-SM MPS share the GEMM keeps 33 CTAs, not 2."""
-    monkeypatch.setattr(launch, "sm_count", lambda: sms)
+    monkeypatch.setattr(launch, "sm_count", lambda full_share=False: sms)
     comm = _comm()
     counts = []
     for _ in range(10):

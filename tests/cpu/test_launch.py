@@ -46,7 +46,7 @@ def test_persistent_grids_keep_a_margin_under_mps(monkeypatch):
     for mps, want in ((False, 66), (True, 57)):
         monkeypatch.setattr(ml, "_device_sms", {})
         monkeypatch.setattr(gpu, "mps_client", lambda mps=mps: mps)
-        assert ml.sm_count() == want
+        assert ml.sm_count() == want and ml.sm_count(full_share=True) == 66
 
 
 def test_child_jobs_get_their_share_of_the_gpu_under_mps(monkeypatch):

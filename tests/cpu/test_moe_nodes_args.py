@@ -105,7 +105,7 @@ def fake(monkeypatch):
     pass_arrays_through(monkeypatch)
     monkeypatch.setattr(tp, "prepare_out", lambda op, out, shape, dtype, comm: out or alloc(shape, dtype))
     monkeypatch.setattr(tp, "plan_buffers", plan_buffers)
-    monkeypatch.setattr(launch, "sm_count", lambda: 132)
+    monkeypatch.setattr(launch, "sm_count", lambda full_share=False: 132)
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype=np.float32: alloc(shape, dtype))
     monkeypatch.setattr(cupy, "zeros", lambda shape, dtype=np.float32: alloc(shape, dtype))
     monkeypatch.setattr(cupy.cuda.runtime, "deviceSynchronize", lambda: None)

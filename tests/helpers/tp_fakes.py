@@ -123,7 +123,7 @@ def fake_launch(monkeypatch):
         return plan
 
     monkeypatch.setattr(tp, "plan_buffers", plan_buffers)
-    monkeypatch.setattr(launch, "sm_count", lambda: 132)
+    monkeypatch.setattr(launch, "sm_count", lambda full_share=False: 132)
 
     def launch_fused(comm, op, spec, kernel, args, dtype, layout, grid, stream):
         calls["launch"] = dict(op=op, kernel=kernel, args=args, layout=layout, grid=grid)
