@@ -48,9 +48,9 @@ class Config:
     tp_ag_copy_first: bool = True
     # allgather_gemm's push CTAs take GEMM tiles once no push or forward item is left
     tp_ag_join_gemm: bool = True
-    # Under MPS the TP ops' grids take the client's whole SM share, not 7/8 of it (their work
-    # finishes with any resident subset of CTAs; runtime/launch.py MPS_RESIDENT_FRACTION)
-    tp_mps_full_share: bool = False
+    # Under MPS in one node the TP ops' grids take the client's whole SM share, not 7/8 of it
+    # (their work finishes with any resident subset of CTAs; runtime/launch.py MPS_RESIDENT_FRACTION)
+    tp_mps_full_share: bool = True
     # communication CTAs (the TP ops', ring attention's forwarders) stage their loads in their idle
     # shared memory (cp.async, copy.cuh MkStage; False: in registers, 4-8 vectors a thread)
     comm_staged: bool = True

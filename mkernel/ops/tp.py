@@ -359,9 +359,15 @@ def check_comm_sms(op, comm_sms):
     return comm_sms
 
 
-def grid_sms() -> int:
-    """SMs the fused TP kernels' grids take (config.tp_mps_full_share: under MPS the whole share)."""
-    return _launch.sm_count(full_share=config.get().tp_mps_full_share)
+def full_share(comm) -> bool:
+    """Whether the fused TP kernels' grids take the whole MPS share (config.tp_mps_full_share; in
+    one node only: between nodes AR x14336 measured 27% slower with it, bench/NOTES.md session 29)."""
+    return config.get().tp_mps_full_share and comm.num_nodes == 1
+
+
+def grid_sms(comm) -> int:
+    """SMs the fused TP kernels' grids take (under MPS 7/8 of the share, or all of it: full_share)."""
+    return _launch.sm_count(full_share=full_share(comm))
 
 
 def resolve_comm_sms(op, comm, comm_sms, chosen, *, M, N, K, esize, comm_items, joined_in_node=False):
@@ -372,7 +378,7 @@ def resolve_comm_sms(op, comm, comm_sms, chosen, *, M, N, K, esize, comm_items, 
         return comm_sms, None
     if chosen != "fused":
         return config.get().tp_comm_sms[op], None
-    return autosplit.choose(comm, op, M=M, N=N, K=K, esize=esize, comm_items=comm_items, sms=grid_sms(),
+    return autosplit.choose(comm, op, M=M, N=N, K=K, esize=esize, comm_items=comm_items, sms=grid_sms(comm),
                             joined_in_node=joined_in_node)
 
 
@@ -479,7 +485,7 @@ def call_args(template, c, *, a_ptr, a_row_bytes):
 def launch_fused(comm, op, spec, kernel, args, dtype, layout, grid, stream):
     fn = _compile.module(spec).function(kernel_expr(kernel, DT[dtype.name], layout))
     persistent_grid(fn, THREADS, SMEM_BYTES, blocks=grid, what=op,  # checked once per grid (cached)
-                    full_share=config.get().tp_mps_full_share)
+                    full_share=full_share(comm))
     args.g.sync = comm.sync_args(op)
     args.g.c = args.dst[0]
     args.comm_staged = int(config.get().comm_staged)

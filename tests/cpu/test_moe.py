@@ -214,7 +214,7 @@ def test_between_nodes_refusals(monkeypatch):
         with pytest.raises(ArgumentError, match="node-major"):
             tp.check_node_major("ring_attention", _fake_comm(node_of, L))
     mg = importlib.import_module("mkernel.ops.moe_gemm")
-    monkeypatch.setattr(launch, "sm_count", lambda full_share=False: 132)  # comm_sms is checked against it (no GPU here)
+    monkeypatch.setattr(launch, "sm_count", lambda full_share=False: 132)  # comm_sms is checked against it
     with pytest.raises(ArgumentError, match="inside one node"):
         mg.moe_gemm_combine(None, None, None, comm=_fake_comm((0, 1), 1), path="fused")
     n.check_sizes("moe_dispatch", 8192, 2, 1 << 17)  # sums of 65536 tokens x 8192: 2 GiB

@@ -145,9 +145,9 @@ def test_comm_staging_changes_no_bit(comm, op):
 
 @pytest.mark.parametrize("op", ["rs", "ar", "ag"])
 def test_full_mps_share_changes_no_bit(comm, op):
-    """config.tp_mps_full_share (under MPS the grid takes the whole SM share; CTAs that find no SM
-    start late and find no work): exact on integer inputs and bitwise equal launch to launch, the
-    setting alternating, with more tiles than CTAs."""
+    """config.tp_mps_full_share (under MPS in a node the grid takes the whole SM share; CTAs that
+    find no SM start late and find no work): exact on integer inputs and bitwise equal launch to
+    launch, the setting alternating, with more tiles than CTAs."""
     W = comm.size
     kind, dt = "bf16", BF16
     if op == "ag":
