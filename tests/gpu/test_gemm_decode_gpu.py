@@ -237,3 +237,32 @@ def test_captured_in_a_cuda_graph_and_replayed_a_thousand_times():
             bad += cupy.count_nonzero(out.view(cupy.uint16) != want.view(cupy.uint16))
         stream.synchronize()
     assert int(bad) == 0 and _rel(host(out).astype(np.float64), a @ w.T) < REL_TOL
+
+
+@pytest.mark.gpu
+def test_a_launch_short_of_shared_memory_records_an_error_and_writes_nothing():
+    """The kernel checks the dynamic shared memory it was given against DecodeCfg::SMEM (which
+    gemm_decode.smem_bytes mirrors): a launch with less records MK_ERR_INPUT instead of writing
+    past it, and the host raises it."""
+    import cupy
+
+    import mkernel
+    from mkernel.runtime.launch import launch
+    from mkernel.runtime.sync import SyncState
+
+    M, N, K = 4, 256, 8192  # 2 row blocks shared by many CTAs: the partials' path too
+    a, w = _inputs(5, M, N, K, BF16, integer=False)
+    a_d, w_d = dev(a.astype(BF16)), dev(w.astype(BF16))
+    out = poisoned((M, N), "bf16")
+    state = SyncState(0)
+    try:
+        fn, grid, block, args, _, smem = dec.build(a_d, w_d, out, 0, M=M, N=N, K=K, accumulate=False,
+                                                   sync=state.args("gemm"), partial=dec.Partials)
+        launch(fn, grid, block, args, smem=smem - 1024)
+        cupy.cuda.get_current_stream().synchronize()
+        with pytest.raises(mkernel.MKernelError, match="shared memory"):
+            state.check()
+        assert np.isnan(host(out).astype(np.float64)).all()
+    finally:
+        state.close()
+

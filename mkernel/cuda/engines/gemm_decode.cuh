@@ -160,7 +160,7 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
   // The launch gave less shared memory than the ring needs: an error, not a write past it.
   const bool short_smem = dynamic_smem_bytes() < Cfg::SMEM;
   if (short_smem && threadIdx.x == 0)
-    record_error(args.sync, MK_ERR_INPUT, -1, MK_WAIT_FULL, Cfg::SMEM, dynamic_smem_bytes(), 0);
+    record_error(args.sync, MK_ERR_INPUT, -1, MK_DECODE_ERR_SMEM, Cfg::SMEM, dynamic_smem_bytes(), 0);
   __syncthreads();
   if (short_smem) return;
   const u64 kb = (u64)args.kblocks, blocks = ((u64)args.n + Cfg::ROWS - 1) / Cfg::ROWS;

@@ -6,6 +6,9 @@
 
 // Elements of K per stage (128 bytes of a row).
 #define MK_DECODE_BK 64
+// MkStatus.where of MK_ERR_INPUT: launched with less dynamic shared memory than DecodeCfg::SMEM
+// (mkernel/runtime/sync.py DECODE_ERR_SMEM).
+#define MK_DECODE_ERR_SMEM 3u
 
 struct MkDecodeArgs {
   TmaDesc a_map;  // a [m, k] (the tokens): dims {k, m}, box {64, MT} (all the tokens), 128B swizzle
