@@ -24,6 +24,7 @@
 #include "tma.cuh"
 #include "mbar_wait.cuh"
 #include "wgmma.cuh"
+#include "convert.cuh"
 #include "gemm_args.cuh"
 #include "gemm_decode_args.cuh"
 
@@ -72,15 +73,6 @@ MK_DEV u32 atom_add_acq_rel_gpu(u32* p, u32 v) {
   u32 old;
   asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
   return old;
-}
-
-// Two 16-bit values to float (low half first).
-template <int DT>
-MK_DEV float half_to_float(u16 h) {
-  if (DT == MK_DT_BF16) return __uint_as_float((u32)h << 16);
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  return f;
 }
 
 template <int OUT>

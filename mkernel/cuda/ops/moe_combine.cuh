@@ -7,14 +7,7 @@
 // as soon as it is stored.
 #include "moe_dispatch.cuh"
 #include "copy.cuh"
-
-template <int DT>
-MK_DEV float half_to_float(u16 h) {
-  if (DT == 0) return __uint_as_float((u32)h << 16);  // bfloat16
-  float f;
-  asm("{ .reg .f16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));
-  return f;
-}
+#include "convert.cuh"
 
 // Loads in flight per lane when a warp copies one row (copy_span over its 32 lanes).
 constexpr u32 MOE_COPY_UNROLL = 8;

@@ -20,6 +20,7 @@
 #include "peers.cuh"
 #include "tma.cuh"
 #include "copy.cuh"
+#include "convert.cuh"
 #include "gemm_mainloop.cuh"
 #include "gemm_epilogue.cuh"
 #include "tp_args.cuh"
@@ -256,19 +257,6 @@ constexpr u32 TP_COMM_STAGE_BYTES = 192u << 10;
 MK_DEV MkStage tp_comm_stage(const TpArgs& a) {
   extern __shared__ __align__(1024) u8 mk_smem[];
   return a.comm_staged ? MkStage{(u32)__cvta_generic_to_shared(mk_smem), TP_COMM_STAGE_BYTES} : MkStage{0, 0};
-}
-
-// Two 16-bit values (low, high) of the input dtype -> fp32.
-template <int DT>
-MK_DEV void unpack2(u32 w, float& lo, float& hi) {
-  if (DT == MK_DT_BF16) {
-    lo = __uint_as_float(w << 16);
-    hi = __uint_as_float(w & 0xFFFF0000u);
-  } else {
-    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}\n"
-        : "=f"(lo), "=f"(hi)
-        : "r"(w));
-  }
 }
 
 // Every CTA, thread 0, after its last claim: the last CTA resets the plan's counters and the
