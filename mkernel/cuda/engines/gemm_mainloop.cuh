@@ -375,8 +375,8 @@ MK_DEV void gemm_consumer(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, int w
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < Cfg::BK / 16; ++kk)
-        wgmma_m64n256k16<Cfg::DT, Cfg::BL>(acc, gemm_desc_a<Cfg>(sm, s, wg, kk), gemm_desc_b<Cfg>(sm, s, kk),
-                                           (kb > kb0 || kk > 0) ? 1u : 0u);
+        wgmma_ss<Cfg::DT, Cfg::BL>(acc, gemm_desc_a<Cfg>(sm, s, wg, kk), gemm_desc_b<Cfg>(sm, s, kk),
+                                   (kb > kb0 || kk > 0) ? 1u : 0u);
       wgmma_commit();
 #pragma unroll
       for (int i = 0; i < 128; ++i) wgmma_fence_operand(acc[i]);

@@ -34,45 +34,8 @@ MK_DEV void wgmma_wait() {
 // Keeps the compiler from moving accumulator reads/writes across the asynchronous MMA.
 MK_DEV void wgmma_fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
-// The wgmma instructions themselves (generated: tools/gen_wgmma.py). Accumulator fragment of
-// m64nNk16 (N/2 fp32 registers per thread): register 4*j + i of thread (warp w, lane l) holds row
-// 16*w + l/4 + 8*(i/2), column 8*j + 2*(l%4) + (i%2).
+// The wgmma instructions themselves (generated: tools/gen_wgmma.py): wgmma_ss / wgmma_rs<DT,
+// TNSP_B>, one overload per m64nNk16 shape, chosen by the accumulator's size (N = 2 x registers).
+// Accumulator fragment (N/2 fp32 registers per thread): register 4*j + i of thread (warp w, lane l)
+// holds row 16*w + l/4 + 8*(i/2), column 8*j + 2*(l%4) + (i%2).
 #include "wgmma_ops.cuh"
-
-// The same, chosen by the accumulator's size (N = 2 x registers): code generic over tile widths.
-template <int DT, int TNSP_B>
-MK_DEV void wgmma_ss(float (&d)[4], u64 a, u64 b, u32 sc) {
-  wgmma_m64n8k16<DT, TNSP_B>(d, a, b, sc);
-}
-template <int DT, int TNSP_B>
-MK_DEV void wgmma_ss(float (&d)[8], u64 a, u64 b, u32 sc) {
-  wgmma_m64n16k16<DT, TNSP_B>(d, a, b, sc);
-}
-template <int DT, int TNSP_B>
-MK_DEV void wgmma_ss(float (&d)[16], u64 a, u64 b, u32 sc) {
-  wgmma_m64n32k16<DT, TNSP_B>(d, a, b, sc);
-}
-template <int DT, int TNSP_B>
-MK_DEV void wgmma_ss(float (&d)[32], u64 a, u64 b, u32 sc) {
-  wgmma_m64n64k16<DT, TNSP_B>(d, a, b, sc);
-}
-template <int DT, int TNSP_B>
-MK_DEV void wgmma_ss(float (&d)[64], u64 a, u64 b, u32 sc) {
-  wgmma_m64n128k16<DT, TNSP_B>(d, a, b, sc);
-}
-template <int DT, int TNSP_B>
-MK_DEV void wgmma_ss(float (&d)[128], u64 a, u64 b, u32 sc) {
-  wgmma_m64n256k16<DT, TNSP_B>(d, a, b, sc);
-}
-template <int DT, int TNSP_B>
-MK_DEV void wgmma_rs(float (&d)[32], const u32 (&a)[4], u64 b, u32 sc) {
-  wgmma_m64n64k16_rs<DT, TNSP_B>(d, a, b, sc);
-}
-template <int DT, int TNSP_B>
-MK_DEV void wgmma_rs(float (&d)[64], const u32 (&a)[4], u64 b, u32 sc) {
-  wgmma_m64n128k16_rs<DT, TNSP_B>(d, a, b, sc);
-}
-template <int DT, int TNSP_B>
-MK_DEV void wgmma_rs(float (&d)[128], const u32 (&a)[4], u64 b, u32 sc) {
-  wgmma_m64n256k16_rs<DT, TNSP_B>(d, a, b, sc);
-}
