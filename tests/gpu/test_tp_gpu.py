@@ -99,45 +99,60 @@ def test_reduce_ops_integer_inputs_are_exact_per_tile(comm, op, layout, kind):
                                    "ranks hold different bits"))
 
 
+def _integer_case(comm, op, seed, rows, N, join=None):
+    """An exact bf16 problem of op ("rs", "ar", "ag") with `rows` rows per rank (K 136 for AG, 120
+    for RS / AR: every sum exact in the 16-bit output): (reference, output shape, this rank's first
+    reference row, call(out, path)); join as the RS / AR ops take it (None: their default)."""
+    W, dt = comm.size, BF16
+    if op == "ag":
+        K = 136
+        shards = [_rank_inputs(seed, r, (rows, K), (K, N), dt, True) for r in range(W)]
+        a, b = shards[comm.rank]
+        a_d, b_d = _dev(a.astype(dt)), _dev(b.astype(dt))
+        return (np.vstack([s[0] for s in shards]) @ b, (W * rows, N), 0,
+                lambda out, path: allgather_gemm(a_d, b_d, comm=comm, out=out, path=path))
+    M, K = rows * W, 120
+    (a, b), total, _, _, _ = _reduce_problem(comm, seed, M, K, N, "bf16", True)
+    a_d, b_d = _dev(a.astype(dt)), _dev(b.astype(dt))
+    fn = gemm_reduce_scatter if op == "rs" else gemm_allreduce
+    call = lambda out, path: fn(a_d, b_d, comm=comm, out=out, path=path, join=join)  # noqa: E731
+    if op == "rs":
+        return _rows(total, comm, M), (rows, N), comm.rank * rows, call
+    return total, (M, N), 0, call
+
+
+def _exact_and_as_before(out, ref, row0, what, first: dict, key):
+    """(ok, message): out exact against ref, and bitwise the first output stored under key."""
+    g = _host(out)
+    ok, msg = _check_exact(g, ref, BF16, what, row0)
+    if not ok:
+        return False, msg
+    if not np.array_equal(first.setdefault(key, g.view(np.uint16).copy()), g.view(np.uint16)):
+        return False, f"{what}: other bits than the first launch"
+    return True, ""
+
+
 @pytest.mark.parametrize("op", ["rs", "ar", "ag"])
 def test_comm_staging_changes_no_bit(comm, op):
     """config.comm_staged (the comm CTAs' loads through shared memory) and, RS / AR with the GEMM
     CTAs joining, config.tp_join_staged (theirs through the GEMM's freed stages) sum in the same
     order: fused and unfused results bitwise equal to the register loops', exact on integer inputs,
     over launches that alternate the settings (off-grid shapes; partial tiles in every direction)."""
-    W = comm.size
-    kind, dt = "bf16", BF16
-    if op == "ag":
-        mb, K, N = 330, 136, 520  # K as the exact cases above: every sum exact in the 16-bit output
-        shards = [_rank_inputs(23, r, (mb, K), (K, N), dt, True) for r in range(W)]
-        a, b = shards[comm.rank]
-        ref = np.vstack([s[0] for s in shards]) @ b
-        a_d, b_d, shape = _dev(a.astype(dt)), _dev(b.astype(dt)), (W * mb, N)
-        call = lambda out, path: allgather_gemm(a_d, b_d, comm=comm, out=out, path=path)  # noqa: E731
-    else:
-        M, K, N = 330 * W, 120, 520
-        (a, b), total, _, _, _ = _reduce_problem(comm, 13, M, K, N, kind, True)
-        ref = _rows(total, comm, M) if op == "rs" else total
-        a_d, b_d, shape = _dev(a.astype(dt)), _dev(b.astype(dt)), (M // W, N) if op == "rs" else (M, N)
-        fn = gemm_reduce_scatter if op == "rs" else gemm_allreduce
-        call = lambda out, path: fn(a_d, b_d, comm=comm, out=out, path=path, join=True)  # noqa: E731
+    ref, shape, row0, call = _integer_case(comm, op, 23 if op == "ag" else 13, 330, 520, join=True)
     settings = [(False, False), (True, False), (False, True), (True, True)]  # (comm_staged, tp_join_staged)
 
     def body():
-        bits = {}
-        paths = ("fused", "unfused") if W > 1 else ("fused",)  # unfused: the baseline of 2 or more ranks
+        first = {}
+        paths = ("fused", "unfused") if comm.size > 1 else ("fused",)  # unfused: the baseline of 2 or more ranks
         for (staged, join_staged), path in itertools.product(settings + settings[::-1], paths):
             what = f"{op} {path} staged {staged} join_staged {join_staged}"
             with config.override(comm_staged=staged, tp_join_staged=join_staged):
-                out = call(_poisoned(shape, kind), path)
+                out = call(_poisoned(shape, "bf16"), path)
             _sync(what)
             comm.check()
-            g = _host(out)
-            ok, msg = _check_exact(g, ref, dt, what, comm.rank * shape[0] if op == "rs" else 0)
+            ok, msg = _exact_and_as_before(out, ref, row0, what, first, path)
             if not ok:
                 return False, msg
-            if not np.array_equal(bits.setdefault(path, g.view(np.uint16).copy()), g.view(np.uint16)):
-                return False, f"{what}: other bits than the first launch"
         return True, ""
 
     _collective(comm, body)
@@ -148,38 +163,19 @@ def test_full_mps_share_changes_no_bit(comm, op):
     """config.tp_mps_full_share (under MPS in a node the grid takes the whole SM share; CTAs that
     find no SM start late and find no work): exact on integer inputs and bitwise equal launch to
     launch, the setting alternating, with more tiles than CTAs."""
-    W = comm.size
-    kind, dt = "bf16", BF16
-    if op == "ag":
-        mb, K, N = 1024, 136, 2056
-        shards = [_rank_inputs(25, r, (mb, K), (K, N), dt, True) for r in range(W)]
-        a, b = shards[comm.rank]
-        ref = np.vstack([s[0] for s in shards]) @ b
-        a_d, b_d, shape = _dev(a.astype(dt)), _dev(b.astype(dt)), (W * mb, N)
-        call = lambda out: allgather_gemm(a_d, b_d, comm=comm, out=out, path="fused")  # noqa: E731
-    else:
-        M, K, N = 1024 * W, 120, 2056
-        (a, b), total, _, _, _ = _reduce_problem(comm, 15, M, K, N, kind, True)
-        ref = _rows(total, comm, M) if op == "rs" else total
-        a_d, b_d, shape = _dev(a.astype(dt)), _dev(b.astype(dt)), (M // W, N) if op == "rs" else (M, N)
-        fn = gemm_reduce_scatter if op == "rs" else gemm_allreduce
-        call = lambda out: fn(a_d, b_d, comm=comm, out=out, path="fused")  # noqa: E731
+    ref, shape, row0, call = _integer_case(comm, op, 25 if op == "ag" else 15, 1024, 2056)
 
     def body():
-        first = None
+        first = {}
         for full in (True, False, True, True):
             what = f"{op} full_share {full}"
             with config.override(tp_mps_full_share=full):
-                out = call(_poisoned(shape, kind))
+                out = call(_poisoned(shape, "bf16"), "fused")
             _sync(what)
             comm.check()
-            g = _host(out)
-            ok, msg = _check_exact(g, ref, dt, what, comm.rank * shape[0] if op == "rs" else 0)
+            ok, msg = _exact_and_as_before(out, ref, row0, what, first, "fused")
             if not ok:
                 return False, msg
-            first = g.view(np.uint16).copy() if first is None else first
-            if not np.array_equal(first, g.view(np.uint16)):
-                return False, f"{what}: other bits than the first launch"
         return True, ""
 
     _collective(comm, body)
