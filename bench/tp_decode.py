@@ -8,8 +8,8 @@ baseline). Every figure with all ranks doing the same at once; under MPS by benc
 (device barrier, batches of 50). Goals (issue 26): mkernel_ms <= gemm_ms + 8 us on every row, and
 unfused_ms - mkernel_ms >= 0.5 x allreduce_ms. bound_ms: this rank's weights read once at the copy
 rate measured in the run. graph_ms: the device's time per call (50 calls in a CUDA graph); host_us:
-the host's time to issue one call; variants_ms: the same calls under other settings (the LL kernels'
-two-kernel and overlapped forms, the decode kernel's row blocks of 64 and 128).
+the host's time to issue one call; variants_ms: the same calls under other settings (the latency
+path's two-kernel, LL and LL-overlapped forms up to 128 rows, the decode kernel's row blocks of 64 and 128).
 
     mpirun -n 2 python3 bench/tp_decode.py [--quick]
 """
@@ -66,6 +66,7 @@ def main():
 
     import mkernel
     from mkernel import config
+    from mkernel.ops import gemm_allreduce_ll as ll
 
     comm = mkernel.init()
     W = comm.size
@@ -93,8 +94,10 @@ def main():
         f = {p: (lambda p=p: mkernel.gemm_allreduce(a, w.T, comm=comm, out=out, path=p)) for p in paths}
         knobs = {}  # the variants' settings, entered once around each measurement (not per call: a
         # new configuration object per call would void the recorded launches and time the full path)
-        if M <= config.get().tp_latency_ll_max_rows:  # the fused LL kernels' counterparts
-            knobs = {"latency_2k": {"tp_latency_ll_max_rows": 0}, "latency_overlap": {"tp_latency_ll_overlap": True}}
+        if M <= ll.M_TILES[-1]:  # the two latency forms side by side, whichever the default takes
+            most = ll.M_TILES[-1]
+            knobs = {"latency_2k": {"tp_latency_ll_max_rows": 0}, "latency_ll": {"tp_latency_ll_max_rows": most},
+                     "latency_overlap": {"tp_latency_ll_max_rows": most, "tp_latency_ll_overlap": True}}
             for p in knobs:
                 f[p] = f["latency"]
         f["gemm"] = lambda: mkernel.gemm(a, w.T, out=part)
@@ -108,7 +111,8 @@ def main():
         f["allreduce"] = lambda: mkernel.allreduce(part, comm=comm, out=out)
         f["unfused"] = lambda: (mkernel.gemm(a, w.T, out=part), mkernel.allreduce(part, comm=comm, out=out))
         results = {}
-        extra = tuple(p for p in ("latency_2k", "latency_overlap", "latency_rows64", "latency_rows128") if p in f)
+        extra = tuple(p for p in ("latency_2k", "latency_ll", "latency_overlap", "latency_rows64", "latency_rows128")
+                      if p in f)
         checked = paths + ("unfused",) + extra
         for p in checked:  # every path gives the same sum (partials rounded alike: the same bits)
             with config.override(**knobs.get(p, {})):
@@ -136,6 +140,7 @@ def main():
         rows.append(harness.row((M, N, K), t[best], t["unfused"], bound, latency_ms=t["latency"],
                                 fused_ms=t.get("fused"), gemm_ms=t["gemm"], allreduce_ms=t["allreduce"],
                                 unfused_ms=t["unfused"], latency_two_kernels_ms=t.get("latency_2k"),
+                                latency_ll_ms=t.get("latency_ll"),
                                 latency_overlap_ms=t.get("latency_overlap"), best_path=best,
                                 allreduce_hidden=hidden,
                                 over_gemm_us=(t[best] - t["gemm"]) * 1e3, rel_diff_unfused=diff, mps=bool(shared),

@@ -1,11 +1,11 @@
 """gemm_allreduce's fused latency path (issue 26; kernels: mkernel/cuda/ops/gemm_allreduce_ll.cu):
-inside a node, at most ``config.tp_latency_ll_max_rows`` rows (16) and B as [N, K], the decode GEMM
+inside a node, at most ``config.tp_latency_ll_max_rows`` rows and B as [N, K], the decode GEMM
 pushes every finished value to every rank as an LL word (data and the launch's epoch in one 8-byte
 store), while the rest of the GEMM runs; a second kernel waits for each word, adds the ranks' values
 in rank order in fp32 and rounds once into out. The same sum, rounding and bits as the two-kernel
 latency path (decode GEMM, then mkernel.allreduce) it replaces at these sizes.
 
-Workspace: the plan's own LL buffer, ``world * N * ceil(M / 2) * 8`` bytes (zeroed at the shape's
+Workspace: the plan's own LL buffer, ``[world][ceil(M / 2)][N]`` words of 8 bytes (zeroed at the shape's
 first call), and the decode GEMM's partials in the stream's workspace.
 
 Importable without CuPy; the kernels are registered at import.
@@ -25,7 +25,7 @@ from mkernel.runtime.sync import MkSync
 
 OP = "gemm_allreduce"
 PUSH, REDUCE = "mk_gemm_allreduce_ll_push", "mk_allreduce_ll_reduce"
-M_TILES = (8, 16)  # the decode instantiations it pushes from
+M_TILES = (8, 16, 32, 64, 128)  # the decode instantiations it pushes from
 # Its decode GEMM's row block: 128 (at 2 ranks under MPS, 8192 x 4096, 64-row blocks took the path
 # 48.5 -> 59.9 us from graphs while the engine rows stayed within 0.3 us: bench/NOTES.md session 28).
 ROWS = 128
@@ -63,7 +63,7 @@ def run(comm, c, stream):
     key and the decode partials' buffer they use: (launches, plans, keep), for comm.plans' record."""
     W, dt, pairs = comm.size, c.a.dtype, -(-c.M // 2)
     plan_key = ("buffers", "gemm_allreduce_ll", c.M, c.N, dt.name)
-    plan = tp.plan_buffers("gemm_allreduce_ll", comm, plan_key, [("ll", (W, c.N, pairs, 2), "uint32")],
+    plan = tp.plan_buffers("gemm_allreduce_ll", comm, plan_key, [("ll", (W, pairs, c.N, 2), "uint32")],
                            counter_words=CNT_WORDS)
     sync = comm.sync_args(OP)
     rows = config.get().gemm_decode_rows or ROWS

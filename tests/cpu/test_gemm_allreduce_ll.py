@@ -40,5 +40,6 @@ def test_fewest_rows_with_weights_as_nk_take_the_fused_kernels():
     assert not ll.eligible(call(17, tp.B_NK)) and not ll.eligible(call(8, tp.B_KN))
     with config.override(tp_latency_ll_max_rows=0):
         assert not ll.eligible(call(1, tp.B_NK))
-    with config.override(tp_latency_ll_max_rows=64):
-        assert not ll.eligible(call(17, tp.B_NK))  # its instantiations stop at 16 tokens
+    with config.override(tp_latency_ll_max_rows=256):
+        assert ll.eligible(call(128, tp.B_NK))
+        assert not ll.eligible(call(129, tp.B_NK))  # its instantiations stop at 128 tokens

@@ -12,6 +12,7 @@ import pytest
 
 import mkernel
 from mkernel.comm.collectives import allgather_object
+from mkernel.ops import gemm_allreduce_ll as ll
 
 from tests.helpers.arrays import DTYPES, bits, dev, host, poison, poisoned
 from tests.helpers.ranks import all_ranks
@@ -199,7 +200,7 @@ def test_captured_in_a_cuda_graph_and_replayed_a_thousand_times(comm):
     assert all_ranks(comm.mpi, int(bad) == 0), int(bad)
 
 
-@pytest.mark.parametrize("M", [1, 7, 16])
+@pytest.mark.parametrize("M", [1, 7, 16, 41, 128])
 def test_fused_latency_kernels_give_the_two_kernel_paths_bits(comm, M):
     """gemm_allreduce at few rows takes the fused latency kernels (the decode GEMM pushing LL words,
     then their sum, launched after the GEMM or overlapping its tail): the same bits as the decode
@@ -225,7 +226,7 @@ def test_fused_latency_kernels_give_the_two_kernel_paths_bits(comm, M):
         a_d, w_d = dev(a[comm.rank].astype(dt)), dev(w[comm.rank].astype(dt))
         outs = {}
         for fused in (True, "overlapped", False):  # the sum kernel launched after the GEMM, or overlapping it
-            with config.override(tp_latency_ll_max_rows=16 if fused else 0,
+            with config.override(tp_latency_ll_max_rows=ll.M_TILES[-1] if fused else 0,
                                  tp_latency_ll_overlap=fused == "overlapped"):
                 for rep in range(3):
                     wide = poisoned((M, N + 8), "bf16")

@@ -49,10 +49,10 @@ struct DecodePush {
     const u64 N = (u64)a.g.n, pairs = (u64)a.pairs, pair = tok / 2, E = *s_epoch;
     if (pair >= pairs) return;
     const u64 w0 = E << 32 | pack2_out(DT, v[0], v[1]), w1 = E << 32 | pack2_out(DT, v[2], v[3]);
-    for (u32 d = 0; d < (u32)a.world; ++d) {
-      u64* ll = peer_ptr<u64>(peers(), d, a.ll_off) + (u64)a.me * N * pairs;
-      if (r0 < N) st_relaxed_sys64(ll + r0 * pairs + pair, w0);
-      if (r1 < N) st_relaxed_sys64(ll + r1 * pairs + pair, w1);
+    for (u32 d = 0; d < (u32)a.world; ++d) {  // pair-major: a warp's 8 rows of one pair are 64 B
+      u64* ll = peer_ptr<u64>(peers(), d, a.ll_off) + ((u64)a.me * pairs + pair) * N;
+      if (r0 < N) st_relaxed_sys64(ll + r0, w0);
+      if (r1 < N) st_relaxed_sys64(ll + r1, w1);
     }
   }
 };
@@ -88,7 +88,8 @@ MK_DEV bool ll_wait(const MkSync& s, const u64* p, u32 E, i32 peer, u32 where, u
   }
 }
 
-// Each thread one LL word index (column, token pair) at a time: every rank's word, in rank order.
+// The values of word i of every rank (LL_UNROLL words per thread at a time, all their loads in
+// flight before the first wait), added in rank order; out stored row by row (coalesced).
 template <int DT>
 __global__ void __launch_bounds__(LL_REDUCE_THREADS, 1)
     mk_allreduce_ll_reduce(const __grid_constant__ MkAllreduceLLArgs a) {
@@ -97,24 +98,39 @@ __global__ void __launch_bounds__(LL_REDUCE_THREADS, 1)
   __syncthreads();
   const u32 E = s_epoch, W = (u32)a.world;
   const MkPeers peers{a.peer_base, W, (u32)a.me};
-  const u64 words = (u64)a.n * (u64)a.pairs, pairs = (u64)a.pairs, ldo = (u64)a.ldo, M = (u64)a.m;
+  const u64 N = (u64)a.n, words = N * (u64)a.pairs, ldo = (u64)a.ldo, M = (u64)a.m;
   const u64* ll = peer_ptr<u64>(peers, (u32)a.me, a.ll_off);
   u16* out = reinterpret_cast<u16*>(a.out);
+  const u64 step = (u64)gridDim.x * blockDim.x;
   bool ok = true;
-  for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < words && ok; i += (u64)gridDim.x * blockDim.x) {
-    float lo = 0.f, hi = 0.f;
+  for (u64 i0 = (u64)blockIdx.x * blockDim.x + threadIdx.x; i0 < words && ok; i0 += LL_UNROLL * step) {
+    float lo[LL_UNROLL], hi[LL_UNROLL];
+#pragma unroll
+    for (int u = 0; u < LL_UNROLL; ++u) lo[u] = hi[u] = 0.f;
     for (u32 s = 0; s < W && ok; ++s) {
-      u64 w = 0;
-      ok = ll_wait(a.sync, ll + s * words + i, E, (i32)s, (u32)i, &w);
-      float x0, x1;
-      unpack2<DT>((u32)w, x0, x1);
-      lo += x0;
-      hi += x1;
+      u64 w[LL_UNROLL];
+#pragma unroll
+      for (int u = 0; u < LL_UNROLL; ++u) w[u] = i0 + u * step < words ? ld_relaxed_sys64(ll + s * words + i0 + u * step) : 0;
+#pragma unroll
+      for (int u = 0; u < LL_UNROLL; ++u) {
+        const u64 i = i0 + u * step;
+        if (i >= words) continue;
+        if ((u32)(w[u] >> 32) != E) ok = ok && ll_wait(a.sync, ll + s * words + i, E, (i32)s, (u32)i, &w[u]);
+        float x0, x1;
+        unpack2<DT>((u32)w[u], x0, x1);
+        lo[u] += x0;
+        hi[u] += x1;
+      }
     }
     if (!ok) break;
-    const u64 row = i / pairs, tok = 2 * (i - row * pairs);
-    out[tok * ldo + row] = (u16)(pack2_out(DT, lo, 0.f) & 0xFFFFu);
-    if (tok + 1 < M) out[(tok + 1) * ldo + row] = (u16)(pack2_out(DT, hi, 0.f) & 0xFFFFu);
+#pragma unroll
+    for (int u = 0; u < LL_UNROLL; ++u) {
+      const u64 i = i0 + u * step;
+      if (i >= words) continue;
+      const u64 pair = i / N, col = i - pair * N, tok = 2 * pair;
+      out[tok * ldo + col] = (u16)(pack2_out(DT, lo[u], 0.f) & 0xFFFFu);
+      if (tok + 1 < M) out[(tok + 1) * ldo + col] = (u16)(pack2_out(DT, hi[u], 0.f) & 0xFFFFu);
+    }
   }
   // Launched overlapped, the GEMM may still be running: it ends before the counters it uses reset.
   asm volatile("griddepcontrol.wait;" ::: "memory");

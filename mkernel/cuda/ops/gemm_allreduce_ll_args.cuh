@@ -11,11 +11,12 @@
 #define LL_CNT_DONE 1  // reduce blocks finished
 #define LL_CNT_WORDS 2
 #define LL_REDUCE_THREADS 512
+#define LL_UNROLL 4  // words per reduce thread in flight
 
 struct MkDecodePushArgs {
   MkDecodeArgs g;  // the decode GEMM (g.out unused; g.sync the op's)
   const unsigned long long* peer_base;  // the node's workspace bases
-  unsigned long long ll_off;  // [world][n][pairs] LL words in every rank's workspace (the plan's own)
+  unsigned long long ll_off;  // [world][pairs][n] LL words in every rank's workspace (the plan's own)
   unsigned int* counters;  // [LL_CNT_WORDS]
   int pairs;  // token pairs: ceil(m / 2)
   int world;
