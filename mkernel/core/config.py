@@ -36,7 +36,7 @@ class Config:
     tp_latency_max_rows: int = 128
     # ... and at most this many rows (and B as [N, K]) the fused latency kernels (gemm_allreduce_ll.py;
     # 0: the decode GEMM, then mkernel.allreduce)
-    tp_latency_ll_max_rows: int = 16
+    tp_latency_ll_max_rows: int = 64
     # ... their sum kernel launched to overlap the GEMM's last CTAs (programmatic stream
     # serialization; its polls of the LL words need no stream order)
     tp_latency_ll_overlap: bool = False

@@ -365,34 +365,25 @@ def tiles(M: int, N: int) -> int:
 SPLIT_SMS = 132  # split K is planned for this many SMs whatever the device: the bits follow the shape
 SPLIT_MIN_KBLOCKS = 8  # k-blocks (of BK) a range keeps at least: its pipeline still fills
 SPLIT_MAX = 16
-SPLIT_WAVES = 3  # claims of a split at most this many waves of SPLIT_SMS (bounds the partials' buffer)
-SPLIT_COST_KBLOCKS = 2  # a range's partial store and the last range's adds, in k-blocks' time (a guess)
 SPLIT_COUNTS_BYTES = 4096  # MK_SPLIT_COUNTS_BYTES: counts of up to 128 tiles, a fixed region for every call
 
 
 def split_k(M: int, N: int, K: int) -> int:
-    """Ranges of K per tile of a plain GEMM (config.gemm_split_k): the count whose (tile, range)
-    claims finish first on SPLIT_SMS SMs (waves x (k-blocks per range + SPLIT_COST_KBLOCKS)), each
-    range at least SPLIT_MIN_KBLOCKS k-blocks, none empty, ties to fewer; 1: no split."""
-    nt, kblocks = tiles(M, N), -(-K // BK)
-    if not config.get().gemm_split_k or nt * 8 * 4 > SPLIT_COUNTS_BYTES:
+    """Ranges of K per tile of a plain GEMM (config.gemm_split_k): enough (tile, range) claims to
+    fill SPLIT_SMS SMs once, each at least SPLIT_MIN_KBLOCKS k-blocks, none empty; 1: no split."""
+    if not config.get().gemm_split_k:
         return 1
-
-    def time(s):
-        return -(-nt * s // SPLIT_SMS) * (-(-kblocks // s) + (SPLIT_COST_KBLOCKS if s > 1 else 0))
-
-    best = 1
-    for want in range(2, SPLIT_MAX + 1):
-        s = -(-kblocks // -(-kblocks // want))  # ranges of ceil(kblocks / want): the last not empty
-        if kblocks // s >= SPLIT_MIN_KBLOCKS and nt * s <= SPLIT_WAVES * SPLIT_SMS and time(s) < time(best):
-            best = s
-    return best
+    kblocks = -(-K // BK)
+    want = min(SPLIT_SMS // tiles(M, N), kblocks // SPLIT_MIN_KBLOCKS, SPLIT_MAX)
+    if want < 2:
+        return 1
+    return -(-kblocks // -(-kblocks // want))  # ranges of ceil(kblocks / want): the last not empty
 
 
 def split_bytes(M: int, N: int, splits: int) -> int:
     """Bytes of split K's buffer (gemm_splitk.cuh): the counts' fixed region, then the fp32 partials."""
     nt = tiles(M, N)
-    assert nt * 8 * 4 <= SPLIT_COUNTS_BYTES, nt  # split_k: at most 128 tiles
+    assert nt * 8 * 4 <= SPLIT_COUNTS_BYTES, nt  # split_k: tiles <= SPLIT_SMS // 2
     return SPLIT_COUNTS_BYTES + nt * splits * BM * BN * 4
 
 

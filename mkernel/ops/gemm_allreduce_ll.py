@@ -3,7 +3,8 @@ inside a node, at most ``config.tp_latency_ll_max_rows`` rows and B as [N, K], t
 pushes every finished value to every rank as an LL word (data and the launch's epoch in one 8-byte
 store), while the rest of the GEMM runs; a second kernel waits for each word, adds the ranks' values
 in rank order in fp32 and rounds once into out. The same sum, rounding and bits as the two-kernel
-latency path (decode GEMM, then mkernel.allreduce) it replaces at these sizes.
+latency path (decode GEMM, then mkernel.allreduce) where mkernel.gemm takes the decode path
+(``config.gemm_decode_max_m`` rows).
 
 Workspace: the plan's own LL buffer, ``[world][ceil(M / 2)][N]`` words of 8 bytes (zeroed at the shape's
 first call), and the decode GEMM's partials in the stream's workspace.

@@ -36,8 +36,8 @@ def test_fewest_rows_with_weights_as_nk_take_the_fused_kernels():
         return tp.Call(a=None, b=None, layout=layout, M=M, N=4096, K=4096, mb=M, out=None, path="latency",
                        comm_sms=None, join=False)
 
-    assert ll.eligible(call(1, tp.B_NK)) and ll.eligible(call(16, tp.B_NK))
-    assert not ll.eligible(call(17, tp.B_NK)) and not ll.eligible(call(8, tp.B_KN))
+    assert ll.eligible(call(1, tp.B_NK)) and ll.eligible(call(64, tp.B_NK))
+    assert not ll.eligible(call(65, tp.B_NK)) and not ll.eligible(call(8, tp.B_KN))
     with config.override(tp_latency_ll_max_rows=0):
         assert not ll.eligible(call(1, tp.B_NK))
     with config.override(tp_latency_ll_max_rows=256):

@@ -204,8 +204,8 @@ def test_captured_in_a_cuda_graph_and_replayed_a_thousand_times(comm):
 def test_fused_latency_kernels_give_the_two_kernel_paths_bits(comm, M):
     """gemm_allreduce at few rows takes the fused latency kernels (the decode GEMM pushing LL words,
     then their sum, launched after the GEMM or overlapping its tail): the same bits as the decode
-    GEMM followed by mkernel.allreduce, on every rank, over repeated launches (stale LL words of
-    earlier launches); exact integer sums; strided out."""
+    GEMM (taking up to M rows here) followed by mkernel.allreduce, on every rank, over repeated
+    launches (stale LL words of earlier launches); exact integer sums; strided out."""
     import cupy
 
     from mkernel import config
@@ -227,7 +227,8 @@ def test_fused_latency_kernels_give_the_two_kernel_paths_bits(comm, M):
         outs = {}
         for fused in (True, "overlapped", False):  # the sum kernel launched after the GEMM, or overlapping it
             with config.override(tp_latency_ll_max_rows=ll.M_TILES[-1] if fused else 0,
-                                 tp_latency_ll_overlap=fused == "overlapped"):
+                                 tp_latency_ll_overlap=fused == "overlapped",
+                                 gemm_decode_max_m=max(M, config.get().gemm_decode_max_m)):  # both GEMMs decode
                 for rep in range(3):
                     wide = poisoned((M, N + 8), "bf16")
                     mkernel.gemm_allreduce(a_d, w_d.T, comm=comm, out=wide[:, :N], path="latency")
@@ -253,11 +254,11 @@ def test_fused_latency_kernels_give_the_two_kernel_paths_bits(comm, M):
     assert all_ranks(comm.mpi, not msgs), msgs[:6]
 
 
-@pytest.mark.parametrize("M,overlap", [(4, False), (4, True), (64, False)])
+@pytest.mark.parametrize("M,overlap", [(4, False), (4, True), (48, False), (100, False)])
 def test_repeated_calls_launch_what_their_first_call_recorded(comm, M, overlap):
     """A call repeated on the same arrays (new values in them) only launches what its first call
-    recorded (comm.plans): gemm_allreduce's latency path (M 4: the fused kernels; M 64: the GEMM
-    engine, then the all-reduce) and mkernel.allreduce, exact integer sums over 20 calls, outputs
+    recorded (comm.plans): gemm_allreduce's latency path (M 4, 48: the fused kernels; M 100: the
+    GEMM engine, then the all-reduce) and mkernel.allreduce, exact integer sums over 20 calls, outputs
     poisoned before each, through a release of every plan (the records go with them) halfway; from
     each half's second call on, every call is recorded. The fused kernels' sum also launched overlapped."""
     import cupy
