@@ -128,11 +128,15 @@ def main():
             settings["nosplit"] = {"gemm_split_k": False}  # the engine with one CTA per tile
         elif kind == "decode":
             settings["engine"] = {"gemm_decode_max_m": 0}  # the engine (split K) at the decode path's rows
-        for name, knobs in settings.items():
+        calls = {name: (knobs, {}) for name, knobs in settings.items()}
+        if kind == "odd":  # the clustered kernel (CTA pairs sharing B by multicast) against the default
+            forced = not mg.use_cluster(M, N, K)
+            calls["cluster" if forced else "nocluster"] = ({}, {"cluster": forced})
+        for name, (knobs, kw) in calls.items():
             with config.override(**knobs):
-                mg.gemm(a, b, out=out)
+                mg.gemm(a, b, out=out, **kw)
                 e = rel_err(out, ref)
-                variants[name] = flushed_ms(lambda: mg.gemm(a, b, out=out), reps, flush) if e < 1e-2 else \
+                variants[name] = flushed_ms(lambda: mg.gemm(a, b, out=out, **kw), reps, flush) if e < 1e-2 else \
                     f"wrong (relative error {e:.3g})"
         r = harness.row([M, N, K], t_mk, t_cb, bound_ms(flops, nbytes, rate), kind=kind, layout="w.T",
                         dtype="bfloat16", rel_err=err, copy_rate_TBps=rate / 1e12, decode_variants_ms=variants)
