@@ -130,7 +130,7 @@ def main():
             settings["engine"] = {"gemm_decode_max_m": 0}  # the engine (split K) at the decode path's rows
         calls = {name: (knobs, {}) for name, knobs in settings.items()}
         if kind == "odd":  # the clustered kernel (CTA pairs sharing B by multicast) against the default
-            forced = not mg.use_cluster(M, N, K)
+            forced = not mg.use_cluster(M, N, K, aligned=2 * K % mg.ROW_LINE == 0)  # rows of a and w: K elements
             calls["cluster" if forced else "nocluster"] = ({}, {"cluster": forced})
         for name, (knobs, kw) in calls.items():
             with config.override(**knobs):

@@ -39,9 +39,13 @@ EPI_STORE, EPI_ADD = 0, 1
 SCHED_LEAVE, SCHED_GEMM = 0, 1  # role words (MK_SCHED_*)
 DEFAULT_GROUP_M = 8  # built-in tile order: M-tiles per group (8 beat 16 on the issue's rows: bench/NOTES.md)
 # Where use_cluster() picks the clustered kernel: at least 2 M-tiles (a unit's second tile is not all
-# padding) and K of at least CLUSTER_MIN_K (below it a pair's CTAs wait on each other's epilogue; bench/NOTES.md).
+# padding) and K of at least CLUSTER_MIN_K (below it a pair's CTAs wait on each other's epilogue; bench/NOTES.md),
+# or rows of A or B not a multiple of 128 bytes (each box row then straddles two L2 lines, and the
+# pairs halve B's reads) and at least CLUSTER_MISALIGNED_MIN_TILES tiles (a full wave).
 CLUSTER_MIN_TILES_M = 2
 CLUSTER_MIN_K = 2560
+CLUSTER_MISALIGNED_MIN_TILES = 132
+ROW_LINE = 128  # bytes of an L2 line
 
 
 # Shared memory (must equal gemm_smem_bytes<> in gemm_mainloop.cuh; gemm.cu static_asserts it).
@@ -387,15 +391,17 @@ def split_bytes(M: int, N: int, splits: int) -> int:
     return SPLIT_COUNTS_BYTES + nt * splits * BM * BN * 4
 
 
-def use_cluster(M: int, N: int, K: int, cluster=None, *, tile_order=None, roles=None, sms=None) -> bool:
+def use_cluster(M: int, N: int, K: int, cluster=None, *, tile_order=None, roles=None, sms=None,
+                aligned: bool = True) -> bool:
     """Whether a plain GEMM runs the clustered kernel (pairs of CTAs sharing each B tile through
-    TMA multicast). cluster=None decides by shape, and only where the caller left the CTAs to the
-    engine (no sms, tile_order or roles: the fused ops' controls address single tiles and CTAs)
-    and where split K does not apply (too few tiles: split K fills the SMs, the pairs would not);
-    True / False force it."""
+    TMA multicast). cluster=None decides by shape (and by ``aligned``: the rows of A and B are
+    multiples of 128 bytes), and only where the caller left the CTAs to the engine (no sms,
+    tile_order or roles: the fused ops' controls address single tiles and CTAs) and where split K
+    does not apply (too few tiles: split K fills the SMs, the pairs would not); True / False force it."""
     if cluster is None:
+        wide = K >= CLUSTER_MIN_K or (not aligned and tiles(M, N) >= CLUSTER_MISALIGNED_MIN_TILES)
         return (tile_order is None and roles is None and sms is None and -(-M // BM) >= CLUSTER_MIN_TILES_M
-                and K >= CLUSTER_MIN_K and split_k(M, N, K) == 1)
+                and wide and split_k(M, N, K) == 1)
     if cluster and (tile_order is not None or roles is not None):
         raise ArgumentError("cluster=True cannot take tile_order or roles (they address single tiles and CTAs)")
     return bool(cluster)
@@ -460,7 +466,8 @@ def gemm(a, b, *, out=None, stream=None, b_layout=None, out_dtype=None, accumula
             _plans.add(key, plan)
         return out
     nt = tiles(M, N)
-    clustered = use_cluster(M, N, K, cluster, tile_order=tile_order, roles=roles, sms=sms)
+    clustered = use_cluster(M, N, K, cluster, tile_order=tile_order, roles=roles, sms=sms,
+                            aligned=row_stride(a) % ROW_LINE == 0 and row_stride(b_arr) % ROW_LINE == 0)
     splits = 1 if clustered or controls else split_k(M, N, K)
     # Clustered, the scheduler claims units of CLUSTER M-tiles (group_m counts M-tiles either way);
     # split K, (tile, range of K) pairs.

@@ -121,6 +121,9 @@ def test_split_k_fills_the_sms_with_few_tiles_and_long_k():
         assert engine.use_cluster(256, 4096, 14336)  # 2 M-tiles, long K
     assert not engine.use_cluster(256, 4096, 14336)  # 32 tiles: split K (4 ranges) instead of 16 pairs
     assert engine.use_cluster(8192, 8192, 8192) and engine.split_k(8192, 8192, 8192) == 1
+    assert not engine.use_cluster(8191, 8200, 1032)  # short K, rows in whole L2 lines: one CTA per tile
+    assert engine.use_cluster(8191, 8200, 1032, aligned=False)  # rows straddling lines: the pairs
+    assert not engine.use_cluster(1000, 3000, 2000, aligned=False)  # 96 tiles, less than a wave
     with config.override(gemm_split_k=True):
         assert engine.split_k(128, 8192, 8192) == 4  # 32 tiles: 4 ranges of 32 k-blocks fill 132 SMs once
         assert engine.split_k(128, 4096, 14336) == 8  # 16 tiles
