@@ -9,7 +9,8 @@ baseline). Every figure with all ranks doing the same at once; under MPS by benc
 unfused_ms - mkernel_ms >= 0.5 x allreduce_ms. bound_ms: this rank's weights read once at the copy
 rate measured in the run. graph_ms: the device's time per call (50 calls in a CUDA graph); host_us:
 the host's time to issue one call; variants_ms: the same calls under other settings (the latency
-path's two-kernel, LL and LL-overlapped forms up to 128 rows, the decode kernel's row blocks of 64 and 128).
+path's two-kernel, LL and LL-overlapped forms up to 128 rows, mkernel.allreduce as LL words and as
+data + flags, the decode kernel's row blocks of 64 and 128).
 
     mpirun -n 2 python3 bench/tp_decode.py [--quick]
 """
@@ -109,6 +110,9 @@ def main():
                     knobs[f"latency_rows{rb}"] = {"gemm_decode_rows": rb}
                     f[f"latency_rows{rb}"] = f["latency"]
         f["allreduce"] = lambda: mkernel.allreduce(part, comm=comm, out=out)
+        for name, most in (("allreduce_ll", 1 << 40), ("allreduce_flags", 0)):  # its two modes, side by side
+            knobs[name] = {"allreduce_ll_max_bytes": most}
+            f[name] = f["allreduce"]
         f["unfused"] = lambda: (mkernel.gemm(a, w.T, out=part), mkernel.allreduce(part, comm=comm, out=out))
         results = {}
         extra = tuple(p for p in ("latency_2k", "latency_ll", "latency_overlap", "latency_rows64", "latency_rows128")
@@ -128,7 +132,8 @@ def main():
                 t[p], host[p] = timed(fn), host_us(fn)
         graph = {}  # the device's time per call (n calls in one CUDA graph): what the host's launch work hides
         if shared:
-            for p in ("latency", "gemm", "allreduce") + extra + tuple(p for p in f if p.startswith("gemm_rows")):
+            for p in ("latency", "gemm", "allreduce", "allreduce_ll", "allreduce_flags") + extra + \
+                    tuple(p for p in f if p.startswith("gemm_rows")):
                 try:
                     with config.override(**knobs.get(p, {})):
                         graph[p] = cc.graph_batch_ms(comm, barrier, f[p])

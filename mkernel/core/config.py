@@ -40,6 +40,9 @@ class Config:
     # ... their sum kernel launched to overlap the GEMM's last CTAs (programmatic stream
     # serialization; its polls of the LL words need no stream order)
     tp_latency_ll_overlap: bool = False
+    # mkernel.allreduce of at most this many bytes moves LL words (data and epoch in one 8-byte
+    # store: no fence, no flag round trip; twice the bytes), above it data then a flag per chunk
+    allreduce_ll_max_bytes: int = 256 << 10
     # Communication CTAs where comm_sms is not searched (the unfused baseline, the search's start).
     tp_comm_sms: types.MappingProxyType = dataclasses.field(default_factory=lambda: types.MappingProxyType(
         {"gemm_reduce_scatter": 8, "gemm_allreduce": 16, "allgather_gemm": 8}))
@@ -79,10 +82,10 @@ class Config:
         if self.tp_controller not in CONTROLLER_SETTINGS:
             raise ArgumentError(f"tp_controller must be one of {CONTROLLER_SETTINGS}; got {self.tp_controller!r}")
         for name in ("tp_fuse_min_tiles", "tp_fuse_min_k", "tp_lend_share", "moe_comm_sms", "ring_comm_sms",
-                     "gemm_decode_max_m", "tp_latency_max_rows", "tp_latency_ll_max_rows"):
+                     "gemm_decode_max_m", "tp_latency_max_rows", "tp_latency_ll_max_rows", "allreduce_ll_max_bytes"):
             v = getattr(self, name)
             zero_ok = name.startswith("tp_fuse") or name in ("gemm_decode_max_m", "tp_latency_max_rows",
-                                                             "tp_latency_ll_max_rows")
+                                                             "tp_latency_ll_max_rows", "allreduce_ll_max_bytes")
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if zero_ok else 1):
                 raise ArgumentError(f"{name} must be a {'non-negative' if zero_ok else 'positive'} integer; got {v!r}")
         if self.gemm_decode_split not in ("stream", "even"):

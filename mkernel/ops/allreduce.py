@@ -1,13 +1,16 @@
 """``allreduce(x, *, comm)``: the sum over ranks of ``x``, the same bits on every rank, by one kernel
 that pushes each rank's data into every peer's scratch once and reduces there (one-shot: the latency
-path for small messages inside a node; mkernel/cuda/ops/allreduce.cu). At 2 ranks a two-shot
-(reduce-scatter, then all-gather) moves the same bytes per rank in two rounds, so there is none.
+path for small messages inside a node; mkernel/cuda/ops/allreduce.cu). Up to
+``config.allreduce_ll_max_bytes`` the pushes are LL words (the flag in the data: no fence, no flag
+round trip), above it the data, then a flag per chunk. At 2 ranks a two-shot (reduce-scatter,
+then all-gather) moves the same bytes per rank in two rounds, so there is none.
 
 Importable without CuPy; the kernels are registered at import.
 """
 
 import ctypes
 
+from mkernel.core import config
 from mkernel.core.errors import ArgumentError
 from mkernel.ops import tp
 from mkernel.runtime import compile as _compile
@@ -19,7 +22,8 @@ from mkernel.runtime.sync import MkSync
 OP = "allreduce"
 KERNEL = "mk_allreduce_kernel"
 ELEMENT = {"bfloat16": 0, "float16": 1, "float32": 2}  # the kernel's DT (MK_OUT_* codes)
-SPEC = _compile.register(OP, "allreduce.cu", tuple(f"{KERNEL}<{dt}>" for dt in ELEMENT.values()), hot=True)
+SPEC = _compile.register(OP, "allreduce.cu", tuple(f"{KERNEL}<{dt},{ll}>" for dt in ELEMENT.values() for ll in (0, 1)),
+                         hot=True)
 THREADS = 512  # AR_THREADS
 CNT_WORDS = 5  # AR_CNT_WORDS
 CHUNK = 8192  # elements per chunk: a CTA's item
@@ -53,10 +57,11 @@ def allreduce(x, *, comm, out=None, stream=None):
     in_place = out.data.ptr == x.data.ptr
     dst = _aligned(out, stream, keep=in_place)
     src = dst if in_place else _aligned(x, stream, keep=True)  # in place: each chunk is sent before it is summed
-    plan, template = _plan(comm, x.size, x.dtype)
-    launched = _launch(comm, template, src, dst, stream)
+    ll = use_ll(x.nbytes)
+    plan, template = _plan(comm, x.size, x.dtype, ll)
+    launched = _launch(comm, template, src, dst, stream, ll=ll)
     if key is not None and dst is out and (src is x or in_place):  # only the kernel: recorded
-        comm.plans.record_launches(key, (launched,), [plan_key(x.size, x.dtype)])
+        comm.plans.record_launches(key, (launched,), [plan_key(x.size, x.dtype, ll)])
     if dst is not out:
         with tp.on_stream(stream):
             out[...] = dst
@@ -104,8 +109,13 @@ def _check(comm, x, out, stream):
     elif out.data.ptr != x.data.ptr and out.data.ptr < x.data.ptr + x.nbytes and x.data.ptr < out.data.ptr + out.nbytes:
         raise ArgumentError(f"{OP}: out overlaps x without being x (pass out=x to sum in place)")
     tp.check_outside_workspace(OP, out, comm)
-    tp.agree_call(OP, comm, (OP, x.size, x.dtype.name, "oneshot"), "one node")
+    tp.agree_call(OP, comm, (OP, x.size, x.dtype.name, "oneshot", use_ll(x.nbytes)), "one node")
     return x, out
+
+
+def use_ll(nbytes: int) -> bool:
+    """Whether an all-reduce of nbytes moves LL words (config.allreduce_ll_max_bytes)."""
+    return nbytes <= config.get().allreduce_ll_max_bytes
 
 
 def _aligned(arr, stream, keep):
@@ -121,39 +131,47 @@ def _aligned(arr, stream, keep):
     return copy
 
 
-def plan_key(count, dt):
+def plan_key(count, dt, ll=False):
     """The key of the plan of an all-reduce of ``count`` elements of ``dt`` in ``comm.plans``."""
-    return ("buffers", OP, count, dt.name)
+    return ("buffers", OP, count, dt.name) + (("ll",) if ll else ())
 
 
-def _plan(comm, count, dt):
-    """(plan, launch template) per (elements, dtype): every rank's slot in the scratch (padded to 16
-    bytes), the chunk flags the plan's own."""
+def _plan(comm, count, dt, ll=False):
+    """(plan, launch template) per (elements, dtype, LL or not): every rank's slot in the scratch
+    (padded to 16 bytes) and the chunk flags the plan's own; LL: every rank's slot of LL words (8
+    bytes per 4 of data) the plan's own, no flags."""
     W = comm.size
     chunks = -(-count // CHUNK)
-    slot = -(-count * dt.itemsize // 16) * 16 // dt.itemsize
-    sizes = [("slots", (W, slot), dt), ("flags", (W * chunks,), "uint32")]
-    plan = tp.plan_buffers(OP, comm, plan_key(count, dt), sizes, counter_words=CNT_WORDS)
+    if ll:
+        words = -(-count * dt.itemsize // 4)
+        sizes, slot_bytes = [("ll", (W, words, 2), "uint32")], words * 8
+    else:
+        slot = -(-count * dt.itemsize // 16) * 16 // dt.itemsize
+        sizes, slot_bytes = [("slots", (W, slot), dt), ("flags", (W * chunks,), "uint32")], slot * dt.itemsize
+    plan = tp.plan_buffers(OP, comm, plan_key(count, dt, ll), sizes, counter_words=CNT_WORDS)
 
     def build():
         args = MkAllreduceArgs()
         args.peer_base = comm.peer_table.data.ptr
-        args.slots_off, args.flags_off = comm.offset_of(plan["slots"]), comm.offset_of(plan["flags"])
+        if ll:
+            args.slots_off, args.flags_off = comm.offset_of(plan["ll"]), 0
+        else:
+            args.slots_off, args.flags_off = comm.offset_of(plan["slots"]), comm.offset_of(plan["flags"])
         args.counters = plan["counters"].data.ptr
-        args.count, args.slot_bytes, args.chunk, args.chunks = count, slot * dt.itemsize, CHUNK, chunks
+        args.count, args.slot_bytes, args.chunk, args.chunks = count, slot_bytes, CHUNK, chunks
         args.world, args.me = W, comm.local_rank
         return args
     return plan, tp.launch_template(plan, (), build)
 
 
-def _launch(comm, template, src, out, stream, src_is_slot=False):
+def _launch(comm, template, src, out, stream, src_is_slot=False, ll=False):
     """Launches the all-reduce of src into out; returns the launch ``(fn, grid, block, args, smem)``."""
     args = MkAllreduceArgs.from_buffer_copy(template["args"])
     args.sync = comm.sync_args(OP)
     args.src, args.out = src.data.ptr, out.data.ptr
     args.in_place = int(src.data.ptr == out.data.ptr)
     args.src_is_slot = int(src_is_slot)
-    fn = _compile.module(SPEC).function(f"{KERNEL}<{ELEMENT[src.dtype.name]}>")
+    fn = _compile.module(SPEC).function(f"{KERNEL}<{ELEMENT[src.dtype.name]},{int(ll)}>")
     grid = persistent_grid(fn, THREADS, 0, blocks=min(args.chunks * args.world, MAX_CTAS, launch.sm_count()), what=OP)
     launch_persistent(fn, (grid,), (THREADS,), args, smem=0, stream=stream)
     return fn, (grid,), (THREADS,), args, 0

@@ -20,7 +20,13 @@ from tests.helpers.ranks import all_ranks
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 SHAPES = [(1,), (7,), (8,), (1000,), (1001,), (8192,), (8193,), (8200,), (3, 8192 + 67), (64, 8192)]
 KINDS = {"bf16": DTYPES["bf16"], "fp16": DTYPES["fp16"], "f32": np.dtype(np.float32)}
+MODES = {"ll": 1 << 40, "flags": 0}  # config.allreduce_ll_max_bytes: every size as LL words, or none
 
+
+def _mode(mode):
+    from mkernel import config
+
+    return config.override(allreduce_ll_max_bytes=MODES[mode])
 
 
 def _x(seed, rank, shape, dt, integer):
@@ -31,30 +37,43 @@ def _x(seed, rank, shape, dt, integer):
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_sums_every_rank_in_rank_order_the_same_bits_everywhere(comm, kind):
+    """Exact integer and random sums of many sizes (odd counts: a partial last LL word or vector),
+    three launches each, as LL words and as data + flags: the same bits on every rank and in both
+    modes (the same fp32 sums in rank order, rounded once)."""
+    dt = KINDS[kind]
+    msgs, digests = [], {m: [] for m in MODES}
+    for mode in MODES:
+        with _mode(mode):
+            for rep in range(3):
+                _sums(comm, dt, kind, f"{mode} launch {rep}", msgs, digests[mode])
+    if digests["ll"] != digests["flags"]:
+        msgs.append(f"{kind}: the LL and flag modes' bits differ")
+    assert all_ranks(comm.mpi, not msgs), msgs[:6]
+
+
+def _sums(comm, dt, kind, launch, msgs, digests):
     import cupy
 
-    dt, W = KINDS[kind], comm.size
-    msgs = []
-    for rep in range(3):
-        for i, shape in enumerate(SHAPES):
-            for integer in (True, False):
-                xs = [_x(i * 2 + integer, r, shape, dt, integer) for r in range(W)]
-                out = poisoned(shape, kind)
-                mkernel.allreduce(dev(xs[comm.rank].astype(dt)), comm=comm, out=out)
-                cupy.cuda.get_current_stream().synchronize()
-                comm.check()
-                got = host(out).astype(np.float64)
-                want = sum(xs)
-                what = f"{shape} {kind} {'integer' if integer else 'random'} launch {rep}"
-                if integer and not np.array_equal(got, want.astype(dt).astype(np.float64)):
-                    msgs.append(f"{what}: {int((got != want).sum())} elements differ")
-                err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
-                if not np.isfinite(got).all() or err > 1e-2:
-                    msgs.append(f"{what}: relative error {err:.3g}")
-                digest = hashlib.sha256(bits(out).tobytes()).hexdigest()
-                if len(set(allgather_object(comm.mpi, digest, "comparing bits", 60))) != 1:
-                    msgs.append(f"{what}: ranks hold different bits")
-    assert all_ranks(comm.mpi, not msgs), msgs[:6]
+    W = comm.size
+    for i, shape in enumerate(SHAPES):
+        for integer in (True, False):
+            xs = [_x(i * 2 + integer, r, shape, dt, integer) for r in range(W)]
+            out = poisoned(shape, kind)
+            mkernel.allreduce(dev(xs[comm.rank].astype(dt)), comm=comm, out=out)
+            cupy.cuda.get_current_stream().synchronize()
+            comm.check()
+            got = host(out).astype(np.float64)
+            want = sum(xs)
+            what = f"{shape} {kind} {'integer' if integer else 'random'} {launch}"
+            if integer and not np.array_equal(got, want.astype(dt).astype(np.float64)):
+                msgs.append(f"{what}: {int((got != want).sum())} elements differ")
+            err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+            if not np.isfinite(got).all() or err > 1e-2:
+                msgs.append(f"{what}: relative error {err:.3g}")
+            digest = hashlib.sha256(bits(out).tobytes()).hexdigest()
+            digests.append(digest)
+            if len(set(allgather_object(comm.mpi, digest, "comparing bits", 60))) != 1:
+                msgs.append(f"{what}: ranks hold different bits")
 
 
 def test_returns_a_new_array_by_default(comm):
@@ -63,34 +82,36 @@ def test_returns_a_new_array_by_default(comm):
     assert y.shape == x.shape and y.dtype == x.dtype and y.data.ptr != x.data.ptr
 
 
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("where", ["in place", "unaligned"])
-def test_in_place_and_unaligned_views(comm, where):
+def test_in_place_and_unaligned_views(comm, where, mode):
     """out=x sums in place (each chunk is sent before it is overwritten); views that start 2 bytes
     into an allocation go through an aligned copy. Exact integer inputs, the same bits everywhere."""
     import cupy
 
     dt, W, n = DTYPES["bf16"], comm.size, 3 * 8192 + 5
     msgs = []
-    for rep in range(3):
-        xs = [_x(20 + rep, r, (n,), dt, True) for r in range(W)]
-        want = sum(xs).astype(dt)
-        if where == "in place":
-            x = dev(xs[comm.rank].astype(dt))
-            got_arr = mkernel.allreduce(x, comm=comm, out=x)
-            ok_ptr = got_arr is x
-        else:
-            big = dev(np.concatenate([[0.0], xs[comm.rank]]).astype(dt))
-            outbig = poisoned((n + 1,), "bf16")
-            got_arr = mkernel.allreduce(big[1:], comm=comm, out=outbig[1:])
-            ok_ptr = got_arr.data.ptr == outbig.data.ptr + 2
-        cupy.cuda.get_current_stream().synchronize()
-        comm.check()
-        got = host(got_arr)
-        if not ok_ptr or not np.array_equal(got.view(np.uint16), want.view(np.uint16)):
-            msgs.append(f"{where} launch {rep}: {int((got != want).sum())} of {n} differ")
-        digest = hashlib.sha256(bits(cupy.ascontiguousarray(got_arr)).tobytes()).hexdigest()
-        if len(set(allgather_object(comm.mpi, digest, "comparing bits", 60))) != 1:
-            msgs.append(f"{where} launch {rep}: ranks hold different bits")
+    with _mode(mode):
+        for rep in range(3):
+            xs = [_x(20 + rep, r, (n,), dt, True) for r in range(W)]
+            want = sum(xs).astype(dt)
+            if where == "in place":
+                x = dev(xs[comm.rank].astype(dt))
+                got_arr = mkernel.allreduce(x, comm=comm, out=x)
+                ok_ptr = got_arr is x
+            else:
+                big = dev(np.concatenate([[0.0], xs[comm.rank]]).astype(dt))
+                outbig = poisoned((n + 1,), "bf16")
+                got_arr = mkernel.allreduce(big[1:], comm=comm, out=outbig[1:])
+                ok_ptr = got_arr.data.ptr == outbig.data.ptr + 2
+            cupy.cuda.get_current_stream().synchronize()
+            comm.check()
+            got = host(got_arr)
+            if not ok_ptr or not np.array_equal(got.view(np.uint16), want.view(np.uint16)):
+                msgs.append(f"{where} launch {rep}: {int((got != want).sum())} of {n} differ")
+            digest = hashlib.sha256(bits(cupy.ascontiguousarray(got_arr)).tobytes()).hexdigest()
+            if len(set(allgather_object(comm.mpi, digest, "comparing bits", 60))) != 1:
+                msgs.append(f"{where} launch {rep}: ranks hold different bits")
     assert all_ranks(comm.mpi, not msgs), msgs[:6]
 
 
@@ -173,7 +194,8 @@ def test_gemm_allreduce_latency_path(comm, M, strided):
     assert all_ranks(comm.mpi, ok), results
 
 
-def test_captured_in_a_cuda_graph_and_replayed_a_thousand_times(comm):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_captured_in_a_cuda_graph_and_replayed_a_thousand_times(comm, mode):
     """mkernel.allreduce captured once on every rank and replayed 1000 times (the epochs live on
     the device): exact integer sums each time, the same bits on every rank."""
     import cupy
@@ -184,7 +206,7 @@ def test_captured_in_a_cuda_graph_and_replayed_a_thousand_times(comm):
     x = dev(xs[comm.rank].astype(DTYPES["bf16"]))
     out = cupy.empty_like(x)
     stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
+    with stream, _mode(mode):
         mkernel.allreduce(x, comm=comm, out=out)  # the shape's first call (agreement, plan) outside
         stream.synchronize()
         stream.begin_capture()

@@ -4,9 +4,13 @@
 // fp32 sum of slots [0..world) in rank order, rounded once: the same bits on every rank, one round
 // of stores for the latency of small messages. CTAs claim push items, then reduce items, from
 // counters, so any resident part of the grid finishes (a CTA pushes before it waits).
+// LL (small messages): the same items, but a push stores LL words (ll.cuh: 4 bytes of data and E
+// in one 8-byte word) into slot [me] of that rank's LL buffer and sets no flag; a reduce polls its
+// words until they carry E. No fence and no flag round trip; the same sums and bits.
 // DT: MK_OUT_BF16, MK_OUT_F16 or MK_OUT_F32 (the element type). A chunk's last count % (16 / size)
 // elements (a partial vector) go one per thread.
 #include "tp_reduce.cuh"
+#include "ll.cuh"
 #include "allreduce_args.cuh"
 
 template <int DT>
@@ -50,7 +54,73 @@ MK_DEV void ar_reduce_vector(const u8* slots, u64 slot_bytes, u32 W, u64 off, u8
   }
 }
 
+// The 4 data bytes of LL word w: bytes [4w, 4w + 4) of src, of which `bytes` exist (a 16-bit
+// element count may be odd: the last word's high half is then zero).
+MK_DEV u32 ar_ll_data(const u8* src, u64 w, u64 bytes) {
+  if (4 * w + 4 <= bytes) return __ldcg(reinterpret_cast<const unsigned int*>(src + 4 * w));
+  return __ldcg(reinterpret_cast<const unsigned short*>(src + 4 * w));
+}
+
+// Words [w0, w1) of src as LL words of epoch E into dst (AR_LL_UNROLL loads in flight per thread).
+MK_DEV void ar_ll_push(u64* dst, const u8* src, u64 w0, u64 w1, u64 bytes, u32 E) {
+  for (u64 w = w0 + threadIdx.x; w < w1; w += AR_LL_UNROLL * blockDim.x) {
+    u32 v[AR_LL_UNROLL];
+#pragma unroll
+    for (int u = 0; u < AR_LL_UNROLL; ++u)
+      v[u] = w + u * blockDim.x < w1 ? ar_ll_data(src, w + u * blockDim.x, bytes) : 0u;
+#pragma unroll
+    for (int u = 0; u < AR_LL_UNROLL; ++u)
+      if (w + u * blockDim.x < w1) ll_store(dst + w + u * blockDim.x, ll_word(v[u], E));
+  }
+}
+
+// Words [w0, w1) of the output: every rank's LL word (all of a thread's loads in flight before
+// its first wait), added in rank order in fp32, rounded once. False on a recorded error.
 template <int DT>
+MK_DEV bool ar_ll_reduce(const MkAllreduceArgs& a, const u8* slots, u64 w0, u64 w1, u64 bytes, u32 E, u8* out) {
+  const u32 W = (u32)a.world;
+  bool ok = true;
+  for (u64 w = w0 + threadIdx.x; w < w1 && ok; w += AR_LL_UNROLL * blockDim.x) {
+    float lo[AR_LL_UNROLL], hi[AR_LL_UNROLL];
+#pragma unroll
+    for (int u = 0; u < AR_LL_UNROLL; ++u) lo[u] = hi[u] = 0.f;
+    for (u32 s = 0; s < W && ok; ++s) {
+      const u64* ll = reinterpret_cast<const u64*>(slots + s * a.slot_bytes);
+      u64 x[AR_LL_UNROLL];
+#pragma unroll
+      for (int u = 0; u < AR_LL_UNROLL; ++u) x[u] = w + u * blockDim.x < w1 ? ll_load(ll + w + u * blockDim.x) : 0;
+#pragma unroll
+      for (int u = 0; u < AR_LL_UNROLL; ++u) {
+        const u64 i = w + u * blockDim.x;
+        if (i >= w1) continue;
+        ok = ok && ll_wait(a.sync, ll + i, E, (i32)s, (u32)i, x[u]);
+        if (DT == MK_OUT_F32) {
+          lo[u] += __uint_as_float((u32)x[u]);
+        } else {
+          float x0, x1;
+          unpack2<DT>((u32)x[u], x0, x1);
+          lo[u] += x0;
+          hi[u] += x1;
+        }
+      }
+    }
+    if (!ok) break;
+#pragma unroll
+    for (int u = 0; u < AR_LL_UNROLL; ++u) {
+      const u64 i = w + u * blockDim.x;
+      if (i >= w1) continue;
+      if (DT == MK_OUT_F32)
+        *reinterpret_cast<float*>(out + 4 * i) = lo[u];
+      else if (4 * i + 4 <= bytes)
+        *reinterpret_cast<u32*>(out + 4 * i) = pack2_out(DT, lo[u], hi[u]);
+      else
+        *reinterpret_cast<u16*>(out + 4 * i) = (u16)(pack2_out(DT, lo[u], 0.f) & 0xFFFFu);
+    }
+  }
+  return ok;
+}
+
+template <int DT, int LL>
 __global__ void __launch_bounds__(AR_THREADS, 1) mk_allreduce_kernel(const __grid_constant__ MkAllreduceArgs a) {
   using El = ArElem<DT>;
   __shared__ u32 s_epoch, s_item;
@@ -79,6 +149,17 @@ __global__ void __launch_bounds__(AR_THREADS, 1) mk_allreduce_kernel(const __gri
     const u64 t_push = globaltimer_ns();
     if (!s_ok) break;
     const u64 first = (u64)c * a.chunk, n = min((u64)a.chunk, a.count - first), whole = n / El::PER_VEC * 16;
+    if (LL) {  // a chunk's words: [first, first + n) elements of 4-byte words (first is a multiple of 8)
+      const u64 w0 = first * El::BYTES / 4, w1 = (first * El::BYTES + n * El::BYTES + 3) / 4;
+      ar_ll_push(reinterpret_cast<u64*>(peer_ptr<u8>(peers, d, a.slots_off) + me * a.slot_bytes),
+                 reinterpret_cast<const u8*>(a.src), w0, w1, a.count * El::BYTES, E);
+      __syncthreads();  // every load of src done (in place, out may be written once all are)
+      if (threadIdx.x == 0) {
+        if (a.in_place) atomicAdd(&a.counters[AR_CNT_PUSHED], 1u);
+        trace_span(a.sync, MK_ROLE_SEND, item, t_push);
+      }
+      continue;
+    }
     const u8* src = reinterpret_cast<const u8*>(a.src) + first * El::BYTES;
     u8* dst = peer_ptr<u8>(peers, d, a.slots_off) + me * a.slot_bytes + first * El::BYTES;
     const bool move = !(a.src_is_slot && d == me);  // the own slot may hold the data already
@@ -110,7 +191,8 @@ __global__ void __launch_bounds__(AR_THREADS, 1) mk_allreduce_kernel(const __gri
       if (a.in_place && !s_pushed)  // out is src: every chunk of it has left (claimed pushes finish)
         good = wait_at_least(a.sync, &a.counters[AR_CNT_PUSHED], chunks * W, (i32)me, 0x10000u) ? 1 : 0;
       s_pushed = 1;
-      for (u32 s = 0; s < W && good; ++s) good = wait_epoch(a.sync, flags + s * chunks + c, E, (i32)s, c) ? 1 : 0;
+      for (u32 s = 0; s < W && good && !LL; ++s)
+        good = wait_epoch(a.sync, flags + s * chunks + c, E, (i32)s, c) ? 1 : 0;
       s_ok = good;
       trace_span(a.sync, MK_ROLE_WAIT, 0x100u + c, t_flags);
     }
@@ -118,6 +200,13 @@ __global__ void __launch_bounds__(AR_THREADS, 1) mk_allreduce_kernel(const __gri
     if (!s_ok) break;
     const u64 t_sum = globaltimer_ns();
     const u64 first = (u64)c * a.chunk, n = min((u64)a.chunk, a.count - first), vecs = n / El::PER_VEC;
+    if (LL) {
+      const u64 w0 = first * El::BYTES / 4, w1 = (first * El::BYTES + n * El::BYTES + 3) / 4;
+      if (!ar_ll_reduce<DT>(a, slots, w0, w1, a.count * El::BYTES, E, out)) s_ok = 0;  // any thread: a benign race
+      __syncthreads();
+      if (threadIdx.x == 0) trace_span(a.sync, MK_ROLE_INTRA, c, t_sum);
+      continue;
+    }
     const u64 base = first * El::BYTES;
     for (u64 v = threadIdx.x; v < vecs; v += blockDim.x)
       ar_reduce_vector<DT>(slots, a.slot_bytes, W, base + v * 16, out);

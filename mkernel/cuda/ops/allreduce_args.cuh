@@ -11,17 +11,18 @@
 #define AR_CNT_DONE 4
 #define AR_CNT_WORDS 5
 #define AR_THREADS 512
+#define AR_LL_UNROLL 4  // LL words per thread in flight
 
 struct MkAllreduceArgs {
   MkSync sync;
   const unsigned long long* peer_base;  // the node's workspace bases (the communicator's peer table)
-  unsigned long long slots_off;  // [world][slot_bytes] in every rank's scratch
-  unsigned long long flags_off;  // [world][chunks] u32, the plan's own (symmetric)
+  unsigned long long slots_off;  // [world][slot_bytes] in every rank's scratch (LL: the plan's own LL words)
+  unsigned long long flags_off;  // [world][chunks] u32, the plan's own (symmetric; LL: unused)
   const void* src;  // [count], 16-byte aligned
   void* out;  // [count], 16-byte aligned; may be src (in place)
   unsigned int* counters;  // [AR_CNT_WORDS]
   unsigned long long count;  // elements
-  unsigned long long slot_bytes;  // one rank's slot: count elements, padded to 16 bytes
+  unsigned long long slot_bytes;  // one rank's slot: count elements, padded to 16 bytes (LL: 8 per 4 of data)
   unsigned int chunk;  // elements per chunk: a multiple of 8
   unsigned int chunks;
   int world;

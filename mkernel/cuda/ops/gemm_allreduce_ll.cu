@@ -1,5 +1,5 @@
 // gemm_allreduce's fused latency path (mkernel/ops/gemm_allreduce_ll.py): the decode GEMM pushes
-// each finished value, as LL words (gemm_allreduce_ll_args.cuh), into slot [me] of every rank's LL
+// each finished value, as LL words (ll.cuh; layout: gemm_allreduce_ll_args.cuh), into slot [me] of every rank's LL
 // buffer while its other row blocks are still computed (after each destination's credit for the
 // launch's epoch E: that rank is done with its last launch's words); then the reduce kernel waits
 // for every rank's word of each (column, token pair), adds them in rank order in fp32 and rounds
@@ -8,19 +8,10 @@
 // The LL buffer is the plan's own (zeroed at first use; only this plan writes it), so a word whose
 // epoch is E is this launch's.
 #include "gemm_decode.cuh"
-#include "signals.cuh"
+#include "ll.cuh"
 #include "peers.cuh"
 #include "tp_reduce.cuh"
 #include "gemm_allreduce_ll_args.cuh"
-
-MK_DEV void st_relaxed_sys64(u64* p, u64 v) {
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-MK_DEV u64 ld_relaxed_sys64(const u64* p) {
-  u64 v;
-  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
 
 // The decode GEMM's epilogue: every finished pair of values to every rank, once its credit is seen.
 template <int DT>
@@ -48,11 +39,11 @@ struct DecodePush {
   MK_DEV void finish(int, u64 tok, u64 r0, u64 r1, const float (&v)[4]) {
     const u64 N = (u64)a.g.n, pairs = (u64)a.pairs, pair = tok / 2, E = *s_epoch;
     if (pair >= pairs) return;
-    const u64 w0 = E << 32 | pack2_out(DT, v[0], v[1]), w1 = E << 32 | pack2_out(DT, v[2], v[3]);
+    const u64 w0 = ll_word(pack2_out(DT, v[0], v[1]), (u32)E), w1 = ll_word(pack2_out(DT, v[2], v[3]), (u32)E);
     for (u32 d = 0; d < (u32)a.world; ++d) {  // pair-major: a warp's 8 rows of one pair are 64 B
       u64* ll = peer_ptr<u64>(peers(), d, a.ll_off) + ((u64)a.me * pairs + pair) * N;
-      if (r0 < N) st_relaxed_sys64(ll + r0, w0);
-      if (r1 < N) st_relaxed_sys64(ll + r1, w1);
+      if (r0 < N) ll_store(ll + r0, w0);
+      if (r1 < N) ll_store(ll + r1, w1);
     }
   }
 };
@@ -65,27 +56,6 @@ __global__ void __launch_bounds__(DecodeCfg<MT, ROWS>::THREADS, 1)
   asm volatile("griddepcontrol.launch_dependents;");  // the sum kernel may start (config.tp_latency_ll_overlap)
   DecodePush<DT> epi{args, &s_epoch, &s_ok};
   decode_gemm<DT, MT, ROWS>(args.g, epi);
-}
-
-// Waits until the LL word at p carries epoch E; false after recording a timeout (or another
-// wait's error) instead of hanging.
-MK_DEV bool ll_wait(const MkSync& s, const u64* p, u32 E, i32 peer, u32 where, u64* word) {
-  u64 w = ld_relaxed_sys64(p);
-  if ((u32)(w >> 32) == E) return *word = w, true;
-  const u64 start = globaltimer_ns();
-  for (;;) {
-    for (u32 i = 0; i < MK_POLL_BATCH; ++i) {
-      w = ld_relaxed_sys64(p);
-      if ((u32)(w >> 32) == E) return *word = w, true;
-    }
-    if (error_recorded(s)) return false;
-    const u64 waited = globaltimer_ns() - start;
-    if (waited > s.timeout_ns) {
-      record_error(s, MK_ERR_TIMEOUT, peer, where, E, (u32)(w >> 32), waited);
-      return false;
-    }
-    __nanosleep(64);
-  }
 }
 
 // The values of word i of every rank (LL_UNROLL words per thread at a time, all their loads in
@@ -110,12 +80,12 @@ __global__ void __launch_bounds__(LL_REDUCE_THREADS, 1)
     for (u32 s = 0; s < W && ok; ++s) {
       u64 w[LL_UNROLL];
 #pragma unroll
-      for (int u = 0; u < LL_UNROLL; ++u) w[u] = i0 + u * step < words ? ld_relaxed_sys64(ll + s * words + i0 + u * step) : 0;
+      for (int u = 0; u < LL_UNROLL; ++u) w[u] = i0 + u * step < words ? ll_load(ll + s * words + i0 + u * step) : 0;
 #pragma unroll
       for (int u = 0; u < LL_UNROLL; ++u) {
         const u64 i = i0 + u * step;
         if (i >= words) continue;
-        if ((u32)(w[u] >> 32) != E) ok = ok && ll_wait(a.sync, ll + s * words + i, E, (i32)s, (u32)i, &w[u]);
+        ok = ok && ll_wait(a.sync, ll + s * words + i, E, (i32)s, (u32)i, w[u]);
         float x0, x1;
         unpack2<DT>((u32)w[u], x0, x1);
         lo[u] += x0;
