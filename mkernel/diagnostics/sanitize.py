@@ -58,7 +58,7 @@ def target_gemm_decode():
 
 def target_allreduce(world=None):
     """The one-shot all-reduce on ``world`` (default MPI.COMM_WORLD: run it with 2 ranks), integer
-    inputs (exact), twice; raises on a wrong result."""
+    inputs (exact), twice as LL words and twice as data + flags; raises on a wrong result."""
     import numpy as np
     from mpi4py import MPI
 
@@ -67,12 +67,14 @@ def target_allreduce(world=None):
     try:
         x_of = lambda r: np.random.default_rng(r).integers(-3, 4, size=8200).astype(np.float16)  # noqa: E731
         want = sum(x_of(r).astype(np.float64) for r in range(comm.size))
-        for _ in range(2):
-            out = cupy.full(8200, np.nan, dtype=np.float16)
-            mkernel.allreduce(cupy.asarray(x_of(comm.rank)), comm=comm, out=out)
-            cupy.cuda.runtime.deviceSynchronize()
-            comm.check()
-            tp.check_result(out, want, "allreduce", 0.0)
+        for ll_bytes in (1 << 40, 0):
+            with config.override(allreduce_ll_max_bytes=ll_bytes):
+                for _ in range(2):
+                    out = cupy.full(8200, np.nan, dtype=np.float16)
+                    mkernel.allreduce(cupy.asarray(x_of(comm.rank)), comm=comm, out=out)
+                    cupy.cuda.runtime.deviceSynchronize()
+                    comm.check()
+                    tp.check_result(out, want, f"allreduce (LL up to {ll_bytes} bytes)", 0.0)
     finally:
         comm.close()
     _latency_paths(world)
