@@ -144,7 +144,7 @@ def _plan(comm, count, dt, ll=False):
     chunks = -(-count // CHUNK)
     if ll:
         words = -(-count * dt.itemsize // 4)
-        sizes, slot_bytes = [("ll", (2, W, words, 2), "uint32")], words * 8  # halves by epoch parity (ll.cuh)
+        sizes, slot_bytes = [("ll", (W, words, 2), "uint32")], words * 8
     else:
         slot = -(-count * dt.itemsize // 16) * 16 // dt.itemsize
         sizes, slot_bytes = [("slots", (W, slot), dt), ("flags", (W * chunks,), "uint32")], slot * dt.itemsize

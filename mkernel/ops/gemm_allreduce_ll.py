@@ -6,8 +6,7 @@ in rank order in fp32 and rounds once into out. The same sum, rounding and bits 
 latency path (decode GEMM, then mkernel.allreduce) where mkernel.gemm takes the decode path
 (``config.gemm_decode_max_m`` rows).
 
-Workspace: the plan's own LL buffer, ``[2][world][ceil(M / 2)][N]`` words of 8 bytes (two halves by
-epoch parity: primitives/ll.cuh) (zeroed at the shape's
+Workspace: the plan's own LL buffer, ``[world][ceil(M / 2)][N]`` words of 8 bytes (zeroed at the shape's
 first call), and the decode GEMM's partials in the stream's workspace.
 
 Importable without CuPy; the kernels are registered at import.
@@ -65,7 +64,7 @@ def run(comm, c, stream):
     key and the decode partials' buffer they use: (launches, plans, keep), for comm.plans' record."""
     W, dt, pairs = comm.size, c.a.dtype, -(-c.M // 2)
     plan_key = ("buffers", "gemm_allreduce_ll", c.M, c.N, dt.name)
-    plan = tp.plan_buffers("gemm_allreduce_ll", comm, plan_key, [("ll", (2, W, pairs, c.N, 2), "uint32")],
+    plan = tp.plan_buffers("gemm_allreduce_ll", comm, plan_key, [("ll", (W, pairs, c.N, 2), "uint32")],
                            counter_words=CNT_WORDS)
     sync = comm.sync_args(OP)
     rows = config.get().gemm_decode_rows or ROWS

@@ -5,9 +5,8 @@
 // of stores for the latency of small messages. CTAs claim push items, then reduce items, from
 // counters, so any resident part of the grid finishes (a CTA pushes before it waits).
 // LL (small messages): the same items, but a push stores LL words (ll.cuh: 4 bytes of data and E
-// in one 8-byte word) into slot [me] of that rank's LL buffer (the half of E, once that rank has
-// entered E - 1) and sets no flag; a reduce polls its words until they carry E. No fence, no flag
-// round trip, no wait for the peer's launch E to start; the same sums and bits.
+// in one 8-byte word) into slot [me] of that rank's LL buffer and sets no flag; a reduce polls its
+// words until they carry E. No fence and no flag round trip; the same sums and bits.
 // DT: MK_OUT_BF16, MK_OUT_F16 or MK_OUT_F32 (the element type). A chunk's last count % (16 / size)
 // elements (a partial vector) go one per thread.
 #include "tp_reduce.cuh"
@@ -143,7 +142,7 @@ __global__ void __launch_bounds__(AR_THREADS, 1) mk_allreduce_kernel(const __gri
     const u32 c = item / W, d = (me + item % W) % W;
     const u64 t_wait = globaltimer_ns();
     if (threadIdx.x == 0) {
-      s_ok = credits_wait(a.sync, peers, d, LL ? ll_credit(E) : E) ? 1 : 0;
+      s_ok = credits_wait(a.sync, peers, d, E) ? 1 : 0;
       trace_span(a.sync, MK_ROLE_WAIT, d, t_wait);
     }
     __syncthreads();
@@ -152,7 +151,7 @@ __global__ void __launch_bounds__(AR_THREADS, 1) mk_allreduce_kernel(const __gri
     const u64 first = (u64)c * a.chunk, n = min((u64)a.chunk, a.count - first), whole = n / El::PER_VEC * 16;
     if (LL) {  // a chunk's words: [first, first + n) elements of 4-byte words (first is a multiple of 8)
       const u64 w0 = first * El::BYTES / 4, w1 = (first * El::BYTES + n * El::BYTES + 3) / 4;
-      ar_ll_push(reinterpret_cast<u64*>(peer_ptr<u8>(peers, d, a.slots_off) + (ll_half(E) * W + me) * a.slot_bytes),
+      ar_ll_push(reinterpret_cast<u64*>(peer_ptr<u8>(peers, d, a.slots_off) + me * a.slot_bytes),
                  reinterpret_cast<const u8*>(a.src), w0, w1, a.count * El::BYTES, E);
       __syncthreads();  // every load of src done (in place, out may be written once all are)
       if (threadIdx.x == 0) {
@@ -180,7 +179,7 @@ __global__ void __launch_bounds__(AR_THREADS, 1) mk_allreduce_kernel(const __gri
       trace_span(a.sync, MK_ROLE_SEND, item, t_push);
     }
   }
-  const u8* slots = peer_ptr<u8>(peers, me, a.slots_off) + (LL ? ll_half(E) * W * a.slot_bytes : 0);
+  const u8* slots = peer_ptr<u8>(peers, me, a.slots_off);
   const u32* flags = peer_ptr<u32>(peers, me, a.flags_off);
   u8* out = reinterpret_cast<u8*>(a.out);
   while (s_ok) {  // chunk c of the output: every rank's slot, in rank order

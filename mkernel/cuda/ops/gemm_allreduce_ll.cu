@@ -1,11 +1,12 @@
 // gemm_allreduce's fused latency path (mkernel/ops/gemm_allreduce_ll.py): the decode GEMM pushes
-// each finished value, as LL words (ll.cuh; layout: gemm_allreduce_ll_args.cuh), into slot [me] of
-// every rank's LL buffer (the half of the launch's epoch E, once that rank has entered E - 1) while
-// its other row blocks are still computed; then the reduce kernel waits for every rank's word of
-// each (token pair, column), adds them in rank order in fp32 and rounds once: the same bits on
-// every rank. No flag round trip and no fence: a word carries its epoch, so the sum kernel may also
-// be launched to overlap the GEMM's tail (programmatic serialization). The LL buffer is the plan's
-// own (zeroed at first use; only this plan writes it), so a word whose epoch is E is this launch's.
+// each finished value, as LL words (ll.cuh; layout: gemm_allreduce_ll_args.cuh), into slot [me] of every rank's LL
+// buffer while its other row blocks are still computed (after each destination's credit for the
+// launch's epoch E: that rank is done with its last launch's words); then the reduce kernel waits
+// for every rank's word of each (column, token pair), adds them in rank order in fp32 and rounds
+// once: the same bits on every rank. No flag round trip and no fence: a word carries its epoch, so
+// the sum kernel may also be launched to overlap the GEMM's tail (programmatic serialization).
+// The LL buffer is the plan's own (zeroed at first use; only this plan writes it), so a word whose
+// epoch is E is this launch's.
 #include "gemm_decode.cuh"
 #include "ll.cuh"
 #include "peers.cuh"
@@ -29,7 +30,7 @@ struct DecodePush {
     bar();
     if (threadIdx.x == 0) {
       int ok = 1;
-      for (u32 d = 0; d < (u32)a.world && ok; ++d) ok = credits_wait(a.g.sync, peers(), d, ll_credit(*s_epoch)) ? 1 : 0;
+      for (u32 d = 0; d < (u32)a.world && ok; ++d) ok = credits_wait(a.g.sync, peers(), d, *s_epoch) ? 1 : 0;
       *s_ok = ok;
     }
     bar();
@@ -40,7 +41,7 @@ struct DecodePush {
     if (pair >= pairs) return;
     const u64 w0 = ll_word(pack2_out(DT, v[0], v[1]), (u32)E), w1 = ll_word(pack2_out(DT, v[2], v[3]), (u32)E);
     for (u32 d = 0; d < (u32)a.world; ++d) {  // pair-major: a warp's 8 rows of one pair are 64 B
-      u64* ll = peer_ptr<u64>(peers(), d, a.ll_off) + ((ll_half((u32)E) * a.world + a.me) * pairs + pair) * N;
+      u64* ll = peer_ptr<u64>(peers(), d, a.ll_off) + ((u64)a.me * pairs + pair) * N;
       if (r0 < N) ll_store(ll + r0, w0);
       if (r1 < N) ll_store(ll + r1, w1);
     }
@@ -68,7 +69,7 @@ __global__ void __launch_bounds__(LL_REDUCE_THREADS, 1)
   const u32 E = s_epoch, W = (u32)a.world;
   const MkPeers peers{a.peer_base, W, (u32)a.me};
   const u64 N = (u64)a.n, words = N * (u64)a.pairs, ldo = (u64)a.ldo, M = (u64)a.m;
-  const u64* ll = peer_ptr<u64>(peers, (u32)a.me, a.ll_off) + ll_half(E) * W * words;
+  const u64* ll = peer_ptr<u64>(peers, (u32)a.me, a.ll_off);
   u16* out = reinterpret_cast<u16*>(a.out);
   const u64 step = (u64)gridDim.x * blockDim.x;
   bool ok = true;

@@ -16,8 +16,7 @@
 struct MkDecodePushArgs {
   MkDecodeArgs g;  // the decode GEMM (g.out unused; g.sync the op's)
   const unsigned long long* peer_base;  // the node's workspace bases
-  unsigned long long
-      ll_off;  // [2][world][pairs][n] LL words (halves by epoch parity) in every rank's workspace (the plan's own)
+  unsigned long long ll_off;  // [world][pairs][n] LL words in every rank's workspace (the plan's own)
   unsigned int* counters;  // [LL_CNT_WORDS]
   int pairs;  // token pairs: ceil(m / 2)
   int world;

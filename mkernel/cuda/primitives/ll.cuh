@@ -2,14 +2,7 @@
 // LL words: 4 bytes of data and the launch's epoch E in one 8-byte word (data in the low half),
 // stored and loaded whole, so data and flag land together: no fence and no separate flag. A word
 // whose high half is E was written by this launch (buffers are a plan's own, zeroed at first use).
-//
-// Two halves by epoch parity: launch E writes half E & 1 of a rank's buffer once that rank has
-// entered E - 1 (its credit), so its launch E - 2, the last reader of that half, is over. The
-// writer need not wait for the reader's launch E to start: the ranks are one call apart at most.
 #include "signals.cuh"
-
-MK_DEV u64 ll_half(u32 E) { return E & 1u; }
-MK_DEV u32 ll_credit(u32 E) { return E - 1u; }
 
 MK_DEV u64 ll_word(u32 data, u32 E) { return (u64)E << 32 | data; }
 
