@@ -59,8 +59,8 @@ def _op_call(op, comm, big):
         S = 4096 if big else 1024
         q, k, v = h(S, 8, 128), h(S, 8, 128), h(S, 8, 128)
         return lambda: mkernel.ring_attention(q, k, v, comm=comm)
-    if op in ("allreduce", "allreduce_ll"):  # 1 MiB: data + flags; 256 KiB: LL words (allreduce_ll_max_bytes)
-        x = h(64 if op == "allreduce" else 16, 8192)
+    if op in ("allreduce", "allreduce_ll"):  # 4 MiB: data + flags; 256 KiB: LL words (allreduce_ll_max_bytes)
+        x = h(256 if op == "allreduce" else 16, 8192)
         return lambda: mkernel.allreduce(x, comm=comm)
     if op == "ar_latency":  # 8 rows, weights as [N, K]: the fused latency kernels (LL words)
         a, w = h(8, 4096), h(8192, 4096)
