@@ -23,6 +23,7 @@
 #include "common.cuh"
 #include "tma.cuh"
 #include "mbar_wait.cuh"
+#include "signals.cuh"
 #include "wgmma.cuh"
 #include "convert.cuh"
 #include "gemm_args.cuh"
@@ -59,20 +60,6 @@ MK_DEV u32 dynamic_smem_bytes() {
   u32 r;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
   return r;
-}
-
-// The consumers' barrier (named barrier 1; the producer warp never takes part): for epilogues.
-template <int CONSUMERS>
-struct DecodeBar {
-  MK_DEV void operator()() const { named_bar_sync(1, CONSUMERS); }
-};
-
-// An arrival that publishes what this thread observed (bar.sync included: the CTA's slot stores
-// before it) and acquires the earlier arrivals' (the last arrival reads every CTA's slot).
-MK_DEV u32 atom_add_acq_rel_gpu(u32* p, u32 v) {
-  u32 old;
-  asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-  return old;
 }
 
 template <int OUT>
@@ -164,7 +151,7 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
   }
 
   const u32 g = lane >> 2, t = lane & 3, wg = warp >> 2;
-  const DecodeBar<Cfg::CONSUMERS> bar{};
+  const MkBarConsumers<Cfg::CONSUMERS> bar{};
   float acc[Cfg::ACC];  // acc[4j + i]: row r0 (i < 2) or r1, tokens 8j + 2t + (i & 1)
   u32 it = 0;
   for (u64 u = u0; u < u1;) {

@@ -149,7 +149,7 @@ struct TpTurn {
   static MK_DEV void run(const TpArgs& a, u32 E, TpCommShared* sh) {
     const u32 tid = threadIdx.x - 128;
     const u64 start = globaltimer_ns();
-    const MkBarConsumers bar;
+    const MkBarConsumers<> bar;
     bar();  // the group's previous use of sh->item is over
     if (tid == 0)
       sh->item = tp_try_claim(&a.counters[tp_ctl_counter<OP>()], [&](u32 v) { return Items::ready(a, E, v); });

@@ -526,7 +526,7 @@ MK_DEV MkStage tp_join_stage(const TpArgs& a) {
   static_assert(Cfg::CLUSTER == 1, "a peer CTA's multicast could still land in the stages");
   extern __shared__ __align__(1024) u8 mk_smem[];
   if (!a.join_staged) return MkStage{0, 0};
-  MkBarConsumers()();
+  MkBarConsumers<>()();
   fence_proxy_async_smem();  // the stages were the async proxy's (TMA, wgmma); cp.async writes them now
   return MkStage{gemm_smem_carve<Cfg, false>(mk_smem).a(0), Cfg::OFF_C - Cfg::OFF_A};
 }
@@ -536,7 +536,7 @@ template <int DT, int OP>
 struct TpJoinReduce {
   MK_DEV void operator()(const TpArgs& a, u32 E, TpCommShared* sh) const {
     if (a.join)
-      tp_reduce_work<DT, OP, TP_IN_FLIGHT_GEMM, 1, TP_IN_FLIGHT_GEMM>(a, E, threadIdx.x - 128, 256, MkBarConsumers(),
+      tp_reduce_work<DT, OP, TP_IN_FLIGHT_GEMM, 1, TP_IN_FLIGHT_GEMM>(a, E, threadIdx.x - 128, 256, MkBarConsumers<>(),
                                                                       sh, tp_join_stage<GemmCfg<DT, 0> >(a));
   }
 };

@@ -93,6 +93,14 @@ MK_DEV bool wait_at_least(const MkSync& s, const u32* flag, u32 target, i32 peer
 // Data written before this by the calling thread is visible to whoever acquires the flag.
 MK_DEV void set_flag(u32* flag, u32 value) { st_release_sys(flag, value); }
 
+// An arrival that publishes what this thread observed (a bar.sync before it included: its CTA's
+// stores) and acquires the earlier arrivals' (the last arrival reads what they wrote).
+MK_DEV u32 atom_add_acq_rel_gpu(u32* p, u32 v) {
+  u32 old;
+  asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
 // One thread per block, after its last use of `words` device counters (counters[done] counts the
 // blocks): the last block of the grid zeroes them all for the next launch, so the host never does.
 // Returns true in that last block.

@@ -136,13 +136,14 @@ MK_DEV void named_bar_arrive(u32 id, u32 threads) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-// Barriers of a whole CTA, and of the two consumer warpgroups of a GEMM CTA (named barrier 1; the
-// engine itself uses no named barrier): for work a fused kernel shares between either group.
+// Barriers of a whole CTA, and of a CTA's THREADS consumer threads (named barrier 1; the producer
+// never takes part; the engine itself uses none): the GEMM's two warpgroups, the decode CTA's.
 struct MkBarCta {
   MK_DEV void operator()() const { __syncthreads(); }
 };
+template <u32 THREADS = 256>
 struct MkBarConsumers {
-  MK_DEV void operator()() const { named_bar_sync(1, 256); }
+  MK_DEV void operator()() const { named_bar_sync(1, THREADS); }
 };
 
 // --------------------------------------------------------------------- register reallocation
