@@ -1,12 +1,12 @@
 // gemm_allreduce's fused latency path (mkernel/ops/gemm_allreduce_ll.py): the decode GEMM pushes
-// each finished value, as LL words (ll.cuh; layout: gemm_allreduce_ll_args.cuh), into slot [me] of every rank's LL
-// buffer while its other row blocks are still computed (after each destination's credit for the
-// launch's epoch E: that rank is done with its last launch's words); then the reduce kernel waits
-// for every rank's word of each (column, token pair), adds them in rank order in fp32 and rounds
-// once: the same bits on every rank. No flag round trip and no fence: a word carries its epoch, so
-// the sum kernel may also be launched to overlap the GEMM's tail (programmatic serialization).
-// The LL buffer is the plan's own (zeroed at first use; only this plan writes it), so a word whose
-// epoch is E is this launch's.
+// each finished value, as LL words (ll.cuh; layout: gemm_allreduce_ll_args.cuh), into slot [me] of
+// every rank's LL buffer while its other row blocks are still computed (after each destination's
+// credit for the launch's epoch E: that rank is done with its last launch's words); then the
+// reduce kernel waits for every rank's word of each (token pair, column), adds them in rank order
+// in fp32 and rounds once: the same bits on every rank. No flag round trip and no fence: a word
+// carries its epoch, so the sum kernel may also be launched to overlap the GEMM's tail
+// (programmatic serialization). The LL buffer is the plan's own (zeroed at first use; only this
+// plan writes it), so a word whose epoch is E is this launch's.
 #include "gemm_decode.cuh"
 #include "ll.cuh"
 #include "peers.cuh"
