@@ -61,55 +61,40 @@ MK_DEV u32 ar_ll_data(const u8* src, u64 w, u64 bytes) {
   return __ldcg(reinterpret_cast<const unsigned short*>(src + 4 * w));
 }
 
-// Words [w0, w1) of src as LL words of epoch E into dst (AR_LL_UNROLL loads in flight per thread).
+// The LL words [w0, w1) of a chunk of n elements of `bytes` each from element `first` (a multiple of 8).
+MK_DEV void ar_ll_words(u64 first, u64 n, u64 bytes, u64& w0, u64& w1) {
+  w0 = first * bytes / 4;
+  w1 = (first * bytes + n * bytes + 3) / 4;
+}
+
+// Words [w0, w1) of src as LL words of epoch E into dst (LL_UNROLL loads in flight per thread).
 MK_DEV void ar_ll_push(u64* dst, const u8* src, u64 w0, u64 w1, u64 bytes, u32 E) {
-  for (u64 w = w0 + threadIdx.x; w < w1; w += AR_LL_UNROLL * blockDim.x) {
-    u32 v[AR_LL_UNROLL];
+  for (u64 w = w0 + threadIdx.x; w < w1; w += LL_UNROLL * blockDim.x) {
+    u32 v[LL_UNROLL];
 #pragma unroll
-    for (int u = 0; u < AR_LL_UNROLL; ++u)
+    for (int u = 0; u < LL_UNROLL; ++u)
       v[u] = w + u * blockDim.x < w1 ? ar_ll_data(src, w + u * blockDim.x, bytes) : 0u;
 #pragma unroll
-    for (int u = 0; u < AR_LL_UNROLL; ++u)
+    for (int u = 0; u < LL_UNROLL; ++u)
       if (w + u * blockDim.x < w1) ll_store(dst + w + u * blockDim.x, ll_word(v[u], E));
   }
 }
 
-// Words [w0, w1) of the output: every rank's LL word (all of a thread's loads in flight before
-// its first wait), added in rank order in fp32, rounded once. False on a recorded error.
+// Words [w0, w1) of the output: every rank's LL word added in rank order in fp32 (ll_sum),
+// rounded once. False on a recorded error.
 template <int DT>
 MK_DEV bool ar_ll_reduce(const MkAllreduceArgs& a, const u8* slots, u64 w0, u64 w1, u64 bytes, u32 E, u8* out) {
-  const u32 W = (u32)a.world;
-  bool ok = true;
-  for (u64 w = w0 + threadIdx.x; w < w1 && ok; w += AR_LL_UNROLL * blockDim.x) {
-    float lo[AR_LL_UNROLL], hi[AR_LL_UNROLL];
+  constexpr bool F32 = DT == MK_OUT_F32;
+  for (u64 w = w0 + threadIdx.x; w < w1; w += LL_UNROLL * blockDim.x) {
+    float lo[LL_UNROLL], hi[LL_UNROLL];
+    if (!ll_sum<DT, F32>(a.sync, reinterpret_cast<const u64*>(slots), a.slot_bytes / 8, (u32)a.world, w, blockDim.x, w1,
+                         E, lo, hi))
+      return false;
 #pragma unroll
-    for (int u = 0; u < AR_LL_UNROLL; ++u) lo[u] = hi[u] = 0.f;
-    for (u32 s = 0; s < W && ok; ++s) {
-      const u64* ll = reinterpret_cast<const u64*>(slots + s * a.slot_bytes);
-      u64 x[AR_LL_UNROLL];
-#pragma unroll
-      for (int u = 0; u < AR_LL_UNROLL; ++u) x[u] = w + u * blockDim.x < w1 ? ll_load(ll + w + u * blockDim.x) : 0;
-#pragma unroll
-      for (int u = 0; u < AR_LL_UNROLL; ++u) {
-        const u64 i = w + u * blockDim.x;
-        if (i >= w1) continue;
-        ok = ok && ll_wait(a.sync, ll + i, E, (i32)s, (u32)i, x[u]);
-        if (DT == MK_OUT_F32) {
-          lo[u] += __uint_as_float((u32)x[u]);
-        } else {
-          float x0, x1;
-          unpack2<DT>((u32)x[u], x0, x1);
-          lo[u] += x0;
-          hi[u] += x1;
-        }
-      }
-    }
-    if (!ok) break;
-#pragma unroll
-    for (int u = 0; u < AR_LL_UNROLL; ++u) {
+    for (int u = 0; u < LL_UNROLL; ++u) {
       const u64 i = w + u * blockDim.x;
       if (i >= w1) continue;
-      if (DT == MK_OUT_F32)
+      if (F32)
         *reinterpret_cast<float*>(out + 4 * i) = lo[u];
       else if (4 * i + 4 <= bytes)
         *reinterpret_cast<u32*>(out + 4 * i) = pack2_out(DT, lo[u], hi[u]);
@@ -117,7 +102,7 @@ MK_DEV bool ar_ll_reduce(const MkAllreduceArgs& a, const u8* slots, u64 w0, u64 
         *reinterpret_cast<u16*>(out + 4 * i) = (u16)(pack2_out(DT, lo[u], 0.f) & 0xFFFFu);
     }
   }
-  return ok;
+  return true;
 }
 
 template <int DT, int LL>
@@ -149,8 +134,9 @@ __global__ void __launch_bounds__(AR_THREADS, 1) mk_allreduce_kernel(const __gri
     const u64 t_push = globaltimer_ns();
     if (!s_ok) break;
     const u64 first = (u64)c * a.chunk, n = min((u64)a.chunk, a.count - first), whole = n / El::PER_VEC * 16;
-    if (LL) {  // a chunk's words: [first, first + n) elements of 4-byte words (first is a multiple of 8)
-      const u64 w0 = first * El::BYTES / 4, w1 = (first * El::BYTES + n * El::BYTES + 3) / 4;
+    if (LL) {
+      u64 w0, w1;
+      ar_ll_words(first, n, El::BYTES, w0, w1);
       ar_ll_push(reinterpret_cast<u64*>(peer_ptr<u8>(peers, d, a.slots_off) + me * a.slot_bytes),
                  reinterpret_cast<const u8*>(a.src), w0, w1, a.count * El::BYTES, E);
       __syncthreads();  // every load of src done (in place, out may be written once all are)
@@ -201,7 +187,8 @@ __global__ void __launch_bounds__(AR_THREADS, 1) mk_allreduce_kernel(const __gri
     const u64 t_sum = globaltimer_ns();
     const u64 first = (u64)c * a.chunk, n = min((u64)a.chunk, a.count - first), vecs = n / El::PER_VEC;
     if (LL) {
-      const u64 w0 = first * El::BYTES / 4, w1 = (first * El::BYTES + n * El::BYTES + 3) / 4;
+      u64 w0, w1;
+      ar_ll_words(first, n, El::BYTES, w0, w1);
       if (!ar_ll_reduce<DT>(a, slots, w0, w1, a.count * El::BYTES, E, out)) s_ok = 0;  // any thread: a benign race
       __syncthreads();
       if (threadIdx.x == 0) trace_span(a.sync, MK_ROLE_INTRA, c, t_sum);

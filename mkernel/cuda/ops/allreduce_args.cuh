@@ -11,7 +11,6 @@
 #define AR_CNT_DONE 4
 #define AR_CNT_WORDS 5
 #define AR_THREADS 512
-#define AR_LL_UNROLL 4  // LL words per thread in flight
 
 struct MkAllreduceArgs {
   MkSync sync;

@@ -58,8 +58,8 @@ __global__ void __launch_bounds__(DecodeCfg<MT, ROWS>::THREADS, 1)
   decode_gemm<DT, MT, ROWS>(args.g, epi);
 }
 
-// The values of word i of every rank (LL_UNROLL words per thread at a time, all their loads in
-// flight before the first wait), added in rank order; out stored row by row (coalesced).
+// The values of word i of every rank (LL_UNROLL words per thread at a time: ll_sum), added in rank
+// order; out stored row by row (coalesced).
 template <int DT>
 __global__ void __launch_bounds__(LL_REDUCE_THREADS, 1)
     mk_allreduce_ll_reduce(const __grid_constant__ MkAllreduceLLArgs a) {
@@ -72,27 +72,9 @@ __global__ void __launch_bounds__(LL_REDUCE_THREADS, 1)
   const u64* ll = peer_ptr<u64>(peers, (u32)a.me, a.ll_off);
   u16* out = reinterpret_cast<u16*>(a.out);
   const u64 step = (u64)gridDim.x * blockDim.x;
-  bool ok = true;
-  for (u64 i0 = (u64)blockIdx.x * blockDim.x + threadIdx.x; i0 < words && ok; i0 += LL_UNROLL * step) {
+  for (u64 i0 = (u64)blockIdx.x * blockDim.x + threadIdx.x; i0 < words; i0 += LL_UNROLL * step) {
     float lo[LL_UNROLL], hi[LL_UNROLL];
-#pragma unroll
-    for (int u = 0; u < LL_UNROLL; ++u) lo[u] = hi[u] = 0.f;
-    for (u32 s = 0; s < W && ok; ++s) {
-      u64 w[LL_UNROLL];
-#pragma unroll
-      for (int u = 0; u < LL_UNROLL; ++u) w[u] = i0 + u * step < words ? ll_load(ll + s * words + i0 + u * step) : 0;
-#pragma unroll
-      for (int u = 0; u < LL_UNROLL; ++u) {
-        const u64 i = i0 + u * step;
-        if (i >= words) continue;
-        ok = ok && ll_wait(a.sync, ll + s * words + i, E, (i32)s, (u32)i, w[u]);
-        float x0, x1;
-        unpack2<DT>((u32)w[u], x0, x1);
-        lo[u] += x0;
-        hi[u] += x1;
-      }
-    }
-    if (!ok) break;
+    if (!ll_sum<DT, false>(a.sync, ll, words, W, i0, step, words, E, lo, hi)) break;
 #pragma unroll
     for (int u = 0; u < LL_UNROLL; ++u) {
       const u64 i = i0 + u * step;

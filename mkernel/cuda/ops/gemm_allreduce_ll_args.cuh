@@ -11,7 +11,6 @@
 #define LL_CNT_DONE 1  // reduce blocks finished
 #define LL_CNT_WORDS 2
 #define LL_REDUCE_THREADS 512
-#define LL_UNROLL 4  // words per reduce thread in flight
 
 struct MkDecodePushArgs {
   MkDecodeArgs g;  // the decode GEMM (g.out unused; g.sync the op's)
