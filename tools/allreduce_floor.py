@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""What bounds one small mkernel.allreduce (issue 26's goal: <= 256 KiB under 10 us), at any rank count:
+
+device, per call from 50 calls captured in a CUDA graph (bench/mps_timing.py's rule):
+  empty       a kernel of one block that does nothing (the stream's launch-to-launch floor)
+  ar <bytes>  mkernel.allreduce of that many bf16 bytes (16 bytes: its protocol alone)
+host, per steady-state call, microseconds (the GPU kept busy, so no wait is counted):
+  key         tp.call_key (pointers, shapes, stream, device)
+  lookup      comm.plans.launches (the recorded launch)
+  check       comm.check (the error words)
+  launch      launch.launch_all of the recorded launch (cuLaunchKernel through CuPy)
+  bare        CuPy's driver.launchKernel of the empty kernel, parameters built once
+  call        the whole mkernel.allreduce call
+
+    mpirun -n 2 python3 tools/allreduce_floor.py [--sizes 16,16384,262144]
+"""
+
+import argparse
+import ctypes
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+
+EMPTY = r'extern "C" __global__ void mk_empty(int x) { if (x == 12345) asm volatile("trap;"); }'
+REPS = 400
+
+
+def host_us(fn, reps=REPS):
+    """Median over 5 rounds of the mean microseconds of fn() over reps calls."""
+    rounds = []
+    for _ in range(5):
+        t0 = time.perf_counter_ns()
+        for _ in range(reps):
+            fn()
+        rounds.append((time.perf_counter_ns() - t0) / reps / 1e3)
+    return statistics.median(rounds)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="16,16384,262144", help="bytes of bf16 per call")
+    args = p.parse_args()
+    import cupy
+    import ml_dtypes
+    import mps_timing as mt
+    import numpy as np
+    from cupy.cuda import driver
+
+    import mkernel
+    from mkernel.comm.collectives import allgather_object
+    from mkernel.ops import tp
+    from mkernel.runtime import launch
+
+    comm = mkernel.init()
+    barrier = mt.DeviceBarrier(comm)
+    empty = cupy.RawKernel(EMPTY, "mk_empty")
+    arg = ctypes.c_int(0)
+    params = (ctypes.c_void_p * 1)(ctypes.addressof(arg))
+    empty((1,), (32,), (np.int32(0),))  # loads the module
+
+    def bare():
+        driver.launchKernel(empty.kernel.ptr, 1, 1, 1, 32, 1, 1, 0, cupy.cuda.get_current_stream().ptr,
+                            ctypes.addressof(params), 0)
+
+    lines = []
+    dev = {"empty": mt.graph_batch_ms(comm, barrier, bare) * 1e3}
+    host = {"bare": host_us(bare)}
+    cupy.cuda.get_current_stream().synchronize()
+    dt = np.dtype(ml_dtypes.bfloat16)
+    for nbytes in (int(s) for s in args.sizes.split(",")):
+        x = cupy.asarray(np.random.default_rng(comm.rank).standard_normal(nbytes // 2).astype(dt))
+        out = cupy.empty_like(x)
+
+        def call():
+            mkernel.allreduce(x, comm=comm, out=out)
+
+        call()
+        cupy.cuda.get_current_stream().synchronize()
+        key = tp.call_key(comm, "allreduce", None, (x, out), ())
+        launches = comm.plans.launches(key)
+        assert launches is not None, "the call was not recorded"
+        h = {"key": host_us(lambda: tp.call_key(comm, "allreduce", None, (x, out), ())),
+             "lookup": host_us(lambda: comm.plans.launches(key)),
+             "check": host_us(comm.check)}
+        barrier()
+        h["launch"] = host_us(lambda: launch.launch_all(launches, None))  # the same count on every rank
+        cupy.cuda.get_current_stream().synchronize()
+        barrier()
+        h["call"] = host_us(call)
+        cupy.cuda.get_current_stream().synchronize()
+        comm.check()
+        d = mt.graph_batch_ms(comm, barrier, call) * 1e3
+        lines.append(f"rank {comm.rank} ar {nbytes:>7} B: device {d:6.2f} us/call (graph)  host us " +
+                     "  ".join(f"{k} {v:5.2f}" for k, v in h.items()))
+    rows = allgather_object(comm.mpi, f"rank {comm.rank} empty kernel: device {dev['empty']:5.2f} us/call (graph), "
+                            f"bare launch host {host['bare']:5.2f} us\n" + "\n".join(lines), "floor", 60)
+    if comm.rank == 0:
+        print(f"world {comm.size}, {os.environ.get('CUDA_MPS_ACTIVE_THREAD_PERCENTAGE', 'no MPS share set')}")
+        print("\n".join(rows), flush=True)
+    comm.close()
+
+
+if __name__ == "__main__":
+    main()
