@@ -25,6 +25,49 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 
 EMPTY = r'extern "C" __global__ void mk_empty(int x) { if (x == 12345) asm volatile("trap;"); }'
+# One thread's serial costs (ns each, N in a row) and a ping-pong with the next rank through its
+# symmetric word (one hop = half a round trip): what the all-reduce's protocol is made of.
+COSTS = r"""
+typedef unsigned long long u64; typedef unsigned int u32;
+#define ASMV asm volatile
+__device__ u64 now() { u64 t; ASMV("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
+__device__ void st_rel_sys(u32* p, u32 v) { ASMV("st.release.sys.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
+__device__ void st_rel_gpu(u32* p, u32 v) { ASMV("st.release.gpu.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
+__device__ void st_rlx_sys(u32* p, u32 v) { ASMV("st.relaxed.sys.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
+__device__ u32 ld_acq_sys(u32* p) {
+  u32 v; ASMV("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
+__device__ u32 ld_rlx_sys(u32* p) {
+  u32 v; ASMV("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
+extern "C" __global__ void mk_costs(u32* w, const u64* peers, u64 off, int me, int peer, int N, u64* out) {
+  u32 acc = 0;
+  u64 t = now();
+  for (int i = 0; i < N; ++i) acc += atomicAdd(w, 1u);
+  out[0] = (now() - t) / N; t = now();
+  for (int i = 0; i < N; ++i) acc += ld_rlx_sys(w + 1 + (acc & 1));
+  out[1] = (now() - t) / N; t = now();
+  for (int i = 0; i < N; ++i) st_rel_sys(w + 4, acc + i);
+  out[2] = (now() - t) / N; t = now();
+  for (int i = 0; i < N; ++i) st_rel_gpu(w + 4, acc + i);
+  out[3] = (now() - t) / N; t = now();
+  for (int i = 0; i < N; ++i) { __threadfence(); w[5] = acc + i; }
+  out[4] = (now() - t) / N; t = now();
+  for (int i = 0; i < N; ++i) acc += (u32)now();
+  out[5] = (now() - t) / N;
+  w[6] = acc;
+  for (int rlx = 0; rlx < 2; ++rlx) {  // release / acquire, then relaxed, at sys scope
+    u32* mine = (u32*)(peers[me] + off) + rlx; u32* theirs = (u32*)(peers[peer] + off) + rlx;
+    const u64 t0 = now(); bool ok = true;
+    for (u32 i = 1; i <= (u32)N && ok; ++i) {
+      if (me == 0) rlx ? st_rlx_sys(theirs, i) : st_rel_sys(theirs, i);
+      while ((rlx ? ld_rlx_sys(mine) : ld_acq_sys(mine)) < i)
+        if (now() - t0 > 2000000000ull) { ok = false; break; }
+      if (me != 0) rlx ? st_rlx_sys(theirs, i) : st_rel_sys(theirs, i);
+    }
+    out[6 + rlx] = ok ? (now() - t0) / (2 * (u64)N) : 0;
+  }
+}
+"""
+COST_NAMES = ("atomic", "load", "st.release.sys", "st.release.gpu", "fence+st", "clock", "hop rel/acq", "hop relaxed")
 REPS = 400
 
 
@@ -65,7 +108,19 @@ def main():
         driver.launchKernel(empty.kernel.ptr, 1, 1, 1, 32, 1, 1, 0, cupy.cuda.get_current_stream().ptr,
                             ctypes.addressof(params), 0)
 
-    lines = []
+    costs = cupy.RawKernel(COSTS, "mk_costs")
+    sym = comm.empty((64,), "uint32")
+    sym.fill(0)
+    word = cupy.zeros(64, cupy.uint32)
+    res = cupy.zeros(8, cupy.uint64)
+    cupy.cuda.get_current_stream().synchronize()
+    comm.mpi.Barrier()
+    peer = (comm.rank + 1) % comm.size if comm.rank == 0 else 0
+    costs((1,), (1,), (word, comm.peer_table, np.uint64(comm.offset_of(sym)), np.int32(comm.rank), np.int32(peer),
+                       np.int32(1000), res))
+    ns = res.get()
+    cost_line = f"rank {comm.rank} ns each: " + "  ".join(f"{k} {int(v)}" for k, v in zip(COST_NAMES, ns))
+    lines = [cost_line]
     dev = {"empty": mt.graph_batch_ms(comm, barrier, bare) * 1e3}
     host = {"bare": host_us(bare)}
     cupy.cuda.get_current_stream().synchronize()

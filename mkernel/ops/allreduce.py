@@ -25,7 +25,7 @@ ELEMENT = {"bfloat16": 0, "float16": 1, "float32": 2}  # the kernel's DT (MK_OUT
 SPEC = _compile.register(OP, "allreduce.cu", tuple(f"{KERNEL}<{dt},{ll}>" for dt in ELEMENT.values() for ll in (0, 1)),
                          hot=True)
 THREADS = 512  # AR_THREADS
-CNT_WORDS = 5  # AR_CNT_WORDS
+CNT_WORDS = 2  # AR_CNT_WORDS
 CHUNK = 8192  # elements per chunk: a CTA's item
 MAX_CTAS = 64  # more only adds CTAs that wait (a chunk is one item per rank)
 
@@ -165,7 +165,7 @@ def _plan(comm, count, dt, ll=False):
 
 
 def _launch(comm, template, src, out, stream, src_is_slot=False, ll=False):
-    """Launches the all-reduce of src into out; returns the launch ``(fn, grid, block, args, smem)``."""
+    """Launches the all-reduce of src into out; returns the Launch (to record)."""
     args = MkAllreduceArgs.from_buffer_copy(template["args"])
     args.sync = comm.sync_args(OP)
     args.src, args.out = src.data.ptr, out.data.ptr
@@ -173,5 +173,4 @@ def _launch(comm, template, src, out, stream, src_is_slot=False, ll=False):
     args.src_is_slot = int(src_is_slot)
     fn = _compile.module(SPEC).function(f"{KERNEL}<{ELEMENT[src.dtype.name]},{int(ll)}>")
     grid = persistent_grid(fn, THREADS, 0, blocks=min(args.chunks * args.world, MAX_CTAS, launch.sm_count()), what=OP)
-    launch_persistent(fn, (grid,), (THREADS,), args, smem=0, stream=stream)
-    return fn, (grid,), (THREADS,), args, 0
+    return launch_persistent(fn, (grid,), (THREADS,), args, smem=0, stream=stream)

@@ -21,7 +21,7 @@ from mkernel.ops import tp
 from mkernel.runtime import compile as _compile
 from mkernel.runtime import launch
 from mkernel.runtime.arrays import row_stride
-from mkernel.runtime.launch import launch_all
+from mkernel.runtime.launch import Launch, launch_all
 from mkernel.runtime.sync import MkSync
 
 OP = "gemm_allreduce"
@@ -34,7 +34,7 @@ EXPRESSIONS = tuple(f"{PUSH}<{dt},{mt},{rows}>" for dt in (0, 1) for mt in M_TIL
     tuple(f"{REDUCE}<{dt}>" for dt in (0, 1))
 SPEC = _compile.register("gemm_allreduce_ll", "gemm_allreduce_ll.cu", EXPRESSIONS, hot=True)
 REDUCE_THREADS = 512  # LL_REDUCE_THREADS
-CNT_WORDS = 2  # LL_CNT_WORDS
+CNT_WORDS = 1  # LL_CNT_WORDS
 
 
 class MkDecodePushArgs(ctypes.Structure):
@@ -79,8 +79,8 @@ def run(comm, c, stream):
                             counters=push.counters, ldo=row_stride(c.out) // dt.itemsize, m=c.M, n=c.N,
                             pairs=pairs, world=W, me=comm.local_rank)
     blocks = max(1, min(-(-c.N * pairs // REDUCE_THREADS), launch.sm_count()))
-    launches = ((module.function(f"{PUSH}<{tp.DT[dt.name]},{mt},{rows}>"), grid, block, push, smem),
-                (module.function(f"{REDUCE}<{tp.DT[dt.name]}>"), (blocks,), (REDUCE_THREADS,), red, 0,
-                 config.get().tp_latency_ll_overlap))
+    launches = (Launch(module.function(f"{PUSH}<{tp.DT[dt.name]},{mt},{rows}>"), grid, block, push, smem),
+                Launch(module.function(f"{REDUCE}<{tp.DT[dt.name]}>"), (blocks,), (REDUCE_THREADS,), red, 0,
+                       config.get().tp_latency_ll_overlap))
     launch_all(launches, stream)
     return launches, (plan_key,), (buffer,)

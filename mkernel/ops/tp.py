@@ -249,9 +249,12 @@ def call_key(comm, op, stream, arrays, options):
     """The key of a call for ``comm.plans``' recorded launches, or None where a call cannot be
     recorded: an argument not a CuPy array (out not given), or tracing on (its pointers move)."""
     cupy = cupy_mod()
-    if comm is None or not all(isinstance(x, cupy.ndarray) for x in arrays) or comm.trace.path:
+    if comm is None or comm.trace.path:
         return None
-    return _launch.call_key(cupy, stream, arrays, (op,) + tuple(options))
+    for x in arrays:
+        if not isinstance(x, cupy.ndarray):
+            return None
+    return _launch.call_key(cupy, stream, arrays, (op, *options))
 
 
 def replay(comm, key, stream) -> bool:
@@ -261,7 +264,7 @@ def replay(comm, key, stream) -> bool:
     if launches is None:
         return False
     comm.check()
-    launch_all(launches, stream)
+    launch_all(launches, stream_handle=key[1])  # the key holds the stream's handle
     return True
 
 

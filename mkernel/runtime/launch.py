@@ -24,25 +24,55 @@ def _allow_smem(fn, smem: int) -> None:
         _smem_set[fn.ptr] = smem
 
 
-def launch(fn, grid, block, args: ctypes.Structure, *, smem: int = 0, stream=None, cooperative: bool = False,
-           overlapped: bool = False):
-    """``overlapped``: the kernel may begin before the stream's previous kernel ends, once that
-    kernel's CTAs have all started or run ``griddepcontrol.launch_dependents``; it must wait for
-    that kernel's results itself (and run ``griddepcontrol.wait`` before it ends)."""
-    import cupy
+class Launch:
+    """One kernel launch ``(fn, grid, block, args, smem[, overlapped])`` with its parameter block
+    packed once: ``go(stream_ptr)`` only calls the driver (a recorded call's repeat)."""
+
+    __slots__ = ("fn", "grid", "block", "args", "smem", "overlapped", "_params", "_addr")
+
+    def __init__(self, fn, grid, block, args: ctypes.Structure, smem: int = 0, overlapped: bool = False):
+        self.fn, self.args, self.smem, self.overlapped = fn, args, smem, bool(overlapped)
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.block = tuple(block) + (1,) * (3 - len(block))
+        _allow_smem(fn, smem)
+        self._params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
+        self._addr = ctypes.addressof(self._params)
+
+    def go(self, stream_ptr: int) -> None:
+        if self.overlapped:
+            _launch_overlapped(self.fn, self.grid, self.block, self.smem, stream_ptr, self._params)
+        else:
+            g, b = self.grid, self.block
+            _driver().launchKernel(self.fn.ptr, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, stream_ptr, self._addr,
+                                   0)
+
+
+def _driver():
     from cupy.cuda import driver
 
-    stream_ptr = (stream if stream is not None else cupy.cuda.get_current_stream()).ptr
-    grid = tuple(grid) + (1,) * (3 - len(grid))
-    block = tuple(block) + (1,) * (3 - len(block))
-    _allow_smem(fn, smem)
-    params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
-    if overlapped:
-        _launch_overlapped(fn, grid, block, smem, stream_ptr, params)
-    elif cooperative:
-        driver.launchCooperativeKernel(fn.ptr, *grid, *block, smem, stream_ptr, ctypes.addressof(params))
+    return driver
+
+
+def stream_ptr(stream=None) -> int:
+    """The handle of ``stream`` (a CuPy stream; None: the current one)."""
+    import cupy
+
+    return (stream if stream is not None else cupy.cuda.get_current_stream()).ptr
+
+
+def launch(fn, grid, block, args: ctypes.Structure, *, smem: int = 0, stream=None, cooperative: bool = False,
+           overlapped: bool = False) -> Launch:
+    """Launches ``fn`` with ``args``; returns the Launch (to record). ``overlapped``: the kernel may
+    begin before the stream's previous kernel ends, once that kernel's CTAs have all started or run
+    ``griddepcontrol.launch_dependents``; it must wait for that kernel's results itself (and run
+    ``griddepcontrol.wait`` before it ends)."""
+    one = Launch(fn, grid, block, args, smem, overlapped)
+    if cooperative:
+        g, b = one.grid, one.block
+        _driver().launchCooperativeKernel(fn.ptr, *g, *b, smem, stream_ptr(stream), one._addr)
     else:
-        driver.launchKernel(fn.ptr, *grid, *block, smem, stream_ptr, ctypes.addressof(params), 0)
+        one.go(stream_ptr(stream))
+    return one
 
 
 def _launch_overlapped(fn, grid, block, smem, stream_ptr, params):
@@ -54,21 +84,23 @@ def _launch_overlapped(fn, grid, block, smem, stream_ptr, params):
         raise MKernelError(f"overlapped launch failed: {ffi.string(why).decode(errors='replace')}")
 
 
-def launch_all(launches, stream=None):
-    """Launches ``(fn, grid, block, args, smem[, overlapped])`` records in order (a call's recorded
-    launches)."""
-    for fn, grid, block, args, smem, *overlapped in launches:
-        launch(fn, grid, block, args, smem=smem, stream=stream, overlapped=bool(overlapped and overlapped[0]))
+def launch_all(launches, stream=None, stream_handle: int = None):
+    """Launches Launch objects or ``(fn, grid, block, args, smem[, overlapped])`` records in order
+    (a call's recorded launches) on ``stream`` (or the stream of handle ``stream_handle``)."""
+    ptr = stream_handle if stream_handle is not None else stream_ptr(stream)
+    for one in launches:
+        (one if isinstance(one, Launch) else Launch(*one)).go(ptr)
 
 
 def call_key(cupy, stream, arrays, options) -> tuple:
     """The key of a call whose launches are a function of its arrays' addresses, shapes, strides
-    and dtypes (None allowed) and of ``options`` only: for PlanCache and ``comm.plans``' records."""
+    and dtypes (None allowed) and of ``options`` only: for PlanCache and ``comm.plans``' records.
+    Its second entry is the stream's handle."""
     s = stream if stream is not None else cupy.cuda.get_current_stream()
     key = [cupy.cuda.runtime.getDevice(), s.ptr]
     for x in arrays:
-        key += (None,) if x is None else (x.data.ptr, x.shape, x.strides, x.dtype.str)
-    return tuple(key) + tuple(options)
+        key += (None,) if x is None else (x.data.ptr, x.shape, x.strides, x.dtype)
+    return (*key, *options)
 
 
 def max_resident_blocks(fn, block_threads: int, smem: int) -> int:
@@ -127,13 +159,13 @@ def persistent_grid(fn, block_threads: int, smem: int, blocks: int = None, what:
     return blocks
 
 
-def launch_persistent(fn, grid, block, args, *, smem: int, stream=None):
+def launch_persistent(fn, grid, block, args, *, smem: int, stream=None) -> Launch:
     """Launches a persistent kernel (grid from persistent_grid), plainly. Every persistent kernel
     gives its CTAs roles in arrival order and claims its work from counters, so any resident subset
     of its blocks finishes. Not cooperatively: a cooperative launch waits until its whole grid fits,
     and on a GPU shared under MPS the SMs it waits for may be held by a peer's kernel that waits for
     this one: ranks then stall until their timeout (bench/NOTES.md)."""
-    launch(fn, grid, block, args, smem=smem, stream=stream)
+    return launch(fn, grid, block, args, smem=smem, stream=stream)
 
 
 class PlanCache:

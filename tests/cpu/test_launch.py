@@ -66,14 +66,33 @@ def test_child_jobs_get_their_share_of_the_gpu_under_mps(monkeypatch):
 
 
 def test_recorded_launches_keep_their_overlapped_flag(monkeypatch):
+    import ctypes
+
     from mkernel.runtime import launch as _launch
 
     seen = []
-    monkeypatch.setattr(_launch, "launch", lambda fn, grid, block, args, *, smem, stream, overlapped:
-                        seen.append((fn, smem, stream, overlapped)))
-    _launch.launch_all((("a", (1,), (32,), None, 0), ("b", (2,), (64,), None, 16, True),
-                        ("c", (2,), (64,), None, 0, False)), stream="s")
-    assert seen == [("a", 0, "s", False), ("b", 16, "s", True), ("c", 0, "s", False)]
+    monkeypatch.setattr(_launch.Launch, "go", lambda self, ptr: seen.append((self.fn, self.smem, ptr, self.overlapped)))
+    arg = ctypes.c_int(0)  # tuples and packed Launch objects alike, on the stream of one handle
+    _launch.launch_all((("a", (1,), (32,), arg, 0), _launch.Launch("b", (2,), (64,), arg, 16, True),
+                        ("c", (2,), (64,), arg, 0, False)), stream_handle=7)
+    assert seen == [("a", 0, 7, False), ("b", 16, 7, True), ("c", 0, 7, False)]
+
+
+def test_a_packed_launch_points_the_driver_at_its_arguments(monkeypatch):
+    import ctypes
+
+    from mkernel.runtime import launch as _launch
+
+    args = ctypes.c_uint64(5)
+    one = _launch.Launch(type("F", (), {"ptr": 11})(), (3,), (128, 2), args, 0)
+    assert one.grid == (3, 1, 1) and one.block == (128, 2, 1)
+    calls = []
+    monkeypatch.setattr(_launch, "_driver", lambda: type("D", (), {"launchKernel": staticmethod(
+        lambda *a: calls.append(a))}))
+    one.go(99)
+    (fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra), = calls
+    assert (fn, gx, gy, gz, bx, by, bz, smem, stream, extra) == (11, 3, 1, 1, 128, 2, 1, 0, 99, 0)
+    assert ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))[0] == ctypes.addressof(args)
 
 
 def test_the_overlap_knob_is_a_bool():

@@ -2,8 +2,8 @@
 // chunk, into slot [me] of every rank's scratch (its own included), each chunk followed by its flag
 // flags[me][c] = E there (after that rank's credit for E); then each chunk c of the output is the
 // fp32 sum of slots [0..world) in rank order, rounded once: the same bits on every rank, one round
-// of stores for the latency of small messages. CTAs claim push items, then reduce items, from
-// counters, so any resident part of the grid finishes (a CTA pushes before it waits).
+// of stores for the latency of small messages. CTAs claim push items, then reduce items, from one
+// counter, so any resident part of the grid finishes (a CTA pushes before it waits).
 // LL (small messages): the same items, but a push stores LL words (ll.cuh: 4 bytes of data and E
 // in one 8-byte word) into slot [me] of that rank's LL buffer and sets no flag; a reduce polls its
 // words until they carry E. No fence and no flag round trip; the same sums and bits.
@@ -105,95 +105,79 @@ MK_DEV bool ar_ll_reduce(const MkAllreduceArgs& a, const u8* slots, u64 w0, u64 
   return true;
 }
 
+// Push item `item`: chunk c to rank d (own slot first, then me + 1, ...), once d entered epoch E.
 template <int DT, int LL>
-__global__ void __launch_bounds__(AR_THREADS, 1) mk_allreduce_kernel(const __grid_constant__ MkAllreduceArgs a) {
+MK_DEV void ar_push(const MkAllreduceArgs& a, const MkPeers& peers, u32 E, u32 item, int& s_ok) {
   using El = ArElem<DT>;
-  __shared__ u32 s_epoch, s_item;
-  __shared__ int s_ok, s_pushed;
-  const MkPeers peers{a.peer_base, (u32)a.world, (u32)a.me};
-  const u64 t_enter = globaltimer_ns();  // trace mode: the phases' spans (tools/allreduce_phases.py)
+  const u32 W = (u32)a.world, me = (u32)a.me, c = item / W, d = (me + item % W) % W;
+  const u64 t_wait = globaltimer_ns();
   if (threadIdx.x == 0) {
-    s_epoch = launch_epoch(a.sync);
-    if (atomicAdd(&a.counters[AR_CNT_ENTER], 1u) == 0) credits_announce(peers, s_epoch);
-    s_ok = 1;
-    s_pushed = 0;
-    trace_span(a.sync, MK_ROLE_CONTROL, s_epoch, t_enter);  // id: the launch
+    s_ok = credits_wait(a.sync, peers, d, E) ? 1 : 0;
+    trace_span(a.sync, MK_ROLE_WAIT, d, t_wait);
   }
   __syncthreads();
-  const u32 E = s_epoch, W = (u32)a.world, me = (u32)a.me, chunks = a.chunks;
-  while (s_ok) {  // chunk c to rank d (own slot first, then me + 1, ...)
-    const u32 item = tp_claim(&a.counters[AR_CNT_PUSH], &s_item, threadIdx.x, MkBarCta());
-    if (item >= chunks * W) break;
-    const u32 c = item / W, d = (me + item % W) % W;
-    const u64 t_wait = globaltimer_ns();
+  const u64 t_push = globaltimer_ns();
+  if (!s_ok) return;
+  const u64 first = (u64)c * a.chunk, n = min((u64)a.chunk, a.count - first), whole = n / El::PER_VEC * 16;
+  if (LL) {
+    u64 w0, w1;
+    ar_ll_words(first, n, El::BYTES, w0, w1);
+    ar_ll_push(reinterpret_cast<u64*>(peer_ptr<u8>(peers, d, a.slots_off) + me * a.slot_bytes),
+               reinterpret_cast<const u8*>(a.src), w0, w1, a.count * El::BYTES, E);
+    __syncthreads();  // every load of src done (in place, out may be written once all are)
     if (threadIdx.x == 0) {
-      s_ok = credits_wait(a.sync, peers, d, E) ? 1 : 0;
-      trace_span(a.sync, MK_ROLE_WAIT, d, t_wait);
-    }
-    __syncthreads();
-    const u64 t_push = globaltimer_ns();
-    if (!s_ok) break;
-    const u64 first = (u64)c * a.chunk, n = min((u64)a.chunk, a.count - first), whole = n / El::PER_VEC * 16;
-    if (LL) {
-      u64 w0, w1;
-      ar_ll_words(first, n, El::BYTES, w0, w1);
-      ar_ll_push(reinterpret_cast<u64*>(peer_ptr<u8>(peers, d, a.slots_off) + me * a.slot_bytes),
-                 reinterpret_cast<const u8*>(a.src), w0, w1, a.count * El::BYTES, E);
-      __syncthreads();  // every load of src done (in place, out may be written once all are)
-      if (threadIdx.x == 0) {
-        if (a.in_place) atomicAdd(&a.counters[AR_CNT_PUSHED], 1u);
-        trace_span(a.sync, MK_ROLE_SEND, item, t_push);
-      }
-      continue;
-    }
-    const u8* src = reinterpret_cast<const u8*>(a.src) + first * El::BYTES;
-    u8* dst = peer_ptr<u8>(peers, d, a.slots_off) + me * a.slot_bytes + first * El::BYTES;
-    const bool move = !(a.src_is_slot && d == me);  // the own slot may hold the data already
-    if (move) copy_span<TP_IN_FLIGHT>(dst, src, whole, threadIdx.x, blockDim.x);
-    if (move && threadIdx.x < n % El::PER_VEC) {  // the partial vector: one element per thread
-      const u64 o = whole + threadIdx.x * El::BYTES;
-      if (El::BYTES == 4)
-        *reinterpret_cast<u32*>(dst + o) = __ldcg(reinterpret_cast<const u32*>(src + o));
-      else
-        *reinterpret_cast<u16*>(dst + o) = __ldcg(reinterpret_cast<const unsigned short*>(src + o));
-    }
-    __threadfence_system();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      set_flag(peer_ptr<u32>(peers, d, a.flags_off) + me * chunks + c, E);
       if (a.in_place) atomicAdd(&a.counters[AR_CNT_PUSHED], 1u);
       trace_span(a.sync, MK_ROLE_SEND, item, t_push);
     }
+    return;
   }
+  const u8* src = reinterpret_cast<const u8*>(a.src) + first * El::BYTES;
+  u8* dst = peer_ptr<u8>(peers, d, a.slots_off) + me * a.slot_bytes + first * El::BYTES;
+  const bool move = !(a.src_is_slot && d == me);  // the own slot may hold the data already
+  if (move) copy_span<TP_IN_FLIGHT>(dst, src, whole, threadIdx.x, blockDim.x);
+  if (move && threadIdx.x < n % El::PER_VEC) {  // the partial vector: one element per thread
+    const u64 o = whole + threadIdx.x * El::BYTES;
+    if (El::BYTES == 4)
+      *reinterpret_cast<u32*>(dst + o) = __ldcg(reinterpret_cast<const u32*>(src + o));
+    else
+      *reinterpret_cast<u16*>(dst + o) = __ldcg(reinterpret_cast<const unsigned short*>(src + o));
+  }
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    set_flag(peer_ptr<u32>(peers, d, a.flags_off) + me * a.chunks + c, E);
+    if (a.in_place) atomicAdd(&a.counters[AR_CNT_PUSHED], 1u);
+    trace_span(a.sync, MK_ROLE_SEND, item, t_push);
+  }
+}
+
+// Reduce item c: chunk c of the output, every rank's slot in rank order.
+template <int DT, int LL>
+MK_DEV void ar_reduce(const MkAllreduceArgs& a, const MkPeers& peers, u32 E, u32 c, int& s_ok, int& s_pushed) {
+  using El = ArElem<DT>;
+  const u32 W = (u32)a.world, me = (u32)a.me, chunks = a.chunks;
   const u8* slots = peer_ptr<u8>(peers, me, a.slots_off);
-  const u32* flags = peer_ptr<u32>(peers, me, a.flags_off);
   u8* out = reinterpret_cast<u8*>(a.out);
-  while (s_ok) {  // chunk c of the output: every rank's slot, in rank order
-    const u32 c = tp_claim(&a.counters[AR_CNT_REDUCE], &s_item, threadIdx.x, MkBarCta());
-    if (c >= chunks) break;
-    const u64 t_flags = globaltimer_ns();
-    if (threadIdx.x == 0) {
-      int good = 1;
-      if (a.in_place && !s_pushed)  // out is src: every chunk of it has left (claimed pushes finish)
-        good = wait_at_least(a.sync, &a.counters[AR_CNT_PUSHED], chunks * W, (i32)me, 0x10000u) ? 1 : 0;
-      s_pushed = 1;
-      for (u32 s = 0; s < W && good && !LL; ++s)
-        good = wait_epoch(a.sync, flags + s * chunks + c, E, (i32)s, c) ? 1 : 0;
-      s_ok = good;
-      trace_span(a.sync, MK_ROLE_WAIT, 0x100u + c, t_flags);
-    }
-    __syncthreads();
-    if (!s_ok) break;
-    const u64 t_sum = globaltimer_ns();
-    const u64 first = (u64)c * a.chunk, n = min((u64)a.chunk, a.count - first), vecs = n / El::PER_VEC;
-    if (LL) {
-      u64 w0, w1;
-      ar_ll_words(first, n, El::BYTES, w0, w1);
-      if (!ar_ll_reduce<DT>(a, slots, w0, w1, a.count * El::BYTES, E, out)) s_ok = 0;  // any thread: a benign race
-      __syncthreads();
-      if (threadIdx.x == 0) trace_span(a.sync, MK_ROLE_INTRA, c, t_sum);
-      continue;
-    }
+  const u64 t_flags = globaltimer_ns();
+  if (threadIdx.x == 0) {
+    int good = 1;
+    if (a.in_place && !s_pushed)  // out is src: every chunk of it has left (claimed pushes finish)
+      good = wait_at_least(a.sync, &a.counters[AR_CNT_PUSHED], chunks * W, (i32)me, 0x10000u) ? 1 : 0;
+    s_pushed = 1;
+    const u32* flags = peer_ptr<u32>(peers, me, a.flags_off);
+    for (u32 s = 0; s < W && good && !LL; ++s) good = wait_epoch(a.sync, flags + s * chunks + c, E, (i32)s, c) ? 1 : 0;
+    s_ok = good;
+    trace_span(a.sync, MK_ROLE_WAIT, 0x100u + c, t_flags);
+  }
+  __syncthreads();
+  if (!s_ok) return;
+  const u64 t_sum = globaltimer_ns();
+  const u64 first = (u64)c * a.chunk, n = min((u64)a.chunk, a.count - first), vecs = n / El::PER_VEC;
+  if (LL) {
+    u64 w0, w1;
+    ar_ll_words(first, n, El::BYTES, w0, w1);
+    if (!ar_ll_reduce<DT>(a, slots, w0, w1, a.count * El::BYTES, E, out)) s_ok = 0;  // any thread: a benign race
+  } else {
     const u64 base = first * El::BYTES;
     for (u64 v = threadIdx.x; v < vecs; v += blockDim.x)
       ar_reduce_vector<DT>(slots, a.slot_bytes, W, base + v * 16, out);
@@ -203,12 +187,37 @@ __global__ void __launch_bounds__(AR_THREADS, 1) mk_allreduce_kernel(const __gri
       for (u32 r = 0; r < W; ++r) s += El::load(slots + r * a.slot_bytes + o);
       El::store(out + o, s);
     }
-    __syncthreads();
-    if (threadIdx.x == 0) trace_span(a.sync, MK_ROLE_INTRA, c, t_sum);
   }
   __syncthreads();
-  if (threadIdx.x == 0) counters_reset_by_last_block(a.counters, AR_CNT_WORDS, AR_CNT_DONE);
-  launch_exit(a.sync, E);
+  if (threadIdx.x == 0) trace_span(a.sync, MK_ROLE_INTRA, c, t_sum);
+}
+
+template <int DT, int LL>
+__global__ void __launch_bounds__(AR_THREADS, 1) mk_allreduce_kernel(const __grid_constant__ MkAllreduceArgs a) {
+  __shared__ u32 s_epoch, s_item;
+  __shared__ int s_ok, s_pushed;
+  const MkPeers peers{a.peer_base, (u32)a.world, (u32)a.me};
+  const u64 t_enter = globaltimer_ns();  // trace mode: the phases' spans (tools/allreduce_phases.py)
+  if (threadIdx.x == 0) {
+    s_epoch = launch_epoch(a.sync);
+    credits_announce(peers, s_epoch);  // by every block: a few stores, and no arrival round trip
+    s_ok = 1;
+    s_pushed = 0;
+    trace_span(a.sync, MK_ROLE_CONTROL, s_epoch, t_enter);  // id: the launch
+  }
+  __syncthreads();
+  const u32 E = s_epoch, pushes = a.chunks * (u32)a.world, items = pushes + a.chunks;
+  // One counter hands out every push item before any reduce item: a CTA that may wait for peers'
+  // data has pushed, and every push is claimed by a running CTA. The last item's CTA claims no more.
+  for (u32 item = 0; s_ok && item != items - 1;) {
+    item = tp_claim(&a.counters[AR_CNT_ITEM], &s_item, threadIdx.x, MkBarCta());
+    if (item >= items) break;
+    if (item < pushes)
+      ar_push<DT, LL>(a, peers, E, item, s_ok);
+    else
+      ar_reduce<DT, LL>(a, peers, E, item - pushes, s_ok, s_pushed);
+  }
+  launch_exit(a.sync, E, a.counters, AR_CNT_WORDS);
 }
 
 static_assert(sizeof(MkAllreduceArgs) == 168, "MkAllreduceArgs layout changed: update mkernel/ops/allreduce.py");

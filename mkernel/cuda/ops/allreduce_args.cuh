@@ -3,13 +3,10 @@
 // (mkernel/ops/allreduce.py mirrors it with ctypes; a CPU test compares the layouts).
 #include "sync_args.cuh"
 
-// Device counters (zero between launches: the last CTA resets them).
-#define AR_CNT_ENTER 0
-#define AR_CNT_PUSH 1  // push items claimed
-#define AR_CNT_REDUCE 2  // reduce items claimed
-#define AR_CNT_PUSHED 3  // push items finished (in place: out may be written once all are)
-#define AR_CNT_DONE 4
-#define AR_CNT_WORDS 5
+// Device counters (zero between launches: launch_exit's last block resets them).
+#define AR_CNT_ITEM 0  // items claimed: every push item, then every reduce item
+#define AR_CNT_PUSHED 1  // push items finished (in place: out may be written once all are)
+#define AR_CNT_WORDS 2
 #define AR_THREADS 512
 
 struct MkAllreduceArgs {

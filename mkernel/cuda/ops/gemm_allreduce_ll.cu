@@ -86,9 +86,7 @@ __global__ void __launch_bounds__(LL_REDUCE_THREADS, 1)
   }
   // Launched overlapped, the GEMM may still be running: it ends before the counters it uses reset.
   asm volatile("griddepcontrol.wait;" ::: "memory");
-  __syncthreads();
-  if (threadIdx.x == 0) counters_reset_by_last_block(a.counters, LL_CNT_WORDS, LL_CNT_DONE);
-  launch_exit(a.sync, E);
+  launch_exit(a.sync, E, a.counters, LL_CNT_WORDS);
 }
 
 static_assert(sizeof(MkDecodePushArgs) == 512,

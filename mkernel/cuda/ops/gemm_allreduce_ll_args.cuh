@@ -8,8 +8,7 @@
 // output column) in the low half, the launch's epoch in the high half: data and flag arrive together.
 // Plan counters (zero between launches: the reduce kernel's last block resets them).
 #define LL_CNT_ENTER 0  // decode CTAs started (the first announces this rank's credit)
-#define LL_CNT_DONE 1  // reduce blocks finished
-#define LL_CNT_WORDS 2
+#define LL_CNT_WORDS 1
 #define LL_REDUCE_THREADS 512
 
 struct MkDecodePushArgs {

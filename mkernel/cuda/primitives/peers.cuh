@@ -21,9 +21,10 @@ MK_DEV T* peer_ptr(const MkPeers& p, u32 rank, u64 offset) {
   return reinterpret_cast<T*>(p.base[rank] + offset);
 }
 
-// Thread-level: tell every peer this rank entered epoch E (call once per launch, one thread).
+// Thread-level: tell every peer this rank entered epoch E (at a launch's start, by one thread or
+// more). Relaxed: a credit publishes no data; this rank's reads of E - 1 ended with that launch.
 MK_DEV void credits_announce(const MkPeers& p, u32 E) {
-  for (u32 r = 0; r < p.size; ++r) set_flag(peer_ptr<u32>(p, r, 0) + p.me, E);
+  for (u32 r = 0; r < p.size; ++r) st_relaxed_sys(peer_ptr<u32>(p, r, 0) + p.me, E);
 }
 
 // Thread-level: wait until `rank` has entered epoch E, so its receive buffers may be written.

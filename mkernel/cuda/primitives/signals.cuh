@@ -113,16 +113,18 @@ MK_DEV bool counters_reset_by_last_block(unsigned int* counters, u32 words, u32 
   return true;
 }
 
-// Every block calls this once as its last act; the last one advances the epoch for the next launch.
-MK_DEV void launch_exit(const MkSync& s, u32 epoch) {
+// Every block calls this once as its last act; the last one zeroes the op's `words` device
+// counters (if any) and advances the epoch. Relaxed: the launch's end orders both before the next
+// launch on the stream, and before the host's reads (after a synchronisation).
+MK_DEV void launch_exit(const MkSync& s, u32 epoch, unsigned int* counters = nullptr, u32 words = 0) {
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
     const u32 nblocks = gridDim.x * gridDim.y * gridDim.z;
     if (atomicAdd(s.exit_count, 1u) == nblocks - 1) {
+      for (u32 i = 0; i < words; ++i) counters[i] = 0;
       *s.exit_count = 0;
-      __threadfence();
-      st_release_sys(s.epoch, epoch);
+      st_relaxed_sys(s.epoch, epoch);
     }
   }
 }
