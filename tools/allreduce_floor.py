@@ -11,6 +11,7 @@ host, per steady-state call, microseconds (the GPU kept busy, so no wait is coun
   launch      launch.launch_all of the recorded launch (cuLaunchKernel through CuPy)
   bare        CuPy's driver.launchKernel of the empty kernel, parameters built once
   call        the whole mkernel.allreduce call
+and the device time per call with other chunk sizes (elements per push / reduce item: --chunks).
 
     mpirun -n 2 python3 tools/allreduce_floor.py [--sizes 16,16384,262144]
 """
@@ -85,6 +86,7 @@ def host_us(fn, reps=REPS):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="16,16384,262144", help="bytes of bf16 per call")
+    p.add_argument("--chunks", default="4096,2048,1024", help="elements per item to try (device time only)")
     args = p.parse_args()
     import cupy
     import ml_dtypes
@@ -150,6 +152,18 @@ def main():
         d = mt.graph_batch_ms(comm, barrier, call) * 1e3
         lines.append(f"rank {comm.rank} ar {nbytes:>7} B: device {d:6.2f} us/call (graph)  host us " +
                      "  ".join(f"{k} {v:5.2f}" for k, v in h.items()))
+    from mkernel.ops import allreduce as _ar
+
+    for chunk in (int(c) for c in args.chunks.split(",") if c):
+        _ar.CHUNK = chunk  # read when a shape's plan is built
+        comm.release_plans()
+        times = []
+        for nbytes in (int(s) for s in args.sizes.split(",")):
+            x = cupy.asarray(np.random.default_rng(comm.rank).standard_normal(nbytes // 2).astype(dt))
+            out = cupy.empty_like(x)
+            us = mt.graph_batch_ms(comm, barrier, lambda x=x, out=out: mkernel.allreduce(x, comm=comm, out=out)) * 1e3
+            times.append(f"{nbytes} B {us:6.2f}")
+        lines.append(f"rank {comm.rank} chunk {chunk:5}: device us/call (graph) " + "  ".join(times))
     rows = allgather_object(comm.mpi, f"rank {comm.rank} empty kernel: device {dev['empty']:5.2f} us/call (graph), "
                             f"bare launch host {host['bare']:5.2f} us\n" + "\n".join(lines), "floor", 60)
     if comm.rank == 0:
