@@ -86,7 +86,7 @@ def host_us(fn, reps=REPS):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="16,16384,262144", help="bytes of bf16 per call")
-    p.add_argument("--chunks", default="4096,2048,1024", help="elements per item to try (device time only)")
+    p.add_argument("--chunks", default="8192,4096,2048", help="elements per item to try (device time only)")
     args = p.parse_args()
     import cupy
     import ml_dtypes
@@ -155,7 +155,7 @@ def main():
     from mkernel.ops import allreduce as _ar
 
     for chunk in (int(c) for c in args.chunks.split(",") if c):
-        _ar.CHUNK = chunk  # read when a shape's plan is built
+        _ar.CHUNK_MIN = _ar.CHUNK_MAX = chunk  # read when a shape's plan is built
         comm.release_plans()
         times = []
         for nbytes in (int(s) for s in args.sizes.split(",")):

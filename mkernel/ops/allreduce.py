@@ -26,7 +26,8 @@ SPEC = _compile.register(OP, "allreduce.cu", tuple(f"{KERNEL}<{dt},{ll}>" for dt
                          hot=True)
 THREADS = 512  # AR_THREADS
 CNT_WORDS = 2  # AR_CNT_WORDS
-CHUNK = 8192  # elements per chunk: a CTA's item
+CHUNK_MIN, CHUNK_MAX = 2048, 8192  # elements per chunk (a CTA's item): small messages split finer
+CHUNKS_TARGET = 32  # up to CHUNK_MAX, about this many chunks per message (bench/NOTES.md, session 31)
 MAX_CTAS = 64  # more only adds CTAs that wait (a chunk is one item per rank)
 
 
@@ -131,6 +132,15 @@ def _aligned(arr, stream, keep):
     return copy
 
 
+def chunk_of(count: int) -> int:
+    """Elements per push / reduce item of a message of ``count`` elements: the least power of two
+    in [CHUNK_MIN, CHUNK_MAX] that makes at most CHUNKS_TARGET chunks."""
+    chunk = CHUNK_MIN
+    while chunk < CHUNK_MAX and chunk * CHUNKS_TARGET < count:
+        chunk *= 2
+    return chunk
+
+
 def plan_key(count, dt, ll=False):
     """The key of the plan of an all-reduce of ``count`` elements of ``dt`` in ``comm.plans``."""
     return ("buffers", OP, count, dt.name) + (("ll",) if ll else ())
@@ -141,7 +151,8 @@ def _plan(comm, count, dt, ll=False):
     (padded to 16 bytes) and the chunk flags the plan's own; LL: every rank's slot of LL words (8
     bytes per 4 of data) the plan's own, no flags."""
     W = comm.size
-    chunks = -(-count // CHUNK)
+    chunk = chunk_of(count)
+    chunks = -(-count // chunk)
     if ll:
         words = -(-count * dt.itemsize // 4)
         sizes, slot_bytes = [("ll", (W, words, 2), "uint32")], words * 8
@@ -158,7 +169,7 @@ def _plan(comm, count, dt, ll=False):
         else:
             args.slots_off, args.flags_off = comm.offset_of(plan["slots"]), comm.offset_of(plan["flags"])
         args.counters = plan["counters"].data.ptr
-        args.count, args.slot_bytes, args.chunk, args.chunks = count, slot_bytes, CHUNK, chunks
+        args.count, args.slot_bytes, args.chunk, args.chunks = count, slot_bytes, chunk, chunks
         args.world, args.me = W, comm.local_rank
         return args
     return plan, tp.launch_template(plan, (), build)

@@ -50,3 +50,14 @@ def test_gemm_allreduce_takes_the_latency_path_by_knob_or_request():
     Comm.num_nodes = 2
     with pytest.raises(mkernel.ArgumentError, match="inside one node"):
         tp.choose_path("gemm_allreduce", Comm, "latency", rows=16, N=64, K=64)
+
+
+def test_small_messages_split_into_more_chunks():
+    from mkernel.ops import allreduce as ar
+
+    assert ar.chunk_of(8) == ar.CHUNK_MIN and ar.chunk_of(1 << 30) == ar.CHUNK_MAX
+    for count in (1, 8191, 8192, 65536, 65537, 131072, 1 << 19, 3 << 20):
+        chunk = ar.chunk_of(count)
+        assert chunk % 8 == 0 and chunk & (chunk - 1) == 0  # whole LL words and 16-byte vectors per item
+        assert -(-count // chunk) <= ar.CHUNKS_TARGET or chunk == ar.CHUNK_MAX
+        assert chunk == ar.CHUNK_MIN or -(-count // (chunk // 2)) > ar.CHUNKS_TARGET  # the least such
