@@ -249,12 +249,12 @@ def call_key(comm, op, stream, arrays, options):
     """The key of a call for ``comm.plans``' recorded launches, or None where a call cannot be
     recorded: an argument not a CuPy array (out not given), or tracing on (its pointers move)."""
     cupy = cupy_mod()
-    if comm is None or comm.trace.path:
+    if comm is None:
         return None
     for x in arrays:
         if not isinstance(x, cupy.ndarray):
             return None
-    return _launch.call_key(cupy, stream, arrays, (op, *options))
+    return None if comm.trace.path else _launch.call_key(cupy, stream, arrays, (op, *options))
 
 
 def replay(comm, key, stream) -> bool:

@@ -22,16 +22,20 @@ struct DecodePush {
   MK_DEV MkPeers peers() const { return MkPeers{a.peer_base, (u32)a.world, (u32)a.me}; }
   MK_DEV void begin() {
     if (threadIdx.x != 0) return;
+    const u64 t = trace_start(a.g.sync);  // trace mode: tools/ll_phases.py
     *s_epoch = launch_epoch(a.g.sync);
     if (atomicAdd(&a.counters[LL_CNT_ENTER], 1u) == 0) credits_announce(peers(), *s_epoch);
+    trace_span(a.g.sync, MK_ROLE_CONTROL, *s_epoch, t);
   }
   template <class Bar>
   MK_DEV bool ready(Bar bar) {
     bar();
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0) {  // a row block is finished: its pushes follow the credits
+      const u64 t = trace_start(a.g.sync);
       int ok = 1;
       for (u32 d = 0; d < (u32)a.world && ok; ++d) ok = credits_wait(a.g.sync, peers(), d, *s_epoch) ? 1 : 0;
       *s_ok = ok;
+      trace_span(a.g.sync, MK_ROLE_WAIT, LL_TRACE_PUSH, t);
     }
     bar();
     return *s_ok != 0;
@@ -64,8 +68,13 @@ template <int DT>
 __global__ void __launch_bounds__(LL_REDUCE_THREADS, 1)
     mk_allreduce_ll_reduce(const __grid_constant__ MkAllreduceLLArgs a) {
   __shared__ u32 s_epoch;
-  if (threadIdx.x == 0) s_epoch = launch_epoch(a.sync);
+  const u64 t_enter = trace_start(a.sync);
+  if (threadIdx.x == 0) {
+    s_epoch = launch_epoch(a.sync);
+    trace_span(a.sync, MK_ROLE_CONTROL, LL_TRACE_REDUCE | s_epoch, t_enter);
+  }
   __syncthreads();
+  const u64 t_sum = trace_start(a.sync);
   const u32 E = s_epoch, W = (u32)a.world;
   const MkPeers peers{a.peer_base, W, (u32)a.me};
   const u64 N = (u64)a.n, words = N * (u64)a.pairs, ldo = (u64)a.ldo, M = (u64)a.m;
@@ -84,6 +93,7 @@ __global__ void __launch_bounds__(LL_REDUCE_THREADS, 1)
       if (tok + 1 < M) out[(tok + 1) * ldo + col] = (u16)(pack2_out(DT, hi[u], 0.f) & 0xFFFFu);
     }
   }
+  if (threadIdx.x == 0) trace_span(a.sync, MK_ROLE_INTRA, blockIdx.x, t_sum);  // thread 0's words summed
   // Launched overlapped, the GEMM may still be running: it ends before the counters it uses reset.
   asm volatile("griddepcontrol.wait;" ::: "memory");
   launch_exit(a.sync, E, a.counters, LL_CNT_WORDS);

@@ -10,6 +10,10 @@
 #define LL_CNT_ENTER 0  // decode CTAs started (the first announces this rank's credit)
 #define LL_CNT_WORDS 1
 #define LL_REDUCE_THREADS 512
+// Trace span ids (tools/ll_phases.py): a push CTA's credit waits for a finished row block; a
+// reduce block's entry (ORed with the epoch; a push CTA's entry carries the epoch alone).
+#define LL_TRACE_PUSH 0x200u
+#define LL_TRACE_REDUCE 0x40000000u
 
 struct MkDecodePushArgs {
   MkDecodeArgs g;  // the decode GEMM (g.out unused; g.sync the op's)
