@@ -98,9 +98,7 @@ def main():
         if M <= ll.M_TILES[-1]:  # the two latency forms side by side, whichever the default takes
             most = ll.M_TILES[-1]
             knobs = {"latency_2k": {"tp_latency_ll_max_rows": 0}, "latency_ll": {"tp_latency_ll_max_rows": most},
-                     "latency_overlap": {"tp_latency_ll_max_rows": most, "tp_latency_ll_overlap": True,
-                                         "tp_latency_ll_sum_max_rows": 0},
-                     "latency_sumkernel": {"tp_latency_ll_max_rows": most, "tp_latency_ll_sum_max_rows": 0}}
+                     "latency_overlap": {"tp_latency_ll_max_rows": most, "tp_latency_ll_overlap": True}}
             for p in knobs:
                 f[p] = f["latency"]
         f["gemm"] = lambda: mkernel.gemm(a, w.T, out=part)
@@ -117,8 +115,7 @@ def main():
             f[name] = f["allreduce"]
         f["unfused"] = lambda: (mkernel.gemm(a, w.T, out=part), mkernel.allreduce(part, comm=comm, out=out))
         results = {}
-        extra = tuple(p for p in ("latency_2k", "latency_ll", "latency_overlap", "latency_sumkernel", "latency_rows64",
-                                  "latency_rows128")
+        extra = tuple(p for p in ("latency_2k", "latency_ll", "latency_overlap", "latency_rows64", "latency_rows128")
                       if p in f)
         checked = paths + ("unfused",) + extra
         for p in checked:  # every path gives the same sum (partials rounded alike: the same bits)

@@ -6,8 +6,7 @@ kernel's first block entry:
 
   push_end   the last finished row block's credit check (its pushes follow): the GEMM's end
   credit     the longest wait of a finished row block for every rank's credit
-  red_start  the sum kernel's first block entry (or the first summing GEMM CTA's start);
-             gap = red_start - push_end
+  red_start  the reduce kernel's first block entry; gap = red_start - push_end
   red_end    its last block's sums done
   skew       this rank's push kernel start after the earliest rank's
   late       the latest rank's push_end after this rank's (the words the reduce waits for)
@@ -36,8 +35,7 @@ def per_launch(spans):
         hi = order[i + 1][1] if i + 1 < len(order) else float("inf")
         mine = [s for s in spans if t0 <= s[0] < hi]
         waits = [s for s in mine if s[4] == 4 and s[5] == PUSH_WAIT]
-        entries = [s[0] for s in mine if s[4] == 5 and s[5] == REDUCE | epoch]  # the sum kernel's
-        entries = entries or [s[0] for s in mine if s[4] == 1]  # or the GEMM's last CTAs summing
+        entries = [s[0] for s in mine if s[4] == 5 and s[5] == REDUCE | epoch]
         sums = [s[1] for s in mine if s[4] == 1]
         if waits and entries and sums:
             out[epoch] = (t0, max(s[1] for s in waits), max(s[1] - s[0] for s in waits), min(entries), max(sums))

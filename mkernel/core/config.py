@@ -37,10 +37,7 @@ class Config:
     # ... and at most this many rows (and B as [N, K]) the fused latency kernels (gemm_allreduce_ll.py;
     # 0: the decode GEMM, then mkernel.allreduce)
     tp_latency_ll_max_rows: int = 64
-    # ... and at most this many rows the GEMM's last CTAs to push sum the words themselves (no
-    # second kernel; 0: always the sum kernel)
-    tp_latency_ll_sum_max_rows: int = 16
-    # ... the sum kernel launched to overlap the GEMM's last CTAs (programmatic stream
+    # ... their sum kernel launched to overlap the GEMM's last CTAs (programmatic stream
     # serialization; its polls of the LL words need no stream order)
     tp_latency_ll_overlap: bool = False
     # mkernel.allreduce of at most this many bytes moves LL words (data and epoch in one 8-byte
@@ -86,12 +83,10 @@ class Config:
         if self.tp_controller not in CONTROLLER_SETTINGS:
             raise ArgumentError(f"tp_controller must be one of {CONTROLLER_SETTINGS}; got {self.tp_controller!r}")
         for name in ("tp_fuse_min_tiles", "tp_fuse_min_k", "tp_lend_share", "moe_comm_sms", "ring_comm_sms",
-                     "gemm_decode_max_m", "tp_latency_max_rows", "tp_latency_ll_max_rows", "tp_latency_ll_sum_max_rows",
-                     "allreduce_ll_max_bytes"):
+                     "gemm_decode_max_m", "tp_latency_max_rows", "tp_latency_ll_max_rows", "allreduce_ll_max_bytes"):
             v = getattr(self, name)
             zero_ok = name.startswith("tp_fuse") or name in ("gemm_decode_max_m", "tp_latency_max_rows",
-                                                             "tp_latency_ll_max_rows", "tp_latency_ll_sum_max_rows",
-                                                             "allreduce_ll_max_bytes")
+                                                             "tp_latency_ll_max_rows", "allreduce_ll_max_bytes")
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if zero_ok else 1):
                 raise ArgumentError(f"{name} must be a {'non-negative' if zero_ok else 'positive'} integer; got {v!r}")
         if self.gemm_decode_split not in ("stream", "even"):

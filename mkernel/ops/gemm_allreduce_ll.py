@@ -1,11 +1,10 @@
 """gemm_allreduce's fused latency path (issue 26; kernels: mkernel/cuda/ops/gemm_allreduce_ll.cu):
 inside a node, at most ``config.tp_latency_ll_max_rows`` rows and B as [N, K], the decode GEMM
 pushes every finished value to every rank as an LL word (data and the launch's epoch in one 8-byte
-store), while the rest of the GEMM runs; then every word is awaited, the ranks' values added in rank
-order in fp32 and rounded once into out: by the GEMM's last CTAs to push up to
-``config.tp_latency_ll_sum_max_rows`` rows (one launch), else by a second kernel. The same sum,
-rounding and bits as the two-kernel latency path (decode GEMM, then mkernel.allreduce) where
-mkernel.gemm takes the decode path (``config.gemm_decode_max_m`` rows).
+store), while the rest of the GEMM runs; a second kernel waits for each word, adds the ranks' values
+in rank order in fp32 and rounds once into out. The same sum, rounding and bits as the two-kernel
+latency path (decode GEMM, then mkernel.allreduce) where mkernel.gemm takes the decode path
+(``config.gemm_decode_max_m`` rows).
 
 Workspace: the plan's own LL buffer, ``[world][ceil(M / 2)][N]`` words of 8 bytes (zeroed at the shape's
 first call), and the decode GEMM's partials in the stream's workspace.
@@ -35,9 +34,7 @@ EXPRESSIONS = tuple(f"{PUSH}<{dt},{mt},{rows}>" for dt in (0, 1) for mt in M_TIL
     tuple(f"{REDUCE}<{dt}>" for dt in (0, 1))
 SPEC = _compile.register("gemm_allreduce_ll", "gemm_allreduce_ll.cu", EXPRESSIONS, hot=True)
 REDUCE_THREADS = 512  # LL_REDUCE_THREADS
-CNT_WORDS = 2  # LL_CNT_WORDS
-LL_UNROLL = 4  # ll.cuh: words a thread sums at a time
-SUM_CTAS = 32  # the most of the GEMM's CTAs that sum
+CNT_WORDS = 1  # LL_CNT_WORDS
 
 
 class MkDecodePushArgs(ctypes.Structure):
@@ -45,7 +42,7 @@ class MkDecodePushArgs(ctypes.Structure):
     aligned in C: the padding makes the sizes equal)."""
     _fields_ = [("g", _decode.MkDecodeArgs), ("peer_base", ctypes.c_void_p), ("ll_off", ctypes.c_uint64),
                 ("counters", ctypes.c_void_p), ("pairs", ctypes.c_int32), ("world", ctypes.c_int32),
-                ("me", ctypes.c_int32), ("reducers", ctypes.c_int32), ("pad", ctypes.c_uint32 * 6)]
+                ("me", ctypes.c_int32), ("pad", ctypes.c_uint32 * 7)]
 
 
 class MkAllreduceLLArgs(ctypes.Structure):
@@ -62,17 +59,8 @@ def eligible(c) -> bool:
             and c.N <= _decode.MAX_N)
 
 
-def summing_ctas(M, words, ctas, threads):
-    """How many of the decode GEMM's last CTAs sum the LL words (0: the sum kernel): up to
-    config.tp_latency_ll_sum_max_rows rows, one per LL_UNROLL words a thread, at most SUM_CTAS, the
-    grid and the SMs (they wait for pushes: any resident part of the grid must finish)."""
-    if M > config.get().tp_latency_ll_sum_max_rows:
-        return 0
-    return max(1, min(-(-words // (threads * LL_UNROLL)), SUM_CTAS, ctas, launch.sm_count()))
-
-
 def run(comm, c, stream):
-    """The launches of one call (out, c.out, may have strided rows); returns them, their plan's
+    """The two launches of one call (out, c.out, may have strided rows); returns them, their plan's
     key and the decode partials' buffer they use: (launches, plans, keep), for comm.plans' record."""
     W, dt, pairs = comm.size, c.a.dtype, -(-c.M // 2)
     plan_key = ("buffers", "gemm_allreduce_ll", c.M, c.N, dt.name)
@@ -83,21 +71,16 @@ def run(comm, c, stream):
     _, grid, block, g, buffer, smem = _decode.build(c.a, c.b, c.out, tp.DT[dt.name], M=c.M, N=c.N, K=c.K,
                                                      accumulate=False, sync=sync, rows=rows,
                                                      partial=_gemm.workspace(stream).decode_partials)
-    reducers = summing_ctas(c.M, c.N * pairs, grid[0], block[0])
     push = MkDecodePushArgs(g=g, peer_base=comm.peer_table.data.ptr, ll_off=comm.offset_of(plan["ll"]),
-                            counters=plan["counters"].data.ptr, pairs=pairs, world=W, me=comm.local_rank,
-                            reducers=reducers)
+                            counters=plan["counters"].data.ptr, pairs=pairs, world=W, me=comm.local_rank)
     mt = _decode.m_tile(c.M)
     module = _compile.module(SPEC)
-    push_launch = Launch(module.function(f"{PUSH}<{tp.DT[dt.name]},{mt},{rows}>"), grid, block, push, smem)
-    if reducers:
-        launch_all((push_launch,), stream)
-        return (push_launch,), (plan_key,), (buffer,)
     red = MkAllreduceLLArgs(sync=sync, peer_base=push.peer_base, ll_off=push.ll_off, out=c.out.data.ptr,
                             counters=push.counters, ldo=row_stride(c.out) // dt.itemsize, m=c.M, n=c.N,
                             pairs=pairs, world=W, me=comm.local_rank)
     blocks = max(1, min(-(-c.N * pairs // REDUCE_THREADS), launch.sm_count()))
-    launches = (push_launch, Launch(module.function(f"{REDUCE}<{tp.DT[dt.name]}>"), (blocks,), (REDUCE_THREADS,), red,
-                                    0, config.get().tp_latency_ll_overlap))
+    launches = (Launch(module.function(f"{PUSH}<{tp.DT[dt.name]},{mt},{rows}>"), grid, block, push, smem),
+                Launch(module.function(f"{REDUCE}<{tp.DT[dt.name]}>"), (blocks,), (REDUCE_THREADS,), red, 0,
+                       config.get().tp_latency_ll_overlap))
     launch_all(launches, stream)
     return launches, (plan_key,), (buffer,)

@@ -225,8 +225,7 @@ def test_captured_in_a_cuda_graph_and_replayed_a_thousand_times(comm, mode):
 @pytest.mark.parametrize("M", [1, 7, 16, 41, 128])
 def test_fused_latency_kernels_give_the_two_kernel_paths_bits(comm, M):
     """gemm_allreduce at few rows takes the fused latency kernels (the decode GEMM pushing LL words,
-    then their sum by its last CTAs, or by a kernel launched after the GEMM or overlapping its
-    tail): the same bits as the decode
+    then their sum, launched after the GEMM or overlapping its tail): the same bits as the decode
     GEMM (taking up to M rows here) followed by mkernel.allreduce, on every rank, over repeated
     launches (stale LL words of earlier launches); exact integer sums; strided out."""
     import cupy
@@ -248,11 +247,8 @@ def test_fused_latency_kernels_give_the_two_kernel_paths_bits(comm, M):
         w = [x.astype(dt).astype(np.float64) for x in w]
         a_d, w_d = dev(a[comm.rank].astype(dt)), dev(w[comm.rank].astype(dt))
         outs = {}
-        sum_rows = config.get().tp_latency_ll_sum_max_rows
-        for fused in (True, "sum kernel", "overlapped", False):  # default (the GEMM's last CTAs sum up to
-            # sum_rows rows), the sum kernel launched after the GEMM or overlapping it, the two-kernel path
+        for fused in (True, "overlapped", False):  # the sum kernel launched after the GEMM, or overlapping it
             with config.override(tp_latency_ll_max_rows=ll.M_TILES[-1] if fused else 0,
-                                 tp_latency_ll_sum_max_rows=0 if fused in ("sum kernel", "overlapped") else sum_rows,
                                  tp_latency_ll_overlap=fused == "overlapped",
                                  gemm_decode_max_m=max(M, config.get().gemm_decode_max_m)):  # both GEMMs decode
                 for rep in range(3):
@@ -264,7 +260,7 @@ def test_fused_latency_kernels_give_the_two_kernel_paths_bits(comm, M):
                     if (fused, 0) in outs and not np.array_equal(outs[fused, 0], got):
                         msgs.append(f"M {M} fused {fused} launch {rep}: not the bits of launch 0")
                     outs.setdefault((fused, 0), got)
-        for fused in (True, "sum kernel", "overlapped"):
+        for fused in (True, "overlapped"):
             if not np.array_equal(outs[fused, 0], outs[False, 0]):
                 msgs.append(f"M {M} integer {integer} {fused}: the fused kernels' bits differ from the two-kernel "
                             f"path's")
@@ -283,8 +279,7 @@ def test_fused_latency_kernels_give_the_two_kernel_paths_bits(comm, M):
 @pytest.mark.parametrize("M,overlap", [(4, False), (4, True), (48, False), (100, False)])
 def test_repeated_calls_launch_what_their_first_call_recorded(comm, M, overlap):
     """A call repeated on the same arrays (new values in them) only launches what its first call
-    recorded (comm.plans): gemm_allreduce's latency path (M 4: the fused GEMM summing its words, or
-    with overlap its sum kernel; M 48: the fused kernels; M 100: the
+    recorded (comm.plans): gemm_allreduce's latency path (M 4, 48: the fused kernels; M 100: the
     GEMM engine, then the all-reduce) and mkernel.allreduce, exact integer sums over 20 calls, outputs
     poisoned before each, through a release of every plan (the records go with them) halfway; from
     each half's second call on, every call is recorded. The fused kernels' sum also launched overlapped."""
@@ -308,7 +303,7 @@ def test_repeated_calls_launch_what_their_first_call_recorded(comm, M, overlap):
                                           (None, None, True, "latency", None)),
             "allreduce": tp.call_key(comm, "allreduce", None, (x, x_out), ())}
     msgs = []
-    with config.override(tp_latency_ll_overlap=overlap, tp_latency_ll_sum_max_rows=0 if overlap else 16):
+    with config.override(tp_latency_ll_overlap=overlap):
         for i in range(20):
             if i == 10:
                 comm.release_plans()

@@ -3,10 +3,9 @@
 // every rank's LL buffer while its other row blocks are still computed (after each destination's
 // credit for the launch's epoch E: that rank is done with its last launch's words); then the
 // reduce kernel waits for every rank's word of each (token pair, column), adds them in rank order
-// in fp32 and rounds once: the same bits on every rank. Up to config.tp_latency_ll_sum_max_rows
-// the last CTAs of the decode GEMM to push do that sum themselves (no second launch). No flag round
-// trip and no fence: a word carries its epoch, so the sum kernel may also be launched to overlap
-// the GEMM's tail (programmatic serialization). The LL buffer is the plan's own (zeroed at first use; only this
+// in fp32 and rounds once: the same bits on every rank. No flag round trip and no fence: a word
+// carries its epoch, so the sum kernel may also be launched to overlap the GEMM's tail
+// (programmatic serialization). The LL buffer is the plan's own (zeroed at first use; only this
 // plan writes it), so a word whose epoch is E is this launch's.
 #include "gemm_decode.cuh"
 #include "ll.cuh"
@@ -53,55 +52,18 @@ struct DecodePush {
   }
 };
 
-// Block b of nb: words b * blockDim.x + threadIdx.x + k * nb * blockDim.x of every rank, added in
-// rank order (LL_UNROLL words a thread at a time: ll_sum) into out [m, n] (row stride ldo), row by
-// row (coalesced). Stops at a recorded error.
-template <int DT>
-MK_DEV void ll_sum_out(const MkSync& sync, const u64* ll, u32 W, u64 N, u64 pairs, u64 M, u64 ldo, void* out_, u32 E,
-                       u32 b, u32 nb) {
-  u16* out = reinterpret_cast<u16*>(out_);
-  const u64 words = N * pairs, step = (u64)nb * blockDim.x;
-  for (u64 i0 = (u64)b * blockDim.x + threadIdx.x; i0 < words; i0 += LL_UNROLL * step) {
-    float lo[LL_UNROLL], hi[LL_UNROLL];
-    if (!ll_sum<DT, false>(sync, ll, words, W, i0, step, words, E, lo, hi)) return;
-#pragma unroll
-    for (int u = 0; u < LL_UNROLL; ++u) {
-      const u64 i = i0 + u * step;
-      if (i >= words) continue;
-      const u64 pair = i / N, col = i - pair * N, tok = 2 * pair;
-      out[tok * ldo + col] = (u16)(pack2_out(DT, lo[u], 0.f) & 0xFFFFu);
-      if (tok + 1 < M) out[(tok + 1) * ldo + col] = (u16)(pack2_out(DT, hi[u], 0.f) & 0xFFFFu);
-    }
-  }
-}
-
 template <int DT, int MT, int ROWS>
 __global__ void __launch_bounds__(DecodeCfg<MT, ROWS>::THREADS, 1)
     mk_gemm_allreduce_ll_push(const __grid_constant__ MkDecodePushArgs args) {
   __shared__ u32 s_epoch;
   __shared__ int s_ok;
   asm volatile("griddepcontrol.launch_dependents;");  // the sum kernel may start (config.tp_latency_ll_overlap)
-  __shared__ u32 s_arrival;
   DecodePush<DT> epi{args, &s_epoch, &s_ok};
   decode_gemm<DT, MT, ROWS>(args.g, epi);
-  if (args.reducers == 0) return;  // the sum kernel follows (and ends the launch)
-  // The last `reducers` CTAs to push sum. They wait only for pushes, which wait only for credits,
-  // so any resident part of the grid finishes while reducers <= the SMs (gemm_allreduce_ll.py).
-  __syncthreads();
-  if (threadIdx.x == 0) s_arrival = atomicAdd(&args.counters[LL_CNT_DONE], 1u);
-  __syncthreads();
-  const u32 first = gridDim.x - (u32)args.reducers;
-  if (s_arrival >= first) {
-    const u64 t = trace_start(args.g.sync);
-    ll_sum_out<DT>(args.g.sync, peer_ptr<u64>(epi.peers(), (u32)args.me, args.ll_off), (u32)args.world, (u64)args.g.n,
-                   (u64)args.pairs, (u64)args.g.m, (u64)args.g.ldc, args.g.out, s_epoch, s_arrival - first,
-                   (u32)args.reducers);
-    if (threadIdx.x == 0) trace_span(args.g.sync, MK_ROLE_INTRA, s_arrival - first, t);
-  }
-  launch_exit(args.g.sync, s_epoch, args.counters, LL_CNT_WORDS);
 }
 
-// The sum kernel (larger outputs): ll_sum_out over its grid.
+// The values of word i of every rank (LL_UNROLL words per thread at a time: ll_sum), added in rank
+// order; out stored row by row (coalesced).
 template <int DT>
 __global__ void __launch_bounds__(LL_REDUCE_THREADS, 1)
     mk_allreduce_ll_reduce(const __grid_constant__ MkAllreduceLLArgs a) {
@@ -113,10 +75,24 @@ __global__ void __launch_bounds__(LL_REDUCE_THREADS, 1)
   }
   __syncthreads();
   const u64 t_sum = trace_start(a.sync);
-  const u32 E = s_epoch;
-  const MkPeers peers{a.peer_base, (u32)a.world, (u32)a.me};
-  ll_sum_out<DT>(a.sync, peer_ptr<u64>(peers, (u32)a.me, a.ll_off), (u32)a.world, (u64)a.n, (u64)a.pairs, (u64)a.m,
-                 (u64)a.ldo, a.out, E, blockIdx.x, gridDim.x);
+  const u32 E = s_epoch, W = (u32)a.world;
+  const MkPeers peers{a.peer_base, W, (u32)a.me};
+  const u64 N = (u64)a.n, words = N * (u64)a.pairs, ldo = (u64)a.ldo, M = (u64)a.m;
+  const u64* ll = peer_ptr<u64>(peers, (u32)a.me, a.ll_off);
+  u16* out = reinterpret_cast<u16*>(a.out);
+  const u64 step = (u64)gridDim.x * blockDim.x;
+  for (u64 i0 = (u64)blockIdx.x * blockDim.x + threadIdx.x; i0 < words; i0 += LL_UNROLL * step) {
+    float lo[LL_UNROLL], hi[LL_UNROLL];
+    if (!ll_sum<DT, false>(a.sync, ll, words, W, i0, step, words, E, lo, hi)) break;
+#pragma unroll
+    for (int u = 0; u < LL_UNROLL; ++u) {
+      const u64 i = i0 + u * step;
+      if (i >= words) continue;
+      const u64 pair = i / N, col = i - pair * N, tok = 2 * pair;
+      out[tok * ldo + col] = (u16)(pack2_out(DT, lo[u], 0.f) & 0xFFFFu);
+      if (tok + 1 < M) out[(tok + 1) * ldo + col] = (u16)(pack2_out(DT, hi[u], 0.f) & 0xFFFFu);
+    }
+  }
   if (threadIdx.x == 0) trace_span(a.sync, MK_ROLE_INTRA, blockIdx.x, t_sum);  // thread 0's words summed
   // Launched overlapped, the GEMM may still be running: it ends before the counters it uses reset.
   asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -8,8 +8,7 @@
 // output column) in the low half, the launch's epoch in the high half: data and flag arrive together.
 // Plan counters (zero between launches: the reduce kernel's last block resets them).
 #define LL_CNT_ENTER 0  // decode CTAs started (the first announces this rank's credit)
-#define LL_CNT_DONE 1  // decode CTAs whose row blocks are pushed (the last `reducers` sum: ll_sum_out)
-#define LL_CNT_WORDS 2
+#define LL_CNT_WORDS 1
 #define LL_REDUCE_THREADS 512
 // Trace span ids (tools/ll_phases.py): a push CTA's credit waits for a finished row block; a
 // reduce block's entry (ORed with the epoch; a push CTA's entry carries the epoch alone).
@@ -17,15 +16,14 @@
 #define LL_TRACE_REDUCE 0x40000000u
 
 struct MkDecodePushArgs {
-  MkDecodeArgs g;  // the decode GEMM (g.sync the op's; g.out, g.ldc: where the sum goes)
+  MkDecodeArgs g;  // the decode GEMM (g.out unused; g.sync the op's)
   const unsigned long long* peer_base;  // the node's workspace bases
   unsigned long long ll_off;  // [world][pairs][n] LL words in every rank's workspace (the plan's own)
   unsigned int* counters;  // [LL_CNT_WORDS]
   int pairs;  // token pairs: ceil(m / 2)
   int world;
   int me;
-  int reducers;  // the last CTAs to push that sum every word into out (0: the sum kernel does)
-  unsigned int pad[6];
+  unsigned int pad[7];
 };
 
 struct MkAllreduceLLArgs {
