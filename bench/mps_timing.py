@@ -95,6 +95,15 @@ def graph_batch_ms(comm, barrier, fn, n=BATCH, batches=BATCHES):
     return comm.mpi.allreduce(statistics.median(times), op=MPI.MAX)
 
 
+def print_by_rank(comm, text, what="results"):
+    """Rank 0 prints every rank's ``text``, in rank order (collective; bounded wait)."""
+    from mkernel.comm.collectives import allgather_object
+
+    rows = allgather_object(comm.mpi, text, what, 60)
+    if comm.rank == 0:
+        print("\n".join(rows), flush=True)
+
+
 def _elementwise_max(a, b, _datatype=None):
     return [max(x, y) for x, y in zip(a, b)]
 

@@ -95,7 +95,6 @@ def main():
     from cupy.cuda import driver
 
     import mkernel
-    from mkernel.comm.collectives import allgather_object
     from mkernel.ops import tp
     from mkernel.runtime import launch
 
@@ -164,11 +163,10 @@ def main():
             us = mt.graph_batch_ms(comm, barrier, lambda x=x, out=out: mkernel.allreduce(x, comm=comm, out=out)) * 1e3
             times.append(f"{nbytes} B {us:6.2f}")
         lines.append(f"rank {comm.rank} chunk {chunk:5}: device us/call (graph) " + "  ".join(times))
-    rows = allgather_object(comm.mpi, f"rank {comm.rank} empty kernel: device {dev['empty']:5.2f} us/call (graph), "
-                            f"bare launch host {host['bare']:5.2f} us\n" + "\n".join(lines), "floor", 60)
     if comm.rank == 0:
         print(f"world {comm.size}, {os.environ.get('CUDA_MPS_ACTIVE_THREAD_PERCENTAGE', 'no MPS share set')}")
-        print("\n".join(rows), flush=True)
+    mt.print_by_rank(comm, f"rank {comm.rank} empty kernel: device {dev['empty']:5.2f} us/call (graph), "
+                     f"bare launch host {host['bare']:5.2f} us\n" + "\n".join(lines), "floor")
     comm.close()
 
 

@@ -19,7 +19,10 @@ each launch (its blocks' entry spans carry the launch's epoch) into phases, medi
 import argparse
 import os
 import statistics
+import sys
 import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 
 
 def phases(spans):
@@ -58,10 +61,10 @@ def main():
     os.environ.setdefault("MKERNEL_TRACE", os.path.join(tempfile.gettempdir(), "mk_allreduce_trace"))
     import cupy
     import ml_dtypes
+    import mps_timing as mt
     import numpy as np
 
     import mkernel
-    from mkernel.comm.collectives import allgather_object
 
     comm = mkernel.init()
     dt = np.dtype(ml_dtypes.bfloat16)
@@ -81,10 +84,8 @@ def main():
         eager_us = cupy.cuda.get_elapsed_time(start, stop) / args.calls * 1e3
         ph = phases(comm.trace.spans())
         line = "  ".join(f"{k} {v:6.2f}" if v is not None else f"{k}      -" for k, v in ph.items())
-        rows = allgather_object(comm.mpi, f"rank {comm.rank} {n * 2 / 1024:7.1f} KiB  eager {eager_us:6.1f} us/call"
-                                f"  {line}", "phases", 60)
-        if comm.rank == 0:
-            print("\n".join(rows), flush=True)
+        mt.print_by_rank(comm, f"rank {comm.rank} {n * 2 / 1024:7.1f} KiB  eager {eager_us:6.1f} us/call  {line}",
+                         "phases")
     comm.close()
 
 

@@ -18,7 +18,10 @@ and the decode GEMM alone (mkernel.gemm, every rank at once, events over the cal
 import argparse
 import os
 import statistics
+import sys
 import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 
 PUSH_WAIT, REDUCE = 0x200, 0x40000000  # LL_TRACE_PUSH, LL_TRACE_REDUCE (gemm_allreduce_ll_args.cuh)
 
@@ -52,6 +55,7 @@ def main():
     os.environ.setdefault("MKERNEL_TRACE", os.path.join(tempfile.gettempdir(), "mk_ll_trace"))
     import cupy
     import ml_dtypes
+    import mps_timing as mt
     import numpy as np
 
     import mkernel
@@ -96,10 +100,8 @@ def main():
             ph["skew"].append(t0 - min(d[e][0] for d in every))
             ph["late"].append(max(d[e][1] for d in every) - push_end)
         line = "  ".join(f"{k} {statistics.median(v) / 1e3:6.2f}" for k, v in ph.items() if v)
-        rows = allgather_object(comm.mpi, f"rank {comm.rank} rows {m:3}: gemm alone {gemm_us:6.2f} us  "
-                                f"launches {len(ph['gap'])}  {line}", "ll phases", 60)
-        if comm.rank == 0:
-            print("\n".join(rows), flush=True)
+        mt.print_by_rank(comm, f"rank {comm.rank} rows {m:3}: gemm alone {gemm_us:6.2f} us  "
+                         f"launches {len(ph['gap'])}  {line}", "ll phases")
     comm.close()
 
 
