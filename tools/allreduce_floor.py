@@ -9,9 +9,11 @@ host, per steady-state call, microseconds (the GPU kept busy, so no wait is coun
   lookup      comm.plans.launches (the recorded launch)
   check       comm.check (the error words)
   launch      launch.launch_all of the recorded launch (cuLaunchKernel through CuPy)
-  bare        CuPy's driver.launchKernel of the empty kernel, parameters built once
-  call        the whole mkernel.allreduce call
-and the device time per call with other chunk sizes (elements per push / reduce item: --chunks).
+  bare        CuPy's driver.launchKernel of the empty kernel, parameters built once (bare_own: on
+              a non-blocking stream instead of the legacy default one)
+  call        the whole mkernel.allreduce call (call_own: on a non-blocking stream)
+and the device time per call with other chunk sizes (elements per push / reduce item: --chunks),
+moving LL words and data + flags.
 
     mpirun -n 2 python3 tools/allreduce_floor.py [--sizes 16,16384,262144]
 """
@@ -95,6 +97,7 @@ def main():
     from cupy.cuda import driver
 
     import mkernel
+    from mkernel.core import config
     from mkernel.ops import tp
     from mkernel.runtime import launch
 
@@ -108,6 +111,11 @@ def main():
     def bare():
         driver.launchKernel(empty.kernel.ptr, 1, 1, 1, 32, 1, 1, 0, cupy.cuda.get_current_stream().ptr,
                             ctypes.addressof(params), 0)
+
+    own = cupy.cuda.Stream(non_blocking=True)  # a user's stream: launches skip the legacy stream's rules
+
+    def bare_own():
+        driver.launchKernel(empty.kernel.ptr, 1, 1, 1, 32, 1, 1, 0, own.ptr, ctypes.addressof(params), 0)
 
     costs = cupy.RawKernel(COSTS, "mk_costs")
     sym = comm.empty((64,), "uint32")
@@ -123,7 +131,8 @@ def main():
     cost_line = f"rank {comm.rank} ns each: " + "  ".join(f"{k} {int(v)}" for k, v in zip(COST_NAMES, ns))
     lines = [cost_line]
     dev = {"empty": mt.graph_batch_ms(comm, barrier, bare) * 1e3}
-    host = {"bare": host_us(bare)}
+    host = {"bare": host_us(bare), "bare_own": host_us(bare_own)}
+    own.synchronize()
     cupy.cuda.get_current_stream().synchronize()
     dt = np.dtype(ml_dtypes.bfloat16)
     for nbytes in (int(s) for s in args.sizes.split(",")):
@@ -147,6 +156,11 @@ def main():
         barrier()
         h["call"] = host_us(call)
         cupy.cuda.get_current_stream().synchronize()
+        mkernel.allreduce(x, comm=comm, out=out, stream=own)
+        own.synchronize()
+        barrier()
+        h["call_own"] = host_us(lambda: mkernel.allreduce(x, comm=comm, out=out, stream=own))
+        own.synchronize()
         comm.check()
         d = mt.graph_batch_ms(comm, barrier, call) * 1e3
         lines.append(f"rank {comm.rank} ar {nbytes:>7} B: device {d:6.2f} us/call (graph)  host us " +
@@ -155,14 +169,18 @@ def main():
 
     for chunk in (int(c) for c in args.chunks.split(",") if c):
         _ar.CHUNK_MIN = _ar.CHUNK_MAX = chunk  # read when a shape's plan is built
-        comm.release_plans()
-        times = []
-        for nbytes in (int(s) for s in args.sizes.split(",")):
-            x = cupy.asarray(np.random.default_rng(comm.rank).standard_normal(nbytes // 2).astype(dt))
-            out = cupy.empty_like(x)
-            us = mt.graph_batch_ms(comm, barrier, lambda x=x, out=out: mkernel.allreduce(x, comm=comm, out=out)) * 1e3
-            times.append(f"{nbytes} B {us:6.2f}")
-        lines.append(f"rank {comm.rank} chunk {chunk:5}: device us/call (graph) " + "  ".join(times))
+        for ll in (True, False):
+            comm.release_plans()
+            times = []
+            for nbytes in (int(s) for s in args.sizes.split(",")):
+                x = cupy.asarray(np.random.default_rng(comm.rank).standard_normal(nbytes // 2).astype(dt))
+                out = cupy.empty_like(x)
+                with config.override(allreduce_ll_max_bytes=(1 << 40) if ll else 0):
+                    us = mt.graph_batch_ms(comm, barrier,
+                                           lambda x=x, out=out: mkernel.allreduce(x, comm=comm, out=out)) * 1e3
+                times.append(f"{nbytes} B {us:6.2f}")
+            lines.append(f"rank {comm.rank} chunk {chunk:5} {'LL   ' if ll else 'flags'}: device us/call (graph) " +
+                         "  ".join(times))
     if comm.rank == 0:
         print(f"world {comm.size}, {os.environ.get('CUDA_MPS_ACTIVE_THREAD_PERCENTAGE', 'no MPS share set')}")
     mt.print_by_rank(comm, f"rank {comm.rank} empty kernel: device {dev['empty']:5.2f} us/call (graph), "

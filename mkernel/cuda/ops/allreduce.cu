@@ -34,23 +34,24 @@ struct ArElem {
   }
 };
 
-// Sum of vector `off` of every rank's slot, in rank order, stored at out + off.
+// Vectors [0, vecs) at byte `base` of the output: the fp32 sums of every rank's slot in rank order,
+// rounded once; AR_REDUCE_VECS vectors of 2 ranks a thread in flight (one was latency-bound).
 template <int DT>
-MK_DEV void ar_reduce_vector(const u8* slots, u64 slot_bytes, u32 W, u64 off, u8* out) {
-  if constexpr (DT == MK_OUT_F32) {
-    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-    for (u32 r = 0; r < W; ++r) {
-      const uint4 x = ld_cg_v4(slots + r * slot_bytes + off);
-      s0 += __uint_as_float(x.x);
-      s1 += __uint_as_float(x.y);
-      s2 += __uint_as_float(x.z);
-      s3 += __uint_as_float(x.w);
-    }
-    st_v4(out + off, make_uint4(__float_as_uint(s0), __float_as_uint(s1), __float_as_uint(s2), __float_as_uint(s3)));
-  } else {
-    float s[1][8] = {{0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}};
-    tp_add_partials<DT, 1, 4>(s, W, 1, [&](u32 r, u32) { return slots + r * slot_bytes + off; });
-    st_v4(out + off, tp_pack8<DT>(s[0]));
+MK_DEV void ar_reduce_span(const u8* slots, u64 slot_bytes, u32 W, u64 base, u64 vecs, u8* out) {
+  constexpr u32 U = AR_REDUCE_VECS;
+  const u64 nthr = blockDim.x;
+  for (u64 v0 = threadIdx.x; v0 < vecs; v0 += U * nthr) {
+    const u32 here = (u32)min((u64)U, (vecs - v0 + nthr - 1) / nthr);
+    float s[U][8];
+#pragma unroll
+    for (u32 u = 0; u < U; ++u)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) s[u][e] = 0.f;
+    tp_add_partials<DT, U, 2>(s, W, here,
+                              [&](u32 r, u32 u) { return slots + r * slot_bytes + base + (v0 + u * nthr) * 16; });
+#pragma unroll
+    for (u32 u = 0; u < U; ++u)
+      if (u < here) st_v4(out + base + (v0 + u * nthr) * 16, tp_pack8<DT>(s[u]));
   }
 }
 
@@ -110,13 +111,13 @@ template <int DT, int LL>
 MK_DEV void ar_push(const MkAllreduceArgs& a, const MkPeers& peers, u32 E, u32 item, int& s_ok) {
   using El = ArElem<DT>;
   const u32 W = (u32)a.world, me = (u32)a.me, c = item / W, d = (me + item % W) % W;
-  const u64 t_wait = globaltimer_ns();
+  const u64 t_wait = trace_start(a.sync);
   if (threadIdx.x == 0) {
     s_ok = credits_wait(a.sync, peers, d, E) ? 1 : 0;
     trace_span(a.sync, MK_ROLE_WAIT, d, t_wait);
   }
   __syncthreads();
-  const u64 t_push = globaltimer_ns();
+  const u64 t_push = trace_start(a.sync);
   if (!s_ok) return;
   const u64 first = (u64)c * a.chunk, n = min((u64)a.chunk, a.count - first), whole = n / El::PER_VEC * 16;
   if (LL) {
@@ -158,7 +159,7 @@ MK_DEV void ar_reduce(const MkAllreduceArgs& a, const MkPeers& peers, u32 E, u32
   const u32 W = (u32)a.world, me = (u32)a.me, chunks = a.chunks;
   const u8* slots = peer_ptr<u8>(peers, me, a.slots_off);
   u8* out = reinterpret_cast<u8*>(a.out);
-  const u64 t_flags = globaltimer_ns();
+  const u64 t_flags = trace_start(a.sync);
   if (threadIdx.x == 0) {
     int good = 1;
     if (a.in_place && !s_pushed)  // out is src: every chunk of it has left (claimed pushes finish)
@@ -171,7 +172,7 @@ MK_DEV void ar_reduce(const MkAllreduceArgs& a, const MkPeers& peers, u32 E, u32
   }
   __syncthreads();
   if (!s_ok) return;
-  const u64 t_sum = globaltimer_ns();
+  const u64 t_sum = trace_start(a.sync);
   const u64 first = (u64)c * a.chunk, n = min((u64)a.chunk, a.count - first), vecs = n / El::PER_VEC;
   if (LL) {
     u64 w0, w1;
@@ -179,8 +180,7 @@ MK_DEV void ar_reduce(const MkAllreduceArgs& a, const MkPeers& peers, u32 E, u32
     if (!ar_ll_reduce<DT>(a, slots, w0, w1, a.count * El::BYTES, E, out)) s_ok = 0;  // any thread: a benign race
   } else {
     const u64 base = first * El::BYTES;
-    for (u64 v = threadIdx.x; v < vecs; v += blockDim.x)
-      ar_reduce_vector<DT>(slots, a.slot_bytes, W, base + v * 16, out);
+    ar_reduce_span<DT>(slots, a.slot_bytes, W, base, vecs, out);
     if (threadIdx.x < n % El::PER_VEC) {
       const u64 o = base + vecs * 16 + threadIdx.x * El::BYTES;
       float s = 0.f;
@@ -197,7 +197,7 @@ __global__ void __launch_bounds__(AR_THREADS, 1) mk_allreduce_kernel(const __gri
   __shared__ u32 s_epoch, s_item;
   __shared__ int s_ok, s_pushed;
   const MkPeers peers{a.peer_base, (u32)a.world, (u32)a.me};
-  const u64 t_enter = globaltimer_ns();  // trace mode: the phases' spans (tools/allreduce_phases.py)
+  const u64 t_enter = trace_start(a.sync);  // trace mode: the phases' spans (tools/allreduce_phases.py)
   if (threadIdx.x == 0) {
     s_epoch = launch_epoch(a.sync);
     credits_announce(peers, s_epoch);  // by every block: a few stores, and no arrival round trip

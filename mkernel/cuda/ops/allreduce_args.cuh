@@ -8,6 +8,7 @@
 #define AR_CNT_PUSHED 1  // push items finished (in place: out may be written once all are)
 #define AR_CNT_WORDS 2
 #define AR_THREADS 512
+#define AR_REDUCE_VECS 4  // output vectors a reducing thread sums at once (2 ranks' loads each in flight)
 
 struct MkAllreduceArgs {
   MkSync sync;

@@ -24,7 +24,7 @@
 #include "tp_epilogue.cuh"
 #include "queue.cuh"
 
-// s[u] += the 8 elements of x[u] (u < count), in the input dtype.
+// s[u] += the 8 elements of x[u] (u < count), in the input dtype (MK_OUT_F32: 4 elements, s[u][0..3]).
 template <int DT, u32 U>
 MK_DEV void tp_add_vectors(float (&s)[U][8], const uint4 (&x)[U], u32 count) {
 #pragma unroll
@@ -33,6 +33,10 @@ MK_DEV void tp_add_vectors(float (&s)[U][8], const uint4 (&x)[U], u32 count) {
     const u32 w[4] = {x[u].x, x[u].y, x[u].z, x[u].w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
+      if constexpr (DT == MK_OUT_F32) {
+        s[u][i] += __uint_as_float(w[i]);
+        continue;
+      }
       float lo, hi;
       unpack2<DT>(w[i], lo, hi);
       s[u][2 * i] += lo;
@@ -60,6 +64,8 @@ MK_DEV void tp_add_partials(float (&s)[U][8], u32 count, u32 vecs, Src src) {
 
 template <int DT>
 MK_DEV uint4 tp_pack8(const float (&s)[8]) {
+  if constexpr (DT == MK_OUT_F32)
+    return make_uint4(__float_as_uint(s[0]), __float_as_uint(s[1]), __float_as_uint(s[2]), __float_as_uint(s[3]));
   uint4 r;
   r.x = pack2_out(DT, s[0], s[1]);
   r.y = pack2_out(DT, s[2], s[3]);
