@@ -98,6 +98,7 @@ def main():
 
     import mkernel
     from mkernel.core import config
+    from mkernel.ops import allreduce as _ar
     from mkernel.ops import tp
     from mkernel.runtime import launch
 
@@ -163,12 +164,12 @@ def main():
         own.synchronize()
         comm.check()
         d = mt.graph_batch_ms(comm, barrier, call) * 1e3
-        lines.append(f"rank {comm.rank} ar {nbytes:>7} B: device {d:6.2f} us/call (graph)  host us " +
+        eager = mt.batch_ms(comm, barrier, call) * 1e3
+        lines.append(f"rank {comm.rank} ar {nbytes:>7} B ({'LL' if _ar.use_ll(nbytes) else 'flags'}): device "
+                     f"{d:6.2f} us/call (graph), eager {eager:6.2f}  host us " +
                      "  ".join(f"{k} {v:5.2f}" for k, v in h.items()))
-    from mkernel.ops import allreduce as _ar
-
     for chunk in (int(c) for c in args.chunks.split(",") if c):
-        _ar.CHUNK_MIN = _ar.CHUNK_MAX = chunk  # read when a shape's plan is built
+        _ar.chunk_of = lambda count, ll, chunk=chunk: chunk  # read when a shape's plan is built
         for ll in (True, False):
             comm.release_plans()
             times = []

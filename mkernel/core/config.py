@@ -42,8 +42,8 @@ class Config:
     tp_latency_ll_overlap: bool = False
     # mkernel.allreduce of at most this many bytes moves LL words (data and epoch in one 8-byte
     # store: no fence, no flag round trip; twice the bytes), above it data then a flag per chunk
-    # (2 ranks under MPS: LL 8-10% faster at 1-2 MiB, 5% slower at 4 MiB; bench/NOTES.md)
-    allreduce_ll_max_bytes: int = 2 << 20
+    # (2 ranks under MPS, graphs: LL ahead at 256 KiB, flags from 1 MiB; bench/NOTES.md session 32)
+    allreduce_ll_max_bytes: int = 512 << 10
     # Communication CTAs where comm_sms is not searched (the unfused baseline, the search's start).
     tp_comm_sms: types.MappingProxyType = dataclasses.field(default_factory=lambda: types.MappingProxyType(
         {"gemm_reduce_scatter": 8, "gemm_allreduce": 16, "allgather_gemm": 8}))

@@ -26,8 +26,12 @@ SPEC = _compile.register(OP, "allreduce.cu", tuple(f"{KERNEL}<{dt},{ll}>" for dt
                          hot=True)
 THREADS = 512  # AR_THREADS
 CNT_WORDS = 2  # AR_CNT_WORDS
-CHUNK_MIN, CHUNK_MAX = 2048, 8192  # elements per chunk (a CTA's item): small messages split finer
-CHUNKS_TARGET = 32  # up to CHUNK_MAX, about this many chunks per message (bench/NOTES.md, session 31)
+# Elements per chunk (a CTA's item): the least power of two from CHUNK_MIN that makes at most
+# CHUNKS_TARGET chunks, up to CHUNK_MAX (index: LL or not). LL pushes load 4 bytes a word, so they
+# want more, smaller items; data + flags amortise a fence and a flag per item (bench/NOTES.md, session 32).
+CHUNK_MIN = 2048
+CHUNK_MAX = {True: 8192, False: 65536}
+CHUNKS_TARGET = {True: 32, False: 16}
 MAX_CTAS = 64  # more only adds CTAs that wait (a chunk is one item per rank)
 
 
@@ -132,11 +136,11 @@ def _aligned(arr, stream, keep):
     return copy
 
 
-def chunk_of(count: int) -> int:
+def chunk_of(count: int, ll: bool) -> int:
     """Elements per push / reduce item of a message of ``count`` elements: the least power of two
-    in [CHUNK_MIN, CHUNK_MAX] that makes at most CHUNKS_TARGET chunks."""
+    in [CHUNK_MIN, CHUNK_MAX[ll]] that makes at most CHUNKS_TARGET[ll] chunks."""
     chunk = CHUNK_MIN
-    while chunk < CHUNK_MAX and chunk * CHUNKS_TARGET < count:
+    while chunk < CHUNK_MAX[ll] and chunk * CHUNKS_TARGET[ll] < count:
         chunk *= 2
     return chunk
 
@@ -151,7 +155,7 @@ def _plan(comm, count, dt, ll=False):
     (padded to 16 bytes) and the chunk flags the plan's own; LL: every rank's slot of LL words (8
     bytes per 4 of data) the plan's own, no flags."""
     W = comm.size
-    chunk = chunk_of(count)
+    chunk = chunk_of(count, ll)
     chunks = -(-count // chunk)
     if ll:
         words = -(-count * dt.itemsize // 4)

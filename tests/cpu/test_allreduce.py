@@ -55,9 +55,11 @@ def test_gemm_allreduce_takes_the_latency_path_by_knob_or_request():
 def test_small_messages_split_into_more_chunks():
     from mkernel.ops import allreduce as ar
 
-    assert ar.chunk_of(8) == ar.CHUNK_MIN and ar.chunk_of(1 << 30) == ar.CHUNK_MAX
-    for count in (1, 8191, 8192, 65536, 65537, 131072, 1 << 19, 3 << 20):
-        chunk = ar.chunk_of(count)
-        assert chunk % 8 == 0 and chunk & (chunk - 1) == 0  # whole LL words and 16-byte vectors per item
-        assert -(-count // chunk) <= ar.CHUNKS_TARGET or chunk == ar.CHUNK_MAX
-        assert chunk == ar.CHUNK_MIN or -(-count // (chunk // 2)) > ar.CHUNKS_TARGET  # the least such
+    for ll in (True, False):
+        most, target = ar.CHUNK_MAX[ll], ar.CHUNKS_TARGET[ll]
+        assert ar.chunk_of(8, ll) == ar.CHUNK_MIN and ar.chunk_of(1 << 30, ll) == most
+        for count in (1, 8191, 8192, 65536, 65537, 131072, 1 << 19, 3 << 20):
+            chunk = ar.chunk_of(count, ll)
+            assert chunk % 8 == 0 and chunk & (chunk - 1) == 0  # whole LL words and 16-byte vectors per item
+            assert -(-count // chunk) <= target or chunk == most
+            assert chunk == ar.CHUNK_MIN or -(-count // (chunk // 2)) > target  # the least such
