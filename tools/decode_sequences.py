@@ -1,0 +1,72 @@
+#!/usr/bin/env python3
+"""Device time per iteration of kernel sequences at decode sizes (issue 26: gemm_allreduce's paths
+cost more than their parts): n iterations captured in one CUDA graph, every rank at once, the
+slowest rank's median (bench/mps_timing.py's rule). Per row count M (per-rank [M, K] x [K, N]):
+
+  gemm         mkernel.gemm (the decode kernel up to gemm_decode_max_m rows)
+  ar           mkernel.allreduce of the [M, N] result
+  gemm+ar      the two, one after the other (the unfused path)
+  gemm+gemm    two GEMMs (time per pair)
+  gemm+empty   a GEMM, then an empty kernel
+  ar+ar        two all-reduces
+  latency      gemm_allreduce's default latency path
+and each "gemm" figure with the other ranks idle (solo: rank 0 alone, the others wait).
+
+    mpirun -n 2 python3 tools/decode_sequences.py [--rows 1,64] [--n 8192] [--k 4096]
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+
+EMPTY = r'extern "C" __global__ void mk_empty(int x) { if (x == 12345) asm volatile("trap;"); }'
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="1,64")
+    p.add_argument("--n", type=int, default=8192)
+    p.add_argument("--k", type=int, default=4096)
+    args = p.parse_args()
+    import cupy
+    import ml_dtypes
+    import mps_timing as mt
+    import numpy as np
+
+    import mkernel
+
+    comm = mkernel.init()
+    barrier = mt.DeviceBarrier(comm)
+    empty = cupy.RawKernel(EMPTY, "mk_empty")
+    zero = np.int32(0)
+    dt = np.dtype(ml_dtypes.bfloat16)
+    lines = []
+    for M in (int(r) for r in args.rows.split(",")):
+        rng = np.random.default_rng(comm.rank)
+        a = cupy.asarray(rng.standard_normal((M, args.k)).astype(dt))
+        w = cupy.asarray((rng.standard_normal((args.n, args.k)) / 64).astype(dt))
+        part, out, out2 = (cupy.empty((M, args.n), dt) for _ in range(3))
+
+        def gemm():
+            mkernel.gemm(a, w.T, out=part)
+
+        def ar():
+            mkernel.allreduce(part, comm=comm, out=out)
+
+        seqs = {"gemm": gemm, "ar": ar, "gemm+ar": lambda: (gemm(), ar()),
+                "gemm+gemm": lambda: (gemm(), mkernel.gemm(a, w.T, out=out2)),
+                "gemm+empty": lambda: (gemm(), empty((1,), (32,), (zero,))),
+                "ar+ar": lambda: (ar(), mkernel.allreduce(part, comm=comm, out=out2)),
+                "latency": lambda: mkernel.gemm_allreduce(a, w.T, comm=comm, out=out, path="latency")}
+        t = {name: mt.graph_batch_ms(comm, barrier, fn) * 1e3 for name, fn in seqs.items()}
+        solo = mt.graph_batch_ms(comm, barrier, gemm if comm.rank == 0 else lambda: empty((1,), (32,), (zero,))) * 1e3
+        lines.append(f"rank {comm.rank} M {M}: us/iteration (graph) " + "  ".join(f"{k} {v:6.2f}" for k, v in t.items())
+                     + f"  gemm solo (rank 0 alone) {solo:6.2f}")
+    mt.print_by_rank(comm, "\n".join(lines), "sequences")
+    comm.close()
+
+
+if __name__ == "__main__":
+    main()
