@@ -10,6 +10,8 @@ slowest rank's median (bench/mps_timing.py's rule). Per row count M (per-rank [M
   gemm+empty   a GEMM, then an empty kernel
   ar+ar        two all-reduces
   latency      gemm_allreduce's default latency path
+  gemm+ar16    a GEMM, then an all-reduce of 16 bytes (2 CTAs: a light cross-rank sync)
+  gemm+ar(8 CTAs), gemm128(+ar)  the all-reduce on 8 CTAs; the GEMM on 128-row blocks (one wave)
 and each "gemm" figure with the other ranks idle (solo: rank 0 alone, the others wait).
 
     mpirun -n 2 python3 tools/decode_sequences.py [--rows 1,64] [--n 8192] [--k 4096]
@@ -36,6 +38,8 @@ def main():
     import numpy as np
 
     import mkernel
+    from mkernel.core import config
+    from mkernel.ops import allreduce as _ar
 
     comm = mkernel.init()
     barrier = mt.DeviceBarrier(comm)
@@ -48,6 +52,7 @@ def main():
         a = cupy.asarray(rng.standard_normal((M, args.k)).astype(dt))
         w = cupy.asarray((rng.standard_normal((args.n, args.k)) / 64).astype(dt))
         part, out, out2 = (cupy.empty((M, args.n), dt) for _ in range(3))
+        tiny, tiny_out = cupy.ones(8, dt), cupy.empty(8, dt)
 
         def gemm():
             mkernel.gemm(a, w.T, out=part)
@@ -59,8 +64,18 @@ def main():
                 "gemm+gemm": lambda: (gemm(), mkernel.gemm(a, w.T, out=out2)),
                 "gemm+empty": lambda: (gemm(), empty((1,), (32,), (zero,))),
                 "ar+ar": lambda: (ar(), mkernel.allreduce(part, comm=comm, out=out2)),
+                "gemm+ar16": lambda: (gemm(), mkernel.allreduce(tiny, comm=comm, out=tiny_out)),
                 "latency": lambda: mkernel.gemm_allreduce(a, w.T, comm=comm, out=out, path="latency")}
+        knobs = {"gemm+ar(8 CTAs)": ("gemm+ar", {"MAX_CTAS": 8}), "gemm128+ar": ("gemm+ar", {"rows": 128}),
+                 "gemm128": ("gemm", {"rows": 128})}
         t = {name: mt.graph_batch_ms(comm, barrier, fn) * 1e3 for name, fn in seqs.items()}
+        for name, (seq, knob) in knobs.items():
+            comm.release_plans()
+            _ar.MAX_CTAS = knob.get("MAX_CTAS", 64)
+            with config.override(gemm_decode_rows=knob.get("rows", 0)):
+                t[name] = mt.graph_batch_ms(comm, barrier, seqs[seq]) * 1e3
+            _ar.MAX_CTAS = 64
+            comm.release_plans()
         solo = mt.graph_batch_ms(comm, barrier, gemm if comm.rank == 0 else lambda: empty((1,), (32,), (zero,))) * 1e3
         lines.append(f"rank {comm.rank} M {M}: us/iteration (graph) " + "  ".join(f"{k} {v:6.2f}" for k, v in t.items())
                      + f"  gemm solo (rank 0 alone) {solo:6.2f}")
