@@ -354,8 +354,9 @@ def _key(cupy, stream, a, b, out, b_layout, out_dtype, accumulate, sms, tile_ord
 
 
 def kept_plan(a, b, out, *, stream=None, b_layout=None):
-    """The launch plan ``(fn, grid, block, args, smem[, buffer])`` that a plain ``gemm(a, b, out=out,
-    stream=stream, b_layout=b_layout)`` call keeps, or None: for an op that records it in its own call."""
+    """``(plan, Launch)`` that a plain ``gemm(a, b, out=out, stream=stream, b_layout=b_layout)`` call
+    keeps (plan: ``(fn, grid, block, args, smem[, buffer])``), or None: for an op that records the
+    Launch in its own call (and keeps the plan, which holds its buffer)."""
     cupy = cupy_mod()
     return _plans.get(_key(cupy, stream, a, b, out, b_layout, None, False, None, None, None, None, None,
                            DEFAULT_GROUP_M, None, None))

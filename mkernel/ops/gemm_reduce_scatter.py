@@ -127,8 +127,8 @@ def _latency(comm, c, stream):
     _gemm.gemm(c.a, c.b, out=slot, stream=stream, b_layout=layout)
     if c.out.flags.c_contiguous and c.out.data.ptr % 16 == 0:
         reduce = finish(c.out, stream)
-        gemm = _gemm.kept_plan(c.a, c.b, slot, stream=stream, b_layout=layout)
-        return None if gemm is None else ((gemm[:5], reduce), (_ar.plan_key(c.M * c.N, c.a.dtype),), (gemm,))
+        kept = _gemm.kept_plan(c.a, c.b, slot, stream=stream, b_layout=layout)
+        return None if kept is None else ((kept[1], reduce), (_ar.plan_key(c.M * c.N, c.a.dtype),), (kept[0],))
     dst = _latency_out(comm, c)
     finish(dst, stream)
     with tp.on_stream(stream):

@@ -47,10 +47,15 @@ class Launch:
                                    0)
 
 
-def _driver():
-    from cupy.cuda import driver
+_driver_module = []  # CuPy's driver binding, imported once (a function-level import costs every launch)
 
-    return driver
+
+def _driver():
+    if not _driver_module:
+        from cupy.cuda import driver
+
+        _driver_module.append(driver)
+    return _driver_module[0]
 
 
 def stream_ptr(stream=None) -> int:
@@ -85,11 +90,11 @@ def _launch_overlapped(fn, grid, block, smem, stream_ptr, params):
 
 
 def launch_all(launches, stream=None, stream_handle: int = None):
-    """Launches Launch objects or ``(fn, grid, block, args, smem[, overlapped])`` records in order
-    (a call's recorded launches) on ``stream`` (or the stream of handle ``stream_handle``)."""
+    """Launches Launch objects in order (a call's recorded launches) on ``stream`` (or the stream of
+    handle ``stream_handle``)."""
     ptr = stream_handle if stream_handle is not None else stream_ptr(stream)
     for one in launches:
-        (one if isinstance(one, Launch) else Launch(*one)).go(ptr)
+        one.go(ptr)
 
 
 def call_key(cupy, stream, arrays, options) -> tuple:
@@ -169,10 +174,10 @@ def launch_persistent(fn, grid, block, args, *, smem: int, stream=None) -> Launc
 
 
 class PlanCache:
-    """Launch plans ``(fn, grid, block, args, smem)`` of an op by a key of everything that determines
-    the arguments (pointers, shapes, strides, dtypes, options, stream): a repeated call (benchmarks,
-    fused ops, training loops) skips validation and argument building. Bounded; least recently used
-    goes first."""
+    """Launch plans ``(fn, grid, block, args, smem[, kept])`` of an op by a key of everything that
+    determines the arguments (pointers, shapes, strides, dtypes, options, stream), each with its
+    Launch packed once: a repeated call (benchmarks, fused ops, training loops) skips validation and
+    argument building and only calls the driver. Bounded; least recently used goes first."""
 
     def __init__(self, size: int = 256):
         from collections import OrderedDict
@@ -182,18 +187,18 @@ class PlanCache:
 
     def launch(self, key, stream=None) -> bool:
         """Launches the plan of ``key`` if there is one; False otherwise."""
-        plan = self._plans.get(key)
-        if plan is None:
+        entry = self._plans.get(key)
+        if entry is None:
             return False
         self._plans.move_to_end(key)
-        launch(*plan[:4], smem=plan[4], stream=stream)
+        entry[1].go(stream_ptr(stream))
         return True
 
     def get(self, key):
-        """The plan of ``key``, or None."""
+        """``(plan, Launch)`` of ``key``, or None."""
         return self._plans.get(key)
 
     def add(self, key, plan):
-        self._plans[key] = plan
+        self._plans[key] = (plan, Launch(*plan[:5]))
         while len(self._plans) > self.size:
             self._plans.popitem(last=False)

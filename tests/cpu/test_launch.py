@@ -5,15 +5,20 @@ from mkernel.runtime import launch as ml
 
 
 def test_plan_cache_hit_miss_and_eviction(monkeypatch):
+    import ctypes
+
     calls = []
-    monkeypatch.setattr(ml, "launch", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.setattr(ml.Launch, "go", lambda self, ptr: calls.append((self.fn, self.args, self.smem, ptr)))
+    monkeypatch.setattr(ml, "stream_ptr", lambda stream=None: {None: 0, "s": 5}[stream])
     cache = ml.PlanCache(size=2)
+    args = {n: ctypes.c_int(i) for i, n in enumerate("abc")}
     assert cache.launch("a") is False and not calls
-    cache.add("a", ("fa", (1,), (2,), "args-a", 10))
-    cache.add("b", ("fb", (1,), (2,), "args-b", 20))
+    cache.add("a", ("fa", (1,), (2,), args["a"], 10))
+    cache.add("b", ("fb", (1,), (2,), args["b"], 20, "kept buffer"))
+    assert cache.get("b")[0][5] == "kept buffer" and cache.get("b")[1].grid == (1, 1, 1)
     assert cache.launch("a", stream="s") is True
-    assert calls[-1] == (("fa", (1,), (2,), "args-a"), {"smem": 10, "stream": "s"})
-    cache.add("c", ("fc", (1,), (2,), "args-c", 30))  # evicts b: a was used more recently
+    assert calls[-1] == ("fa", args["a"], 10, 5)
+    cache.add("c", ("fc", (1,), (2,), args["c"], 30))  # evicts b: a was used more recently
     assert cache.launch("b") is False
     assert cache.launch("a") and cache.launch("c")
     assert len(calls) == 3
@@ -72,9 +77,9 @@ def test_recorded_launches_keep_their_overlapped_flag(monkeypatch):
 
     seen = []
     monkeypatch.setattr(_launch.Launch, "go", lambda self, ptr: seen.append((self.fn, self.smem, ptr, self.overlapped)))
-    arg = ctypes.c_int(0)  # tuples and packed Launch objects alike, on the stream of one handle
-    _launch.launch_all((("a", (1,), (32,), arg, 0), _launch.Launch("b", (2,), (64,), arg, 16, True),
-                        ("c", (2,), (64,), arg, 0, False)), stream_handle=7)
+    arg = ctypes.c_int(0)  # packed Launch objects, on the stream of one handle
+    _launch.launch_all((_launch.Launch("a", (1,), (32,), arg, 0), _launch.Launch("b", (2,), (64,), arg, 16, True),
+                        _launch.Launch("c", (2,), (64,), arg, 0, False)), stream_handle=7)
     assert seen == [("a", 0, 7, False), ("b", 16, 7, True), ("c", 0, 7, False)]
 
 
