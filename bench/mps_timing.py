@@ -58,6 +58,27 @@ def batch_times(comm, barrier, fn, n=BATCH, batches=BATCHES):
     return comm.mpi.allreduce(times, op=_elementwise_max)
 
 
+def synced_ms(comm, barrier, fn, reps=30):
+    """Milliseconds of one fn() on each rank's stream right after a device barrier (every rank
+    starting it at once, as in a collective op that synchronises every call), the median; the
+    slowest rank's. fn None: only the barrier (the ranks that pass a function run it alone)."""
+    import cupy
+    from mpi4py import MPI
+
+    times = []
+    for _ in range(reps):
+        barrier()
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        if fn is not None:
+            fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    comm.check()
+    return comm.mpi.allreduce(statistics.median(times), op=MPI.MAX)
+
+
 def graph_batch_ms(comm, barrier, fn, n=BATCH, batches=BATCHES):
     """batch_ms of fn() with n calls captured once in a CUDA graph (on a stream of its own) and the
     graph replayed per batch: the device's time per call without the host's launch work. Raises

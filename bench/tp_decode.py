@@ -10,7 +10,9 @@ unfused_ms - mkernel_ms >= 0.5 x allreduce_ms. bound_ms: this rank's weights rea
 rate measured in the run. graph_ms: the device's time per call (50 calls in a CUDA graph); host_us:
 the host's time to issue one call; variants_ms: the same calls under other settings (the latency
 path's two-kernel, LL and LL-overlapped forms up to 128 rows, mkernel.allreduce as LL words and as
-data + flags, the decode kernel's row blocks of 64 and 128).
+data + flags, the decode kernel's row blocks of 64 and 128). Under MPS also gemm_synced_ms: one GEMM
+started on every rank at once after a device barrier (the slowest rank's median), which a collective
+that synchronises every call pays (the ranks' kernels compete for SMs), and over_synced_gemm_us.
 
     mpirun -n 2 python3 bench/tp_decode.py [--quick]
 """
@@ -130,6 +132,9 @@ def main():
         for p, fn in f.items():
             with config.override(**knobs.get(p, {})):
                 t[p], host[p] = timed(fn), host_us(fn)
+        # The GEMM started on every rank at once (a device barrier, one call): what a collective that
+        # synchronises every call pays for its GEMM under MPS (the ranks' kernels compete for SMs)
+        synced = cc.synced_ms(comm, barrier, f["gemm"]) if shared else None
         graph = {}  # the device's time per call (n calls in one CUDA graph): what the host's launch work hides
         if shared:
             for p in ("latency", "gemm", "allreduce", "allreduce_ll", "allreduce_flags") + extra + \
@@ -148,7 +153,9 @@ def main():
                                 latency_ll_ms=t.get("latency_ll"),
                                 latency_overlap_ms=t.get("latency_overlap"), best_path=best,
                                 allreduce_hidden=hidden,
-                                over_gemm_us=(t[best] - t["gemm"]) * 1e3, rel_diff_unfused=diff, mps=bool(shared),
+                                over_gemm_us=(t[best] - t["gemm"]) * 1e3, gemm_synced_ms=synced,
+                                over_synced_gemm_us=None if synced is None else (t[best] - synced) * 1e3,
+                                rel_diff_unfused=diff, mps=bool(shared),
                                 world=W, baseline="mkernel.gemm then mkernel.allreduce", graph_ms=graph,
                                 variants_ms={p: t[p] for p in knobs},
                                 host_us=host))
@@ -157,7 +164,9 @@ def main():
             fused = f"{t['fused'] * 1e3:8.1f}" if "fused" in t else "     n/a"
             print(f"{M:4d} {N:6d} {K:6d}  latency {t['latency'] * 1e3:8.1f} us  fused {fused} us  gemm "
                   f"{t['gemm'] * 1e3:7.1f} us  allreduce {t['allreduce'] * 1e3:6.1f} us  unfused "
-                  f"{t['unfused'] * 1e3:8.1f} us  over gemm {r['over_gemm_us']:6.1f} us  hidden {hidden:5.2f}  "
+                  f"{t['unfused'] * 1e3:8.1f} us  over gemm {r['over_gemm_us']:6.1f} us  (over the GEMM started "
+                  f"at once {r['over_synced_gemm_us'] if synced is None else round(r['over_synced_gemm_us'], 1)} us)  "
+                  f"hidden {hidden:5.2f}  "
                   f"rel diff {diff:.1e}  graph {graph}  host us {({p: round(v, 1) for p, v in host.items()})}",
                   flush=True)
         comm.release_plans()

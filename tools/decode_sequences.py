@@ -13,7 +13,7 @@ slowest rank's median (bench/mps_timing.py's rule). Per row count M (per-rank [M
   gemm+ar16    a GEMM, then an all-reduce of 16 bytes (2 CTAs: a light cross-rank sync)
   gemm+ar(8 CTAs), gemm128(+ar)  the all-reduce on 8 CTAs; the GEMM on 128-row blocks (one wave)
 and each "gemm" figure with the other ranks idle (solo: rank 0 alone, the others wait); then one
-GEMM's time on each rank's events right after a device barrier, every rank at once and rank 0 alone.
+GEMM's time right after a device barrier (mps_timing.synced_ms), every rank at once and rank 0 alone.
 
     mpirun -n 2 python3 tools/decode_sequences.py [--rows 1,64] [--n 8192] [--k 4096]
 """
@@ -25,26 +25,6 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 
 EMPTY = r'extern "C" __global__ void mk_empty(int x) { if (x == 12345) asm volatile("trap;"); }'
-
-
-def synced(barrier, fn, reps=30):
-    """Median microseconds of one fn() on this rank's stream right after a device barrier (None: only
-    the barrier, so that the ranks that run fn run it alone)."""
-    import statistics
-
-    import cupy
-
-    times = []
-    for _ in range(reps):
-        barrier()
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        if fn is not None:
-            fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3)
-    return statistics.median(times)
 
 
 def main():
@@ -100,9 +80,10 @@ def main():
         solo = mt.graph_batch_ms(comm, barrier, gemm if comm.rank == 0 else lambda: empty((1,), (32,), (zero,))) * 1e3
         lines.append(f"rank {comm.rank} M {M}: us/iteration (graph) " + "  ".join(f"{k} {v:6.2f}" for k, v in t.items())
                      + f"  gemm solo (rank 0 alone) {solo:6.2f}")
-        lines.append(f"rank {comm.rank} M {M}: one GEMM from a device barrier, this rank's events, median us: "
-                     f"every rank {synced(barrier, gemm):6.2f}, this rank alone "
-                     f"{synced(barrier, gemm if comm.rank == 0 else None):6.2f} (rank 0)")
+        every = mt.synced_ms(comm, barrier, gemm) * 1e3
+        alone = mt.synced_ms(comm, barrier, gemm if comm.rank == 0 else None) * 1e3
+        lines.append(f"rank {comm.rank} M {M}: one GEMM from a device barrier, the slowest rank's median: every rank "
+                     f"at once {every:6.2f} us, rank 0 alone {alone:6.2f} us")
     mt.print_by_rank(comm, "\n".join(lines), "sequences")
     comm.close()
 
