@@ -11,7 +11,9 @@ slowest rank's median (bench/mps_timing.py's rule). Per row count M (per-rank [M
   ar+ar        two all-reduces
   latency      gemm_allreduce's default latency path
   gemm+ar16    a GEMM, then an all-reduce of 16 bytes (2 CTAs: a light cross-rank sync)
-  gemm+ar(8 CTAs), gemm128(+ar)  the all-reduce on 8 CTAs; the GEMM on 128-row blocks (one wave)
+  gemm+ar(8 CTAs), gemm128(+ar)  the all-reduce on 8 CTAs; the GEMM on 128-row blocks
+  gemm<R>ctas(+ar)  the decode GEMM's runs planned for R = launch.sm_count() CTAs (under MPS what
+               every rank can hold at once) instead of 132 (timing only: other partial sums, other bits)
 and each "gemm" figure with the other ranks idle (solo: rank 0 alone, the others wait); then one
 GEMM's time right after a device barrier (mps_timing.synced_ms), every rank at once and rank 0 alone.
 
@@ -40,7 +42,9 @@ def main():
 
     import mkernel
     from mkernel.core import config
+    from mkernel.engines import gemm_decode as _decode
     from mkernel.ops import allreduce as _ar
+    from mkernel.runtime import launch
 
     comm = mkernel.init()
     barrier = mt.DeviceBarrier(comm)
@@ -67,15 +71,18 @@ def main():
                 "ar+ar": lambda: (ar(), mkernel.allreduce(part, comm=comm, out=out2)),
                 "gemm+ar16": lambda: (gemm(), mkernel.allreduce(tiny, comm=comm, out=tiny_out)),
                 "latency": lambda: mkernel.gemm_allreduce(a, w.T, comm=comm, out=out, path="latency")}
+        resident = launch.sm_count()  # CTAs of one SM each that every rank's kernel can hold at once
         knobs = {"gemm+ar(8 CTAs)": ("gemm+ar", {"MAX_CTAS": 8}), "gemm128+ar": ("gemm+ar", {"rows": 128}),
-                 "gemm128": ("gemm", {"rows": 128})}
+                 "gemm128": ("gemm", {"rows": 128}), f"gemm{resident}ctas": ("gemm", {"split_sms": resident}),
+                 f"gemm{resident}ctas+ar": ("gemm+ar", {"split_sms": resident})}
         t = {name: mt.graph_batch_ms(comm, barrier, fn) * 1e3 for name, fn in seqs.items()}
         for name, (seq, knob) in knobs.items():
             comm.release_plans()
             _ar.MAX_CTAS = knob.get("MAX_CTAS", 64)
+            _decode.SPLIT_SMS = knob.get("split_sms", 132)  # the decode kernel's runs planned for this many CTAs
             with config.override(gemm_decode_rows=knob.get("rows", 0)):
                 t[name] = mt.graph_batch_ms(comm, barrier, seqs[seq]) * 1e3
-            _ar.MAX_CTAS = 64
+            _ar.MAX_CTAS, _decode.SPLIT_SMS = 64, 132
             comm.release_plans()
         solo = mt.graph_batch_ms(comm, barrier, gemm if comm.rank == 0 else lambda: empty((1,), (32,), (zero,))) * 1e3
         lines.append(f"rank {comm.rank} M {M}: us/iteration (graph) " + "  ".join(f"{k} {v:6.2f}" for k, v in t.items())
