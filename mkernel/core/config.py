@@ -68,8 +68,9 @@ class Config:
         {"host": 20.0, "tcp": 1.5, "verbs": 25.0}))
     gemm_tflops: float = 650.0
     # mkernel.gemm at M up to this (0: never; at most 256) with B as [N, K] takes the decode path
-    # (gemm_decode.py); above, the engine (split K where its tiles are few).
-    gemm_decode_max_m: int = 64
+    # (gemm_decode.py; past 64 rows where its runs fill the SMs); above, the engine (split K where
+    # its tiles are few).
+    gemm_decode_max_m: int = 128
     # The decode path's rows of B per CTA: 64 or 128; 0: by shape (gemm_decode.row_block).
     gemm_decode_rows: int = 0
     # How the decode path cuts its (row block, k-block) units: "even" (each row block in the same

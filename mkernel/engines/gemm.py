@@ -461,7 +461,7 @@ def gemm(a, b, *, out=None, stream=None, b_layout=None, out_dtype=None, accumula
         raise ArgumentError(f"order must be None, 'm' or 'n'; got {order!r}")
     order = order or "m"
     controls = any(x is not None for x in (sms, tile_order, roles, tile_flags, tile_counts)) or bool(cluster)
-    if _decode.eligible(M, N, layout == B_NK, controls=controls):
+    if _decode.eligible(M, N, K, layout == B_NK, controls=controls):
         plan = _launch_decode(a, b_arr, out, out_code, M=M, N=N, K=K, accumulate=accumulate, stream=stream)
         if key is not None:
             _plans.add(key, plan)

@@ -27,6 +27,10 @@ MAX_N = 1 << 24  # rows of B: keeps the counts and the partials' index small
 # The runs are planned for this many SMs whatever the device has (H100 / H200: 132), so that the
 # sums (their grouping by CTA) and the bits are the same on 66 SMs of an MPS share as on 132.
 SPLIT_SMS = 132
+# Past WIDE_M tokens the engine (split K) is ahead where the CTAs leave many SMs idle: at 128 tokens
+# 80 CTAs (10240 x 8192) 65.2 us against 56.8, 112 (14336 x 4096) 39.5 against 44.1 (session 33).
+WIDE_M = 64
+WIDE_MIN_CTAS = SPLIT_SMS * 3 // 4
 OUT_F32 = 2
 
 
@@ -68,9 +72,12 @@ def knobs() -> tuple:
     return c.gemm_decode_max_m, c.gemm_decode_rows, c.gemm_decode_split
 
 
-def eligible(M: int, N: int, layout_nk: bool, *, controls: bool) -> bool:
-    """Whether ``gemm`` takes the decode path: few rows, weights as [N, K], no fused-op controls."""
-    return layout_nk and not controls and 1 <= M <= min(config.get().gemm_decode_max_m, MAX_M) and N <= MAX_N
+def eligible(M: int, N: int, K: int, layout_nk: bool, *, controls: bool) -> bool:
+    """Whether ``gemm`` takes the decode path: few rows, weights as [N, K], no fused-op controls; past
+    WIDE_M rows only where its CTAs keep WIDE_MIN_CTAS SMs busy."""
+    if not (layout_nk and not controls and 1 <= M <= min(config.get().gemm_decode_max_m, MAX_M) and N <= MAX_N):
+        return False
+    return M <= WIDE_M or runs(N, K, row_block(N, K, m_tile(M)))[0] >= WIDE_MIN_CTAS
 
 
 def m_tile(M: int) -> int:
@@ -98,12 +105,14 @@ def runs(N: int, K: int, rows: int = 128) -> tuple:
     return ctas, min(ctas, -(-kblocks // (units // ctas)) + 1)
 
 
-def row_block(N: int, K: int) -> int:
-    """Rows of B per CTA (config.gemm_decode_rows, or by shape): 128, or 64 where that makes every
-    row block one CTA's (no reduction at the end) and 128 would not (561df40, in one run: 64 rows
-    ahead only at N 8192, K 8192; behind or even elsewhere)."""
+def row_block(N: int, K: int, mt: int = 8) -> int:
+    """Rows of B per CTA (config.gemm_decode_rows, or by shape): 128, or below 64 token columns
+    (mt) 64 where that makes every row block one CTA's (no reduction at the end) and 128 would not
+    (561df40: 64 rows ahead only at N 8192, 1-32 tokens; 128 ahead at 64: bench/NOTES.md session 33)."""
     if config.get().gemm_decode_rows:
         return config.get().gemm_decode_rows
+    if mt >= 64:
+        return 128
     whole = [r for r in ROW_BLOCKS if runs(N, K, r)[0] == -(-N // r)]  # one run per block
     return 64 if whole == [64] else 128
 
@@ -114,7 +123,7 @@ def build(a, b_arr, out, out_code, *, M, N, K, accumulate, sync, partial, rows=N
     stream's (partials, counts) buffer of at least that size (only called when row blocks are shared);
     rows: the row block (None: row_block's)."""
     mt = m_tile(M)
-    rows = rows or row_block(N, K)
+    rows = rows or row_block(N, K, mt)
     ctas, slots = runs(N, K, rows)
     blocks = -(-N // rows)
     tdt = _tma.DTYPE_BFLOAT16 if a.dtype.name == "bfloat16" else _tma.DTYPE_FLOAT16

@@ -40,19 +40,25 @@ def test_runs_cut_the_units_evenly_and_slots_hold_every_block(N, K, rows, split)
 
 
 def test_the_path_is_chosen_by_shape_layout_and_knob():
-    assert dec.eligible(1, 4096, True, controls=False) and dec.eligible(64, 4096, True, controls=False)
-    assert not dec.eligible(65, 4096, True, controls=False)  # 65 tokens and more: the engine with split K
-    assert not dec.eligible(8, 4096, False, controls=False)  # B as [K, N]: the engine
-    assert not dec.eligible(8, 4096, True, controls=True)  # a fused op's controls address the engine's tiles
-    assert not dec.eligible(8, dec.MAX_N + 1, True, controls=False)
+    assert dec.eligible(1, 4096, 4096, True, controls=False) and dec.eligible(64, 4096, 4096, True, controls=False)
+    # 65-128 tokens where the runs fill the SMs (4096 x 4096: 128 runs; 10240 x 8192: 80), then the engine
+    assert dec.eligible(128, 4096, 4096, True, controls=False) and not dec.eligible(128, 10240, 8192, True,
+                                                                                   controls=False)
+    assert dec.eligible(128, 14336, 4096, True, controls=False)  # 112 runs
+    assert not dec.eligible(129, 4096, 4096, True, controls=False)
+    assert not dec.eligible(8, 4096, 4096, False, controls=False)  # B as [K, N]: the engine
+    assert not dec.eligible(8, 4096, 4096, True, controls=True)  # a fused op's controls address the engine's tiles
+    assert not dec.eligible(8, dec.MAX_N + 1, 4096, True, controls=False)
     with config.override(gemm_decode_max_m=16):
-        assert dec.eligible(16, 4096, True, controls=False) and not dec.eligible(17, 4096, True, controls=False)
+        assert dec.eligible(16, 4096, 4096, True, controls=False)
+        assert not dec.eligible(17, 4096, 4096, True, controls=False)
     with config.override(gemm_decode_max_m=0):
-        assert not dec.eligible(1, 4096, True, controls=False)
+        assert not dec.eligible(1, 4096, 4096, True, controls=False)
     assert [dec.m_tile(m) for m in (1, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 256)] == \
         [8, 8, 16, 16, 32, 32, 64, 64, 128, 128, 256, 256]  # every token in one CTA: B read once
     with config.override(gemm_decode_max_m=256):
-        assert dec.eligible(256, 4096, True, controls=False) and not dec.eligible(257, 4096, True, controls=False)
+        assert dec.eligible(256, 4096, 4096, True, controls=False)
+        assert not dec.eligible(257, 4096, 4096, True, controls=False)
     with pytest.raises(ArgumentError), config.override(gemm_decode_max_m=257):
         pass
 
@@ -66,6 +72,7 @@ def test_row_blocks_by_shape_and_knob():
             assert dec.row_block(8192, 8192) == rows
             assert all(dec.kernel_expr(0, 0, mt, rows) in dec.EXPRESSIONS for mt in dec.M_TILES)
             assert all(dec.smem_bytes(mt, rows) <= 227 * 1024 for mt in dec.M_TILES)  # one CTA per SM
+    assert dec.row_block(8192, 8192, 64) == 128  # 64 token columns and more: 128 rows
     for bad in ({"gemm_decode_rows": 96}, {"gemm_decode_split": "k"}):
         with pytest.raises(ArgumentError), config.override(**bad):
             pass

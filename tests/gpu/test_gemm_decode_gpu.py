@@ -100,10 +100,10 @@ def test_integer_inputs_bitwise_per_tile(M, N, K, kind):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", dec.ROW_BLOCKS)
 @pytest.mark.parametrize("M,N,K", [(40, 1032, 2048), (65, 4096, 1024), (100, 264, 4104), (128, 8200, 1032),
-                                   (129, 520, 2056), (256, 520, 136)])
+                                   (129, 520, 2056), (256, 264, 4104)])
 def test_wide_token_tiles_exact(M, N, K, rows, decode_calls):
-    """M up to 256 by the knob, every token in one CTA's wgmma (tiles of 64 .. 256 columns):
-    integer inputs exact, every token's row written."""
+    """M up to 256 by the knob (shapes whose runs fill the SMs: gemm_decode.eligible), every token
+    in one CTA's wgmma (tiles of 64 .. 256 columns): integer inputs exact, every token's row written."""
     a, w = _inputs(21 + M, M, N, K, BF16, integer=True)
     with config.override(gemm_decode_max_m=256, gemm_decode_rows=rows):
         got = bits(_run(a, w, BF16))

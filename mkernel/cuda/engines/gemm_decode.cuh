@@ -50,6 +50,8 @@ struct DecodeCfg {
   // kernel checks what it was given)
   static constexpr u32 SMEM = OFF_BAR + 2 * 8 * STAGES + 1024;
   static constexpr u32 SLOT = MT * ROWS;  // floats of one partial slot
+  static constexpr int SUM_V = ACC < 32 ? ACC : 32;  // values of a slot the last CTA loads at once
+  static constexpr int SUM_U = SUM_V >= 16 ? 1 : 16 / SUM_V;  // and slots
   MK_STATIC_ASSERT(ROWS == 64 || ROWS == 128, "row blocks of 64 or 128");
   MK_STATIC_ASSERT(MT % 8 == 0 && MT <= 256, "wgmma takes 8 .. 256 columns in steps of 8");
   MK_STATIC_ASSERT(A_BYTES % 1024 == 0, "stages stay 1 KiB aligned (the 128B swizzle's period)");
@@ -204,13 +206,29 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
     if (!s_last) continue;
     if (threadIdx.x == 0) *count = 0;  // zero for the next launch (stream ordered)
     if (!epi.ready(bar)) continue;
+    // The slots added in slot order, SUM_U slots' SUM_V values in flight at once (a load per slot
+    // and value per round trip would serialise them behind finish's stores).
     const float* slot0 = args.partial + block_at * Cfg::SLOT + threadIdx.x;
 #pragma unroll
-    for (int j = 0; j < Cfg::BLOCKS; ++j) {
-      float v[4] = {0.f, 0.f, 0.f, 0.f};
-      for (u32 c = 0; c < n_ctas; ++c)
+    for (int i = 0; i < Cfg::ACC; ++i) acc[i] = 0.f;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) v[e] += __ldcg(slot0 + (u64)c * Cfg::SLOT + (j * 4 + e) * Cfg::CONSUMERS);
+    for (int i0 = 0; i0 < Cfg::ACC; i0 += Cfg::SUM_V)
+      for (u32 c = 0; c < n_ctas; c += Cfg::SUM_U) {
+        float p[Cfg::SUM_U][Cfg::SUM_V];
+#pragma unroll
+        for (int q = 0; q < Cfg::SUM_U; ++q)
+#pragma unroll
+          for (int i = 0; i < Cfg::SUM_V; ++i)
+            p[q][i] = c + q < n_ctas ? __ldcg(slot0 + (u64)(c + q) * Cfg::SLOT + (i0 + i) * Cfg::CONSUMERS) : 0.f;
+#pragma unroll
+        for (int q = 0; q < Cfg::SUM_U; ++q)
+#pragma unroll
+          for (int i = 0; i < Cfg::SUM_V; ++i)
+            if (c + q < n_ctas) acc[i0 + i] += p[q][i];
+      }
+#pragma unroll
+    for (int j = 0; j < Cfg::BLOCKS; ++j) {
+      const float v[4] = {acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]};
       epi.finish(j, (u64)j * 8 + 2 * t, r0, r1, v);
     }
   }
