@@ -195,9 +195,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     grid = min(int(sms) if sms is not None else _num_sms(), num_tiles)
     fn = _compile.module(SPEC).function(kernel_expr(DT[q.dtype.name], D, bool(causal)))
 
-    launch(fn, (grid,), (THREADS,), args, smem=SMEM[D], stream=stream)
+    launched = launch(fn, (grid,), (THREADS,), args, smem=SMEM[D], stream=stream)
     if key is not None:
-        _plans.add(key, (fn, (grid,), (THREADS,), args, SMEM[D]))
+        _plans.add(key, (fn, (grid,), (THREADS,), args, SMEM[D]), launched)
     if return_lse:
         return out, (lse[0] if q.ndim == 3 else lse)
     return out

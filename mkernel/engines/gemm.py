@@ -324,18 +324,16 @@ def _launch(cupy, *, a, b_arr, layout, N, K, M, G, out, out_code, group_rows, ep
     grouped = group_rows is not None
     fn = _compile.module(SPEC).function(kernel_expr(DT[dt_name], layout, out_code, grouped, cluster))
     plan = (fn, (grid,), (THREADS,), args, SMEM_GROUPED if grouped else SMEM_PLAIN, buffer)
-    launch(fn, (grid,), (THREADS,), args, smem=plan[4], stream=stream)
-    return plan
+    return plan, launch(fn, (grid,), (THREADS,), args, smem=plan[4], stream=stream)
 
 
 def _launch_decode(a, b_arr, out, out_code, *, M, N, K, accumulate, stream):
-    """The decode path's launch; returns its plan (the buffer it uses rides along, kept alive)."""
+    """The decode path's launch; returns its plan (the buffer it uses rides along, kept alive) and Launch."""
     ws = workspace(stream)
     fn, grid, block, args, buffer, smem = _decode.build(a, b_arr, out, out_code, M=M, N=N, K=K,
                                                         accumulate=accumulate, sync=ws.sync(),
                                                         partial=ws.decode_partials)
-    launch(fn, grid, block, args, smem=smem, stream=stream)
-    return (fn, grid, block, args, smem, buffer)
+    return (fn, grid, block, args, smem, buffer), launch(fn, grid, block, args, smem=smem, stream=stream)
 
 
 # Launch plans of gemm() calls that passed `out` (launch.PlanCache).
@@ -462,9 +460,9 @@ def gemm(a, b, *, out=None, stream=None, b_layout=None, out_dtype=None, accumula
     order = order or "m"
     controls = any(x is not None for x in (sms, tile_order, roles, tile_flags, tile_counts)) or bool(cluster)
     if _decode.eligible(M, N, K, layout == B_NK, controls=controls):
-        plan = _launch_decode(a, b_arr, out, out_code, M=M, N=N, K=K, accumulate=accumulate, stream=stream)
+        plan, launched = _launch_decode(a, b_arr, out, out_code, M=M, N=N, K=K, accumulate=accumulate, stream=stream)
         if key is not None:
-            _plans.add(key, plan)
+            _plans.add(key, plan, launched)
         return out
     nt = tiles(M, N)
     clustered = use_cluster(M, N, K, cluster, tile_order=tile_order, roles=roles, sms=sms,
@@ -473,13 +471,13 @@ def gemm(a, b, *, out=None, stream=None, b_layout=None, out_dtype=None, accumula
     # Clustered, the scheduler claims units of CLUSTER M-tiles (group_m counts M-tiles either way);
     # split K, (tile, range of K) pairs.
     units = -(-M // (BM * CLUSTER)) * -(-N // BN) if clustered else nt * splits
-    plan = _launch(cupy, a=a, b_arr=b_arr, layout=layout, N=N, K=K, M=M, G=1, out=out, out_code=out_code,
+    plan, launched = _launch(cupy, a=a, b_arr=b_arr, layout=layout, N=N, K=K, M=M, G=1, out=out, out_code=out_code,
                    group_rows=None, epi_op=EPI_ADD if accumulate else EPI_STORE, stream=stream, sms=sms,
                    tile_order=tile_order, roles=roles, tile_flags=tile_flags, tile_counts=tile_counts,
                    group_m=max(1, group_m // CLUSTER) if clustered and order == "m" else group_m, num_tiles_host=units,
                    max_tiles=nt, order=order, cluster=clustered, splits=splits)
     if key is not None:
-        _plans.add(key, plan)
+        _plans.add(key, plan, launched)
     return out
 
 

@@ -54,7 +54,7 @@ def allreduce(x, *, comm, out=None, stream=None):
     key = tp.call_key(comm, OP, stream, (x, out), ())
     if tp.replay(comm, key, stream):
         return out
-    x, out = _check(comm, x, out, stream)
+    x, out, ll = _check(comm, x, out, stream)
     if comm.size == 1:  # a device copy, not a kernel
         if out.data.ptr != x.data.ptr:
             out.data.copy_from_device_async(x.data, x.nbytes, stream)
@@ -62,7 +62,6 @@ def allreduce(x, *, comm, out=None, stream=None):
     in_place = out.data.ptr == x.data.ptr
     dst = _aligned(out, stream, keep=in_place)
     src = dst if in_place else _aligned(x, stream, keep=True)  # in place: each chunk is sent before it is summed
-    ll = use_ll(x.nbytes)
     plan, template = _plan(comm, x.size, x.dtype, ll)
     launched = _launch(comm, template, src, dst, stream, ll=ll)
     if key is not None and dst is out and (src is x or in_place):  # only the kernel: recorded
@@ -114,8 +113,9 @@ def _check(comm, x, out, stream):
     elif out.data.ptr != x.data.ptr and out.data.ptr < x.data.ptr + x.nbytes and x.data.ptr < out.data.ptr + out.nbytes:
         raise ArgumentError(f"{OP}: out overlaps x without being x (pass out=x to sum in place)")
     tp.check_outside_workspace(OP, out, comm)
-    tp.agree_call(OP, comm, (OP, x.size, x.dtype.name, "oneshot", use_ll(x.nbytes)), "one node")
-    return x, out
+    ll = use_ll(x.nbytes)
+    tp.agree_call(OP, comm, (OP, x.size, x.dtype.name, "oneshot", ll), "one node")
+    return x, out, ll
 
 
 def use_ll(nbytes: int) -> bool:

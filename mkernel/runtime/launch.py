@@ -198,7 +198,8 @@ class PlanCache:
         """``(plan, Launch)`` of ``key``, or None."""
         return self._plans.get(key)
 
-    def add(self, key, plan):
-        self._plans[key] = (plan, Launch(*plan[:5]))
+    def add(self, key, plan, launched: "Launch" = None):
+        """Keeps ``plan`` for ``key`` with its Launch: ``launched`` (the first call's, same plan) or a new one."""
+        self._plans[key] = (plan, launched if launched is not None else Launch(*plan[:5]))
         while len(self._plans) > self.size:
             self._plans.popitem(last=False)
