@@ -27,8 +27,11 @@ MAX_N = 1 << 24  # rows of B: keeps the counts and the partials' index small
 # The runs are planned for this many SMs whatever the device has (H100 / H200: 132), so that the
 # sums (their grouping by CTA) and the bits are the same on 66 SMs of an MPS share as on 132.
 SPLIT_SMS = 132
-# Past WIDE_M tokens the engine (split K) is ahead where the CTAs leave many SMs idle: at 128 tokens
-# 80 CTAs (10240 x 8192) 65.2 us against 56.8, 112 (14336 x 4096) 39.5 against 44.1 (session 33).
+# B's L2 promotion: 128-byte requests (a box row), not 256 (the next k-block's half line fetched
+# early): 1-128 tokens 0.5-2 us faster on every decode shape (bench/NOTES.md session 33).
+B_L2 = _tma.L2_128B
+# Past WIDE_M tokens the decode path needs most SMs to beat the engine (split K): at 128 tokens on
+# 112 CTAs 39.1 us against 43.7 (14336 x 4096), on 80 CTAs 57.1 against 57.0 (10240 x 8192).
 WIDE_M = 64
 WIDE_MIN_CTAS = SPLIT_SMS * 3 // 4
 OUT_F32 = 2
@@ -129,7 +132,7 @@ def build(a, b_arr, out, out_code, *, M, N, K, accumulate, sync, partial, rows=N
     tdt = _tma.DTYPE_BFLOAT16 if a.dtype.name == "bfloat16" else _tma.DTYPE_FLOAT16
     args = MkDecodeArgs()
     args.a_map = _tma.encode_tiled(tdt, a.data.ptr, (K, M), (row_stride(a),), (BK, mt))
-    args.b_map = _tma.encode_tiled(tdt, b_arr.data.ptr, (K, N), (row_stride(b_arr),), (BK, rows))
+    args.b_map = _tma.encode_tiled(tdt, b_arr.data.ptr, (K, N), (row_stride(b_arr),), (BK, rows), l2=B_L2)
     args.sync = sync
     args.out = out.data.ptr
     args.ldc = row_stride(out) // out.itemsize
