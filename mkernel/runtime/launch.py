@@ -6,6 +6,7 @@ the two layouts. Launch goes straight to ``cuLaunchKernel`` through CuPy's drive
 """
 
 import ctypes
+import functools
 
 from mkernel.core.errors import ArgumentError, MKernelError
 from mkernel.runtime import gpu
@@ -47,15 +48,12 @@ class Launch:
                                    0)
 
 
-_driver_module = []  # CuPy's driver binding, imported once (a function-level import costs every launch)
-
-
+@functools.cache
 def _driver():
-    if not _driver_module:
-        from cupy.cuda import driver
+    """CuPy's driver binding, imported once (a function-level import costs every launch)."""
+    from cupy.cuda import driver
 
-        _driver_module.append(driver)
-    return _driver_module[0]
+    return driver
 
 
 def stream_ptr(stream=None) -> int:
@@ -198,8 +196,8 @@ class PlanCache:
         """``(plan, Launch)`` of ``key``, or None."""
         return self._plans.get(key)
 
-    def add(self, key, plan, launched: "Launch" = None):
-        """Keeps ``plan`` for ``key`` with its Launch: ``launched`` (the first call's, same plan) or a new one."""
-        self._plans[key] = (plan, launched if launched is not None else Launch(*plan[:5]))
+    def add(self, key, plan, launched: "Launch"):
+        """Keeps ``plan`` for ``key`` with ``launched``, the first call's Launch of it (packed once)."""
+        self._plans[key] = (plan, launched)
         while len(self._plans) > self.size:
             self._plans.popitem(last=False)

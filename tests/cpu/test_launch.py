@@ -13,12 +13,15 @@ def test_plan_cache_hit_miss_and_eviction(monkeypatch):
     cache = ml.PlanCache(size=2)
     args = {n: ctypes.c_int(i) for i, n in enumerate("abc")}
     assert cache.launch("a") is False and not calls
-    cache.add("a", ("fa", (1,), (2,), args["a"], 10))
-    cache.add("b", ("fb", (1,), (2,), args["b"], 20, "kept buffer"))
+    def add(key, plan):
+        cache.add(key, plan, ml.Launch(*plan[:5]))
+
+    add("a", ("fa", (1,), (2,), args["a"], 10))
+    add("b", ("fb", (1,), (2,), args["b"], 20, "kept buffer"))
     assert cache.get("b")[0][5] == "kept buffer" and cache.get("b")[1].grid == (1, 1, 1)
     assert cache.launch("a", stream="s") is True
     assert calls[-1] == ("fa", args["a"], 10, 5)
-    cache.add("c", ("fc", (1,), (2,), args["c"], 30))  # evicts b: a was used more recently
+    add("c", ("fc", (1,), (2,), args["c"], 30))  # evicts b: a was used more recently
     assert cache.launch("b") is False
     assert cache.launch("a") and cache.launch("c")
     assert len(calls) == 3
