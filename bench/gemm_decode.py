@@ -93,7 +93,6 @@ def main():
     import cupy
 
     from mkernel.engines import gemm as mg
-    from mkernel.engines import gemm_decode as gd
 
     reps = 5 if opts.quick else max(20, opts.reps)
     flush_words = cupy.ones(FLUSH_BYTES // 8, cupy.uint64)
@@ -125,17 +124,10 @@ def main():
             settings = {"rows64": {"gemm_decode_rows": 64}, "rows128": {"gemm_decode_rows": 128},
                         "stream": {"gemm_decode_split": "stream"}}
             settings = {k: dict(v, gemm_decode_max_m=256) for k, v in settings.items()}
-        engine_row = not gd.eligible(M, N, K, True, controls=False)  # w.T: B as [N, K]
-        if engine_row and (mg.split_k(M, N, K) > 1 or mg.stream_k(M, N, K)[0]):
-            settings["nosplit"] = {"gemm_split_k": False, "gemm_stream_k": False}  # one CTA per tile
-        elif kind == "decode" and not engine_row:
-            settings["engine"] = {"gemm_decode_max_m": 0}  # the engine (split or stream K) at the decode path's rows
-        if engine_row and mg.stream_k(M, N, K)[0]:
-            settings["nostreamk"] = {"gemm_stream_k": False}  # split K's plan (or one CTA per tile)
-        elif engine_row:
-            with config.override(gemm_stream_k=True):
-                if mg.stream_k(M, N, K)[0]:
-                    settings["streamk"] = {"gemm_stream_k": True}  # stream K where "auto" leaves it
+        if M > config.get().gemm_decode_max_m and mg.split_k(M, N, K) > 1:
+            settings["nosplit"] = {"gemm_split_k": False}  # the engine with one CTA per tile
+        elif kind == "decode":
+            settings["engine"] = {"gemm_decode_max_m": 0}  # the engine (split K) at the decode path's rows
         calls = {name: (knobs, {}) for name, knobs in settings.items()}
         if kind == "odd":  # the clustered kernel (CTA pairs sharing B by multicast) against the default
             forced = not mg.use_cluster(M, N, K, aligned=2 * K % mg.ROW_LINE == 0)  # rows of a and w: K elements

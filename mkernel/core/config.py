@@ -79,10 +79,6 @@ class Config:
     # mkernel.gemm splits K when the output has too few 128 x 256 tiles to fill the SMs and K is
     # long (engines/gemm.py split_k); False: one CTA per tile
     gemm_split_k: bool = True
-    # mkernel.gemm's stream K (equal runs of k-blocks across tile ends, one per SM; engines/gemm.py
-    # stream_k): "auto" where its tiles neither fill the SMs nor cut evenly, True wherever it can run
-    # (up to 128 tiles), False never
-    gemm_stream_k: object = "auto"
 
     def __post_init__(self):
         if self.tp_controller not in CONTROLLER_SETTINGS:
@@ -101,10 +97,8 @@ class Config:
                                 f"{self.gemm_decode_max_m!r}")
         if self.gemm_decode_rows not in (0, 64, 128):
             raise ArgumentError(f"gemm_decode_rows must be 0, 64 or 128; got {self.gemm_decode_rows!r}")
-        for name in ("tp_join_reduce", "gemm_stream_k"):
-            v = getattr(self, name)
-            if not (isinstance(v, bool) or v == "auto"):
-                raise ArgumentError(f"{name} must be True, False or \"auto\"; got {v!r}")
+        if not (isinstance(self.tp_join_reduce, bool) or self.tp_join_reduce == "auto"):
+            raise ArgumentError(f"tp_join_reduce must be True, False or \"auto\"; got {self.tp_join_reduce!r}")
         for name in ("moe_join_gemm", "tp_latency_ll_overlap", "gemm_split_k", "tp_ag_copy_first",
                      "tp_ag_join_gemm", "tp_mps_full_share",
                      "comm_staged", "tp_join_staged"):

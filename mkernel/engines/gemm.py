@@ -84,7 +84,7 @@ _ARGS_FIELDS = [("a", _tma.TensorMap), ("b", _tma.TensorMap), ("c", _tma.TensorM
                 ("tile_flags", ctypes.c_void_p), ("tile_counts", ctypes.c_void_p), ("ldc", ctypes.c_int64),
                 ("m", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32),
                 ("num_groups", ctypes.c_int32), ("epi_op", ctypes.c_uint32), ("splits", ctypes.c_uint32),
-                ("sk_units", ctypes.c_uint32), ("split_ws", ctypes.c_void_p), ("reserved", ctypes.c_uint32 * 14)]
+                ("split_ws", ctypes.c_void_p)]
 
 
 class MkGemmArgs(ctypes.Structure):
@@ -290,11 +290,10 @@ def check_grouped_b(b_arr, what="b"):
 # ------------------------------------------------------------------------------------ launch
 def _launch(cupy, *, a, b_arr, layout, N, K, M, G, out, out_code, group_rows, epi_op, stream, sms,
             tile_order, roles, tile_flags, tile_counts, group_m, num_tiles_host, max_tiles, order="m",
-            cluster=False, splits=1, sk_units=0):
+            cluster=False, splits=1):
     step = CLUSTER if cluster else 1  # CTAs per claim
-    claims = sk_units or num_tiles_host  # stream K: a CTA per unit (or fewer, each running several)
     if sms is None:
-        sms = step * default_ctas(claims, _num_sms() // step) if claims and roles is None \
+        sms = step * default_ctas(num_tiles_host, _num_sms() // step) if num_tiles_host and roles is None \
             else _num_sms() // step * step
     if not step <= int(sms) <= _num_sms() or int(sms) % step:
         raise ArgumentError(f"sms must be {'an even number in ' if cluster else ''}{step}..{_num_sms()}; got {sms}")
@@ -307,7 +306,7 @@ def _launch(cupy, *, a, b_arr, layout, N, K, M, G, out, out_code, group_rows, ep
     ws = workspace(stream)
     args.sync = ws.sync()
     tiles_n = -(-N // BN)
-    grid = int(sms) if claims is None else max(step, min(int(sms), step * claims))
+    grid = int(sms) if num_tiles_host is None else max(step, min(int(sms), step * num_tiles_host))
     args.sched = MkGemmSched(_u32_array(cupy, tile_order, max_tiles, "tile_order"), ws.base + ws.COUNTER,
                              ws.base + ws.DONE, _u32_array(cupy, roles, grid, "roles"),
                              num_tiles_host or 0, tiles_n, int(group_m), 1 if order == "n" else 0)
@@ -320,8 +319,8 @@ def _launch(cupy, *, a, b_arr, layout, N, K, M, G, out, out_code, group_rows, ep
     args.epi_op = epi_op
     buffer = None
     if splits > 1:
-        buffer = ws.split_buffer(split_bytes(M, N, splits, sk_units))
-        args.splits, args.sk_units, args.split_ws = splits, sk_units, buffer.data.ptr
+        buffer = ws.split_buffer(split_bytes(M, N, splits))
+        args.splits, args.split_ws = splits, buffer.data.ptr
     grouped = group_rows is not None
     fn = _compile.module(SPEC).function(kernel_expr(DT[dt_name], layout, out_code, grouped, cluster))
     plan = (fn, (grid,), (THREADS,), args, SMEM_GROUPED if grouped else SMEM_PLAIN, buffer)
@@ -347,7 +346,7 @@ def _ptr(x):
 
 def _key(cupy, stream, a, b, out, b_layout, out_dtype, accumulate, sms, tile_order, roles, tile_flags, tile_counts,
          group_m, order, cluster):
-    knobs = _decode.knobs() + (config.get().gemm_split_k, config.get().gemm_stream_k)  # they pick the kernel
+    knobs = _decode.knobs() + (config.get().gemm_split_k,)  # the knobs pick the kernel and its grid
     return call_key(cupy, stream, (a, b, out), (b_layout, out_dtype, accumulate, sms, _ptr(tile_order), _ptr(roles),
                                                 _ptr(tile_flags), _ptr(tile_counts), group_m, order, cluster, knobs))
 
@@ -370,10 +369,6 @@ SPLIT_SMS = 132  # split K is planned for this many SMs whatever the device: the
 SPLIT_MIN_KBLOCKS = 8  # k-blocks (of BK) a range keeps at least: its pipeline still fills
 SPLIT_MAX = 16
 SPLIT_COUNTS_BYTES = 4096  # MK_SPLIT_COUNTS_BYTES: counts of up to 128 tiles, a fixed region for every call
-SPLIT_MAX_TILES = 128  # MK_SPLIT_MAX_TILES
-STREAM_K_FIXUP = 1  # k-blocks a partial costs the tile's last piece (it reads every piece's)
-STREAM_K_GAIN = 0.9  # stream K where its busiest SM runs at most this share of split_k's k-blocks
-STREAM_K_MAX_KBLOCKS = 0xFFFF  # a piece's k-blocks travel as 16-bit fields (split_pad1)
 
 
 def split_k(M: int, N: int, K: int) -> int:
@@ -388,33 +383,11 @@ def split_k(M: int, N: int, K: int) -> int:
     return -(-kblocks // -(-kblocks // want))  # ranges of ceil(kblocks / want): the last not empty
 
 
-def stream_k(M: int, N: int, K: int) -> tuple:
-    """``(units, splits)`` of stream K for a plain GEMM, or (0, 1): the tiles' k-blocks cut into
-    SPLIT_SMS equal units (a CTA each), a tile's pieces (at most ``splits``) summed in order.
-    config.gemm_stream_k "auto" takes it where its busiest SM's k-blocks, plus STREAM_K_FIXUP per
-    partial its tile's last piece reads, are at most STREAM_K_GAIN of split_k's plan's (or of one CTA
-    per tile): tiles that leave SMs idle and do not cut evenly into ranges. True: wherever it can run."""
-    mode = config.get().gemm_stream_k
-    nt, kblocks = tiles(M, N), -(-K // BK)
-    per = -(-nt * kblocks // SPLIT_SMS)
-    if mode is False or nt > SPLIT_MAX_TILES or kblocks > STREAM_K_MAX_KBLOCKS or per < SPLIT_MIN_KBLOCKS:
-        return 0, 1
-    pieces = -(-SPLIT_SMS // nt) + 1  # a tile's k-blocks span at most this many units (nt < SPLIT_SMS)
-    if mode == "auto":
-        s = split_k(M, N, K)
-        uniform = -(-nt * s // SPLIT_SMS) * -(-kblocks // s) + (STREAM_K_FIXUP * s if s > 1 else 0)
-        if per + STREAM_K_FIXUP * pieces > STREAM_K_GAIN * uniform:
-            return 0, 1
-    return SPLIT_SMS, pieces
-
-
-def split_bytes(M: int, N: int, splits: int, sk_units: int = 0) -> int:
-    """Bytes of the split buffer (gemm_splitk.cuh): the counts' fixed region, then the fp32 partial
-    slots: splits per tile, or stream K's tiles + units - 1 (a piece of position p in unit u: p + u)."""
+def split_bytes(M: int, N: int, splits: int) -> int:
+    """Bytes of split K's buffer (gemm_splitk.cuh): the counts' fixed region, then the fp32 partials."""
     nt = tiles(M, N)
-    assert nt <= SPLIT_MAX_TILES, nt  # split_k: tiles <= SPLIT_SMS // 2; stream_k: checked
-    slots = nt + sk_units - 1 if sk_units else nt * splits
-    return SPLIT_COUNTS_BYTES + slots * BM * BN * 4
+    assert nt * 8 * 4 <= SPLIT_COUNTS_BYTES, nt  # split_k: tiles <= SPLIT_SMS // 2
+    return SPLIT_COUNTS_BYTES + nt * splits * BM * BN * 4
 
 
 def use_cluster(M: int, N: int, K: int, cluster=None, *, tile_order=None, roles=None, sms=None,
@@ -423,11 +396,11 @@ def use_cluster(M: int, N: int, K: int, cluster=None, *, tile_order=None, roles=
     TMA multicast). cluster=None decides by shape (and by ``aligned``: the rows of A and B are
     multiples of 128 bytes), and only where the caller left the CTAs to the engine (no sms,
     tile_order or roles: the fused ops' controls address single tiles and CTAs) and where split K
-    do not apply (too few tiles: split K fills the SMs, the pairs would not); True / False force it."""
+    does not apply (too few tiles: split K fills the SMs, the pairs would not); True / False force it."""
     if cluster is None:
         wide = K >= CLUSTER_MIN_K or (not aligned and tiles(M, N) >= CLUSTER_MISALIGNED_MIN_TILES)
         return (tile_order is None and roles is None and sms is None and -(-M // BM) >= CLUSTER_MIN_TILES_M
-                and wide and split_k(M, N, K) == 1 and not stream_k(M, N, K)[0])
+                and wide and split_k(M, N, K) == 1)
     if cluster and (tile_order is not None or roles is not None):
         raise ArgumentError("cluster=True cannot take tile_order or roles (they address single tiles and CTAs)")
     return bool(cluster)
@@ -494,17 +467,15 @@ def gemm(a, b, *, out=None, stream=None, b_layout=None, out_dtype=None, accumula
     nt = tiles(M, N)
     clustered = use_cluster(M, N, K, cluster, tile_order=tile_order, roles=roles, sms=sms,
                             aligned=row_stride(a) % ROW_LINE == 0 and row_stride(b_arr) % ROW_LINE == 0)
-    sk_units, splits = (0, 1) if clustered or controls else stream_k(M, N, K)
-    if not sk_units:
-        splits = 1 if clustered or controls else split_k(M, N, K)
+    splits = 1 if clustered or controls else split_k(M, N, K)
     # Clustered, the scheduler claims units of CLUSTER M-tiles (group_m counts M-tiles either way);
-    # split K, (tile, range of K) pairs; stream K, CTAs run units of the nt tiles.
-    units = -(-M // (BM * CLUSTER)) * -(-N // BN) if clustered else nt if sk_units else nt * splits
+    # split K, (tile, range of K) pairs.
+    units = -(-M // (BM * CLUSTER)) * -(-N // BN) if clustered else nt * splits
     plan, launched = _launch(cupy, a=a, b_arr=b_arr, layout=layout, N=N, K=K, M=M, G=1, out=out, out_code=out_code,
                    group_rows=None, epi_op=EPI_ADD if accumulate else EPI_STORE, stream=stream, sms=sms,
                    tile_order=tile_order, roles=roles, tile_flags=tile_flags, tile_counts=tile_counts,
                    group_m=max(1, group_m // CLUSTER) if clustered and order == "m" else group_m, num_tiles_host=units,
-                   max_tiles=nt, order=order, cluster=clustered, splits=splits, sk_units=sk_units)
+                   max_tiles=nt, order=order, cluster=clustered, splits=splits)
     if key is not None:
         _plans.add(key, plan, launched)
     return out

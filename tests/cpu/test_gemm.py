@@ -116,7 +116,7 @@ def test_split_k_fills_the_sms_with_few_tiles_and_long_k():
     from mkernel import config
     from mkernel.engines import gemm as engine
 
-    with config.override(gemm_split_k=False, gemm_stream_k=False):
+    with config.override(gemm_split_k=False):
         assert engine.split_k(128, 8192, 8192) == 1
         assert engine.use_cluster(256, 4096, 14336)  # 2 M-tiles, long K
     assert not engine.use_cluster(256, 4096, 14336)  # 32 tiles: split K (4 ranges) instead of 16 pairs
@@ -137,73 +137,3 @@ def test_split_k_fills_the_sms_with_few_tiles_and_long_k():
             assert s == 1 or per >= engine.SPLIT_MIN_KBLOCKS and engine.tiles(M, N) * s <= engine.SPLIT_SMS
             assert engine.split_bytes(M, N, s) >= engine.SPLIT_COUNTS_BYTES + engine.tiles(M, N) * s * 128 * 256 * 4
             assert s == 1 or engine.tiles(M, N) * 8 * 4 <= engine.SPLIT_COUNTS_BYTES  # counts in the fixed region
-
-
-def _stream_k_pieces(nt, kblocks, P, grid):
-    """The device's stream-K claims (MkSchedTiles::stream_claim), CTA by CTA: (tile position, unit,
-    kb0, kb1, piece, pieces, slot0)."""
-    T = nt * kblocks
-    begin = lambda u: u * T // P  # noqa: E731
-    unit_of = lambda i: ((i + 1) * P + T - 1) // T - 1  # noqa: E731
-    out = []
-    for c in range(grid):
-        for u in range(c, P, grid):
-            pos, end = begin(u), begin(u + 1)
-            while pos < end:
-                p, kb0 = divmod(pos, kblocks)
-                kb1 = min(kblocks, kb0 + end - pos)
-                first, last = unit_of(p * kblocks), unit_of(p * kblocks + kblocks - 1)
-                out.append((p, u, kb0, kb1, u - first, last - first + 1, p + first))
-                pos += kb1 - kb0
-    return out
-
-
-def test_stream_k_cuts_every_tile_into_ordered_pieces():
-    """Every k-block of every tile runs once; a tile's pieces are numbered 0.. in K order, agree on
-    their count, stay within stream_k's bound and 8 bits, and own distinct partial slots inside the
-    buffer split_bytes sizes, whatever the grid."""
-    from mkernel import config
-    from mkernel.engines import gemm as engine
-
-    for M, N, K in [(1000, 3000, 2000), (256, 10240, 8192), (130, 4104, 4104), (1, 256, 65536), (64, 4104, 8200)]:
-        with config.override(gemm_stream_k=True):
-            units, bound = engine.stream_k(M, N, K)
-        nt, kblocks = engine.tiles(M, N), -(-K // engine.BK)
-        assert units == engine.SPLIT_SMS and nt * kblocks * units < 2 ** 32  # the device's 32-bit arithmetic
-        slot_bytes = 128 * 256 * 4
-        num_slots = (engine.split_bytes(M, N, bound, units) - engine.SPLIT_COUNTS_BYTES) // slot_bytes
-        for grid in (units, 57, 7, 1):
-            by_tile = {}
-            for p, _u, kb0, kb1, j, count, slot0 in _stream_k_pieces(nt, kblocks, units, grid):
-                by_tile.setdefault(p, []).append((kb0, kb1, j, count, slot0 + j))
-            assert sorted(by_tile) == list(range(nt))
-            for ps in by_tile.values():
-                ps.sort()
-                assert [x[2] for x in ps] == list(range(len(ps))) and {x[3] for x in ps} == {len(ps)}
-                assert ps[0][0] == 0 and ps[-1][1] == kblocks and all(a[1] == b[0] for a, b in zip(ps, ps[1:]))
-                assert len(ps) <= bound <= 255 and all(x[0] < x[1] for x in ps)
-            slots = [x[4] for ps in by_tile.values() if len(ps) > 1 for x in ps]
-            assert len(set(slots)) == len(slots) and max(slots, default=0) < num_slots
-
-
-def test_stream_k_where_tiles_leave_sms_idle_and_cut_unevenly():
-    from mkernel import config
-    from mkernel.core.errors import ArgumentError
-    from mkernel.engines import gemm as engine
-
-    assert engine.stream_k(1000, 3000, 2000) == (132, 3)  # 96 tiles: 24 k-blocks a CTA, not 32
-    assert engine.stream_k(256, 10240, 8192) == (132, 3)  # 80 tiles: 78 k-blocks, not 128
-    assert not engine.use_cluster(256, 10240, 8192)  # the pairs would run 80 CTAs
-    assert engine.stream_k(256, 8192, 8192) == (0, 1)  # 64 tiles x 2 ranges fill 128 SMs evenly
-    assert engine.stream_k(2048, 2048, 2048) == (0, 1)  # 128 tiles: one wave already
-    assert engine.stream_k(3000, 1000, 520) == (0, 1)  # units of under 8 k-blocks
-    assert engine.stream_k(1, 256, 65536) == (0, 1)  # 132 partials for one tile: split K's 16
-    assert engine.stream_k(8192, 8192, 8192) == (0, 1)  # more than 128 tiles
-    with config.override(gemm_stream_k=False):
-        assert engine.stream_k(1000, 3000, 2000) == (0, 1)
-    with config.override(gemm_stream_k=True):
-        assert engine.stream_k(256, 8192, 8192) == (132, 4)
-        assert engine.stream_k(3000, 1000, 520) == (0, 1)
-    with pytest.raises(ArgumentError):
-        with config.override(gemm_stream_k="yes"):
-            pass

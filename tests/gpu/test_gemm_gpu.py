@@ -261,57 +261,6 @@ def feature_split_k():
     print("split K: exact, reproducible, accumulate once")
 
 
-def feature_stream_k():
-    """Stream K (config.gemm_stream_k; few tiles that cut unevenly): integer inputs exact against
-    float64 for both layouts and output types, off-grid M and N, warps past M, a tile in 132 pieces
-    (forced); random inputs within 1e-2; the same bits over three launches (the arrival counts
-    reset), each followed by a split-K call sharing the stream's buffer, and on grids of 132, 57 and 7
-    CTAs (units per CTA 1, 3, 19); accumulate adds the sum once."""
-    from mkernel import config
-
-    cases = [(1000, 2056, 1032, "kn", None, "auto"), (520, 2056, 2000, "nk", np.float32, "auto"),
-             (1000, 3000, 2000, "kn", None, "auto"), (130, 4104, 4104, "nk", None, "auto"),
-             (64, 4104, 8200, "kn", np.float32, True),  # 64 rows: half the warps move no partial
-             (1, 256, 65536, "kn", np.float32, True)]  # one tile in 132 pieces
-    sms = mg._num_sms
-    with config.override(gemm_decode_max_m=0):  # the engine at every M
-        for M, N, K, lay, out_dt, mode in cases:
-            with config.override(gemm_stream_k=mode):
-                units, pieces = mg.stream_k(M, N, K)
-                assert units == mg.SPLIT_SMS and pieces > 1 and not mg.use_cluster(M, N, K), (M, N, K)
-                for integer in (True, False):
-                    a, b, ref = _simple(M, N, K, integer=integer, seed=M + K)
-                    bb = b if lay == "kn" else _dev(np.ascontiguousarray(_host(b).T))
-                    outs = []
-                    for grid in (132, 132, 132, 57, 7):
-                        mg._num_sms = lambda grid=grid: grid  # the launch's CTAs: default_ctas(132 units, grid)
-                        try:
-                            mg._plans = type(mg._plans)()  # plans keep their grid: none from another one
-                            out = _poisoned((M, N), "f32" if out_dt else "bf16")
-                            mg.gemm(a, bb, out=out, b_layout=lay)
-                            mg.gemm(a[:1], bb[:, :256] if lay == "kn" else bb[:256], b_layout=lay)  # split K
-                            _sync(f"stream K {M}x{N}x{K} {lay} on {grid} CTAs")
-                        finally:
-                            mg._num_sms = sms
-                        outs.append(_host(out).astype(np.float64))
-                    what = f"{M}x{N}x{K} {lay} {out_dt or 'bf16'} {'integer' if integer else 'random'}"
-                    assert all(np.array_equal(outs[0], o, equal_nan=True) for o in outs[1:]), \
-                        f"{what}: not the same bits over launches and grids"
-                    if integer and (out_dt or np.abs(ref).max() <= 256):
-                        assert np.array_equal(outs[0], ref), f"{what}: {int((outs[0] != ref).sum())} elements wrong"
-                    rel, _, bad = _errors(outs[0], ref)
-                    assert bad == 0 and rel < 1e-2, f"{what}: relative error {rel:.3g}, {bad} not finite"
-                    print(f"stream K {what}: {pieces} pieces at most, exact / reproducible")
-        M, N, K = 1000, 2056, 1032  # accumulate: the sum of the pieces is added once
-        a, b, ref = _simple(M, N, K, seed=4)
-        c0 = np.random.default_rng(5).integers(-50, 50, size=(M, N)).astype(np.float32)
-        out = _dev(c0)
-        mg.gemm(a, b, out=out, accumulate=True)
-        _sync("stream K accumulate")
-        assert (_host(out) == c0 + ref).all(), "stream K accumulate"
-    print("stream K: exact, reproducible on any grid, accumulate once")
-
-
 def feature_error_recorded():
     """Launches that find an error already recorded (every pipeline wait gives up at once, as after a
     peer's failure) run to their end without a GPU fault: a TMA producer never arms a stage again
@@ -498,11 +447,6 @@ def test_grouped():
 @pytest.mark.gpu
 def test_split_k():
     child_cases.feature(__file__, "split_k")
-
-
-@pytest.mark.gpu
-def test_stream_k():
-    child_cases.feature(__file__, "stream_k")
 
 
 @pytest.mark.gpu

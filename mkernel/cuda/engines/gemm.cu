@@ -64,4 +64,4 @@ static_assert(gemm_smem_bytes<GemmCfg<0, 0>, false>() == 230736, "update SMEM_PL
 static_assert(gemm_smem_bytes<GemmCfg<0, 0>, true>() == 231768, "update SMEM_GROUPED in mkernel/engines/gemm.py");
 static_assert(gemm_smem_bytes<GemmCfg<0, 0>, true>() <= 232448, "more than 227 KiB of shared memory");
 static_assert(MK_SPLIT_COUNTS_BYTES == 4096, "update SPLIT_COUNTS_BYTES in mkernel/engines/gemm.py");
-static_assert(sizeof(MkGemmArgs) == 640, "MkGemmArgs layout changed: update mkernel/engines/gemm.py");
+static_assert(sizeof(MkGemmArgs) == 576, "MkGemmArgs layout changed: update mkernel/engines/gemm.py");

@@ -50,11 +50,9 @@ struct MkGemmArgs {
   int k;
   int num_groups;  // 1 in plain mode
   unsigned int epi_op;  // MK_EPI_STORE or MK_EPI_ADD
-  unsigned int splits;  // plain mode: the most ranges of K a tile is cut into (0 or 1: none; gemm_splitk.cuh)
-  unsigned int sk_units;  // splits > 1: stream K's units (MkStreamK), or 0: every tile in splits ranges
+  unsigned int splits;  // plain mode: ranges of K per tile (0 or 1: none; gemm_splitk.cuh)
   void* split_ws;  // splits > 1: the arrival counts (8 per tile), then the fp32 partials
-  unsigned int reserved[14];  // to 640 bytes: a multiple of 64 (the TmaDesc alignment) that ctypes sees too
-};
+};  // sizeof is a multiple of 64 (the TmaDesc alignment)
 
 // Grouped mode: at most this many groups in one launch (per-group prefix sums live in shared memory).
 #define MK_GEMM_MAX_GROUPS 128

@@ -204,14 +204,15 @@ MK_DEV void gemm_load_stage(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, con
   }
 }
 
-// The k-blocks [kb0, kb1) of tile t: all of K, or (split K or stream K: args.splits > 1) its
-// piece's, from t.pad[1] (split_pad1).
+// The k-blocks [kb0, kb1) of tile t: all of K, or (split K: args.splits > 1) its range t.pad[0],
+// ceil(kblocks / splits) k-blocks each (the host picks splits so that none is empty).
 MK_DEV void gemm_k_range(const MkGemmArgs& args, const MkTile& t, int kblocks, int& kb0, int& kb1) {
   kb0 = 0;
   kb1 = kblocks;
   if (args.splits > 1) {
-    kb0 = (int)(t.pad[1] & 0xFFFFu);
-    kb1 = (int)(t.pad[1] >> 16);
+    const int per = (kblocks + (int)args.splits - 1) / (int)args.splits;
+    kb0 = (int)t.pad[0] * per;
+    kb1 = min(kblocks, kb0 + per);
   }
 }
 
@@ -276,56 +277,24 @@ MK_DEV void gemm_producer_loop(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, 
   mbar_drain_landed(smem_u32(&bars->full[0]), Cfg::STAGES, it);
 }
 
-// The engine's tile source: the persistent scheduler (tile order, role words), group = B index.
-// SPLIT (plain mode, one CTA per claim), when args.splits > 1: claims of (tile, range of K), or
-// with args.sk_units the pieces of this CTA's stream-K units (MkStreamK; no shared counter);
-// the piece in MkTile::pad (split_pad0 / split_pad1).
+// The engine's tile source: the persistent scheduler (tile order, role words), group = B index;
+// SPLIT (plain mode, one CTA per claim), when args.splits > 1: claims of (tile, range of K), the
+// range in MkTile::pad[0].
 template <class Cfg, bool SPLIT = false>
 struct MkSchedTiles {
   const MkGemmArgs& args;
   const MkTileSpace<Cfg::UNIT_M>& space;
-  u32 unit = ~0u;  // stream K: this CTA's unit, the rest of it [pos, end), the claimed piece's pad
-  u32 pos = 0, end = 0;
-  u32 pad0 = 0, pad1 = 0;
-
-  MK_DEV u32 kblocks() const { return (u32)((args.k + Cfg::BK - 1) / Cfg::BK); }
-  MK_DEV u32 claim() {
-    if (SPLIT && args.splits > 1 && args.sk_units > 0) return stream_claim();
+  MK_DEV u32 claim() const {
     if (SPLIT && args.splits > 1)
       return sched_next(args.sched, MkSplitOrder<MkTileSpace<Cfg::UNIT_M> >{space, args.splits, space.num_tiles},
                         args.sync);
     return sched_next(args.sched, space, args.sync);
   }
-  // The next piece of this CTA's units (c, c + gridDim.x, ...): its tile id, the piece in pad0 / pad1.
-  MK_DEV u32 stream_claim() {
-    const u32 kb = kblocks();
-    const MkStreamK sk{space.num_tiles * kb, args.sk_units};
-    while (pos >= end) {
-      unit = unit == ~0u ? blockIdx.x : unit + gridDim.x;
-      if (unit >= sk.P) return MK_TILE_DONE;
-      pos = sk.begin(unit);
-      end = sk.begin(unit + 1);
-    }
-    const u32 p = pos / kb, kb0 = pos - p * kb, kb1 = min(kb, kb0 + (end - pos));
-    const u32 first = sk.unit_of(p * kb), last = sk.unit_of(p * kb + kb - 1);
-    pad0 = split_pad0(unit - first, last - first + 1, p + first);  // slots p + u: distinct over all pieces
-    pad1 = split_pad1(kb0, kb1);
-    pos += kb1 - kb0;
-    return space.builtin_id(p);
-  }
   MK_DEV bool done(u32 id) const { return id == MK_TILE_DONE; }
   MK_DEV MkTile decode(u32 id) const {
     if (!SPLIT || args.splits <= 1) return space.template decode<Cfg::BN>(id);
-    if (args.sk_units > 0) {
-      MkTile t = space.template decode<Cfg::BN>(id);
-      t.pad[0] = pad0;
-      t.pad[1] = pad1;
-      return t;
-    }
-    const u32 S = args.splits, r = id % S, per = (kblocks() + S - 1) / S;
-    MkTile t = space.template decode<Cfg::BN>(id / S);
-    t.pad[0] = split_pad0(r, S, t.id * S);
-    t.pad[1] = split_pad1(r * per, min(kblocks(), r * per + per));
+    MkTile t = space.template decode<Cfg::BN>(id / args.splits);
+    t.pad[0] = id % args.splits;
     return t;
   }
   MK_DEV void before_loads(const MkTile&) const {}

@@ -1,23 +1,21 @@
 #pragma once
 // Split K for the plain GEMM (mkernel/engines/gemm.py picks MkGemmArgs::splits > 1 when the output
-// has too few tiles to fill the SMs and K is long): the scheduler hands out pieces of tiles, each a
-// range of K (MkSchedTiles: uniform (tile, range) claims, or stream K's units cut at tile ends),
-// the mainloop runs the piece's k-blocks (gemm_k_range), and this epilogue wrapper, warp by warp,
-// stores the warp's 16 x 256 fp32 slice of the piece's partial in split_ws, counts its arrival for
-// (tile, slice), and the last of the tile's pieces to arrive adds the pieces' values in piece order
-// (all read back, its own too) and hands the sum to the inner epilogue: bitwise reproducible,
-// whichever piece is last. A tile in one piece skips all of it. Warps whose 16 rows lie past M move
-// no partial (at 33-64 rows, half the tile). No barrier spans more than one warp.
+// has too few tiles to fill the SMs and K is long): the scheduler hands out (tile, range of K)
+// claims (MkSplitOrder, MkSchedTiles), the mainloop runs the range's k-blocks (gemm_k_range), and
+// this epilogue wrapper, warp by warp, stores the warp's 16 x 256 fp32 slice of the range's partial
+// in split_ws, counts its arrival for (tile, slice), and the last of the ranges to arrive adds the
+// ranges' values in range order (all read back, its own too) and hands the sum to the inner
+// epilogue: bitwise reproducible, whichever range is last. Warps whose 16 rows lie past M move no
+// partial (at 33-64 rows, half the tile). No barrier spans more than one warp.
 //
 // split_ws: 8 arrival counts per tile (zero between launches: the last arrival resets its count) in
 // a fixed region of MK_SPLIT_MAX_TILES tiles, so that no call's partials overlap another call's
-// counts, then the partial slots [slot][slice][value 0..127][lane 0..31]; piece j of a tile uses
-// slot (pad[0] >> 16) + j.
+// counts, then the partials [tile][range][slice][value 0..127][lane 0..31].
 #include "common.cuh"
 #include "gemm_args.cuh"
 #include "tile_scheduler.cuh"
 
-constexpr u32 MK_SPLIT_MAX_TILES = 128;  // split or stream K only up to 128 tiles (mkernel/engines/gemm.py)
+constexpr u32 MK_SPLIT_MAX_TILES = 128;  // splits >= 2 only where tiles * 2 <= 132 (mkernel/engines/gemm.py)
 constexpr u64 MK_SPLIT_COUNTS_BYTES = MK_SPLIT_MAX_TILES * 8u * 4u;
 
 template <class Inner>
@@ -32,19 +30,18 @@ struct MkSplitEpilogue {
     if (args.splits <= 1 || reduce(acc, t, wg)) inner(acc, t, wg);
   }
 
-  // This piece's partial out, and in the tile's last piece to arrive, acc = the sum of all pieces
-  // in piece order (true: store it).
+  // Split K: this range's partial out, and in the last range to arrive, acc = the sum of all
+  // ranges in range order (true: store it).
   MK_DEV bool reduce(float (&acc)[128], const MkTile& t, int wg) {
-    const u32 own = t.pad[0] & 0xFFu, S = (t.pad[0] >> 8) & 0xFFu, slot0 = t.pad[0] >> 16;
-    if (S <= 1) return true;  // stream K: the whole tile in one unit
-    const u32 lane = threadIdx.x & 31, slice = (u32)wg * 4 + ((threadIdx.x & 127) >> 5);
-    // No row of this warp is in the tile (M's last tile): no partial to move; piece 0 alone runs the
+    const u32 S = args.splits;
+    const u32 lane = threadIdx.x & 31, slice = (u32)wg * 4 + ((threadIdx.x & 127) >> 5), own = t.pad[0];
+    // No row of this warp is in the tile (M's last tile): no partial to move; range 0 alone runs the
     // inner epilogue, which stores nothing for it.
     if (16 * (i32)slice >= t.rows) return own == 0;
     u8* ws = reinterpret_cast<u8*>(args.split_ws);
     u32* count = reinterpret_cast<u32*>(ws) + (u64)t.id * 8 + slice;
-    const float* part = reinterpret_cast<const float*>(ws + MK_SPLIT_COUNTS_BYTES) + ((u64)slot0 * 8 + slice) * 4096 +
-                        lane;  // piece r's values: part + r * 8 * 4096
+    const float* part = reinterpret_cast<const float*>(ws + MK_SPLIT_COUNTS_BYTES) +
+                        ((u64)t.id * S * 8 + slice) * 4096 + lane;  // range r's values: part + r * 8 * 4096
     float* mine = const_cast<float*>(part) + (u64)own * 8 * 4096;
 #pragma unroll
     for (int i = 0; i < 128; ++i) __stcg(mine + i * 32, acc[i]);
@@ -53,10 +50,10 @@ struct MkSplitEpilogue {
     u32 last = 0;
     if (lane == 0) last = atomicAdd(count, 1u) + 1 == S ? 1u : 0u;
     if (!__shfl_sync(0xffffffffu, last, 0)) return false;
-    __threadfence();  // every piece's partial (published before its arrival) is visible now
+    __threadfence();  // every range's partial (published before its arrival) is visible now
     if (lane == 0) *count = 0;  // zero for the next launch (stream ordered)
 #pragma unroll
-    for (int i = 0; i < 128; ++i) acc[i] = __ldcg(part + i * 32);  // piece 0 (this one's too: reread)
+    for (int i = 0; i < 128; ++i) acc[i] = __ldcg(part + i * 32);  // range 0 (this one's too: reread)
 #pragma unroll 1
     for (u32 r = 1; r < S; ++r) {
       const float* pr = part + (u64)r * 8 * 4096;

@@ -165,21 +165,6 @@ struct MkSplitOrder {
   MK_DEV u32 builtin_id(u32 pos) const { return s.builtin_id(pos / splits) * splits + pos % splits; }
 };
 
-// Stream K (plain mode, MkGemmArgs::sk_units = P > 0): the k-blocks of every tile, tile after tile
-// in the built-in order (T = tiles x kblocks), cut into P units of equal length, unit u being
-// [floor(u T / P), floor((u + 1) T / P)); a CTA runs its units as one piece per tile they touch.
-struct MkStreamK {  // 32 bits suffice: T x P < 2^32 (at most 128 tiles of 65535 k-blocks, P = 132)
-  u32 T;
-  u32 P;
-  MK_DEV u32 begin(u32 u) const { return u * T / P; }
-  MK_DEV u32 unit_of(u32 i) const { return ((i + 1) * P + T - 1) / T - 1u; }  // max u: begin(u) <= i
-};
-
-// A split tile's MkTile::pad words: pad[0] = piece (its place in the tile's sum) | pieces << 8 |
-// first partial slot << 16, pad[1] = first k-block | end k-block << 16 (gemm_splitk.cuh reads them).
-MK_DEV u32 split_pad0(u32 piece, u32 pieces, u32 slot0) { return piece | pieces << 8 | slot0 << 16; }
-MK_DEV u32 split_pad1(u32 kb0, u32 kb1) { return kb0 | kb1 << 16; }
-
 // Space: any tile space with num_tiles and builtin_id(pos) (the GEMM's MkTileSpace, attention's).
 template <class Space>
 MK_DEV u32 sched_try_next(const MkGemmSched& s, const Space& space) {

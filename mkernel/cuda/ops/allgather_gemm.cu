@@ -168,4 +168,4 @@ __global__ void __launch_bounds__(384, 1) mk_allgather_gemm_kernel(const __grid_
 }
 
 static_assert(TP_SMEM_BYTES == 230736, "update tp.SMEM_BYTES");
-static_assert(sizeof(TpArgs) == 1984, "TpArgs layout changed: update mkernel/ops/tp.py");
+static_assert(sizeof(TpArgs) == 1920, "TpArgs layout changed: update mkernel/ops/tp.py");

@@ -8,4 +8,4 @@ __global__ void __launch_bounds__(384, 1) mk_gemm_ar_kernel(const __grid_constan
 }
 
 static_assert(TP_SMEM_BYTES == 230736, "update tp.SMEM_BYTES");
-static_assert(sizeof(TpArgs) == 1984, "TpArgs layout changed: update mkernel/ops/tp.py");
+static_assert(sizeof(TpArgs) == 1920, "TpArgs layout changed: update mkernel/ops/tp.py");
