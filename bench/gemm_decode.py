@@ -129,7 +129,8 @@ def main():
         elif kind == "decode":
             settings["engine"] = {"gemm_decode_max_m": 0}  # the engine (split K) at the decode path's rows
         calls = {name: (knobs, {}) for name, knobs in settings.items()}
-        if kind == "odd":  # the clustered kernel (CTA pairs sharing B by multicast) against the default
+        if kind == "odd" or (mg.use_cluster(M, N, K) and mg.split_k(M, N, K, cluster=True) > 1):
+            # the clustered kernel (CTA pairs sharing B by multicast) against the default
             forced = not mg.use_cluster(M, N, K, aligned=2 * K % mg.ROW_LINE == 0)  # rows of a and w: K elements
             calls["cluster" if forced else "nocluster"] = ({}, {"cluster": forced})
         for name, (knobs, kw) in calls.items():

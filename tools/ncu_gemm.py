@@ -20,6 +20,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("shapes", nargs="+", help="MxNxK")
     ap.add_argument("--decode-max-m", type=int, default=None, help="config.gemm_decode_max_m for the run")
+    ap.add_argument("--variant", action="append", default=[], metavar="KNOB=VALUE",
+                    help="also profile mkernel.gemm under this config override, after the default (repeatable)")
     opts = ap.parse_args()
     import cupy
 
@@ -29,7 +31,17 @@ def main():
     if opts.decode_max_m is not None:
         config.configure(gemm_decode_max_m=opts.decode_max_m)
 
+    import ast
+
     from harness import rand
+
+    def value(v):
+        try:
+            return ast.literal_eval(v)
+        except (ValueError, SyntaxError):
+            return v
+
+    variants = [{}] + [{k: value(v) for k, v in (kv.split("=", 1),)} for kv in opts.variant]
 
     words = cupy.ones((1 << 30) // 8, cupy.uint64)
     words.max()
@@ -46,17 +58,21 @@ def main():
         M, N, K = (int(x) for x in s.split("x"))
         a, w = rand((M, K), 10), rand((N, K), 11)
         out = cupy.empty((M, N), a.dtype)
-        mg.gemm(a, w.T, out=out)  # compiles, plans, allocates outside the profiled range
+        for knobs in variants:  # compiles, plans, allocates outside the profiled range
+            with config.override(**knobs):
+                mg.gemm(a, w.T, out=out)
         cupy.matmul(a, w.T, out=out)
         cases.append((s, a, w, out))
     cupy.cuda.Device().synchronize()
     cupy.cuda.profiler.start()
     for _s, a, w, out in cases:
-        mg.gemm(a, w.T, out=out)
+        for knobs in variants:
+            with config.override(**knobs):
+                mg.gemm(a, w.T, out=out)
         cupy.matmul(a, w.T, out=out)
     cupy.cuda.Device().synchronize()
     cupy.cuda.profiler.stop()
-    print("profiled:", " ".join(s for s, *_ in cases))
+    print("profiled:", " ".join(s for s, *_ in cases), "each as mkernel under", variants, "then cuBLAS")
 
 
 if __name__ == "__main__":

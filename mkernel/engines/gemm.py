@@ -371,13 +371,15 @@ SPLIT_MAX = 16
 SPLIT_COUNTS_BYTES = 4096  # MK_SPLIT_COUNTS_BYTES: counts of up to 128 tiles, a fixed region for every call
 
 
-def split_k(M: int, N: int, K: int) -> int:
-    """Ranges of K per tile of a plain GEMM (config.gemm_split_k): enough (tile, range) claims to
-    fill SPLIT_SMS SMs once, each at least SPLIT_MIN_KBLOCKS k-blocks, none empty; 1: no split."""
+def split_k(M: int, N: int, K: int, cluster: bool = False) -> int:
+    """Ranges of K per tile of a plain GEMM (config.gemm_split_k): enough (tile, range) claims (or
+    clustered, (unit of CLUSTER M-tiles, range) claims of CLUSTER CTAs each) to fill SPLIT_SMS SMs
+    once, each at least SPLIT_MIN_KBLOCKS k-blocks, none empty; 1: no split."""
     if not config.get().gemm_split_k:
         return 1
     kblocks = -(-K // BK)
-    want = min(SPLIT_SMS // tiles(M, N), kblocks // SPLIT_MIN_KBLOCKS, SPLIT_MAX)
+    ctas = -(-M // (BM * CLUSTER)) * -(-N // BN) * CLUSTER if cluster else tiles(M, N)
+    want = min(SPLIT_SMS // ctas, kblocks // SPLIT_MIN_KBLOCKS, SPLIT_MAX)
     if want < 2:
         return 1
     return -(-kblocks // -(-kblocks // want))  # ranges of ceil(kblocks / want): the last not empty
@@ -396,11 +398,13 @@ def use_cluster(M: int, N: int, K: int, cluster=None, *, tile_order=None, roles=
     TMA multicast). cluster=None decides by shape (and by ``aligned``: the rows of A and B are
     multiples of 128 bytes), and only where the caller left the CTAs to the engine (no sms,
     tile_order or roles: the fused ops' controls address single tiles and CTAs) and where split K
-    does not apply (too few tiles: split K fills the SMs, the pairs would not); True / False force it."""
+    does not apply or splits the pairs as finely (split K fills the SMs; pairs split into as few
+    k-blocks a CTA share B's loads too); True / False force it."""
     if cluster is None:
         wide = K >= CLUSTER_MIN_K or (not aligned and tiles(M, N) >= CLUSTER_MISALIGNED_MIN_TILES)
+        kblocks, plain = -(-K // BK), split_k(M, N, K)
         return (tile_order is None and roles is None and sms is None and -(-M // BM) >= CLUSTER_MIN_TILES_M
-                and wide and split_k(M, N, K) == 1)
+                and wide and (plain == 1 or -(-kblocks // split_k(M, N, K, cluster=True)) <= -(-kblocks // plain)))
     if cluster and (tile_order is not None or roles is not None):
         raise ArgumentError("cluster=True cannot take tile_order or roles (they address single tiles and CTAs)")
     return bool(cluster)
@@ -458,8 +462,8 @@ def gemm(a, b, *, out=None, stream=None, b_layout=None, out_dtype=None, accumula
     if order not in (None, "m", "n"):
         raise ArgumentError(f"order must be None, 'm' or 'n'; got {order!r}")
     order = order or "m"
-    controls = any(x is not None for x in (sms, tile_order, roles, tile_flags, tile_counts)) or bool(cluster)
-    if _decode.eligible(M, N, K, layout == B_NK, controls=controls):
+    controls = any(x is not None for x in (sms, tile_order, roles, tile_flags, tile_counts))
+    if _decode.eligible(M, N, K, layout == B_NK, controls=controls or bool(cluster)):
         plan, launched = _launch_decode(a, b_arr, out, out_code, M=M, N=N, K=K, accumulate=accumulate, stream=stream)
         if key is not None:
             _plans.add(key, plan, launched)
@@ -467,10 +471,10 @@ def gemm(a, b, *, out=None, stream=None, b_layout=None, out_dtype=None, accumula
     nt = tiles(M, N)
     clustered = use_cluster(M, N, K, cluster, tile_order=tile_order, roles=roles, sms=sms,
                             aligned=row_stride(a) % ROW_LINE == 0 and row_stride(b_arr) % ROW_LINE == 0)
-    splits = 1 if clustered or controls else split_k(M, N, K)
+    splits = 1 if controls else split_k(M, N, K, cluster=clustered)
     # Clustered, the scheduler claims units of CLUSTER M-tiles (group_m counts M-tiles either way);
-    # split K, (tile, range of K) pairs.
-    units = -(-M // (BM * CLUSTER)) * -(-N // BN) if clustered else nt * splits
+    # split K, (tile or unit, range of K) pairs.
+    units = (-(-M // (BM * CLUSTER)) * -(-N // BN) if clustered else nt) * splits
     plan, launched = _launch(cupy, a=a, b_arr=b_arr, layout=layout, N=N, K=K, M=M, G=1, out=out, out_code=out_code,
                    group_rows=None, epi_op=EPI_ADD if accumulate else EPI_STORE, stream=stream, sms=sms,
                    tile_order=tile_order, roles=roles, tile_flags=tile_flags, tile_counts=tile_counts,

@@ -222,35 +222,40 @@ def feature_accumulate():
 
 
 def feature_split_k():
-    """Split K (config.gemm_split_k; few tiles, long K): integer inputs exact against float64 for
-    every layout and output type, off-grid shapes, accumulate; random inputs within 1e-2; the same
-    bits over three launches (the arrival counts reset), each followed by a one-row call sharing the
-    stream's buffers."""
+    """Split K (config.gemm_split_k; few tiles, long K), unclustered and in CTA pairs sharing B
+    (ranges of units of 2 M-tiles, a phantom part past M at one M-tile): integer inputs exact
+    against float64 for every layout and output type, off-grid shapes, accumulate; random inputs
+    within 1e-2; the same bits over three launches (the arrival counts reset), each followed by a
+    one-row call sharing the stream's buffers, and in both kernels."""
     from mkernel import config
 
     cases = [(128, 4096, 14336, "kn", None), (200, 1032, 4104, "nk", None), (1, 256, 65536, "kn", None),
              (256, 2048, 2056, "kn", np.float32), (130, 520, 8200, "nk", np.float32),
-             (256, 4096, 14336, "nk", None),  # 2 M-tiles, long K: split, not the clustered pairs
+             (256, 4096, 14336, "nk", None),  # 2 M-tiles, long K: split pairs by default
              (64, 4096, 8192, "nk", None)]  # 64 tokens: one warpgroup's rows move no partial
     with config.override(gemm_split_k=True, gemm_decode_max_m=0):  # the engine at decode sizes too
         for M, N, K, lay, out_dt in cases:
-            assert mg.split_k(M, N, K) > 1 and not mg.use_cluster(M, N, K), (M, N, K)
+            assert mg.split_k(M, N, K) > 1 and mg.split_k(M, N, K, cluster=True) > 1, (M, N, K)
             for integer in (True, False):
                 a, b, ref = _simple(M, N, K, integer=integer, seed=M + K)
                 bb = b if lay == "kn" else _dev(np.ascontiguousarray(_host(b).T))
                 outs = []
-                for _ in range(3):
+                for cluster in (False, False, False, True, True):
                     out = _poisoned((M, N), "f32" if out_dt else "bf16")
-                    mg.gemm(a, bb, out=out, b_layout=lay)
+                    mg.gemm(a, bb, out=out, b_layout=lay, cluster=cluster)
                     mg.gemm(a[:1], bb, out=_poisoned((1, N), "f32" if out_dt else "bf16"), b_layout=lay)
                     _sync(f"split K {M}x{N}x{K} {lay}")
                     outs.append(_host(out).astype(np.float64))
                 what = f"{M}x{N}x{K} {lay} {out_dt or 'bf16'} {'integer' if integer else 'random'}"
-                assert all(np.array_equal(outs[0], o, equal_nan=True) for o in outs[1:]), f"{what}: not reproducible"
+                assert all(np.array_equal(outs[0], o, equal_nan=True) for o in outs[1:3]), f"{what}: not reproducible"
+                assert np.array_equal(outs[3], outs[4], equal_nan=True), f"{what}: clustered, not reproducible"
+                if integer and (out_dt or np.abs(ref).max() <= 256):
+                    assert np.array_equal(outs[3], ref), f"{what}: clustered, {int((outs[3] != ref).sum())} wrong"
                 if integer and (out_dt or np.abs(ref).max() <= 256):
                     assert np.array_equal(outs[0], ref), f"{what}: {int((outs[0] != ref).sum())} elements wrong"
-                rel, _, bad = _errors(outs[0], ref)
-                assert bad == 0 and rel < 1e-2, f"{what}: relative error {rel:.3g}, {bad} not finite"
+                for o, kind in ((outs[0], "one CTA a tile"), (outs[3], "clustered")):
+                    rel, _, bad = _errors(o, ref)
+                    assert bad == 0 and rel < 1e-2, f"{what} {kind}: relative error {rel:.3g}, {bad} not finite"
         M, N, K = 128, 1032, 8200  # accumulate: the sum of the ranges is added once
         a, b, ref = _simple(M, N, K, seed=4)
         c0 = np.random.default_rng(5).integers(-50, 50, size=(M, N)).astype(np.float32)

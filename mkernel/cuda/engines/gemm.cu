@@ -18,7 +18,7 @@
 template <class Cfg, int OUT, bool GROUPED>
 MK_DEV void gemm_consumers(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, int wg, u32 epoch) {
   MkTmaEpilogue<OUT, Cfg, GROUPED> store{args, sm, epoch, MkGemmDest{args}};
-  if constexpr (!GROUPED && Cfg::CLUSTER == 1) {
+  if constexpr (!GROUPED) {
     MkSplitEpilogue<MkTmaEpilogue<OUT, Cfg, GROUPED> > epi{args, store};
     gemm_consumer<Cfg>(args, sm, wg, epi);
     epi.finish();

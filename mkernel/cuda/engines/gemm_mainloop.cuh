@@ -278,8 +278,8 @@ MK_DEV void gemm_producer_loop(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, 
 }
 
 // The engine's tile source: the persistent scheduler (tile order, role words), group = B index;
-// SPLIT (plain mode, one CTA per claim), when args.splits > 1: claims of (tile, range of K), the
-// range in MkTile::pad[0].
+// SPLIT (plain mode), when args.splits > 1: claims of (tile, range of K) (clustered: (unit of
+// CLUSTER M-tiles, range), every part of the unit on the same range), the range in MkTile::pad[0].
 template <class Cfg, bool SPLIT = false>
 struct MkSchedTiles {
   const MkGemmArgs& args;
@@ -303,7 +303,7 @@ struct MkSchedTiles {
 
 template <class Cfg, bool GROUPED>
 MK_DEV void gemm_producer(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, const MkTileSpace<Cfg::UNIT_M>& space) {
-  MkSchedTiles<Cfg, !GROUPED && Cfg::CLUSTER == 1> src{args, space};
+  MkSchedTiles<Cfg, !GROUPED> src{args, space};
   gemm_producer_loop<Cfg>(args, sm, src);
 }
 

@@ -35,8 +35,8 @@ struct MkSplitEpilogue {
   MK_DEV bool reduce(float (&acc)[128], const MkTile& t, int wg) {
     const u32 S = args.splits;
     const u32 lane = threadIdx.x & 31, slice = (u32)wg * 4 + ((threadIdx.x & 127) >> 5), own = t.pad[0];
-    // No row of this warp is in the tile (M's last tile): no partial to move; range 0 alone runs the
-    // inner epilogue, which stores nothing for it.
+    // No row of this warp is in the tile (M's last tile, or a clustered unit's part past M, whose id is
+    // MK_TILE_NONE): no partial to move; range 0 alone runs the inner epilogue, which stores nothing.
     if (16 * (i32)slice >= t.rows) return own == 0;
     u8* ws = reinterpret_cast<u8*>(args.split_ws);
     u32* count = reinterpret_cast<u32*>(ws) + (u64)t.id * 8 + slice;
