@@ -45,6 +45,9 @@ DEFAULT_GROUP_M = 8  # built-in tile order: M-tiles per group (8 beat 16 on the 
 CLUSTER_MIN_TILES_M = 2
 CLUSTER_MIN_K = 2560
 CLUSTER_MISALIGNED_MIN_TILES = 132
+# Split K runs in pairs where a pair's range holds at least this many k-blocks: 224 gained 5%, 56-64
+# lost 1.5% (256 rows, bench/NOTES.md session 34).
+CLUSTER_SPLIT_MIN_KBLOCKS = 128
 ROW_LINE = 128  # bytes of an L2 line
 
 
@@ -398,13 +401,14 @@ def use_cluster(M: int, N: int, K: int, cluster=None, *, tile_order=None, roles=
     TMA multicast). cluster=None decides by shape (and by ``aligned``: the rows of A and B are
     multiples of 128 bytes), and only where the caller left the CTAs to the engine (no sms,
     tile_order or roles: the fused ops' controls address single tiles and CTAs) and where split K
-    does not apply or splits the pairs as finely (split K fills the SMs; pairs split into as few
-    k-blocks a CTA share B's loads too); True / False force it."""
+    does not apply, or splits the pairs as finely into ranges of at least CLUSTER_SPLIT_MIN_KBLOCKS
+    (split K fills the SMs; long ranges of pairs share B's loads too); True / False force it."""
     if cluster is None:
         wide = K >= CLUSTER_MIN_K or (not aligned and tiles(M, N) >= CLUSTER_MISALIGNED_MIN_TILES)
         kblocks, plain = -(-K // BK), split_k(M, N, K)
+        per = -(-kblocks // split_k(M, N, K, cluster=True))  # k-blocks of a pair's range
         return (tile_order is None and roles is None and sms is None and -(-M // BM) >= CLUSTER_MIN_TILES_M
-                and wide and (plain == 1 or -(-kblocks // split_k(M, N, K, cluster=True)) <= -(-kblocks // plain)))
+                and wide and (plain == 1 or per <= -(-kblocks // plain) and per >= CLUSTER_SPLIT_MIN_KBLOCKS))
     if cluster and (tile_order is not None or roles is not None):
         raise ArgumentError("cluster=True cannot take tile_order or roles (they address single tiles and CTAs)")
     return bool(cluster)

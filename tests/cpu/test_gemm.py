@@ -119,8 +119,9 @@ def test_split_k_fills_the_sms_with_few_tiles_and_long_k():
     with config.override(gemm_split_k=False):
         assert engine.split_k(128, 8192, 8192) == 1
         assert engine.use_cluster(256, 4096, 14336)  # 2 M-tiles, long K
-    assert engine.use_cluster(256, 4096, 14336)  # 16 pairs in 4 ranges: as many k-blocks a CTA as 32 tiles in 4
+    assert not engine.use_cluster(256, 4096, 14336)  # 32 tiles x 4 ranges of 56 k-blocks: too short for pairs
     assert engine.split_k(256, 4096, 14336, cluster=True) == 4 and engine.split_k(256, 8192, 8192, cluster=True) == 2
+    assert engine.use_cluster(256, 8192, 28672) and engine.split_k(256, 8192, 28672, cluster=True) == 2  # 224 each
     assert not engine.use_cluster(256, 10240, 8192, cluster=False) and engine.split_k(256, 10240, 8192) == 1
     assert engine.use_cluster(8192, 8192, 8192) and engine.split_k(8192, 8192, 8192) == 1
     assert not engine.use_cluster(8191, 8200, 1032)  # short K, rows in whole L2 lines: one CTA per tile
