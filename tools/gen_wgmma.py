@@ -8,7 +8,7 @@ register, so these are generated rather than written by hand.
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parents[1] / "mkernel" / "cuda" / "primitives" / "wgmma_ops.cuh"
-SHAPES = (8, 16, 32, 64, 128, 256)  # 8-32: the decode GEMM's token tiles
+SHAPES = (8, 16, 32, 64, 128, 192, 256)  # 8-32: the decode GEMM's token tiles; 192: the engine's narrow tiles
 TYPES = (("MK_DT_BF16", "bf16"), ("MK_DT_F16", "f16"))
 
 

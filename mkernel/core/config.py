@@ -79,6 +79,9 @@ class Config:
     # mkernel.gemm splits K when the output has too few 128 x 256 tiles to fill the SMs and K is
     # long (engines/gemm.py split_k); False: one CTA per tile
     gemm_split_k: bool = True
+    # Width of mkernel.gemm's tiles where it plans the CTAs: 256; 192 (narrow: plain, unclustered);
+    # "auto": narrow where they fill the SMs in fewer waves (engines/gemm.py tile_width)
+    gemm_tile_n: object = 256
 
     def __post_init__(self):
         if self.tp_controller not in CONTROLLER_SETTINGS:
@@ -90,6 +93,8 @@ class Config:
                                                              "tp_latency_ll_max_rows", "allreduce_ll_max_bytes")
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if zero_ok else 1):
                 raise ArgumentError(f"{name} must be a {'non-negative' if zero_ok else 'positive'} integer; got {v!r}")
+        if self.gemm_tile_n not in (256, 192, "auto"):
+            raise ArgumentError(f"gemm_tile_n must be 256, 192 or \"auto\"; got {self.gemm_tile_n!r}")
         if self.gemm_decode_split not in ("stream", "even"):
             raise ArgumentError(f"gemm_decode_split must be \"stream\" or \"even\"; got {self.gemm_decode_split!r}")
         if self.gemm_decode_max_m > 256:

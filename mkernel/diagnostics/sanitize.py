@@ -16,8 +16,8 @@ from mkernel.runtime.arrays import cupy_mod
 
 def target_gemm():
     """The engine once at a shape off the tile grid in every dimension, both B layouts, with and
-    without clusters, then split K (long K) alone and in pairs; integer inputs (exact); raises on a
-    wrong result. tools/sanitize.sh runs it under compute-sanitizer."""
+    without clusters and in narrow tiles, then split K (long K) alone, in pairs and in narrow tiles;
+    integer inputs (exact); raises on a wrong result. tools/sanitize.sh runs it under compute-sanitizer."""
     import numpy as np
 
     cupy = cupy_mod()
@@ -27,23 +27,25 @@ def target_gemm():
     b = rng.integers(-2, 3, size=(K, N)).astype(np.float16)
     want = (a.astype(np.float64) @ b.astype(np.float64)).astype(np.float16)
     for name, b_dev, layout in (("kn", cupy.asarray(b), None), ("nk", cupy.asarray(np.ascontiguousarray(b.T)), "nk")):
-        for cluster in (False, True):
+        for cluster, tile_n in ((False, 256), (True, 256), (False, 192)):
             out = cupy.full((M, N), np.nan, dtype=np.float16)
-            mkernel.gemm(cupy.asarray(a), b_dev, out=out, b_layout=layout, cluster=cluster)
+            with config.override(gemm_tile_n=tile_n):
+                mkernel.gemm(cupy.asarray(a), b_dev, out=out, b_layout=layout, cluster=cluster)
             got = out.get()
             if not np.array_equal(got, want):
-                raise AssertionError(f"gemm {name} cluster={cluster}: {int((got != want).sum())} of {got.size} "
-                                     "elements wrong")
+                raise AssertionError(f"gemm {name} cluster={cluster} tiles of {tile_n}: "
+                                     f"{int((got != want).sum())} of {got.size} elements wrong")
     a = rng.integers(-1, 2, size=(M, 4104)).astype(np.float16)  # split K (8 ranges), alone and in pairs
     b = rng.integers(-1, 2, size=(4104, N)).astype(np.float16)
     want = (a.astype(np.float64) @ b.astype(np.float64)).astype(np.float32)
-    for cluster in (False, True):
+    for cluster, tile_n in ((False, 256), (True, 256), (False, 192)):
         out = cupy.full((M, N), np.nan, dtype=np.float32)
-        with config.override(gemm_decode_max_m=0):
+        with config.override(gemm_decode_max_m=0, gemm_tile_n=tile_n):
             mkernel.gemm(cupy.asarray(a), cupy.asarray(b), out=out, cluster=cluster)
         got = out.get()
         if not np.array_equal(got, want):
-            raise AssertionError(f"gemm split K cluster={cluster}: {int((got != want).sum())} of {got.size} wrong")
+            raise AssertionError(f"gemm split K cluster={cluster} tiles of {tile_n}: "
+                                 f"{int((got != want).sum())} of {got.size} wrong")
 
 
 def target_gemm_decode():

@@ -2,9 +2,10 @@
 
 A persistent, warp-specialized kernel (``mkernel/cuda/engines/gemm.cu``): TMA loads into a 4-stage
 shared-memory ring, one producer warpgroup, two consumer warpgroups issuing ``wgmma.m64n256k16``,
-fp32 accumulation, 128 x 256 x 64 tiles, epilogue through 128B-swizzled shared memory and TMA
-store (or TMA reduce-add). The tile order, the CTAs that run tiles (a role word per CTA) and the
-per-tile flags are parameters, so fused ops drive the same kernel.
+fp32 accumulation, 128 x 256 x 64 tiles (plain mode may take 128 x 192: tile_width), epilogue
+through 128B-swizzled shared memory and TMA store (or TMA reduce-add). The tile order, the CTAs
+that run tiles (a role word per CTA) and the per-tile flags are parameters, so fused ops drive the
+same kernel.
 
 Alignment rule (what TMA can address): K and N multiples of 8 (rows of 16-bit data are multiples of
 16 bytes), every base address 16-byte aligned, rows contiguous (unit element stride) with row
@@ -51,21 +52,32 @@ CLUSTER_SPLIT_MIN_KBLOCKS = 128
 ROW_LINE = 128  # bytes of an L2 line
 
 
-# Shared memory (must equal gemm_smem_bytes<> in gemm_mainloop.cuh; gemm.cu static_asserts it).
-_OFF_BAR = STAGES * (BM * BK * 2) + STAGES * (BN * BK * 2) + 2 * 4 * 2 * 2048
-_BARS_BYTES = 336
-_GROUP_TABLE_BYTES = 2 * 4 * (MAX_GROUPS + 1)
-SMEM_PLAIN = _OFF_BAR + _BARS_BYTES + 1024
-SMEM_GROUPED = _OFF_BAR + _BARS_BYTES + _GROUP_TABLE_BYTES + 1024
+# The narrow tiles (128 x BN_NARROW, module gemm_narrow): plain mode, unclustered, no controls, where
+# they fill the SMs in fewer waves (tile_width). A k-block of them costs NARROW_KBLOCK_COST of a
+# 256-wide one (the A box and the issue do not shrink): an estimate until measured (bench/NOTES.md).
+BN_NARROW = 192
+NARROW_KBLOCK_COST = 0.8
+NARROW_MIN_GAIN = 0.9  # tile_width takes the narrow tiles where their estimate is below this share
+
+
+def smem_bytes(grouped: bool, bn: int = BN) -> int:
+    """Dynamic shared memory of a GEMM kernel (gemm_smem_bytes<> in gemm_mainloop.cuh; gemm.cu
+    static_asserts the values)."""
+    off_bar = STAGES * (BM * BK * 2) + STAGES * (bn * BK * 2) + 2 * 4 * 2 * 2048
+    return off_bar + 336 + (2 * 4 * (MAX_GROUPS + 1) if grouped else 0) + 1024
+
+
+SMEM_PLAIN = smem_bytes(False)
+SMEM_GROUPED = smem_bytes(True)
 
 
 CLUSTER = 2  # CTAs per cluster of mk_gemm_cluster_kernel (MK_GEMM_CLUSTER in gemm.cu)
 
 
-def kernel_expr(dt: int, layout: int, out: int, grouped: bool, cluster: bool = False) -> str:
+def kernel_expr(dt: int, layout: int, out: int, grouped: bool, cluster: bool = False, bn: int = BN) -> str:
     if cluster:
-        return f"mk_gemm_cluster_kernel<{dt},{layout},{out}>"
-    return f"mk_gemm_kernel<{dt},{layout},{out},{'true' if grouped else 'false'}>"
+        return f"mk_gemm_cluster_kernel<{dt},{layout},{out},{bn}>"
+    return f"mk_gemm_kernel<{dt},{layout},{out},{'true' if grouped else 'false'},{bn}>"
 
 
 EXPRESSIONS = tuple(kernel_expr(dt, bl, out, g)
@@ -73,6 +85,10 @@ EXPRESSIONS = tuple(kernel_expr(dt, bl, out, g)
     tuple(kernel_expr(dt, bl, out, False, cluster=True)
           for dt in (0, 1) for bl in (B_NK, B_KN) for out in (dt, OUT_F32))
 SPEC = _compile.register("gemm", "gemm.cu", EXPRESSIONS, hot=True)
+# The narrow tiles in a module of their own: compiled at the first call that takes them.
+NARROW_EXPRESSIONS = tuple(kernel_expr(dt, bl, out, False, bn=BN_NARROW)
+                           for dt in (0, 1) for bl in (B_NK, B_KN) for out in (dt, OUT_F32))
+NARROW_SPEC = _compile.register("gemm_narrow", "gemm.cu", NARROW_EXPRESSIONS, hot=True)
 
 
 # --------------------------------------------------------------------- argument struct mirror
@@ -271,14 +287,14 @@ def c_map(out, out_code):
     return _tma.encode_tiled(dt, out.data.ptr, (N, M), (row_stride(out),), (128 // esize, 16))
 
 
-def b_map(b_arr, layout, K, N, G, step=1):
-    """B's 3-D tensor map (G matrices; a 2-D B is G = 1): [N, K] rows (layout B_NK, box 64 x BN / step
-    rows: a cluster's CTAs load BN / step each) or [K, N] rows (B_KN, boxes of 64 columns)."""
+def b_map(b_arr, layout, K, N, G, step=1, bn=BN):
+    """B's 3-D tensor map (G matrices; a 2-D B is G = 1): [N, K] rows (layout B_NK, box 64 x bn / step
+    rows: a cluster's CTAs load bn / step each) or [K, N] rows (B_KN, boxes of 64 columns)."""
     tdt = _tma.DTYPE_BFLOAT16 if _dtype_name(b_arr) == "bfloat16" else _tma.DTYPE_FLOAT16
     ldb = row_stride(b_arr) if b_arr.ndim == 2 else b_arr.strides[1]
     gstride = max(16, ldb * b_arr.shape[0]) if b_arr.ndim == 2 else b_arr.strides[0]
     if layout == B_NK:  # rows of B are N, contiguous along K
-        return _tma.encode_tiled(tdt, b_arr.data.ptr, (K, N, G), (ldb, gstride), (BK, BN // step, 1))
+        return _tma.encode_tiled(tdt, b_arr.data.ptr, (K, N, G), (ldb, gstride), (BK, bn // step, 1))
     return _tma.encode_tiled(tdt, b_arr.data.ptr, (N, K, G), (ldb, gstride), (64, BK, 1))  # rows are K
 
 
@@ -293,7 +309,7 @@ def check_grouped_b(b_arr, what="b"):
 # ------------------------------------------------------------------------------------ launch
 def _launch(cupy, *, a, b_arr, layout, N, K, M, G, out, out_code, group_rows, epi_op, stream, sms,
             tile_order, roles, tile_flags, tile_counts, group_m, num_tiles_host, max_tiles, order="m",
-            cluster=False, splits=1):
+            cluster=False, splits=1, bn=BN):
     step = CLUSTER if cluster else 1  # CTAs per claim
     if sms is None:
         sms = step * default_ctas(num_tiles_host, _num_sms() // step) if num_tiles_host and roles is None \
@@ -304,11 +320,11 @@ def _launch(cupy, *, a, b_arr, layout, N, K, M, G, out, out_code, group_rows, ep
     tdt = _tma.DTYPE_BFLOAT16 if dt_name == "bfloat16" else _tma.DTYPE_FLOAT16
     args = MkGemmArgs()
     args.a = _tma.encode_tiled(tdt, a.data.ptr, (K, M), (row_stride(a),), (BK, BM))
-    args.b = b_map(b_arr, layout, K, N, G, step)
+    args.b = b_map(b_arr, layout, K, N, G, step, bn)
     args.c = c_map(out, out_code)
     ws = workspace(stream)
     args.sync = ws.sync()
-    tiles_n = -(-N // BN)
+    tiles_n = -(-N // bn)
     grid = int(sms) if num_tiles_host is None else max(step, min(int(sms), step * num_tiles_host))
     args.sched = MkGemmSched(_u32_array(cupy, tile_order, max_tiles, "tile_order"), ws.base + ws.COUNTER,
                              ws.base + ws.DONE, _u32_array(cupy, roles, grid, "roles"),
@@ -322,11 +338,12 @@ def _launch(cupy, *, a, b_arr, layout, N, K, M, G, out, out_code, group_rows, ep
     args.epi_op = epi_op
     buffer = None
     if splits > 1:
-        buffer = ws.split_buffer(split_bytes(M, N, splits))
+        buffer = ws.split_buffer(split_bytes(M, N, splits, bn))
         args.splits, args.split_ws = splits, buffer.data.ptr
     grouped = group_rows is not None
-    fn = _compile.module(SPEC).function(kernel_expr(DT[dt_name], layout, out_code, grouped, cluster))
-    plan = (fn, (grid,), (THREADS,), args, SMEM_GROUPED if grouped else SMEM_PLAIN, buffer)
+    spec = SPEC if bn == BN else NARROW_SPEC
+    fn = _compile.module(spec).function(kernel_expr(DT[dt_name], layout, out_code, grouped, cluster, bn))
+    plan = (fn, (grid,), (THREADS,), args, smem_bytes(grouped, bn), buffer)
     return plan, launch(fn, (grid,), (THREADS,), args, smem=plan[4], stream=stream)
 
 
@@ -349,7 +366,7 @@ def _ptr(x):
 
 def _key(cupy, stream, a, b, out, b_layout, out_dtype, accumulate, sms, tile_order, roles, tile_flags, tile_counts,
          group_m, order, cluster):
-    knobs = _decode.knobs() + (config.get().gemm_split_k,)  # the knobs pick the kernel and its grid
+    knobs = _decode.knobs() + (config.get().gemm_split_k, config.get().gemm_tile_n)  # they pick the kernel, grid
     return call_key(cupy, stream, (a, b, out), (b_layout, out_dtype, accumulate, sms, _ptr(tile_order), _ptr(roles),
                                                 _ptr(tile_flags), _ptr(tile_counts), group_m, order, cluster, knobs))
 
@@ -363,9 +380,9 @@ def kept_plan(a, b, out, *, stream=None, b_layout=None):
                            DEFAULT_GROUP_M, None, None))
 
 
-def tiles(M: int, N: int) -> int:
-    """Output tiles of an M x N GEMM (the length of tile_order / tile_flags)."""
-    return -(-M // BM) * -(-N // BN)
+def tiles(M: int, N: int, bn: int = BN) -> int:
+    """Output tiles of an M x N GEMM (the length of tile_order / tile_flags: 256-wide tiles)."""
+    return -(-M // BM) * -(-N // bn)
 
 
 SPLIT_SMS = 132  # split K is planned for this many SMs whatever the device: the bits follow the shape
@@ -374,25 +391,44 @@ SPLIT_MAX = 16
 SPLIT_COUNTS_BYTES = 4096  # MK_SPLIT_COUNTS_BYTES: counts of up to 128 tiles, a fixed region for every call
 
 
-def split_k(M: int, N: int, K: int, cluster: bool = False) -> int:
+def split_k(M: int, N: int, K: int, cluster: bool = False, bn: int = BN) -> int:
     """Ranges of K per tile of a plain GEMM (config.gemm_split_k): enough (tile, range) claims (or
     clustered, (unit of CLUSTER M-tiles, range) claims of CLUSTER CTAs each) to fill SPLIT_SMS SMs
     once, each at least SPLIT_MIN_KBLOCKS k-blocks, none empty; 1: no split."""
     if not config.get().gemm_split_k:
         return 1
     kblocks = -(-K // BK)
-    ctas = -(-M // (BM * CLUSTER)) * -(-N // BN) * CLUSTER if cluster else tiles(M, N)
+    ctas = -(-M // (BM * CLUSTER)) * -(-N // bn) * CLUSTER if cluster else tiles(M, N, bn)
     want = min(SPLIT_SMS // ctas, kblocks // SPLIT_MIN_KBLOCKS, SPLIT_MAX)
     if want < 2:
         return 1
     return -(-kblocks // -(-kblocks // want))  # ranges of ceil(kblocks / want): the last not empty
 
 
-def split_bytes(M: int, N: int, splits: int) -> int:
+def split_bytes(M: int, N: int, splits: int, bn: int = BN) -> int:
     """Bytes of split K's buffer (gemm_splitk.cuh): the counts' fixed region, then the fp32 partials."""
-    nt = tiles(M, N)
+    nt = tiles(M, N, bn)
     assert nt * 8 * 4 <= SPLIT_COUNTS_BYTES, nt  # split_k: tiles <= SPLIT_SMS // 2
-    return SPLIT_COUNTS_BYTES + nt * splits * BM * BN * 4
+    return SPLIT_COUNTS_BYTES + nt * splits * BM * bn * 4
+
+
+def _wave_cost(M: int, N: int, K: int, bn: int) -> float:
+    """A plain GEMM's time in the wave model: k-blocks on the busiest of SPLIT_SMS SMs (split K as
+    planned), a narrow k-block counted as NARROW_KBLOCK_COST of a wide one."""
+    splits = split_k(M, N, K, bn=bn)
+    kblocks = -(-K // BK)
+    per = -(-kblocks // splits)
+    return -(-tiles(M, N, bn) * splits // SPLIT_SMS) * per * (1.0 if bn == BN else NARROW_KBLOCK_COST)
+
+
+def tile_width(M: int, N: int, K: int) -> int:
+    """BN of a plain GEMM's tiles where the engine plans the CTAs (config.gemm_tile_n: 256, 192, or
+    "auto": BN_NARROW where the wave model puts it below NARROW_MIN_GAIN of the 256-wide plan)."""
+    setting = config.get().gemm_tile_n
+    if setting != "auto":
+        return int(setting)
+    narrow = _wave_cost(M, N, K, BN_NARROW) < NARROW_MIN_GAIN * _wave_cost(M, N, K, BN)
+    return BN_NARROW if narrow else BN
 
 
 def use_cluster(M: int, N: int, K: int, cluster=None, *, tile_order=None, roles=None, sms=None,
@@ -473,17 +509,18 @@ def gemm(a, b, *, out=None, stream=None, b_layout=None, out_dtype=None, accumula
             _plans.add(key, plan, launched)
         return out
     nt = tiles(M, N)
-    clustered = use_cluster(M, N, K, cluster, tile_order=tile_order, roles=roles, sms=sms,
-                            aligned=row_stride(a) % ROW_LINE == 0 and row_stride(b_arr) % ROW_LINE == 0)
-    splits = 1 if controls else split_k(M, N, K, cluster=clustered)
+    bn = BN if controls or cluster else tile_width(M, N, K)  # the controls address 256-wide tiles
+    clustered = bn == BN and use_cluster(M, N, K, cluster, tile_order=tile_order, roles=roles, sms=sms,
+                                         aligned=row_stride(a) % ROW_LINE == 0 and row_stride(b_arr) % ROW_LINE == 0)
+    splits = 1 if controls else split_k(M, N, K, cluster=clustered, bn=bn)
     # Clustered, the scheduler claims units of CLUSTER M-tiles (group_m counts M-tiles either way);
     # split K, (tile or unit, range of K) pairs.
-    units = (-(-M // (BM * CLUSTER)) * -(-N // BN) if clustered else nt) * splits
+    units = (-(-M // (BM * CLUSTER)) * -(-N // BN) if clustered else tiles(M, N, bn)) * splits
     plan, launched = _launch(cupy, a=a, b_arr=b_arr, layout=layout, N=N, K=K, M=M, G=1, out=out, out_code=out_code,
                    group_rows=None, epi_op=EPI_ADD if accumulate else EPI_STORE, stream=stream, sms=sms,
                    tile_order=tile_order, roles=roles, tile_flags=tile_flags, tile_counts=tile_counts,
                    group_m=max(1, group_m // CLUSTER) if clustered and order == "m" else group_m, num_tiles_host=units,
-                   max_tiles=nt, order=order, cluster=clustered, splits=splits)
+                   max_tiles=nt, order=order, cluster=clustered, splits=splits, bn=bn)
     if key is not None:
         _plans.add(key, plan, launched)
     return out

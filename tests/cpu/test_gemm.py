@@ -53,9 +53,27 @@ def test_tma_encode_goes_through_the_extension():
 def test_registration():
     from mkernel.runtime import compile as mkc
 
-    assert mkc.REGISTRY["gemm"] is mg.SPEC
+    assert mkc.REGISTRY["gemm"] is mg.SPEC and mkc.REGISTRY["gemm_narrow"] is mg.NARROW_SPEC
     assert len(mg.EXPRESSIONS) == 24  # 16 unclustered (plain and grouped) + 8 clustered (plain)
-    assert mg.tiles(129, 257) == 4 and mg.tiles(128, 256) == 1
+    assert len(mg.NARROW_EXPRESSIONS) == 8 and all(e.endswith(",192>") for e in mg.NARROW_EXPRESSIONS)
+    assert mg.tiles(129, 257) == 4 and mg.tiles(128, 256) == 1 and mg.tiles(129, 385, mg.BN_NARROW) == 6
+
+
+def test_tile_width_takes_narrow_tiles_where_they_save_a_wave():
+    from mkernel import config
+
+    assert mg.tile_width(1000, 3000, 2000) == mg.BN  # the default: 256 wide
+    with config.override(gemm_tile_n=192):
+        assert mg.tile_width(8192, 8192, 8192) == mg.BN_NARROW
+    with config.override(gemm_tile_n="auto"):
+        assert mg.tile_width(1000, 3000, 2000) == mg.BN_NARROW  # 96 wide tiles, 128 narrow: one wave each
+        assert mg.tile_width(256, 10240, 8192) == mg.BN_NARROW  # 80 wide, 108 narrow
+        for M, N, K in [(8192, 8192, 8192), (256, 8192, 8192), (256, 4096, 14336), (3000, 1000, 520),
+                        (8191, 8200, 1032), (4000, 7000, 3000)]:  # a wave more, or split K fills the SMs
+            assert mg.tile_width(M, N, K) == mg.BN, (M, N, K)
+    assert mg.split_bytes(256, 2056, 2, mg.BN_NARROW) == mg.SPLIT_COUNTS_BYTES + 2 * 11 * 2 * 128 * 192 * 4
+    with pytest.raises(ArgumentError, match="gemm_tile_n"), config.override(gemm_tile_n=128):
+        pass
 
 
 class _Fake:

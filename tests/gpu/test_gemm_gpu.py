@@ -264,6 +264,65 @@ def feature_split_k():
     print("split K: exact, reproducible, accumulate once")
 
 
+def feature_narrow_tiles():
+    """The narrow tiles (config.gemm_tile_n=192: 128 x 192, plain mode, unclustered): every input
+    type, B layout and output type at shapes off the grid (a last tile 8 columns wide, N under one
+    tile), integer inputs exact and random within 1e-2; accumulate; split K in narrow tiles exact
+    and the same bits over three launches; 20 launches alternating widths, shapes and split K on one
+    stream (no stale counts); "auto" takes them where the wave model says (1000 x 3000 x 2000)."""
+    from mkernel import config
+
+    with config.override(gemm_tile_n=192, gemm_decode_max_m=0):
+        for dtn in ("bf16", "fp16"):
+            for lay in ("kn", "nk"):
+                for M, N, K in ((300, 776, 1032), (129, 136, 72), (1000, 3000, 2000)):
+                    for out_f32, integer in ((False, True), (True, True), (False, False)):
+                        rng = np.random.default_rng(M + N + K + 7 * out_f32)
+                        a, b, ref = _inputs(rng, M, N, K, DTYPES[dtn], integer)
+                        bb = _dev(np.ascontiguousarray(b if lay == "kn" else b.T))
+                        out = _poisoned((M, N), "f32" if out_f32 else dtn)
+                        mg.gemm(_dev(a), bb, out=out, b_layout=lay)
+                        what = f"narrow {dtn} {lay} {M}x{N}x{K} {'f32' if out_f32 else dtn} " \
+                               f"{'integer' if integer else 'random'}"
+                        _sync(what)
+                        c = _host(out).astype(np.float64)
+                        if integer:
+                            want = ref.astype(np.float32 if out_f32 else DTYPES[dtn]).astype(np.float64)
+                            assert np.array_equal(c, want), f"{what}: {int((c != want).sum())} elements wrong"
+                        rel, _, bad = _errors(c, ref)
+                        assert bad == 0 and rel < 1e-2, f"{what}: relative error {rel:.3g}, {bad} not finite"
+        M, N, K = 257, 520, 136  # accumulate
+        a, b, ref = _simple(M, N, K, seed=12)
+        c0 = np.random.default_rng(13).integers(-50, 50, size=(M, N)).astype(np.float32)
+        out = _dev(c0)
+        mg.gemm(a, b, out=out, accumulate=True)
+        _sync("narrow accumulate")
+        assert (_host(out) == c0 + ref).all(), "narrow accumulate"
+        M, N, K = 256, 2056, 4104  # split K in narrow tiles
+        assert mg.split_k(M, N, K, bn=mg.BN_NARROW) > 1
+        a, b, ref = _simple(M, N, K, seed=14)
+        outs = []
+        for _ in range(3):
+            out = _poisoned((M, N), "f32")
+            mg.gemm(a, b, out=out)
+            _sync("narrow split K")
+            outs.append(_host(out))
+        assert all(np.array_equal(o, ref) for o in outs), "narrow split K: not exact"
+    shapes = [(256, 2056, 4104), (1000, 3000, 2000), (128, 1032, 8200), (300, 776, 1032)]
+    inputs = {s: _simple(*s, seed=sum(s)) for s in shapes}
+    for i in range(20):  # widths, shapes and split K alternating on one stream's buffers
+        shape = shapes[i % len(shapes)]
+        a, b, ref = inputs[shape]
+        out = _poisoned(shape[:2], "f32")
+        with config.override(gemm_tile_n=(192, 256)[(i // 4) % 2], gemm_decode_max_m=0):
+            mg.gemm(a, b, out=out)
+        _sync(f"alternating launch {i}")
+        assert np.array_equal(_host(out), ref), f"alternating launch {i} {shape}"
+    with config.override(gemm_tile_n="auto"):
+        assert mg.tile_width(1000, 3000, 2000) == mg.BN_NARROW and mg.tile_width(4096, 4096, 4096) == mg.BN
+    print("narrow tiles: exact, within 1e-2, accumulate once, split K reproducible, alternating launches exact")
+
+
 def feature_error_recorded():
     """Launches that find an error already recorded (every pipeline wait gives up at once, as after a
     peer's failure) run to their end without a GPU fault: a TMA producer never arms a stage again
@@ -450,6 +509,11 @@ def test_grouped():
 @pytest.mark.gpu
 def test_split_k():
     child_cases.feature(__file__, "split_k")
+
+
+@pytest.mark.gpu
+def test_narrow_tiles():
+    child_cases.feature(__file__, "narrow_tiles")
 
 
 @pytest.mark.gpu

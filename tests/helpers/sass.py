@@ -71,12 +71,13 @@ def reachable_max_register(func_sass: str, start_marker: str) -> int:
     return max((int(r) for a in seen for r in re.findall(r"\bR(\d+)\b", ins[a])), default=0)
 
 
-def check_warp_specialized(cubin: bytes, expected_kernels: int, producer_regs: int = 40, consumer_regs: int = 232):
-    """Every kernel: HGMMA present, no local memory, setmaxnreg regions within their budgets."""
+def check_warp_specialized(cubin: bytes, expected_kernels: int, producer_regs: int = 40, consumer_regs: int = 232,
+                           tile_n: int = 256):
+    """Every kernel: HGMMA 64 x tile_n present, no local memory, setmaxnreg regions within their budgets."""
     ks = kernels(cubin)
     assert len(ks) == expected_kernels, sorted(ks)
     for name, k in ks.items():
-        assert "HGMMA.64x256x16.F32" in k, name
+        assert f"HGMMA.64x{tile_n}x16.F32" in k, name
         assert not re.search(r"\b(LDL|STL)\b", k), f"local memory in {name}"
         assert "USETMAXREG" in k, name
         prod = reachable_max_register(k, "USETMAXREG.DEALLOC")

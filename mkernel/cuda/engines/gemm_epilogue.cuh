@@ -5,8 +5,8 @@
 //
 // Staging, warp by warp. Each consumer warp owns 16 rows of the tile and two 2 KiB chunk
 // buffers (16 rows x 128 B, 128B-swizzled exactly as the TMA store box {128 B, 16 rows} expects:
-// 16-byte unit u of row r lives at unit u ^ (r % 8)). Its 16 x 256 slice leaves in 4 chunks of 64
-// columns (16-bit output) or 8 chunks of 32 columns (fp32): the lanes write a chunk, fence the
+// 16-byte unit u of row r lives at unit u ^ (r % 8)). Its 16 x BN slice leaves in BN / 64 chunks of
+// 64 columns (16-bit output) or BN / 32 chunks of 32 columns (fp32): the lanes write a chunk, fence the
 // async proxy, __syncwarp, and lane 0 issues the TMA store of that box; chunk q reuses buffer q % 2
 // once lane 0's store of chunk q - 2 has finished reading it (cp.async.bulk.wait_group.read 1).
 // No barrier spans more than one warp. The swizzle makes the fragment writes conflict-free: the 8
@@ -80,7 +80,7 @@ template <int OUT, class Cfg, bool GROUPED, class Dest>
 struct MkTileEpilogue {
   static constexpr int ESIZE = OUT == MK_OUT_F32 ? 4 : 2;
   static constexpr int CW = 128 / ESIZE;  // columns per chunk
-  static constexpr int NCHUNK = Cfg::BN / CW;  // chunks per 16 x 256 warp slice
+  static constexpr int NCHUNK = Cfg::BN / CW;  // chunks per 16 x BN warp slice
   static constexpr int JPC = CW / 8;  // accumulator column groups (8 wide) per chunk
   static constexpr u32 PARTS = Cfg::CONSUMERS * 4;  // one per consumer warp
 
@@ -116,7 +116,7 @@ struct MkTileEpilogue {
     if (dest.flags() && (threadIdx.x & 31) == 0) flush();
   }
 
-  MK_DEV void operator()(float (&acc)[128], const MkTile& t, int wg) {
+  MK_DEV void operator()(float (&acc)[Cfg::NACC], const MkTile& t, int wg) {
     const u32 tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31;
     const bool leader = lane == 0;
     if (t.id == MK_TILE_NONE) return;  // a clustered unit's part past M: nothing to store or flag
@@ -172,7 +172,7 @@ struct MkTileEpilogue {
       // A tile cut by its group's end: predicated stores from registers (the engine's own output).
       char* base = reinterpret_cast<char*>(args.c_ptr);
 #pragma unroll
-      for (int j = 0; j < 32; ++j) {
+      for (int j = 0; j < Cfg::BN / 8; ++j) {
         const i32 col = t.n0 + 8 * j + 2 * (lane & 3);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {

@@ -1,8 +1,8 @@
 #pragma once
 // The GEMM engine's pipeline: one producer warpgroup streams A and B k-blocks through a
-// STAGES-deep shared-memory ring with TMA; two consumer warpgroups each multiply a 64 x 256 half
-// of the 128 x 256 output tile with wgmma m64n256k16 and hand the fp32 accumulators to an
-// epilogue functor. Reusable: a fused kernel lays out GemmSmem, calls gemm_setup(), then runs
+// STAGES-deep shared-memory ring with TMA; two consumer warpgroups each multiply a 64 x BN half
+// of the 128 x BN output tile (BN 256, or 192: the narrow tiles) with wgmma m64nBNk16 and hand the
+// fp32 accumulators to an epilogue functor. Reusable: a fused kernel lays out GemmSmem, calls gemm_setup(), then runs
 // gemm_producer() in warpgroup 0 and gemm_consumer(..., epilogue) in warpgroups 1 and 2.
 //
 // Clustered variant (Cfg::CLUSTER = 2, the standalone GEMM): the CTAs of a cluster compute the
@@ -35,17 +35,18 @@
 // B layouts.
 enum { MK_B_NK = 0, MK_B_KN = 1 };
 
-template <int DT_, int BL_, int CLUSTER_ = 1>
+template <int DT_, int BL_, int CLUSTER_ = 1, int BN_ = 256>
 struct GemmCfg {
   static constexpr int DT = DT_, BL = BL_, CLUSTER = CLUSTER_;
-  static constexpr int BM = 128, BN = 256, BK = 64;
+  static constexpr int BM = 128, BN = BN_, BK = 64;
+  static constexpr int NACC = BN / 2;  // fp32 accumulators per consumer thread (64 x BN / 128)
   static constexpr int UNIT_M = BM * CLUSTER;  // rows of one claim (a cluster's tiles)
   static constexpr int STAGES = 4;
   static constexpr int CONSUMERS = 2;
   static constexpr int THREADS = 128 * (1 + CONSUMERS);
   static constexpr int RING = 4;  // tile ring depth
   static constexpr u32 A_BYTES = BM * BK * 2;  // 16 KiB: 128 rows x 128 B, swizzled
-  static constexpr u32 B_BYTES = BN * BK * 2;  // 32 KiB: [N,K]: 256 rows x 128 B; [K,N]: 4 boxes of 64 K-rows x 128 B
+  static constexpr u32 B_BYTES = BN * BK * 2;  // [N,K]: BN rows x 128 B; [K,N]: BN / 64 boxes of 64 K-rows x 128 B
   static constexpr u32 STAGE_BYTES = A_BYTES + B_BYTES;
   static constexpr u32 B_SLICE_BYTES = B_BYTES / CLUSTER;  // the part of B each CTA of a cluster loads
   static constexpr u32 EMPTY_ARRIVALS = CONSUMERS * 4 * CLUSTER;
@@ -62,6 +63,7 @@ struct GemmCfg {
   MK_STATIC_ASSERT(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * CONSUMERS <= mk_cta_register_pool(THREADS),
                    "register budget");
   MK_STATIC_ASSERT(CLUSTER == 1 || CLUSTER == 2, "clusters of 1 or 2 CTAs");
+  MK_STATIC_ASSERT(BN == 256 || BN == 192, "wgmma m64n256 / m64n192 tiles");
 };
 
 template <class Cfg>
@@ -333,7 +335,7 @@ MK_DEV void gemm_release_stage(const GemmSmem<Cfg>& sm, int s) {
 // Warpgroups 1..CONSUMERS (wg = 0..CONSUMERS-1), every thread: for each tile of the ring, the
 // mainloop into acc, then epi(acc, tile, wg). Returns after the MK_TILE_DONE entry.
 // Epilogue functor interface:
-//   epi(float (&acc)[128], const MkTile& t, int wg)  the tile's accumulators, every consumer thread
+//   epi(float (&acc)[Cfg::NACC], const MkTile& t, int wg)  the tile's accumulators, every consumer thread
 //   epi.after_issue()  called once per tile inside the next tile's mainloop, right after the
 //                      wgmmas of k-block min(2, kblocks - 1) are issued (the tensor cores are
 //                      busy): where an epilogue finishes deferred work (TMA store completion and
@@ -345,7 +347,7 @@ MK_DEV void gemm_consumer(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, int w
   GemmBars<Cfg>* bars = sm.bars;
   const int kblocks = (args.k + Cfg::BK - 1) / Cfg::BK;
   const u32 lane = threadIdx.x & 31;
-  float acc[128];
+  float acc[Cfg::NACC];
   u32 it = 0, tile_it = 0;
   for (;;) {
     const u32 r = tile_it % Cfg::RING;
@@ -371,7 +373,7 @@ MK_DEV void gemm_consumer(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, int w
       const int s = it % Cfg::STAGES;
       mbar_wait_timed(smem_u32(&bars->full[s]), (it / Cfg::STAGES) & 1, args.sync, MK_WAIT_FULL);
 #pragma unroll
-      for (int i = 0; i < 128; ++i) wgmma_fence_operand(acc[i]);
+      for (int i = 0; i < Cfg::NACC; ++i) wgmma_fence_operand(acc[i]);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < Cfg::BK / 16; ++kk)
@@ -379,7 +381,7 @@ MK_DEV void gemm_consumer(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, int w
                                    (kb > kb0 || kk > 0) ? 1u : 0u);
       wgmma_commit();
 #pragma unroll
-      for (int i = 0; i < 128; ++i) wgmma_fence_operand(acc[i]);
+      for (int i = 0; i < Cfg::NACC; ++i) wgmma_fence_operand(acc[i]);
       if (kb == pub_kb) {
         epi.after_issue();
         __syncwarp();  // lane 0 may have diverged: converge before the .aligned wait
@@ -389,11 +391,11 @@ MK_DEV void gemm_consumer(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, int w
     }
     wgmma_wait<0>();
 #pragma unroll
-    for (int i = 0; i < 128; ++i) wgmma_fence_operand(acc[i]);
+    for (int i = 0; i < Cfg::NACC; ++i) wgmma_fence_operand(acc[i]);
     if (kb1 > kb0 && lane == 0) gemm_release_stage<Cfg>(sm, (it + Cfg::STAGES - 1) % Cfg::STAGES);
     if (kb1 == kb0) {
 #pragma unroll
-      for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+      for (int i = 0; i < Cfg::NACC; ++i) acc[i] = 0.f;
     }
     epi(acc, t, wg);
     if (wg == 0 && (threadIdx.x & 127) == 0) trace_span(args.sync, MK_ROLE_COMPUTE, t.id, t_start);
