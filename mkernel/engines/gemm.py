@@ -468,7 +468,8 @@ def gemm(a, b, *, out=None, stream=None, b_layout=None, out_dtype=None, accumula
     ``tile_counts`` (tests: counts the flag stores), ``group_m`` (built-in order, tiles per group),
     ``order`` (built-in order: 'm' (default) groups M-tiles, 'n' groups N-tiles; bench/NOTES.md:
     neither wins reliably at the shapes measured), ``cluster`` (None: by shape (use_cluster);
-    True / False: the clustered kernel or not; clustered, ``sms`` must be even).
+    True / False: the clustered kernel or not; clustered, ``sms`` must be even). Tile ids count
+    128 x 256 tiles; without controls a call may run 128 x 192 tiles (config.gemm_tile_n).
     """
     cupy = cupy_mod()
     key = None
