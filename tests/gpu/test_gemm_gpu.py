@@ -120,6 +120,17 @@ def _simple(M, N, K, dt=BF16, integer=True, seed=0):
     return _dev(a), _dev(np.ascontiguousarray(b)), ref
 
 
+def _accumulate_exact(M, N, K, seed, what, **kw):
+    """``out += a @ b`` into fp32 integers: exact (the sum is added once)."""
+    a, b, ref = _simple(M, N, K, seed=seed)
+    c0 = np.random.default_rng(seed + 1).integers(-50, 50, size=(M, N)).astype(np.float32)
+    out = _dev(c0)
+    mg.gemm(a, b, out=out, accumulate=True, **kw)
+    _sync(what)
+    assert (_host(out) == c0 + ref).all(), what
+    return a, b, ref, c0
+
+
 def feature_flags():
     import cupy
 
@@ -201,17 +212,8 @@ def feature_order_roles_sms():
 
 def feature_accumulate():
     M, N, K = 257, 520, 136
-    a, b, ref = _simple(M, N, K, seed=2)
-    rng = np.random.default_rng(9)
-    c0 = rng.integers(-50, 50, size=(M, N)).astype(np.float32)
-    out = _dev(c0)
-    mg.gemm(a, b, out=out, accumulate=True)
-    _sync("accumulate f32")
-    assert (_host(out) == c0 + ref).all()
-    out = _dev(c0)
-    mg.gemm(a, b, out=out, accumulate=True, cluster=not mg.use_cluster(M, N, K))  # the other kernel
-    _sync("accumulate f32, other kernel")
-    assert (_host(out) == c0 + ref).all()
+    a, b, ref, c0 = _accumulate_exact(M, N, K, 2, "accumulate f32")
+    _accumulate_exact(M, N, K, 2, "accumulate f32, other kernel", cluster=not mg.use_cluster(M, N, K))
     c0b = c0.astype(BF16)
     outb = _dev(c0b)
     mg.gemm(a, b, out=outb, accumulate=True)
@@ -254,13 +256,7 @@ def feature_split_k():
                         assert np.array_equal(o, ref), f"{what} {kind}: {int((o != ref).sum())} elements wrong"
                     rel, _, bad = _errors(o, ref)
                     assert bad == 0 and rel < 1e-2, f"{what} {kind}: relative error {rel:.3g}, {bad} not finite"
-        M, N, K = 128, 1032, 8200  # accumulate: the sum of the ranges is added once
-        a, b, ref = _simple(M, N, K, seed=4)
-        c0 = np.random.default_rng(5).integers(-50, 50, size=(M, N)).astype(np.float32)
-        out = _dev(c0)
-        mg.gemm(a, b, out=out, accumulate=True)
-        _sync("split K accumulate")
-        assert (_host(out) == c0 + ref).all(), "split K accumulate"
+        _accumulate_exact(128, 1032, 8200, 4, "split K accumulate")  # the ranges' sum is added once
     print("split K: exact, reproducible, accumulate once")
 
 
@@ -291,13 +287,7 @@ def feature_narrow_tiles():
                             assert np.array_equal(c, want), f"{what}: {int((c != want).sum())} elements wrong"
                         rel, _, bad = _errors(c, ref)
                         assert bad == 0 and rel < 1e-2, f"{what}: relative error {rel:.3g}, {bad} not finite"
-        M, N, K = 257, 520, 136  # accumulate
-        a, b, ref = _simple(M, N, K, seed=12)
-        c0 = np.random.default_rng(13).integers(-50, 50, size=(M, N)).astype(np.float32)
-        out = _dev(c0)
-        mg.gemm(a, b, out=out, accumulate=True)
-        _sync("narrow accumulate")
-        assert (_host(out) == c0 + ref).all(), "narrow accumulate"
+        _accumulate_exact(257, 520, 136, 12, "narrow accumulate")
         M, N, K = 256, 2056, 4104  # split K in narrow tiles
         assert mg.split_k(M, N, K, bn=mg.BN_NARROW) > 1
         a, b, ref = _simple(M, N, K, seed=14)
