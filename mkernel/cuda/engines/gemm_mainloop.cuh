@@ -2,8 +2,9 @@
 // The GEMM engine's pipeline: one producer warpgroup streams A and B k-blocks through a
 // STAGES-deep shared-memory ring with TMA; two consumer warpgroups each multiply a 64 x BN half
 // of the 128 x BN output tile (BN 256, or 192: the narrow tiles) with wgmma m64nBNk16 and hand the
-// fp32 accumulators to an epilogue functor. Reusable: a fused kernel lays out GemmSmem, calls gemm_setup(), then runs
-// gemm_producer() in warpgroup 0 and gemm_consumer(..., epilogue) in warpgroups 1 and 2.
+// fp32 accumulators to an epilogue functor. Reusable: a fused kernel lays out GemmSmem, calls
+// gemm_setup(), then runs gemm_producer() in warpgroup 0 and gemm_consumer(..., epilogue) in
+// warpgroups 1 and 2.
 //
 // Clustered variant (Cfg::CLUSTER = 2, the standalone GEMM): the CTAs of a cluster compute the
 // tiles (2p, n) and (2p + 1, n), which share their B tile: each CTA loads its own A box and 1/CLUSTER
@@ -64,6 +65,7 @@ struct GemmCfg {
                    "register budget");
   MK_STATIC_ASSERT(CLUSTER == 1 || CLUSTER == 2, "clusters of 1 or 2 CTAs");
   MK_STATIC_ASSERT(BN == 256 || BN == 192, "wgmma m64n256 / m64n192 tiles");
+  MK_STATIC_ASSERT(CLUSTER == 1 || BN / 64 % CLUSTER == 0, "a [K, N] B's boxes split evenly between the CTAs");
 };
 
 template <class Cfg>
