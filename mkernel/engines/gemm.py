@@ -60,11 +60,16 @@ NARROW_KBLOCK_COST = 0.8
 NARROW_MIN_GAIN = 0.9  # tile_width takes the narrow tiles where their estimate is below this share
 
 
+_C_STAGING_BYTES = 2 * 4 * 2 * 2048  # consumer warps x 2 chunk buffers of 16 rows x 128 B
+_BARS_BYTES = 336
+_GROUP_TABLE_BYTES = 2 * 4 * (MAX_GROUPS + 1)
+
+
 def smem_bytes(grouped: bool, bn: int = BN) -> int:
     """Dynamic shared memory of a GEMM kernel (gemm_smem_bytes<> in gemm_mainloop.cuh; gemm.cu
     static_asserts the values)."""
-    off_bar = STAGES * (BM * BK * 2) + STAGES * (bn * BK * 2) + 2 * 4 * 2 * 2048
-    return off_bar + 336 + (2 * 4 * (MAX_GROUPS + 1) if grouped else 0) + 1024
+    off_bar = STAGES * (BM * BK * 2) + STAGES * (bn * BK * 2) + _C_STAGING_BYTES
+    return off_bar + _BARS_BYTES + (_GROUP_TABLE_BYTES if grouped else 0) + 1024
 
 
 SMEM_PLAIN = smem_bytes(False)
@@ -381,8 +386,14 @@ def kept_plan(a, b, out, *, stream=None, b_layout=None):
 
 
 def tiles(M: int, N: int, bn: int = BN) -> int:
-    """Output tiles of an M x N GEMM (the length of tile_order / tile_flags: 256-wide tiles)."""
+    """Output tiles of an M x N GEMM, 128 x bn each (at the default bn: the length of tile_order /
+    tile_flags)."""
     return -(-M // BM) * -(-N // bn)
+
+
+def units(M: int, N: int, cluster: bool, bn: int = BN) -> int:
+    """What the scheduler claims (before split K's ranges): tiles, or clustered, units of CLUSTER M-tiles."""
+    return -(-M // (BM * CLUSTER)) * -(-N // bn) if cluster else tiles(M, N, bn)
 
 
 SPLIT_SMS = 132  # split K is planned for this many SMs whatever the device: the bits follow the shape
@@ -398,7 +409,7 @@ def split_k(M: int, N: int, K: int, cluster: bool = False, bn: int = BN) -> int:
     if not config.get().gemm_split_k:
         return 1
     kblocks = -(-K // BK)
-    ctas = -(-M // (BM * CLUSTER)) * -(-N // bn) * CLUSTER if cluster else tiles(M, N, bn)
+    ctas = units(M, N, cluster, bn) * (CLUSTER if cluster else 1)
     want = min(SPLIT_SMS // ctas, kblocks // SPLIT_MIN_KBLOCKS, SPLIT_MAX)
     if want < 2:
         return 1
@@ -516,11 +527,11 @@ def gemm(a, b, *, out=None, stream=None, b_layout=None, out_dtype=None, accumula
     splits = 1 if controls else split_k(M, N, K, cluster=clustered, bn=bn)
     # Clustered, the scheduler claims units of CLUSTER M-tiles (group_m counts M-tiles either way);
     # split K, (tile or unit, range of K) pairs.
-    units = (-(-M // (BM * CLUSTER)) * -(-N // BN) if clustered else tiles(M, N, bn)) * splits
+    claims = units(M, N, clustered, bn) * splits
     plan, launched = _launch(cupy, a=a, b_arr=b_arr, layout=layout, N=N, K=K, M=M, G=1, out=out, out_code=out_code,
                    group_rows=None, epi_op=EPI_ADD if accumulate else EPI_STORE, stream=stream, sms=sms,
                    tile_order=tile_order, roles=roles, tile_flags=tile_flags, tile_counts=tile_counts,
-                   group_m=max(1, group_m // CLUSTER) if clustered and order == "m" else group_m, num_tiles_host=units,
+                   group_m=max(1, group_m // CLUSTER) if clustered and order == "m" else group_m, num_tiles_host=claims,
                    max_tiles=nt, order=order, cluster=clustered, splits=splits, bn=bn)
     if key is not None:
         _plans.add(key, plan, launched)

@@ -260,12 +260,20 @@ def feature_split_k():
     print("split K: exact, reproducible, accumulate once")
 
 
+def _ran_width(a, b, out, **kw):
+    """The tile width of the plan a plain ``gemm(a, b, out=out, **kw)`` call kept (its N-tiles)."""
+    tiles_n = mg.kept_plan(a, b, out, **kw)[0][3].sched.tiles_n
+    widths = [w for w in (mg.BN, mg.BN_NARROW) if -(-out.shape[1] // w) == tiles_n]
+    return widths[0] if len(widths) == 1 else None  # None: N does not tell the widths apart
+
+
 def feature_narrow_tiles():
     """The narrow tiles (config.gemm_tile_n=192: 128 x 192, plain mode, unclustered): every input
     type, B layout and output type at shapes off the grid (a last tile 8 columns wide, N under one
     tile), integer inputs exact and random within 1e-2; accumulate; split K in narrow tiles exact
-    and the same bits over three launches; 20 launches alternating widths, shapes and split K on one
-    stream (no stale counts); "auto" takes them where the wave model says (1000 x 3000 x 2000)."""
+    over three launches; 20 launches alternating widths, shapes and split K on one stream (no stale
+    counts). Each call's kept plan is checked to have run the width asked for. Which shapes "auto"
+    gives them: tests/cpu/test_gemm.py."""
     from mkernel import config
 
     with config.override(gemm_tile_n=192, gemm_decode_max_m=0):
@@ -277,10 +285,12 @@ def feature_narrow_tiles():
                         a, b, ref = _inputs(rng, M, N, K, DTYPES[dtn], integer)
                         bb = _dev(np.ascontiguousarray(b if lay == "kn" else b.T))
                         out = _poisoned((M, N), "f32" if out_f32 else dtn)
-                        mg.gemm(_dev(a), bb, out=out, b_layout=lay)
+                        da = _dev(a)
+                        mg.gemm(da, bb, out=out, b_layout=lay)
                         what = f"narrow {dtn} {lay} {M}x{N}x{K} {'f32' if out_f32 else dtn} " \
                                f"{'integer' if integer else 'random'}"
                         _sync(what)
+                        assert N <= mg.BN_NARROW or _ran_width(da, bb, out, b_layout=lay) == mg.BN_NARROW, what
                         c = _host(out).astype(np.float64)
                         if integer:
                             want = ref.astype(np.float32 if out_f32 else DTYPES[dtn]).astype(np.float64)
@@ -296,6 +306,7 @@ def feature_narrow_tiles():
             out = _poisoned((M, N), "f32")
             mg.gemm(a, b, out=out)
             _sync("narrow split K")
+            assert _ran_width(a, b, out) == mg.BN_NARROW and mg.kept_plan(a, b, out)[0][3].splits > 1
             outs.append(_host(out))
         assert all(np.array_equal(o, ref) for o in outs), "narrow split K: not exact"
     shapes = [(256, 2056, 4104), (1000, 3000, 2000), (128, 1032, 8200), (300, 776, 1032)]
@@ -304,12 +315,12 @@ def feature_narrow_tiles():
         shape = shapes[i % len(shapes)]
         a, b, ref = inputs[shape]
         out = _poisoned(shape[:2], "f32")
-        with config.override(gemm_tile_n=(192, 256)[(i // 4) % 2], gemm_decode_max_m=0):
+        width = (mg.BN_NARROW, mg.BN)[(i // 4) % 2]
+        with config.override(gemm_tile_n=width, gemm_decode_max_m=0):
             mg.gemm(a, b, out=out)
+            assert _ran_width(a, b, out) == width, f"alternating launch {i}: not {width}-wide tiles"
         _sync(f"alternating launch {i}")
         assert np.array_equal(_host(out), ref), f"alternating launch {i} {shape}"
-    with config.override(gemm_tile_n="auto"):
-        assert mg.tile_width(1000, 3000, 2000) == mg.BN_NARROW and mg.tile_width(4096, 4096, 4096) == mg.BN
     print("narrow tiles: exact, within 1e-2, accumulate once, split K reproducible, alternating launches exact")
 
 
