@@ -109,6 +109,7 @@ def main():
     import cupy
 
     mg = importlib.import_module("mkernel.engines.gemm")  # the module (mkernel.gemm is also the function)
+    plan = importlib.import_module("mkernel.engines.gemm_plan")
 
     reps = 5 if opts.quick else opts.reps
     t_start = time.time()
@@ -132,7 +133,7 @@ def main():
             mg.gemm(a, bb, out=out)
             wait(f"gemm {M}x{N}x{K} {layout}")
             one = cupy.empty_like(out)
-            mg.gemm(a, bb, out=one, cluster=not mg.use_cluster(M, N, K))  # the kernel the default does not pick
+            mg.gemm(a, bb, out=one, cluster=not plan.use_cluster(M, N, K))  # the kernel the default does not pick
             wait(f"gemm {M}x{N}x{K} {layout} other kernel")
             try:  # cuBLAS's result and time (if this CuPy cannot multiply bfloat16, mkernel is still timed)
                 ref = cupy.matmul(a, bb)
@@ -154,7 +155,7 @@ def main():
                 for k, fn in variants.items():
                     ts[k] += gpu_time_ms(fn, reps=max(1, reps // ROUNDS))[1]
             t_cl, t_one = harness.median(ts["cl"]), harness.median(ts["one"])
-            clustered = mg.use_cluster(M, N, K)
+            clustered = plan.use_cluster(M, N, K)
             t_mk = t_cl if clustered else t_one  # what mkernel.gemm runs by default
             t_cb = harness.median(ts["cublas"]) if cublas else None
             r = harness.row([M, N, K], t_mk, t_cb, bound_ms(M, N, K), layout=layout,
@@ -194,7 +195,7 @@ def main():
             tuning.append({**kw, "mkernel_ms": t, "tflops": 2.0 * M * N * K / t * 1e-9})
             print(f"tuning {kw}: {t:.3f} ms {tuning[-1]['tflops']:.1f} TF/s", flush=True)
         # Cost of publishing per-tile flags (store completion + release store after every tile).
-        flags = cupy.zeros(mg.tiles(M, N), dtype=cupy.uint32)
+        flags = cupy.zeros(plan.tiles(M, N), dtype=cupy.uint32)
         t_plain = gpu_time_ms(lambda: mg.gemm(a, b, out=out), reps=reps)[0]
         t_flags = gpu_time_ms(lambda: mg.gemm(a, b, out=out, tile_flags=flags), reps=reps)[0]
         flags_cost.update(shape=[M, N, K], plain_ms=t_plain, flags_ms=t_flags, overhead=t_flags / t_plain - 1)

@@ -93,6 +93,7 @@ def main():
     import cupy
 
     from mkernel.engines import gemm as mg
+    from mkernel.engines import gemm_plan as plan
 
     reps = 5 if opts.quick else max(20, opts.reps)
     flush_words = cupy.ones(FLUSH_BYTES // 8, cupy.uint64)
@@ -124,16 +125,16 @@ def main():
             settings = {"rows64": {"gemm_decode_rows": 64}, "rows128": {"gemm_decode_rows": 128},
                         "stream": {"gemm_decode_split": "stream"}}
             settings = {k: dict(v, gemm_decode_max_m=256) for k, v in settings.items()}
-        if M > config.get().gemm_decode_max_m and mg.split_k(M, N, K) > 1:
+        if M > config.get().gemm_decode_max_m and plan.split_k(M, N, K) > 1:
             settings["nosplit"] = {"gemm_split_k": False}  # the engine with one CTA per tile
         elif kind == "decode":
             settings["engine"] = {"gemm_decode_max_m": 0}  # the engine (split K) at the decode path's rows
         if M > config.get().gemm_decode_max_m:  # the engine's rows: its narrow tiles (128 x 192)
             settings["tile192"] = {"gemm_tile_n": 192}
         calls = {name: (knobs, {}) for name, knobs in settings.items()}
-        if kind == "odd" or (mg.use_cluster(M, N, K) and mg.split_k(M, N, K, cluster=True) > 1):
+        if kind == "odd" or (plan.use_cluster(M, N, K) and plan.split_k(M, N, K, cluster=True) > 1):
             # the clustered kernel (CTA pairs sharing B by multicast) against the default
-            forced = not mg.use_cluster(M, N, K, aligned=2 * K % mg.ROW_LINE == 0)  # rows of a and w: K elements
+            forced = not plan.use_cluster(M, N, K, aligned=2 * K % plan.ROW_LINE == 0)  # rows of a and w: K elements
             calls["cluster" if forced else "nocluster"] = ({}, {"cluster": forced})
         for name, (knobs, kw) in calls.items():
             with config.override(**knobs):
@@ -142,7 +143,7 @@ def main():
                 variants[name] = flushed_ms(lambda: mg.gemm(a, b, out=out, **kw), reps, flush) if e < 1e-2 else \
                     f"wrong (relative error {e:.3g})"
         with config.override(gemm_tile_n="auto"):
-            tile_auto = mg.tile_width(M, N, K)  # what the wave model would pick (tile192 measures it)
+            tile_auto = plan.tile_width(M, N, K)  # what the wave model would pick (tile192 measures it)
         r = harness.row([M, N, K], t_mk, t_cb, bound_ms(flops, nbytes, rate), kind=kind, layout="w.T",
                         dtype="bfloat16", rel_err=err, copy_rate_TBps=rate / 1e12, decode_variants_ms=variants,
                         tile_n_auto=tile_auto)

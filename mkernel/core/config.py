@@ -77,10 +77,10 @@ class Config:
     # number of runs, measured faster: bench/NOTES.md) or "stream" (equal runs over every CTA slot).
     gemm_decode_split: str = "even"
     # mkernel.gemm splits K when the output has too few 128 x 256 tiles to fill the SMs and K is
-    # long (engines/gemm.py split_k); False: one CTA per tile
+    # long (engines/gemm_plan.py split_k); False: one CTA per tile
     gemm_split_k: bool = True
     # Width of mkernel.gemm's tiles where it plans the CTAs: 256; 192 (narrow: plain, unclustered);
-    # "auto": narrow where they fill the SMs in fewer waves (engines/gemm.py tile_width)
+    # "auto": narrow where they fill the SMs in fewer waves (engines/gemm_plan.py tile_width)
     gemm_tile_n: object = 256
 
     def __post_init__(self):

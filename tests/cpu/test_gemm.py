@@ -14,6 +14,7 @@ from tests.helpers.arrays import BF16
 
 # The module, not the function: mkernel re-exports gemm() under the same name.
 mg = importlib.import_module("mkernel.engines.gemm")
+plan = importlib.import_module("mkernel.engines.gemm_plan")
 
 
 @pytest.mark.parametrize("cls", ["MkGemmSched", "MkGemmArgs"])
@@ -56,22 +57,22 @@ def test_registration():
     assert mkc.REGISTRY["gemm"] is mg.SPEC and mkc.REGISTRY["gemm_narrow"] is mg.NARROW_SPEC
     assert len(mg.EXPRESSIONS) == 24  # 16 unclustered (plain and grouped) + 8 clustered (plain)
     assert len(mg.NARROW_EXPRESSIONS) == 8 and all(e.endswith(",192>") for e in mg.NARROW_EXPRESSIONS)
-    assert mg.tiles(129, 257) == 4 and mg.tiles(128, 256) == 1 and mg.tiles(129, 385, mg.BN_NARROW) == 6
+    assert plan.tiles(129, 257) == 4 and plan.tiles(128, 256) == 1 and plan.tiles(129, 385, plan.BN_NARROW) == 6
 
 
 def test_tile_width_takes_narrow_tiles_where_they_save_a_wave():
     from mkernel import config
 
-    assert mg.tile_width(1000, 3000, 2000) == mg.BN  # the default: 256 wide
+    assert plan.tile_width(1000, 3000, 2000) == plan.BN  # the default: 256 wide
     with config.override(gemm_tile_n=192):
-        assert mg.tile_width(8192, 8192, 8192) == mg.BN_NARROW
+        assert plan.tile_width(8192, 8192, 8192) == plan.BN_NARROW
     with config.override(gemm_tile_n="auto"):
-        assert mg.tile_width(1000, 3000, 2000) == mg.BN_NARROW  # 96 wide tiles, 128 narrow: one wave each
-        assert mg.tile_width(256, 10240, 8192) == mg.BN_NARROW  # 80 wide, 108 narrow
+        assert plan.tile_width(1000, 3000, 2000) == plan.BN_NARROW  # 96 wide tiles, 128 narrow: one wave each
+        assert plan.tile_width(256, 10240, 8192) == plan.BN_NARROW  # 80 wide, 108 narrow
         for M, N, K in [(8192, 8192, 8192), (256, 8192, 8192), (256, 4096, 14336), (3000, 1000, 520),
                         (8191, 8200, 1032), (4000, 7000, 3000)]:  # a wave more, or split K fills the SMs
-            assert mg.tile_width(M, N, K) == mg.BN, (M, N, K)
-    assert mg.split_bytes(256, 2056, 2, mg.BN_NARROW) == mg.SPLIT_COUNTS_BYTES + 2 * 11 * 2 * 128 * 192 * 4
+            assert plan.tile_width(M, N, K) == plan.BN, (M, N, K)
+    assert plan.split_bytes(256, 2056, 2, plan.BN_NARROW) == plan.SPLIT_COUNTS_BYTES + 2 * 11 * 2 * 128 * 192 * 4
     with pytest.raises(ArgumentError, match="gemm_tile_n"), config.override(gemm_tile_n=128):
         pass
 
@@ -126,35 +127,35 @@ def test_b_layout_inference_and_host_checks():
     assert mg._out_code("bfloat16", "float32") == mg.OUT_F32 and mg._out_code("float16", "float16") == mg.OUT_F16
     with pytest.raises(ArgumentError):
         mg._out_code("bfloat16", "float16")
-    assert mg.default_ctas(2048, 132) == 128 and mg.default_ctas(45, 132) == 45 and mg.default_ctas(133, 132) == 67
+    assert plan.default_ctas(2048, 132) == 128 and plan.default_ctas(45, 132) == 45
+    assert plan.default_ctas(133, 132) == 67
     assert mg.grouped_tiles_bound(1000, 520, 8) == (8 + 8) * 3
 
 
 def test_split_k_fills_the_sms_with_few_tiles_and_long_k():
     from mkernel import config
-    from mkernel.engines import gemm as engine
 
     with config.override(gemm_split_k=False):
-        assert engine.split_k(128, 8192, 8192) == 1
-        assert engine.use_cluster(256, 4096, 14336)  # 2 M-tiles, long K
-    assert not engine.use_cluster(256, 4096, 14336)  # 32 tiles x 4 ranges of 56 k-blocks: too short for pairs
-    assert engine.split_k(256, 4096, 14336, cluster=True) == 4 and engine.split_k(256, 8192, 8192, cluster=True) == 2
-    assert engine.use_cluster(256, 8192, 28672) and engine.split_k(256, 8192, 28672, cluster=True) == 2  # 224 each
-    assert not engine.use_cluster(256, 10240, 8192, cluster=False) and engine.split_k(256, 10240, 8192) == 1
-    assert engine.use_cluster(8192, 8192, 8192) and engine.split_k(8192, 8192, 8192) == 1
-    assert not engine.use_cluster(8191, 8200, 1032)  # short K, rows in whole L2 lines: one CTA per tile
-    assert engine.use_cluster(8191, 8200, 1032, aligned=False)  # rows straddling lines: the pairs
-    assert not engine.use_cluster(1000, 3000, 2000, aligned=False)  # 96 tiles, less than a wave
+        assert plan.split_k(128, 8192, 8192) == 1
+        assert plan.use_cluster(256, 4096, 14336)  # 2 M-tiles, long K
+    assert not plan.use_cluster(256, 4096, 14336)  # 32 tiles x 4 ranges of 56 k-blocks: too short for pairs
+    assert plan.split_k(256, 4096, 14336, cluster=True) == 4 and plan.split_k(256, 8192, 8192, cluster=True) == 2
+    assert plan.use_cluster(256, 8192, 28672) and plan.split_k(256, 8192, 28672, cluster=True) == 2  # 224 each
+    assert not plan.use_cluster(256, 10240, 8192, cluster=False) and plan.split_k(256, 10240, 8192) == 1
+    assert plan.use_cluster(8192, 8192, 8192) and plan.split_k(8192, 8192, 8192) == 1
+    assert not plan.use_cluster(8191, 8200, 1032)  # short K, rows in whole L2 lines: one CTA per tile
+    assert plan.use_cluster(8191, 8200, 1032, aligned=False)  # rows straddling lines: the pairs
+    assert not plan.use_cluster(1000, 3000, 2000, aligned=False)  # 96 tiles, less than a wave
     with config.override(gemm_split_k=True):
-        assert engine.split_k(128, 8192, 8192) == 4  # 32 tiles: 4 ranges of 32 k-blocks fill 132 SMs once
-        assert engine.split_k(128, 4096, 14336) == 8  # 16 tiles
-        assert engine.split_k(8192, 8192, 8192) == 1  # 1024 tiles fill the SMs without it
-        assert engine.split_k(128, 4096, 960) == 1  # 15 k-blocks: a range would hold fewer than 8
+        assert plan.split_k(128, 8192, 8192) == 4  # 32 tiles: 4 ranges of 32 k-blocks fill 132 SMs once
+        assert plan.split_k(128, 4096, 14336) == 8  # 16 tiles
+        assert plan.split_k(8192, 8192, 8192) == 1  # 1024 tiles fill the SMs without it
+        assert plan.split_k(128, 4096, 960) == 1  # 15 k-blocks: a range would hold fewer than 8
         for M, N, K in [(128, 4096, 14336), (256, 4096, 1032), (130, 1000, 4104), (1, 256, 65536)]:
-            s = engine.split_k(M, N, K)
-            kb = -(-K // engine.BK)
+            s = plan.split_k(M, N, K)
+            kb = -(-K // plan.BK)
             per = -(-kb // s)
-            assert 1 <= s <= engine.SPLIT_MAX and (s - 1) * per < kb  # no empty range
-            assert s == 1 or per >= engine.SPLIT_MIN_KBLOCKS and engine.tiles(M, N) * s <= engine.SPLIT_SMS
-            assert engine.split_bytes(M, N, s) >= engine.SPLIT_COUNTS_BYTES + engine.tiles(M, N) * s * 128 * 256 * 4
-            assert s == 1 or engine.tiles(M, N) * 8 * 4 <= engine.SPLIT_COUNTS_BYTES  # counts in the fixed region
+            assert 1 <= s <= plan.SPLIT_MAX and (s - 1) * per < kb  # no empty range
+            assert s == 1 or per >= plan.SPLIT_MIN_KBLOCKS and plan.tiles(M, N) * s <= plan.SPLIT_SMS
+            assert plan.split_bytes(M, N, s) >= plan.SPLIT_COUNTS_BYTES + plan.tiles(M, N) * s * 128 * 256 * 4
+            assert s == 1 or plan.tiles(M, N) * 8 * 4 <= plan.SPLIT_COUNTS_BYTES  # counts in the fixed region

@@ -29,6 +29,7 @@ from tests.helpers.arrays import poisoned as _poisoned
 
 # The module, not the function: mkernel re-exports gemm() under the same name.
 mg = importlib.import_module("mkernel.engines.gemm")
+plan = importlib.import_module("mkernel.engines.gemm_plan")
 
 
 # ================================================================================ GPU helpers
@@ -136,7 +137,7 @@ def feature_flags():
 
     for M, cluster in ((1000, False), (1000, True), (1100, True)):  # 1100: 9 M-tiles, a padding part
         N, K = 1288, 256
-        T = mg.tiles(M, N)
+        T = plan.tiles(M, N)
         a, b, ref = _simple(M, N, K)
         flags = cupy.full(T + 5, 0xDEADBEEF, dtype=cupy.uint32)
         counts = cupy.zeros(T + 5, dtype=cupy.uint32)
@@ -165,7 +166,7 @@ def feature_order_roles_sms():
     import cupy
 
     M, N, K = 1100, 1032, 320
-    T = mg.tiles(M, N)
+    T = plan.tiles(M, N)
     a, b, ref = _simple(M, N, K, seed=1)
     rng = np.random.default_rng(5)
     nsm = mg._num_sms()
@@ -213,7 +214,7 @@ def feature_order_roles_sms():
 def feature_accumulate():
     M, N, K = 257, 520, 136
     a, b, ref, c0 = _accumulate_exact(M, N, K, 2, "accumulate f32")
-    _accumulate_exact(M, N, K, 2, "accumulate f32, other kernel", cluster=not mg.use_cluster(M, N, K))
+    _accumulate_exact(M, N, K, 2, "accumulate f32, other kernel", cluster=not plan.use_cluster(M, N, K))
     c0b = c0.astype(BF16)
     outb = _dev(c0b)
     mg.gemm(a, b, out=outb, accumulate=True)
@@ -237,7 +238,7 @@ def feature_split_k():
              (64, 4096, 8192, "nk", None)]  # 64 tokens: one warpgroup's rows move no partial
     with config.override(gemm_split_k=True, gemm_decode_max_m=0):  # the engine at decode sizes too
         for M, N, K, lay, out_dt in cases:
-            assert mg.split_k(M, N, K) > 1 and mg.split_k(M, N, K, cluster=True) > 1, (M, N, K)
+            assert plan.split_k(M, N, K) > 1 and plan.split_k(M, N, K, cluster=True) > 1, (M, N, K)
             for integer in (True, False):
                 a, b, ref = _simple(M, N, K, integer=integer, seed=M + K)
                 bb = b if lay == "kn" else _dev(np.ascontiguousarray(_host(b).T))
@@ -263,7 +264,7 @@ def feature_split_k():
 def _ran_width(a, b, out, **kw):
     """The tile width of the plan a plain ``gemm(a, b, out=out, **kw)`` call kept (its N-tiles)."""
     tiles_n = mg.kept_plan(a, b, out, **kw)[0][3].sched.tiles_n
-    widths = [w for w in (mg.BN, mg.BN_NARROW) if -(-out.shape[1] // w) == tiles_n]
+    widths = [w for w in (plan.BN, plan.BN_NARROW) if -(-out.shape[1] // w) == tiles_n]
     return widths[0] if len(widths) == 1 else None  # None: N does not tell the widths apart
 
 
@@ -290,7 +291,7 @@ def feature_narrow_tiles():
                         what = f"narrow {dtn} {lay} {M}x{N}x{K} {'f32' if out_f32 else dtn} " \
                                f"{'integer' if integer else 'random'}"
                         _sync(what)
-                        assert N <= mg.BN_NARROW or _ran_width(da, bb, out, b_layout=lay) == mg.BN_NARROW, what
+                        assert N <= plan.BN_NARROW or _ran_width(da, bb, out, b_layout=lay) == plan.BN_NARROW, what
                         c = _host(out).astype(np.float64)
                         if integer:
                             want = ref.astype(np.float32 if out_f32 else DTYPES[dtn]).astype(np.float64)
@@ -299,14 +300,14 @@ def feature_narrow_tiles():
                         assert bad == 0 and rel < 1e-2, f"{what}: relative error {rel:.3g}, {bad} not finite"
         _accumulate_exact(257, 520, 136, 12, "narrow accumulate")
         M, N, K = 256, 2056, 4104  # split K in narrow tiles
-        assert mg.split_k(M, N, K, bn=mg.BN_NARROW) > 1
+        assert plan.split_k(M, N, K, bn=plan.BN_NARROW) > 1
         a, b, ref = _simple(M, N, K, seed=14)
         outs = []
         for _ in range(3):
             out = _poisoned((M, N), "f32")
             mg.gemm(a, b, out=out)
             _sync("narrow split K")
-            assert _ran_width(a, b, out) == mg.BN_NARROW and mg.kept_plan(a, b, out)[0][3].splits > 1
+            assert _ran_width(a, b, out) == plan.BN_NARROW and mg.kept_plan(a, b, out)[0][3].splits > 1
             outs.append(_host(out))
         assert all(np.array_equal(o, ref) for o in outs), "narrow split K: not exact"
     shapes = [(256, 2056, 4104), (1000, 3000, 2000), (128, 1032, 8200), (300, 776, 1032)]
@@ -315,7 +316,7 @@ def feature_narrow_tiles():
         shape = shapes[i % len(shapes)]
         a, b, ref = inputs[shape]
         out = _poisoned(shape[:2], "f32")
-        width = (mg.BN_NARROW, mg.BN)[(i // 4) % 2]
+        width = (plan.BN_NARROW, plan.BN)[(i // 4) % 2]
         with config.override(gemm_tile_n=width, gemm_decode_max_m=0):
             mg.gemm(a, b, out=out)
             assert _ran_width(a, b, out) == width, f"alternating launch {i}: not {width}-wide tiles"
@@ -351,7 +352,7 @@ def feature_error_recorded():
                 "split K": lambda: mg.gemm(a[:128], b, out=_poisoned((128, N), "bf16")),
                 "grouped": lambda: mg.grouped_gemm(a, bs, rows, out=_poisoned((M, N), "bf16")),
                 "attention": lambda: ma.attention(q, k, v)}
-    assert mg.split_k(128, N, K) > 1
+    assert plan.split_k(128, N, K) > 1
     ws = mg.workspace()
     code = ws.sync_state._dev[8:12].view(cupy.uint32)  # MkStatus.code, after the epoch and exit count
     code.fill(1)  # the kernels test it for nonzero; the host mirror stays clear

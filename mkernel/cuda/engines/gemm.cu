@@ -66,5 +66,5 @@ static_assert(gemm_smem_bytes<GemmCfg<0, 0>, true>() == 231768, "update SMEM_GRO
 static_assert(gemm_smem_bytes<GemmCfg<0, 0>, true>() <= 232448, "more than 227 KiB of shared memory");
 static_assert(gemm_smem_bytes<GemmCfg<0, 0, 1, 192>, false>() == 197968,
               "update SMEM_PLAIN (narrow tiles) in mkernel/engines/gemm.py");
-static_assert(MK_SPLIT_COUNTS_BYTES == 4096, "update SPLIT_COUNTS_BYTES in mkernel/engines/gemm.py");
+static_assert(MK_SPLIT_COUNTS_BYTES == 4096, "update SPLIT_COUNTS_BYTES in mkernel/engines/gemm_plan.py");
 static_assert(sizeof(MkGemmArgs) == 576, "MkGemmArgs layout changed: update mkernel/engines/gemm.py");

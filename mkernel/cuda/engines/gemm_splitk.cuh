@@ -1,5 +1,5 @@
 #pragma once
-// Split K for the plain GEMM (mkernel/engines/gemm.py picks MkGemmArgs::splits > 1 when the output
+// Split K for the plain GEMM (mkernel/engines/gemm_plan.py picks MkGemmArgs::splits > 1 when the output
 // has too few tiles to fill the SMs and K is long): the scheduler hands out (tile, range of K)
 // claims (MkSplitOrder, MkSchedTiles), the mainloop runs the range's k-blocks (gemm_k_range), and
 // this epilogue wrapper, warp by warp, stores the warp's 16 x BN fp32 slice of the range's partial
@@ -15,7 +15,7 @@
 #include "gemm_args.cuh"
 #include "tile_scheduler.cuh"
 
-constexpr u32 MK_SPLIT_MAX_TILES = 128;  // splits >= 2 only where tiles * 2 <= 132 (mkernel/engines/gemm.py)
+constexpr u32 MK_SPLIT_MAX_TILES = 128;  // splits >= 2 only where tiles * 2 <= 132 (mkernel/engines/gemm_plan.py)
 constexpr u64 MK_SPLIT_COUNTS_BYTES = MK_SPLIT_MAX_TILES * 8u * 4u;
 
 template <class Inner>
