@@ -266,3 +266,54 @@ def test_a_launch_short_of_shared_memory_records_an_error_and_writes_nothing():
     finally:
         state.close()
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", [{"gemm_decode_rows": 64}, {"gemm_decode_rows": 128},
+                                   {"gemm_decode_rows": 128, "gemm_decode_split": "stream"}])
+@pytest.mark.parametrize("M,N,K", [(16, 1032, 4104), (8, 8192, 512)])
+def test_trace_mode_stamps_every_cta_in_order_and_keeps_the_bits(M, N, K, knobs, monkeypatch, tmp_path):
+    """Trace mode (tools/gemm_phases.py): every CTA writes its row blocks' phases in order without a
+    gap (fill, mma, then partial and / or out; a block's values handed out once, by one CTA), and the
+    values are the same bits as an untraced launch's."""
+    import cupy
+
+    from mkernel.runtime.launch import launch
+    from mkernel.runtime.sync import SyncState
+    from mkernel.runtime.trace import Trace
+
+    monkeypatch.setenv("MKERNEL_TRACE", str(tmp_path / "trace"))
+    TRACE, FILL, MMA, PARTIAL, OUT = 0x20000000, 0, 1, 2, 3  # gemm_decode_args.cuh
+    a, w = _inputs(9, M, N, K, BF16, integer=False)
+    a_d, w_d = dev(a.astype(BF16)), dev(w.astype(BF16))
+    outs, trace, state = [poisoned((M, N), "bf16") for _ in range(2)], Trace(0), SyncState(0)
+    try:
+        with config.override(**knobs):
+            for out, traced in zip(outs, (False, True)):
+                fn, grid, block, args, _, smem = dec.build(a_d, w_d, out, 0, M=M, N=N, K=K, accumulate=False,
+                                                           sync=state.args("gemm"), partial=dec.Partials)
+                if traced:
+                    args.sync.trace_events, args.sync.trace_count, args.sync.trace_capacity = trace.pointers()
+                launch(fn, grid, block, args, smem=smem)
+        cupy.cuda.get_current_stream().synchronize()
+        state.check()
+    finally:
+        state.close()
+    assert np.array_equal(bits(outs[0]), bits(outs[1])), "trace mode changed the bits"
+    assert _rel(host(outs[1]).astype(np.float64), a @ w.T) < REL_TOL
+    ctas, handed = {}, []
+    for start, end, _sm, cta, role, ident in trace.spans():
+        assert role == 0 and ident & 0xF0000000 == TRACE and start <= end
+        ctas.setdefault(cta, []).append((start, end, (ident >> 24) & 0xF, ident & 0xFFFFFF))
+    assert sorted(ctas) == list(range(grid[0])), "a CTA wrote no stamps"
+    for spans in ctas.values():
+        spans.sort()
+        assert all(p[1] == s[0] for p, s in zip(spans, spans[1:])), "a gap between a CTA's phases"
+        phases = [s[2] for s in spans]
+        blocks = [s[3] for s in spans]
+        assert blocks == sorted(blocks), "row blocks out of order"
+        for rb in dict.fromkeys(blocks):
+            seq = [p for p, b in zip(phases, blocks) if b == rb]
+            assert seq in ([FILL, MMA, OUT], [FILL, MMA, PARTIAL], [FILL, MMA, PARTIAL, OUT]), seq
+        handed += [b for p, b in zip(phases, blocks) if p == OUT]
+    assert sorted(handed) == list(range(-(-N // (knobs["gemm_decode_rows"])))), "a block handed out twice or never"

@@ -24,6 +24,7 @@
 #include "tma.cuh"
 #include "mbar_wait.cuh"
 #include "signals.cuh"
+#include "trace.cuh"
 #include "wgmma.cuh"
 #include "convert.cuh"
 #include "gemm_args.cuh"
@@ -91,6 +92,23 @@ MK_DEV void store_out(void* out, u64 i, float v) {
 MK_DEV u64 decode_run_start(u64 c, u64 units, u64 ctas) { return c * units / ctas; }
 MK_DEV u32 decode_cta_of(u64 x, u64 units, u64 ctas) { return (u32)(((x + 1) * ctas - 1) / units); }
 
+// Trace mode (tools/gemm_phases.py): warp 0's lane 0 stamps the end of each phase of its CTA's
+// row blocks in shared memory, and writes them as spans once its run is done.
+constexpr u32 MK_DECODE_STAMPS = 16;
+struct DecodeStamps {
+  u64 at[MK_DECODE_STAMPS + 1];  // at[0]: the CTA's entry; at[i + 1]: the end of span i
+  u32 id[MK_DECODE_STAMPS];
+  u32 n;
+  MK_DEV void stamp(u32 phase, u64 rb) {
+    if (n == MK_DECODE_STAMPS) return;
+    id[n] = MK_DECODE_TRACE | (phase << 24) | (u32)rb;
+    at[++n] = globaltimer_ns();
+  }
+  MK_DEV void write(const MkSync& s) const {
+    for (u32 i = 0; i < n; ++i) trace_span_at(s, MK_ROLE_COMPUTE, id[i], at[i], at[i + 1]);
+  }
+};
+
 // The producer thread: every k-block of the CTA's run, b's box and a's box into the ring.
 template <class Cfg>
 MK_DEV void decode_produce(const MkDecodeArgs& args, u32 smem, u64 u0, u64 u1) {
@@ -123,6 +141,9 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
   using Cfg = DecodeCfg<MT, ROWS>;
   extern __shared__ __align__(1024) u8 decode_dyn[];
   __shared__ u32 s_last;
+  __shared__ DecodeStamps s_stamps;
+  const bool stamps = threadIdx.x == 0 && args.sync.trace_events != nullptr;  // trace mode
+  if (stamps) s_stamps.n = 0, s_stamps.at[0] = globaltimer_ns();
   const u32 raw = smem_u32(decode_dyn), smem = (raw + 1023u) & ~1023u;
   const u32 full0 = smem + Cfg::OFF_BAR, empty0 = full0 + 8 * Cfg::STAGES;
   const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -157,9 +178,13 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
   float acc[Cfg::ACC];  // acc[4j + i]: row r0 (i < 2) or r1, tokens 8j + 2t + (i & 1)
   u32 it = 0;
   for (u64 u = u0; u < u1;) {
-    __syncwarp();  // the last block's epilogue may have diverged: converge before .aligned wgmma
     const u64 rb = u / kb, kend = (rb + 1) * kb < u1 ? (rb + 1) * kb : u1;
     const u32 it0 = it;
+    if (stamps) {  // the block's first stage, waited for early (the loop's wait then passes at once)
+      mbar_wait_timed(full0 + 8 * (it % Cfg::STAGES), (it / Cfg::STAGES) & 1, args.sync, MK_WAIT_FULL);
+      s_stamps.stamp(MK_DECODE_PH_FILL, rb);
+    }
+    __syncwarp();  // the last block's epilogue or the stamp may have diverged: converge before .aligned wgmma
 #pragma unroll
     for (int i = 0; i < Cfg::ACC; ++i) acc[i] = 0.f;
     for (; u < kend; ++u, ++it) {
@@ -182,6 +207,7 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
 #pragma unroll
     for (int i = 0; i < Cfg::ACC; ++i) wgmma_fence_operand(acc[i]);
     if (lane == 0) mbar_arrive(empty0 + 8 * ((it + Cfg::STAGES - 1) % Cfg::STAGES));
+    if (stamps) s_stamps.stamp(MK_DECODE_PH_MMA, rb);
 
     const u64 r0 = rb * Cfg::ROWS + warp * 16 + g, r1 = r0 + 8;
     const u32 first = decode_cta_of(rb * kb, units, C), n_ctas = decode_cta_of((rb + 1) * kb - 1, units, C) - first + 1;
@@ -192,6 +218,7 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
           const float v[4] = {acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]};
           epi.finish(j, (u64)j * 8 + 2 * t, r0, r1, v);
         }
+      if (stamps) s_stamps.stamp(MK_DECODE_PH_OUT, rb);
       continue;
     }
     // Slots in fragment order (the reader is the same thread of the last CTA): coalesced both ways.
@@ -203,6 +230,7 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
     u32* count = args.counts + rb;
     if (threadIdx.x == 0) s_last = atom_add_acq_rel_gpu(count, 1u) + 1 == n_ctas;
     bar();  // the last arrival's acquire precedes every thread's slot reads
+    if (stamps) s_stamps.stamp(MK_DECODE_PH_PARTIAL, rb);
     if (!s_last) continue;
     if (threadIdx.x == 0) *count = 0;  // zero for the next launch (stream ordered)
     if (!epi.ready(bar)) continue;
@@ -231,5 +259,7 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
       const float v[4] = {acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]};
       epi.finish(j, (u64)j * 8 + 2 * t, r0, r1, v);
     }
+    if (stamps) s_stamps.stamp(MK_DECODE_PH_OUT, rb);
   }
+  if (stamps) s_stamps.write(args.sync);
 }

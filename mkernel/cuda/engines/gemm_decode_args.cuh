@@ -9,6 +9,13 @@
 // MkStatus.where of MK_ERR_INPUT: launched with less dynamic shared memory than DecodeCfg::SMEM
 // (mkernel/runtime/sync.py DECODE_ERR_SMEM).
 #define MK_DECODE_ERR_SMEM 3u
+// Trace mode (tools/gemm_phases.py): warp 0's lane 0 stamps its CTA's phases per row block as
+// MK_ROLE_COMPUTE spans of id MK_DECODE_TRACE | phase << 24 | row block (phases: MK_DECODE_PH_*).
+#define MK_DECODE_TRACE 0x20000000u
+#define MK_DECODE_PH_FILL 0u  // from the CTA's entry (later blocks: the last one's end) to its first stage landed
+#define MK_DECODE_PH_MMA 1u  // to the block's last wgmma group complete
+#define MK_DECODE_PH_PARTIAL 2u  // a shared block: its slot stored and the arrival counted
+#define MK_DECODE_PH_OUT 3u  // the finished values handed to the epilogue (the last CTA: after the sum)
 
 struct MkDecodeArgs {
   TmaDesc a_map;  // a [m, k] (the tokens): dims {k, m}, box {64, MT} (all the tokens), 128B swizzle

@@ -18,9 +18,8 @@ enum : u32 {
 // A span's start: the clock when tracing, else 0 (no timer read).
 MK_DEV u64 trace_start(const MkSync& s) { return s.trace_events ? globaltimer_ns() : 0ull; }
 
-MK_DEV void trace_span(const MkSync& s, u32 role, u32 id, u64 start_ns) {
-  if (s.trace_events == nullptr) return;
-  const u64 end_ns = globaltimer_ns();
+// A span that ended at end_ns (stamped earlier: writing one costs an atomic's round trip). Trace mode only.
+MK_DEV void trace_span_at(const MkSync& s, u32 role, u32 id, u64 start_ns, u64 end_ns) {
   const u32 slot = atomicAdd(s.trace_count, 1u);
   if (slot >= s.trace_capacity) return;  // full: later spans are dropped, and the count says how many
   u64* e = s.trace_events + (u64)slot * MK_TRACE_WORDS;
@@ -29,4 +28,9 @@ MK_DEV void trace_span(const MkSync& s, u32 role, u32 id, u64 start_ns) {
   e[1] = end_ns;
   e[2] = ((u64)sm_id() << 32) | block;
   e[3] = ((u64)role << 32) | id;
+}
+
+MK_DEV void trace_span(const MkSync& s, u32 role, u32 id, u64 start_ns) {
+  if (s.trace_events == nullptr) return;
+  trace_span_at(s, role, id, start_ns, globaltimer_ns());
 }
