@@ -238,9 +238,6 @@ class Communicator:
         elif not self.heap.growable:
             blockers.append("the workspace is mapped through legacy CUDA IPC, which cannot grow "
                             "(MKERNEL_WORKSPACE_SHARING)")
-        elif self._proxy is not None and not self._proxy.proxy.regions_grow:
-            blockers.append(f"the {self._proxy.proxy.transport} transport registered the workspace with the NIC "
-                            f"(pass a larger workspace_bytes to mkernel.init)")
         else:
             cap = max_workspace_bytes()
             want = grown_size(self.heap.nbytes, nbytes, self.heap.granularity(), cap)
@@ -266,7 +263,12 @@ class Communicator:
         if failures:
             raise WorkspaceError(f"{exhausted}, and growing it failed on rank {failures[0][0]}: {failures[0][1]}")
         if self._proxy is not None:  # every rank grows here, before any allocation can use the new range
-            self._proxy.proxy.grow_region(self.PROXY_WORKSPACE_REGION, self.heap.nbytes)
+            try:
+                self._proxy.proxy.grow_region(self.PROXY_WORKSPACE_REGION, self.heap.nbytes)
+            except (ArgumentError, PeerError) as e:
+                raise WorkspaceError(f"{exhausted}; the workspace grew to {self.heap.nbytes} bytes, but the "
+                                     f"{self._proxy.proxy.transport} transport could not take the grown range: {e} "
+                                     f"(pass a larger workspace_bytes to mkernel.init)") from e
         log.info("rank %d: workspace grown in place from %d to %d bytes for an allocation of %d", self.rank, old,
                  want, nbytes)
 

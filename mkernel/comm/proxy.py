@@ -244,15 +244,27 @@ class Proxy:
         self._setup(self._lib.mk_proxy_register(self._p, region_id, address, nbytes, _KIND[kind]),
                     f"register({region_id})")
 
-    @property
-    def regions_grow(self) -> bool:
-        """Whether a registered region can grow in place while running (not where the NIC holds a
-        registration of it: verbs)."""
-        return self.transport != "verbs"
-
     def grow_region(self, region_id: int, nbytes: int):
-        """Region ``region_id`` now spans ``nbytes`` from the same address (a workspace grown in place)."""
-        self._setup(self._lib.mk_proxy_grow_region(self._p, region_id, nbytes), f"grow_region({region_id})")
+        """Region ``region_id`` now spans ``nbytes`` from the same address (a workspace grown in place),
+        also while running. Verbs: collective, every rank registers the grown span with its NIC and
+        then takes its peers' new keys (PeerError on every rank where one failed); else local."""
+        if self.transport != "verbs":
+            self._setup(self._lib.mk_proxy_grow_region(self._p, region_id, nbytes), f"grow_region({region_id})")
+            return
+        ffi, lib = self._ffi, self._lib
+        addr, size, rkey = ffi.new("unsigned long long*"), ffi.new("unsigned long long*"), ffi.new("unsigned int*")
+        error = None
+        if lib.mk_proxy_grow_region(self._p, region_id, nbytes):
+            error = ffi.string(lib.mk_proxy_last_setup_error(self._p)).decode()
+        elif lib.mk_verbs_region_key(self._p, region_id, addr, size, rkey):
+            error = self._error_text() or f"region {region_id} has no registration"
+        _agree(self.comm, error)
+        keys = self.comm.allgather((addr[0], size[0], rkey[0]))
+        for q in self.peers:
+            if lib.mk_verbs_set_remote_region(self._p, q, region_id, *keys[q]):
+                error = self._error_text() or f"rank {q}'s grown region {region_id} was refused"
+                break
+        _agree(self.comm, error)
 
     def register_flags(self, region_id: int, address: int, count: int):
         """The u32 flag array peers' WRITE/SIGNAL set and this rank's FLUSHes complete into (host memory)."""

@@ -150,15 +150,18 @@ int mk_proxy_register(mk_proxy* p, int id, unsigned long long base, unsigned lon
 }
 
 /* In place (same base), also while running: the workspace grew (VMM maps more at its end). A
- * transport that registered the region with a NIC would need a new registration: refused. */
+ * transport that registered the region with a NIC registers the grown span first (verbs). */
 int mk_proxy_grow_region(mk_proxy* p, int id, unsigned long long bytes) {
   if (id < 0 || id >= MK_MAX_REGIONS || !p->regions[id].used) return setup_error(p, "region %d is not registered", id);
   mk_region* r = &p->regions[id];
   const uint64_t size = __atomic_load_n(&r->bytes, __ATOMIC_ACQUIRE);
   if (bytes < size || bytes > MK_OFFSET_MAX || (uintptr_t)r->base + bytes < (uintptr_t)r->base)
     return setup_error(p, "region %d cannot grow from %llu to %llu bytes", id, (unsigned long long)size, bytes);
-  if (p->ops->register_region)
-    return setup_error(p, "region %d is registered with the NIC by this transport: it cannot grow", id);
+  if (p->ops->register_region) {
+    char why[MKP_MESSAGE_BYTES] = "this transport cannot register a grown region";
+    if (!p->ops->grow_region || p->ops->grow_region(p, r, bytes, why, sizeof why))
+      return setup_error(p, "region %d cannot grow to %llu bytes: %s", id, bytes, why);
+  }
   __atomic_store_n(&r->bytes, (uint64_t)bytes, __ATOMIC_RELEASE);
   return 0;
 }

@@ -18,7 +18,7 @@ typedef struct mk_region {
   int used, kind; /* MKP_REGION_* */
   unsigned char* base;
   uint64_t bytes;
-  void* transport_data; /* verbs: the memory region */
+  void* transport_data; /* verbs: the memory region (replaced, atomically, when the region grows) */
 } mk_region;
 
 /* The small interface every transport implements. write/signal/flush return 0, MK_AGAIN or -1
@@ -27,6 +27,9 @@ typedef struct mk_region {
 typedef struct mk_transport_ops {
   const char* name;
   int (*register_region)(mk_proxy* p, mk_region* r);
+  /* A registered region grown in place to bytes, while running: its new registration (why: the
+   * reason it failed, for the caller's setup error). NULL: a transport that registers cannot grow. */
+  int (*grow_region)(mk_proxy* p, mk_region* r, uint64_t bytes, char* why, int cap);
   int (*write)(mk_proxy* p, const struct MkCmd* c);
   int (*signal)(mk_proxy* p, const struct MkCmd* c);
   int (*flush)(mk_proxy* p, const struct MkCmd* c);

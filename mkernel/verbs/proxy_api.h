@@ -32,8 +32,8 @@ void mk_proxy_destroy(mk_proxy* p);
 int mk_proxy_set_cuda_device(mk_proxy* p, int ordinal);
 int mk_proxy_register(mk_proxy* p, int id, unsigned long long base, unsigned long long bytes, int kind);
 int mk_proxy_set_flags(mk_proxy* p, int region_id);
-/* A registered region grown in place (its base unchanged), also while running; -1 where the transport registered
- * it with a NIC (verbs). */
+/* A registered region grown in place (its base unchanged), also while running. Verbs registers the grown span
+ * with the NIC; its peers then need its new key (mk_verbs_region_key, mk_verbs_set_remote_region). */
 int mk_proxy_grow_region(mk_proxy* p, int id, unsigned long long bytes);
 int mk_proxy_attach_queue(mk_proxy* p, unsigned long long header, unsigned long long slots);
 int mk_proxy_start(mk_proxy* p);
@@ -74,6 +74,11 @@ int mk_verbs_open(mk_proxy* p, const char* device, int port, int gid_index);
 int mk_verbs_blob_bytes(void);
 int mk_verbs_local_blob(mk_proxy* p, int peer, unsigned char* out, int cap);
 int mk_verbs_connect(mk_proxy* p, int peer, const unsigned char* blob, int len);
+/* A region's registration as peers address it (its base, bytes and remote key); -1 where it has none. */
+int mk_verbs_region_key(mk_proxy* p, int id, unsigned long long* addr, unsigned long long* bytes, unsigned int* rkey);
+/* Rank peer's region id grew in place: its span and key from then on (also while running). */
+int mk_verbs_set_remote_region(mk_proxy* p, int peer, int id, unsigned long long addr, unsigned long long bytes,
+                               unsigned int rkey);
 
 /* TMA (mkernel/runtime/tma.py): cuTensorMapEncodeTiled through the libcuda this extension loads. tmap is the
  * 128-byte CUtensorMap; dims, box and estrides hold rank entries, strides rank-1 (bytes). Returns the

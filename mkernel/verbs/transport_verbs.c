@@ -48,6 +48,13 @@ int mk_verbs_open(mk_proxy* p, const char* device, int port, int gid_index) { re
 int mk_verbs_blob_bytes(void) { return 0; }
 int mk_verbs_local_blob(mk_proxy* p, int peer, unsigned char* out, int cap) { return unavailable(p); }
 int mk_verbs_connect(mk_proxy* p, int peer, const unsigned char* blob, int len) { return unavailable(p); }
+int mk_verbs_region_key(mk_proxy* p, int id, unsigned long long* addr, unsigned long long* bytes, unsigned int* rkey) {
+  return unavailable(p);
+}
+int mk_verbs_set_remote_region(mk_proxy* p, int peer, int id, unsigned long long addr, unsigned long long bytes,
+                               unsigned int rkey) {
+  return unavailable(p);
+}
 static int fail_cmd(mk_proxy* p, const struct MkCmd* c) { return unavailable(p); }
 static int fail_poll(mk_proxy* p, int timeout_us) { return unavailable(p); }
 const mk_transport_ops mk_verbs_ops = {
@@ -79,6 +86,7 @@ const mk_transport_ops mk_verbs_ops = {
 #define MK_VERBS_RQ_RC 256 /* receive buffers posted per RC QP */
 #define MK_VERBS_QKEY 0x4d4b5131u
 #define MK_VERBS_MAGIC 0x3142564du /* "MVB1" */
+#define MK_VERBS_RETIRED 32 /* earlier registrations kept per proxy: growths (the workspace at least doubles each) */
 #define MK_VERBS_IMM_RANK_BITS 12 /* SRD immediate: rank in the high 12 bits, write id in the low 20 */
 #define MK_VERBS_IMM_ID_MASK ((1u << (32 - MK_VERBS_IMM_RANK_BITS)) - 1)
 
@@ -275,6 +283,8 @@ typedef struct {
   struct ibv_port_attr pa;
   union ibv_gid gid;
   vpeer* peers;
+  struct ibv_mr* retired[MK_VERBS_RETIRED]; /* grown regions' earlier registrations (posted work may use them) */
+  int retired_count;
 } vstate;
 
 static int vfail(mk_proxy* p, int peer, int op, const char* what) {
@@ -386,32 +396,81 @@ int mk_verbs_open(mk_proxy* p, const char* device, int port, int gid_index) {
   return 0;
 }
 
-/* Regions are registered for remote write; GPU memory through dma-buf, else directly (nvidia-peermem). */
+/* [base, base + bytes) registered for remote write: GPU memory through dma-buf, else directly
+ * (nvidia-peermem). NULL (errno set) where neither works; why then says so. */
+static struct ibv_mr* register_span(vstate* v, int kind, unsigned char* base, uint64_t bytes, char* why, int cap) {
+  int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
+  struct ibv_mr* mr = NULL;
+  if (kind == MKP_REGION_CUDA && V.reg_dmabuf_mr) {
+    uint64_t offset;
+    int fd = mk_cuda_dmabuf_fd(base, bytes, &offset);
+    if (fd >= 0) {
+      mr = V.reg_dmabuf_mr(v->pd, offset, bytes, (uint64_t)(uintptr_t)base, fd, access);
+      close(fd);
+    }
+  }
+  if (!mr) mr = V.reg_mr(v->pd, base, bytes, access);
+  if (!mr)
+    snprintf(
+        why, (size_t)cap, "verbs: cannot register %s region (%llu bytes): %s%s",
+        kind == MKP_REGION_CUDA ? "GPU" : "host", (unsigned long long)bytes, strerror(errno),
+        kind == MKP_REGION_CUDA ? " (neither dma-buf nor nvidia-peermem works here; use transport tcp or host)" : "");
+  return mr;
+}
+
 static int verbs_register(mk_proxy* p, mk_region* r) {
   vstate* v = p->tstate;
+  char why[MKP_MESSAGE_BYTES];
   if (!v) {
     mk_fail(p, MKP_ERR_LOCAL, -1, 0, "verbs: open the device before registering regions");
     return -1;
   }
-  int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
-  struct ibv_mr* mr = NULL;
-  if (r->kind == MKP_REGION_CUDA && V.reg_dmabuf_mr) {
-    uint64_t offset;
-    int fd = mk_cuda_dmabuf_fd(r->base, r->bytes, &offset);
-    if (fd >= 0) {
-      mr = V.reg_dmabuf_mr(v->pd, offset, r->bytes, (uint64_t)(uintptr_t)r->base, fd, access);
-      close(fd);
-    }
-  }
-  if (!mr) mr = V.reg_mr(v->pd, r->base, r->bytes, access);
-  if (!mr) {
-    mk_fail(p, MKP_ERR_LOCAL, -1, 0, "verbs: cannot register %s region (%llu bytes): %s%s",
-            r->kind == MKP_REGION_CUDA ? "GPU" : "host", (unsigned long long)r->bytes, strerror(errno),
-            r->kind == MKP_REGION_CUDA ? " (neither dma-buf nor nvidia-peermem works here; use transport tcp or host)"
-                                       : "");
+  if (!(r->transport_data = register_span(v, r->kind, r->base, r->bytes, why, sizeof why))) {
+    mk_fail(p, MKP_ERR_LOCAL, -1, 0, "%s", why);
     return -1;
   }
-  r->transport_data = mr;
+  return 0;
+}
+
+/* The grown span's registration serves the commands from now on; the earlier one stays registered
+ * until the proxy is destroyed (work posted with its key may still be in flight). */
+static int verbs_grow(mk_proxy* p, mk_region* r, uint64_t bytes, char* why, int cap) {
+  vstate* v = p->tstate;
+  if (v->retired_count == MK_VERBS_RETIRED) {
+    snprintf(why, (size_t)cap, "verbs: the region grew %d times already (MK_VERBS_RETIRED registrations kept)",
+             MK_VERBS_RETIRED);
+    return -1;
+  }
+  struct ibv_mr* mr = register_span(v, r->kind, r->base, bytes, why, cap);
+  if (!mr) return -1;
+  v->retired[v->retired_count++] = r->transport_data;
+  __atomic_store_n(&r->transport_data, mr, __ATOMIC_RELEASE);
+  return 0;
+}
+
+int mk_verbs_region_key(mk_proxy* p, int id, unsigned long long* addr, unsigned long long* bytes, unsigned int* rkey) {
+  if (!p->tstate || id < 0 || id >= MK_MAX_REGIONS || !p->regions[id].used || !p->regions[id].transport_data) return -1;
+  const struct ibv_mr* mr = __atomic_load_n(&p->regions[id].transport_data, __ATOMIC_ACQUIRE);
+  *addr = (uint64_t)(uintptr_t)p->regions[id].base;
+  *bytes = __atomic_load_n(&p->regions[id].bytes, __ATOMIC_ACQUIRE);
+  *rkey = mr->rkey;
+  return 0;
+}
+
+/* The proxy thread reads bytes (acquire), then the key: seeing the new size, it sees the new key;
+ * the old key stays valid for the old span. */
+int mk_verbs_set_remote_region(mk_proxy* p, int peer, int id, unsigned long long addr, unsigned long long bytes,
+                               unsigned int rkey) {
+  vstate* v = p->tstate;
+  if (!v || peer < 0 || peer >= p->nranks || id < 0 || id >= MK_MAX_REGIONS) return -1;
+  vremote_region* d = &v->peers[peer].remote.regions[id];
+  if (!d->used || d->addr != addr || bytes < __atomic_load_n(&d->bytes, __ATOMIC_ACQUIRE)) {
+    mk_fail(p, MKP_ERR_PEER, peer, 0, "verbs: rank %d's region %d did not grow in place (0x%llx, %llu bytes)", peer, id,
+            addr, bytes);
+    return -1;
+  }
+  __atomic_store_n(&d->rkey, rkey, __ATOMIC_RELAXED);
+  __atomic_store_n(&d->bytes, (uint64_t)bytes, __ATOMIC_RELEASE);
   return 0;
 }
 
@@ -574,19 +633,24 @@ static int verbs_write(mk_proxy* p, const struct MkCmd* c) {
   uint32_t chunks = (c->bytes + MK_VERBS_CHUNK - 1) / MK_VERBS_CHUNK;
   if (chunks + 1 > sq_room(v, c->peer)) return MK_AGAIN; /* at most 257 WRs: a u32 of bytes in 16 MiB chunks */
   uint64_t src_off = MK_CMD_OFFSET(c->src_off_hi, c->src_off_lo), dst_off = MK_CMD_OFFSET(c->dst_off_hi, c->dst_off_lo);
-  mk_region* src = &p->regions[c->src_region];
+  const unsigned char* src = mk_region_span(p, c->src_region, src_off, c->bytes, NULL);
   vremote_region* dst = &vp->remote.regions[c->dst_region];
-  if (!dst->used || dst_off > dst->bytes || c->bytes > dst->bytes - dst_off) {
-    mk_fail(p, MKP_ERR_LOCAL, c->peer, c->type, "WRITE of %u bytes at offset %llu of rank %d's region %u is outside it",
-            c->bytes, (unsigned long long)dst_off, c->peer, c->dst_region);
+  const uint64_t dst_bytes = __atomic_load_n(&dst->bytes, __ATOMIC_ACQUIRE); /* then its key: see set_remote_region */
+  if (!src || !p->regions[c->src_region].transport_data || !dst->used || dst_off > dst_bytes ||
+      c->bytes > dst_bytes - dst_off) {
+    mk_fail(p, MKP_ERR_LOCAL, c->peer, c->type,
+            "WRITE of %u bytes from offset %llu of region %u to offset %llu of rank %d's region %u is outside them",
+            c->bytes, (unsigned long long)src_off, c->src_region, (unsigned long long)dst_off, c->peer, c->dst_region);
     return -1;
   }
   uint32_t id = vp->next_write_id++ & MK_VERBS_IMM_ID_MASK;
-  uint32_t lkey = ((struct ibv_mr*)src->transport_data)->lkey;
+  const uint32_t rkey = __atomic_load_n(&dst->rkey, __ATOMIC_RELAXED);
+  const struct ibv_mr* mr = __atomic_load_n(&p->regions[c->src_region].transport_data, __ATOMIC_ACQUIRE);
+  const uint32_t lkey = mr->lkey;
   for (uint32_t i = 0; i < chunks; i++) {
     uint32_t off = i * MK_VERBS_CHUNK, n = c->bytes - off < MK_VERBS_CHUNK ? c->bytes - off : MK_VERBS_CHUNK;
-    if (post(p, v, c->peer, v->efa ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE, src->base + src_off + off, lkey, n,
-             dst->addr + dst_off + off, dst->rkey, (uint32_t)p->rank << (32 - MK_VERBS_IMM_RANK_BITS) | id))
+    if (post(p, v, c->peer, v->efa ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE, src + off, lkey, n,
+             dst->addr + dst_off + off, rkey, (uint32_t)p->rank << (32 - MK_VERBS_IMM_RANK_BITS) | id))
       return -1;
   }
   vp->commands_sent++;
@@ -761,6 +825,7 @@ static void verbs_destroy(mk_proxy* p) {
   if (v->srd_qp) V.destroy_qp(v->srd_qp);
   for (int i = 0; i < MK_MAX_REGIONS; i++)
     if (p->regions[i].used && p->regions[i].transport_data) V.dereg_mr(p->regions[i].transport_data);
+  for (int i = 0; i < v->retired_count; i++) V.dereg_mr(v->retired[i]);
   if (v->recv_mr) V.dereg_mr(v->recv_mr);
   if (v->cq) V.destroy_cq(v->cq);
   if (v->pd) V.dealloc_pd(v->pd);
@@ -773,6 +838,7 @@ static void verbs_destroy(mk_proxy* p) {
 
 const mk_transport_ops mk_verbs_ops = {.name = "verbs",
                                        .register_region = verbs_register,
+                                       .grow_region = verbs_grow,
                                        .write = verbs_write,
                                        .signal = verbs_signal,
                                        .flush = verbs_flush,

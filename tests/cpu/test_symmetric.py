@@ -10,6 +10,7 @@ import mkernel
 from mkernel.comm.plans import PlanRegistry
 from mkernel.comm.scratch import Scratch
 from mkernel.comm.symmetric import ALIGN, FreeList, take_symmetric
+from mkernel.core.errors import PeerError
 
 TOTAL = 1 << 24
 
@@ -116,10 +117,12 @@ class _FakeHeap:
 
 
 class _FakeProxy:
-    def __init__(self, transport):
-        self.transport, self.regions_grow, self.grown = transport, transport != "verbs", []
+    def __init__(self, transport, refuse=False):
+        self.transport, self.refuse, self.grown = transport, refuse, []
 
     def grow_region(self, region, nbytes):
+        if self.refuse:  # the verbs transport: a rank could not register the grown span with its NIC
+            raise PeerError("proxy set-up failed: rank 0: cannot register GPU region")
         self.grown.append((region, nbytes))
 
 
@@ -144,7 +147,8 @@ def _fake_comm(heap, proxy=None, sub=False):
 def test_empty_grows_the_workspace_in_place_when_it_is_full(monkeypatch):
     """comm.empty: a request no free range holds grows the workspace (every rank to the same size,
     at least double) and succeeds at the old end; it raises WorkspaceError naming why where the
-    workspace cannot grow (legacy IPC, a sub-communicator, a running proxy, the cap). Any rank count."""
+    workspace cannot grow (legacy IPC, a sub-communicator, the cap) or the proxy cannot take the grown
+    range (a NIC's registration failed). Any rank count."""
     monkeypatch.setenv("MKERNEL_WORKSPACE_MAX_BYTES", str(1 << 30))
     MiB = 1 << 20
     heap = _FakeHeap(8 * MiB)
@@ -155,14 +159,16 @@ def test_empty_grows_the_workspace_in_place_when_it_is_full(monkeypatch):
     comm.empty(64 * MiB, "uint8")  # past double: grows to fit
     assert heap.nbytes >= 8 * MiB + 6 * MiB + 64 * MiB and len(heap.grown) == 2
     for fake, kw, why in [(_FakeHeap(8 * MiB, growable=False), {}, "legacy CUDA IPC"),
-                          (_FakeHeap(8 * MiB), {"sub": True}, "sub-communicator"),
-                          (_FakeHeap(8 * MiB), {"proxy": _service(_FakeProxy("verbs"))}, "verbs transport registered")]:
+                          (_FakeHeap(8 * MiB), {"sub": True}, "sub-communicator")]:
         with pytest.raises(mkernel.WorkspaceError, match=why):
             _fake_comm(fake, **kw).empty(16 * MiB, "uint8")
         assert not fake.grown
-    heap, proxy = _FakeHeap(8 * MiB), _FakeProxy("host")  # a running proxy that grows its region with the heap
-    _fake_comm(heap, proxy=_service(proxy)).empty(16 * MiB, "uint8")
-    assert heap.grown and proxy.grown == [(mkernel.Communicator.PROXY_WORKSPACE_REGION, heap.nbytes)]
+    for transport in ("host", "verbs"):  # a running proxy that grows its region with the heap
+        heap, proxy = _FakeHeap(8 * MiB), _FakeProxy(transport)
+        _fake_comm(heap, proxy=_service(proxy)).empty(16 * MiB, "uint8")
+        assert heap.grown and proxy.grown == [(mkernel.Communicator.PROXY_WORKSPACE_REGION, heap.nbytes)]
+    with pytest.raises(mkernel.WorkspaceError, match="verbs transport could not take the grown range: .*register"):
+        _fake_comm(_FakeHeap(8 * MiB), proxy=_service(_FakeProxy("verbs", refuse=True))).empty(16 * MiB, "uint8")
     monkeypatch.setenv("MKERNEL_WORKSPACE_MAX_BYTES", str(12 * MiB))
     with pytest.raises(mkernel.WorkspaceError, match="MKERNEL_WORKSPACE_MAX_BYTES"):
         _fake_comm(_FakeHeap(8 * MiB)).empty(16 * MiB, "uint8")
