@@ -21,12 +21,38 @@ GEMM's time right after a device barrier (mps_timing.synced_ms), every rank at o
 """
 
 import argparse
+import contextlib
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 
 EMPTY = r'extern "C" __global__ void mk_empty(int x) { if (x == 12345) asm volatile("trap;"); }'
+
+
+@contextlib.contextmanager
+def _constants(comm, knob):
+    """The all-reduce's CTAs (MAX_CTAS) and the decode runs' SMs (split_sms) set for one measurement,
+    then restored; every kept plan dropped on both sides (a plan's key does not hold these: a call
+    would otherwise replay a plan built with the other values)."""
+    from unittest import mock
+
+    from mkernel.engines import gemm as _gemm
+    from mkernel.engines import gemm_decode as _decode
+    from mkernel.ops import allreduce as _ar
+
+    values = [(_ar, "MAX_CTAS", knob.get("MAX_CTAS")), (_decode, "SPLIT_SMS", knob.get("split_sms"))]
+    with contextlib.ExitStack() as stack:
+        for module, name, value in values:
+            if value is not None:
+                stack.enter_context(mock.patch.object(module, name, value))
+        comm.release_plans()
+        _gemm.release_plans()
+        try:
+            yield
+        finally:
+            comm.release_plans()
+            _gemm.release_plans()
 
 
 def main():
@@ -42,8 +68,6 @@ def main():
 
     import mkernel
     from mkernel.core import config
-    from mkernel.engines import gemm_decode as _decode
-    from mkernel.ops import allreduce as _ar
     from mkernel.runtime import launch
 
     comm = mkernel.init()
@@ -77,13 +101,8 @@ def main():
                  f"gemm{resident}ctas+ar": ("gemm+ar", {"split_sms": resident})}
         t = {name: mt.graph_batch_ms(comm, barrier, fn) * 1e3 for name, fn in seqs.items()}
         for name, (seq, knob) in knobs.items():
-            comm.release_plans()
-            _ar.MAX_CTAS = knob.get("MAX_CTAS", 64)
-            _decode.SPLIT_SMS = knob.get("split_sms", 132)  # the decode kernel's runs planned for this many CTAs
-            with config.override(gemm_decode_rows=knob.get("rows", 0)):
+            with _constants(comm, knob), config.override(gemm_decode_rows=knob.get("rows", 0)):
                 t[name] = mt.graph_batch_ms(comm, barrier, seqs[seq]) * 1e3
-            _ar.MAX_CTAS, _decode.SPLIT_SMS = 64, 132
-            comm.release_plans()
         solo = mt.graph_batch_ms(comm, barrier, gemm if comm.rank == 0 else lambda: empty((1,), (32,), (zero,))) * 1e3
         lines.append(f"rank {comm.rank} M {M}: us/iteration (graph) " + "  ".join(f"{k} {v:6.2f}" for k, v in t.items())
                      + f"  gemm solo (rank 0 alone) {solo:6.2f}")

@@ -365,6 +365,12 @@ def _key(cupy, stream, a, b, out, b_layout, out_dtype, accumulate, sms, tile_ord
                                                 _ptr(tile_flags), _ptr(tile_counts), group_m, order, cluster, knobs))
 
 
+def release_plans() -> None:
+    """Drops the launch plans kept for repeated ``gemm`` calls, and the buffers they keep alive (a
+    stream's split K and decode partials): each call builds its plan again at its next call."""
+    _plans.clear()
+
+
 def kept_plan(a, b, out, *, stream=None, b_layout=None):
     """``(plan, Launch)`` that a plain ``gemm(a, b, out=out, stream=stream, b_layout=b_layout)`` call
     keeps (plan: ``(fn, grid, block, args, smem[, buffer])``), or None: for an op that records the

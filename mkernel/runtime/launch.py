@@ -196,6 +196,10 @@ class PlanCache:
         """``(plan, Launch)`` of ``key``, or None."""
         return self._plans.get(key)
 
+    def clear(self):
+        """Drops every plan (and what its arguments keep alive): each key builds its plan again."""
+        self._plans.clear()
+
     def add(self, key, plan, launched: "Launch"):
         """Keeps ``plan`` for ``key`` with ``launched``, the first call's Launch of it (packed once)."""
         self._plans[key] = (plan, launched)

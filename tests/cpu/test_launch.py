@@ -1,5 +1,5 @@
 """launch.PlanCache (CPU): a hit launches the stored plan on the given stream, a miss launches
-nothing, and the least recently used plan goes first."""
+nothing, the least recently used plan goes first, and clear() drops them all."""
 
 from mkernel.runtime import launch as ml
 
@@ -25,6 +25,8 @@ def test_plan_cache_hit_miss_and_eviction(monkeypatch):
     assert cache.launch("b") is False
     assert cache.launch("a") and cache.launch("c")
     assert len(calls) == 3
+    cache.clear()
+    assert cache.get("a") is None and cache.launch("c") is False and len(calls) == 3
 
 
 def test_mps_client_detection(monkeypatch, tmp_path):
