@@ -44,15 +44,16 @@ SHAPES = ("1x8192x8192,16x8192x8192,64x8192x8192,128x8192x8192,1x14336x4096,256x
 
 
 def per_cta(spans, decode):
-    """{block: [(phase, id, start, end)] in time order}: the decode stamps (phase, row block), or the
-    engine's tile spans (phase 0, tile id), of trace.Trace.spans() tuples."""
+    """{block: [(phase, id, start, end)] in the order written}: the decode stamps (phase, row block), or
+    the engine's tile spans (phase 0, tile id), of trace.Trace.spans() tuples (in slot order: a CTA's
+    one writer takes its slots in order, where equal clock readings could not order them)."""
     ctas = {}
     for start, end, _sm, block, role, ident in spans:
         if role != 0 or (ident & 0xF0000000 == TRACE) != decode or (not decode and ident & 0xF0000000):
             continue
         phase, ident = ((ident >> 24) & 0xF, ident & 0xFFFFFF) if decode else (0, ident)
         ctas.setdefault(block, []).append((phase, ident, start, end))
-    return {b: sorted(ctas[b], key=lambda s: s[2]) for b in sorted(ctas)}
+    return {b: ctas[b] for b in sorted(ctas)}
 
 
 def decode_phases(ctas):

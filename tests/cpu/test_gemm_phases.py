@@ -25,9 +25,9 @@ def _stamp(block, phase, rb, start, end):
 
 
 def test_decode_phases_of_one_call():
-    spans = [  # CTA 1 written first, out of order; CTA 0 covers block 5 whole, CTA 1 ends block 6's sum
-        _stamp(1, 2, 6, 800, 850), _stamp(1, 3, 6, 850, 990), _stamp(1, 0, 6, 120, 300), _stamp(1, 1, 6, 300, 800),
-        _stamp(0, 0, 5, 100, 200), _stamp(0, 1, 5, 200, 900), _stamp(0, 3, 5, 900, 950),
+    spans = [  # the CTAs' slots interleaved; CTA 0 covers block 5 whole, CTA 1 ends block 6's sum
+        _stamp(1, 0, 6, 120, 300), _stamp(0, 0, 5, 100, 200), _stamp(1, 1, 6, 300, 800), _stamp(1, 2, 6, 800, 850),
+        _stamp(0, 1, 5, 200, 900), _stamp(1, 3, 6, 850, 990), _stamp(0, 3, 5, 900, 950),
         (5, 6, 1, 1, 4, 0x200),  # another kernel's span in the same buffer
         (7, 8, 1, 1, 0, 12),  # an engine tile's
     ]
@@ -39,7 +39,7 @@ def test_decode_phases_of_one_call():
 
 
 def test_engine_phases_of_one_call():
-    spans = [(300, 700, 2, 1, 0, 9), (100, 300, 2, 1, 0, 4), (150, 650, 3, 0, 0, 5),
+    spans = [(100, 300, 2, 1, 0, 4), (150, 650, 3, 0, 0, 5), (300, 700, 2, 1, 0, 9),
              _stamp(0, 0, 5, 100, 200), (5, 6, 1, 1, 4, 0x200)]  # a decode stamp, another role: not tiles
     ctas = gemm_phases.per_cta(spans, decode=False)
     assert ctas == {0: [(0, 5, 150, 650)], 1: [(0, 4, 100, 300), (0, 9, 300, 700)]}
