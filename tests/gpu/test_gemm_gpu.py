@@ -153,13 +153,17 @@ def feature_flags():
         assert (f[:T] == e0 + 1).all() and (n[:T] == 1).all()
         assert (f[T:] == 0xDEADBEEF).all() and (n[T:] == 0).all()
         assert (_host(out) == ref).all()
+        plain = _poisoned((M, N), "f32")
         for i in range(2, 21):  # repeated launches: nothing stale in the counters or the epochs
             out.fill(np.nan)
+            if i % 2:  # a call without flags between: claims its first tiles by index, reads and advances no epoch
+                mg.gemm(a, b, out=plain, cluster=cluster)
             mg.gemm(a, b, out=out, tile_flags=flags, tile_counts=counts, cluster=cluster)
             _sync(f"flags launch {i}")
             assert ws.epoch() == e0 + i
             assert (cupy.asnumpy(flags)[:T] == e0 + i).all() and (cupy.asnumpy(counts)[:T] == i).all()
             assert (_host(out) == ref).all(), f"launch {i}"
+        assert (_host(plain) == ref).all(), "the calls without flags"
 
 
 def feature_order_roles_sms():

@@ -29,21 +29,24 @@ MK_DEV void gemm_consumers(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, int 
   }
 }
 
+// Every CTA of the grid claims tiles (gemm_producer's OWN_FIRST). Only flags and role words use the
+// launch epoch: a call with neither reads no epoch and counts no exit (two memory round trips fewer).
 template <int DT, int BL, int OUT, bool GROUPED, int CLUSTER, int BN>
 MK_DEV void gemm_cta(const MkGemmArgs& args) {
   using Cfg = GemmCfg<DT, BL, CLUSTER, BN>;
   extern __shared__ __align__(1024) u8 mk_smem[];
+  const bool epochs = args.tile_flags != nullptr || args.sched.roles != nullptr;
   const GemmSmem<Cfg> sm = gemm_smem_carve<Cfg, GROUPED>(mk_smem);
-  const MkTileSpace<Cfg::UNIT_M> space = gemm_setup<Cfg, GROUPED>(args, sm);
+  const MkTileSpace<Cfg::UNIT_M> space = gemm_setup<Cfg, GROUPED>(args, sm, epochs);
   const u32 epoch = sm.bars->epoch;
   warpgroup_roles<Cfg>(
       [&] {
-        gemm_producer<Cfg, GROUPED>(args, sm, space);
+        gemm_producer<Cfg, GROUPED, true>(args, sm, space);
         sched_finish(args.sched);
       },
       [&](int wg) { gemm_consumers<Cfg, OUT, GROUPED>(args, sm, wg, epoch); });
   if (CLUSTER > 1) cluster_sync();  // no CTA leaves while another can still write into it
-  launch_exit(args.sync, epoch);
+  if (epochs) launch_exit(args.sync, epoch);
 }
 
 template <int DT, int BL, int OUT, bool GROUPED, int BN>

@@ -128,11 +128,12 @@ MK_DEV MkTileSpace<Cfg::UNIT_M> gemm_tile_space(const MkGemmArgs& args, const Mk
   return space;
 }
 
-// All threads of the CTA: barrier initialisation, the epoch, the group table. Ends with __syncthreads.
+// All threads of the CTA: barrier initialisation, the epoch (epoch: false leaves it 0, sparing a
+// load from memory where no flag or exit uses it), the group table. Ends with __syncthreads.
 // Clustered: the tile space counts units of CLUSTER M-tiles, and the barrier at the end spans the
 // cluster (no CTA's multicast or remote arrival may reach a barrier not yet initialised).
 template <class Cfg, bool GROUPED>
-MK_DEV MkTileSpace<Cfg::UNIT_M> gemm_setup(const MkGemmArgs& args, const GemmSmem<Cfg>& sm) {
+MK_DEV MkTileSpace<Cfg::UNIT_M> gemm_setup(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, bool epoch = true) {
   MK_STATIC_ASSERT(!(GROUPED && Cfg::CLUSTER > 1), "the clustered GEMM is plain mode only");
   GemmBars<Cfg>* bars = sm.bars;
   if (threadIdx.x == 0) {
@@ -144,7 +145,7 @@ MK_DEV MkTileSpace<Cfg::UNIT_M> gemm_setup(const MkGemmArgs& args, const GemmSme
       mbar_init(smem_u32(&bars->tfull[r]), 1);
       mbar_init(smem_u32(&bars->tempty[r]), Cfg::TEMPTY_ARRIVALS);
     }
-    bars->epoch = launch_epoch(args.sync);
+    bars->epoch = epoch ? launch_epoch(args.sync) : 0u;
     for (int i = 0; i < MK_JOIN_SLOTS; ++i) bars->join[i] = 0;
     mbar_fence_init();
     tma_prefetch_desc(&args.a);
@@ -284,15 +285,22 @@ MK_DEV void gemm_producer_loop(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, 
 // The engine's tile source: the persistent scheduler (tile order, role words), group = B index;
 // SPLIT (plain mode), when args.splits > 1: claims of (tile, range of K) (clustered: (unit of
 // CLUSTER M-tiles, range), every part of the unit on the same range), the range in MkTile::pad[0].
-template <class Cfg, bool SPLIT = false>
+// OWN_FIRST: without role words each claimer's first position is its own (every CTA of the grid
+// claims: the standalone engine, not a fused kernel that picks its GEMM CTAs otherwise).
+template <class Cfg, bool SPLIT = false, bool OWN_FIRST = false>
 struct MkSchedTiles {
   const MkGemmArgs& args;
   const MkTileSpace<Cfg::UNIT_M>& space;
+  mutable u32 claims = 0;
   MK_DEV u32 claim() const {
-    if (SPLIT && args.splits > 1)
-      return sched_next(args.sched, MkSplitOrder<MkTileSpace<Cfg::UNIT_M> >{space, args.splits, space.num_tiles},
-                        args.sync);
-    return sched_next(args.sched, space, args.sync);
+    const MkSplitOrder<MkTileSpace<Cfg::UNIT_M> > split{space, args.splits, space.num_tiles};
+    if (OWN_FIRST && args.sched.roles == nullptr) {
+      const u32 c = blockIdx.x / Cfg::CLUSTER, claimers = gridDim.x / Cfg::CLUSTER, k = claims++;
+      return SPLIT && args.splits > 1 ? sched_next_own_first(args.sched, split, c, claimers, k)
+                                      : sched_next_own_first(args.sched, space, c, claimers, k);
+    }
+    return SPLIT && args.splits > 1 ? sched_next(args.sched, split, args.sync)
+                                    : sched_next(args.sched, space, args.sync);
   }
   MK_DEV bool done(u32 id) const { return id == MK_TILE_DONE; }
   MK_DEV MkTile decode(u32 id) const {
@@ -305,9 +313,9 @@ struct MkSchedTiles {
   MK_DEV i32 b_index(const MkTile& t) const { return t.group; }
 };
 
-template <class Cfg, bool GROUPED>
+template <class Cfg, bool GROUPED, bool OWN_FIRST = false>
 MK_DEV void gemm_producer(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, const MkTileSpace<Cfg::UNIT_M>& space) {
-  MkSchedTiles<Cfg, !GROUPED> src{args, space};
+  MkSchedTiles<Cfg, !GROUPED, OWN_FIRST> src{args, space};
   gemm_producer_loop<Cfg>(args, sm, src);
 }
 

@@ -10,7 +10,8 @@
 // needs first) or the built-in order, which walks each group in blocks of group_m M-tiles, N-tile
 // by N-tile inside a block (so that the CTAs running at one time share A rows and B columns in L2).
 //
-// Claiming. A CTA claims the next position with one atomicAdd on tile_counter, at tile
+// Claiming. A CTA claims the next position with one atomicAdd on tile_counter (the standalone
+// engine without role words takes its first position by its index: sched_next_own_first), at tile
 // boundaries only, so CTAs may join or leave GEMM work at any time: before each claim it reads
 // its role word (roles[blockIdx.x]); a CTA whose word is not MK_SCHED_GEMM claims nothing until
 // the word says GEMM again (sched_try_next returns MK_TILE_YIELD, which a fused kernel answers by
@@ -165,15 +166,28 @@ struct MkSplitOrder {
   MK_DEV u32 builtin_id(u32 pos) const { return s.builtin_id(pos / splits) * splits + pos % splits; }
 };
 
-// Space: any tile space with num_tiles and builtin_id(pos) (the GEMM's MkTileSpace, attention's).
+// The tile at position pos of the order, MK_TILE_DONE past the last. Space: any tile space with
+// num_tiles and builtin_id(pos) (the GEMM's MkTileSpace, attention's).
+template <class Space>
+MK_DEV u32 sched_tile_at(const MkGemmSched& s, const Space& space, u32 pos) {
+  if (pos >= space.num_tiles) return MK_TILE_DONE;
+  return s.tile_order ? s.tile_order[pos] : space.builtin_id(pos);
+}
+
 template <class Space>
 MK_DEV u32 sched_try_next(const MkGemmSched& s, const Space& space) {
   if (s.roles && ld_acquire_sys(&s.roles[blockIdx.x]) != (u32)MK_SCHED_GEMM) {
     return ld_relaxed_sys(s.tile_counter) >= space.num_tiles ? MK_TILE_DONE : MK_TILE_YIELD;
   }
-  const u32 pos = atomicAdd(s.tile_counter, 1u);
-  if (pos >= space.num_tiles) return MK_TILE_DONE;
-  return s.tile_order ? s.tile_order[pos] : space.builtin_id(pos);
+  return sched_tile_at(s, space, atomicAdd(s.tile_counter, 1u));
+}
+
+// No role words, claimers numbered by the grid (claimer c of `claimers`: a CTA, or a cluster's
+// leader): claim k = 0 takes position c, later ones count on from `claimers` (no atomic's round
+// trip before the first tile; positions past the last are MK_TILE_DONE, so any grid is right).
+template <class Space>
+MK_DEV u32 sched_next_own_first(const MkGemmSched& s, const Space& space, u32 c, u32 claimers, u32 k) {
+  return sched_tile_at(s, space, k == 0 ? c : claimers + atomicAdd(s.tile_counter, 1u));
 }
 
 // As sched_try_next, but a CTA told to leave waits (time-bounded) until it is given GEMM work
