@@ -131,7 +131,8 @@ MK_DEV void decode_produce(const MkDecodeArgs& args, u32 smem, u64 u0, u64 u1) {
 }
 
 // The decode GEMM of one CTA (DecodeCfg<MT, ROWS>::THREADS threads, ::SMEM bytes of dynamic shared
-// memory). Epi: begin() first (every thread); then per row block this CTA finishes (covered whole,
+// memory). Epi: begin() first (every consumer thread, the producer's first loads in flight: its
+// memory round trips overlap theirs); then per row block this CTA finishes (covered whole,
 // or the last of its CTAs to arrive) ready(bar) (every consumer thread; bar() syncs them; false
 // skips the stores) and finish(j, tok, r0, r1, v) per token block j: v[0..1] the values of row r0
 // and tokens tok, tok + 1, v[2..3] those of row r1 (tokens past m and rows past n included: Epi
@@ -158,7 +159,6 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
     tma_prefetch_desc(&args.a_map);
     tma_prefetch_desc(&args.b_map);
   }
-  epi.begin();
   // The launch gave less shared memory than the ring needs: an error, not a write past it.
   const bool short_smem = dynamic_smem_bytes() < Cfg::SMEM;
   if (short_smem && threadIdx.x == 0)
@@ -172,6 +172,7 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
     if (threadIdx.x == Cfg::CONSUMERS) decode_produce<Cfg>(args, smem, u0, u1);
     return;
   }
+  epi.begin();
 
   const u32 g = lane >> 2, t = lane & 3, wg = warp >> 2;
   const MkBarConsumers<Cfg::CONSUMERS> bar{};
