@@ -287,11 +287,13 @@ def test_trace_mode_stamps_every_cta_in_order_and_keeps_the_bits(M, N, K, knobs,
     a, w = _inputs(9, M, N, K, BF16, integer=False)
     a_d, w_d = dev(a.astype(BF16)), dev(w.astype(BF16))
     outs, trace, state = [poisoned((M, N), "bf16") for _ in range(2)], Trace(0), SyncState(0)
+    kept = []  # the partials' buffers, alive until the launches ran
     try:
         with config.override(**knobs):
             for out, traced in zip(outs, (False, True)):
-                fn, grid, block, args, _, smem = dec.build(a_d, w_d, out, 0, M=M, N=N, K=K, accumulate=False,
-                                                           sync=state.args("gemm"), partial=dec.Partials)
+                fn, grid, block, args, buffer, smem = dec.build(a_d, w_d, out, 0, M=M, N=N, K=K, accumulate=False,
+                                                                sync=state.args("gemm"), partial=dec.Partials)
+                kept.append(buffer)
                 if traced:
                     args.sync.trace_events, args.sync.trace_count, args.sync.trace_capacity = trace.pointers()
                 launch(fn, grid, block, args, smem=smem)
