@@ -40,7 +40,7 @@ from mkernel.runtime import compile as _compile
 from mkernel.runtime import tma as _tma
 from mkernel.runtime.arrays import DT, check_matrix, cupy_mod, row_stride
 from mkernel.runtime.gpu import require_hopper
-from mkernel.runtime.launch import PlanCache, call_key, launch  # all SMs: its CTAs never wait on each other
+from mkernel.runtime.launch import PlanCache, call_key, launch, sm_count  # all SMs: its CTAs never wait on each other
 from mkernel.runtime.launch import device_sms as _num_sms
 from mkernel.runtime.sync import MkStatus, MkSync, SyncState  # noqa: F401  (MkStatus: the layout test)
 
@@ -52,8 +52,8 @@ B_NK, B_KN = 0, 1
 OUT_BF16, OUT_F16, OUT_F32 = 0, 1, 2
 EPI_STORE, EPI_ADD = 0, 1
 SCHED_LEAVE, SCHED_GEMM = 0, 1  # role words (MK_SCHED_*)
+SCHED_BY_N, SCHED_OWN_FIRST = 1, 2  # MkGemmSched.flags (MK_SCHED_BY_N, MK_SCHED_OWN_FIRST)
 DEFAULT_GROUP_M = 8  # built-in tile order: M-tiles per group (8 beat 16 on the rows: bench/NOTES.md)
-
 
 
 _C_STAGING_BYTES = 2 * 4 * 2 * 2048  # consumer warps x 2 chunk buffers of 16 rows x 128 B
@@ -96,7 +96,7 @@ NARROW_SPEC = _compile.register("gemm_narrow", "gemm.cu", NARROW_EXPRESSIONS, ho
 class MkGemmSched(ctypes.Structure):
     _fields_ = [("tile_order", ctypes.c_void_p), ("tile_counter", ctypes.c_void_p),
                 ("done_count", ctypes.c_void_p), ("roles", ctypes.c_void_p), ("num_tiles", ctypes.c_uint32),
-                ("tiles_n", ctypes.c_uint32), ("group_m", ctypes.c_uint32), ("group_n", ctypes.c_uint32)]
+                ("tiles_n", ctypes.c_uint32), ("group_m", ctypes.c_uint32), ("flags", ctypes.c_uint32)]
 
 
 _ARGS_FIELDS = [("a", _tma.TensorMap), ("b", _tma.TensorMap), ("c", _tma.TensorMap), ("sync", MkSync),
@@ -320,9 +320,12 @@ def _launch(cupy, *, a, b_arr, layout, N, K, M, G, out, out_code, group_rows, ep
     args.sync = ws.sync()
     tiles_n = -(-N // bn)
     grid = int(sms) if num_tiles_host is None else max(step, min(int(sms), step * num_tiles_host))
+    # First tiles by CTA index where no role word moves CTAs and the whole grid is resident at once
+    # (under an MPS share's margin a late CTA would run its reserved tile last).
+    own_first = SCHED_OWN_FIRST if roles is None and grid <= sm_count() else 0
     args.sched = MkGemmSched(_u32_array(cupy, tile_order, max_tiles, "tile_order"), ws.base + ws.COUNTER,
-                             ws.base + ws.DONE, _u32_array(cupy, roles, grid, "roles"),
-                             num_tiles_host or 0, tiles_n, int(group_m), 1 if order == "n" else 0)
+                             ws.base + ws.DONE, _u32_array(cupy, roles, grid, "roles"), num_tiles_host or 0, tiles_n,
+                             int(group_m), (SCHED_BY_N if order == "n" else 0) | own_first)
     args.c_ptr = out.data.ptr
     args.group_rows = group_rows
     args.tile_flags = _u32_array(cupy, tile_flags, max_tiles, "tile_flags")

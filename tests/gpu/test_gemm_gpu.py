@@ -156,7 +156,7 @@ def feature_flags():
         plain = _poisoned((M, N), "f32")
         for i in range(2, 21):  # repeated launches: nothing stale in the counters or the epochs
             out.fill(np.nan)
-            if i % 2:  # a call without flags between: claims its first tiles by index, reads and advances no epoch
+            if i % 2:  # a call without flags between: reads and advances no epoch (first tiles by CTA index)
                 mg.gemm(a, b, out=plain, cluster=cluster)
             mg.gemm(a, b, out=out, tile_flags=flags, tile_counts=counts, cluster=cluster)
             _sync(f"flags launch {i}")

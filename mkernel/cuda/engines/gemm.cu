@@ -29,8 +29,8 @@ MK_DEV void gemm_consumers(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, int 
   }
 }
 
-// Every CTA of the grid claims tiles (gemm_producer's OWN_FIRST). Only flags and role words use the
-// launch epoch: a call with neither reads no epoch and counts no exit (two memory round trips fewer).
+// Only flags and role words use the launch epoch: a call with neither reads no epoch and counts no
+// exit (two memory round trips fewer).
 template <int DT, int BL, int OUT, bool GROUPED, int CLUSTER, int BN>
 MK_DEV void gemm_cta(const MkGemmArgs& args) {
   using Cfg = GemmCfg<DT, BL, CLUSTER, BN>;
@@ -41,7 +41,7 @@ MK_DEV void gemm_cta(const MkGemmArgs& args) {
   const u32 epoch = sm.bars->epoch;
   warpgroup_roles<Cfg>(
       [&] {
-        gemm_producer<Cfg, GROUPED, true>(args, sm, space);
+        gemm_producer<Cfg, GROUPED>(args, sm, space);
         sched_finish(args.sched);
       },
       [&](int wg) { gemm_consumers<Cfg, OUT, GROUPED>(args, sm, wg, epoch); });

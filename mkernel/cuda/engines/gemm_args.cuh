@@ -16,6 +16,11 @@ struct alignas(64) TmaDesc {
 // between GEMM tiles and other work; a CTA reads its word before claiming each tile.
 enum { MK_SCHED_LEAVE = 0, MK_SCHED_GEMM = 1 };
 
+// MkGemmSched::flags. BY_N: the built-in order groups N-tiles (group_m of them), M-tile by M-tile.
+// OWN_FIRST: each claimer's first position is its own (the host sets it where no role word moves
+// CTAs and every CTA of the grid is resident at once: a late CTA would run its tile last).
+enum { MK_SCHED_BY_N = 1u, MK_SCHED_OWN_FIRST = 2u };
+
 // Output element types.
 enum { MK_OUT_BF16 = 0, MK_OUT_F16 = 1, MK_OUT_F32 = 2 };
 
@@ -31,7 +36,7 @@ struct MkGemmSched {
   unsigned int num_tiles;  // plain mode: tiles_m * tiles_n; grouped mode: computed on device
   unsigned int tiles_n;  // ceil(N / 256)
   unsigned int group_m;  // built-in order: tiles grouped this many M-tiles (or N-tiles) at a time (L2)
-  unsigned int group_n;  // built-in order: nonzero groups N-tiles instead (group_m of them), M-tile by M-tile
+  unsigned int flags;  // MK_SCHED_BY_N | MK_SCHED_OWN_FIRST
 };
 
 struct MkGemmArgs {

@@ -122,7 +122,7 @@ MK_DEV MkTileSpace<Cfg::UNIT_M> gemm_tile_space(const MkGemmArgs& args, const Mk
   space.n = args.n;
   space.tiles_n = args.sched.tiles_n;
   space.group_m = args.sched.group_m > 0 ? args.sched.group_m : 1u;
-  space.by_n = args.sched.group_n;
+  space.by_n = args.sched.flags & MK_SCHED_BY_N;
   space.num_groups = table ? (u32)args.num_groups : 1u;
   space.num_tiles = table ? table->tile_base[space.num_groups] : args.sched.num_tiles;
   return space;
@@ -285,16 +285,15 @@ MK_DEV void gemm_producer_loop(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, 
 // The engine's tile source: the persistent scheduler (tile order, role words), group = B index;
 // SPLIT (plain mode), when args.splits > 1: claims of (tile, range of K) (clustered: (unit of
 // CLUSTER M-tiles, range), every part of the unit on the same range), the range in MkTile::pad[0].
-// OWN_FIRST: without role words each claimer's first position is its own (every CTA of the grid
-// claims: the standalone engine, not a fused kernel that picks its GEMM CTAs otherwise).
-template <class Cfg, bool SPLIT = false, bool OWN_FIRST = false>
+// MK_SCHED_OWN_FIRST (the standalone engine's host sets it): each claimer's first position is its own.
+template <class Cfg, bool SPLIT = false>
 struct MkSchedTiles {
   const MkGemmArgs& args;
   const MkTileSpace<Cfg::UNIT_M>& space;
   mutable u32 claims = 0;
   MK_DEV u32 claim() const {
     const MkSplitOrder<MkTileSpace<Cfg::UNIT_M> > split{space, args.splits, space.num_tiles};
-    if (OWN_FIRST && args.sched.roles == nullptr) {
+    if (args.sched.flags & MK_SCHED_OWN_FIRST) {
       const u32 c = blockIdx.x / Cfg::CLUSTER, claimers = gridDim.x / Cfg::CLUSTER, k = claims++;
       return SPLIT && args.splits > 1 ? sched_next_own_first(args.sched, split, c, claimers, k)
                                       : sched_next_own_first(args.sched, space, c, claimers, k);
@@ -313,9 +312,9 @@ struct MkSchedTiles {
   MK_DEV i32 b_index(const MkTile& t) const { return t.group; }
 };
 
-template <class Cfg, bool GROUPED, bool OWN_FIRST = false>
+template <class Cfg, bool GROUPED>
 MK_DEV void gemm_producer(const MkGemmArgs& args, const GemmSmem<Cfg>& sm, const MkTileSpace<Cfg::UNIT_M>& space) {
-  MkSchedTiles<Cfg, !GROUPED, OWN_FIRST> src{args, space};
+  MkSchedTiles<Cfg, !GROUPED> src{args, space};
   gemm_producer_loop<Cfg>(args, sm, src);
 }
 

@@ -10,9 +10,8 @@
 // needs first) or the built-in order, which walks each group in blocks of group_m M-tiles, N-tile
 // by N-tile inside a block (so that the CTAs running at one time share A rows and B columns in L2).
 //
-// Claiming. A CTA claims the next position with one atomicAdd on tile_counter (the standalone
-// engine without role words takes its first position by its index: sched_next_own_first), at tile
-// boundaries only, so CTAs may join or leave GEMM work at any time: before each claim it reads
+// Claiming. A CTA claims the next position with one atomicAdd on tile_counter (with
+// MK_SCHED_OWN_FIRST its first position is its index: sched_next_own_first), at tile boundaries only, so CTAs may join or leave GEMM work at any time: before each claim it reads
 // its role word (roles[blockIdx.x]); a CTA whose word is not MK_SCHED_GEMM claims nothing until
 // the word says GEMM again (sched_try_next returns MK_TILE_YIELD, which a fused kernel answers by
 // doing other work). The last CTA to finish resets tile_counter and done_count to zero for the
@@ -54,7 +53,7 @@ struct MkTileSpace {
   u32 num_groups;
   u32 num_tiles;
   u32 group_m;
-  u32 by_n;  // the built-in order groups N-tiles (MkGemmSched::group_n)
+  u32 by_n;  // the built-in order groups N-tiles (MK_SCHED_BY_N)
   i32 n;
 
   MK_DEV u32 group_of(u32 t) const {  // the group whose tile range holds t (t < num_tiles)
