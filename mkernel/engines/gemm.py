@@ -29,6 +29,7 @@ from mkernel.engines.gemm_plan import (
     CLUSTER,
     ROW_LINE,
     default_ctas,
+    sched_flags,
     split_bytes,
     split_k,
     tile_width,
@@ -52,7 +53,6 @@ B_NK, B_KN = 0, 1
 OUT_BF16, OUT_F16, OUT_F32 = 0, 1, 2
 EPI_STORE, EPI_ADD = 0, 1
 SCHED_LEAVE, SCHED_GEMM = 0, 1  # role words (MK_SCHED_*)
-SCHED_BY_N, SCHED_OWN_FIRST = 1, 2  # MkGemmSched.flags (MK_SCHED_BY_N, MK_SCHED_OWN_FIRST)
 DEFAULT_GROUP_M = 8  # built-in tile order: M-tiles per group (8 beat 16 on the rows: bench/NOTES.md)
 
 
@@ -320,12 +320,9 @@ def _launch(cupy, *, a, b_arr, layout, N, K, M, G, out, out_code, group_rows, ep
     args.sync = ws.sync()
     tiles_n = -(-N // bn)
     grid = int(sms) if num_tiles_host is None else max(step, min(int(sms), step * num_tiles_host))
-    # First tiles by CTA index where no role word moves CTAs and the whole grid is resident at once
-    # (under an MPS share's margin a late CTA would run its reserved tile last).
-    own_first = SCHED_OWN_FIRST if roles is None and grid <= sm_count() else 0
     args.sched = MkGemmSched(_u32_array(cupy, tile_order, max_tiles, "tile_order"), ws.base + ws.COUNTER,
                              ws.base + ws.DONE, _u32_array(cupy, roles, grid, "roles"), num_tiles_host or 0, tiles_n,
-                             int(group_m), (SCHED_BY_N if order == "n" else 0) | own_first)
+                             int(group_m), sched_flags(order, roles is not None, grid, sm_count()))
     args.c_ptr = out.data.ptr
     args.group_rows = group_rows
     args.tile_flags = _u32_array(cupy, tile_flags, max_tiles, "tile_flags")

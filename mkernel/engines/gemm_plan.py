@@ -111,3 +111,13 @@ def use_cluster(M: int, N: int, K: int, cluster=None, *, tile_order=None, roles=
     if cluster and (tile_order is not None or roles is not None):
         raise ArgumentError("cluster=True cannot take tile_order or roles (they address single tiles and CTAs)")
     return bool(cluster)
+
+
+SCHED_BY_N, SCHED_OWN_FIRST = 1, 2  # MkGemmSched.flags (MK_SCHED_BY_N, MK_SCHED_OWN_FIRST in gemm_args.cuh)
+
+
+def sched_flags(order: str, roles: bool, grid: int, resident: int) -> int:
+    """MkGemmSched.flags of a launch: the N-grouped built-in order (order "n"), and first tiles by CTA
+    index where no role word moves CTAs and all `grid` CTAs run at once (`resident`:
+    launch.sm_count(); under an MPS share's margin a CTA that starts late would run its tile last)."""
+    return (SCHED_BY_N if order == "n" else 0) | (SCHED_OWN_FIRST if not roles and grid <= resident else 0)

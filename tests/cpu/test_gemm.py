@@ -159,3 +159,10 @@ def test_split_k_fills_the_sms_with_few_tiles_and_long_k():
             assert s == 1 or per >= plan.SPLIT_MIN_KBLOCKS and plan.tiles(M, N) * s <= plan.SPLIT_SMS
             assert plan.split_bytes(M, N, s) >= plan.SPLIT_COUNTS_BYTES + plan.tiles(M, N) * s * 128 * 256 * 4
             assert s == 1 or plan.tiles(M, N) * 8 * 4 <= plan.SPLIT_COUNTS_BYTES  # counts in the fixed region
+
+
+def test_sched_flags_take_first_tiles_by_index_only_where_the_grid_is_resident():
+    assert plan.sched_flags("m", False, 128, 132) == plan.SCHED_OWN_FIRST
+    assert plan.sched_flags("n", False, 132, 132) == plan.SCHED_BY_N | plan.SCHED_OWN_FIRST
+    assert plan.sched_flags("m", False, 66, 57) == 0  # an MPS share's margin: 9 CTAs would start late
+    assert plan.sched_flags("n", True, 8, 132) == plan.SCHED_BY_N  # role words move CTAs: the counter
