@@ -72,9 +72,6 @@ SMEM_PLAIN = smem_bytes(False)
 SMEM_GROUPED = smem_bytes(True)
 
 
-
-
-
 def kernel_expr(dt: int, layout: int, out: int, grouped: bool, cluster: bool = False, bn: int = BN) -> str:
     if cluster:
         return f"mk_gemm_cluster_kernel<{dt},{layout},{out},{bn}>"

@@ -290,8 +290,8 @@ template <class Cfg, bool SPLIT = false>
 struct MkSchedTiles {
   const MkGemmArgs& args;
   const MkTileSpace<Cfg::UNIT_M>& space;
-  mutable u32 claims = 0;
-  MK_DEV u32 claim() const {
+  u32 claims = 0;  // this claimer's claims so far
+  MK_DEV u32 claim() {
     const MkSplitOrder<MkTileSpace<Cfg::UNIT_M> > split{space, args.splits, space.num_tiles};
     if (args.sched.flags & MK_SCHED_OWN_FIRST) {
       const u32 c = blockIdx.x / Cfg::CLUSTER, claimers = gridDim.x / Cfg::CLUSTER, k = claims++;
