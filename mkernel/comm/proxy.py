@@ -181,12 +181,13 @@ def barrier(comm, timeout_s=None):
     """An MPI barrier that raises PeerError instead of hanging when a rank never arrives (it failed)."""
     collectives.barrier(comm, _timeout_s(timeout_s))
 
-def _agree(comm, error):
-    """Raises on every rank if set-up failed on any (so that no rank waits for a peer that gave up)."""
+def _agree(comm, error, own=PeerError):
+    """Raises on every rank if set-up failed on any (so that no rank waits for a peer that gave up):
+    ``own`` where this rank's part failed, PeerError where only others' did."""
     errors = comm.allgather(error)
     bad = [(r, e) for r, e in enumerate(errors) if e]
     if bad:
-        raise PeerError("proxy set-up failed: " + "; ".join(f"rank {r}: {e}" for r, e in bad))
+        raise (own if error else PeerError)("proxy set-up failed: " + "; ".join(f"rank {r}: {e}" for r, e in bad))
 
 
 class Proxy:
@@ -254,11 +255,11 @@ class Proxy:
         ffi, lib = self._ffi, self._lib
         addr, size, rkey = ffi.new("unsigned long long*"), ffi.new("unsigned long long*"), ffi.new("unsigned int*")
         error = None
-        if lib.mk_proxy_grow_region(self._p, region_id, nbytes):
+        if lib.mk_proxy_grow_region(self._p, region_id, nbytes):  # as _setup raises for the other transports
             error = ffi.string(lib.mk_proxy_last_setup_error(self._p)).decode()
         elif lib.mk_verbs_region_key(self._p, region_id, addr, size, rkey):
             error = self._error_text() or f"region {region_id} has no registration"
-        _agree(self.comm, error)
+        _agree(self.comm, error, own=ArgumentError)
         keys = self.comm.allgather((addr[0], size[0], rkey[0]))
         for q in self.peers:
             if lib.mk_verbs_set_remote_region(self._p, q, region_id, *keys[q]):
@@ -527,7 +528,8 @@ class Proxy:
     def wait_flag(self, flags: np.ndarray, index: int, value: int, timeout_s=None):
         """Host-side wait until flags[index] == value, raising the proxy's error or a timeout instead of hanging."""
         start = time.monotonic()
-        deadline = start + (self.timeout_s if timeout_s is None else timeout_s)
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = start + limit
         sleep, checked = 0.0, start
         while int(flags[index]) != value:  # a read of mapped host memory: no call into the proxy
             now = time.monotonic()
@@ -536,7 +538,7 @@ class Proxy:
                 checked = now
             if now > deadline:
                 raise TimeoutError(f"rank {self.rank}: flag {index} is {int(flags[index])}, not {value}, after "
-                                   f"{self.timeout_s:.1f} s")
+                                   f"{limit:.1f} s")
             if now - start > SPIN_S:  # spins first: a sleep would be what a benchmark measures
                 time.sleep(sleep)
                 sleep = min(sleep * 2 + 1e-5, 1e-3)

@@ -64,7 +64,7 @@ const mk_transport_ops mk_verbs_ops = {
 /* Reliable-connected QPs (InfiniBand, RoCE) and EFA's SRD through the extended QP API.
  *
  * A WRITE is RDMA writes of up to MK_VERBS_CHUNK bytes straight into the peer's registered region,
- * followed by a SEND of a 20-byte record that tells the peer's proxy which flag to apply. On RC the
+ * followed by a SEND of a 24-byte record that tells the peer's proxy which flag to apply. On RC the
  * record is delivered after the writes before it, so the flag is applied at once. SRD delivers out of
  * order: there every chunk is a write-with-immediate carrying (rank, write id), and the record says how
  * many chunks to await; whichever of the record and the last chunk completes last publishes the flag.
@@ -89,6 +89,14 @@ const mk_transport_ops mk_verbs_ops = {
 #define MK_VERBS_RETIRED 32 /* earlier registrations kept per proxy: growths (the workspace at least doubles each) */
 #define MK_VERBS_IMM_RANK_BITS 12 /* SRD immediate: rank in the high 12 bits, write id in the low 20 */
 #define MK_VERBS_IMM_ID_MASK ((1u << (32 - MK_VERBS_IMM_RANK_BITS)) - 1)
+/* A send unacknowledged for 4.096 us << ACK_TIMEOUT (0.54 s) is retried RETRY times, then fails: a dead
+ * peer surfaces in ~4 s. Not 7 retries: soft-RoCE takes 7 to mean forever. */
+#define MK_VERBS_ACK_TIMEOUT 17
+#define MK_VERBS_RETRY 6
+#define MK_VERBS_BEAT_NS 100000000ULL /* an idle peer is probed this often: a dead one fails the probe */
+/* wr_id: the peer in the high half; a send's low half holds MK_WR_SEND and what it carried */
+#define MK_WR_SEND (1ull << 31)
+enum { WR_DATA = 0, WR_BEAT = 1, WR_CONTROL = 2 }; /* CONTROL: flush acknowledgements, goodbye */
 
 static struct {
   void *lib, *efa;
@@ -220,7 +228,7 @@ int mk_verbs_probe(char* report, int cap) {
 
 /* ---- state ---- */
 
-enum { REC_FLAG = 1, REC_FLUSH = 2, REC_FLUSH_ACK = 3 };
+enum { REC_FLAG = 1, REC_FLUSH = 2, REC_FLUSH_ACK = 3, REC_BYE = 4 };
 
 typedef struct {
   uint8_t kind, flag_op;
@@ -229,6 +237,7 @@ typedef struct {
   uint32_t flag_id;
   uint32_t value; /* REC_FLUSH: commands that preceded it */
   uint32_t chunks; /* REC_FLAG: write-with-immediate completions to await first (0 on RC) */
+  uint32_t bytes; /* REC_FLAG of a WRITE on RC: its payload (the receiver's count; SRD counts its chunks) */
 } vrec;
 
 typedef struct {
@@ -257,7 +266,7 @@ typedef struct {
 typedef struct {
   struct ibv_qp* qp; /* RC: one per peer; SRD: the shared QP */
   struct ibv_ah* ah; /* SRD */
-  uint32_t remote_qpn, connected;
+  uint32_t remote_qpn, connected, said_bye; /* said_bye: its proxy stopped cleanly; nothing more comes */
   vblob remote;
   uint32_t next_write_id, next_flush_id, commands_sent, commands_applied, in_flight;
   vflush_wait flushes[256];
@@ -285,6 +294,7 @@ typedef struct {
   vpeer* peers;
   struct ibv_mr* retired[MK_VERBS_RETIRED]; /* grown regions' earlier registrations (posted work may use them) */
   int retired_count;
+  uint64_t last_beat;
 } vstate;
 
 static int vfail(mk_proxy* p, int peer, int op, const char* what) {
@@ -563,8 +573,12 @@ int mk_verbs_connect(mk_proxy* p, int peer, const unsigned char* blob, int len) 
                     IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
                         IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER))
       return vfail(p, peer, 0, "RC QP to RTR");
-    a = (struct ibv_qp_attr){
-        .qp_state = IBV_QPS_RTS, .timeout = 14, .retry_cnt = 7, .rnr_retry = 7, .sq_psn = 0, .max_rd_atomic = 1};
+    a = (struct ibv_qp_attr){.qp_state = IBV_QPS_RTS,
+                             .timeout = MK_VERBS_ACK_TIMEOUT,
+                             .retry_cnt = MK_VERBS_RETRY,
+                             .rnr_retry = 7,
+                             .sq_psn = 0,
+                             .max_rd_atomic = 1};
     if (V.modify_qp(qp, &a,
                     IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
                         IBV_QP_MAX_QP_RD_ATOMIC))
@@ -578,11 +592,11 @@ int mk_verbs_connect(mk_proxy* p, int peer, const unsigned char* blob, int len) 
 
 /* ---- sending ---- */
 
-/* wr_id of a send: the peer in the high half, so completions are counted per peer. */
-static int post(mk_proxy* p, vstate* v, int peer, int opcode, const void* local, uint32_t lkey, uint32_t bytes,
-                uint64_t raddr, uint32_t rkey, uint32_t imm) {
+/* wr_id of a send: the peer in the high half, so completions are counted per peer, and its kind (WR_*). */
+static int post(mk_proxy* p, vstate* v, int peer, int kind, int opcode, const void* local, uint32_t lkey,
+                uint32_t bytes, uint64_t raddr, uint32_t rkey, uint32_t imm) {
   vpeer* vp = &v->peers[peer];
-  uint64_t wr_id = (uint64_t)peer << 32;
+  uint64_t wr_id = (uint64_t)peer << 32 | MK_WR_SEND | (uint64_t)kind;
   int inl = opcode == IBV_WR_SEND;
   if (v->efa) {
     struct ibv_qp_ex* x = v->srd_qpx;
@@ -603,7 +617,7 @@ static int post(mk_proxy* p, vstate* v, int peer, int opcode, const void* local,
     struct ibv_sge sge = {(uint64_t)(uintptr_t)local, bytes, lkey};
     struct ibv_send_wr wr = {.wr_id = wr_id,
                              .sg_list = &sge,
-                             .num_sge = 1,
+                             .num_sge = bytes ? 1 : 0,
                              .opcode = (enum ibv_wr_opcode)opcode,
                              .send_flags = IBV_SEND_SIGNALED | (inl ? IBV_SEND_INLINE : 0),
                              .wr.rdma = {.remote_addr = raddr, .rkey = rkey}},
@@ -617,19 +631,30 @@ static int post(mk_proxy* p, vstate* v, int peer, int opcode, const void* local,
 
 static int send_record(mk_proxy* p, vstate* v, int peer, vrec rec) {
   rec.rank = (uint16_t)p->rank;
-  return post(p, v, peer, IBV_WR_SEND, &rec, 0, sizeof rec, 0, 0, 0);
+  const int kind = rec.kind == REC_FLUSH_ACK || rec.kind == REC_BYE ? WR_CONTROL : WR_DATA;
+  return post(p, v, peer, kind, IBV_WR_SEND, &rec, 0, sizeof rec, 0, 0, 0);
 }
 
-/* A command for a rank this proxy has no queue pair to (one of its own node's): an error, not a post. */
+/* An idle RC peer's liveness: a zero-byte RDMA write, which its NIC acknowledges while its queue pair
+ * exists (no address or key is checked at zero bytes); once its process is gone, the write fails. */
+static int beat(mk_proxy* p, vstate* v, int peer) {
+  return post(p, v, peer, WR_BEAT, IBV_WR_RDMA_WRITE, NULL, 0, 0, 0, 0, 0);
+}
+
+/* A command for a rank this proxy has no queue pair to (one of its own node's), or whose proxy said
+ * goodbye: an error, not a post. */
 static int not_connected(mk_proxy* p, const struct MkCmd* c) {
-  mk_fail(p, MKP_ERR_LOCAL, c->peer, c->type, "verbs: rank %d is not connected", c->peer);
+  if (((vstate*)p->tstate)->peers[c->peer].said_bye)
+    mk_fail(p, MKP_ERR_PEER, c->peer, c->type, "verbs: rank %d stopped its proxy; nothing can be sent to it", c->peer);
+  else
+    mk_fail(p, MKP_ERR_LOCAL, c->peer, c->type, "verbs: rank %d is not connected", c->peer);
   return -1;
 }
 
 static int verbs_write(mk_proxy* p, const struct MkCmd* c) {
   vstate* v = p->tstate;
   vpeer* vp = &v->peers[c->peer];
-  if (!vp->connected) return not_connected(p, c);
+  if (!vp->connected || vp->said_bye) return not_connected(p, c);
   uint32_t chunks = (c->bytes + MK_VERBS_CHUNK - 1) / MK_VERBS_CHUNK;
   if (chunks + 1 > sq_room(v, c->peer)) return MK_AGAIN; /* at most 257 WRs: a u32 of bytes in 16 MiB chunks */
   uint64_t src_off = MK_CMD_OFFSET(c->src_off_hi, c->src_off_lo), dst_off = MK_CMD_OFFSET(c->dst_off_hi, c->dst_off_lo);
@@ -649,7 +674,7 @@ static int verbs_write(mk_proxy* p, const struct MkCmd* c) {
   const uint32_t lkey = mr->lkey;
   for (uint32_t i = 0; i < chunks; i++) {
     uint32_t off = i * MK_VERBS_CHUNK, n = c->bytes - off < MK_VERBS_CHUNK ? c->bytes - off : MK_VERBS_CHUNK;
-    if (post(p, v, c->peer, v->efa ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE, src + off, lkey, n,
+    if (post(p, v, c->peer, WR_DATA, v->efa ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE, src + off, lkey, n,
              dst->addr + dst_off + off, rkey, (uint32_t)p->rank << (32 - MK_VERBS_IMM_RANK_BITS) | id))
       return -1;
   }
@@ -662,13 +687,14 @@ static int verbs_write(mk_proxy* p, const struct MkCmd* c) {
                             .id = id,
                             .flag_id = c->flag_id,
                             .value = c->flag_value,
-                            .chunks = v->efa ? chunks : 0});
+                            .chunks = v->efa ? chunks : 0,
+                            .bytes = v->efa ? 0 : c->bytes});
 }
 
 static int verbs_signal(mk_proxy* p, const struct MkCmd* c) {
   vstate* v = p->tstate;
   vpeer* vp = &v->peers[c->peer];
-  if (!vp->connected) return not_connected(p, c);
+  if (!vp->connected || vp->said_bye) return not_connected(p, c);
   if (!sq_room(v, c->peer)) return MK_AGAIN;
   vp->commands_sent++;
   p->peers[c->peer].signals++;
@@ -684,7 +710,7 @@ static int verbs_signal(mk_proxy* p, const struct MkCmd* c) {
 static int verbs_flush(mk_proxy* p, const struct MkCmd* c) {
   vstate* v = p->tstate;
   vpeer* vp = &v->peers[c->peer];
-  if (!vp->connected) return not_connected(p, c);
+  if (!vp->connected || vp->said_bye) return not_connected(p, c);
   if (!sq_room(v, c->peer) || vp->flush_head - vp->flush_tail == 256) return MK_AGAIN;
   uint32_t id = ++vp->next_flush_id;
   vp->flushes[vp->flush_head++ % 256] = (vflush_wait){id, c->flag_id, c->flag_value, c->flag_op, mk_now_ns()};
@@ -744,6 +770,7 @@ static int on_record(mk_proxy* p, vstate* v, const vrec* r) {
   vpeer* vp = &v->peers[peer];
   switch (r->kind) {
     case REC_FLAG:
+      p->peers[peer].bytes_received += r->bytes;
       return r->chunks ? srd_progress(p, v, peer, r->id, r) : applied(p, v, peer, r->flag_op, r->flag_id, r->value);
     case REC_FLUSH:
       if (vp->owed_head - vp->owed_tail == 256) {
@@ -753,6 +780,14 @@ static int on_record(mk_proxy* p, vstate* v, const vrec* r) {
       vp->acks_owed[vp->owed_head % 256].id = r->id;
       vp->acks_owed[vp->owed_head++ % 256].needed = r->value;
       return answer_flushes(p, v, peer);
+    case REC_BYE: /* the last record on its queue pair; flushes of ours it never answered are lost */
+      if (vp->flush_tail != vp->flush_head) {
+        mk_fail(p, MKP_ERR_PEER, peer, MK_CMD_FLUSH,
+                "verbs: rank %d stopped its proxy with a FLUSH of ours outstanding", peer);
+        return -1;
+      }
+      vp->said_bye = 1;
+      return 0;
     case REC_FLUSH_ACK:
       while (vp->flush_tail != vp->flush_head && (int32_t)(r->id - vp->flushes[vp->flush_tail % 256].id) >= 0) {
         vflush_wait* f = &vp->flushes[vp->flush_tail++ % 256];
@@ -772,12 +807,18 @@ static int verbs_poll(mk_proxy* p, int timeout_us) {
   if (n < 0) return vfail(p, -1, 0, "ibv_poll_cq");
   for (int i = 0; i < n; i++) {
     int peer = (int)(wc[i].wr_id >> 32);
+    const int send = (wc[i].wr_id & MK_WR_SEND) != 0, kind = (int)(wc[i].wr_id & 3);
     if (wc[i].status != IBV_WC_SUCCESS) { /* opcode is undefined here; wr_id still names the peer (SRD receives: 0) */
-      mk_fail(p, MKP_ERR_PEER, peer, 0, "verbs: a work completion failed: %s (rank %d unreachable or gone?)",
+      if (v->peers[peer].said_bye && (!send || kind != WR_DATA)) { /* its queue pair is gone: nothing lost */
+        if (send) v->peers[peer].in_flight--, v->srd_in_flight--;
+        continue;
+      }
+      const char* what = !send ? "a receive from" : kind == WR_BEAT ? "the liveness probe of" : "a send to";
+      mk_fail(p, MKP_ERR_PEER, peer, 0, "verbs: %s rank %d failed: %s (rank %d unreachable or gone?)", what, peer,
               V.wc_status_str(wc[i].status), peer);
       return -1;
     }
-    if (!(wc[i].opcode & IBV_WC_RECV)) { /* one of ours completed */
+    if (send) { /* one of ours completed */
       v->peers[peer].in_flight--;
       v->srd_in_flight--;
       continue;
@@ -799,9 +840,12 @@ static int verbs_poll(mk_proxy* p, int timeout_us) {
                                       : (mk_fail(p, MKP_ERR_PEER, peer, 0, "verbs: short record"), -1);
     }
     if (rc) return -1;
+    if (!v->efa && v->peers[peer].said_bye) continue; /* goodbye was its last record */
     if (post_recv(v, v->efa ? v->srd_qp : v->peers[peer].qp, peer, slot)) return vfail(p, -1, 0, "ibv_post_recv");
   }
   uint64_t now = mk_now_ns();
+  const int beat_now = now - v->last_beat > MK_VERBS_BEAT_NS;
+  if (beat_now) v->last_beat = now;
   for (int r = 0; r < p->nranks; r++) {
     vpeer* vp = &v->peers[r];
     if (vp->flush_tail != vp->flush_head && now - vp->flushes[vp->flush_tail % 256].since > p->timeout_ns) {
@@ -810,9 +854,29 @@ static int verbs_poll(mk_proxy* p, int timeout_us) {
       return -1;
     }
     if (answer_flushes(p, v, r)) return -1;
+    if (beat_now && !v->efa && vp->connected && !vp->said_bye && !vp->in_flight && beat(p, v, r)) return -1;
   }
   if (!n && timeout_us > 0) usleep((useconds_t)timeout_us);
   return n;
+}
+
+/* Goodbye (a clean stop): a BYE record to every peer, then the sends of ours still in flight land,
+ * bounded by the timeout; the peers then take this rank's queue pairs going away as no failure. */
+static void verbs_close(mk_proxy* p) {
+  vstate* v = p->tstate;
+  const uint64_t start = mk_now_ns();
+  for (int r = 0; r < p->nranks; r++) {
+    vpeer* vp = &v->peers[r];
+    if (!vp->connected || vp->said_bye) continue;
+    while (!sq_room(v, r) && mk_now_ns() - start < p->timeout_ns)
+      if (verbs_poll(p, 100) < 0) return;
+    if (send_record(p, v, r, (vrec){.kind = REC_BYE})) return;
+  }
+  for (;;) {
+    int in_flight = 0;
+    for (int r = 0; r < p->nranks; r++) in_flight |= v->peers[r].in_flight != 0;
+    if (!in_flight || mk_now_ns() - start > p->timeout_ns || verbs_poll(p, 100) < 0) return;
+  }
 }
 
 static void verbs_destroy(mk_proxy* p) {
@@ -843,5 +907,6 @@ const mk_transport_ops mk_verbs_ops = {.name = "verbs",
                                        .signal = verbs_signal,
                                        .flush = verbs_flush,
                                        .poll = verbs_poll,
+                                       .close = verbs_close,
                                        .destroy = verbs_destroy};
 #endif
