@@ -22,6 +22,7 @@ from mkernel.comm.proxy import FLAG_ADD, FLAG_SET, FLUSH, SIGNAL, WRITE, Command
 from mkernel.core.errors import PeerError, TimeoutError
 
 from tests.helpers.jobs import WORLD, collectively, mpiexec, relaunch
+from tests.helpers.rdma import NEEDS_RDMA, VERBS
 
 SIZES = [1, 2, 3, 1000, 4096 + 3, (1 << 19) + 1, (1 << 20) + 7, 3 << 20, 64 << 20]  # one WRITE each, per peer
 SRC_SKEW = 4096  # source offsets are unaligned, inside this
@@ -109,8 +110,9 @@ def _exchange(transport, **proxy_options):
 @pytest.mark.parametrize("transport, options", [("tcp", dict(tcp_connections=4)),
                                                 ("tcp", dict(shuffle_seed=12345, tcp_connections=3)),
                                                 ("host", {}), ("host", dict(host_run_chunks=1)),
-                                                ("host", dict(host_run_chunks=16))],
-                         ids=["tcp", "tcp-shuffle", "host", "host-run1", "host-run16"])
+                                                ("host", dict(host_run_chunks=16)),
+                                                pytest.param("verbs", {}, marks=NEEDS_RDMA)],
+                         ids=["tcp", "tcp-shuffle", "host", "host-run1", "host-run16", "verbs"])
 def test_payloads_and_flags(request, transport, options):
     if not relaunch(request):
         collectively(_exchange, transport, **options)
@@ -145,7 +147,7 @@ def _rounds(transport, rounds=300, tiles=8, tile=64 << 10):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("transport", ["host", "tcp"])
+@pytest.mark.parametrize("transport", ["host", "tcp", VERBS])
 def test_rounds_of_credits_writes_and_counters(request, transport):
     """300 rounds of credit, counted WRITEs and FLUSH between paired ranks of 2 nodes (CPU memory)."""
     if relaunch(request):
@@ -191,7 +193,7 @@ def _killed_worker(transport):
 
 @pytest.mark.mpi
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", ["tcp", "host"])
+@pytest.mark.parametrize("transport", ["tcp", "host", VERBS])
 def test_killed_rank_makes_others_raise(transport):
     if WORLD.Get_size() > 1:
         pytest.skip("launches its own mpiexec job, so it runs from the one-rank pass")

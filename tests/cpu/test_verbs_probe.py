@@ -1,5 +1,6 @@
 """The verbs part builds, imports and reports the absence of RDMA clearly; 'auto' picks a transport
-from what exists (verbs, else host memory on one host, else TCP)."""
+from what exists (verbs, else host memory on one host, else TCP); where a port is active (soft-RoCE
+under tools/verbs_vm.sh), it is reported, chosen, and a wrong device or port is named."""
 
 import os
 import socket
@@ -15,6 +16,7 @@ from mkernel.comm.proxy import Proxy, probe_rdma, select_transport
 from mkernel.core.errors import NoRDMADeviceError
 
 from tests.helpers.jobs import relaunch
+from tests.helpers.rdma import NEEDS_RDMA
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,6 +66,24 @@ def test_auto_picks_tcp_across_hosts(request, monkeypatch):
     assert select_transport("auto", comm, list(range(comm.Get_size()))) == "tcp"
     monkeypatch.undo()
     assert select_transport("auto", comm, list(range(comm.Get_size()))) == "host"
+
+
+@NEEDS_RDMA
+def test_an_active_port_is_reported_and_auto_picks_verbs():
+    ports, report = probe_rdma()
+    assert ports >= 1 and "port 1 active" in report, report
+    assert select_transport("auto", MPI.COMM_SELF, [0]) == "verbs"
+
+
+@NEEDS_RDMA
+def test_an_unknown_device_or_port_is_named(monkeypatch):
+    monkeypatch.setenv("MKERNEL_VERBS_DEVICE", "mk_no_such_device")
+    with pytest.raises(NoRDMADeviceError, match="rank 0: verbs: no device named mk_no_such_device with port 1"):
+        Proxy(MPI.COMM_SELF, transport="verbs")
+    monkeypatch.setenv("MKERNEL_VERBS_DEVICE", "")
+    monkeypatch.setenv("MKERNEL_VERBS_PORT", "9")
+    with pytest.raises(NoRDMADeviceError, match="no device with port 9 active"):
+        Proxy(MPI.COMM_SELF, transport="verbs")
 
 
 @pytest.mark.slow
