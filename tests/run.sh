@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The README's test command. Installs what the suite needs (the package with its `test` extra: an
-# MPI wheel, NVRTC 13.0, pytest), then runs the suite at one rank and the MPI tests at 2 and 4 ranks.
+# MPI wheel, NVRTC 13.0, pytest), then runs the suite at one rank and the MPI tests at 2 and 4 ranks,
+# then the verbs transport's tests over soft-RoCE in a VM (tools/verbs_vm.sh).
 # GPU tests skip with a reason where no sm_90 GPU is visible. Extra arguments go to the 1-rank pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,3 +29,13 @@ for n in 2 4; do
   echo "== MPI tests at $n ranks =="
   pytest_ok mpiexec -n "$n" --oversubscribe --bind-to none "$PY" -m pytest -q -m mpi tests
 done
+# The verbs transport over soft-RoCE in a VM (~6 min of software emulation): where the VM's parts
+# cannot be installed (not root, no apt), it says so and the command goes on.
+echo "== the verbs transport over soft-RoCE (tools/verbs_vm.sh) =="
+if [ "${MKERNEL_TEST_VERBS_VM:-1}" = 0 ]; then
+  echo "skipped: MKERNEL_TEST_VERBS_VM=0"
+elif ! bash tools/verbs_vm.sh --check; then
+  echo "skipped: tools/verbs_vm.sh cannot start its VM here (above: why)"
+else
+  bash tools/verbs_vm.sh
+fi

@@ -1,30 +1,44 @@
 #!/bin/bash
-# Runs the verbs transport's tests over soft-RoCE (the kernel's rdma_rxe) in a throwaway VM, since
-# this machine's own kernel has no RDMA: `bash tools/verbs_vm.sh [pytest args]` (default: every test
-# whose id names verbs), or `bash tools/verbs_vm.sh --sh 'command'` (a shell command there). The VM (virtme-ng, QEMU) sees this machine's files read-only, /tmp its own.
-# Needs root once to install qemu-system-x86, a Debian kernel, busybox-static and rdma-core.
+# The verbs transport's tests over soft-RoCE (the kernel's rdma_rxe) in a throwaway VM, since this
+# machine's own kernel has no RDMA. The VM (virtme-ng, QEMU) sees this machine's files read-only.
+#   bash tools/verbs_vm.sh [pytest args]   default: the tests whose ids name verbs
+#   bash tools/verbs_vm.sh --sh 'command'  a shell command in the VM ($PY: this Python)
+#   bash tools/verbs_vm.sh --check         installs the VM's parts if missing (root, apt); 1 if it cannot
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-KERNEL=$(ls /boot/vmlinuz-* 2>/dev/null | sort -V | tail -1 || true)
-if [ -z "$KERNEL" ] || ! command -v qemu-system-x86_64 >/dev/null || ! command -v vng >/dev/null ||
-  ! command -v rdma >/dev/null; then
+PY=$(${PYTHON:-python3} -c 'import sys; print(sys.executable)')  # the guest has no pyenv shims
+
+kernel() { ls /boot/vmlinuz-* 2>/dev/null | sort -V | tail -1; }
+have_parts() {
+  [ -n "$(kernel)" ] && command -v qemu-system-x86_64 >/dev/null && command -v rdma >/dev/null &&
+    command -v busybox >/dev/null && "$PY" -c "import virtme_ng" 2>/dev/null
+}
+if ! have_parts; then
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+    echo "tools/verbs_vm.sh: needs qemu-system-x86, a Debian kernel, busybox-static, rdma-core and virtme-ng;" \
+      "installing them takes root and apt-get" >&2
+    exit 1
+  fi
   echo "tools/verbs_vm.sh: installing the VM's parts" >&2
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends qemu-system-x86 linux-image-amd64 \
-    busybox-static rdma-core ibverbs-providers iproute2 >/dev/null
-  python3 -m pip install -q virtme-ng
-  KERNEL=$(ls /boot/vmlinuz-* | sort -V | tail -1)
+  pkgs=(qemu-system-x86 linux-image-amd64 busybox-static rdma-core ibverbs-providers iproute2)
+  { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${pkgs[@]}" ||
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${pkgs[@]}"; }
+  } >/dev/null 2>&1 && "$PY" -m pip install -q --disable-pip-version-check virtme-ng >/dev/null 2>&1 ||
+    { echo "tools/verbs_vm.sh: installing the VM's parts failed" >&2; exit 1; }
 fi
+[ "${1:-}" = --check ] && exit 0
+
 if [ "${1:-}" = --sh ]; then
   RUN=$2
 else
   ARGS=("$@")
-  [ ${#ARGS[@]} -gt 0 ] || ARGS=(tests/cpu/test_transport.py tests/cpu/test_proxy_grow.py tests/cpu/test_verbs_probe.py -k "verbs and not without_verbs_headers")
+  [ ${#ARGS[@]} -gt 0 ] || ARGS=(tests/cpu/test_transport.py tests/cpu/test_proxy_grow.py tests/cpu/test_verbs_probe.py
+    -k "verbs and not without_verbs_headers")
   RUN="\"\$PY\" -m pytest -p no:cacheprovider -v -rs ${ARGS[*]@Q}"
 fi
-PY=$(python3 -c 'import sys; print(sys.executable)')  # the guest has no pyenv shims
 GUEST=$(mktemp /tmp/verbs_vm.XXXXXX.sh)
 trap 'rm -f "$GUEST"' EXIT
-# Inside: one soft-RoCE device on a dummy interface (rxe loops a packet for its own address back).
+# In the VM: one soft-RoCE device on a dummy interface (rxe loops packets for its own address back).
 cat >"$GUEST" <<GUEST_EOF
 set -e
 modprobe rdma_rxe
@@ -35,5 +49,6 @@ export PYTHONPATH="$ROOT" PY="$PY" PATH="$(dirname "$PY"):\$PATH" PYTHONDONTWRIT
 "\$PY" -c "from mkernel.comm.proxy import probe_rdma; print('probe:', probe_rdma())"
 $RUN
 GUEST_EOF
-# KVM inside this machine's VM stops at boot (nested virtualisation): software emulation instead
-exec vng --disable-kvm -r "$KERNEL" --memory 4G --cpus 2 --exec "bash $GUEST"
+# KVM inside this machine's own VM stops at boot (nested virtualisation): software emulation instead
+"$PY" -c "import sys; from virtme_ng.run import main; sys.argv[0] = 'vng'; sys.exit(main())" \
+  --disable-kvm -r "$(kernel)" --memory 4G --cpus 2 --exec "bash $GUEST"
