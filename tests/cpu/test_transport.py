@@ -1,11 +1,11 @@
 """Transports end to end on the CPU: every rank writes payloads of 1 byte to 64 MiB to every other rank
 through its proxy, and checks each incoming write's bytes the moment its flag appears (a flag seen
 before its data fails the check); then FLUSH and SIGNAL-add complete. Also: a rank killed
-mid-transfer makes the others raise within 30 s.
+mid-transfer makes the others raise within 30 s, and a stopped one makes them time out.
 
 At one rank each test relaunches itself under ``mpiexec -n 2``; under mpiexec it runs in place.
-Run as a module from the repository root (``python -m tests.cpu.test_transport kill tcp``) it is the
-killed-rank worker.
+Run as a module from the repository root (``python -m tests.cpu.test_transport kill tcp``, ``stop
+host``) it is the killed- or stopped-rank worker.
 """
 
 import os
@@ -25,6 +25,7 @@ from tests.helpers.jobs import WORLD, collectively, mpiexec, relaunch
 from tests.helpers.rdma import NEEDS_RDMA, VERBS
 
 SIZES = [1, 2, 3, 1000, 4096 + 3, (1 << 19) + 1, (1 << 20) + 7, 3 << 20, 64 << 20]  # one WRITE each, per peer
+STOPPED_TIMEOUT_S = 5  # the proxies' timeout in the stopped-rank test
 SRC_SKEW = 4096  # source offsets are unaligned, inside this
 
 
@@ -205,8 +206,58 @@ def test_killed_rank_makes_others_raise(transport):
         assert "rank 1" in msg and "peer 1" in msg
 
 
+def _stopped_worker(transport):
+    """Rank 1 stops (SIGSTOP) after set-up: alive to the OS and its NIC, silent to its peers, which
+    WRITE to it and FLUSH; rank 0 kills it once both have reported."""
+    rank = WORLD.Get_rank()
+    pids = WORLD.allgather(os.getpid())
+    data = np.zeros(4096, dtype=np.uint8)
+    flags = np.zeros(1, dtype=np.uint32)
+    queue = CommandQueue(64)
+    proxy = Proxy(WORLD, transport=transport, bind_address="127.0.0.1", timeout_s=STOPPED_TIMEOUT_S)
+    proxy.register(0, data.ctypes.data, data.nbytes)
+    proxy.register_flags(1, flags.ctypes.data, 1)
+    proxy.attach_queue(queue)
+    proxy.connect()
+    proxy.start()
+    WORLD.Barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    start = time.monotonic()
+    queue.push(WRITE, 1, data.nbytes, dst=(0, 0))  # a FLUSH with nothing sent may complete at once (host)
+    queue.push(FLUSH, 1, flag=(0, 1, FLAG_SET))
+    try:
+        proxy.wait_flag(flags, 0, 1, timeout_s=100)
+        print(f"SURVIVOR {rank} raised nothing after {time.monotonic() - start:.2f} s: the FLUSH completed", flush=True)
+    except (PeerError, TimeoutError) as e:
+        print(f"SURVIVOR {rank} raised {type(e).__name__} after {time.monotonic() - start:.2f} s: {e}", flush=True)
+    time.sleep(2)  # the other survivor reports before rank 1 goes (no collective: rank 1 is stopped)
+    if rank == 0:
+        os.kill(pids[1], signal.SIGKILL)
+    os._exit(0)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["tcp", "host", VERBS])
+def test_stopped_rank_makes_others_time_out(transport):
+    """A peer that hangs (its process stopped, its NIC still answering) is a TimeoutError naming it,
+    within the proxy's timeout."""
+    if WORLD.Get_size() > 1:
+        pytest.skip("launches its own mpiexec job, so it runs from the one-rank pass")
+    r = mpiexec(3, ["-m", __name__, "stop", transport], timeout=90, extra=["--with-ft", "ulfm"])
+    lines = re.findall(r"SURVIVOR (\d) raised (\w+) after ([\d.]+) s: (.*)", r.stdout)
+    assert sorted(int(line[0]) for line in lines) == [0, 2], f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    for _, kind, seconds, msg in lines:
+        # not before the timeout (a slow peer gets all of it), nor long after
+        assert kind == "TimeoutError" and STOPPED_TIMEOUT_S - 1 < float(seconds) < STOPPED_TIMEOUT_S + 10, (kind, msg)
+        assert "rank 1" in msg and "peer 1" in msg
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["kill"]:
     _killed_worker(sys.argv[2])
+if __name__ == "__main__" and sys.argv[1:2] == ["stop"]:
+    _stopped_worker(sys.argv[2])
 
 
 def test_tcp_listener_admits_only_the_job_secret():
