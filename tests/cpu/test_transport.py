@@ -158,6 +158,26 @@ def test_rounds_of_credits_writes_and_counters(request, transport):
     collectively(_rounds, transport)
 
 
+def _survive(rank, start, wait):
+    """A survivor: runs wait() and prints how it ended, for _survivors to read."""
+    try:
+        wait()
+        print(f"SURVIVOR {rank} raised nothing after {time.monotonic() - start:.2f} s", flush=True)
+    except (PeerError, TimeoutError) as e:
+        print(f"SURVIVOR {rank} raised {type(e).__name__} after {time.monotonic() - start:.2f} s: {e}", flush=True)
+
+
+def _survivors(worker, transport):
+    """Runs ``worker`` as a 3-rank job of its own in which rank 1 fails; [(error, seconds)] of ranks
+    0 and 2, whose messages must name rank 1."""
+    r = mpiexec(3, ["-m", __name__, worker, transport], timeout=90, extra=["--with-ft", "ulfm"])
+    lines = re.findall(r"SURVIVOR (\d) raised (\w+) after ([\d.]+) s(?:: (.*))?", r.stdout)
+    assert sorted(int(line[0]) for line in lines) == [0, 2], f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    for _, kind, _, msg in lines:
+        assert "rank 1" in msg and "peer 1" in msg, (kind, msg)
+    return [(kind, float(seconds)) for _, kind, seconds, _ in lines]
+
+
 def _killed_worker(transport):
     """Rank 1 dies (SIGKILL) right after enqueueing a 64 MiB write; the others wait for its flags."""
     rank, n = WORLD.Get_rank(), WORLD.Get_size()
@@ -167,12 +187,7 @@ def _killed_worker(transport):
     flags = np.zeros(n, dtype=np.uint32)
     queue = CommandQueue(64)
     proxy = Proxy(WORLD, transport=transport, bind_address="127.0.0.1", timeout_s=120)
-    proxy.register(0, src.ctypes.data, big)
-    proxy.register(1, dst.ctypes.data, dst.nbytes)
-    proxy.register_flags(2, flags.ctypes.data, n)
-    proxy.attach_queue(queue)
-    proxy.connect()
-    proxy.start()
+    _started(proxy, src, dst, flags, queue)
     WORLD.Barrier()
     start = time.monotonic()
     if rank == 1:
@@ -183,11 +198,11 @@ def _killed_worker(transport):
     for q in range(n):
         if q != rank:
             queue.push(WRITE, q, big, dst=(1, rank * big), flag=(rank, 1, FLAG_SET))
-    try:
+
+    def wait():
         while True:  # the flag of rank 1 never comes (or comes, and the next check still sees it die)
             proxy.wait_flag(flags, 1, 2, timeout_s=100)
-    except (PeerError, TimeoutError) as e:
-        print(f"SURVIVOR {rank} raised {type(e).__name__} after {time.monotonic() - start:.2f} s: {e}", flush=True)
+    _survive(rank, start, wait)
     time.sleep(1)  # stay up, so that the other survivor sees rank 1's death and not our exit
     os._exit(0)  # MPI cannot finalize with a dead rank
 
@@ -198,12 +213,8 @@ def _killed_worker(transport):
 def test_killed_rank_makes_others_raise(transport):
     if WORLD.Get_size() > 1:
         pytest.skip("launches its own mpiexec job, so it runs from the one-rank pass")
-    r = mpiexec(3, ["-m", __name__, "kill", transport], timeout=90, extra=["--with-ft", "ulfm"])
-    lines = re.findall(r"SURVIVOR (\d) raised (\w+) after ([\d.]+) s: (.*)", r.stdout)
-    assert sorted(int(line[0]) for line in lines) == [0, 2], f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-    for _, kind, seconds, msg in lines:
-        assert kind == "PeerError" and float(seconds) < 30, (kind, seconds, msg)
-        assert "rank 1" in msg and "peer 1" in msg
+    for kind, seconds in _survivors("kill", transport):
+        assert kind == "PeerError" and seconds < 30, (kind, seconds)
 
 
 def _stopped_worker(transport):
@@ -211,26 +222,18 @@ def _stopped_worker(transport):
     WRITE to it and FLUSH; rank 0 kills it once both have reported."""
     rank = WORLD.Get_rank()
     pids = WORLD.allgather(os.getpid())
-    data = np.zeros(4096, dtype=np.uint8)
+    src, dst = np.zeros(4096, dtype=np.uint8), np.zeros(4096, dtype=np.uint8)
     flags = np.zeros(1, dtype=np.uint32)
     queue = CommandQueue(64)
     proxy = Proxy(WORLD, transport=transport, bind_address="127.0.0.1", timeout_s=STOPPED_TIMEOUT_S)
-    proxy.register(0, data.ctypes.data, data.nbytes)
-    proxy.register_flags(1, flags.ctypes.data, 1)
-    proxy.attach_queue(queue)
-    proxy.connect()
-    proxy.start()
+    _started(proxy, src, dst, flags, queue)
     WORLD.Barrier()
     if rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)
     start = time.monotonic()
-    queue.push(WRITE, 1, data.nbytes, dst=(0, 0))  # a FLUSH with nothing sent may complete at once (host)
+    queue.push(WRITE, 1, src.nbytes, dst=(1, 0))  # a FLUSH with nothing sent may complete at once (host)
     queue.push(FLUSH, 1, flag=(0, 1, FLAG_SET))
-    try:
-        proxy.wait_flag(flags, 0, 1, timeout_s=100)
-        print(f"SURVIVOR {rank} raised nothing after {time.monotonic() - start:.2f} s: the FLUSH completed", flush=True)
-    except (PeerError, TimeoutError) as e:
-        print(f"SURVIVOR {rank} raised {type(e).__name__} after {time.monotonic() - start:.2f} s: {e}", flush=True)
+    _survive(rank, start, lambda: proxy.wait_flag(flags, 0, 1, timeout_s=100))
     time.sleep(2)  # the other survivor reports before rank 1 goes (no collective: rank 1 is stopped)
     if rank == 0:
         os.kill(pids[1], signal.SIGKILL)
@@ -242,16 +245,11 @@ def _stopped_worker(transport):
 @pytest.mark.parametrize("transport", ["tcp", "host", VERBS])
 def test_stopped_rank_makes_others_time_out(transport):
     """A peer that hangs (its process stopped, its NIC still answering) is a TimeoutError naming it,
-    within the proxy's timeout."""
+    after the proxy's timeout: not before (a slow peer gets all of it), nor long after."""
     if WORLD.Get_size() > 1:
         pytest.skip("launches its own mpiexec job, so it runs from the one-rank pass")
-    r = mpiexec(3, ["-m", __name__, "stop", transport], timeout=90, extra=["--with-ft", "ulfm"])
-    lines = re.findall(r"SURVIVOR (\d) raised (\w+) after ([\d.]+) s: (.*)", r.stdout)
-    assert sorted(int(line[0]) for line in lines) == [0, 2], f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-    for _, kind, seconds, msg in lines:
-        # not before the timeout (a slow peer gets all of it), nor long after
-        assert kind == "TimeoutError" and STOPPED_TIMEOUT_S - 1 < float(seconds) < STOPPED_TIMEOUT_S + 10, (kind, msg)
-        assert "rank 1" in msg and "peer 1" in msg
+    for kind, seconds in _survivors("stop", transport):
+        assert kind == "TimeoutError" and STOPPED_TIMEOUT_S - 1 < seconds < STOPPED_TIMEOUT_S + 10, (kind, seconds)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["kill"]:
