@@ -432,6 +432,14 @@ class Proxy:
                                      int(env.get("MKERNEL_VERBS_GID_INDEX")))
         if rc:
             raise NoRDMADeviceError(f"rank {self.rank}: {self._error_text() or 'could not open the RDMA device'}")
+        log.info("rank %d: verbs on %s", self.rank, self.verbs_endpoint())
+
+    def verbs_endpoint(self) -> str:
+        """The opened RDMA device, port, link, GID (index, address, type) and MTU (transport verbs)."""
+        buf = self._ffi.new("char[]", 256)
+        if self.transport != "verbs" or self._lib.mk_verbs_describe(self._p, buf, 256):
+            raise ArgumentError(f"rank {self.rank}: no RDMA device is open (transport {self.transport!r})")
+        return self._ffi.string(buf).decode()
 
     def _connect_verbs(self):
         ffi, lib = self._ffi, self._lib

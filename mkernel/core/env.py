@@ -64,7 +64,8 @@ VARS = {
             "RDMA device name (as in ibv_devices). Unset: the first device with an active port."),
         Var("MKERNEL_VERBS_PORT", "1", "RDMA port number on that device."),
         Var("MKERNEL_VERBS_GID_INDEX", "-1",
-            "RoCE GID index; -1 picks the first non-zero GID of the port."),
+            "RoCE GID index; -1 picks RoCE v2 over IPv4 where the port has one (what a routed network carries), "
+            "else RoCE v2, else IPv4, else the first GID that is set (InfiniBand: the first that is set)."),
         Var("MKERNEL_BUILD_VERBS", "auto",
             "Build time: 0 builds the proxy extension without the verbs transport even where the "
             "rdma-core headers exist; auto builds it when they exist."),

@@ -71,6 +71,8 @@ int mk_host_set_run(mk_proxy* p, int chunks); /* chunks per copy, 1..16, before 
 int mk_verbs_available(void); /* 1 when compiled in (the rdma-core headers were present at build time) */
 int mk_verbs_probe(char* report, int cap); /* active ports, 0 none, -1 no libibverbs; report says what was seen */
 int mk_verbs_open(mk_proxy* p, const char* device, int port, int gid_index);
+/* The opened device, port, link, GID (index, address, type) and MTU, for the log; -1 before open. */
+int mk_verbs_describe(mk_proxy* p, char* out, int cap);
 int mk_verbs_blob_bytes(void);
 int mk_verbs_local_blob(mk_proxy* p, int peer, unsigned char* out, int cap);
 int mk_verbs_connect(mk_proxy* p, int peer, const unsigned char* blob, int len);

@@ -45,6 +45,7 @@ static int unavailable(mk_proxy* p) {
   return -1;
 }
 int mk_verbs_open(mk_proxy* p, const char* device, int port, int gid_index) { return unavailable(p); }
+int mk_verbs_describe(mk_proxy* p, char* out, int cap) { return unavailable(p); }
 int mk_verbs_blob_bytes(void) { return 0; }
 int mk_verbs_local_blob(mk_proxy* p, int peer, unsigned char* out, int cap) { return unavailable(p); }
 int mk_verbs_connect(mk_proxy* p, int peer, const unsigned char* blob, int len) { return unavailable(p); }
@@ -291,6 +292,7 @@ typedef struct {
   int port, gid_index, efa;
   struct ibv_port_attr pa;
   union ibv_gid gid;
+  char name[64], gid_type[16]; /* the device's name; the GID's type as sysfs gives it ("RoCE v2"), or "" */
   vpeer* peers;
   struct ibv_mr* retired[MK_VERBS_RETIRED]; /* grown regions' earlier registrations (posted work may use them) */
   int retired_count;
@@ -313,6 +315,45 @@ static uint32_t sq_room(vstate* v, int peer) {
   return MK_VERBS_SQ - (v->efa ? v->srd_in_flight : v->peers[peer].in_flight);
 }
 
+/* The type of the port's GID `index` as sysfs names it ("RoCE v2", "IB/RoCE v1"); "" where unknown. */
+static void gid_type(const vstate* v, int index, char* out, int cap) {
+  char path[192];
+  snprintf(path, sizeof path, "/sys/class/infiniband/%s/ports/%d/gid_attrs/types/%d", v->name, v->port, index);
+  FILE* f = fopen(path, "r");
+  if (!f || !fgets(out, cap, f)) out[0] = 0;
+  if (f) fclose(f);
+  out[strcspn(out, "\n")] = 0;
+}
+
+/* RoCE: the GID a routed network carries first (RoCE v2 over IPv4, ::ffff:a.b.c.d), then RoCE v2,
+ * then IPv4, then any that is set; the lowest index among equals. InfiniBand: the first that is set. */
+static int pick_gid(const vstate* v, struct ibv_context* ctx) {
+  static const uint8_t v4_mapped[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+  const int roce = v->pa.link_layer == IBV_LINK_LAYER_ETHERNET;
+  int best = 0, best_score = -1;
+  for (int i = 0; i < v->pa.gid_tbl_len && i < 256; i++) {
+    union ibv_gid g;
+    if (V.query_gid(ctx, (uint8_t)v->port, i, &g) || !(g.global.subnet_prefix || g.global.interface_id)) continue;
+    char type[16];
+    gid_type(v, i, type, sizeof type);
+    const int score = roce ? 2 * !strcmp(type, "RoCE v2") + !memcmp(g.raw, v4_mapped, sizeof v4_mapped) : 0;
+    if (score > best_score) best = i, best_score = score;
+    if (!roce) break;
+  }
+  return best;
+}
+
+int mk_verbs_describe(mk_proxy* p, char* out, int cap) {
+  const vstate* v = p->tstate;
+  if (!v) return -1;
+  char addr[64];
+  inet_ntop(AF_INET6, v->gid.raw, addr, sizeof addr);
+  snprintf(out, (size_t)cap, "%s port %d (%s%s), GID index %d %s%s%s%s, MTU %d", v->name, v->port,
+           v->efa ? "EFA, " : "", link_name(&v->pa), v->gid_index, addr, v->gid_type[0] ? " (" : "", v->gid_type,
+           v->gid_type[0] ? ")" : "", 128 << v->pa.active_mtu);
+  return 0;
+}
+
 int mk_verbs_open(mk_proxy* p, const char* device, int port, int gid_index) {
   char why[MKP_MESSAGE_BYTES];
   if (v_ready(why, sizeof why)) {
@@ -323,9 +364,11 @@ int mk_verbs_open(mk_proxy* p, const char* device, int port, int gid_index) {
   int n = 0;
   struct ibv_device** list = V.get_device_list(&n);
   struct ibv_context* ctx = NULL;
+  char name[64] = "";
   for (int d = 0; list && d < n && !ctx; d++) {
     if (device && strcmp(device, V.get_device_name(list[d]))) continue;
     struct ibv_port_attr pa;
+    snprintf(name, sizeof name, "%s", V.get_device_name(list[d]));
     ctx = V.open_device(list[d]);
     if (ctx && (port_attr(ctx, port, &pa) || pa.state != IBV_PORT_ACTIVE)) {
       V.close_device(ctx);
@@ -361,16 +404,10 @@ int mk_verbs_open(mk_proxy* p, const char* device, int port, int gid_index) {
     mk_fail(p, MKP_ERR_LOCAL, -1, 0, "verbs: this EFA device (or rdma-core) has no RDMA write; use transport tcp");
     return -1;
   }
-  /* RoCE needs a GID; -1 picks the first one that is set, IB uses the LID */
-  v->gid_index = gid_index >= 0 ? gid_index : 0;
-  for (int i = 0; gid_index < 0 && i < 16; i++) {
-    union ibv_gid g;
-    if (!V.query_gid(ctx, (uint8_t)port, i, &g) && (g.global.subnet_prefix || g.global.interface_id)) {
-      v->gid_index = i;
-      break;
-    }
-  }
+  snprintf(v->name, sizeof v->name, "%s", name);
+  v->gid_index = gid_index >= 0 ? gid_index : pick_gid(v, ctx);
   V.query_gid(ctx, (uint8_t)port, v->gid_index, &v->gid);
+  gid_type(v, v->gid_index, v->gid_type, sizeof v->gid_type);
   if (!(v->pd = V.alloc_pd(ctx))) return vfail(p, -1, 0, "ibv_alloc_pd");
   if (!(v->cq = V.create_cq(ctx, 2 * MK_VERBS_SQ * p->nranks + MK_VERBS_RQ, NULL, NULL, 0)))
     return vfail(p, -1, 0, "ibv_create_cq");

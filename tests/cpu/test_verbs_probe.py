@@ -13,7 +13,7 @@ import pytest
 from mpi4py import MPI
 
 from mkernel.comm.proxy import Proxy, probe_rdma, select_transport
-from mkernel.core.errors import NoRDMADeviceError
+from mkernel.core.errors import ArgumentError, NoRDMADeviceError
 
 from tests.helpers.jobs import relaunch
 from tests.helpers.rdma import NEEDS_RDMA
@@ -73,6 +73,22 @@ def test_an_active_port_is_reported_and_auto_picks_verbs():
     ports, report = probe_rdma()
     assert ports >= 1 and "port 1 active" in report, report
     assert select_transport("auto", MPI.COMM_SELF, [0]) == "verbs"
+
+
+@NEEDS_RDMA
+def test_roce_picks_a_v2_ipv4_gid_unless_told(monkeypatch):
+    """A routed RoCE network carries RoCE v2 over IPv4 (tools/verbs_vm.sh's rxe device has fe80:: at
+    index 0, ::ffff:10.77.0.1 at 1, both v2); MKERNEL_VERBS_GID_INDEX overrides."""
+    with Proxy(MPI.COMM_SELF, transport="verbs") as proxy:
+        endpoint = proxy.verbs_endpoint()
+    if "(RoCE)" not in endpoint:
+        pytest.skip(f"not a RoCE port: {endpoint}")
+    assert "::ffff:" in endpoint and "(RoCE v2)" in endpoint, endpoint
+    monkeypatch.setenv("MKERNEL_VERBS_GID_INDEX", "0")
+    with Proxy(MPI.COMM_SELF, transport="verbs") as proxy:
+        assert "GID index 0 " in proxy.verbs_endpoint()
+    with Proxy(MPI.COMM_SELF, transport="tcp") as proxy, pytest.raises(ArgumentError, match="no RDMA device is open"):
+        proxy.verbs_endpoint()
 
 
 @NEEDS_RDMA
