@@ -13,6 +13,7 @@ import re
 import signal
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -230,6 +231,10 @@ def _stopped_worker(transport):
     WORLD.Barrier()
     if rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)
+    deadline = time.monotonic() + 30  # until rank 1 is stopped: its proxy thread must not answer first
+    while Path(f"/proc/{pids[1]}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":  # its state
+        assert time.monotonic() < deadline, "rank 1 did not stop"
+        time.sleep(0.01)
     start = time.monotonic()
     queue.push(WRITE, 1, src.nbytes, dst=(1, 0))  # a FLUSH with nothing sent may complete at once (host)
     queue.push(FLUSH, 1, flag=(0, 1, FLAG_SET))
