@@ -129,8 +129,8 @@ def main():
             settings["nosplit"] = {"gemm_split_k": False}  # the engine with one CTA per tile
         elif kind == "decode":
             settings["engine"] = {"gemm_decode_max_m": 0}  # the engine (split K) at the decode path's rows
-        if M > config.get().gemm_decode_max_m:  # the engine's rows: its narrow tiles (128 x 192)
-            settings["tile192"] = {"gemm_tile_n": 192}
+        if M > config.get().gemm_decode_max_m:  # the engine's rows: both tile widths (128 x 192 and 256)
+            settings.update(tile192={"gemm_tile_n": 192}, tile256={"gemm_tile_n": 256})
         calls = {name: (knobs, {}) for name, knobs in settings.items()}
         if kind == "odd" or (plan.use_cluster(M, N, K) and plan.split_k(M, N, K, cluster=True) > 1):
             # the clustered kernel (CTA pairs sharing B by multicast) against the default
@@ -142,11 +142,9 @@ def main():
                 e = rel_err(out, ref)
                 variants[name] = flushed_ms(lambda: mg.gemm(a, b, out=out, **kw), reps, flush) if e < 1e-2 else \
                     f"wrong (relative error {e:.3g})"
-        with config.override(gemm_tile_n="auto"):
-            tile_auto = plan.tile_width(M, N, K)  # what the wave model would pick (tile192 measures it)
         r = harness.row([M, N, K], t_mk, t_cb, bound_ms(flops, nbytes, rate), kind=kind, layout="w.T",
                         dtype="bfloat16", rel_err=err, copy_rate_TBps=rate / 1e12, decode_variants_ms=variants,
-                        tile_n_auto=tile_auto)
+                        tile_n=plan.tile_width(M, N, K))  # the default's width where the engine runs
         rows.append(r)
         alt = "  ".join(f"{k} {v * 1e3:.1f} us" if isinstance(v, float) else f"{k} {v}" for k, v in variants.items())
         print(f"{kind:5s} {M:6d} {N:6d} {K:6d}  mkernel {t_mk * 1e3:8.1f} us  cuBLAS {t_cb * 1e3:8.1f} us  "

@@ -79,9 +79,9 @@ class Config:
     # mkernel.gemm splits K when the output has too few 128 x 256 tiles to fill the SMs and K is
     # long (engines/gemm_plan.py split_k); False: one CTA per tile
     gemm_split_k: bool = True
-    # Width of mkernel.gemm's tiles where it plans the CTAs: 256; 192 (narrow: plain, unclustered);
-    # "auto": narrow where they fill the SMs in fewer waves (engines/gemm_plan.py tile_width)
-    gemm_tile_n: object = 256
+    # Width of mkernel.gemm's tiles where it plans the CTAs: "auto": 192 (narrow: plain, unclustered)
+    # where they fill the SMs in fewer waves (engines/gemm_plan.py tile_width), else 256; or 256 / 192
+    gemm_tile_n: object = "auto"
 
     def __post_init__(self):
         if self.tp_controller not in CONTROLLER_SETTINGS:

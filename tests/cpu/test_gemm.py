@@ -63,7 +63,9 @@ def test_registration():
 def test_tile_width_takes_narrow_tiles_where_they_save_a_wave():
     from mkernel import config
 
-    assert plan.tile_width(1000, 3000, 2000) == plan.BN  # the default: 256 wide
+    assert plan.tile_width(1000, 3000, 2000) == plan.BN_NARROW  # the default: "auto"
+    with config.override(gemm_tile_n=256):
+        assert plan.tile_width(1000, 3000, 2000) == plan.BN
     with config.override(gemm_tile_n=192):
         assert plan.tile_width(8192, 8192, 8192) == plan.BN_NARROW
     with config.override(gemm_tile_n="auto"):
