@@ -53,6 +53,8 @@ struct DecodeCfg {
   static constexpr u32 SLOT = MT * ROWS;  // floats of one partial slot
   static constexpr int SUM_V = ACC < 32 ? ACC : 32;  // values of a slot the last CTA loads at once
   static constexpr int SUM_U = SUM_V >= 16 ? 1 : 16 / SUM_V;  // and slots
+  // The last CTA adds its own slot from registers (below 128 accumulators: 128 and the sum spill)
+  static constexpr bool OWN_IN_REGS = ACC < 128;
   MK_STATIC_ASSERT(ROWS == 64 || ROWS == 128, "row blocks of 64 or 128");
   MK_STATIC_ASSERT(MT % 8 == 0 && MT <= 256, "wgmma takes 8 .. 256 columns in steps of 8");
   MK_STATIC_ASSERT(A_BYTES % 1024 == 0, "stages stay 1 KiB aligned (the 128B swizzle's period)");
@@ -236,25 +238,33 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
     if (threadIdx.x == 0) *count = 0;  // zero for the next launch (stream ordered)
     if (!epi.ready(bar)) continue;
     // The slots added in slot order, SUM_U slots' SUM_V values in flight at once (a load per slot
-    // and value per round trip would serialise them behind finish's stores).
+    // and value per round trip would serialise them behind finish's stores); this CTA's own slot
+    // is still in acc (the same values: the same bits), so only the others' are read.
     const float* slot0 = args.partial + block_at * Cfg::SLOT + threadIdx.x;
+    const u32 own = cta - first;
 #pragma unroll
-    for (int i = 0; i < Cfg::ACC; ++i) acc[i] = 0.f;
+    for (int i0 = 0; i0 < Cfg::ACC; i0 += Cfg::SUM_V) {
+      float sum[Cfg::SUM_V];
 #pragma unroll
-    for (int i0 = 0; i0 < Cfg::ACC; i0 += Cfg::SUM_V)
+      for (int i = 0; i < Cfg::SUM_V; ++i) sum[i] = 0.f;
       for (u32 c = 0; c < n_ctas; c += Cfg::SUM_U) {
         float p[Cfg::SUM_U][Cfg::SUM_V];
 #pragma unroll
         for (int q = 0; q < Cfg::SUM_U; ++q)
 #pragma unroll
           for (int i = 0; i < Cfg::SUM_V; ++i)
-            p[q][i] = c + q < n_ctas ? __ldcg(slot0 + (u64)(c + q) * Cfg::SLOT + (i0 + i) * Cfg::CONSUMERS) : 0.f;
+            p[q][i] = c + q < n_ctas && (!Cfg::OWN_IN_REGS || c + q != own)
+                          ? __ldcg(slot0 + (u64)(c + q) * Cfg::SLOT + (i0 + i) * Cfg::CONSUMERS)
+                          : acc[i0 + i];
 #pragma unroll
         for (int q = 0; q < Cfg::SUM_U; ++q)
 #pragma unroll
           for (int i = 0; i < Cfg::SUM_V; ++i)
-            if (c + q < n_ctas) acc[i0 + i] += p[q][i];
+            if (c + q < n_ctas) sum[i] += p[q][i];
       }
+#pragma unroll
+      for (int i = 0; i < Cfg::SUM_V; ++i) acc[i0 + i] = sum[i];
+    }
 #pragma unroll
     for (int j = 0; j < Cfg::BLOCKS; ++j) {
       const float v[4] = {acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]};
