@@ -63,7 +63,7 @@ SMOKE_SHAPES = [(128, 256, 64), (256, 512, 256), (129, 264, 72), (1, 8, 8), (300
 
 def smoke_cases():
     """dtype:B layout:out:data:M,N,K:kernel, every case with the clustered kernel ('cl', which at
-    one M-tile computes an all-padding second tile) and without ('one')."""
+    one M-tile computes an all-padding second tile), without ('one') and in narrow tiles ('narrow')."""
     cases = []
     for dt in ("bf16", "fp16"):
         for lay in ("nk", "kn", "wT"):
@@ -73,7 +73,7 @@ def smoke_cases():
             cases.append(f"{dt}:{lay}:f32:int:300,776,1032")
             cases.append(f"{dt}:{lay}:f32:rand:129,264,72")
     cases += ["bf16:kn:same:rand:2048,2048,2048", "bf16:nk:same:rand:2048,2048,2048"]
-    return [f"{c}:{k}" for c in cases for k in ("cl", "one")]
+    return [f"{c}:{k}" for c in cases for k in ("cl", "one", "narrow")]
 
 
 def run_case(case):
@@ -95,7 +95,10 @@ def run_case(case):
         db, kw = _dev(np.ascontiguousarray(b.T)).T, {}
     kind = dtn if outk == "same" else "f32"
     out = _poisoned((M, N), kind)
-    mg.gemm(da, db, out=out, cluster=kernel == "cl", **kw)
+    from mkernel import config
+
+    with config.override(gemm_tile_n=192 if kernel == "narrow" else 256):  # the default picks by shape
+        mg.gemm(da, db, out=out, cluster=kernel == "cl", **kw)
     _sync(case)
     c = _host(out)
     rel, mx, nonfinite = _errors(c, ref)
@@ -240,7 +243,7 @@ def feature_split_k():
              (256, 2048, 2056, "kn", np.float32), (130, 520, 8200, "nk", np.float32),
              (256, 4096, 14336, "nk", None),  # 2 M-tiles, long K: split pairs by default
              (64, 4096, 8192, "nk", None)]  # 64 tokens: one warpgroup's rows move no partial
-    with config.override(gemm_split_k=True, gemm_decode_max_m=0):  # the engine at decode sizes too
+    with config.override(gemm_split_k=True, gemm_decode_max_m=0, gemm_tile_n=256):  # narrow: feature_narrow_tiles
         for M, N, K, lay, out_dt in cases:
             assert plan.split_k(M, N, K) > 1 and plan.split_k(M, N, K, cluster=True) > 1, (M, N, K)
             for integer in (True, False):
