@@ -79,7 +79,7 @@ for s in $steps; do
       if [ $s = suitets ]; then step suitets 300 env MKERNEL_SUITE_PASSES=" " MKERNEL_SUITE_TIMESLICED=1 bash tests/run_gpu.sh
       else step maints 120 mpirun -n 2 --oversubscribe --bind-to none -x MKERNEL_CACHE_DIR python3 -m mkernel; fi
       [ "${MKERNEL_MPS_STARTED:-0}" = 1 ] && mps_start ;;
-    sanitizer) step sanitizer 180 bash tools/sanitize.sh ;;
+    sanitizer) step sanitizer 480 bash tools/sanitize.sh ;;  # target_moe_gemm last, 2 x 90 s at most
     faultsd)  # scenario d time-sliced (under MPS a client that dies with a kernel in flight faults every client)
       [ "${MKERNEL_MPS_STARTED:-0}" = 1 ] && mps_quit
       step faultsd 300 env MKERNEL_TIMEOUT_S=5 python3 tools/faults.py --scenarios d --logs "$LOGS/faults" \

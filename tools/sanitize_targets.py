@@ -23,8 +23,15 @@ def protocol():
 
 
 TARGETS = [protocol, *sanitize.WORLD1]
-
+names = sys.argv[1:]  # target names to run (default: all); "-name" leaves one out
+skip = {n[1:] for n in names if n.startswith("-")}
+only = {n for n in names if not n.startswith("-")}
+unknown = (skip | only) - {t.__name__ for t in TARGETS}
+if unknown:
+    sys.exit(f"unknown targets {sorted(unknown)}; known: {[t.__name__ for t in TARGETS]}")
 for target in TARGETS:
+    if target.__name__ in skip or (only and target.__name__ not in only):
+        continue
     target()
     print(f"{target.__module__}.{target.__name__}: ok", flush=True)
 sys.exit(0)
