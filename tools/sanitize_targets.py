@@ -1,6 +1,8 @@
 """Every kernel once at a small shape, for compute-sanitizer (tools/sanitize.sh). Exits non-zero on a
 wrong result, so the sanitizer run also checks the answer."""
 
+import faulthandler
+import os
 import sys
 
 import cupy
@@ -29,6 +31,8 @@ only = {n for n in names if not n.startswith("-")}
 unknown = (skip | only) - {t.__name__ for t in TARGETS}
 if unknown:
     sys.exit(f"unknown targets {sorted(unknown)}; known: {[t.__name__ for t in TARGETS]}")
+if os.environ.get("MKERNEL_SANITIZE_STACKS_S"):  # where the host waits if a target outlasts its limit
+    faulthandler.dump_traceback_later(float(os.environ["MKERNEL_SANITIZE_STACKS_S"]), exit=False)
 for target in TARGETS:
     if target.__name__ in skip or (only and target.__name__ not in only):
         continue
