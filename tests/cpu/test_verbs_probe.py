@@ -75,7 +75,6 @@ def test_an_active_port_is_reported_and_auto_picks_verbs():
     assert select_transport("auto", MPI.COMM_SELF, [0]) == "verbs"
 
 
-@NEEDS_RDMA
 def _has_v2_ipv4_gid(device, port):
     """Whether sysfs lists an IPv4-mapped GID of type RoCE v2 on the port (an IPv6-only port has none)."""
     ports = Path("/sys/class/infiniband") / device / "ports" / str(port)
@@ -89,6 +88,7 @@ def _has_v2_ipv4_gid(device, port):
     return False
 
 
+@NEEDS_RDMA
 def test_roce_picks_a_v2_ipv4_gid_unless_told(monkeypatch):
     """A routed RoCE network carries RoCE v2 over IPv4 (tools/verbs_vm.sh's rxe device has fe80:: at
     index 0, ::ffff:10.77.0.1 at 1, both v2); MKERNEL_VERBS_GID_INDEX overrides."""
