@@ -7,11 +7,14 @@ import contextlib
 import mkernel
 from mkernel.comm.communicator import init
 from mkernel.core import config
+from mkernel.core.log import get_logger
 from mkernel.engines import attention as _attn
 from mkernel.engines.attention import HEAD_DIMS, reference
 from mkernel.ops import tp
 from mkernel.ops.sequence import shard_sequence
 from mkernel.runtime.arrays import cupy_mod
+
+log = get_logger("sanitize")
 
 
 def target_gemm():
@@ -230,14 +233,34 @@ def target_moe():
         comm.close()
 
 
-def target_moe_gemm():
-    """The fused dispatch + GEMM once at world 1 with integer inputs (exact in fp32); raises on a wrong
-    result. tools/sanitize.sh runs it under compute-sanitizer."""
+def _watch_status(comm, every_s: float):
+    """Logs the communicator's error word every ``every_s`` seconds from a daemon thread (mapped host
+    memory: no CUDA call), so a run stalled inside a kernel shows whether a timed wait has fired.
+    Returns the function that stops it (before the communicator frees that memory)."""
+    import threading
+
+    stop = threading.Event()
+
+    def watch():
+        while not stop.wait(every_s):
+            st = comm.sync.host_status
+            log.info("error word: code %d, where 0x%x, expected %d, seen %d", st.code, st.where, st.expected, st.seen)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return lambda: (stop.set(), thread.join())
+
+
+def target_moe_gemm(watch_s: float = 0):
+    """The fused dispatch + GEMM once at world 1 with integer inputs (exact in fp32), then the fused
+    GEMM + combine against the unfused one; raises on a wrong result. tools/sanitize.sh runs it under
+    compute-sanitizer; watch_s > 0 logs each stage and the error word every watch_s seconds."""
     import cupy
     import numpy as np
     from mpi4py import MPI
 
     comm = init(MPI.COMM_SELF, workspace_bytes=32 << 20)
+    stop_watch = _watch_status(comm, watch_s) if watch_s > 0 else lambda: None
     try:
         # Rows of 8320 bytes: two copier pieces each; 600 pairs over 3 dispatch CTAs (their barriers):
         # 2-3 runs per warp; 3 returning CTAs.
@@ -254,13 +277,19 @@ def target_moe_gemm():
         assert np.abs(want).max() <= 2048  # integers fp16 holds exactly
         if not np.array_equal(y.get()[:len(rows)].astype(np.float64), want):
             raise AssertionError("moe_dispatch_gemm: wrong result")
+        if watch_s > 0:
+            log.info("target_moe_gemm: moe_dispatch_gemm done")
         w2 = (rng.integers(-1, 2, size=(E, F, H)) * (rng.random((E, F, H)) < 0.1)).astype(np.float16)
         fused = mkernel.moe_gemm_combine(y, cupy.asarray(w2), h, comm=comm, comm_sms=3, path="fused")
+        if watch_s > 0:
+            cupy.cuda.get_current_stream().synchronize()
+            log.info("target_moe_gemm: fused moe_gemm_combine done")
         unfused = mkernel.moe_gemm_combine(y, cupy.asarray(w2), h, comm=comm, path="unfused")
         comm.check()
         if not np.array_equal(fused.get().view(np.uint16), unfused.get().view(np.uint16)):
             raise AssertionError("moe_gemm_combine: the fused kernel differs from grouped_gemm + moe_combine")
     finally:
+        stop_watch()
         comm.close()
 
 
