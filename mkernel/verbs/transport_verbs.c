@@ -846,14 +846,13 @@ static int verbs_poll(mk_proxy* p, int timeout_us) {
     int peer = (int)(wc[i].wr_id >> 32);
     const int send = (wc[i].wr_id & MK_WR_SEND) != 0, kind = (int)(wc[i].wr_id & 3);
     if (wc[i].status != IBV_WC_SUCCESS) { /* opcode is undefined here; wr_id still names the peer (SRD receives: 0) */
-      if (v->peers[peer].said_bye && (!send || kind != WR_DATA)) { /* its queue pair is gone: nothing lost */
-        if (send) v->peers[peer].in_flight--, v->srd_in_flight--;
-        continue;
+      if (!v->peers[peer].said_bye || (send && kind == WR_DATA)) {
+        const char* what = !send ? "a receive from" : kind == WR_BEAT ? "the liveness probe of" : "a send to";
+        mk_fail(p, MKP_ERR_PEER, peer, 0, "verbs: %s rank %d failed: %s (rank %d unreachable or gone?)", what, peer,
+                V.wc_status_str(wc[i].status), peer);
+        return -1;
       }
-      const char* what = !send ? "a receive from" : kind == WR_BEAT ? "the liveness probe of" : "a send to";
-      mk_fail(p, MKP_ERR_PEER, peer, 0, "verbs: %s rank %d failed: %s (rank %d unreachable or gone?)", what, peer,
-              V.wc_status_str(wc[i].status), peer);
-      return -1;
+      if (!send) continue; /* its queue pair is gone: nothing lost; a send of ours is counted done below */
     }
     if (send) { /* one of ours completed */
       v->peers[peer].in_flight--;
