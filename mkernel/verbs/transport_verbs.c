@@ -229,7 +229,7 @@ int mk_verbs_probe(char* report, int cap) {
 
 /* ---- state ---- */
 
-enum { REC_FLAG = 1, REC_FLUSH = 2, REC_FLUSH_ACK = 3, REC_BYE = 4 };
+enum { REC_FLAG = 1, REC_FLUSH = 2, REC_FLUSH_ACK = 3, REC_BYE = 4, REC_BEAT = 5 }; /* BEAT: liveness, ignored */
 
 typedef struct {
   uint8_t kind, flag_op;
@@ -668,15 +668,15 @@ static int post(mk_proxy* p, vstate* v, int peer, int kind, int opcode, const vo
 
 static int send_record(mk_proxy* p, vstate* v, int peer, vrec rec) {
   rec.rank = (uint16_t)p->rank;
-  const int kind = rec.kind == REC_FLUSH_ACK || rec.kind == REC_BYE ? WR_CONTROL : WR_DATA;
+  const int kind = rec.kind == REC_BEAT                               ? WR_BEAT
+                   : rec.kind == REC_FLUSH_ACK || rec.kind == REC_BYE ? WR_CONTROL
+                                                                      : WR_DATA;
   return post(p, v, peer, kind, IBV_WR_SEND, &rec, 0, sizeof rec, 0, 0, 0);
 }
 
-/* An idle RC peer's liveness: a zero-byte RDMA write, which its NIC acknowledges while its queue pair
- * exists (no address or key is checked at zero bytes); once its process is gone, the write fails. */
-static int beat(mk_proxy* p, vstate* v, int peer) {
-  return post(p, v, peer, WR_BEAT, IBV_WR_RDMA_WRITE, NULL, 0, 0, 0, 0, 0);
-}
+/* An idle peer's liveness: a BEAT record, which its NIC acknowledges while its queue pair exists (RC)
+ * or its SRD QP does; once its process is gone the send fails (RC: retries; EFA: BAD_DEST_QPN). */
+static int beat(mk_proxy* p, vstate* v, int peer) { return send_record(p, v, peer, (vrec){.kind = REC_BEAT}); }
 
 /* A command for a rank this proxy has no queue pair to (one of its own node's), or whose proxy said
  * goodbye: an error, not a post. */
@@ -817,6 +817,8 @@ static int on_record(mk_proxy* p, vstate* v, const vrec* r) {
       vp->acks_owed[vp->owed_head % 256].id = r->id;
       vp->acks_owed[vp->owed_head++ % 256].needed = r->value;
       return answer_flushes(p, v, peer);
+    case REC_BEAT:
+      return 0;
     case REC_BYE: /* the last record on its queue pair; flushes of ours it never answered are lost */
       if (vp->flush_tail != vp->flush_head) {
         mk_fail(p, MKP_ERR_PEER, peer, MK_CMD_FLUSH,
@@ -890,7 +892,7 @@ static int verbs_poll(mk_proxy* p, int timeout_us) {
       return -1;
     }
     if (answer_flushes(p, v, r)) return -1;
-    if (beat_now && !v->efa && vp->connected && !vp->said_bye && !vp->in_flight && beat(p, v, r)) return -1;
+    if (beat_now && vp->connected && !vp->said_bye && !vp->in_flight && sq_room(v, r) && beat(p, v, r)) return -1;
   }
   if (!n && timeout_us > 0) usleep((useconds_t)timeout_us);
   return n;
