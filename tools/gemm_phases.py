@@ -7,6 +7,10 @@ the earliest stamp (t0), min / median / max over the CTAs where three figures ar
 
   event      the traced call's CUDA-event time (untraced: `plain`; cuBLAS: `cublas`)
   outside    event - the last CTA's last stamp: the launch's latency and the kernel's exit
+  floor      the same launch (grid, block, dynamic shared memory) of an empty kernel whose CTAs
+             stamp their entry and exit: its event - (last exit - first entry), the part of
+             'outside' no kernel of that shape avoids; `floor0` with no shared memory (a
+             difference is the SMs' shared-memory reconfiguration after the flush's kernel)
 The decode kernel (stamps of warp 0's lane 0, gemm_decode_args.cuh MK_DECODE_TRACE):
   entry      CTAs' entries (a late CTA waited for an SM)
   landed     each CTA's first stage landed: the descriptor fetch and the first TMA round trip
@@ -39,6 +43,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 TRACE, PH_FILL, PH_MMA, PH_PARTIAL, PH_OUT = 0x20000000, 0, 1, 2, 3  # gemm_decode_args.cuh
 FLUSH_BYTES = 256 << 20
+EMPTY_SRC = r"""
+extern "C" __global__ void empty_stamps(unsigned long long* t) {
+  unsigned long long x;
+  if (threadIdx.x == 0) { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(x)); t[2 * blockIdx.x] = x; }
+  __syncthreads();
+  if (threadIdx.x == 0) { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(x)); t[2 * blockIdx.x + 1] = x; }
+}
+"""
 SHAPES = ("1x8192x8192,16x8192x8192,64x8192x8192,128x8192x8192,1x14336x4096,256x8192x8192,256x10240x8192,"
           "3000x1000x520,1000x3000x2000")
 
@@ -88,6 +100,27 @@ def pooled(figs, key):
     """The median of every CTA's value over every call, in us ('-' where there is none)."""
     xs = [v for x in figs for v in x[key]]
     return f"{statistics.median(xs) / 1e3:.2f}" if xs else "-"
+
+
+def launch_floor(grid, block, smem, calls, flush):
+    """The median over `calls` (each after a flush) of an empty kernel's event time less its CTAs'
+    span (last exit - first entry), in ns: launch latency and exit at this grid, block and shared memory."""
+    import cupy
+
+    fn = cupy.RawKernel(EMPTY_SRC, "empty_stamps")
+    fn.max_dynamic_shared_size_bytes = smem
+    t = cupy.zeros(2 * grid[0], cupy.uint64)
+    outs = []
+    for _ in range(calls):
+        flush()
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn(grid, block, (t,), shared_mem=smem)
+        stop.record()
+        stop.synchronize()
+        stamps = t.get()
+        outs.append(cupy.cuda.get_elapsed_time(start, stop) * 1e6 - float(stamps[1::2].max() - stamps[0::2].min()))
+    return statistics.median(outs[3:])
 
 
 def main():
@@ -146,7 +179,9 @@ def main():
         event = statistics.median(x["event"] for x in figs)
         last = statistics.median(max(x["end"]) for x in figs)
         head = (f"{M:5d}x{N}x{K} {'decode' if decode else 'engine'} ctas {grid[0]:3d}: event {event / 1e3:.2f} "
-                f"(plain {plain * 1e3:.2f}, cublas {cublas * 1e3:.2f})  outside {(event - last) / 1e3:.2f}")
+                f"(plain {plain * 1e3:.2f}, cublas {cublas * 1e3:.2f})  outside {(event - last) / 1e3:.2f}  floor "
+                f"{launch_floor(grid, block, smem, args.calls, flush) / 1e3:.2f}  floor0 "
+                f"{launch_floor(grid, block, 0, args.calls, flush) / 1e3:.2f}")
         if decode:
             landed = statistics.median(statistics.median(x["landed"]) for x in figs)
             mma = statistics.median(statistics.median(x["mma_end"]) for x in figs)
