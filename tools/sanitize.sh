@@ -38,7 +38,9 @@ done
 for tool in memcheck racecheck; do
   limit=${MKERNEL_SANITIZE_MOE_GEMM_S:-90}
   echo "== $tool: target_moe_gemm (cut at ${limit} s) =="
-  MKERNEL_SANITIZE_STACKS_S=$((limit - 10)) timeout -k 5 "$limit" compute-sanitizer --tool "$tool" \
+  # its device timeout a third of the cut (not the 120 s above): a stuck wait then shows in the logged error word
+  MKERNEL_TIMEOUT_S=$((limit / 3)) MKERNEL_SANITIZE_STACKS_S=$((limit - 10)) timeout -k 5 "$limit" \
+    compute-sanitizer --tool "$tool" \
     --error-exitcode 3 --print-limit 20 python3 tools/sanitize_targets.py target_moe_gemm
   r=$?
   [ $r = 124 ] || [ $r = 137 ] && echo "target_moe_gemm under $tool: did not finish in ${limit} s"

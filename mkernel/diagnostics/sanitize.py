@@ -244,7 +244,8 @@ def _watch_status(comm, every_s: float):
     def watch():
         while not stop.wait(every_s):
             st = comm.sync.host_status
-            log.info("error word: code %d, where 0x%x, expected %d, seen %d", st.code, st.where, st.expected, st.seen)
+            log.info("error word: code %d, where 0x%x, peer %d, expected %d, seen %d, waited %.1f s", st.code, st.where,
+                     st.peer, st.expected, st.seen, st.waited_ns / 1e9)
 
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
