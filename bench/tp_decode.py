@@ -173,7 +173,7 @@ def main():
     gpus = len(set(comm.mpi.allgather(comm.device_id)))  # every rank: a collective
     if comm.rank == 0:
         path = harness.write("gemm_allreduce_decode", rows, gpus=gpus, out_dir=args.out, ranks_per_gpu=W // gpus,
-                             copy_rate_TBps=rate / 1e12)
+                             transport="nvlink", copy_rate_TBps=rate / 1e12)  # one node: peers' GPU memory
         sp = [r["speedup"] for r in rows]
         met = all(r["over_gemm_us"] <= 8 and r["allreduce_hidden"] >= 0.5 for r in rows)
         print(f"SUMMARY tp_decode: {len(rows)} rows, geomean speedup {float(np.exp(np.mean(np.log(sp)))):.3f}, "
