@@ -63,6 +63,9 @@ class Config:
     ring_comm_sms: int = 2        # ring attention's forwarding CTAs (a step's block is little next to its compute)
     # The split search's prior (mkernel/split/search.py): rates of its cost model.
     cta_gbps: float = 20.0        # bytes loaded + stored per second by one communication CTA
+    # ... between nodes, where its copies also wait on the proxy's flags and stages (fitted on the 4
+    # between-node rows of bench/results/controller-2rank-mps-2node.json: bench/NOTES.md session 39)
+    cta_gbps_nodes: float = 10.0
     nvlink_gbps: float = 365.0    # one direction, inside a node
     transport_gbps: types.MappingProxyType = dataclasses.field(default_factory=lambda: types.MappingProxyType(
         {"host": 20.0, "tcp": 1.5, "verbs": 25.0}))

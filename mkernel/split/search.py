@@ -34,8 +34,9 @@ log = get_logger("autosplit")
 HOLD_SAMPLE = 16  # once a key holds, every this-many-th call is timed (drift re-opens the search)
 MAX_COMM_CTAS = 64  # the search's upper bound, and at most half the SMs: the GEMM keeps the rest
 # The prior's model (docs/CONTROLLER.md): the comm CTAs load and store cta_bytes() (their copies and
-# reductions, local traffic included) at config.cta_gbps each, and the link carries comm_bytes() at
-# its rate (config.nvlink_gbps, or between nodes config.transport_gbps[transport]).
+# reductions, local traffic included) at config.cta_gbps each (between nodes config.cta_gbps_nodes),
+# and the link carries comm_bytes() at its rate (config.nvlink_gbps, or between nodes
+# config.transport_gbps[transport]).
 
 
 def comm_bytes(op: str, M: int, N: int, K: int, world: int, esize: int, nodes: int = 1) -> int:
@@ -56,11 +57,13 @@ def cta_bytes(op: str, M: int, N: int, K: int, world: int, esize: int, nodes: in
     stage of a node partial to send), the own block also loads the other nodes' partials; AR also
     stores its reduced block into its local peers' gather buffers, forwards the other nodes'
     reduced blocks into its node and copies the other local ranks' blocks into out; AG copies its
-    shard into every local rank's buffer and forwards the other nodes' shards to its local peers."""
+    shard into every local rank's buffer (its own too, unless config.tp_ag_copy_first copied it
+    before the kernel) and forwards the other nodes' shards to its local peers."""
     L = world // nodes
     if op == "allgather_gemm":
         shard = (M // world) * K * esize
-        return 2 * shard * (L + (nodes - 1) * (L - 1))
+        own = 0 if config.get().tp_ag_copy_first else 1
+        return 2 * shard * (L - 1 + own + (nodes - 1) * (L - 1))
     blk = (M // world) * N * esize
     rs = blk * (nodes * (L + 1) + nodes - 1)
     if op != "gemm_allreduce":
@@ -80,8 +83,9 @@ def prior_for(op: str, M: int, N: int, K: int, world: int, esize: int, nodes: in
     # split.prior's comm time is bytes / min(n * cta_rate, link_rate): with bytes = cta_bytes and the
     # link rate scaled to CTA bytes it is max(cta_bytes / (n * cta_rate), comm_bytes / link_rate).
     link_scaled = link_gbps * cb / lb if lb else 1e9
-    return split.prior(comm_bytes=cb, cta_gbps=config.get().cta_gbps, link_gbps=link_scaled,
-                       gemm_ms=gemm_s(M, N, K) * 1e3, total=sms, lo=1, hi=hi)
+    cta_gbps = config.get().cta_gbps_nodes if nodes > 1 else config.get().cta_gbps
+    return split.prior(comm_bytes=cb, cta_gbps=cta_gbps, link_gbps=link_scaled, gemm_ms=gemm_s(M, N, K) * 1e3,
+                       total=sms, lo=1, hi=hi)
 
 
 def gemm_s(M: int, N: int, K: int) -> float:
