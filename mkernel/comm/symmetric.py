@@ -1,5 +1,5 @@
 """Symmetric GPU memory: one pool per process, the same size on every rank, mapped into every peer
-of the node (cuMem allocations shared as file descriptors, :mod:`mkernel.vmm`, which outlive a
+of the node (cuMem allocations shared as file descriptors, :mod:`mkernel.comm.vmm`, which outlive a
 rank that dies; legacy CUDA IPC where the driver cannot), with a device-side table of the peers'
 base pointers.
 

@@ -24,7 +24,7 @@ def allgather_gemm(a, b, *, comm, out=None, stream=None, return_gathered=False, 
     raise ArgumentError); b: ``[K, N_r]`` or ``[N_r, K]`` (``b_layout='nk'`` or a ``w.T`` view);
     bfloat16 or float16, K and N_r multiples of 8. ``return_gathered=True`` also returns the
     gathered A ``[M, K]`` (a fresh array). ``comm_sms``: CTAs that push A, ``"auto"`` by default, or an integer
-    (:mod:`mkernel.autosplit`). ``path``:
+    (:mod:`mkernel.split.search`). ``path``:
     as :func:`mkernel.gemm_reduce_scatter`.
 
     Between nodes, hierarchically: each shard crosses the network once per other node (to the rank

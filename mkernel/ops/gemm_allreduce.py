@@ -22,7 +22,7 @@ def gemm_allreduce(a, b, *, comm, out=None, stream=None, b_layout=None, comm_sms
     scratch, then :func:`mkernel.allreduce` (any M; the same sum and bits rule).
     Each row block is reduced once, by its owner (fp32 sum in rank order, rounded once), and copied
     to every rank, so all ranks hold identical bits. ``comm_sms``: CTAs that reduce and gather,
-    ``"auto"`` by default (:mod:`mkernel.autosplit`), or an integer; ``join``: the GEMM CTAs also
+    ``"auto"`` by default (:mod:`mkernel.split.search`), or an integer; ``join``: the GEMM CTAs also
     reduce and gather once their tiles are done (default: ``mkernel.config.get().tp_join_reduce``,
     "auto": inside one node).
 

@@ -28,7 +28,7 @@ def gemm_reduce_scatter(a, b, *, comm, out=None, stream=None, b_layout=None, com
     Partials travel in the input dtype; each output element is the fp32 sum of the W partials in
     rank order, rounded once: bitwise reproducible run to run. ``deterministic=False`` is accepted
     and currently takes the same (deterministic) path. ``comm_sms``: ``"auto"`` (default): the split search of
-    :mod:`mkernel.autosplit` picks the CTAs that reduce per shape from the calls' times, and inside each
+    :mod:`mkernel.split.search` picks the CTAs that reduce per shape from the calls' times, and inside each
     call the controller lends GEMM CTAs to the reduction when it falls behind; an integer pins them.
     ``path``: None (automatic: fused, or the GEMM engine + NCCL for small shapes on distinct GPUs,
     or a plain GEMM at world 1), 'fused', 'fallback', 'gemm' (world 1) or 'unfused' (the GEMM engine,

@@ -12,9 +12,9 @@ rank of the owner's node, then pair order of its virtual tokens, and combine add
 sums in node order: a fixed order too, not the one-node bits (docs/MOE.md "Between nodes").
 
 Status (docs/MOE.md): dispatch and combine are one persistent kernel each (``mkernel/cuda/ops/moe.cu``);
-the GEMM-carrying ops and their fused kernels are in :mod:`mkernel.moe_gemm`. Between nodes
+the GEMM-carrying ops and their fused kernels are in :mod:`mkernel.ops.moe_gemm`. Between nodes
 (node-major ranks) an exchange kernel before the dispatch and a partial-sum kernel after the combine
-(:mod:`mkernel.moe_nodes`) send each token once per destination node; inside a node the kernels
+(:mod:`mkernel.ops.moe_nodes`) send each token once per destination node; inside a node the kernels
 above run over the tokens a rank owns and forwards.
 """
 

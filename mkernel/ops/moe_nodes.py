@@ -9,7 +9,7 @@ unchanged but for that list. Combine runs inside each node the same way, leaving
 the fp32 sum of its node's pairs; those sums go back to the tokens' ranks, which add the nodes'
 sums in node order and round once.
 
-Not a public module: :mod:`mkernel.moe` and :mod:`mkernel.moe_gemm` call it when the communicator
+Not a public module: :mod:`mkernel.ops.moe` and :mod:`mkernel.ops.moe_gemm` call it when the communicator
 spans nodes.
 """
 

@@ -81,7 +81,8 @@ def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, return_ls
     (``mkernel.shard_sequence(x, rank, world, causal=True)``; S_local even) and masks by global
     position; causal=False takes any split. Returns out ``[S_local, H_q, D]`` (q's shape and
     dtype), or ``(out, lse)`` with lse float32 ``[B, H_q, S_local]`` (``[H_q, S_local]`` for 3-D).
-    comm_sms: forwarding CTAs (default 8). Collective: every rank calls it with the same shapes.
+    comm_sms: forwarding CTAs (default: config.ring_comm_sms, 2). Collective: every rank calls it with
+    the same shapes.
     """
     c = _check(comm, q, k, v, out, stream, causal, softmax_scale, comm_sms)
     if comm.size == 1:  # the same checks at every world size, then the engine on the one block

@@ -46,3 +46,18 @@ def test_module_attributes_resolve(path):
             if not hasattr(mod, node.attr) and isinstance(node.ctx, ast.Load):
                 missing.append(f"line {node.lineno}: {node.value.id}.{node.attr} ({aliases[node.value.id]})")
     assert not missing, "dangling references:\n" + "\n".join(missing)
+
+
+def test_docstrings_name_modules_that_exist():
+    """Every :mod:`mkernel...` a docstring names imports (when the package moved into its layers,
+    public docstrings kept pointing at the old flat modules)."""
+    import re
+
+    missing = []
+    for path in (p for p in FILES if p.parts[len(ROOT.parts)] == "mkernel"):
+        for m in re.finditer(r":mod:`(mkernel[\w.]*)`", path.read_text()):
+            try:
+                importlib.import_module(m.group(1))
+            except ModuleNotFoundError:
+                missing.append(f"{path.relative_to(ROOT)}: {m.group(1)}")
+    assert not missing, "docstrings name modules that do not exist:\n" + "\n".join(missing)
