@@ -308,6 +308,22 @@ MK_SPLIT_FN void mk_split_search_hold(MkSplitSearch& s) {
   s.phase = MK_SS_HOLD;
 }
 
+// A measured point x narrows the bracket [a, b]: better than the incumbent, it becomes the incumbent
+// (the old one bounds its side); worse, it bounds its own side.
+MK_SPLIT_FN void mk_split_search_take(MkSplitSearch& s, i32 x, bool better) {
+  if (better) {
+    if (x > s.best)
+      s.a = s.best;
+    else
+      s.b = s.best;
+    s.best = x;
+  } else if (x > s.best) {
+    s.b = x;
+  } else {
+    s.a = x;
+  }
+}
+
 // REFINE: bisect the larger side of the bracket around the incumbent; points already measured
 // decide without a call. Ends in CONFIRM when both sides are down to one step.
 MK_SPLIT_FN void mk_split_search_refine(MkSplitSearch& s) {
@@ -321,18 +337,7 @@ MK_SPLIT_FN void mk_split_search_refine(MkSplitSearch& s) {
       s.pending = x;
       return;
     }
-    if (fx < mk_split_search_mean(s, s.best)) {
-      if (x > s.best)
-        s.a = s.best;
-      else
-        s.b = s.best;
-      s.best = x;
-    } else {
-      if (x > s.best)
-        s.b = x;
-      else
-        s.a = x;
-    }
+    mk_split_search_take(s, x, fx < mk_split_search_mean(s, s.best));
   }
   s.phase = MK_SS_CONFIRM;
   s.confirms = 0;
@@ -418,18 +423,7 @@ MK_SPLIT_FN i32 mk_split_search_observe(MkSplitSearch& s, i32 n, u64 ns) {
       }
       break;
     case MK_SS_REFINE:
-      if (fn < fb) {
-        if (n > s.best)
-          s.a = s.best;
-        else
-          s.b = s.best;
-        s.best = n;
-      } else {
-        if (n > s.best)
-          s.b = n;
-        else
-          s.a = n;
-      }
+      mk_split_search_take(s, n, fn < fb);
       mk_split_search_refine(s);
       break;
     case MK_SS_CONFIRM: {
