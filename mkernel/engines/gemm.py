@@ -341,10 +341,10 @@ def _launch(cupy, *, a, b_arr, layout, N, K, M, G, out, out_code, group_rows, ep
 def _launch_decode(a, b_arr, out, out_code, *, M, N, K, accumulate, stream):
     """The decode path's launch; returns its plan (the buffer it uses rides along, kept alive) and Launch."""
     ws = workspace(stream)
-    fn, grid, block, args, buffer, smem = _decode.build(a, b_arr, out, out_code, M=M, N=N, K=K,
-                                                        accumulate=accumulate, sync=ws.sync(),
-                                                        partial=ws.decode_partials)
-    return (fn, grid, block, args, smem, buffer), launch(fn, grid, block, args, smem=smem, stream=stream)
+    d = _decode.build(a, b_arr, out, out_code, M=M, N=N, K=K, accumulate=accumulate, sync=ws.sync(),
+                      partial=ws.decode_partials, clusters=True)
+    return (d.fn, d.grid, d.block, d.args, d.smem, d.buffer), launch(d.fn, d.grid, d.block, d.args, smem=d.smem,
+                                                                     cluster=d.cluster, stream=stream)
 
 
 # Launch plans of gemm() calls that passed `out` (launch.PlanCache).

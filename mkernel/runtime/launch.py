@@ -26,13 +26,14 @@ def _allow_smem(fn, smem: int) -> None:
 
 
 class Launch:
-    """One kernel launch ``(fn, grid, block, args, smem[, overlapped])`` with its parameter block
-    packed once: ``go(stream_ptr)`` only calls the driver (a recorded call's repeat)."""
+    """One kernel launch ``(fn, grid, block, args, smem[, overlapped, cluster])`` with its parameter
+    block packed once: ``go(stream_ptr)`` only calls the driver (a recorded call's repeat)."""
 
-    __slots__ = ("fn", "grid", "block", "args", "smem", "overlapped", "_params", "_addr")
+    __slots__ = ("fn", "grid", "block", "args", "smem", "overlapped", "cluster", "_params", "_addr")
 
-    def __init__(self, fn, grid, block, args: ctypes.Structure, smem: int = 0, overlapped: bool = False):
-        self.fn, self.args, self.smem, self.overlapped = fn, args, smem, bool(overlapped)
+    def __init__(self, fn, grid, block, args: ctypes.Structure, smem: int = 0, overlapped: bool = False,
+                 cluster: int = 1):
+        self.fn, self.args, self.smem, self.overlapped, self.cluster = fn, args, smem, bool(overlapped), int(cluster)
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.block = tuple(block) + (1,) * (3 - len(block))
         _allow_smem(fn, smem)
@@ -40,8 +41,8 @@ class Launch:
         self._addr = ctypes.addressof(self._params)
 
     def go(self, stream_ptr: int) -> None:
-        if self.overlapped:
-            _launch_overlapped(self.fn, self.grid, self.block, self.smem, stream_ptr, self._params)
+        if self.overlapped or self.cluster > 1:
+            _launch_ex(self, stream_ptr)
         else:
             g, b = self.grid, self.block
             _driver().launchKernel(self.fn.ptr, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, stream_ptr, self._addr,
@@ -64,12 +65,13 @@ def stream_ptr(stream=None) -> int:
 
 
 def launch(fn, grid, block, args: ctypes.Structure, *, smem: int = 0, stream=None, cooperative: bool = False,
-           overlapped: bool = False) -> Launch:
+           overlapped: bool = False, cluster: int = 1) -> Launch:
     """Launches ``fn`` with ``args``; returns the Launch (to record). ``overlapped``: the kernel may
     begin before the stream's previous kernel ends, once that kernel's CTAs have all started or run
     ``griddepcontrol.launch_dependents``; it must wait for that kernel's results itself (and run
-    ``griddepcontrol.wait`` before it ends)."""
-    one = Launch(fn, grid, block, args, smem, overlapped)
+    ``griddepcontrol.wait`` before it ends). ``cluster``: CTAs per thread block cluster along x (a
+    divisor of the grid's x; for a kernel without ``__cluster_dims__``)."""
+    one = Launch(fn, grid, block, args, smem, overlapped, cluster)
     if cooperative:
         g, b = one.grid, one.block
         _driver().launchCooperativeKernel(fn.ptr, *g, *b, smem, stream_ptr(stream), one._addr)
@@ -78,13 +80,16 @@ def launch(fn, grid, block, args: ctypes.Structure, *, smem: int = 0, stream=Non
     return one
 
 
-def _launch_overlapped(fn, grid, block, smem, stream_ptr, params):
+def _launch_ex(one: Launch, stream_ptr: int) -> None:
+    """A launch with attributes (overlapped, clusters): cuLaunchKernelEx, which CuPy does not bind."""
     ffi, lib, _ = proxy_ext()
     why = ffi.new("char[]", 256)
-    rc = lib.mk_cuda_launch_overlapped(ffi.cast("void *", fn.ptr), grid, block, smem, ffi.cast("void *", stream_ptr),
-                                       ffi.cast("void **", ctypes.addressof(params)), why, 256)
+    rc = lib.mk_cuda_launch_ex(ffi.cast("void *", one.fn.ptr), one.grid, one.block, one.smem,
+                               ffi.cast("void *", stream_ptr), ffi.cast("void **", one._addr), int(one.overlapped),
+                               one.cluster, why, 256)
     if rc:
-        raise MKernelError(f"overlapped launch failed: {ffi.string(why).decode(errors='replace')}")
+        raise MKernelError(f"launch (overlapped {one.overlapped}, cluster {one.cluster}) failed: "
+                           f"{ffi.string(why).decode(errors='replace')}")
 
 
 def launch_all(launches, stream=None, stream_handle: int = None):

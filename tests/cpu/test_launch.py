@@ -1,6 +1,8 @@
 """launch.PlanCache (CPU): a hit launches the stored plan on the given stream, a miss launches
 nothing, the least recently used plan goes first, and clear() drops them all."""
 
+import pytest
+
 from mkernel.runtime import launch as ml
 
 
@@ -116,18 +118,36 @@ def test_the_overlap_knob_is_a_bool():
             pass
 
 
-def test_an_overlapped_launch_without_a_driver_says_why():
+def test_launches_with_attributes_go_through_launch_ex(monkeypatch):
+    """Overlapped or clustered launches (kept in recorded plans) take cuLaunchKernelEx; plain ones
+    cuLaunchKernel."""
+    import ctypes
+
+    from mkernel.runtime import launch as _launch
+
+    ex, plain = [], []
+    monkeypatch.setattr(_launch, "_launch_ex", lambda one, ptr: ex.append((one.fn, one.overlapped, one.cluster, ptr)))
+    monkeypatch.setattr(_launch, "_driver", lambda: type("D", (), {"launchKernel": staticmethod(
+        lambda *a: plain.append(a[0]))}))
+    arg = ctypes.c_int(0)
+    f = [type("F", (), {"ptr": i})() for i in range(4)]
+    _launch.launch_all((_launch.Launch(f[0], (1,), (32,), arg), _launch.Launch(f[1], (2,), (64,), arg, 0, True),
+                        _launch.Launch(f[2], (4,), (64,), arg, 0, False, 2),
+                        _launch.Launch(f[3], (4,), (64,), arg, 0, True, 4)), stream_handle=7)
+    assert plain == [0] and ex == [(f[1], True, 1, 7), (f[2], False, 2, 7), (f[3], True, 4, 7)]
+
+
+@pytest.mark.parametrize("overlapped,cluster", [(True, 1), (False, 2)])
+def test_a_launch_with_attributes_without_a_driver_says_why(overlapped, cluster):
     import ctypes
     import ctypes.util
     import types
-
-    import pytest
 
     from mkernel.core.errors import MKernelError
     from mkernel.runtime import launch as _launch
 
     if ctypes.util.find_library("cuda"):
-        pytest.skip("a CUDA driver is present: the GPU tests launch overlapped kernels for real")
-    params = (ctypes.c_void_p * 1)(0)
+        pytest.skip("a CUDA driver is present: the GPU tests launch overlapped and clustered kernels for real")
+    one = _launch.Launch(types.SimpleNamespace(ptr=0), (2,), (32,), ctypes.c_int(0), 0, overlapped, cluster)
     with pytest.raises(MKernelError, match="libcuda"):
-        _launch._launch_overlapped(types.SimpleNamespace(ptr=0), (1, 1, 1), (32, 1, 1), 0, 0, params)
+        one.go(0)

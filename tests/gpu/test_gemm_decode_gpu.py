@@ -138,6 +138,82 @@ def test_row_block_and_split_variants_exact(M, N, K, knobs, decode_calls):
     assert decode_calls == [M]
 
 
+# (M, N, K, rows): row blocks of 2 CTAs (one with a partial last block), of 4, and 256 tokens (the
+# last CTA reads its own slot back: OWN_IN_REGS false) in clusters of 2
+CLUSTER_SHAPES = [(5, 4096, 2048, 64), (64, 8200, 1032, 128), (100, 4096, 4096, 128), (200, 8192, 2048, 128)]
+
+
+@pytest.fixture
+def decode_clusters(monkeypatch):
+    """The cluster size of every decode launch of gemm()."""
+    sizes = []
+    real = engine.launch
+
+    def spy(*args, **kwargs):
+        sizes.append(kwargs.get("cluster", 1))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(engine, "launch", spy)
+    monkeypatch.setattr(engine, "_plans", engine.PlanCache())
+    return sizes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K,rows", CLUSTER_SHAPES)
+@pytest.mark.parametrize("kind", ["bf16", "fp16"])
+def test_cluster_sum_gives_the_global_sums_bits(M, N, K, rows, kind, decode_clusters):
+    """config.gemm_decode_sum "cluster" (a row block's CTAs in one cluster, rank 0 adding the slots
+    from their shared memory): the bits of the global sum (the same order) on fresh random inputs,
+    launch after launch, within 1e-2 of float64, and the clusters really launched."""
+    dt = DTYPES[kind]
+    a, w = _inputs(3 * M + N, M, N, K, dt, integer=False)
+    with config.override(gemm_decode_max_m=256, gemm_decode_rows=rows):
+        want = bits(_run(a, w, dt))
+        with config.override(gemm_decode_sum="cluster"):
+            per = dec.sum_cluster(N, K, rows)
+            got = [_run(a, w, dt) for _ in range(3)]
+    assert per in (2, 4) and decode_clusters == [1, per, per, per], (per, decode_clusters)
+    for g in got:
+        assert np.array_equal(bits(g), want), (M, N, K, rows, kind)
+    assert _rel(host(got[0]).astype(np.float64), a @ w.T) < REL_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", [(7, 4096, 256), (16, 8200, 256), (256, 4096, 256)])
+def test_cluster_sum_integer_inputs_exact(M, N, K, decode_clusters):
+    a, w = _inputs(13 + M, M, N, K, BF16, integer=True)
+    with config.override(gemm_decode_max_m=256, gemm_decode_rows=128, gemm_decode_sum="cluster"):
+        got = bits(_run(a, w, BF16))
+    assert decode_clusters[0] > 1, decode_clusters
+    assert np.array_equal(got, (a @ w.T).astype(BF16).view(np.uint16)), (M, N, K)
+
+
+@pytest.mark.gpu
+def test_clusters_that_are_not_row_blocks_are_an_error_not_a_sum():
+    """A launch whose clusters are not one row block's CTAs each (a host bug) records an input error
+    and computes nothing."""
+    import cupy
+
+    from mkernel.runtime.launch import launch
+    from mkernel.runtime.sync import SyncState
+
+    M, N, K = 8, 4096, 4096
+    a, w = _inputs(17, M, N, K, BF16, integer=False)
+    out = poisoned((M, N), "bf16")
+    state = SyncState(0)
+    try:
+        with config.override(gemm_decode_rows=128, gemm_decode_sum="cluster"):
+            d = dec.build(dev(a.astype(BF16)), dev(w.astype(BF16)), out, 0, M=M, N=N, K=K, accumulate=False,
+                          sync=state.args("gemm"), partial=dec.Partials, clusters=True)
+        assert d.cluster == 4 and d.buffer is None
+        launch(d.fn, d.grid, d.block, d.args, smem=d.smem, cluster=2)
+        cupy.cuda.get_current_stream().synchronize()
+        with pytest.raises(mkernel.MKernelError, match="clusters of 2 CTAs"):
+            state.check()
+        assert np.isnan(host(out).astype(np.float64)).all()
+    finally:
+        state.close()
+
+
 @pytest.mark.gpu
 def test_several_k_ranges_are_taken_and_reduced_in_order():
     M, N, K = 5, 256, 16384  # 2 row blocks: many CTAs share each
@@ -256,9 +332,9 @@ def test_a_launch_short_of_shared_memory_records_an_error_and_writes_nothing():
     out = poisoned((M, N), "bf16")
     state = SyncState(0)
     try:
-        fn, grid, block, args, _, smem = dec.build(a_d, w_d, out, 0, M=M, N=N, K=K, accumulate=False,
-                                                   sync=state.args("gemm"), partial=dec.Partials)
-        launch(fn, grid, block, args, smem=smem - 1024)
+        d = dec.build(a_d, w_d, out, 0, M=M, N=N, K=K, accumulate=False, sync=state.args("gemm"),
+                      partial=dec.Partials)
+        launch(d.fn, d.grid, d.block, d.args, smem=d.smem - 1024)
         cupy.cuda.get_current_stream().synchronize()
         with pytest.raises(mkernel.MKernelError, match="shared memory"):
             state.check()
@@ -270,7 +346,8 @@ def test_a_launch_short_of_shared_memory_records_an_error_and_writes_nothing():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("knobs", [{"gemm_decode_rows": 64}, {"gemm_decode_rows": 128},
-                                   {"gemm_decode_rows": 128, "gemm_decode_split": "stream"}])
+                                   {"gemm_decode_rows": 128, "gemm_decode_split": "stream"},
+                                   {"gemm_decode_rows": 128, "gemm_decode_sum": "cluster"}])
 @pytest.mark.parametrize("M,N,K", [(16, 1032, 4104), (8, 8192, 512)])
 def test_trace_mode_stamps_every_cta_in_order_and_keeps_the_bits(M, N, K, knobs, monkeypatch, tmp_path):
     """Trace mode (tools/gemm_phases.py): every CTA writes its row blocks' phases in order without a
@@ -291,12 +368,13 @@ def test_trace_mode_stamps_every_cta_in_order_and_keeps_the_bits(M, N, K, knobs,
     try:
         with config.override(**knobs):
             for out, traced in zip(outs, (False, True)):
-                fn, grid, block, args, buffer, smem = dec.build(a_d, w_d, out, 0, M=M, N=N, K=K, accumulate=False,
-                                                                sync=state.args("gemm"), partial=dec.Partials)
-                kept.append(buffer)
+                d = dec.build(a_d, w_d, out, 0, M=M, N=N, K=K, accumulate=False, sync=state.args("gemm"),
+                              partial=dec.Partials, clusters=True)
+                kept.append(d.buffer)
                 if traced:
-                    args.sync.trace_events, args.sync.trace_count, args.sync.trace_capacity = trace.pointers()
-                launch(fn, grid, block, args, smem=smem)
+                    d.args.sync.trace_events, d.args.sync.trace_count, d.args.sync.trace_capacity = trace.pointers()
+                launch(d.fn, d.grid, d.block, d.args, smem=d.smem, cluster=d.cluster)
+                grid = d.grid
         cupy.cuda.get_current_stream().synchronize()
         state.check()
     finally:

@@ -27,7 +27,7 @@ template <int DT, int OUT, int MT, int ROWS>
 __global__ void __launch_bounds__(DecodeCfg<MT, ROWS>::THREADS, 1)
     mk_gemm_decode_kernel(const __grid_constant__ MkDecodeArgs args) {
   DecodeStore<OUT> epi{args};
-  decode_gemm<DT, MT, ROWS>(args, epi);
+  decode_gemm<DT, MT, ROWS, true>(args, epi);
 }
 
 static_assert(sizeof(MkDecodeArgs) == 448, "MkDecodeArgs layout changed: update mkernel/engines/gemm_decode.py");
