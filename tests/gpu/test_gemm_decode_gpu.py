@@ -188,33 +188,6 @@ def test_cluster_sum_integer_inputs_exact(M, N, K, decode_clusters):
 
 
 @pytest.mark.gpu
-def test_clusters_that_are_not_row_blocks_are_an_error_not_a_sum():
-    """A launch whose clusters are not one row block's CTAs each (a host bug) records an input error
-    and computes nothing."""
-    import cupy
-
-    from mkernel.runtime.launch import launch
-    from mkernel.runtime.sync import SyncState
-
-    M, N, K = 8, 4096, 4096
-    a, w = _inputs(17, M, N, K, BF16, integer=False)
-    out = poisoned((M, N), "bf16")
-    state = SyncState(0)
-    try:
-        with config.override(gemm_decode_rows=128, gemm_decode_sum="cluster"):
-            d = dec.build(dev(a.astype(BF16)), dev(w.astype(BF16)), out, 0, M=M, N=N, K=K, accumulate=False,
-                          sync=state.args("gemm"), partial=dec.Partials, clusters=True)
-        assert d.cluster == 4 and d.buffer is None
-        launch(d.fn, d.grid, d.block, d.args, smem=d.smem, cluster=2)
-        cupy.cuda.get_current_stream().synchronize()
-        with pytest.raises(mkernel.MKernelError, match="clusters of 2 CTAs"):
-            state.check()
-        assert np.isnan(host(out).astype(np.float64)).all()
-    finally:
-        state.close()
-
-
-@pytest.mark.gpu
 def test_several_k_ranges_are_taken_and_reduced_in_order():
     M, N, K = 5, 256, 16384  # 2 row blocks: many CTAs share each
     assert dec.runs(N, K, dec.row_block(N, K))[1] > 1
@@ -316,32 +289,38 @@ def test_captured_in_a_cuda_graph_and_replayed_a_thousand_times():
 
 
 @pytest.mark.gpu
-def test_a_launch_short_of_shared_memory_records_an_error_and_writes_nothing():
-    """The kernel checks the dynamic shared memory it was given against DecodeCfg::SMEM (which
-    gemm_decode.smem_bytes mirrors): a launch with less records MK_ERR_INPUT instead of writing
-    past it, and the host raises it."""
+@pytest.mark.parametrize("case", ["short of shared memory", "clusters not row blocks"])
+def test_a_launch_the_kernel_refuses_records_an_error_and_writes_nothing(case):
+    """The kernel checks its launch: the dynamic shared memory against DecodeCfg::SMEM (which
+    gemm_decode.smem_bytes mirrors), and clusters against the row blocks' CTAs (sum_cluster's
+    choice). A launch with less memory, or in clusters of 2 where a block has 4 CTAs, records
+    MK_ERR_INPUT instead of writing past the ring or adding the wrong slots, and the host raises it."""
     import cupy
 
     import mkernel
     from mkernel.runtime.launch import launch
     from mkernel.runtime.sync import SyncState
 
-    M, N, K = 4, 256, 8192  # 2 row blocks shared by many CTAs: the partials' path too
+    short = case == "short of shared memory"
+    # 2 row blocks shared by many CTAs (the partials' path), or 32 blocks of 4 CTAs summed in clusters
+    M, N, K = (4, 256, 8192) if short else (8, 4096, 4096)
+    knobs = {} if short else {"gemm_decode_rows": 128, "gemm_decode_sum": "cluster"}
     a, w = _inputs(5, M, N, K, BF16, integer=False)
-    a_d, w_d = dev(a.astype(BF16)), dev(w.astype(BF16))
     out = poisoned((M, N), "bf16")
     state = SyncState(0)
     try:
-        d = dec.build(a_d, w_d, out, 0, M=M, N=N, K=K, accumulate=False, sync=state.args("gemm"),
-                      partial=dec.Partials)
-        launch(d.fn, d.grid, d.block, d.args, smem=d.smem - 1024)
+        with config.override(**knobs):
+            d = dec.build(dev(a.astype(BF16)), dev(w.astype(BF16)), out, 0, M=M, N=N, K=K, accumulate=False,
+                          sync=state.args("gemm"), partial=dec.Partials, clusters=True)
+        assert (d.cluster, d.buffer is None) == ((1, False) if short else (4, True))  # partials, or clusters
+        smem, cluster = (d.smem - 1024, 1) if short else (d.smem, 2)
+        launch(d.fn, d.grid, d.block, d.args, smem=smem, cluster=cluster)
         cupy.cuda.get_current_stream().synchronize()
-        with pytest.raises(mkernel.MKernelError, match="shared memory"):
+        with pytest.raises(mkernel.MKernelError, match="shared memory" if short else "clusters of 2 CTAs"):
             state.check()
         assert np.isnan(host(out).astype(np.float64)).all()
     finally:
         state.close()
-
 
 
 @pytest.mark.gpu
