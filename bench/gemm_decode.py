@@ -83,12 +83,61 @@ def rel_err(x, ref):
     return float(cupy.linalg.norm(x32 - r32) / (cupy.linalg.norm(r32) + 1e-30))
 
 
+def plot(result, path):
+    """Speed against cuBLAS and fraction of the bound against tokens (M) per (N, K) of the decode
+    rows, with the goals; the odd and MoE rows' speed beside them, from a results dict (the JSON
+    this script writes)."""
+    plt = harness.pyplot()
+    if plt is None:
+        return None
+    rows = [r for r in result["rows"] if r.get("speedup")]
+    fig, (ax, bx, cx) = plt.subplots(1, 3, figsize=(16, 4.5), gridspec_kw={"width_ratios": [1.3, 1.3, 1],
+                                                                            "wspace": 0.55})
+    for N, K in DECODE_NK:
+        fam = sorted((r["shape"][0], r) for r in rows if r["kind"] == "decode" and r["shape"][1:] == [N, K])
+        if fam:
+            ms = [m for m, _ in fam]
+            ax.plot(ms, [r["speedup"] for _, r in fam], "-o", ms=3, label=f"N {N}, K {K}")
+            bx.plot(ms, [r["fraction_of_bound"] for _, r in fam], "-o", ms=3, label=f"N {N}, K {K}")
+    ax.axhline(GOAL_SPEEDUP, color="r", lw=0.8, ls="--", label=f"goal {GOAL_SPEEDUP}")
+    ax.axhline(1.0, color="k", lw=0.6)
+    ax.set_ylabel("cuBLAS time / mkernel time")
+    bx.hlines(GOAL_FRACTION, 1, GOAL_FRACTION_MAX_M, color="r", lw=0.8, ls="--",
+              label=f"goal {GOAL_FRACTION} (M <= {GOAL_FRACTION_MAX_M})")
+    bx.set_ylabel("bound / mkernel time")
+    for x, title in ((ax, "speed against cuBLAS"), (bx, "fraction of the bound")):
+        x.set_xscale("log", base=2)
+        x.set_xlabel("M (tokens)")
+        x.set_title(title, fontsize=9)
+        x.grid(alpha=0.3)
+        x.legend(fontsize=6.5)
+    other = [r for r in rows if r["kind"] != "decode"]
+    cx.barh(range(len(other)), [r["speedup"] for r in other])
+    cx.set_yticks(range(len(other)), [("x".join(map(str, r["shape"])) + (f" moe {r['name']}" if r["kind"] == "moe"
+                                                                           else "")) for r in other], fontsize=6.5)
+    for i, r in enumerate(other):
+        cx.text(r["speedup"], i, f" {r['speedup']:.2f}", va="center", fontsize=6.5)
+    cx.axvline(GOAL_SPEEDUP, color="r", lw=0.8, ls="--")
+    cx.set_xlabel("cuBLAS time / mkernel time")
+    cx.set_title("odd shapes and MoE decode (grouped)", fontsize=9)
+    fig.suptitle(f"decode-size GEMM (bf16, w.T, L2 flushed), {result.get('device')}, commit {result.get('commit')}",
+                 fontsize=10)
+    return harness.save_plot(fig, path)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a few shapes, fewer reps (smoke run)")
     ap.add_argument("--reps", type=int, default=harness.REPS)
     ap.add_argument("--decode", action="store_true", help=argparse.SUPPRESS)  # as passed on by bench/gemm.py
+    ap.add_argument("--plot", metavar="JSON", help="only draw the PNG of an earlier results file, next to it")
     opts = ap.parse_args()
+    if opts.plot:
+        import json
+
+        src = Path(opts.plot)
+        print(plot(json.loads(src.read_text()), src.with_suffix(".png")))
+        return
 
     import cupy
 
@@ -210,6 +259,9 @@ def main():
                          reps=reps, goals=goals, errors=errors, seconds=time.time() - t0)
     print(f"geomean speedup {geomean}, slowest {goals['speedup_min']}, least fraction of bound at M <= 64 "
           f"{goals['fraction_min_small_m']}; goals met: {goals['meets']}; wrote {path}", flush=True)
+    import json
+
+    print(f"plot: {plot(json.loads(path.read_text()), path.with_suffix('.png'))}", flush=True)
     sys.exit(1 if errors else 0)
 
 

@@ -1,7 +1,7 @@
 """bench/results: every results file has the layout the developers' guide fixes (bench/harness.py
 writes it) and figures that agree with each other: an op's row has its baseline, the speedup is
-baseline / mkernel, the fraction of the bound is bound / mkernel, the file's name matches its GPU,
-rank and node counts, and the commit names one."""
+baseline / mkernel, the fraction of the bound is bound / mkernel and at most 1, the file's name
+matches its GPU, rank and node counts, and the commit names one."""
 
 import json
 import math
@@ -59,5 +59,8 @@ def test_rows_time_mkernel_against_a_baseline(path):
         assert math.isclose(r["speedup"], base / mk, rel_tol=1e-3), f"{what}: speedup {r['speedup']} != {base / mk}"
         if r.get("fraction_of_bound") is not None:
             assert math.isclose(r["fraction_of_bound"], bound / mk, rel_tol=2e-3), f"{what}: fraction_of_bound"
+        # a physical bound is never beaten (2%: the rate and the op measured apart); a row that beats
+        # it has a wrong bound (session 40: tp_decode's took reads at half the copy rate)
+        assert bound <= 1.02 * mk, f"{what}: mkernel {mk} ms beats its bound {bound} ms: the bound is wrong"
         if mps:
             assert r.get("mps") is True, f"{what}: a row of ranks under MPS says mps: {r.get('mps')!r}"
