@@ -232,6 +232,35 @@ def save_plot(fig, path):
     return path
 
 
+def plot_rows(doc, path, label=None):
+    """An op's results file (dict) as a PNG at path: per row (``label(row)``, default its name or
+    shape) the speed over its baseline and the fraction of its bound, with 1.0 marked; for the
+    benchmarks whose rows are not a curve (bench/ring_attention.py, bench/moe.py). None without
+    matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    rows = [r for r in doc["rows"] if r.get("speedup")]
+    label = label or (lambda r: r.get("name") or "x".join(map(str, r["shape"])))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(rows) + 2), 4))
+    xs = list(range(len(rows)))
+    for off, key, name in ((-0.2, "speedup", "speed over the baseline"),
+                           (0.2, "fraction_of_bound", "fraction of the bound")):
+        vals = [r.get(key) or 0 for r in rows]
+        ax.bar([x + off for x in xs], vals, width=0.4, label=name)
+        for x, v in zip(xs, vals):
+            ax.text(x + off, v, f"{v:.2f}", ha="center", va="bottom", fontsize=6.5)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(xs, [label(r) for r in rows], fontsize=7, rotation=30, ha="right")
+    first = doc["rows"][0]
+    ax.set_title(f"{doc['op']}: {doc.get('gpus')} GPU(s), {first.get('world', '')} ranks, {doc.get('nodes', 1)} "
+                 f"node(s), {doc.get('transport')}{' under MPS' if first.get('mps') else ''}; "
+                 f"{doc.get('device')}, commit {doc.get('commit')}", fontsize=8)
+    ax.legend(fontsize=7)
+    ax.grid(axis="y", alpha=0.3)
+    return save_plot(fig, path)
+
+
 def result_name(op, gpus, nodes=1, ranks_per_gpu=1):
     """bench/results/ file name: <op>-<N>gpu, or <op>-<N>rank-mps for ranks sharing GPUs under MPS
     (-timesliced without it: lockstep figures, kept apart), then -<nodes>node between nodes."""

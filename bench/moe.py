@@ -64,6 +64,7 @@ nodes moe_gemm_combine is its unfused blocks). Results: ``...-<W>gpu-<N>node.jso
 """
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -819,6 +820,7 @@ def main():
         for op in (OPS if nodes == 1 or mps is not None else OPS[:1]):
             op_rows = [r for r in rows if r["op"] == op]
             paths.append(harness.write(op, op_rows, **common))
+            harness.plot_rows(json.loads(paths[-1].read_text()), paths[-1].with_suffix(".png"))
             print(f"\n== {op} ({W} ranks) -> {paths[-1]}")
             print(harness.table(op_rows, TABLE))
         verdicts = goal_verdicts(rows, W, shared, baseline_note, nodes)

@@ -44,6 +44,7 @@ SUMMARY line last.
 
 import argparse
 import importlib
+import json
 import math
 import sys
 import time
@@ -669,6 +670,7 @@ def main():
                                     else {"speedup": {str(s): g for s, g in GOAL_SPEEDUP.items()},
                                           "fraction_of_bound": GOAL_FRACTION}),
                              mps=bool(mode), kv_heads=args.kv_heads, comm_sms=args.comm_sms)
+        harness.plot_rows(json.loads(path.read_text()), path.with_suffix(".png"))
         rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
         print()
         print(harness.table(rows, TABLE))

@@ -30,3 +30,21 @@ def test_plot_draws_its_results_file(module, results, draw, tmp_path, monkeypatc
     draw(mod, json.loads((BENCH / "results" / results).read_text()), path)
     assert path.stat().st_size > 10_000, path
     sys.modules.pop(module, None)
+
+
+# Files drawn by a plot of their own benchmark that takes more than one file (bench/tp.py,
+# bench/controller.py: above) or that hold rates, not an op against its baseline (transport).
+NOT_BY_PLOT_PY = ("controller", "transport", "gemm_allreduce-", "gemm_reduce_scatter-", "allgather_gemm-", "attention-")
+RESULTS = sorted(p for p in (BENCH / "results").glob("*.json") if not p.name.startswith(NOT_BY_PLOT_PY))
+
+
+@pytest.mark.parametrize("path", RESULTS, ids=lambda p: p.name)
+def test_every_op_file_draws_and_its_png_is_committed(path, tmp_path, monkeypatch):
+    """bench/plot.py draws each op's file (its benchmark's own plot, or the per-row bars), and the
+    PNG beside the file is there: a results file without its picture is half a result."""
+    pytest.importorskip("matplotlib")
+    monkeypatch.syspath_prepend(str(BENCH))
+    plot = importlib.import_module("plot")
+    out = plot.draw(path, tmp_path / "plot.png")
+    assert out.stat().st_size > 10_000, out
+    assert path.with_suffix(".png").exists(), f"{path.name}: no PNG beside it (python3 bench/plot.py {path.name})"
