@@ -14,7 +14,7 @@ from mkernel import config
 from mkernel.engines import gemm as engine
 from mkernel.engines import gemm_decode as dec
 
-from tests.helpers.arrays import BF16, DTYPES, bits, dev, host, poisoned
+from tests.helpers.arrays import BF16, DTYPES, bits, dev, host, poison, poisoned
 
 REL_TOL = 1e-2
 
@@ -185,6 +185,51 @@ def test_cluster_sum_integer_inputs_exact(M, N, K, decode_clusters):
         got = bits(_run(a, w, BF16))
     assert decode_clusters[0] > 1, decode_clusters
     assert np.array_equal(got, (a @ w.T).astype(BF16).view(np.uint16)), (M, N, K)
+
+
+# Copies n 16-bit words src -> dst after spinning `ns` nanoseconds: a kernel still running (and
+# about to write the GEMM's A) when an overlapped launch's CTAs start.
+SLOW_COPY = r"""extern "C" __global__ void slow_copy(const unsigned short* src, unsigned short* dst,
+                                           unsigned long long n, unsigned long long ns) {
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+  for (unsigned long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+    dst[i] = src[i];
+}"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", [{}, {"gemm_decode_sum": "cluster", "gemm_decode_rows": 128}])
+@pytest.mark.parametrize("M,N,K", [(8, 4096, 2048), (64, 8192, 1024)])
+def test_an_overlapped_launch_reads_what_the_kernel_before_wrote(M, N, K, knobs, monkeypatch):
+    """config.gemm_decode_overlap: the decode kernel launched while the kernel before it (which
+    writes its A after 200 us) still runs reads the new A: the bits of a plain launch on it, three
+    calls in a row (a kept plan's replays too), alone and with the cluster sum."""
+    import cupy
+
+    a_old, w = _inputs(31 + M, M, N, K, BF16, integer=False)
+    a_new, _ = _inputs(32 + M, M, N, K, BF16, integer=False)
+    w_d, src = dev(w.astype(BF16)), dev(a_new.astype(BF16))
+    a_d, out = dev(a_old.astype(BF16)), poisoned((M, N), "bf16")
+    with config.override(**knobs):
+        mkernel.gemm(src, w_d.T, out=out)
+        want = bits(out)
+        assert not np.array_equal(want, bits(_run(a_old, w, BF16))), "the two inputs give the same output"
+        seen = []
+        real = engine.launch
+        monkeypatch.setattr(engine, "launch", lambda *a, **kw: seen.append(kw.get("overlapped")) or real(*a, **kw))
+        monkeypatch.setattr(engine, "_plans", engine.PlanCache())
+        slow = cupy.RawKernel(SLOW_COPY, "slow_copy")
+        with config.override(gemm_decode_overlap=True):
+            for _ in range(3):
+                a_d[...] = dev(a_old.astype(BF16))
+                poison(out)
+                slow((4,), (256,), (src, a_d, np.uint64(M * K), np.uint64(200_000)))
+                mkernel.gemm(a_d, w_d.T, out=out)
+                cupy.cuda.get_current_stream().synchronize()
+                assert np.array_equal(bits(out), want), "the overlapped GEMM read A before the kernel before wrote it"
+    assert seen == [True], seen  # built once, overlapped; then its plan replayed
 
 
 @pytest.mark.gpu

@@ -196,6 +196,9 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
     tma_prefetch_desc(&args.a_map);
     tma_prefetch_desc(&args.b_map);
   }
+  // Launched overlapped (config.gemm_decode_overlap), the kernel before may still run: no global
+  // memory is touched before it completed (a no-op otherwise).
+  griddep_wait();
   const u64 kb = (u64)args.kblocks, blocks = ((u64)args.n + Cfg::ROWS - 1) / Cfg::ROWS;
   const u64 units = blocks * kb, C = (u64)args.ctas, cta = blockIdx.x;
   // Less shared memory than the ring needs, or clusters that are not one row block's CTAs each: an

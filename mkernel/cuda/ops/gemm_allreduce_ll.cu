@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(DecodeCfg<MT, ROWS>::THREADS, 1)
     mk_gemm_allreduce_ll_push(const __grid_constant__ MkDecodePushArgs args) {
   __shared__ u32 s_epoch;
   __shared__ int s_ok;
-  asm volatile("griddepcontrol.launch_dependents;");  // the sum kernel may start (config.tp_latency_ll_overlap)
+  griddep_launch_dependents();  // the sum kernel may start (config.tp_latency_ll_overlap)
   DecodePush<DT> epi{args, &s_epoch, &s_ok};
   decode_gemm<DT, MT, ROWS, false>(args.g, epi);
 }
@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(LL_REDUCE_THREADS, 1)
   }
   if (threadIdx.x == 0) trace_span(a.sync, MK_ROLE_INTRA, blockIdx.x, t_sum);  // thread 0's words summed
   // Launched overlapped, the GEMM may still be running: it ends before the counters it uses reset.
-  asm volatile("griddepcontrol.wait;" ::: "memory");
+  griddep_wait();
   launch_exit(a.sync, E, a.counters, LL_CNT_WORDS);
 }
 

@@ -32,6 +32,12 @@ MK_DEV u32 sm_id() {
   return id;
 }
 
+// Programmatic dependent launch (a kernel launched overlapped, runtime/launch.py): wait blocks until
+// the kernels before it in the stream completed and their writes are visible (a no-op otherwise).
+MK_DEV void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+// The next kernel, if launched overlapped, may start once every CTA of this one ran this or ended.
+MK_DEV void griddep_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;"); }
+
 // Memory-model primitives. System scope reaches peer GPUs over NVLink and mapped host memory.
 MK_DEV u32 ld_acquire_sys(const u32* p) {
   u32 v;
