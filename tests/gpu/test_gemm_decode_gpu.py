@@ -282,26 +282,33 @@ def test_knob_off_and_kn_layout_take_the_engine(decode_calls):
     assert decode_calls == [] and _rel(host(out).astype(np.float64), a @ w.T) < REL_TOL
 
 
+# The decode knobs off by default (the cluster sum; the overlapped launch) run the long tests too.
+KNOBS_OFF_BY_DEFAULT = [{}, {"gemm_decode_sum": "cluster", "gemm_decode_rows": 128}, {"gemm_decode_overlap": True}]
+
+
 @pytest.mark.gpu
-def test_thousand_launches_alternating_decode_and_large_shapes_stay_exact():
+@pytest.mark.parametrize("knobs", KNOBS_OFF_BY_DEFAULT, ids=["default", "cluster_sum", "overlap"])
+def test_thousand_launches_alternating_decode_and_large_shapes_stay_exact(knobs):
     """1000 launches on one stream alternating decode shapes (split K: counters reset by the last
-    CTA) and an engine shape: every output bitwise equal to its shape's first (integer inputs),
-    counted on the device, checked once at the end."""
+    CTA; 4096 x 8192 summed in clusters of 4 with the cluster sum) and an engine shape: every output
+    bitwise equal to its shape's first (integer inputs), counted on the device, checked once at the
+    end."""
     import cupy
 
     shapes = [(1, 4096, 8192), (48, 1032, 4104), (512, 1024, 512), (7, 264, 16384)]
     ops = []
-    for M, N, K in shapes:
-        a, w = _inputs(300 + M, M, N, K, BF16, integer=True)
-        a_d, w_d = dev(a.astype(BF16)), dev(w.astype(BF16))
-        out = cupy.empty((M, N), BF16)
-        mkernel.gemm(a_d, w_d.T, out=out)
-        ops.append((a_d, w_d, out, out.copy()))
-    bad = cupy.zeros((), cupy.int64)
-    for i in range(1000):
-        a_d, w_d, out, first = ops[i % len(ops)]
-        mkernel.gemm(a_d, w_d.T, out=out)
-        bad += cupy.count_nonzero(out.view(cupy.uint16) != first.view(cupy.uint16))
+    with config.override(**knobs):
+        for M, N, K in shapes:
+            a, w = _inputs(300 + M, M, N, K, BF16, integer=True)
+            a_d, w_d = dev(a.astype(BF16)), dev(w.astype(BF16))
+            out = cupy.empty((M, N), BF16)
+            mkernel.gemm(a_d, w_d.T, out=out)
+            ops.append((a_d, w_d, out, out.copy()))
+        bad = cupy.zeros((), cupy.int64)
+        for i in range(1000):
+            a_d, w_d, out, first = ops[i % len(ops)]
+            mkernel.gemm(a_d, w_d.T, out=out)
+            bad += cupy.count_nonzero(out.view(cupy.uint16) != first.view(cupy.uint16))
     assert int(bad) == 0
     for (M, N, K), (_, _, _, first) in zip(shapes, ops):
         a, w = _inputs(300 + M, M, N, K, BF16, integer=True)
@@ -309,16 +316,18 @@ def test_thousand_launches_alternating_decode_and_large_shapes_stay_exact():
 
 
 @pytest.mark.gpu
-def test_captured_in_a_cuda_graph_and_replayed_a_thousand_times():
-    """Decode calls (several K ranges) captured once, replayed 1000 times: the same bits each time."""
+@pytest.mark.parametrize("knobs", KNOBS_OFF_BY_DEFAULT, ids=["default", "cluster_sum", "overlap"])
+def test_captured_in_a_cuda_graph_and_replayed_a_thousand_times(knobs):
+    """Decode calls (several K ranges; with the cluster sum 4096 x 8192 in clusters of 4) captured
+    once, replayed 1000 times: the same bits each time."""
     import cupy
 
-    M, N, K = 5, 2048, 16384
+    M, N, K = (5, 4096, 8192) if "gemm_decode_sum" in knobs else (5, 2048, 16384)
     a, w = _inputs(17, M, N, K, BF16, integer=False)
     a_d, w_d = dev(a.astype(BF16)), dev(w.astype(BF16))
     out = cupy.empty((M, N), BF16)
     stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
+    with stream, config.override(**knobs):
         mkernel.gemm(a_d, w_d.T, out=out)  # the first call (plan, workspace) outside the capture
         want = out.copy()
         out.fill(0)
