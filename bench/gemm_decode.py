@@ -173,7 +173,7 @@ def main():
         settings = {}
         if kind == "decode":  # the decode path's knobs (taking up to 256 rows)
             settings = {"rows64": {"gemm_decode_rows": 64}, "rows128": {"gemm_decode_rows": 128},
-                        "stream": {"gemm_decode_split": "stream"}, "overlap": {"gemm_decode_overlap": True}}
+                        "stream": {"gemm_decode_split": "stream"}, "overlap": {"gemm_overlap": True}}
             settings = {k: dict(v, gemm_decode_max_m=256) for k, v in settings.items()}
             cluster = {"gemm_decode_sum": "cluster", "gemm_decode_max_m": 256}  # row blocks summed in clusters
             with config.override(**cluster):

@@ -15,7 +15,7 @@ slowest rank's median (bench/mps_timing.py's rule). Per row count M (per-rank [M
   gemm<R>ctas(+ar)  the decode GEMM's runs planned for R = launch.sm_count() CTAs (under MPS what
                every rank can hold at once) instead of 132 (timing only: other partial sums, other bits)
   gemm overlap, gemm+gemm overlap  the decode GEMMs launched overlapped with the kernel before
-               (config.gemm_decode_overlap: each sets up while the one before ends)
+               (config.gemm_overlap: each sets up while the one before ends)
 and each "gemm" figure with the other ranks idle (solo: rank 0 alone, the others wait); then one
 GEMM's time right after a device barrier (mps_timing.synced_ms), every rank at once and rank 0 alone.
 
@@ -105,7 +105,7 @@ def main():
         t = {name: mt.graph_batch_ms(comm, barrier, fn) * 1e3 for name, fn in seqs.items()}
         for name, (seq, knob) in knobs.items():
             with _constants(comm, knob), config.override(gemm_decode_rows=knob.get("rows", 0),
-                                                         gemm_decode_overlap=knob.get("overlap", False)):
+                                                         gemm_overlap=knob.get("overlap", False)):
                 t[name] = mt.graph_batch_ms(comm, barrier, seqs[seq]) * 1e3
         solo = mt.graph_batch_ms(comm, barrier, gemm if comm.rank == 0 else lambda: empty((1,), (32,), (zero,))) * 1e3
         lines.append(f"rank {comm.rank} M {M}: us/iteration (graph) " + "  ".join(f"{k} {v:6.2f}" for k, v in t.items())

@@ -83,9 +83,10 @@ class Config:
     # CTA to arrive adds them) or "cluster" (the block's CTAs launched as one cluster, rank 0 adds
     # the slots from their shared memory; where a block has 2 .. 4 CTAs). The same bits either way.
     gemm_decode_sum: str = "global"
-    # The decode kernel launched overlapped with the kernel before it (programmatic dependent launch:
-    # its CTAs start and set up while that kernel ends, and wait for it before touching memory)
-    gemm_decode_overlap: bool = False
+    # mkernel.gemm's plain calls (the decode kernel, the engine's) launched overlapped with the kernel
+    # before (programmatic dependent launch: their CTAs start while it ends and wait for it before
+    # touching memory)
+    gemm_overlap: bool = False
     # mkernel.gemm splits K when the output has too few 128 x 256 tiles to fill the SMs and K is
     # long (engines/gemm_plan.py split_k); False: one CTA per tile
     gemm_split_k: bool = True
@@ -116,7 +117,7 @@ class Config:
             raise ArgumentError(f"gemm_decode_rows must be 0, 64 or 128; got {self.gemm_decode_rows!r}")
         if not (isinstance(self.tp_join_reduce, bool) or self.tp_join_reduce == "auto"):
             raise ArgumentError(f"tp_join_reduce must be True, False or \"auto\"; got {self.tp_join_reduce!r}")
-        for name in ("moe_join_gemm", "tp_latency_ll_overlap", "gemm_split_k", "gemm_decode_overlap",
+        for name in ("moe_join_gemm", "tp_latency_ll_overlap", "gemm_split_k", "gemm_overlap",
                      "tp_ag_copy_first", "tp_ag_join_gemm", "tp_mps_full_share", "comm_staged", "tp_join_staged"):
             if not isinstance(getattr(self, name), bool):
                 raise ArgumentError(f"{name} must be True or False; got {getattr(self, name)!r}")

@@ -300,7 +300,7 @@ def check_grouped_b(b_arr, what="b"):
 # ------------------------------------------------------------------------------------ launch
 def _launch(cupy, *, a, b_arr, layout, N, K, M, G, out, out_code, group_rows, epi_op, stream, sms,
             tile_order, roles, tile_flags, tile_counts, group_m, num_tiles_host, max_tiles, order="m",
-            cluster=False, splits=1, bn=BN):
+            cluster=False, splits=1, bn=BN, overlapped=False):
     step = CLUSTER if cluster else 1  # CTAs per claim
     if sms is None:
         sms = step * default_ctas(num_tiles_host, _num_sms() // step) if num_tiles_host and roles is None \
@@ -335,7 +335,7 @@ def _launch(cupy, *, a, b_arr, layout, N, K, M, G, out, out_code, group_rows, ep
     spec = SPEC if bn == BN else NARROW_SPEC
     fn = _compile.module(spec).function(kernel_expr(DT[dt_name], layout, out_code, grouped, cluster, bn))
     plan = (fn, (grid,), (THREADS,), args, smem_bytes(grouped, bn), buffer)
-    return plan, launch(fn, (grid,), (THREADS,), args, smem=plan[4], stream=stream)
+    return plan, launch(fn, (grid,), (THREADS,), args, smem=plan[4], overlapped=overlapped, stream=stream)
 
 
 def _launch_decode(a, b_arr, out, out_code, *, M, N, K, accumulate, stream):
@@ -343,7 +343,7 @@ def _launch_decode(a, b_arr, out, out_code, *, M, N, K, accumulate, stream):
     ws = workspace(stream)
     d = _decode.build(a, b_arr, out, out_code, M=M, N=N, K=K, accumulate=accumulate, sync=ws.sync(),
                       partial=ws.decode_partials, clusters=True)
-    overlapped = config.get().gemm_decode_overlap  # griddep_wait in the kernel before any memory access
+    overlapped = config.get().gemm_overlap  # griddep_wait in the kernel before any memory access
     return (d.fn, d.grid, d.block, d.args, d.smem, d.buffer), launch(d.fn, d.grid, d.block, d.args, smem=d.smem,
                                                                      cluster=d.cluster, overlapped=overlapped,
                                                                      stream=stream)
@@ -359,7 +359,8 @@ def _ptr(x):
 
 def _key(cupy, stream, a, b, out, b_layout, out_dtype, accumulate, sms, tile_order, roles, tile_flags, tile_counts,
          group_m, order, cluster):
-    knobs = _decode.knobs() + (config.get().gemm_split_k, config.get().gemm_tile_n)  # they pick the kernel, grid
+    c = config.get()
+    knobs = _decode.knobs() + (c.gemm_split_k, c.gemm_tile_n, c.gemm_overlap)  # they pick the kernel, grid, launch
     return call_key(cupy, stream, (a, b, out), (b_layout, out_dtype, accumulate, sms, _ptr(tile_order), _ptr(roles),
                                                 _ptr(tile_flags), _ptr(tile_counts), group_m, order, cluster, knobs))
 
@@ -450,7 +451,8 @@ def gemm(a, b, *, out=None, stream=None, b_layout=None, out_dtype=None, accumula
                    group_rows=None, epi_op=EPI_ADD if accumulate else EPI_STORE, stream=stream, sms=sms,
                    tile_order=tile_order, roles=roles, tile_flags=tile_flags, tile_counts=tile_counts,
                    group_m=max(1, group_m // CLUSTER) if clustered and order == "m" else group_m, num_tiles_host=claims,
-                   max_tiles=nt, order=order, cluster=clustered, splits=splits, bn=bn)
+                   max_tiles=nt, order=order, cluster=clustered, splits=splits, bn=bn,
+                   overlapped=config.get().gemm_overlap and not controls)
     if key is not None:
         _plans.add(key, plan, launched)
     return out

@@ -78,7 +78,7 @@ class MkDecodeArgs(ctypes.Structure):
 def knobs() -> tuple:
     """The config knobs that pick the decode path's kernel and grid (part of a launch plan's key)."""
     c = config.get()
-    return c.gemm_decode_max_m, c.gemm_decode_rows, c.gemm_decode_split, c.gemm_decode_sum, c.gemm_decode_overlap
+    return c.gemm_decode_max_m, c.gemm_decode_rows, c.gemm_decode_split, c.gemm_decode_sum
 
 
 def eligible(M: int, N: int, K: int, layout_nk: bool, *, controls: bool) -> bool:

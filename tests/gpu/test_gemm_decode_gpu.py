@@ -200,12 +200,14 @@ SLOW_COPY = r"""extern "C" __global__ void slow_copy(const unsigned short* src, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("knobs", [{}, {"gemm_decode_sum": "cluster", "gemm_decode_rows": 128}])
-@pytest.mark.parametrize("M,N,K", [(8, 4096, 2048), (64, 8192, 1024)])
+@pytest.mark.parametrize("M,N,K,knobs", [(8, 4096, 2048, {}), (64, 8192, 1024, {}),
+                                         (64, 8192, 1024, {"gemm_decode_sum": "cluster", "gemm_decode_rows": 128}),
+                                         (256, 1024, 2048, {}), (300, 1000, 520, {})])  # the last two: the engine
 def test_an_overlapped_launch_reads_what_the_kernel_before_wrote(M, N, K, knobs, monkeypatch):
-    """config.gemm_decode_overlap: the decode kernel launched while the kernel before it (which
-    writes its A after 200 us) still runs reads the new A: the bits of a plain launch on it, three
-    calls in a row (a kept plan's replays too), alone and with the cluster sum."""
+    """config.gemm_overlap: mkernel.gemm's kernel (decode, or the engine's past the decode path's
+    rows) launched while the kernel before it (which writes its A after 200 us) still runs reads
+    the new A: the bits of a plain launch on it, three calls in a row (a kept plan's replays too),
+    also with the cluster sum."""
     import cupy
 
     a_old, w = _inputs(31 + M, M, N, K, BF16, integer=False)
@@ -221,7 +223,7 @@ def test_an_overlapped_launch_reads_what_the_kernel_before_wrote(M, N, K, knobs,
         monkeypatch.setattr(engine, "launch", lambda *a, **kw: seen.append(kw.get("overlapped")) or real(*a, **kw))
         monkeypatch.setattr(engine, "_plans", engine.PlanCache())
         slow = cupy.RawKernel(SLOW_COPY, "slow_copy")
-        with config.override(gemm_decode_overlap=True):
+        with config.override(gemm_overlap=True):
             for _ in range(3):
                 a_d[...] = dev(a_old.astype(BF16))
                 poison(out)
@@ -283,7 +285,7 @@ def test_knob_off_and_kn_layout_take_the_engine(decode_calls):
 
 
 # The decode knobs off by default (the cluster sum; the overlapped launch) run the long tests too.
-KNOBS_OFF_BY_DEFAULT = [{}, {"gemm_decode_sum": "cluster", "gemm_decode_rows": 128}, {"gemm_decode_overlap": True}]
+KNOBS_OFF_BY_DEFAULT = [{}, {"gemm_decode_sum": "cluster", "gemm_decode_rows": 128}, {"gemm_overlap": True}]
 
 
 @pytest.mark.gpu

@@ -35,6 +35,10 @@ template <int DT, int BL, int OUT, bool GROUPED, int CLUSTER, int BN>
 MK_DEV void gemm_cta(const MkGemmArgs& args) {
   using Cfg = GemmCfg<DT, BL, CLUSTER, BN>;
   extern __shared__ __align__(1024) u8 mk_smem[];
+  // Launched overlapped (config.gemm_overlap, plain calls), the kernel before may still run: no
+  // memory is touched before it completed; a next overlapped kernel may set up as these CTAs leave.
+  griddep_launch_dependents();
+  griddep_wait();
   const bool epochs = args.tile_flags != nullptr || args.sched.roles != nullptr;
   const GemmSmem<Cfg> sm = gemm_smem_carve<Cfg, GROUPED>(mk_smem);
   const MkTileSpace<Cfg::UNIT_M> space = gemm_setup<Cfg, GROUPED>(args, sm, epochs);

@@ -196,7 +196,7 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
     tma_prefetch_desc(&args.a_map);
     tma_prefetch_desc(&args.b_map);
   }
-  // Launched overlapped (config.gemm_decode_overlap), the kernel before may still run: no global
+  // Launched overlapped (config.gemm_overlap), the kernel before may still run: no global
   // memory is touched before it completed (a no-op otherwise).
   griddep_wait();
   const u64 kb = (u64)args.kblocks, blocks = ((u64)args.n + Cfg::ROWS - 1) / Cfg::ROWS;
