@@ -71,6 +71,8 @@ def launch(fn, grid, block, args: ctypes.Structure, *, smem: int = 0, stream=Non
     ``griddepcontrol.launch_dependents``; it must wait for that kernel's results itself (and run
     ``griddepcontrol.wait`` before it ends). ``cluster``: CTAs per thread block cluster along x (a
     divisor of the grid's x; for a kernel without ``__cluster_dims__``)."""
+    if cooperative and (overlapped or cluster > 1):
+        raise ArgumentError("a cooperative launch takes no other launch attribute (overlapped, cluster)")
     one = Launch(fn, grid, block, args, smem, overlapped, cluster)
     if cooperative:
         g, b = one.grid, one.block

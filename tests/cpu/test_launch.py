@@ -151,3 +151,15 @@ def test_a_launch_with_attributes_without_a_driver_says_why(overlapped, cluster)
     one = _launch.Launch(types.SimpleNamespace(ptr=0), (2,), (32,), ctypes.c_int(0), 0, overlapped, cluster)
     with pytest.raises(MKernelError, match="libcuda"):
         one.go(0)
+
+
+def test_a_cooperative_launch_takes_no_other_attribute():
+    import ctypes
+    import types
+
+    from mkernel.core.errors import ArgumentError
+    from mkernel.runtime import launch as _launch
+
+    for kw in ({"overlapped": True}, {"cluster": 2}):
+        with pytest.raises(ArgumentError, match="cooperative"):
+            _launch.launch(types.SimpleNamespace(ptr=0), (2,), (32,), ctypes.c_int(0), cooperative=True, **kw)
