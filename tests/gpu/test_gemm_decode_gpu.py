@@ -212,8 +212,9 @@ def test_an_overlapped_launch_reads_what_the_kernel_before_wrote(M, N, K, knobs,
 
     a_old, w = _inputs(31 + M, M, N, K, BF16, integer=False)
     a_new, _ = _inputs(32 + M, M, N, K, BF16, integer=False)
-    w_d, src = dev(w.astype(BF16)), dev(a_new.astype(BF16))
-    a_d, out = dev(a_old.astype(BF16)), poisoned((M, N), "bf16")
+    w_d, src, old = dev(w.astype(BF16)), dev(a_new.astype(BF16)), dev(a_old.astype(BF16))
+    a_d, out = old.copy(), poisoned((M, N), "bf16")
+    words = [x.view(cupy.uint16) for x in (src, a_d, old)]  # bf16 moved as its bits (any CuPy)
     with config.override(**knobs):
         mkernel.gemm(src, w_d.T, out=out)
         want = bits(out)
@@ -225,9 +226,9 @@ def test_an_overlapped_launch_reads_what_the_kernel_before_wrote(M, N, K, knobs,
         slow = cupy.RawKernel(SLOW_COPY, "slow_copy")
         with config.override(gemm_overlap=True):
             for _ in range(3):
-                a_d[...] = dev(a_old.astype(BF16))
+                words[1][...] = words[2]
                 poison(out)
-                slow((4,), (256,), (src, a_d, np.uint64(M * K), np.uint64(200_000)))
+                slow((4,), (256,), (words[0], words[1], np.uint64(M * K), np.uint64(200_000)))
                 mkernel.gemm(a_d, w_d.T, out=out)
                 cupy.cuda.get_current_stream().synchronize()
                 assert np.array_equal(bits(out), want), "the overlapped GEMM read A before the kernel before wrote it"
