@@ -29,7 +29,7 @@ class Launch:
     """One kernel launch ``(fn, grid, block, args, smem[, overlapped, cluster])`` with its parameter
     block packed once: ``go(stream_ptr)`` only calls the driver (a recorded call's repeat)."""
 
-    __slots__ = ("fn", "grid", "block", "args", "smem", "overlapped", "cluster", "_params", "_addr")
+    __slots__ = ("fn", "grid", "block", "args", "smem", "overlapped", "cluster", "_params", "_addr", "_ex")
 
     def __init__(self, fn, grid, block, args: ctypes.Structure, smem: int = 0, overlapped: bool = False,
                  cluster: int = 1):
@@ -39,6 +39,7 @@ class Launch:
         _allow_smem(fn, smem)
         self._params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
         self._addr = ctypes.addressof(self._params)
+        self._ex = None  # cuLaunchKernelEx's arguments but the stream, packed at the first go()
 
     def go(self, stream_ptr: int) -> None:
         if self.overlapped or self.cluster > 1:
@@ -83,12 +84,15 @@ def launch(fn, grid, block, args: ctypes.Structure, *, smem: int = 0, stream=Non
 
 
 def _launch_ex(one: Launch, stream_ptr: int) -> None:
-    """A launch with attributes (overlapped, clusters): cuLaunchKernelEx, which CuPy does not bind."""
-    ffi, lib, _ = proxy_ext()
-    why = ffi.new("char[]", 256)
-    rc = lib.mk_cuda_launch_ex(ffi.cast("void *", one.fn.ptr), one.grid, one.block, one.smem,
-                               ffi.cast("void *", stream_ptr), ffi.cast("void **", one._addr), int(one.overlapped),
-                               one.cluster, why, 256)
+    """A launch with attributes (overlapped, clusters): cuLaunchKernelEx, which CuPy does not bind;
+    its arguments packed once per Launch (a recorded call's repeat only casts the stream)."""
+    if one._ex is None:
+        ffi, lib, _ = proxy_ext()
+        one._ex = (ffi, lib.mk_cuda_launch_ex, ffi.cast("void *", one.fn.ptr), ffi.new("unsigned[3]", one.grid),
+                   ffi.new("unsigned[3]", one.block), ffi.cast("void **", one._addr), ffi.new("char[]", 256))
+    ffi, call, fn, grid, block, params, why = one._ex
+    rc = call(fn, grid, block, one.smem, ffi.cast("void *", stream_ptr), params, int(one.overlapped), one.cluster,
+              why, 256)
     if rc:
         raise MKernelError(f"launch (overlapped {one.overlapped}, cluster {one.cluster}) failed: "
                            f"{ffi.string(why).decode(errors='replace')}")
