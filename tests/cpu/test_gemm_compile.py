@@ -47,6 +47,7 @@ def test_sass_is_warp_specialized_hgmma_without_local_memory(compiled):
     for name, k in ks.items():  # the transpose bit exactly where B is [K, N]
         tnsp = re.search(r"mk_gemm_(?:cluster_)?kernelILi\dELi(\d)E", name).group(1) == "1"
         assert (".tnspB" in k) == tnsp, name
+        assert "ACQBULK" in k and "PREEXIT" in k, name  # config.gemm_overlap: griddepcontrol wait, trigger
 
 
 def test_smem_constants_fit():

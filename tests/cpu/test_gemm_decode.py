@@ -137,3 +137,7 @@ def test_sass_streams_b_with_tma_into_wgmma(compiled):
         assert "HGMMA.64x" in text, name  # both operands from the swizzled stages
         assert "UTMALDG.2D" in text, name  # B and A: TMA boxes
         assert "LDL" not in text and "STL" not in text, name
+        # the cluster sum's barriers (config.gemm_decode_sum), the overlapped launch's wait and
+        # trigger (config.gemm_overlap: griddepcontrol.wait / launch_dependents)
+        assert "UCGABAR_ARV" in text and "UCGABAR_WAIT" in text, name
+        assert "ACQBULK" in text and "PREEXIT" in text, name
