@@ -142,7 +142,6 @@ def main():
     import cupy
 
     from mkernel.engines import gemm as mg
-    from mkernel.engines import gemm_decode as dec
     from mkernel.engines import gemm_plan as plan
 
     reps = 5 if opts.quick else max(20, opts.reps)
@@ -175,11 +174,6 @@ def main():
             settings = {"rows64": {"gemm_decode_rows": 64}, "rows128": {"gemm_decode_rows": 128},
                         "stream": {"gemm_decode_split": "stream"}, "overlap": {"gemm_overlap": True}}
             settings = {k: dict(v, gemm_decode_max_m=256) for k, v in settings.items()}
-            cluster = {"gemm_decode_sum": "cluster", "gemm_decode_max_m": 256}  # row blocks summed in clusters
-            with config.override(**cluster):
-                if dec.eligible(M, N, K, True, controls=False) and \
-                        dec.sum_cluster(N, K, dec.row_block(N, K, dec.m_tile(M))) > 1:
-                    settings["sum_cluster"] = cluster
         if M > config.get().gemm_decode_max_m and plan.split_k(M, N, K) > 1:
             settings["nosplit"] = {"gemm_split_k": False}  # the engine with one CTA per tile
         elif kind == "decode":

@@ -27,7 +27,7 @@ The engine (gemm_mainloop.cuh's span per tile: its ring entry taken to its epilo
   later      a later tile's length (median)
   end        the CTA's last tile's epilogue issued
 
-    python3 tools/gemm_phases.py [--shapes 1x8192x8192,256x8192x8192] [--calls 30] [--rows 64] [--sum cluster]
+    python3 tools/gemm_phases.py [--shapes 1x8192x8192,256x8192x8192] [--calls 30] [--rows 64]
 """
 
 import argparse
@@ -128,7 +128,6 @@ def main():
     p.add_argument("--shapes", default=SHAPES)
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--rows", type=int, default=0, help="config.gemm_decode_rows (0: by shape)")
-    p.add_argument("--sum", default="global", help="config.gemm_decode_sum (global, cluster)")
     args = p.parse_args()
     os.environ.setdefault("MKERNEL_TRACE", os.path.join(tempfile.gettempdir(), "mk_gemm_trace"))
     import cupy
@@ -151,9 +150,9 @@ def main():
         M, N, K = (int(x) for x in shape.split("x"))
         a, w = rand((M, K), 10), rand((N, K), 11)
         out, ref = cupy.empty((M, N), a.dtype), cupy.empty((M, N), a.dtype)
-        with config.override(gemm_decode_rows=args.rows, gemm_decode_sum=args.sum):
+        with config.override(gemm_decode_rows=args.rows):
             mg.gemm(a, w.T, out=out)
-            (fn, grid, block, kargs, smem, *_), kept = mg.kept_plan(a, w.T, out)
+            (fn, grid, block, kargs, smem, *_), _ = mg.kept_plan(a, w.T, out)
             plain = flushed_ms(lambda: mg.gemm(a, w.T, out=out), args.calls, flush)
         cublas = flushed_ms(lambda: cupy.matmul(a, w.T, out=ref), args.calls, flush)
         decode = isinstance(kargs, MkDecodeArgs)
@@ -165,7 +164,7 @@ def main():
             trace.count.fill(0)
             start, stop = cupy.cuda.Event(), cupy.cuda.Event()
             start.record()
-            launch.launch(fn, grid, block, traced, smem=smem, cluster=kept.cluster)
+            launch.launch(fn, grid, block, traced, smem=smem)
             stop.record()
             stop.synchronize()
             ctas = per_cta(trace.spans(), decode)
@@ -186,8 +185,7 @@ def main():
         if decode:
             landed = statistics.median(statistics.median(x["landed"]) for x in figs)
             mma = statistics.median(statistics.median(x["mma_end"]) for x in figs)
-            print(f"{head}  rows {(block[0] - 32) // 2}  cluster {kept.cluster}  entry {spread(figs, 'entry')}  landed "
-                  f"{spread(figs, 'landed')}"
+            print(f"{head}  rows {(block[0] - 32) // 2}  entry {spread(figs, 'entry')}  landed {spread(figs, 'landed')}"
                   f"  mma_end {spread(figs, 'mma_end')}  partial {pooled(figs, 'partial')}  sum {pooled(figs, 'sum')}"
                   f"  store {pooled(figs, 'store')}  end {spread(figs, 'end')}  rate "
                   f"{N * K * 2 / max(mma - landed, 1) * 1e-3:.2f} TB/s", flush=True)

@@ -79,10 +79,6 @@ class Config:
     # How the decode path cuts its (row block, k-block) units: "even" (each row block in the same
     # number of runs, measured faster: bench/NOTES.md) or "stream" (equal runs over every CTA slot).
     gemm_decode_split: str = "even"
-    # How the decode path adds a row block's partial sums: "global" (slots in a workspace, the last
-    # CTA to arrive adds them) or "cluster" (the block's CTAs launched as one cluster, rank 0 adds
-    # the slots from their shared memory; where a block has 2 .. 4 CTAs). The same bits either way.
-    gemm_decode_sum: str = "global"
     # mkernel.gemm's plain calls (the decode kernel, the engine's) launched overlapped with the kernel
     # before (programmatic dependent launch: their CTAs start while it ends and wait for it before
     # touching memory)
@@ -108,8 +104,6 @@ class Config:
             raise ArgumentError(f"gemm_tile_n must be 256, 192 or \"auto\"; got {self.gemm_tile_n!r}")
         if self.gemm_decode_split not in ("stream", "even"):
             raise ArgumentError(f"gemm_decode_split must be \"stream\" or \"even\"; got {self.gemm_decode_split!r}")
-        if self.gemm_decode_sum not in ("global", "cluster"):
-            raise ArgumentError(f"gemm_decode_sum must be \"global\" or \"cluster\"; got {self.gemm_decode_sum!r}")
         if self.gemm_decode_max_m > 256:
             raise ArgumentError(f"gemm_decode_max_m must be at most 256 (the decode path's widest tile); got "
                                 f"{self.gemm_decode_max_m!r}")

@@ -342,11 +342,10 @@ def _launch_decode(a, b_arr, out, out_code, *, M, N, K, accumulate, stream):
     """The decode path's launch; returns its plan (the buffer it uses rides along, kept alive) and Launch."""
     ws = workspace(stream)
     d = _decode.build(a, b_arr, out, out_code, M=M, N=N, K=K, accumulate=accumulate, sync=ws.sync(),
-                      partial=ws.decode_partials, clusters=True)
+                      partial=ws.decode_partials)
     overlapped = config.get().gemm_overlap  # griddep_wait in the kernel before any memory access
     return (d.fn, d.grid, d.block, d.args, d.smem, d.buffer), launch(d.fn, d.grid, d.block, d.args, smem=d.smem,
-                                                                     cluster=d.cluster, overlapped=overlapped,
-                                                                     stream=stream)
+                                                                     overlapped=overlapped, stream=stream)
 
 
 # Launch plans of gemm() calls that passed `out` (launch.PlanCache).

@@ -8,9 +8,7 @@ into equal runs, one per CTA, each row block
 in the same number of runs (or stream-K: config.gemm_decode_split), a function of the shape only.
 Row blocks shared by several CTAs are added from fp32 partials in a fixed order: bitwise
 reproducible run to run and on any number of SMs. The partials live in the stream's workspace
-(grown to a call's need at its first call; launch plans keep the buffer they were built with alive),
-or, launched in clusters of a row block's CTAs (config.gemm_decode_sum "cluster"), in the CTAs'
-shared memory, added through DSMEM in the same order (the same bits).
+(grown to a call's need at its first call; launch plans keep the buffer they were built with alive).
 """
 
 import ctypes
@@ -37,9 +35,6 @@ B_L2 = _tma.L2_128B
 # 112 CTAs 39.1 us against 43.7 (14336 x 4096), on 80 CTAs 57.1 against 57.0 (10240 x 8192).
 WIDE_M = 64
 WIDE_MIN_CTAS = SPLIT_SMS * 3 // 4
-# The most CTAs a row block's cluster may have (config.gemm_decode_sum "cluster"); above, the sum
-# goes through global memory. 8 is the portable limit; whole clusters of 4 fit a GPC more often.
-MAX_CLUSTER = 4
 OUT_F32 = 2
 
 
@@ -78,7 +73,7 @@ class MkDecodeArgs(ctypes.Structure):
 def knobs() -> tuple:
     """The config knobs that pick the decode path's kernel and grid (part of a launch plan's key)."""
     c = config.get()
-    return c.gemm_decode_max_m, c.gemm_decode_rows, c.gemm_decode_split, c.gemm_decode_sum
+    return c.gemm_decode_max_m, c.gemm_decode_rows, c.gemm_decode_split
 
 
 def eligible(M: int, N: int, K: int, layout_nk: bool, *, controls: bool) -> bool:
@@ -126,38 +121,24 @@ def row_block(N: int, K: int, mt: int = 8) -> int:
     return 64 if whole == [64] else 128
 
 
-def sum_cluster(N: int, K: int, rows: int) -> int:
-    """CTAs per cluster: with config.gemm_decode_sum "cluster", a row block's CTAs where every block
-    is cut alike into 2 .. MAX_CLUSTER runs (their slots added through DSMEM); else 1 (global memory)."""
-    if config.get().gemm_decode_sum != "cluster":
-        return 1
-    ctas, blocks = runs(N, K, rows)[0], -(-N // rows)
-    per = ctas // blocks
-    return per if ctas == per * blocks and 2 <= per <= MAX_CLUSTER else 1
-
-
 class Built(typing.NamedTuple):
-    """One launch of the decode kernel (``launch(fn, grid, block, args, smem=smem, cluster=cluster)``)
-    and the partials' buffer it uses (None: no shared row block, or summed in clusters)."""
+    """One launch of the decode kernel (``launch(fn, grid, block, args, smem=smem)``) and the
+    partials' buffer it uses (None: no shared row block)."""
     fn: object
     grid: tuple
     block: tuple
     args: "MkDecodeArgs"
     buffer: object
     smem: int
-    cluster: int
 
 
-def build(a, b_arr, out, out_code, *, M, N, K, accumulate, sync, partial, rows=None, clusters=False) -> Built:
+def build(a, b_arr, out, out_code, *, M, N, K, accumulate, sync, partial, rows=None) -> Built:
     """One launch. ``partial(nbytes, blocks)`` returns the stream's (partials, counts) buffer of at
-    least that size (only called when row blocks are shared and not summed in clusters); rows: the
-    row block (None: row_block's); clusters: the kernel may be launched in clusters (sum_cluster;
-    the fused ops' kernels that embed decode_gemm are not)."""
+    least that size (only called when row blocks are shared); rows: the row block (None: row_block's)."""
     mt = m_tile(M)
     rows = rows or row_block(N, K, mt)
     ctas, slots = runs(N, K, rows)
     blocks = -(-N // rows)
-    cluster = sum_cluster(N, K, rows) if clusters else 1
     tdt = _tma.DTYPE_BFLOAT16 if a.dtype.name == "bfloat16" else _tma.DTYPE_FLOAT16
     args = MkDecodeArgs()
     args.a_map = _tma.encode_tiled(tdt, a.data.ptr, (K, M), (row_stride(a),), (BK, mt))
@@ -168,11 +149,11 @@ def build(a, b_arr, out, out_code, *, M, N, K, accumulate, sync, partial, rows=N
     args.m, args.n, args.k, args.kblocks, args.ctas, args.slots = M, N, K, -(-K // BK), ctas, slots
     args.epi_op = 1 if accumulate else 0
     buffer = None
-    if slots > 1 and cluster == 1:
+    if slots > 1:
         buffer = partial(blocks * slots * mt * rows * 4, blocks)
         args.partial, args.counts = buffer.partial_ptr, buffer.counts_ptr
     fn = _compile.module(SPEC).function(kernel_expr(DT[a.dtype.name], out_code, mt, rows))
-    return Built(fn, (ctas,), (threads(rows),), args, buffer, smem_bytes(mt, rows), cluster)
+    return Built(fn, (ctas,), (threads(rows),), args, buffer, smem_bytes(mt, rows))
 
 
 class Partials:

@@ -68,9 +68,9 @@ def run(comm, c, stream):
                            counter_words=CNT_WORDS)
     sync = comm.sync_args(OP)
     rows = config.get().gemm_decode_rows or ROWS
-    _, grid, block, g, buffer, smem, _ = _decode.build(c.a, c.b, c.out, tp.DT[dt.name], M=c.M, N=c.N, K=c.K,
-                                                        accumulate=False, sync=sync, rows=rows,
-                                                        partial=_gemm.workspace(stream).decode_partials)
+    _, grid, block, g, buffer, smem = _decode.build(c.a, c.b, c.out, tp.DT[dt.name], M=c.M, N=c.N, K=c.K,
+                                                     accumulate=False, sync=sync, rows=rows,
+                                                     partial=_gemm.workspace(stream).decode_partials)
     push = MkDecodePushArgs(g=g, peer_base=comm.peer_table.data.ptr, ll_off=comm.offset_of(plan["ll"]),
                             counters=plan["counters"].data.ptr, pairs=pairs, world=W, me=comm.local_rank)
     mt = _decode.m_tile(c.M)

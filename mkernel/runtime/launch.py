@@ -26,14 +26,13 @@ def _allow_smem(fn, smem: int) -> None:
 
 
 class Launch:
-    """One kernel launch ``(fn, grid, block, args, smem[, overlapped, cluster])`` with its parameter
-    block packed once: ``go(stream_ptr)`` only calls the driver (a recorded call's repeat)."""
+    """One kernel launch ``(fn, grid, block, args, smem[, overlapped])`` with its parameter block
+    packed once: ``go(stream_ptr)`` only calls the driver (a recorded call's repeat)."""
 
-    __slots__ = ("fn", "grid", "block", "args", "smem", "overlapped", "cluster", "_params", "_addr", "_ex")
+    __slots__ = ("fn", "grid", "block", "args", "smem", "overlapped", "_params", "_addr", "_ex")
 
-    def __init__(self, fn, grid, block, args: ctypes.Structure, smem: int = 0, overlapped: bool = False,
-                 cluster: int = 1):
-        self.fn, self.args, self.smem, self.overlapped, self.cluster = fn, args, smem, bool(overlapped), int(cluster)
+    def __init__(self, fn, grid, block, args: ctypes.Structure, smem: int = 0, overlapped: bool = False):
+        self.fn, self.args, self.smem, self.overlapped = fn, args, smem, bool(overlapped)
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.block = tuple(block) + (1,) * (3 - len(block))
         _allow_smem(fn, smem)
@@ -42,8 +41,8 @@ class Launch:
         self._ex = None  # cuLaunchKernelEx's arguments but the stream, packed at the first go()
 
     def go(self, stream_ptr: int) -> None:
-        if self.overlapped or self.cluster > 1:
-            _launch_ex(self, stream_ptr)
+        if self.overlapped:
+            _launch_overlapped(self, stream_ptr)
         else:
             g, b = self.grid, self.block
             _driver().launchKernel(self.fn.ptr, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, stream_ptr, self._addr,
@@ -66,15 +65,14 @@ def stream_ptr(stream=None) -> int:
 
 
 def launch(fn, grid, block, args: ctypes.Structure, *, smem: int = 0, stream=None, cooperative: bool = False,
-           overlapped: bool = False, cluster: int = 1) -> Launch:
+           overlapped: bool = False) -> Launch:
     """Launches ``fn`` with ``args``; returns the Launch (to record). ``overlapped``: the kernel may
     begin before the stream's previous kernel ends, once that kernel's CTAs have all started or run
     ``griddepcontrol.launch_dependents``; it must wait for that kernel's results itself (and run
-    ``griddepcontrol.wait`` before it ends). ``cluster``: CTAs per thread block cluster along x (a
-    divisor of the grid's x; for a kernel without ``__cluster_dims__``)."""
-    if cooperative and (overlapped or cluster > 1):
-        raise ArgumentError("a cooperative launch takes no other launch attribute (overlapped, cluster)")
-    one = Launch(fn, grid, block, args, smem, overlapped, cluster)
+    ``griddepcontrol.wait`` before it ends)."""
+    if cooperative and overlapped:
+        raise ArgumentError("a cooperative launch cannot also be overlapped")
+    one = Launch(fn, grid, block, args, smem, overlapped)
     if cooperative:
         g, b = one.grid, one.block
         _driver().launchCooperativeKernel(fn.ptr, *g, *b, smem, stream_ptr(stream), one._addr)
@@ -83,19 +81,17 @@ def launch(fn, grid, block, args: ctypes.Structure, *, smem: int = 0, stream=Non
     return one
 
 
-def _launch_ex(one: Launch, stream_ptr: int) -> None:
-    """A launch with attributes (overlapped, clusters): cuLaunchKernelEx, which CuPy does not bind;
-    its arguments packed once per Launch (a recorded call's repeat only casts the stream)."""
+def _launch_overlapped(one: Launch, stream_ptr: int) -> None:
+    """An overlapped launch: cuLaunchKernelEx, which CuPy does not bind; its arguments packed once
+    per Launch (a recorded call's repeat only casts the stream)."""
     if one._ex is None:
         ffi, lib, _ = proxy_ext()
-        one._ex = (ffi, lib.mk_cuda_launch_ex, ffi.cast("void *", one.fn.ptr), ffi.new("unsigned[3]", one.grid),
+        one._ex = (ffi, lib.mk_cuda_launch_overlapped, ffi.cast("void *", one.fn.ptr), ffi.new("unsigned[3]", one.grid),
                    ffi.new("unsigned[3]", one.block), ffi.cast("void **", one._addr), ffi.new("char[]", 256))
     ffi, call, fn, grid, block, params, why = one._ex
-    rc = call(fn, grid, block, one.smem, ffi.cast("void *", stream_ptr), params, int(one.overlapped), one.cluster,
-              why, 256)
+    rc = call(fn, grid, block, one.smem, ffi.cast("void *", stream_ptr), params, why, 256)
     if rc:
-        raise MKernelError(f"launch (overlapped {one.overlapped}, cluster {one.cluster}) failed: "
-                           f"{ffi.string(why).decode(errors='replace')}")
+        raise MKernelError(f"overlapped launch failed: {ffi.string(why).decode(errors='replace')}")
 
 
 def launch_all(launches, stream=None, stream_handle: int = None):

@@ -13,8 +13,8 @@ from mkernel.core.errors import ArgumentError, CapacityError, MKernelError, Peer
 # MK_ERR_* of signals.cuh
 ERR_NONE, ERR_TIMEOUT, ERR_PEER, ERR_ABORTED, ERR_INPUT = 0, 1, 2, 3, 4
 # MkStatus.where of ERR_INPUT in the MoE kernels (MOE_ERR_* of moe_args.cuh), the decode GEMM
-# (MK_DECODE_ERR_SMEM, MK_DECODE_ERR_CLUSTER of gemm_decode_args.cuh)
-MOE_ERR_CAPACITY, MOE_ERR_EXPERT_ID, DECODE_ERR_SMEM, DECODE_ERR_CLUSTER = 1, 2, 3, 4
+# (MK_DECODE_ERR_SMEM of gemm_decode_args.cuh)
+MOE_ERR_CAPACITY, MOE_ERR_EXPERT_ID, DECODE_ERR_SMEM = 1, 2, 3
 # MK_OP_* : one id per op, named in error messages.
 OPS = ["test", "gemm", "gemm_reduce_scatter", "gemm_allreduce", "allgather_gemm", "ring_attention",
        "moe_dispatch_gemm", "moe_gemm_combine", "queue", "attention", "moe_dispatch", "moe_combine", "allreduce"]
@@ -54,10 +54,6 @@ def error_from_status(st: MkStatus) -> Exception:
         return MKernelError(f"{op}: the decode GEMM was launched with {st.seen} bytes of shared memory and needs "
                             f"{st.expected}; nothing was computed (gemm_decode.smem_bytes disagrees with "
                             f"DecodeCfg::SMEM: a bug in mkernel, please report it)")
-    if st.code == ERR_INPUT and st.where == DECODE_ERR_CLUSTER:
-        return MKernelError(f"{op}: the decode GEMM was launched in clusters of {st.seen} CTAs, and its row blocks "
-                            f"have {st.expected} each; nothing was computed (gemm_decode.sum_cluster disagrees with "
-                            f"the kernel: a bug in mkernel, please report it)")
     return PeerError(f"{op} on rank {st.rank}: {peer} failed (code {st.code}) {where}")
 
 

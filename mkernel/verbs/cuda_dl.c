@@ -64,7 +64,6 @@ typedef struct {
 } mk_cu_launch_config;
 _Static_assert(sizeof(mk_cu_launch_attr) == 72, "CUlaunchAttribute is 72 bytes");
 _Static_assert(sizeof(mk_cu_launch_config) == 56, "CUlaunchConfig is 56 bytes");
-#define CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION 4
 #define CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION 6
 
 static pthread_once_t cu_once = PTHREAD_ONCE_INIT;
@@ -264,30 +263,21 @@ int mk_cuda_tensor_map_encode_tiled(void* tmap, int dtype, unsigned rank, void* 
   return r;
 }
 
-/* A launch of fn with launch attributes: overlapped, it may begin before the stream's previous kernel has
- * ended, once every CTA of that kernel has started or executed griddepcontrol.launch_dependents (programmatic
- * stream serialization: fn must reach that kernel's results through its own waits); cluster > 1, its CTAs in
- * clusters of that many along x (a divisor of grid[0]). CUresult as above. */
-int mk_cuda_launch_ex(void* fn, const unsigned* grid, const unsigned* block, unsigned smem, void* stream, void** params,
-                      int overlapped, unsigned cluster, char* why, int cap) {
+/* A launch of fn that may begin before the stream's previous kernel has ended, once every CTA of that
+ * kernel has started or executed griddepcontrol.launch_dependents (programmatic stream serialization):
+ * fn must reach that kernel's results through its own waits. CUresult as above. */
+int mk_cuda_launch_overlapped(void* fn, const unsigned* grid, const unsigned* block, unsigned smem, void* stream,
+                              void** params, char* why, int cap) {
   if (mk_cuda_load(why, cap)) return -1;
   if (!cu.launch_kernel_ex) {
-    snprintf(why, (size_t)cap, "libcuda.so.1 lacks cuLaunchKernelEx (launch attributes need a CUDA 12 driver)");
+    snprintf(why, (size_t)cap, "libcuda.so.1 lacks cuLaunchKernelEx (overlapped launches need a CUDA 12 driver)");
     return -1;
   }
-  mk_cu_launch_attr attrs[2];
-  unsigned n = 0;
-  memset(attrs, 0, sizeof attrs);
-  if (overlapped) {
-    attrs[n].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    attrs[n++].value.value = 1;
-  }
-  if (cluster > 1) {
-    const unsigned dims[3] = {cluster, 1, 1};
-    attrs[n].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-    memcpy(attrs[n++].value.bytes, dims, sizeof dims);
-  }
-  mk_cu_launch_config cfg = {{grid[0], grid[1], grid[2]}, {block[0], block[1], block[2]}, smem, stream, attrs, n};
+  mk_cu_launch_attr attr;
+  memset(&attr, 0, sizeof attr);
+  attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+  attr.value.value = 1;
+  mk_cu_launch_config cfg = {{grid[0], grid[1], grid[2]}, {block[0], block[1], block[2]}, smem, stream, &attr, 1};
   CUresult r = cu.launch_kernel_ex(&cfg, fn, params, NULL);
   if (r) describe(r, "cuLaunchKernelEx", why, cap);
   return r;

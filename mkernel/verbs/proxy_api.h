@@ -88,8 +88,7 @@ int mk_verbs_set_remote_region(mk_proxy* p, int peer, int id, unsigned long long
 int mk_cuda_tensor_map_encode_tiled(void* tmap, int dtype, unsigned rank, void* ptr, const unsigned long long* dims,
                                     const unsigned long long* strides, const unsigned* box, const unsigned* estrides,
                                     int interleave, int swizzle, int l2, int oob, char* why, int cap);
-/* A kernel launch with attributes (mkernel/runtime/launch.py): overlapped, allowed to begin before the
- * stream's previous kernel ends (programmatic stream serialization); cluster > 1, in clusters of that many
- * CTAs along x. Returns the CUresult, or -1 as above. */
-int mk_cuda_launch_ex(void* fn, const unsigned* grid, const unsigned* block, unsigned smem, void* stream, void** params,
-                      int overlapped, unsigned cluster, char* why, int cap);
+/* A kernel launch allowed to begin before the stream's previous kernel ends (programmatic stream
+ * serialization; mkernel/runtime/launch.py). Returns the CUresult, or -1 as above. */
+int mk_cuda_launch_overlapped(void* fn, const unsigned* grid, const unsigned* block, unsigned smem, void* stream,
+                              void** params, char* why, int cap);

@@ -9,7 +9,6 @@ from mkernel.ops import gemm_allreduce_ll as ll
 from mkernel.ops import tp
 from mkernel.runtime import compile as mkc
 
-from tests.helpers import sass
 from tests.helpers.c_layout import assert_same_layout
 
 
@@ -30,8 +29,6 @@ def test_kernels_compile_without_spills():
             rows = int(expr.rstrip(">").split(",")[-1])
             assert res.get("registers", 0) * dec.threads(rows) <= 65536, (name, res)
     assert not compiled.resources["warnings"], compiled.resources["warnings"]
-    for name, text in sass.kernels(compiled.cubin).items():  # the push embeds the decode GEMM unclustered
-        assert "UCGABAR" not in text, name
 
 
 def test_fewest_rows_with_weights_as_nk_take_the_fused_kernels():

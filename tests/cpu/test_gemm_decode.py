@@ -78,28 +78,6 @@ def test_row_blocks_by_shape_and_knob():
             pass
 
 
-def test_cluster_sums_where_a_row_blocks_ctas_make_a_small_cluster():
-    """config.gemm_decode_sum "cluster": a row block's CTAs are one cluster where every block is cut
-    alike into 2 .. MAX_CLUSTER runs; elsewhere (and by default) the sum goes through global memory."""
-    shapes = [((8192, 8192, 128), 2), ((4096, 14336, 128), 4), ((14336, 4096, 128), 1), ((10240, 8192, 128), 1),
-              ((8192, 28672, 128), 2), ((8200, 1032, 128), 2), ((1032, 4104, 128), 1), ((4096, 8192, 64), 2),
-              ((8192, 128, 128), 2), ((8192, 64, 128), 1)]
-    for (N, K, rows), _ in shapes:
-        assert dec.sum_cluster(N, K, rows) == 1  # the default: "global"
-    with config.override(gemm_decode_sum="cluster"):
-        got = [dec.sum_cluster(N, K, rows) for (N, K, rows), _ in shapes]
-        assert got == [want for _, want in shapes]
-        for (N, K, rows), per in shapes:
-            ctas, blocks = dec.runs(N, K, rows)[0], -(-N // rows)
-            assert per == 1 or ctas == per * blocks  # the kernel's check (MK_DECODE_ERR_CLUSTER)
-        with config.override(gemm_decode_split="stream"):  # 132 runs: blocks not cut alike
-            assert [dec.sum_cluster(N, K, 128) for N, K in ((4096, 14336), (8192, 8192), (1032, 4104))] == [1, 1, 1]
-    with pytest.raises(ArgumentError), config.override(gemm_decode_sum="dsmem"):
-        pass
-    with config.override(gemm_decode_sum="cluster"):
-        assert "cluster" in dec.knobs()  # a kept launch plan's key: the knob picks the launch
-
-
 def test_input_error_codes_match_the_header():
     import re
 
@@ -107,11 +85,10 @@ def test_input_error_codes_match_the_header():
 
     text = (mkc.CUDA_DIR / "engines" / "gemm_decode_args.cuh").read_text()
     codes = {m.group(1): int(m.group(2)) for m in re.finditer(r"#define MK_DECODE_ERR_(\w+) (\d+)u", text)}
-    assert codes == {"SMEM": sync.DECODE_ERR_SMEM, "CLUSTER": sync.DECODE_ERR_CLUSTER}
-    st = sync.MkStatus(code=sync.ERR_INPUT, op=sync.OP_ID["gemm"], rank=0, peer=-1, where=sync.DECODE_ERR_CLUSTER,
-                       expected=4, seen=2)
-    err = sync.error_from_status(st)
-    assert "clusters of 2 CTAs" in str(err) and "4 each" in str(err)
+    assert codes == {"SMEM": sync.DECODE_ERR_SMEM}
+    st = sync.MkStatus(code=sync.ERR_INPUT, op=sync.OP_ID["gemm"], rank=0, peer=-1, where=sync.DECODE_ERR_SMEM,
+                       expected=4096, seen=1024)
+    assert "shared memory" in str(sync.error_from_status(st))
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +114,5 @@ def test_sass_streams_b_with_tma_into_wgmma(compiled):
         assert "HGMMA.64x" in text, name  # both operands from the swizzled stages
         assert "UTMALDG.2D" in text, name  # B and A: TMA boxes
         assert "LDL" not in text and "STL" not in text, name
-        # the cluster sum's barriers (config.gemm_decode_sum), the overlapped launch's wait and
-        # trigger (config.gemm_overlap: griddepcontrol.wait / launch_dependents)
-        assert "UCGABAR_ARV" in text and "UCGABAR_WAIT" in text, name
+        # the overlapped launch's wait and trigger (config.gemm_overlap: griddepcontrol)
         assert "ACQBULK" in text and "PREEXIT" in text, name

@@ -118,27 +118,24 @@ def test_the_overlap_knob_is_a_bool():
             pass
 
 
-def test_launches_with_attributes_go_through_launch_ex(monkeypatch):
-    """Overlapped or clustered launches (kept in recorded plans) take cuLaunchKernelEx; plain ones
-    cuLaunchKernel."""
+def test_overlapped_launches_go_through_launch_overlapped(monkeypatch):
+    """Overlapped launches (kept in recorded plans) take cuLaunchKernelEx; plain ones cuLaunchKernel."""
     import ctypes
 
     from mkernel.runtime import launch as _launch
 
     ex, plain = [], []
-    monkeypatch.setattr(_launch, "_launch_ex", lambda one, ptr: ex.append((one.fn, one.overlapped, one.cluster, ptr)))
+    monkeypatch.setattr(_launch, "_launch_overlapped", lambda one, ptr: ex.append((one.fn, ptr)))
     monkeypatch.setattr(_launch, "_driver", lambda: type("D", (), {"launchKernel": staticmethod(
         lambda *a: plain.append(a[0]))}))
     arg = ctypes.c_int(0)
-    f = [type("F", (), {"ptr": i})() for i in range(4)]
+    f = [type("F", (), {"ptr": i})() for i in range(3)]
     _launch.launch_all((_launch.Launch(f[0], (1,), (32,), arg), _launch.Launch(f[1], (2,), (64,), arg, 0, True),
-                        _launch.Launch(f[2], (4,), (64,), arg, 0, False, 2),
-                        _launch.Launch(f[3], (4,), (64,), arg, 0, True, 4)), stream_handle=7)
-    assert plain == [0] and ex == [(f[1], True, 1, 7), (f[2], False, 2, 7), (f[3], True, 4, 7)]
+                        _launch.Launch(f[2], (4,), (64,), arg, 0, True)), stream_handle=7)
+    assert plain == [0] and ex == [(f[1], 7), (f[2], 7)]
 
 
-@pytest.mark.parametrize("overlapped,cluster", [(True, 1), (False, 2)])
-def test_a_launch_with_attributes_without_a_driver_says_why(overlapped, cluster):
+def test_an_overlapped_launch_without_a_driver_says_why():
     import ctypes
     import ctypes.util
     import types
@@ -147,19 +144,19 @@ def test_a_launch_with_attributes_without_a_driver_says_why(overlapped, cluster)
     from mkernel.runtime import launch as _launch
 
     if ctypes.util.find_library("cuda"):
-        pytest.skip("a CUDA driver is present: the GPU tests launch overlapped and clustered kernels for real")
-    one = _launch.Launch(types.SimpleNamespace(ptr=0), (2,), (32,), ctypes.c_int(0), 0, overlapped, cluster)
-    with pytest.raises(MKernelError, match="libcuda"):
-        one.go(0)
+        pytest.skip("a CUDA driver is present: the GPU tests launch overlapped kernels for real")
+    one = _launch.Launch(types.SimpleNamespace(ptr=0), (2,), (32,), ctypes.c_int(0), 0, True)
+    for _ in range(2):  # the second go() reuses the packed arguments
+        with pytest.raises(MKernelError, match="libcuda"):
+            one.go(0)
 
 
-def test_a_cooperative_launch_takes_no_other_attribute():
+def test_a_cooperative_launch_cannot_be_overlapped():
     import ctypes
     import types
 
     from mkernel.core.errors import ArgumentError
     from mkernel.runtime import launch as _launch
 
-    for kw in ({"overlapped": True}, {"cluster": 2}):
-        with pytest.raises(ArgumentError, match="cooperative"):
-            _launch.launch(types.SimpleNamespace(ptr=0), (2,), (32,), ctypes.c_int(0), cooperative=True, **kw)
+    with pytest.raises(ArgumentError, match="cooperative"):
+        _launch.launch(types.SimpleNamespace(ptr=0), (2,), (32,), ctypes.c_int(0), cooperative=True, overlapped=True)

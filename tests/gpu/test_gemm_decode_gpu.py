@@ -138,55 +138,6 @@ def test_row_block_and_split_variants_exact(M, N, K, knobs, decode_calls):
     assert decode_calls == [M]
 
 
-# (M, N, K, rows): row blocks of 2 CTAs (one with a partial last block), of 4, and 256 tokens (the
-# last CTA reads its own slot back: OWN_IN_REGS false) in clusters of 2
-CLUSTER_SHAPES = [(5, 4096, 2048, 64), (64, 8200, 1032, 128), (100, 4096, 4096, 128), (200, 8192, 2048, 128)]
-
-
-@pytest.fixture
-def decode_clusters(monkeypatch):
-    """The cluster size of every decode launch of gemm()."""
-    sizes = []
-    real = engine.launch
-
-    def spy(*args, **kwargs):
-        sizes.append(kwargs.get("cluster", 1))
-        return real(*args, **kwargs)
-    monkeypatch.setattr(engine, "launch", spy)
-    monkeypatch.setattr(engine, "_plans", engine.PlanCache())
-    return sizes
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("M,N,K,rows,kind", [(*shape, "bf16") for shape in CLUSTER_SHAPES] +
-                         [(*CLUSTER_SHAPES[1], "fp16")])  # the sum's order is the dtype's either way
-def test_cluster_sum_gives_the_global_sums_bits(M, N, K, rows, kind, decode_clusters):
-    """config.gemm_decode_sum "cluster" (a row block's CTAs in one cluster, rank 0 adding the slots
-    from their shared memory): the bits of the global sum (the same order) on fresh random inputs,
-    launch after launch, within 1e-2 of float64, and the clusters really launched."""
-    dt = DTYPES[kind]
-    a, w = _inputs(3 * M + N, M, N, K, dt, integer=False)
-    with config.override(gemm_decode_max_m=256, gemm_decode_rows=rows):
-        want = bits(_run(a, w, dt))
-        with config.override(gemm_decode_sum="cluster"):
-            per = dec.sum_cluster(N, K, rows)
-            got = [_run(a, w, dt) for _ in range(3)]
-    assert per in (2, 4) and decode_clusters == [1, per, per, per], (per, decode_clusters)
-    for g in got:
-        assert np.array_equal(bits(g), want), (M, N, K, rows, kind)
-    assert _rel(host(got[0]).astype(np.float64), a @ w.T) < REL_TOL
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("M,N,K", [(7, 4096, 256), (16, 8200, 256), (256, 4096, 256)])
-def test_cluster_sum_integer_inputs_exact(M, N, K, decode_clusters):
-    a, w = _inputs(13 + M, M, N, K, BF16, integer=True)
-    with config.override(gemm_decode_max_m=256, gemm_decode_rows=128, gemm_decode_sum="cluster"):
-        got = bits(_run(a, w, BF16))
-    assert decode_clusters[0] > 1, decode_clusters
-    assert np.array_equal(got, (a @ w.T).astype(BF16).view(np.uint16)), (M, N, K)
-
-
 # Copies n 16-bit words src -> dst after spinning `ns` nanoseconds: a kernel still running (and
 # about to write the GEMM's A) when an overlapped launch's CTAs start.
 SLOW_COPY = r"""extern "C" __global__ void slow_copy(const unsigned short* src, unsigned short* dst,
@@ -200,14 +151,11 @@ SLOW_COPY = r"""extern "C" __global__ void slow_copy(const unsigned short* src, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M,N,K,knobs", [(8, 4096, 2048, {}), (64, 8192, 1024, {}),
-                                         (64, 8192, 1024, {"gemm_decode_sum": "cluster", "gemm_decode_rows": 128}),
-                                         (256, 1024, 2048, {}), (300, 1000, 520, {})])  # the last two: the engine
-def test_an_overlapped_launch_reads_what_the_kernel_before_wrote(M, N, K, knobs, monkeypatch):
-    """config.gemm_overlap: mkernel.gemm's kernel (decode, or the engine's past the decode path's
-    rows) launched while the kernel before it (which writes its A after 200 us) still runs reads
-    the new A: the bits of a plain launch on it, three calls in a row (a kept plan's replays too),
-    also with the cluster sum."""
+@pytest.mark.parametrize("M,N,K", [(8, 4096, 2048), (64, 8192, 1024), (256, 1024, 2048), (300, 1000, 520)])
+def test_an_overlapped_launch_reads_what_the_kernel_before_wrote(M, N, K, monkeypatch):
+    """config.gemm_overlap: mkernel.gemm's kernel (decode; the engine's past the decode path's rows:
+    the last two) launched while the kernel before it (which writes its A after 200 us) still runs
+    reads the new A: the bits of a plain launch on it, three calls in a row (a kept plan's replays)."""
     import cupy
 
     a_old, w = _inputs(31 + M, M, N, K, BF16, integer=False)
@@ -215,23 +163,22 @@ def test_an_overlapped_launch_reads_what_the_kernel_before_wrote(M, N, K, knobs,
     w_d, src, old = dev(w.astype(BF16)), dev(a_new.astype(BF16)), dev(a_old.astype(BF16))
     a_d, out = old.copy(), poisoned((M, N), "bf16")
     words = [x.view(cupy.uint16) for x in (src, a_d, old)]  # bf16 moved as its bits (any CuPy)
-    with config.override(**knobs):
-        mkernel.gemm(src, w_d.T, out=out)
-        want = bits(out)
-        assert not np.array_equal(want, bits(_run(a_old, w, BF16))), "the two inputs give the same output"
-        seen = []
-        real = engine.launch
-        monkeypatch.setattr(engine, "launch", lambda *a, **kw: seen.append(kw.get("overlapped")) or real(*a, **kw))
-        monkeypatch.setattr(engine, "_plans", engine.PlanCache())
-        slow = cupy.RawKernel(SLOW_COPY, "slow_copy")
-        with config.override(gemm_overlap=True):
-            for _ in range(3):
-                words[1][...] = words[2]
-                poison(out)
-                slow((4,), (256,), (words[0], words[1], np.uint64(M * K), np.uint64(200_000)))
-                mkernel.gemm(a_d, w_d.T, out=out)
-                cupy.cuda.get_current_stream().synchronize()
-                assert np.array_equal(bits(out), want), "the overlapped GEMM read A before the kernel before wrote it"
+    mkernel.gemm(src, w_d.T, out=out)
+    want = bits(out)
+    assert not np.array_equal(want, bits(_run(a_old, w, BF16))), "the two inputs give the same output"
+    seen = []
+    real = engine.launch
+    monkeypatch.setattr(engine, "launch", lambda *a, **kw: seen.append(kw.get("overlapped")) or real(*a, **kw))
+    monkeypatch.setattr(engine, "_plans", engine.PlanCache())
+    slow = cupy.RawKernel(SLOW_COPY, "slow_copy")
+    with config.override(gemm_overlap=True):
+        for _ in range(3):
+            words[1][...] = words[2]
+            poison(out)
+            slow((4,), (256,), (words[0], words[1], np.uint64(M * K), np.uint64(200_000)))
+            mkernel.gemm(a_d, w_d.T, out=out)
+            cupy.cuda.get_current_stream().synchronize()
+            assert np.array_equal(bits(out), want), "the overlapped GEMM read A before the kernel before wrote it"
     assert seen == [True], seen  # built once, overlapped; then its plan replayed
 
 
@@ -285,17 +232,16 @@ def test_knob_off_and_kn_layout_take_the_engine(decode_calls):
     assert decode_calls == [] and _rel(host(out).astype(np.float64), a @ w.T) < REL_TOL
 
 
-# The decode knobs off by default (the cluster sum; the overlapped launch) run the long tests too.
-KNOBS_OFF_BY_DEFAULT = [{}, {"gemm_decode_sum": "cluster", "gemm_decode_rows": 128}, {"gemm_overlap": True}]
+# The knob off by default (the overlapped launch) runs the long tests too.
+KNOBS_OFF_BY_DEFAULT = [{}, {"gemm_overlap": True}]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("knobs", KNOBS_OFF_BY_DEFAULT, ids=["default", "cluster_sum", "overlap"])
+@pytest.mark.parametrize("knobs", KNOBS_OFF_BY_DEFAULT, ids=["default", "overlap"])
 def test_thousand_launches_alternating_decode_and_large_shapes_stay_exact(knobs):
     """1000 launches on one stream alternating decode shapes (split K: counters reset by the last
-    CTA; 4096 x 8192 summed in clusters of 4 with the cluster sum) and an engine shape: every output
-    bitwise equal to its shape's first (integer inputs), counted on the device, checked once at the
-    end."""
+    CTA) and an engine shape: every output bitwise equal to its shape's first (integer inputs),
+    counted on the device, checked once at the end."""
     import cupy
 
     shapes = [(1, 4096, 8192), (48, 1032, 4104), (512, 1024, 512), (7, 264, 16384)]
@@ -319,13 +265,12 @@ def test_thousand_launches_alternating_decode_and_large_shapes_stay_exact(knobs)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("knobs", KNOBS_OFF_BY_DEFAULT, ids=["default", "cluster_sum", "overlap"])
+@pytest.mark.parametrize("knobs", KNOBS_OFF_BY_DEFAULT, ids=["default", "overlap"])
 def test_captured_in_a_cuda_graph_and_replayed_a_thousand_times(knobs):
-    """Decode calls (several K ranges; with the cluster sum 4096 x 8192 in clusters of 4) captured
-    once, replayed 1000 times: the same bits each time."""
+    """Decode calls (several K ranges) captured once, replayed 1000 times: the same bits each time."""
     import cupy
 
-    M, N, K = (5, 4096, 8192) if "gemm_decode_sum" in knobs else (5, 2048, 16384)
+    M, N, K = 5, 2048, 16384
     a, w = _inputs(17, M, N, K, BF16, integer=False)
     a_d, w_d = dev(a.astype(BF16)), dev(w.astype(BF16))
     out = cupy.empty((M, N), BF16)
@@ -346,34 +291,26 @@ def test_captured_in_a_cuda_graph_and_replayed_a_thousand_times(knobs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["short of shared memory", "clusters not row blocks"])
-def test_a_launch_the_kernel_refuses_records_an_error_and_writes_nothing(case):
-    """The kernel checks its launch: the dynamic shared memory against DecodeCfg::SMEM (which
-    gemm_decode.smem_bytes mirrors), and clusters against the row blocks' CTAs (sum_cluster's
-    choice). A launch with less memory, or in clusters of 2 where a block has 4 CTAs, records
-    MK_ERR_INPUT instead of writing past the ring or adding the wrong slots, and the host raises it."""
+def test_a_launch_short_of_shared_memory_records_an_error_and_writes_nothing():
+    """The kernel checks the dynamic shared memory it was given against DecodeCfg::SMEM (which
+    gemm_decode.smem_bytes mirrors): a launch with less records MK_ERR_INPUT instead of writing
+    past it, and the host raises it."""
     import cupy
 
     import mkernel
     from mkernel.runtime.launch import launch
     from mkernel.runtime.sync import SyncState
 
-    short = case == "short of shared memory"
-    # 2 row blocks shared by many CTAs (the partials' path), or 32 blocks of 4 CTAs summed in clusters
-    M, N, K = (4, 256, 8192) if short else (8, 4096, 4096)
-    knobs = {} if short else {"gemm_decode_rows": 128, "gemm_decode_sum": "cluster"}
+    M, N, K = 4, 256, 8192  # 2 row blocks shared by many CTAs: the partials' path too
     a, w = _inputs(5, M, N, K, BF16, integer=False)
     out = poisoned((M, N), "bf16")
     state = SyncState(0)
     try:
-        with config.override(**knobs):
-            d = dec.build(dev(a.astype(BF16)), dev(w.astype(BF16)), out, 0, M=M, N=N, K=K, accumulate=False,
-                          sync=state.args("gemm"), partial=dec.Partials, clusters=True)
-        assert (d.cluster, d.buffer is None) == ((1, False) if short else (4, True))  # partials, or clusters
-        smem, cluster = (d.smem - 1024, 1) if short else (d.smem, 2)
-        launch(d.fn, d.grid, d.block, d.args, smem=smem, cluster=cluster)
+        d = dec.build(dev(a.astype(BF16)), dev(w.astype(BF16)), out, 0, M=M, N=N, K=K, accumulate=False,
+                      sync=state.args("gemm"), partial=dec.Partials)
+        launch(d.fn, d.grid, d.block, d.args, smem=d.smem - 1024)
         cupy.cuda.get_current_stream().synchronize()
-        with pytest.raises(mkernel.MKernelError, match="shared memory" if short else "clusters of 2 CTAs"):
+        with pytest.raises(mkernel.MKernelError, match="shared memory"):
             state.check()
         assert np.isnan(host(out).astype(np.float64)).all()
     finally:
@@ -382,8 +319,7 @@ def test_a_launch_the_kernel_refuses_records_an_error_and_writes_nothing(case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("knobs", [{"gemm_decode_rows": 64}, {"gemm_decode_rows": 128},
-                                   {"gemm_decode_rows": 128, "gemm_decode_split": "stream"},
-                                   {"gemm_decode_rows": 128, "gemm_decode_sum": "cluster"}])
+                                   {"gemm_decode_rows": 128, "gemm_decode_split": "stream"}])
 @pytest.mark.parametrize("M,N,K", [(16, 1032, 4104), (8, 8192, 512)])
 def test_trace_mode_stamps_every_cta_in_order_and_keeps_the_bits(M, N, K, knobs, monkeypatch, tmp_path):
     """Trace mode (tools/gemm_phases.py): every CTA writes its row blocks' phases in order without a
@@ -405,11 +341,11 @@ def test_trace_mode_stamps_every_cta_in_order_and_keeps_the_bits(M, N, K, knobs,
         with config.override(**knobs):
             for out, traced in zip(outs, (False, True)):
                 d = dec.build(a_d, w_d, out, 0, M=M, N=N, K=K, accumulate=False, sync=state.args("gemm"),
-                              partial=dec.Partials, clusters=True)
+                              partial=dec.Partials)
                 kept.append(d.buffer)
                 if traced:
                     d.args.sync.trace_events, d.args.sync.trace_count, d.args.sync.trace_capacity = trace.pointers()
-                launch(d.fn, d.grid, d.block, d.args, smem=d.smem, cluster=d.cluster)
+                launch(d.fn, d.grid, d.block, d.args, smem=d.smem)
                 grid = d.grid
         cupy.cuda.get_current_stream().synchronize()
         state.check()

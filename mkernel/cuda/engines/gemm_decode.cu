@@ -28,7 +28,7 @@ __global__ void __launch_bounds__(DecodeCfg<MT, ROWS>::THREADS, 1)
     mk_gemm_decode_kernel(const __grid_constant__ MkDecodeArgs args) {
   griddep_launch_dependents();  // a next kernel launched overlapped sets up as these CTAs leave
   DecodeStore<OUT> epi{args};
-  decode_gemm<DT, MT, ROWS, true>(args, epi);
+  decode_gemm<DT, MT, ROWS>(args, epi);
 }
 
 static_assert(sizeof(MkDecodeArgs) == 448, "MkDecodeArgs layout changed: update mkernel/engines/gemm_decode.py");

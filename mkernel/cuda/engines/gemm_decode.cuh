@@ -9,9 +9,7 @@
 // function of the shape only, so the bits are the same on any number of SMs. A row block that one
 // CTA covers whole is stored at once; one shared by several: each stores its fp32 partial in its
 // slot (its rank among the block's CTAs) and the last to arrive adds the slots in slot order and
-// stores out: bitwise reproducible run to run. Launched in clusters of a block's CTAs (the host's
-// choice: config.gemm_decode_sum), the slots stay in each CTA's ring and the cluster's rank 0 adds
-// them through DSMEM in the same order (the same bits): no L2 round trip, no arrival count.
+// stores out: bitwise reproducible run to run.
 //
 // Barriers: full[s] (count 1: the producer's arrive.expect_tx; TMA completes it), empty[s] (lane 0
 // of each consumer warp once its wgmma group on stage s is complete). Use i (over the CTA's whole
@@ -19,9 +17,8 @@
 // opposite parity.
 //
 // Template parameters: DT (MK_DT_BF16 / MK_DT_F16), MT (token columns: 8 .. 256, M_TILES of
-// gemm_decode.py), ROWS (64 or 128), CLUSTERED (whether the kernel may run in clusters: the
-// launch tells), Epi (what becomes of the finished values: the engine's store, gemm_decode.cu;
-// gemm_allreduce's push to every rank, ops/gemm_allreduce_ll.cu). One CTA per SM.
+// gemm_decode.py), ROWS (64 or 128), Epi (what becomes of the finished values: the engine's store,
+// gemm_decode.cu; gemm_allreduce's push to every rank, ops/gemm_allreduce_ll.cu). One CTA per SM.
 #pragma once
 #include "common.cuh"
 #include "tma.cuh"
@@ -30,7 +27,6 @@
 #include "trace.cuh"
 #include "wgmma.cuh"
 #include "convert.cuh"
-#include "cluster.cuh"
 #include "gemm_args.cuh"
 #include "gemm_decode_args.cuh"
 
@@ -62,7 +58,6 @@ struct DecodeCfg {
   MK_STATIC_ASSERT(ROWS == 64 || ROWS == 128, "row blocks of 64 or 128");
   MK_STATIC_ASSERT(MT % 8 == 0 && MT <= 256, "wgmma takes 8 .. 256 columns in steps of 8");
   MK_STATIC_ASSERT(A_BYTES % 1024 == 0, "stages stay 1 KiB aligned (the 128B swizzle's period)");
-  MK_STATIC_ASSERT(SLOT * 4 <= OFF_BAR, "a slot fits the ring (the cluster sum keeps it there)");
 };
 
 // Bytes of dynamic shared memory the launch gave this CTA.
@@ -173,8 +168,8 @@ MK_DEV void decode_produce(const MkDecodeArgs& args, u32 smem, u64 u0, u64 u1) {
 // or the last of its CTAs to arrive) ready(bar) (every consumer thread; bar() syncs them; false
 // skips the stores) and finish(j, tok, r0, r1, v) per token block j: v[0..1] the values of row r0
 // and tokens tok, tok + 1, v[2..3] those of row r1 (tokens past m and rows past n included: Epi
-// skips them). CLUSTERED: the kernel may be launched in clusters (one row block's CTAs each).
-template <int DT, int MT, int ROWS, bool CLUSTERED, class Epi>
+// skips them).
+template <int DT, int MT, int ROWS, class Epi>
 MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
   using Cfg = DecodeCfg<MT, ROWS>;
   extern __shared__ __align__(1024) u8 decode_dyn[];
@@ -199,22 +194,17 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
   // Launched overlapped (config.gemm_overlap), the kernel before may still run: no global
   // memory is touched before it completed (a no-op otherwise).
   griddep_wait();
-  const u64 kb = (u64)args.kblocks, blocks = ((u64)args.n + Cfg::ROWS - 1) / Cfg::ROWS;
-  const u64 units = blocks * kb, C = (u64)args.ctas, cta = blockIdx.x;
-  // Less shared memory than the ring needs, or clusters that are not one row block's CTAs each: an
-  // error, not a write past the ring or a sum of the wrong slots (alike for every CTA: all leave).
-  const u32 csize = CLUSTERED ? cluster_nctarank() : 1u;
-  const bool short_smem = dynamic_smem_bytes() < Cfg::SMEM, bad_cluster = csize > 1 && C != blocks * csize;
+  // The launch gave less shared memory than the ring needs: an error, not a write past it.
+  const bool short_smem = dynamic_smem_bytes() < Cfg::SMEM;
   if (short_smem && threadIdx.x == 0)
     record_error(args.sync, MK_ERR_INPUT, -1, MK_DECODE_ERR_SMEM, Cfg::SMEM, dynamic_smem_bytes(), 0);
-  if (bad_cluster && !short_smem && threadIdx.x == 0)
-    record_error(args.sync, MK_ERR_INPUT, -1, MK_DECODE_ERR_CLUSTER, (u32)(C / blocks), csize, 0);
   __syncthreads();
-  if (short_smem || bad_cluster) return;
+  if (short_smem) return;
+  const u64 kb = (u64)args.kblocks, blocks = ((u64)args.n + Cfg::ROWS - 1) / Cfg::ROWS;
+  const u64 units = blocks * kb, C = (u64)args.ctas, cta = blockIdx.x;
   const u64 u0 = decode_run_start(cta, units, C), u1 = decode_run_start(cta + 1, units, C);
   if (threadIdx.x >= Cfg::CONSUMERS) {
     if (threadIdx.x == Cfg::CONSUMERS) decode_produce<Cfg>(args, smem, u0, u1);
-    if (csize > 1) cluster_sync(), cluster_sync();  // the consumers' two (the slots stored, then read)
     return;
   }
   epi.begin();
@@ -269,28 +259,7 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
       if (stamps) s_stamps.stamp(MK_DECODE_PH_OUT, rb);
       continue;
     }
-    const u32 own = cta - first;  // the slot: this CTA's rank among the block's (in a cluster, its rank)
-    if (csize > 1) {  // slots in the ring, in fragment order; rank 0 adds them (the same order below)
-      float* ring = reinterpret_cast<float*>(decode_dyn + (smem - raw)) + threadIdx.x;
-      if (own != 0 || !Cfg::OWN_IN_REGS) {
-        bar();  // every warpgroup's wgmma reads of the ring are complete
-#pragma unroll
-        for (int i = 0; i < Cfg::ACC; ++i) ring[i * Cfg::CONSUMERS] = acc[i];
-      }
-      cluster_sync();  // every CTA's slot stored (release / acquire at cluster scope)
-      if (stamps) s_stamps.stamp(MK_DECODE_PH_PARTIAL, rb);
-      if (own == 0 && epi.ready(bar)) {
-        const u32 at = smem + 4u * threadIdx.x;
-        decode_sum_slots<Cfg>(acc, n_ctas, own, [&](u32 c) {
-          const u32 base = mapa_shared(at, c);
-          return [base](int i) { return ld_cluster_f32(base + 4u * (u32)i * Cfg::CONSUMERS); };
-        });
-        hand_out();
-        if (stamps) s_stamps.stamp(MK_DECODE_PH_OUT, rb);
-      }
-      cluster_sync();  // rank 0's reads are complete before any CTA of the cluster leaves
-      continue;
-    }
+    const u32 own = cta - first;  // the slot: this CTA's rank among the block's
     // Slots in fragment order (the reader is the same thread of the last CTA): coalesced both ways.
     const u64 block_at = rb * (u64)args.slots;
     float* mine = args.partial + (block_at + own) * Cfg::SLOT + threadIdx.x;

@@ -9,9 +9,6 @@
 // MkStatus.where of MK_ERR_INPUT: launched with less dynamic shared memory than DecodeCfg::SMEM
 // (mkernel/runtime/sync.py DECODE_ERR_SMEM).
 #define MK_DECODE_ERR_SMEM 3u
-// ... launched in clusters that are not one row block's CTAs each (expected: CTAs per block, seen:
-// the cluster's size; mkernel/runtime/sync.py DECODE_ERR_CLUSTER).
-#define MK_DECODE_ERR_CLUSTER 4u
 // Trace mode (tools/gemm_phases.py): warp 0's lane 0 stamps its CTA's phases per row block as
 // MK_ROLE_COMPUTE spans of id MK_DECODE_TRACE | phase << 24 | row block (phases: MK_DECODE_PH_*).
 #define MK_DECODE_TRACE 0x20000000u

@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(DecodeCfg<MT, ROWS>::THREADS, 1)
   __shared__ int s_ok;
   griddep_launch_dependents();  // the sum kernel may start (config.tp_latency_ll_overlap)
   DecodePush<DT> epi{args, &s_epoch, &s_ok};
-  decode_gemm<DT, MT, ROWS, false>(args.g, epi);
+  decode_gemm<DT, MT, ROWS>(args.g, epi);
 }
 
 // The values of word i of every rank (LL_UNROLL words per thread at a time: ll_sum), added in rank

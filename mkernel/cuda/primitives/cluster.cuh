@@ -10,12 +10,6 @@ MK_DEV u32 cluster_ctarank() {
   return r;
 }
 
-MK_DEV u32 cluster_nctarank() {
-  u32 r;
-  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
-  return r;
-}
-
 // The shared::cluster address of the same byte as local shared address `addr`, in CTA `rank`.
 MK_DEV u32 mapa_shared(u32 addr, u32 rank) {
   u32 r;
@@ -44,14 +38,6 @@ MK_DEV void st_cluster_v4(u32 addr, u32 rank, uint4 v) {
   asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(mapa_shared(addr, rank)), "r"(v.x), "r"(v.y),
                "r"(v.z), "r"(v.w)
                : "memory");
-}
-
-// A float at shared::cluster address `addr` (mapa_shared's: this CTA's or a peer's); volatile keeps
-// it after the cluster barrier that published it.
-MK_DEV float ld_cluster_f32(u32 addr) {
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr));
-  return v;
 }
 
 // Every thread of every CTA of the cluster. Not .aligned: the threads of a warp may arrive from
