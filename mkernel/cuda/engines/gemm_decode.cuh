@@ -111,36 +111,6 @@ struct DecodeStamps {
   }
 };
 
-// acc = the n slots of a row block added in slot order (0.f first), SUM_U slots' SUM_V values in
-// flight at once; slot(c) gives slot c's reader (value i: read(i)); slot own's values are acc's
-// where OWN_IN_REGS.
-template <class Cfg, class Slot>
-MK_DEV void decode_sum_slots(float (&acc)[Cfg::ACC], u32 n, u32 own, Slot slot) {
-#pragma unroll
-  for (int i0 = 0; i0 < Cfg::ACC; i0 += Cfg::SUM_V) {
-    float sum[Cfg::SUM_V];
-#pragma unroll
-    for (int i = 0; i < Cfg::SUM_V; ++i) sum[i] = 0.f;
-    for (u32 c = 0; c < n; c += Cfg::SUM_U) {
-      float p[Cfg::SUM_U][Cfg::SUM_V];
-#pragma unroll
-      for (int q = 0; q < Cfg::SUM_U; ++q) {
-        const bool load = c + q < n && (!Cfg::OWN_IN_REGS || c + q != own);
-        const auto read = slot(load ? c + q : own);
-#pragma unroll
-        for (int i = 0; i < Cfg::SUM_V; ++i) p[q][i] = load ? read(i0 + i) : acc[i0 + i];
-      }
-#pragma unroll
-      for (int q = 0; q < Cfg::SUM_U; ++q)
-#pragma unroll
-        for (int i = 0; i < Cfg::SUM_V; ++i)
-          if (c + q < n) sum[i] += p[q][i];
-    }
-#pragma unroll
-    for (int i = 0; i < Cfg::SUM_V; ++i) acc[i0 + i] = sum[i];
-  }
-}
-
 // The producer thread: every k-block of the CTA's run, b's box and a's box into the ring.
 template <class Cfg>
 MK_DEV void decode_produce(const MkDecodeArgs& args, u32 smem, u64 u0, u64 u1) {
@@ -273,13 +243,33 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
     if (!s_last) continue;
     if (threadIdx.x == 0) *count = 0;  // zero for the next launch (stream ordered)
     if (!epi.ready(bar)) continue;
-    // The slots added in slot order (a load per slot and value per round trip would serialise them
-    // behind finish's stores); this CTA's own slot is still in acc (the same values: the same bits).
+    // The slots added in slot order, SUM_U slots' SUM_V values in flight at once (a load per slot
+    // and value per round trip would serialise them behind finish's stores); this CTA's own slot
+    // is still in acc (the same values: the same bits), so only the others' are read.
     const float* slot0 = args.partial + block_at * Cfg::SLOT + threadIdx.x;
-    decode_sum_slots<Cfg>(acc, n_ctas, own, [&](u32 c) {
-      const float* base = slot0 + (u64)c * Cfg::SLOT;
-      return [base](int i) { return __ldcg(base + i * Cfg::CONSUMERS); };
-    });
+#pragma unroll
+    for (int i0 = 0; i0 < Cfg::ACC; i0 += Cfg::SUM_V) {
+      float sum[Cfg::SUM_V];
+#pragma unroll
+      for (int i = 0; i < Cfg::SUM_V; ++i) sum[i] = 0.f;
+      for (u32 c = 0; c < n_ctas; c += Cfg::SUM_U) {
+        float p[Cfg::SUM_U][Cfg::SUM_V];
+#pragma unroll
+        for (int q = 0; q < Cfg::SUM_U; ++q)
+#pragma unroll
+          for (int i = 0; i < Cfg::SUM_V; ++i)
+            p[q][i] = c + q < n_ctas && (!Cfg::OWN_IN_REGS || c + q != own)
+                          ? __ldcg(slot0 + (u64)(c + q) * Cfg::SLOT + (i0 + i) * Cfg::CONSUMERS)
+                          : acc[i0 + i];
+#pragma unroll
+        for (int q = 0; q < Cfg::SUM_U; ++q)
+#pragma unroll
+          for (int i = 0; i < Cfg::SUM_V; ++i)
+            if (c + q < n_ctas) sum[i] += p[q][i];
+      }
+#pragma unroll
+      for (int i = 0; i < Cfg::SUM_V; ++i) acc[i0 + i] = sum[i];
+    }
     hand_out();
     if (stamps) s_stamps.stamp(MK_DECODE_PH_OUT, rb);
   }
