@@ -98,11 +98,7 @@ def main():
 
         return gemm_decode.main()
     if opts.plot:
-        import json
-
-        src = Path(opts.plot)
-        print(plot(json.loads(src.read_text()), src.with_suffix(".png")))
-        return
+        return harness.replot(opts.plot, plot)
 
     import importlib
 

@@ -232,6 +232,12 @@ def save_plot(fig, path):
     return path
 
 
+def replot(results, plot):
+    """``--plot JSON``: plot(doc, png) of an earlier results file, the PNG next to it; prints its path."""
+    src = Path(results)
+    print(plot(json.loads(src.read_text()), src.with_suffix(".png")))
+
+
 def plot_rows(doc, path, label=None):
     """An op's results file (dict) as a PNG at path: per row (``label(row)``, default its name or
     shape) the speed over its baseline and the fraction of its bound, with 1.0 marked; for the

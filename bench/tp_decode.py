@@ -110,11 +110,7 @@ def main():
     ap.add_argument("--plot", metavar="JSON", help="only draw the PNG of an earlier results file, next to it")
     args = ap.parse_args()
     if args.plot:
-        import json
-
-        src = Path(args.plot)
-        print(plot(json.loads(src.read_text()), src.with_suffix(".png")))
-        return
+        return harness.replot(args.plot, plot)
     import cupy
     import ml_dtypes
     from mpi4py import MPI

@@ -50,6 +50,7 @@ export PYTHONPATH="$ROOT" PY="$PY" PATH="$(dirname "$PY"):\$PATH" PYTHONDONTWRIT
 $RUN
 GUEST_EOF
 # KVM inside this machine's own VM stops at boot (nested virtualisation): software emulation instead
-# through a pipe: QEMU reopens a file given as its stdout, truncating a caller's log
-"$PY" -c "import sys; from virtme_ng.run import main; sys.argv[0] = 'vng'; sys.exit(main())" \
+# through a pipe: QEMU reopens a file given as its stdout, truncating a caller's log. vng runs
+# virtme-run by name: PATH gets the Python's own bin (pyenv's shims are not rehashed after pip)
+PATH="$(dirname "$PY"):$PATH" "$PY" -c "import sys; from virtme_ng.run import main; sys.argv[0] = 'vng'; sys.exit(main())" \
   --disable-kvm -r "$(kernel)" --memory 4G --cpus 2 --exec "bash $GUEST" 2>&1 | cat
