@@ -3,7 +3,8 @@
 # then with 2 ranks sharing the GPU: the TP kernels and ring attention (with a peer) and the MoE path
 # between nodes with 2 ranks as 2 emulated nodes (host transport). Ranks run under MPS when a daemon
 # runs (tools/mps.sh; pass CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), time-sliced otherwise.
-# MKERNEL_SANITIZE_ONLY=tp / allreduce: only the TP ops' / the all-reduce's 2-rank target (both tools).
+# MKERNEL_SANITIZE_ONLY=tp / allreduce: only the TP ops' / the all-reduce's 2-rank target (both tools);
+# =moe_gemm: only target_moe_gemm (below).
 # target_moe_gemm runs last under each tool, cut at MKERNEL_SANITIZE_MOE_GEMM_S (it has not finished under
 # either tool since session 31: bench/NOTES.md), so that it cannot keep the others from running.
 set -u
@@ -11,7 +12,9 @@ rc=0
 MPI2="mpirun -n 2 --oversubscribe --bind-to none -x MKERNEL_CACHE_DIR -x NCCL_NVLS_ENABLE -x MKERNEL_TIMEOUT_S"
 MPI2+=" ${CUDA_MPS_ACTIVE_THREAD_PERCENTAGE:+-x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE -x CUDA_MPS_PIPE_DIRECTORY}"
 export MKERNEL_TIMEOUT_S=${MKERNEL_TIMEOUT_S:-120}  # kernels run many times slower under the tools
+source "$(dirname "$0")/mps.sh"
 for tool in memcheck racecheck; do
+  [ "${MKERNEL_SANITIZE_ONLY:-}" = moe_gemm ] && break
   if [ "${MKERNEL_SANITIZE_ONLY:-}" = allreduce ]; then
     $MPI2 compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
       python3 -c "from mkernel.diagnostics import sanitize; sanitize.target_allreduce(); print('allreduce: ok')" || rc=$?
@@ -34,25 +37,29 @@ for tool in memcheck racecheck; do
   $MPI2 compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
     python3 -c "from mkernel.diagnostics import sanitize; sanitize.target_moe_nodes(); print('moe_nodes: ok')" || rc=$?
 done
-[ -n "${MKERNEL_SANITIZE_ONLY:-}" ] && exit $rc
+[ -n "${MKERNEL_SANITIZE_ONLY:-}" ] && [ "$MKERNEL_SANITIZE_ONLY" != moe_gemm ] && exit $rc
 limit=${MKERNEL_SANITIZE_MOE_GEMM_S:-90}
 moe_gemm() {  # tool, extra options; its device timeout a third of the cut (not the 120 s above), so
   # that a stuck wait shows in the error word the target logs
   MKERNEL_TIMEOUT_S=$((limit / 3)) MKERNEL_SANITIZE_STACKS_S=$((limit - 10)) timeout -k 5 "$limit" \
     compute-sanitizer --tool "$1" "${@:2}" --error-exitcode 3 --print-limit 20 \
     python3 tools/sanitize_targets.py target_moe_gemm
+  local r=$?
+  # a client killed at the cut leaves an MPS server refusing the next (cudaErrorDevicesUnavailable)
+  if [ $r = 124 ] || [ $r = 137 ]; then mps_running && mps_restart; fi
+  return $r
 }
 stalled=
 for tool in memcheck racecheck; do
   if [ -n "$stalled" ]; then
-    # memcheck stalled: racecheck would too (sessions 15-38); instead memcheck with the MoE kernels
-    # left uninstrumented says whether the stall is theirs under the tool or the host's
+    # memcheck stalled: racecheck would too (sessions 15-38); instead memcheck with the fused
+    # combine left uninstrumented (session 41: the stall is its retflag wait, after dispatch + GEMM)
     if compute-sanitizer --help 2>&1 | grep -q -- --kernel-name-exclude; then
-      echo "== memcheck, the mk_moe kernels not instrumented: target_moe_gemm (cut at ${limit} s) =="
-      moe_gemm memcheck --kernel-name-exclude kns=mk_moe
+      echo "== memcheck, mk_moe_gemm_combine not instrumented: target_moe_gemm (cut at ${limit} s) =="
+      moe_gemm memcheck --kernel-name-exclude kns=mk_moe_gemm_combine
       r=$?
-      [ $r = 124 ] || [ $r = 137 ] && echo "target_moe_gemm with its kernels uninstrumented: did not finish either"
-      [ $r = 0 ] && echo "target_moe_gemm with its kernels uninstrumented: finished (the stall is theirs under the tool)"
+      [ $r = 124 ] || [ $r = 137 ] && echo "target_moe_gemm with the fused combine uninstrumented: did not finish either"
+      [ $r = 0 ] && echo "target_moe_gemm with the fused combine uninstrumented: finished (the stall is its own under the tool)"
     fi
     break
   fi
