@@ -74,7 +74,8 @@ class Config:
     # (gemm_decode.py; past 64 rows where its runs fill the SMs); above, the engine (split K where
     # its tiles are few).
     gemm_decode_max_m: int = 128
-    # The decode path's rows of B per CTA: 64 or 128; 0: by shape (gemm_decode.row_block).
+    # The decode path's rows of B per CTA: 64, 128 or 256 (33-64 tokens only; 128 elsewhere); 0: by
+    # shape (gemm_decode.row_block).
     gemm_decode_rows: int = 0
     # How the decode path cuts its (row block, k-block) units: "even" (each row block in the same
     # number of runs, measured faster: bench/NOTES.md) or "stream" (equal runs over every CTA slot).
@@ -107,8 +108,8 @@ class Config:
         if self.gemm_decode_max_m > 256:
             raise ArgumentError(f"gemm_decode_max_m must be at most 256 (the decode path's widest tile); got "
                                 f"{self.gemm_decode_max_m!r}")
-        if self.gemm_decode_rows not in (0, 64, 128):
-            raise ArgumentError(f"gemm_decode_rows must be 0, 64 or 128; got {self.gemm_decode_rows!r}")
+        if self.gemm_decode_rows not in (0, 64, 128, 256):
+            raise ArgumentError(f"gemm_decode_rows must be 0, 64, 128 or 256; got {self.gemm_decode_rows!r}")
         if not (isinstance(self.tp_join_reduce, bool) or self.tp_join_reduce == "auto"):
             raise ArgumentError(f"tp_join_reduce must be True, False or \"auto\"; got {self.tp_join_reduce!r}")
         for name in ("moe_join_gemm", "tp_latency_ll_overlap", "gemm_split_k", "gemm_overlap",

@@ -22,6 +22,9 @@ from mkernel.runtime.sync import MkSync
 
 BK = 64  # MK_DECODE_BK: elements of K per stage
 ROW_BLOCKS = (64, 128)  # rows of B per CTA (ROWS / 64 consumer warpgroups and a producer warp)
+# 256-row blocks (4 warpgroups: A read half as often as at 128) at these token tiles: 544 threads
+# get 96 registers each (5 warps on a sub-partition), where 128 tokens' accumulators spill
+WIDE_ROWS, WIDE_ROW_TILES = 256, (64,)
 M_TILES = (8, 16, 32, 64, 128, 256)  # token columns of the instantiations (wgmma's N)
 MAX_M = M_TILES[-1]  # tokens the path takes at most (config.gemm_decode_max_m picks up to this)
 MAX_N = 1 << 24  # rows of B: keeps the counts and the partials' index small
@@ -55,8 +58,13 @@ def kernel_expr(dt: int, out: int, mt: int, rows: int) -> str:
     return f"mk_gemm_decode_kernel<{dt},{out},{mt},{rows}>"
 
 
+def row_blocks(mt: int) -> tuple:
+    """The row blocks instantiated at a token tile of mt columns."""
+    return ROW_BLOCKS + ((WIDE_ROWS,) if mt in WIDE_ROW_TILES else ())
+
+
 EXPRESSIONS = tuple(kernel_expr(dt, out, mt, rows) for dt in (0, 1) for out in (dt, OUT_F32) for mt in M_TILES
-                    for rows in ROW_BLOCKS)
+                    for rows in row_blocks(mt))
 SPEC = _compile.register("gemm_decode", "gemm_decode.cu", EXPRESSIONS, hot=True)
 
 
@@ -110,11 +118,13 @@ def runs(N: int, K: int, rows: int = 128) -> tuple:
 
 
 def row_block(N: int, K: int, mt: int = 8) -> int:
-    """Rows of B per CTA (config.gemm_decode_rows, or by shape): 128, or below 64 token columns
-    (mt) 64 where that makes every row block one CTA's (no reduction at the end) and 128 would not
-    (561df40: 64 rows ahead only at N 8192, 1-32 tokens; 128 ahead at 64: bench/NOTES.md session 33)."""
-    if config.get().gemm_decode_rows:
-        return config.get().gemm_decode_rows
+    """Rows of B per CTA (config.gemm_decode_rows where instantiated at mt, else 128; or by shape):
+    128, or below 64 token columns (mt) 64 where that makes every row block one CTA's (no reduction
+    at the end) and 128 would not (561df40: 64 rows ahead only at N 8192, 1-32 tokens; 128 ahead at
+    64: bench/NOTES.md session 33)."""
+    knob = config.get().gemm_decode_rows
+    if knob:
+        return knob if knob in row_blocks(mt) else 128
     if mt >= 64:
         return 128
     whole = [r for r in ROW_BLOCKS if runs(N, K, r)[0] == -(-N // r)]  # one run per block

@@ -51,11 +51,12 @@ struct DecodeCfg {
   // kernel checks what it was given)
   static constexpr u32 SMEM = OFF_BAR + 2 * 8 * STAGES + 1024;
   static constexpr u32 SLOT = MT * ROWS;  // floats of one partial slot
-  static constexpr int SUM_V = ACC < 32 ? ACC : 32;  // values of a slot the last CTA loads at once
+  // values of a slot the last CTA loads at once (16 over 512 threads: 96 registers hold acc and 2 x 16)
+  static constexpr int SUM_V = ACC < 32 ? ACC : THREADS > 512 ? 16 : 32;
   static constexpr int SUM_U = SUM_V >= 16 ? 1 : 16 / SUM_V;  // and slots
   // The last CTA adds its own slot from registers (below 128 accumulators: 128 and the sum spill)
   static constexpr bool OWN_IN_REGS = ACC < 128;
-  MK_STATIC_ASSERT(ROWS == 64 || ROWS == 128, "row blocks of 64 or 128");
+  MK_STATIC_ASSERT(ROWS == 64 || ROWS == 128 || (ROWS == 256 && MT <= 64), "row blocks of 64, 128, 256 (<= 64 tokens)");
   MK_STATIC_ASSERT(MT % 8 == 0 && MT <= 256, "wgmma takes 8 .. 256 columns in steps of 8");
   MK_STATIC_ASSERT(A_BYTES % 1024 == 0, "stages stay 1 KiB aligned (the 128B swizzle's period)");
 };
