@@ -72,7 +72,12 @@ def test_row_blocks_by_shape_and_knob():
             assert dec.row_block(8192, 8192) == rows
             assert all(dec.kernel_expr(0, 0, mt, rows) in dec.EXPRESSIONS for mt in dec.M_TILES)
             assert all(dec.smem_bytes(mt, rows) <= 227 * 1024 for mt in dec.M_TILES)  # one CTA per SM
-    assert dec.row_block(8192, 8192, 64) == 128  # 64 token columns and more: 128 rows
+    assert dec.row_block(8192, 8192, 64) == 128  # 64 token columns: 128 rows
+    # 128 columns: 64 rows where their blocks fit the SMs on as many CTAs and K is not large
+    assert [dec.row_block(N, K, 128) for N, K in ((8192, 8192), (4096, 14336), (8192, 4096), (14336, 4096),
+                                                  (10240, 8192), (8192, 28672), (4288, 4096))] == \
+        [64, 64, 64, 128, 128, 128, 128]
+    assert dec.row_block(8192, 8192, 256) == 128
     with config.override(gemm_decode_rows=dec.WIDE_ROWS):  # 256 rows only at the tiles instantiated
         assert [dec.row_block(8192, 8192, mt) for mt in dec.M_TILES] == \
             [256 if mt in dec.WIDE_ROW_TILES else 128 for mt in dec.M_TILES]
