@@ -10,6 +10,7 @@ from mkernel.core import config
 from mkernel.core.log import get_logger
 from mkernel.engines import attention as _attn
 from mkernel.engines.attention import HEAD_DIMS, reference
+from mkernel.ops import moe as _moe
 from mkernel.ops import tp
 from mkernel.ops.sequence import shard_sequence
 from mkernel.runtime.arrays import cupy_mod
@@ -252,6 +253,34 @@ def _watch_status(comm, every_s: float):
     return lambda: (stop.set(), thread.join())
 
 
+def _wait_reading_counters(comm, counters, every_s: float):
+    """Waits for the current stream; once the error word is set (a timed wait fired), copies the MoE
+    counters (MOE_CNT_*) to the host on a side stream and logs them: which of the return protocol's
+    counts fell short (a copy the stalled kernel keeps from running is said so after 10 s)."""
+    import time
+
+    import cupy
+    import numpy as np
+
+    main = cupy.cuda.get_current_stream()
+    while not main.done:
+        if comm.sync.host_status.code:
+            side = cupy.cuda.Stream(non_blocking=True)
+            host = cupy.cuda.alloc_pinned_memory(counters.nbytes)
+            cupy.cuda.runtime.memcpyAsync(host.ptr, counters.data.ptr, counters.nbytes,
+                                          cupy.cuda.runtime.memcpyDeviceToHost, side.ptr)
+            until = time.monotonic() + 10
+            while not side.done and time.monotonic() < until:
+                time.sleep(0.1)
+            if not side.done:
+                log.info("counters: the copy did not complete in 10 s (the device is held)")
+                return
+            words = np.frombuffer(host, np.uint32, counters.size)
+            log.info("counters at the stall: %s", ", ".join(f"{n} {int(v)}" for n, v in zip(_moe.CNT_NAMES, words)))
+            return
+        time.sleep(every_s)
+
+
 def target_moe_gemm(watch_s: float = 0):
     """The fused dispatch + GEMM once at world 1 with integer inputs (exact in fp32), then the fused
     GEMM + combine against the unfused one; raises on a wrong result. tools/sanitize.sh runs it under
@@ -283,8 +312,11 @@ def target_moe_gemm(watch_s: float = 0):
         if watch_s > 0:
             log.info("target_moe_gemm: moe_dispatch_gemm done")
         w2 = (rng.integers(-1, 2, size=(E, F, H)) * (rng.random((E, F, H)) < 0.1)).astype(np.float16)
+        rows_back = int(h.group_rows.get().sum())  # before the launch: a copy after it would wait for it
         fused = mkernel.moe_gemm_combine(y, cupy.asarray(w2), h, comm=comm, comm_sms=3, path="fused")
         if watch_s > 0:
+            log.info("target_moe_gemm: fused moe_gemm_combine launched; %d rows to return", rows_back)
+            _wait_reading_counters(comm, h._plan["counters"], watch_s)
             cupy.cuda.get_current_stream().synchronize()
             log.info("target_moe_gemm: fused moe_gemm_combine done")
         unfused = mkernel.moe_gemm_combine(y, cupy.asarray(w2), h, comm=comm, path="unfused")

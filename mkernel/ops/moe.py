@@ -35,7 +35,10 @@ MAX_EXPERTS = 512      # MOE_MAX_EXPERTS
 MAX_TOPK = 8           # MOE_MAX_TOPK
 MAX_ROWS = 1 << 24     # meta words hold t * k + j in 24 bits
 THREADS = 512          # MOE_THREADS
-CNT_WORDS = 13         # MOE_CNT_WORDS
+# MOE_CNT_* in order (moe_args.cuh): the kernels' counter words, named for diagnostics
+CNT_NAMES = ("hist", "sent", "done", "order", "plan", "tile", "ret", "gemm_done", "arrive", "claim_hist",
+             "claim_order", "run", "returned")
+CNT_WORDS = len(CNT_NAMES)  # MOE_CNT_WORDS
 PAIRS_PER_CTA = 256    # dispatch: pairs each CTA routes (its grid: ceil(pairs / this), at most the SMs)
 ROWS_PER_CTA = 64      # combine: rows each CTA returns
 DISPATCH_SMEM = 16 * 2 * 4096  # the dispatch copiers' buffers (MoeShared<512>::STAGE_BYTES)

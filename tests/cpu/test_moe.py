@@ -158,6 +158,8 @@ def test_constants_match_the_headers(tmp_path):
     assert c["MOE_MAX_TOPK"] == m.MAX_TOPK and c["MOE_CNT_WORDS"] == m.CNT_WORDS
     assert c["MOE_ERR_CAPACITY"] == sync.MOE_ERR_CAPACITY and c["MOE_ERR_EXPERT_ID"] == sync.MOE_ERR_EXPERT_ID
     assert c["MOE_ROW_WORDS"] == 12
+    enum = re.findall(r"MOE_CNT_([A-Z_]+) = (\d+)", cuda_files()["moe_args.cuh"].read_text())
+    assert [(n.lower(), int(v)) for n, v in enum if n != "WORDS"] == [(n, i) for i, n in enumerate(m.CNT_NAMES)]
     cu = cuda_files()["moe.cu"].read_text()
     assert int(re.search(r"MOE_THREADS\s*=\s*(\d+)", cu).group(1)) == m.THREADS
     sig = cuda_files()["signals.cuh"].read_text()
