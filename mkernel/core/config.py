@@ -82,8 +82,9 @@ class Config:
     gemm_decode_split: str = "even"
     # mkernel.gemm's plain calls (the decode kernel, the engine's) launched overlapped with the kernel
     # before (programmatic dependent launch: their CTAs start while it ends and wait for it before
-    # touching memory)
-    gemm_overlap: bool = False
+    # touching memory); each CTA lets the next start at its entry, or with "tail" (the decode
+    # kernel; the engine's at entry) after its last wgmma
+    gemm_overlap: object = False
     # mkernel.gemm splits K when the output has too few 128 x 256 tiles to fill the SMs and K is
     # long (engines/gemm_plan.py split_k); False: one CTA per tile
     gemm_split_k: bool = True
@@ -112,7 +113,9 @@ class Config:
             raise ArgumentError(f"gemm_decode_rows must be 0, 64, 128 or 256; got {self.gemm_decode_rows!r}")
         if not (isinstance(self.tp_join_reduce, bool) or self.tp_join_reduce == "auto"):
             raise ArgumentError(f"tp_join_reduce must be True, False or \"auto\"; got {self.tp_join_reduce!r}")
-        for name in ("moe_join_gemm", "tp_latency_ll_overlap", "gemm_split_k", "gemm_overlap",
+        if not (isinstance(self.gemm_overlap, bool) or self.gemm_overlap == "tail"):
+            raise ArgumentError(f"gemm_overlap must be True, False or \"tail\"; got {self.gemm_overlap!r}")
+        for name in ("moe_join_gemm", "tp_latency_ll_overlap", "gemm_split_k",
                      "tp_ag_copy_first", "tp_ag_join_gemm", "tp_mps_full_share", "comm_staged", "tp_join_staged"):
             if not isinstance(getattr(self, name), bool):
                 raise ArgumentError(f"{name} must be True or False; got {getattr(self, name)!r}")

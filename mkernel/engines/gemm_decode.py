@@ -78,7 +78,7 @@ class MkDecodeArgs(ctypes.Structure):
                 ("partial", ctypes.c_void_p), ("counts", ctypes.c_void_p), ("ldc", ctypes.c_int64),
                 ("m", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("kblocks", ctypes.c_int32),
                 ("ctas", ctypes.c_int32), ("slots", ctypes.c_int32), ("epi_op", ctypes.c_uint32),
-                ("pad", ctypes.c_uint32 * 15)]
+                ("trigger_tail", ctypes.c_uint32), ("pad", ctypes.c_uint32 * 14)]
 
 
 def knobs() -> tuple:

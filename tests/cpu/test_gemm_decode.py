@@ -83,7 +83,8 @@ def test_row_blocks_by_shape_and_knob():
             [256 if mt in dec.WIDE_ROW_TILES else 128 for mt in dec.M_TILES]
         assert all(dec.kernel_expr(0, 0, mt, 256) in dec.EXPRESSIONS and dec.smem_bytes(mt, 256) <= 227 * 1024
                    for mt in dec.WIDE_ROW_TILES)
-    for bad in ({"gemm_decode_rows": 96}, {"gemm_decode_rows": 512}, {"gemm_decode_split": "k"}):
+    for bad in ({"gemm_decode_rows": 96}, {"gemm_decode_rows": 512}, {"gemm_decode_split": "k"},
+                {"gemm_overlap": "late"}, {"gemm_overlap": 1}):
         with pytest.raises(ArgumentError), config.override(**bad):
             pass
 

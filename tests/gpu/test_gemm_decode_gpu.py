@@ -164,8 +164,9 @@ SLOW_COPY = r"""extern "C" __global__ void slow_copy(const unsigned short* src, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M,N,K", [(8, 4096, 2048), (64, 8192, 1024), (256, 1024, 2048), (300, 1000, 520)])
-def test_an_overlapped_launch_reads_what_the_kernel_before_wrote(M, N, K, monkeypatch):
+@pytest.mark.parametrize("M,N,K,overlap", [(8, 4096, 2048, True), (64, 8192, 1024, True), (256, 1024, 2048, True),
+                                           (300, 1000, 520, True), (8, 4096, 2048, "tail"), (64, 8192, 1024, "tail")])
+def test_an_overlapped_launch_reads_what_the_kernel_before_wrote(M, N, K, overlap, monkeypatch):
     """config.gemm_overlap: mkernel.gemm's kernel (decode; the engine's past the decode path's rows:
     the last two) launched while the kernel before it (which writes its A after 200 us) still runs
     reads the new A: the bits of a plain launch on it, three calls in a row (a kept plan's replays)."""
@@ -184,7 +185,7 @@ def test_an_overlapped_launch_reads_what_the_kernel_before_wrote(M, N, K, monkey
     monkeypatch.setattr(engine, "launch", lambda *a, **kw: seen.append(kw.get("overlapped")) or real(*a, **kw))
     monkeypatch.setattr(engine, "_plans", engine.PlanCache())
     slow = cupy.RawKernel(SLOW_COPY, "slow_copy")
-    with config.override(gemm_overlap=True):
+    with config.override(gemm_overlap=overlap):
         for _ in range(3):
             words[1][...] = words[2]
             poison(out)

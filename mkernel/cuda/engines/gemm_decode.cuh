@@ -215,6 +215,7 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
     for (int i = 0; i < Cfg::ACC; ++i) wgmma_fence_operand(acc[i]);
     if (lane == 0) mbar_arrive(empty0 + 8 * ((it + Cfg::STAGES - 1) % Cfg::STAGES));
     if (stamps) s_stamps.stamp(MK_DECODE_PH_MMA, rb);
+    if (args.trigger_tail && kend == u1) griddep_launch_dependents();  // the CTA's last block: its tail left
 
     const u64 r0 = rb * Cfg::ROWS + warp * 16 + g, r1 = r0 + 8;
     const u32 first = decode_cta_of(rb * kb, units, C), n_ctas = decode_cta_of((rb + 1) * kb - 1, units, C) - first + 1;
