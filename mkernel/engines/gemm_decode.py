@@ -2,10 +2,10 @@
 as ``w.T``), bound by reading the weights once (kernel and protocol: mkernel/cuda/engines/gemm_decode.cuh).
 
 ``gemm`` takes this path by shape (:func:`eligible`: M up to ``config.gemm_decode_max_m``, B as
-[N, K], none of the fused ops' controls). A CTA is 1 or 2 consumer warpgroups (64 or 128 rows of B,
-wgmma against all the tokens) fed by a TMA producer warp; the (row block, k-block) units are cut
-into equal runs, one per CTA, each row block
-in the same number of runs (or stream-K: config.gemm_decode_split), a function of the shape only.
+[N, K], none of the fused ops' controls). A CTA is 1, 2 or 4 consumer warpgroups (64, 128 or, by
+knob at 33-64 tokens, 256 rows of B; wgmma against all the tokens) fed by a TMA producer warp; the
+(row block, k-block) units are cut into equal runs, one per CTA, each row block in the same number
+of runs (or stream-K: config.gemm_decode_split), a function of the shape only.
 Row blocks shared by several CTAs are added from fp32 partials in a fixed order: bitwise
 reproducible run to run and on any number of SMs. The partials live in the stream's workspace
 (grown to a call's need at its first call; launch plans keep the buffer they were built with alive).
