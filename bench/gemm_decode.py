@@ -168,7 +168,6 @@ def main():
         settings = {}
         if kind == "decode":  # the decode path's knobs (taking up to 256 rows)
             settings = {"rows64": {"gemm_decode_rows": 64}, "rows128": {"gemm_decode_rows": 128},
-                        "rows256": {"gemm_decode_rows": 256},
                         "stream": {"gemm_decode_split": "stream"}, "overlap": {"gemm_overlap": True}}
             settings = {k: dict(v, gemm_decode_max_m=256) for k, v in settings.items()}
         if M > config.get().gemm_decode_max_m and plan.split_k(M, N, K) > 1:

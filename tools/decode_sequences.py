@@ -15,8 +15,7 @@ slowest rank's median (bench/mps_timing.py's rule). Per row count M (per-rank [M
   gemm<R>ctas(+ar)  the decode GEMM's runs planned for R = launch.sm_count() CTAs (under MPS what
                every rank can hold at once) instead of 132 (timing only: other partial sums, other bits)
   gemm overlap, gemm+gemm overlap  the decode GEMMs launched overlapped with the kernel before
-               (config.gemm_overlap: each sets up while the one before ends); "tail": each lets the
-               next start after its last wgmma, not at its entry
+               (config.gemm_overlap: each sets up while the one before ends its CTAs' last wgmma)
 and each "gemm" figure with the other ranks idle (solo: rank 0 alone, the others wait); then one
 GEMM's time right after a device barrier (mps_timing.synced_ms), every rank at once and rank 0 alone.
 
@@ -102,9 +101,7 @@ def main():
         knobs = {"gemm+ar(8 CTAs)": ("gemm+ar", {"MAX_CTAS": 8}), "gemm128+ar": ("gemm+ar", {"rows": 128}),
                  "gemm128": ("gemm", {"rows": 128}), f"gemm{resident}ctas": ("gemm", {"split_sms": resident}),
                  f"gemm{resident}ctas+ar": ("gemm+ar", {"split_sms": resident}),
-                 "gemm overlap": ("gemm", {"overlap": True}), "gemm+gemm overlap": ("gemm+gemm", {"overlap": True}),
-                 "gemm overlap tail": ("gemm", {"overlap": "tail"}),
-                 "gemm+gemm overlap tail": ("gemm+gemm", {"overlap": "tail"})}
+                 "gemm overlap": ("gemm", {"overlap": True}), "gemm+gemm overlap": ("gemm+gemm", {"overlap": True})}
         t = {name: mt.graph_batch_ms(comm, barrier, fn) * 1e3 for name, fn in seqs.items()}
         for name, (seq, knob) in knobs.items():
             with _constants(comm, knob), config.override(gemm_decode_rows=knob.get("rows", 0),

@@ -32,8 +32,8 @@ class Config:
     # (False: 2 vectors a thread in registers, the GEMM CTAs' budget)
     tp_join_staged: bool = True
     # gemm_allreduce in a node at most this many rows: GEMM + one-shot all-reduce (0: never; the
-    # crossover with the fused kernel is measured by bench/tp_decode.py)
-    tp_latency_max_rows: int = 128
+    # crossover with the fused kernel is measured by bench/tp_decode.py: 256 rows ahead, session 42)
+    tp_latency_max_rows: int = 256
     # ... and at most this many rows (and B as [N, K]) the fused latency kernels (gemm_allreduce_ll.py;
     # 0: the decode GEMM, then mkernel.allreduce)
     tp_latency_ll_max_rows: int = 64
@@ -74,17 +74,15 @@ class Config:
     # (gemm_decode.py; past 64 rows where its runs fill the SMs); above, the engine (split K where
     # its tiles are few).
     gemm_decode_max_m: int = 128
-    # The decode path's rows of B per CTA: 64, 128 or 256 (33-64 tokens only; 128 elsewhere); 0: by
-    # shape (gemm_decode.row_block).
+    # The decode path's rows of B per CTA: 64 or 128; 0: by shape (gemm_decode.row_block).
     gemm_decode_rows: int = 0
     # How the decode path cuts its (row block, k-block) units: "even" (each row block in the same
     # number of runs, measured faster: bench/NOTES.md) or "stream" (equal runs over every CTA slot).
     gemm_decode_split: str = "even"
     # mkernel.gemm's plain calls (the decode kernel, the engine's) launched overlapped with the kernel
     # before (programmatic dependent launch: their CTAs start while it ends and wait for it before
-    # touching memory); each CTA lets the next start at its entry, or with "tail" (the decode
-    # kernel; the engine's at entry) after its last wgmma
-    gemm_overlap: object = False
+    # touching memory); a decode CTA lets the next start after its last wgmma, an engine CTA at entry
+    gemm_overlap: bool = False
     # mkernel.gemm splits K when the output has too few 128 x 256 tiles to fill the SMs and K is
     # long (engines/gemm_plan.py split_k); False: one CTA per tile
     gemm_split_k: bool = True
@@ -109,13 +107,11 @@ class Config:
         if self.gemm_decode_max_m > 256:
             raise ArgumentError(f"gemm_decode_max_m must be at most 256 (the decode path's widest tile); got "
                                 f"{self.gemm_decode_max_m!r}")
-        if self.gemm_decode_rows not in (0, 64, 128, 256):
-            raise ArgumentError(f"gemm_decode_rows must be 0, 64, 128 or 256; got {self.gemm_decode_rows!r}")
+        if self.gemm_decode_rows not in (0, 64, 128):
+            raise ArgumentError(f"gemm_decode_rows must be 0, 64 or 128; got {self.gemm_decode_rows!r}")
         if not (isinstance(self.tp_join_reduce, bool) or self.tp_join_reduce == "auto"):
             raise ArgumentError(f"tp_join_reduce must be True, False or \"auto\"; got {self.tp_join_reduce!r}")
-        if not (isinstance(self.gemm_overlap, bool) or self.gemm_overlap == "tail"):
-            raise ArgumentError(f"gemm_overlap must be True, False or \"tail\"; got {self.gemm_overlap!r}")
-        for name in ("moe_join_gemm", "tp_latency_ll_overlap", "gemm_split_k",
+        for name in ("moe_join_gemm", "tp_latency_ll_overlap", "gemm_split_k", "gemm_overlap",
                      "tp_ag_copy_first", "tp_ag_join_gemm", "tp_mps_full_share", "comm_staged", "tp_join_staged"):
             if not isinstance(getattr(self, name), bool):
                 raise ArgumentError(f"{name} must be True or False; got {getattr(self, name)!r}")

@@ -344,7 +344,6 @@ def _launch_decode(a, b_arr, out, out_code, *, M, N, K, accumulate, stream):
     d = _decode.build(a, b_arr, out, out_code, M=M, N=N, K=K, accumulate=accumulate, sync=ws.sync(),
                       partial=ws.decode_partials)
     overlapped = bool(config.get().gemm_overlap)  # griddep_wait in the kernel before any memory access
-    d.args.trigger_tail = int(config.get().gemm_overlap == "tail")
     return (d.fn, d.grid, d.block, d.args, d.smem, d.buffer), launch(d.fn, d.grid, d.block, d.args, smem=d.smem,
                                                                      overlapped=overlapped, stream=stream)
 

@@ -2,8 +2,8 @@
 as ``w.T``), bound by reading the weights once (kernel and protocol: mkernel/cuda/engines/gemm_decode.cuh).
 
 ``gemm`` takes this path by shape (:func:`eligible`: M up to ``config.gemm_decode_max_m``, B as
-[N, K], none of the fused ops' controls). A CTA is 1, 2 or 4 consumer warpgroups (64, 128 or, by
-knob at 33-64 tokens, 256 rows of B; wgmma against all the tokens) fed by a TMA producer warp; the
+[N, K], none of the fused ops' controls). A CTA is 1 or 2 consumer warpgroups (64 or 128 rows of
+B; wgmma against all the tokens) fed by a TMA producer warp; the
 (row block, k-block) units are cut into equal runs, one per CTA, each row block in the same number
 of runs (or stream-K: config.gemm_decode_split), a function of the shape only.
 Row blocks shared by several CTAs are added from fp32 partials in a fixed order: bitwise
@@ -22,9 +22,6 @@ from mkernel.runtime.sync import MkSync
 
 BK = 64  # MK_DECODE_BK: elements of K per stage
 ROW_BLOCKS = (64, 128)  # rows of B per CTA (ROWS / 64 consumer warpgroups and a producer warp)
-# 256-row blocks (4 warpgroups: A read half as often as at 128) at these token tiles: 544 threads
-# get 96 registers each (5 warps on a sub-partition), where 128 tokens' accumulators spill
-WIDE_ROWS, WIDE_ROW_TILES = 256, (64,)
 # At 128 tokens 64-row blocks beat 128 where they fit the SMs: 3-10% on 8192 x 8192, 4096 x 14336
 # and (under MPS) 8192 x 4096; 6% behind on 8192 x 28672, each CTA streaming A's 7 MB (session 41)
 ROWS64_MAX_K = 16384
@@ -61,13 +58,8 @@ def kernel_expr(dt: int, out: int, mt: int, rows: int) -> str:
     return f"mk_gemm_decode_kernel<{dt},{out},{mt},{rows}>"
 
 
-def row_blocks(mt: int) -> tuple:
-    """The row blocks instantiated at a token tile of mt columns."""
-    return ROW_BLOCKS + ((WIDE_ROWS,) if mt in WIDE_ROW_TILES else ())
-
-
 EXPRESSIONS = tuple(kernel_expr(dt, out, mt, rows) for dt in (0, 1) for out in (dt, OUT_F32) for mt in M_TILES
-                    for rows in row_blocks(mt))
+                    for rows in ROW_BLOCKS)
 SPEC = _compile.register("gemm_decode", "gemm_decode.cu", EXPRESSIONS, hot=True)
 
 
@@ -78,7 +70,7 @@ class MkDecodeArgs(ctypes.Structure):
                 ("partial", ctypes.c_void_p), ("counts", ctypes.c_void_p), ("ldc", ctypes.c_int64),
                 ("m", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("kblocks", ctypes.c_int32),
                 ("ctas", ctypes.c_int32), ("slots", ctypes.c_int32), ("epi_op", ctypes.c_uint32),
-                ("trigger_tail", ctypes.c_uint32), ("pad", ctypes.c_uint32 * 14)]
+                ("pad", ctypes.c_uint32 * 15)]
 
 
 def knobs() -> tuple:
@@ -121,14 +113,13 @@ def runs(N: int, K: int, rows: int = 128) -> tuple:
 
 
 def row_block(N: int, K: int, mt: int = 8) -> int:
-    """Rows of B per CTA (config.gemm_decode_rows where instantiated at mt, else 128; or by shape):
-    128, or below 64 token columns (mt) 64 where that makes every row block one CTA's (no reduction
-    at the end) and 128 would not (561df40: 64 rows ahead only at N 8192, 1-32 tokens; 128 ahead at
-    64: bench/NOTES.md session 33); at 128 columns 64 where its blocks fit the SMs, on as many CTAs,
-    and K <= ROWS64_MAX_K (session 41)."""
-    knob = config.get().gemm_decode_rows
-    if knob:
-        return knob if knob in row_blocks(mt) else 128
+    """Rows of B per CTA (config.gemm_decode_rows, or by shape): 128, or below 64 token columns
+    (mt) 64 where that makes every row block one CTA's (no reduction at the end) and 128 would not
+    (561df40: 64 rows ahead only at N 8192, 1-32 tokens; 128 ahead at 64: bench/NOTES.md session
+    33); at 128 columns 64 where its blocks fit the SMs, on as many CTAs, and K <= ROWS64_MAX_K
+    (session 41)."""
+    if config.get().gemm_decode_rows:
+        return config.get().gemm_decode_rows
     if mt == 128 and K <= ROWS64_MAX_K and -(-N // 64) <= SPLIT_SMS and runs(N, K, 64)[0] >= runs(N, K)[0]:
         return 64
     if mt >= 64:

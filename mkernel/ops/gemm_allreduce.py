@@ -18,7 +18,7 @@ def gemm_allreduce(a, b, *, comm, out=None, stream=None, b_layout=None, comm_sms
 
     Arguments as :func:`mkernel.gemm_reduce_scatter` (M a multiple of the world size, except on the
     latency path); ``out`` is ``[M, N]``. Inside one node at most ``config.tp_latency_max_rows``
-    rows (128) take ``path="latency"`` by default: the decode GEMM into the one-shot all-reduce's
+    rows (256) take ``path="latency"`` by default: the decode GEMM into the one-shot all-reduce's
     scratch, then :func:`mkernel.allreduce` (any M; the same sum and bits rule).
     Each row block is reduced once, by its owner (fp32 sum in rank order, rounded once), and copied
     to every rank, so all ranks hold identical bits. ``comm_sms``: CTAs that reduce and gather,

@@ -67,7 +67,7 @@ def run(comm, c, stream):
     plan = tp.plan_buffers("gemm_allreduce_ll", comm, plan_key, [("ll", (W, pairs, c.N, 2), "uint32")],
                            counter_words=CNT_WORDS)
     sync = comm.sync_args(OP)
-    rows = config.get().gemm_decode_rows if config.get().gemm_decode_rows in _decode.ROW_BLOCKS else ROWS
+    rows = config.get().gemm_decode_rows or ROWS
     _, grid, block, g, buffer, smem = _decode.build(c.a, c.b, c.out, tp.DT[dt.name], M=c.M, N=c.N, K=c.K,
                                                      accumulate=False, sync=sync, rows=rows,
                                                      partial=_gemm.workspace(stream).decode_partials)

@@ -11,7 +11,7 @@ Paths (one per call, a function of the shapes and the topology, agreed by every 
 - ``"gemm"``: world 1: the GEMM engine (``mkernel.gemm``), nothing to communicate.
 - ``"latency"`` (gemm_allreduce inside a node): the GEMM (the decode path at few rows), then the
   one-shot all-reduce (mkernel.allreduce): one round of pushes for small outputs. Chosen by
-  ``config.tp_latency_max_rows`` (128 rows, measured) or when asked for.
+  ``config.tp_latency_max_rows`` (256 rows, measured) or when asked for.
 - ``"unfused"`` (only when asked for: the baseline that isolates overlap, between nodes above all):
   the GEMM engine, then the fused kernel's own collective with no GEMM in it (RS / AR: its CTAs
   move the finished partial's tiles where the epilogue would store them; AG: the gather, then the

@@ -38,8 +38,8 @@ def test_gemm_allreduce_takes_the_latency_path_by_knob_or_request():
     class Comm:
         size, num_nodes, gpus_shared = 2, 1, True
 
-    assert tp.choose_path("gemm_allreduce", Comm, None, rows=128, N=4096, K=4096)[0] == "latency"  # the default
-    assert tp.choose_path("gemm_allreduce", Comm, None, rows=129, N=4096, K=4096)[0] == "fused"
+    assert tp.choose_path("gemm_allreduce", Comm, None, rows=256, N=4096, K=4096)[0] == "latency"  # the default
+    assert tp.choose_path("gemm_allreduce", Comm, None, rows=257, N=4096, K=4096)[0] == "fused"
     with config.override(tp_latency_max_rows=0):
         assert tp.choose_path("gemm_allreduce", Comm, None, rows=1, N=4096, K=4096)[0] == "fused"  # off
     with config.override(tp_latency_max_rows=64):

@@ -19,7 +19,7 @@ def test_args_mirror_matches_c_layout(tmp_path):
 
 @pytest.mark.parametrize("N,K", [(8192, 8192), (4096, 14336), (14336, 4096), (10240, 8192), (8192, 28672),
                                  (8200, 1032), (3000, 2000), (8, 8), (264, 136), (128, 512), (100000, 64)])
-@pytest.mark.parametrize("rows", dec.ROW_BLOCKS + (dec.WIDE_ROWS,))
+@pytest.mark.parametrize("rows", dec.ROW_BLOCKS)
 @pytest.mark.parametrize("split", ["stream", "even"])
 def test_runs_cut_the_units_evenly_and_slots_hold_every_block(N, K, rows, split):
     with config.override(gemm_decode_split=split):
@@ -78,13 +78,8 @@ def test_row_blocks_by_shape_and_knob():
                                                   (10240, 8192), (8192, 28672), (4288, 4096))] == \
         [64, 64, 64, 128, 128, 128, 128]
     assert dec.row_block(8192, 8192, 256) == 128
-    with config.override(gemm_decode_rows=dec.WIDE_ROWS):  # 256 rows only at the tiles instantiated
-        assert [dec.row_block(8192, 8192, mt) for mt in dec.M_TILES] == \
-            [256 if mt in dec.WIDE_ROW_TILES else 128 for mt in dec.M_TILES]
-        assert all(dec.kernel_expr(0, 0, mt, 256) in dec.EXPRESSIONS and dec.smem_bytes(mt, 256) <= 227 * 1024
-                   for mt in dec.WIDE_ROW_TILES)
-    for bad in ({"gemm_decode_rows": 96}, {"gemm_decode_rows": 512}, {"gemm_decode_split": "k"},
-                {"gemm_overlap": "late"}, {"gemm_overlap": 1}):
+    for bad in ({"gemm_decode_rows": 96}, {"gemm_decode_rows": 256}, {"gemm_decode_split": "k"},
+                {"gemm_overlap": "tail"}, {"gemm_overlap": 1}):
         with pytest.raises(ArgumentError), config.override(**bad):
             pass
 

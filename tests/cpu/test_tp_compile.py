@@ -141,8 +141,8 @@ class _FakeComm:
 def test_path_choice_is_a_function_of_shapes_and_topology():
     op = "gemm_allreduce"
     assert tp.choose_path(op, _FakeComm(1), None, rows=64, N=64, K=64)[0] == "gemm"
-    assert tp.choose_path(op, _FakeComm(2, distinct=False), None, rows=256, N=64, K=64)[0] == "fused"
-    assert tp.choose_path(op, _FakeComm(2), None, rows=256, N=64, K=64)[0] == "fallback"
+    assert tp.choose_path(op, _FakeComm(2, distinct=False), None, rows=512, N=64, K=64)[0] == "fused"
+    assert tp.choose_path(op, _FakeComm(2), None, rows=512, N=64, K=64)[0] == "fallback"
     assert tp.choose_path(op, _FakeComm(2), None, rows=64, N=64, K=64)[0] == "latency"  # few rows, one node
     assert tp.choose_path("gemm_reduce_scatter", _FakeComm(2), None, rows=64, N=64, K=64)[0] == "fallback"
     assert tp.choose_path(op, _FakeComm(2), None, rows=8192, N=8192, K=4096)[0] == "fused"

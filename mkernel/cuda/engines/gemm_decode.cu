@@ -26,7 +26,6 @@ struct DecodeStore {
 template <int DT, int OUT, int MT, int ROWS>
 __global__ void __launch_bounds__(DecodeCfg<MT, ROWS>::THREADS, 1)
     mk_gemm_decode_kernel(const __grid_constant__ MkDecodeArgs args) {
-  if (!args.trigger_tail) griddep_launch_dependents();  // a next overlapped kernel sets up as these CTAs leave
   DecodeStore<OUT> epi{args};
   decode_gemm<DT, MT, ROWS>(args, epi);
 }

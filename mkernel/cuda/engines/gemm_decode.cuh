@@ -51,12 +51,11 @@ struct DecodeCfg {
   // kernel checks what it was given)
   static constexpr u32 SMEM = OFF_BAR + 2 * 8 * STAGES + 1024;
   static constexpr u32 SLOT = MT * ROWS;  // floats of one partial slot
-  // values of a slot the last CTA loads at once (16 over 512 threads: 96 registers hold acc and 2 x 16)
-  static constexpr int SUM_V = ACC < 32 ? ACC : THREADS > 512 ? 16 : 32;
+  static constexpr int SUM_V = ACC < 32 ? ACC : 32;  // values of a slot the last CTA loads at once
   static constexpr int SUM_U = SUM_V >= 16 ? 1 : 16 / SUM_V;  // and slots
   // The last CTA adds its own slot from registers (below 128 accumulators: 128 and the sum spill)
   static constexpr bool OWN_IN_REGS = ACC < 128;
-  MK_STATIC_ASSERT(ROWS == 64 || ROWS == 128 || (ROWS == 256 && MT <= 64), "row blocks of 64, 128, 256 (<= 64 tokens)");
+  MK_STATIC_ASSERT(ROWS == 64 || ROWS == 128, "row blocks of 64 or 128");
   MK_STATIC_ASSERT(MT % 8 == 0 && MT <= 256, "wgmma takes 8 .. 256 columns in steps of 8");
   MK_STATIC_ASSERT(A_BYTES % 1024 == 0, "stages stay 1 KiB aligned (the 128B swizzle's period)");
 };
@@ -215,7 +214,7 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
     for (int i = 0; i < Cfg::ACC; ++i) wgmma_fence_operand(acc[i]);
     if (lane == 0) mbar_arrive(empty0 + 8 * ((it + Cfg::STAGES - 1) % Cfg::STAGES));
     if (stamps) s_stamps.stamp(MK_DECODE_PH_MMA, rb);
-    if (args.trigger_tail && kend == u1) griddep_launch_dependents();  // the CTA's last block: its tail left
+    if (kend == u1) griddep_launch_dependents();  // its last wgmma done: a next overlapped kernel may set up
 
     const u64 r0 = rb * Cfg::ROWS + warp * 16 + g, r1 = r0 + 8;
     const u32 first = decode_cta_of(rb * kb, units, C), n_ctas = decode_cta_of((rb + 1) * kb - 1, units, C) - first + 1;

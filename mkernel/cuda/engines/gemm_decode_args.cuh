@@ -32,6 +32,5 @@ struct MkDecodeArgs {
   int ctas;  // CTAs (gridDim.x): each takes an equal run of (row block, k-block) units
   int slots;  // partial slots per row block (at least its most contributing CTAs)
   unsigned int epi_op;  // MK_EPI_STORE or MK_EPI_ADD (gemm_args.cuh)
-  unsigned int trigger_tail;  // 1: launch_dependents after the CTA's last wgmma, not at entry
-  unsigned int pad[14];
+  unsigned int pad[15];
 };
