@@ -14,7 +14,8 @@ shape's first call builds its plan.
 A call whose work is only launches may also record them by a key of its arrays and options
 (:func:`mkernel.runtime.launch.call_key`): a repeated call then checks for errors and launches
 them, nothing else. A record holds while no plan was released since it was made (a release may
-free memory its arguments point to) and the configuration object is the same.
+free memory its arguments point to), the configuration object is the same and its gate, if any,
+lets the call through (a fused call's split search: the record serves while the split holds).
 """
 
 from collections import OrderedDict
@@ -81,17 +82,19 @@ class PlanRegistry:
         if rec[0] != self.generation or rec[1] is not config.get():
             del self._calls[key]
             return None
+        if rec[5] is not None and not rec[5]():
+            return None
         self._calls.move_to_end(key)
         for plan_key in rec[3]:
             self._plans.move_to_end(plan_key)
         return rec[2]
 
-    def record_launches(self, key, launches, plans, keep=()):
+    def record_launches(self, key, launches, plans, keep=(), gate=None):
         """Records a call's launches ``(fn, grid, block, args, smem)``, made with the plans of keys
         ``plans``; ``keep`` holds what their arguments point to that no plan holds (a stream's
-        workspace buffer)."""
+        workspace buffer); ``gate()``, if given, is asked before each replay (False: the full call)."""
         assert all(k in self._plans for k in plans), plans
-        self._calls[key] = (self.generation, config.get(), tuple(launches), tuple(plans), keep)
+        self._calls[key] = (self.generation, config.get(), tuple(launches), tuple(plans), keep, gate)
         self._calls.move_to_end(key)
         while len(self._calls) > MAX_CALLS:
             self._calls.popitem(last=False)

@@ -31,6 +31,9 @@ def allgather_gemm(a, b, *, comm, out=None, stream=None, return_gathered=False, 
     with the same local index there, which passes it on to its node's peers over NVLink): each
     rank sends ``(nodes - 1) * M / world * K`` elements, the minimum.
     """
+    key = None if return_gathered else tp.call_key(comm, OP, stream, (a, b, out), (b_layout, comm_sms, path))
+    if tp.replay(comm, key, stream):  # a repeated fused call: its recorded launch
+        return out
     c = _check(comm, a, b, out, stream, b_layout, comm_sms, path, return_gathered)
     if c.path == "gemm":
         _gemm.gemm(c.a, c.b, out=c.out, stream=stream, b_layout="kn" if c.layout == tp.B_KN else "nk")
@@ -38,8 +41,8 @@ def allgather_gemm(a, b, *, comm, out=None, stream=None, return_gathered=False, 
     if c.path == "fallback":
         gathered = _fallback(comm, c, stream)
         return (c.out, gathered) if return_gathered else c.out
-    plan, template = _plan(comm, c)
-    _launch(comm, plan, template, c, stream)
+    plan, template, plan_key = _plan(comm, c)
+    _launch(comm, plan, template, c, stream, (key, plan_key))
     if return_gathered:  # a memcpy, not CuPy's copy kernel (whose first use would load a module)
         gathered = tp.cupy_mod().empty_like(plan["ga"])
         gathered.data.copy_from_device_async(plan["ga"].data, gathered.nbytes, stream)
@@ -79,10 +82,11 @@ def _fallback(comm, c, stream):
 
 
 def _plan(comm, c):
-    """(plan, launch template): buffers per (shard rows, K, dtype), shared by N and layouts."""
+    """(plan, launch template, plan key): buffers per (shard rows, K, dtype), shared by N and layouts."""
     tiles_mb = -(-c.mb // tp.BM)
     sizes = [("ga", (c.M, c.K), c.a.dtype), ("aflag", (comm.size * tiles_mb,), "uint32")]
-    plan = tp.plan_buffers(OP, comm, ("buffers", OP, c.mb, c.K, c.a.dtype.name), sizes)
+    plan_key = ("buffers", OP, c.mb, c.K, c.a.dtype.name)
+    plan = tp.plan_buffers(OP, comm, plan_key, sizes)
 
     def build():
         args = tp.TpArgs()
@@ -92,12 +96,12 @@ def _plan(comm, c):
         if comm.num_nodes > 1:  # arrival counters of the chunks that come through the proxy
             tp.plan_between_nodes(comm, plan, args, tiles_mb)
         return args
-    return plan, tp.launch_template(plan, (c.N, c.layout, c.path), build)
+    return plan, tp.launch_template(plan, (c.N, c.layout, c.path), build), plan_key
 
 
-def _launch(comm, plan, template, c, stream):
+def _launch(comm, plan, template, c, stream, keys):
     """This call's operands into a copy of the template, the split, the launch (unfused: the
-    gather, then the GEMM engine)."""
+    gather, then the GEMM engine; fused: its copy and launch recorded under keys' call key)."""
     W, L, nodes = comm.size, comm.local_size, comm.num_nodes
     esize = c.a.dtype.itemsize
     ga = plan["ga"]
@@ -125,10 +129,15 @@ def _launch(comm, plan, template, c, stream):
     tp.set_split(args, plan, gemm_ctas, tp.controller_mode(OP, c.comm_sms, c.path), comm)
     args.own_copied = int(config.get().tp_ag_copy_first)
     args.join = int(config.get().tp_ag_join_gemm and gemm_ctas > 0)
+    launches = ()
     with autosplit.timed(token, stream):
         if args.own_copied:  # the shard into this rank's own gathered rows (a copy, no kernel: no module load)
-            tp.copy_rows(ga.data.ptr + comm.rank * c.mb * c.K * esize, c.K * esize, c.a, c.mb, c.K * esize, stream)
-        tp.launch_fused(comm, OP, SPEC, KERNEL, args, c.a.dtype, c.layout, gemm_ctas + comm_ctas, stream)
+            launches = (tp.copy_rows(ga.data.ptr + comm.rank * c.mb * c.K * esize, c.K * esize, c.a, c.mb,
+                                     c.K * esize, stream),)
+        launches += (tp.launch_fused(comm, OP, SPEC, KERNEL, args, c.a.dtype, c.layout, gemm_ctas + comm_ctas,
+                                     stream),)
+    if c.path == "fused":
+        tp.record_call(comm, keys[0], OP, "fused", launches, (keys[1],), token=token, ctl=plan["ctl"])
     if c.path == "unfused":
         with tp.on_stream(stream):
             tp.matmul(ga, c.b, c.layout, out=out)

@@ -50,10 +50,10 @@ def gemm_reduce_scatter(a, b, *, comm, out=None, stream=None, b_layout=None, com
 
 def gemm_reduce(op, spec, kernel, allreduce, a, b, *, comm, out, stream, b_layout, comm_sms, deterministic, path,
                 join=None):
-    """The driver of both ops: check, plan, launch (a repeated latency-path call: its recorded launches)."""
+    """The driver of both ops: check, plan, launch (a repeated call of the latency or fused path:
+    its recorded launches)."""
     key = tp.call_key(comm, op, stream, (a, b, out), (b_layout, comm_sms, deterministic, path, join))
     if tp.replay(comm, key, stream):
-        tp.note_path(comm, op, "latency")
         return out
     c = _check(op, allreduce, comm, a, b, out, stream, b_layout, comm_sms, deterministic, path, join)
     if c.path == "gemm":
@@ -62,10 +62,10 @@ def gemm_reduce(op, spec, kernel, allreduce, a, b, *, comm, out, stream, b_layou
         _fallback(allreduce, comm, c, stream)
     elif c.path == "latency":
         record = _latency(comm, c, stream)
-        if key is not None and record is not None:
-            comm.plans.record_launches(key, *record)
+        if record is not None:
+            tp.record_call(comm, key, op, "latency", *record)
     else:
-        _launch(op, spec, kernel, allreduce, comm, _plan(op, allreduce, comm, c), c, stream)
+        _launch(op, spec, kernel, allreduce, comm, _plan(op, allreduce, comm, c), c, stream, key)
     return c.out
 
 
@@ -148,7 +148,7 @@ def _latency_out(comm, c):
 
 
 def _plan(op, allreduce, comm, c):
-    """(plan, launch template) of this shape: buffers per (M, N, dtype), shared by layouts and K."""
+    """(plan, launch template, plan key) of this shape: buffers per (M, N, dtype), shared by layouts and K."""
     W, L, nodes, dt = comm.size, comm.local_size, comm.num_nodes, c.a.dtype
     tiles_blk = (-(-c.mb // tp.BM)) * (-(-c.N // tp.BN))
     # recv[sender lrank][block j]: this node's partials of the blocks j * L + lrank (all W at one node)
@@ -160,9 +160,10 @@ def _plan(op, allreduce, comm, c):
         tiles = (nodes, tiles_blk, tp.TILE_BYTES // 2)
         sizes += [("stage", tiles, dt), ("xrecv", tiles, dt)] + ([("xgath", tiles, dt)] if allreduce else [])
         sizes += [("xstaged", (tp.send_groups(tiles_blk),), "uint32")]
-    plan = tp.plan_buffers(op, comm, ("buffers", op, c.M, c.N, dt.name), sizes)
+    plan_key = ("buffers", op, c.M, c.N, dt.name)
+    plan = tp.plan_buffers(op, comm, plan_key, sizes)
     build = lambda: _static_args(allreduce, comm, plan, c, tiles_blk)  # noqa: E731
-    return plan, tp.launch_template(plan, (c.K, c.layout, c.join, c.path), build)
+    return plan, tp.launch_template(plan, (c.K, c.layout, c.join, c.path), build), plan_key
 
 
 def _static_args(allreduce, comm, plan, c, tiles_blk):
@@ -188,9 +189,10 @@ def _static_args(allreduce, comm, plan, c, tiles_blk):
     return args
 
 
-def _launch(op, spec, kernel, allreduce, comm, planned, c, stream):
-    """This call's operands into a copy of the template, the split, the launch."""
-    plan, template = planned
+def _launch(op, spec, kernel, allreduce, comm, planned, c, stream, key):
+    """This call's operands into a copy of the template, the split, the launch (recorded under
+    ``key`` on the fused path)."""
+    plan, template, plan_key = planned
     W, nodes, esize = comm.size, comm.num_nodes, c.a.dtype.itemsize
     args = tp.call_args(template, c, a_ptr=c.a.data.ptr, a_row_bytes=row_stride(c.a))
     args.out = c.out.data.ptr
@@ -211,4 +213,6 @@ def _launch(op, spec, kernel, allreduce, comm, planned, c, stream):
     mode = tp.controller_mode(op, c.comm_sms, c.path, joined_in_node=joined_in_node)
     tp.set_split(args, plan, gemm_ctas, mode, comm)
     with autosplit.timed(token, stream):
-        tp.launch_fused(comm, op, spec, kernel, args, c.a.dtype, c.layout, gemm_ctas + comm_ctas, stream)
+        launched = tp.launch_fused(comm, op, spec, kernel, args, c.a.dtype, c.layout, gemm_ctas + comm_ctas, stream)
+    if c.path == "fused":
+        tp.record_call(comm, key, op, "fused", (launched,), (plan_key,), token=token, ctl=plan["ctl"])

@@ -257,9 +257,32 @@ def call_key(comm, op, stream, arrays, options):
     return None if comm.trace.path else _launch.call_key(cupy, stream, arrays, (op, *options))
 
 
+def record_call(comm, key, op, path, launches, plans, keep=(), token=None, ctl=None):
+    """Records a call's launches for :func:`replay` (its path noted again at each replay). A fused
+    call's: ``token`` (``autosplit.choose``'s, None for a fixed comm_sms) lets a replay through only
+    while its split search holds its count (nothing recorded before it does); ``ctl`` is the plan's
+    controller record for :func:`controller_stats`."""
+    if key is None:
+        return
+    st, n = token[:2] if token is not None else (None, None)
+    if st is not None and not st.settled:
+        return
+    state = comm.plans.state
+
+    def gate():
+        if st is not None and not st.steady(n):
+            return False
+        note_path(comm, op, path)
+        if ctl is not None:
+            state["tp.last_ctl"] = ctl
+        return True
+    comm.plans.record_launches(key, launches, plans, keep, gate=gate)
+
+
 def replay(comm, key, stream) -> bool:
     """A repeated call: raises a pending error, then launches what ``key``'s first call recorded
-    (its checks and agreement held then: the same arrays and options). False if nothing is recorded."""
+    (its checks and agreement held then: the same arrays and options). False if nothing is recorded
+    (or its gate refuses: the full call runs)."""
     launches = None if key is None else comm.plans.launches(key)
     if launches is None:
         return False
@@ -493,7 +516,7 @@ def launch_fused(comm, op, spec, kernel, args, dtype, layout, grid, stream):
     args.g.c = args.dst[0]
     args.comm_staged = int(config.get().comm_staged)
     args.join_staged = int(config.get().tp_join_staged)
-    launch_persistent(fn, (grid,), (THREADS,), args, smem=SMEM_BYTES, stream=stream)
+    return launch_persistent(fn, (grid,), (THREADS,), args, smem=SMEM_BYTES, stream=stream)
 
 
 def quiesced_first_use(comm, plan, key):
@@ -537,11 +560,23 @@ def default_join(op, comm, *, M, N, K, esize) -> bool:
     return share >= cfg.tp_join_min_gemm_share
 
 
+class RowCopy:
+    """A 2-D device copy that a recorded call replays like a Launch (``go(stream_handle)``)."""
+
+    def __init__(self, *args):
+        self.args = args
+
+    def go(self, stream_handle):
+        rt = cupy_mod().cuda.runtime
+        rt.memcpy2DAsync(*self.args, rt.memcpyDeviceToDevice, stream_handle)
+
+
 def copy_rows(dst_ptr, dst_pitch, src, rows, row_bytes, stream):
-    """rows x row_bytes of ``src`` (row stride as row_stride) to dst_ptr (dst_pitch bytes apart), on ``stream``."""
-    rt = cupy_mod().cuda.runtime
-    rt.memcpy2DAsync(dst_ptr, dst_pitch, src.data.ptr, row_stride(src), row_bytes, rows, rt.memcpyDeviceToDevice,
-                     stream_ptr(stream))
+    """rows x row_bytes of ``src`` (row stride as row_stride) to dst_ptr (dst_pitch bytes apart), on
+    ``stream``; returns the copy (a RowCopy) for a record."""
+    copy = RowCopy(dst_ptr, dst_pitch, src.data.ptr, row_stride(src), row_bytes, rows)
+    copy.go(stream_ptr(stream))
+    return copy
 
 
 def stream_ptr(stream):

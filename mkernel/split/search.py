@@ -123,6 +123,15 @@ class _KeyState:
         self.key, self.hi, self.prior = key, hi, prior
         self.pending = []  # [(count, timer)]
         self.calls = 0
+        self.n, self.settled = None, False  # the last call's count, and whether the search held it
+
+    def steady(self, n) -> bool:
+        """Whether the next call may replay a launch recorded with ``n`` comm CTAs (counted if so):
+        the search holds at ``n`` and that call is not one of those timed to see drift."""
+        if not self.settled or self.n != n or (self.calls + 1) % HOLD_SAMPLE == 0:
+            return False
+        self.calls += 1
+        return True
 
     def collect(self, mem):
         """Feeds the search every pending call that has ended, in launch order; never waits."""
@@ -199,7 +208,9 @@ def choose(comm, op: str, *, M: int, N: int, K: int, esize: int, comm_items: int
     st.collect(mem)
     n = mem.choose(st.key, st.prior, lo=1, hi=st.hi)
     st.calls += 1
-    sampled = not mem.search(st.key).converged or st.calls % HOLD_SAMPLE == 0
+    converged = mem.search(st.key).converged
+    st.n, st.settled = n, converged
+    sampled = not converged or st.calls % HOLD_SAMPLE == 0
     return n, (st, n, sampled and len(st.pending) < MAX_PENDING)
 
 

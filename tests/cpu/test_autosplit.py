@@ -118,6 +118,54 @@ def test_auto_converges_to_the_best_split_and_then_samples(fake_launch, auto):
     assert len(set(comm.agreements)) == 1 and "auto" not in next(iter(comm.agreements))
 
 
+@pytest.fixture
+def recorded(fake_launch, monkeypatch):
+    """Calls keyed as CuPy arrays would be (tp.call_key), and the replays of recorded launches."""
+    replays = []
+    monkeypatch.setattr(tp, "call_key", lambda comm, op, stream, arrays, options: (0, 0, op, *options))
+    monkeypatch.setattr(tp, "launch_all", lambda launches, stream_handle=None: replays.append(launches))
+    return replays
+
+
+def test_a_held_split_replays_the_fused_launch_and_times_every_hold_sample_th(fake_launch, auto, recorded):
+    comm = _comm()
+    for _ in range(12):  # the search (every call whole: its count changes)
+        _rs_call(comm, fake_launch, path="fused", join=False)
+    st = next(iter(comm.plans.state["autosplit.keys"].values()))
+    assert autosplit.memory(comm).search(st.key).converged and st.settled
+    full, timers, replays = fake_launch["launches"], auto["timers"], len(recorded)
+    for _ in range(2 * autosplit.HOLD_SAMPLE):
+        _rs_call(comm, fake_launch, path="fused", join=False)
+    # held: the timed calls run whole (the search sees drift), the others replay the recorded launch
+    assert fake_launch["launches"] - full == auto["timers"] - timers == 2
+    assert len(recorded) - replays == 2 * autosplit.HOLD_SAMPLE - 2
+    held = autosplit.memory(comm).search(st.key).best
+    assert all(len(r) == 1 and r[0]["grid"] - r[0]["args"].gemm_ctas == held for r in recorded[replays:])
+    assert comm.plans.state["tp.last_path"]["gemm_reduce_scatter"] == "fused"
+    assert comm.plans.state["tp.last_ctl"] is fake_launch["plan"]["ctl"]
+
+
+def test_a_search_still_running_never_replays(fake_launch, auto, recorded):
+    comm = _comm()
+    auto["running"] = 1  # no call ends: the search never moves past its first count
+    for _ in range(6):
+        _rs_call(comm, fake_launch, path="fused", join=False)
+    assert not recorded and fake_launch["launches"] == 6
+
+
+def test_a_fixed_split_replays_from_its_second_call(fake_launch, recorded):
+    comm = _comm()
+    M, K, N = 8192, 1024, 4096
+    a, b = _Arr((M, K), "float16", 0x100000), _Arr((K, N), "float16", 0x200000)
+    out = _Arr((M // comm.size, N), "float16", 0x300000)
+    for _ in range(5):
+        assert rs.gemm_reduce_scatter(a, b, comm=comm, out=out, comm_sms=8, path="fused") is out
+    assert fake_launch["launches"] == 1 and len(recorded) == 4
+    with config.override(tp_join_staged=False):  # another configuration: the whole call again
+        rs.gemm_reduce_scatter(a, b, comm=comm, out=out, comm_sms=8, path="fused")
+    assert fake_launch["launches"] == 2
+
+
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_a_joined_call_in_a_node_starts_its_search_at_one_comm_cta(fake_launch, auto, nodes):
     """Joined GEMM CTAs do the reduction's bulk (in a node every AR row's best static split was 1,
@@ -177,6 +225,18 @@ def test_allgather_gemm_auto_stays_within_its_items(fake_launch, auto):
         ag.allgather_gemm(a, b, comm=comm, out=out, comm_sms="auto", path="fused")
         seen.add(_launched_comm_ctas(fake_launch))
     assert seen <= {1, 2} and auto["timers"] >= 2
+
+
+def test_allgather_gemm_replays_its_copy_and_launch(fake_launch, recorded):
+    comm = _comm()
+    mb, K, N = 128, 1024, 4096
+    a, b = _Arr((mb, K), "float16", 0x100000), _Arr((K, N), "float16", 0x200000)
+    out = _Arr((2 * mb, N), "float16", 0x300000)
+    for _ in range(3):
+        assert ag.allgather_gemm(a, b, comm=comm, out=out, comm_sms=2, path="fused") is out
+    assert fake_launch["launches"] == 1 and len(fake_launch["copies"]) == 1  # config.tp_ag_copy_first
+    assert [len(r) for r in recorded] == [2, 2]  # the copy, then the kernel
+    assert comm.plans.state["tp.last_path"]["allgather_gemm"] == "fused"
 
 
 def test_cta_bytes_per_op():

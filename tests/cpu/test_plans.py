@@ -81,6 +81,16 @@ def test_a_recorded_call_is_not_launched_under_another_configuration():
     assert reg.launches(("call", 1)) is None  # dropped, recorded again by the next full call
 
 
+def test_a_recorded_call_asks_its_gate_before_each_replay():
+    reg, _ = _registry(2)
+    reg.add(("op", 1), {})
+    answers = [True, False, True]
+    reg.record_launches(("call", 1), ("launch",), [("op", 1)], gate=lambda: answers.pop(0))
+    assert reg.launches(("call", 1)) == ("launch",)
+    assert reg.launches(("call", 1)) is None  # refused: the full call runs (and records again)
+    assert reg.launches(("call", 1)) == ("launch",) and not answers  # kept, not dropped
+
+
 def test_recorded_calls_are_bounded():
     from mkernel.comm import plans
 

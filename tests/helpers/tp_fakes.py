@@ -62,6 +62,9 @@ class _Comm:
     def agreed(self, key):
         return key in self._agreed
 
+    def check(self):  # a replay's check for a pending error: none here
+        pass
+
     def sync_args(self, op):
         from mkernel.runtime.sync import MkSync
         return MkSync()
@@ -120,6 +123,7 @@ def fake_launch(monkeypatch):
         plan["counters"] = _Arr((8, 1), "uint32", 0x5000)
         plan["ctl"] = _Arr((ctypes.sizeof(tp.TpCtl) // 4, 1), "uint32", 0x6000)
         calls["plan"] = plan
+        comm.plans.add(key, plan)  # a recorded call names its plans
         return plan
 
     monkeypatch.setattr(tp, "plan_buffers", plan_buffers)
@@ -127,6 +131,8 @@ def fake_launch(monkeypatch):
 
     def launch_fused(comm, op, spec, kernel, args, dtype, layout, grid, stream):
         calls["launch"] = dict(op=op, kernel=kernel, args=args, layout=layout, grid=grid)
+        calls["launches"] = calls.get("launches", 0) + 1
+        return calls["launch"]
 
     monkeypatch.setattr(tp, "launch_fused", launch_fused)
     monkeypatch.setattr(tp, "copy_rows", lambda *args: calls.setdefault("copies", []).append(args))
