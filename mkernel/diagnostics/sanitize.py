@@ -3,6 +3,8 @@ tools/sanitize_targets.py): each target raises on a wrong result, so the sanitiz
 the answer."""
 
 import contextlib
+import os
+import tempfile
 
 import mkernel
 from mkernel.comm.communicator import init
@@ -253,32 +255,71 @@ def _watch_status(comm, every_s: float):
     return lambda: (stop.set(), thread.join())
 
 
-def _wait_reading_counters(comm, counters, every_s: float):
-    """Waits for the current stream; once the error word is set (a timed wait fired), copies the MoE
-    counters (MOE_CNT_*) to the host on a side stream and logs them: which of the return protocol's
-    counts fell short (a copy the stalled kernel keeps from running is said so after 10 s)."""
+def _read_stalled(array, what: str):
+    """``array`` (device) copied to the host on a side stream while the current stream's kernel is
+    stalled, as numpy; None (logged) when the copy did not complete in 10 s."""
     import time
 
     import cupy
     import numpy as np
 
+    side = cupy.cuda.Stream(non_blocking=True)
+    host = cupy.cuda.alloc_pinned_memory(max(array.nbytes, 1))
+    cupy.cuda.runtime.memcpyAsync(host.ptr, array.data.ptr, array.nbytes, cupy.cuda.runtime.memcpyDeviceToHost,
+                                  side.ptr)
+    until = time.monotonic() + 10
+    while not side.done and time.monotonic() < until:
+        time.sleep(0.1)
+    if not side.done:
+        log.info("%s: the copy did not complete in 10 s (the device is held)", what)
+        return None
+    return np.frombuffer(host, array.dtype, array.size).copy()
+
+
+def _wait_reading_counters(comm, counters, every_s: float, tiles: int = 0, span0: int = 0):
+    """Waits for the current stream; once the error word is set (a timed wait fired), copies the MoE
+    counters (MOE_CNT_*) to the host on a side stream and logs them: which of the return protocol's
+    counts fell short. With trace mode on, also which of the ``tiles`` GEMM tiles a consumer finished
+    (its compute span from the span0-th on: mainloop and epilogue call returned) and in how many CTAs."""
+    import time
+
+    import cupy
+
     main = cupy.cuda.get_current_stream()
     while not main.done:
         if comm.sync.host_status.code:
-            side = cupy.cuda.Stream(non_blocking=True)
-            host = cupy.cuda.alloc_pinned_memory(counters.nbytes)
-            cupy.cuda.runtime.memcpyAsync(host.ptr, counters.data.ptr, counters.nbytes,
-                                          cupy.cuda.runtime.memcpyDeviceToHost, side.ptr)
-            until = time.monotonic() + 10
-            while not side.done and time.monotonic() < until:
-                time.sleep(0.1)
-            if not side.done:
-                log.info("counters: the copy did not complete in 10 s (the device is held)")
+            words = _read_stalled(counters, "counters")
+            if words is None:
                 return
-            words = np.frombuffer(host, np.uint32, counters.size)
             log.info("counters at the stall: %s", ", ".join(f"{n} {int(v)}" for n, v in zip(_moe.CNT_NAMES, words)))
+            if comm.trace.path:
+                _log_stalled_spans(comm.trace, tiles, span0)
             return
         time.sleep(min(every_s, 0.5))  # a run that ends is not held up by the watch's period
+
+
+def _log_stalled_spans(trace, tiles: int, span0: int):
+    """The compute spans (role 0, id = tile id) recorded from the span0-th on (the stalled kernel's):
+    tiles finished, the first missing ones, the CTAs that finished any."""
+    from mkernel.runtime import trace as _trace
+
+    count = _read_stalled(trace.count, "trace count")
+    if count is None:
+        return
+    n = min(int(count[0]), trace.capacity)
+    raw = _read_stalled(trace.events[: n * _trace.WORDS], "trace events") if n else None
+    spans = [] if raw is None else raw.reshape(n, _trace.WORDS)[span0:]
+    count, missing, blocks = compute_span_summary(spans, tiles)
+    log.info("compute spans at the stall: %d spans; tiles finished %d of %d, missing %s%s; CTAs with a span %d",
+             count, tiles - len(missing), tiles, missing[:24], " ..." if len(missing) > 24 else "", blocks)
+
+
+def compute_span_summary(spans, tiles: int):
+    """(spans, tile ids in range(tiles) without a compute span, CTAs with one) of trace rows
+    (start, end, sm << 32 | block, role << 32 | id)."""
+    compute = [(int(w) & 0xFFFFFFFF, int(r) & 0xFFFFFFFF) for _, _, w, r in spans if int(r) >> 32 == 0]
+    done = {t for _, t in compute}
+    return len(spans), [t for t in range(tiles) if t not in done], len({b for b, _ in compute})
 
 
 def target_moe_gemm(watch_s: float = 0):
@@ -289,6 +330,8 @@ def target_moe_gemm(watch_s: float = 0):
     import numpy as np
     from mpi4py import MPI
 
+    if watch_s > 0 and not os.environ.get("MKERNEL_TRACE"):  # spans say which GEMM tiles finished at a stall
+        os.environ["MKERNEL_TRACE"] = os.path.join(tempfile.gettempdir(), "mkernel-sanitize-moe-{rank}.json")
     comm = init(MPI.COMM_SELF, workspace_bytes=32 << 20)
     stop_watch = _watch_status(comm, watch_s) if watch_s > 0 else lambda: None
     try:
@@ -312,11 +355,14 @@ def target_moe_gemm(watch_s: float = 0):
         if watch_s > 0:
             log.info("target_moe_gemm: moe_dispatch_gemm done")
         w2 = (rng.integers(-1, 2, size=(E, F, H)) * (rng.random((E, F, H)) < 0.1)).astype(np.float16)
-        rows_back = int(h.group_rows.get().sum())  # before the launch: a copy after it would wait for it
+        group_rows = h.group_rows.get()  # before the launch: a copy after it would wait for it
+        rows_back = int(group_rows.sum())
+        tiles = int(sum(-(-int(r) // 128) for r in group_rows)) * -(-H // 256)  # the combine GEMM's 128 x 256 tiles
+        span0 = int(comm.trace.count.get()[0]) if comm.trace.path else 0
         fused = mkernel.moe_gemm_combine(y, cupy.asarray(w2), h, comm=comm, comm_sms=3, path="fused")
         if watch_s > 0:
             log.info("target_moe_gemm: fused moe_gemm_combine launched; %d rows to return", rows_back)
-            _wait_reading_counters(comm, h._plan["counters"], watch_s)
+            _wait_reading_counters(comm, h._plan["counters"], watch_s, tiles, span0)
             cupy.cuda.get_current_stream().synchronize()
             log.info("target_moe_gemm: fused moe_gemm_combine done")
         unfused = mkernel.moe_gemm_combine(y, cupy.asarray(w2), h, comm=comm, path="unfused")

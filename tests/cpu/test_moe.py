@@ -363,3 +363,15 @@ def test_combine_sum_has_several_row_loads_in_flight():
             loads = loads + 1 if op == "LDG.E.128" else 0
             prev = op
         assert before_sums and max(before_sums) >= n, (name, before_sums)
+
+
+def test_the_sanitizer_summarises_which_gemm_tiles_finished_at_a_stall():
+    import numpy as np
+
+    from mkernel.diagnostics.sanitize import compute_span_summary
+
+    def row(block, role, tile):  # (start, end, sm << 32 | block, role << 32 | id), as trace.cuh writes
+        return (1, 2, (7 << 32) | block, (role << 32) | tile)
+    spans = np.array([row(0, 0, 0), row(0, 0, 2), row(5, 0, 3), row(5, 4, 1), row(9, 2, 4)], dtype=np.uint64)
+    assert compute_span_summary(spans, 6) == (5, [1, 4, 5], 2)  # tile 1 only waited, 4 only sent
+    assert compute_span_summary(spans[:0], 2) == (0, [0, 1], 0)
