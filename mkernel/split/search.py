@@ -127,8 +127,9 @@ class _KeyState:
 
     def steady(self, n) -> bool:
         """Whether the next call may replay a launch recorded with ``n`` comm CTAs (counted if so):
-        the search holds at ``n`` and that call is not one of those timed to see drift."""
-        if not self.settled or self.n != n or (self.calls + 1) % HOLD_SAMPLE == 0:
+        the search holds at ``n``, that call is not one of those timed to see drift, and no timed
+        call waits to be fed to the search (a whole call collects it, as before replays)."""
+        if not self.settled or self.n != n or self.pending or (self.calls + 1) % HOLD_SAMPLE == 0:
             return False
         self.calls += 1
         return True
