@@ -1,8 +1,10 @@
 """Where the host's time of one steady-state call goes: cProfile over back-to-back calls of the TP
-ops (no waits between them), the functions with most own time and most cumulative time, per path.
+ops (no waits between them), the functions with most own time and most cumulative time, per op.
 
-The latency path replays recorded launches; the fused path runs check, plan and launch on every
-call: this says what that costs and where (bench/tp_decode.py reported ~134 us a call).
+Ops: gemm_allreduce on its fused and latency paths (``ar:fused``, ``ar:latency``), gemm_reduce_scatter
+and allgather_gemm fused (``rs:fused``, ``ag:fused``), mkernel.allreduce and mkernel.gemm of the
+output (``allreduce``, ``gemm``). A repeated call with ``out`` replays its recorded launches; the
+split search's timed calls (every HOLD_SAMPLE-th) run whole.
 
     mpirun -n 2 python3 tools/host_profile.py [--shape 256x8192x4096] [--calls 200] [--top 25]
 """
@@ -19,7 +21,7 @@ def main():
     p.add_argument("--shape", default="256x8192x4096", help="per-rank M x N x K")
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--top", type=int, default=25)
-    p.add_argument("--paths", default="fused,latency")
+    p.add_argument("--ops", default="ar:fused,ar:latency,rs:fused,ag:fused,allreduce,gemm")
     args = p.parse_args()
     import cupy
     import ml_dtypes
@@ -33,10 +35,17 @@ def main():
     rng = np.random.default_rng(comm.rank)
     a = cupy.asarray(rng.standard_normal((M, K)).astype(dt))
     w = cupy.asarray((rng.standard_normal((N, K)) / 64).astype(dt))
-    out = cupy.empty((M, N), dt)
-    for path in args.paths.split(","):
-        def call():
-            mkernel.gemm_allreduce(a, w.T, comm=comm, out=out, path=path)
+    W = comm.size
+    out, rs_out, ag_out = cupy.empty((M, N), dt), cupy.empty((M // W, N), dt), cupy.empty((M * W, N), dt)
+    calls = {"ar:fused": lambda: mkernel.gemm_allreduce(a, w.T, comm=comm, out=out, path="fused"),
+             "ar:latency": lambda: mkernel.gemm_allreduce(a, w.T, comm=comm, out=out, path="latency"),
+             "rs:fused": lambda: mkernel.gemm_reduce_scatter(a, w.T, comm=comm, out=rs_out, path="fused"),
+             "ag:fused": lambda: mkernel.allgather_gemm(a, w.T, comm=comm, out=ag_out, path="fused"),
+             "allreduce": lambda: mkernel.allreduce(out, comm=comm, out=out),
+             "gemm": lambda: mkernel.gemm(a, w.T, out=out)}
+    summary = {}
+    for path in args.ops.split(","):
+        call = calls[path]
 
         for _ in range(30):  # the first calls: plans, the split search's trials
             call()
@@ -45,7 +54,7 @@ def main():
         t0 = time.perf_counter()
         for _ in range(args.calls):
             call()
-        host = (time.perf_counter() - t0) / args.calls * 1e6
+        host = summary[path] = (time.perf_counter() - t0) / args.calls * 1e6
         cupy.cuda.get_current_stream().synchronize()
         comm.mpi.Barrier()
         prof = cProfile.Profile()
@@ -62,6 +71,9 @@ def main():
                 print(f"== {path} {M}x{N}x{K}: {host:.1f} us a call unprofiled; by {key} over {args.calls} calls ==")
                 print(s.getvalue())
         comm.mpi.Barrier()
+    if comm.rank == 0:
+        print(f"SUMMARY host us a call at {M}x{N}x{K}, {W} ranks: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in summary.items()))
     comm.close()
 
 
