@@ -357,7 +357,7 @@ def target_moe_gemm(watch_s: float = 0):
         w2 = (rng.integers(-1, 2, size=(E, F, H)) * (rng.random((E, F, H)) < 0.1)).astype(np.float16)
         group_rows = h.group_rows.get()  # before the launch: a copy after it would wait for it
         rows_back = int(group_rows.sum())
-        tiles = int(sum(-(-int(r) // 128) for r in group_rows)) * -(-H // 256)  # the combine GEMM's 128 x 256 tiles
+        tiles = int(sum(-(-int(r) // tp.BM) for r in group_rows)) * -(-H // tp.BN)  # the combine GEMM's tiles
         span0 = int(comm.trace.count.get()[0]) if comm.trace.path else 0
         fused = mkernel.moe_gemm_combine(y, cupy.asarray(w2), h, comm=comm, comm_sms=3, path="fused")
         if watch_s > 0:

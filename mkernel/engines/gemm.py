@@ -343,7 +343,7 @@ def _launch_decode(a, b_arr, out, out_code, *, M, N, K, accumulate, stream):
     ws = workspace(stream)
     d = _decode.build(a, b_arr, out, out_code, M=M, N=N, K=K, accumulate=accumulate, sync=ws.sync(),
                       partial=ws.decode_partials)
-    overlapped = bool(config.get().gemm_overlap)  # griddep_wait in the kernel before any memory access
+    overlapped = config.get().gemm_overlap  # griddep_wait in the kernel before any memory access
     return (d.fn, d.grid, d.block, d.args, d.smem, d.buffer), launch(d.fn, d.grid, d.block, d.args, smem=d.smem,
                                                                      overlapped=overlapped, stream=stream)
 
@@ -451,7 +451,7 @@ def gemm(a, b, *, out=None, stream=None, b_layout=None, out_dtype=None, accumula
                    tile_order=tile_order, roles=roles, tile_flags=tile_flags, tile_counts=tile_counts,
                    group_m=max(1, group_m // CLUSTER) if clustered and order == "m" else group_m, num_tiles_host=claims,
                    max_tiles=nt, order=order, cluster=clustered, splits=splits, bn=bn,
-                   overlapped=bool(config.get().gemm_overlap) and not controls)
+                   overlapped=config.get().gemm_overlap and not controls)
     if key is not None:
         _plans.add(key, plan, launched)
     return out

@@ -17,7 +17,7 @@
 // opposite parity.
 //
 // Template parameters: DT (MK_DT_BF16 / MK_DT_F16), MT (token columns: 8 .. 256, M_TILES of
-// gemm_decode.py), ROWS (64, 128, or 256 up to 64 tokens), Epi (what becomes of the finished values: the engine's store,
+// gemm_decode.py), ROWS (64 or 128), Epi (what becomes of the finished values: the engine's store,
 // gemm_decode.cu; gemm_allreduce's push to every rank, ops/gemm_allreduce_ll.cu). One CTA per SM.
 #pragma once
 #include "common.cuh"
