@@ -278,23 +278,27 @@ def _read_stalled(array, what: str):
 
 def _wait_reading_counters(comm, counters, every_s: float, tiles: int = 0, span0: int = 0):
     """Waits for the current stream; once the error word is set (a timed wait fired), copies the MoE
-    counters (MOE_CNT_*) to the host on a side stream and logs them: which of the return protocol's
-    counts fell short. With trace mode on, also which of the ``tiles`` GEMM tiles a consumer finished
-    (its compute span from the span0-th on: mainloop and epilogue call returned) and in how many CTAs."""
+    counters (MOE_CNT_*) to the host on a side stream and logs them, and again 2 periods later: which
+    of the return protocol's counts fell short, and whether they still move. With trace mode on, also
+    which of the ``tiles`` GEMM tiles a consumer finished (its compute span from the span0-th on:
+    mainloop and epilogue call returned) and in how many CTAs."""
     import time
 
     import cupy
 
     main = cupy.cuda.get_current_stream()
-    while not main.done:
-        if comm.sync.host_status.code:
+    looks, again = 0, None
+    while not main.done and looks < 2:
+        if comm.sync.host_status.code and (again is None or time.monotonic() >= again):
+            # a second look 2 periods later tells a kernel still progressing (slowed by the tool) from a frozen one
             words = _read_stalled(counters, "counters")
             if words is None:
                 return
-            log.info("counters at the stall: %s", ", ".join(f"{n} {int(v)}" for n, v in zip(_moe.CNT_NAMES, words)))
+            when = "at the stall" if looks == 0 else f"{2 * every_s:.0f} s later"
+            log.info("counters %s: %s", when, ", ".join(f"{n} {int(v)}" for n, v in zip(_moe.CNT_NAMES, words)))
             if comm.trace.path:
                 _log_stalled_spans(comm.trace, tiles, span0)
-            return
+            looks, again = looks + 1, time.monotonic() + 2 * every_s
         time.sleep(min(every_s, 0.5))  # a run that ends is not held up by the watch's period
 
 

@@ -128,8 +128,10 @@ class _KeyState:
     def steady(self, n) -> bool:
         """Whether the next call may replay a launch recorded with ``n`` comm CTAs (counted if so):
         the search holds at ``n``, that call is not one of those timed to see drift, and no timed
-        call waits to be fed to the search (a whole call collects it, as before replays)."""
-        if not self.settled or self.n != n or self.pending or (self.calls + 1) % HOLD_SAMPLE == 0:
+        call has ended unfed (a whole call collects it); one still running does not stop replays."""
+        if not self.settled or self.n != n or (self.calls + 1) % HOLD_SAMPLE == 0:
+            return False
+        if self.pending and self.pending[0][1].ended():
             return False
         self.calls += 1
         return True

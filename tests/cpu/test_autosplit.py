@@ -146,6 +146,29 @@ def test_a_held_split_replays_the_fused_launch_and_times_every_hold_sample_th(fa
     assert comm.plans.state["tp.last_ctl"] is fake_launch["plan"]["ctl"]
 
 
+def test_a_timed_call_still_running_does_not_stop_replays(fake_launch, auto, recorded):
+    """The host runs ahead of the device: replays go on while a timed call has not ended; the first
+    call after it ended runs whole and feeds its time to the search."""
+    comm = _comm()
+    for _ in range(12):
+        _rs_call(comm, fake_launch, path="fused", join=False)
+    st = next(iter(comm.plans.state["autosplit.keys"].values()))
+    assert st.settled
+    while (st.calls + 1) % autosplit.HOLD_SAMPLE:  # up to the next timed call
+        _rs_call(comm, fake_launch, path="fused", join=False)
+    auto["running"] = 1
+    full, timers, replays, seen = fake_launch["launches"], auto["timers"], len(recorded), len(auto["observed"])
+    for _ in range(6):
+        _rs_call(comm, fake_launch, path="fused", join=False)
+    assert auto["timers"] - timers == 1 and fake_launch["launches"] - full == 1  # the timed call only
+    assert len(recorded) - replays == 5 and len(st.pending) == 1
+    auto["running"] = 0
+    _rs_call(comm, fake_launch, path="fused", join=False)
+    assert fake_launch["launches"] - full == 2 and len(auto["observed"]) == seen + 1 and not st.pending
+    _rs_call(comm, fake_launch, path="fused", join=False)
+    assert len(recorded) - replays == 6
+
+
 def test_a_search_still_running_never_replays(fake_launch, auto, recorded):
     comm = _comm()
     auto["running"] = 1  # no call ends: the search never moves past its first count
