@@ -171,14 +171,18 @@ MK_DEV void warpgroup_roles(Produce&& produce, Consume&& consume) {
   }
 }
 
-// After warpgroup_roles, every thread: each warp back to the launch's even share of registers, so
-// that the whole CTA may run common code again (a producer warp keeps too few for it).
+// After warpgroup_roles, every warp back to the launch's even share. Producers take theirs once all
+// consumers gave theirs: earlier, they may take what a late consumer's first increase awaits (a hang).
+constexpr u32 MK_BAR_REJOIN = 5;  // named barrier of the hand-back (0 .. 4 are taken)
 template <u32 THREADS>
 MK_DEV void warpgroup_rejoin() {
   constexpr u32 EVEN = (u32)mk_cta_register_pool((int)THREADS) / THREADS;
   __syncwarp();
-  if (threadIdx.x < 128)
+  if (threadIdx.x < 128) {
+    named_bar_sync(MK_BAR_REJOIN, THREADS);
     setmaxnreg_inc<EVEN>();
-  else
+  } else {
     setmaxnreg_dec<EVEN>();
+    named_bar_arrive(MK_BAR_REJOIN, THREADS);
+  }
 }
