@@ -183,6 +183,6 @@ MK_DEV void warpgroup_rejoin() {
     setmaxnreg_inc<EVEN>();
   } else {
     setmaxnreg_dec<EVEN>();
-    named_bar_arrive(MK_BAR_REJOIN, THREADS);
+    named_bar_sync(MK_BAR_REJOIN, THREADS);  // not arrive: racecheck lost barrier 0's order after it
   }
 }
