@@ -17,6 +17,7 @@ rank's search works on its own times.
 """
 
 import ctypes
+import functools
 import hashlib
 import json
 import math
@@ -260,6 +261,7 @@ def split_key(op: str, dims, world: int, topology: str, transport: str) -> tuple
     return (str(op), shape_bucket(*dims), int(world), str(topology), str(transport))
 
 
+@functools.lru_cache(maxsize=4096)  # a whole call asks 2-3 times for its key's (split_key's tuples hash)
 def _key_str(key) -> str:
     return json.dumps([list(k) if isinstance(k, tuple) else k for k in key])
 
