@@ -1,5 +1,7 @@
 """Where the host's time of one steady-state call goes: cProfile over back-to-back calls of the TP
-ops (no waits between them), the functions with most own time and most cumulative time, per op.
+ops (no waits between them), the functions with most own time and most cumulative time, per op; each
+call's host time too (mean, median, the first 16 after a synchronisation: a launch queue the device
+fills makes later calls wait in the driver).
 
 Ops: gemm_allreduce on its fused and latency paths (``ar:fused``, ``ar:latency``), gemm_reduce_scatter
 and allgather_gemm fused (``rs:fused``, ``ag:fused``), mkernel.allreduce and mkernel.gemm of the
@@ -13,6 +15,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import statistics
 import time
 
 
@@ -51,10 +54,13 @@ def main():
             call()
         cupy.cuda.get_current_stream().synchronize()
         comm.mpi.Barrier()
-        t0 = time.perf_counter()
-        for _ in range(args.calls):
+        times = []
+        for _ in range(args.calls):  # each call timed: a launch queue the device fills shows as late calls' waits
+            t0 = time.perf_counter()
             call()
-        host = summary[path] = (time.perf_counter() - t0) / args.calls * 1e6
+            times.append((time.perf_counter() - t0) * 1e6)
+        host = sum(times) / len(times)
+        summary[path] = (host, statistics.median(times), sum(times[:16]) / min(16, len(times)))
         cupy.cuda.get_current_stream().synchronize()
         comm.mpi.Barrier()
         prof = cProfile.Profile()
@@ -68,12 +74,14 @@ def main():
             for key in ("tottime", "cumulative"):
                 s = io.StringIO()
                 pstats.Stats(prof, stream=s).sort_stats(key).print_stats(args.top)
-                print(f"== {path} {M}x{N}x{K}: {host:.1f} us a call unprofiled; by {key} over {args.calls} calls ==")
+                _, med, first = summary[path]
+                print(f"== {path} {M}x{N}x{K}: {host:.1f} us a call unprofiled (median {med:.1f}, "
+                      f"first 16 {first:.1f}); by {key} over {args.calls} calls ==")
                 print(s.getvalue())
         comm.mpi.Barrier()
     if comm.rank == 0:
-        print(f"SUMMARY host us a call at {M}x{N}x{K}, {W} ranks: "
-              + ", ".join(f"{k} {v:.1f}" for k, v in summary.items()))
+        print(f"SUMMARY host us a call at {M}x{N}x{K}, {W} ranks (mean / median / first 16): "
+              + ", ".join(f"{k} {v[0]:.1f} / {v[1]:.1f} / {v[2]:.1f}" for k, v in summary.items()))
     comm.close()
 
 
