@@ -52,7 +52,7 @@ struct DecodeCfg {
   static constexpr u32 SMEM = OFF_BAR + 2 * 8 * STAGES + 1024;
   static constexpr u32 SLOT = MT * ROWS;  // floats of one partial slot
   static constexpr int SUM_V = ACC < 32 ? ACC : 32;  // values of a slot the last CTA loads at once
-  // and slots: 64 loads in flight up to 64 tokens (4 slots a round), 32 above (registers)
+  // and slots a round: at most 4 and 64 loads in flight up to 64 tokens; 32 loads above (registers)
   static constexpr int SUM_U = ACC > 32 ? 1 : (64 / SUM_V < 4 ? 64 / SUM_V : 4);
   // The last CTA adds its own slot from registers (below 128 accumulators: 128 and the sum spill)
   static constexpr bool OWN_IN_REGS = ACC < 128;
