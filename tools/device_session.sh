@@ -8,6 +8,7 @@
 # moetcp / copiestest: MoE between 2 emulated nodes over tcp, and a caller's copies behind an op between nodes (2 ranks)
 # faultsd (tools/faults.py scenario d for every op with a path between nodes, time-sliced)
 # tptrace: tools/tp_trace.py (TRACE_ARGS: --op, --shape, --nodes, --comm-sms; default AR between 2 nodes), traces in logs
+# suite1 / suite24: the suite's 1-rank pass / its 2- and 4-rank passes (the suite over two calls on a slow host)
 # runtime2 queue queue2 tpnodes4 nodestest nodesrate suitets maints (tools/nodes_rate.py: small WRITEs and the TP ops between 2 emulated nodes)
 # mpi2 gemmtest tp attention ring ringbench tpbench tpnodes moebench controller controllernodes (the last six want 2 GPUs)
 # controller1: bench/controller.py at world 1 (the comm is a local tile copy; the mechanism, not the rows).
@@ -64,6 +65,8 @@ for s in $steps; do
   case $s in
     info) step info 30 python3 -m mkernel info ;;
     suite) step suite 560 bash tests/run_gpu.sh ${SUITE_ARGS:-} ;;  # SUITE_ARGS: pytest arguments (word-split), e.g. -k tp_
+    suite1) step suite1 400 env MKERNEL_SUITE_PASSES=1 bash tests/run_gpu.sh ${SUITE_ARGS:-} ;;  # the suite over two calls
+    suite24) step suite24 400 env MKERNEL_SUITE_PASSES="2 4" bash tests/run_gpu.sh ${SUITE_ARGS:-} ;;  # (a slow host: 541 s whole)
     runtime) step runtime 90 $PYT -m gpu tests/gpu/test_comm_gpu.py ;;
     queue) step queue 60 $PYT -m "gpu and not (mpi and multi_gpu)" tests/gpu/test_queue_gpu.py ;;
     runtime2) step runtime2 90 $MPI2 $PYT -m "gpu and mpi and not slow" tests/gpu/test_comm_gpu.py ;;
