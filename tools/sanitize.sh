@@ -5,8 +5,9 @@
 # runs (tools/mps.sh; pass CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), time-sliced otherwise.
 # MKERNEL_SANITIZE_ONLY=tp / allreduce: only the TP ops' / the all-reduce's 2-rank target (both tools);
 # =moe_gemm: only target_moe_gemm (below).
-# target_moe_gemm runs last under each tool, cut at MKERNEL_SANITIZE_MOE_GEMM_S (it has not finished under
-# either tool since session 31: bench/NOTES.md), so that it cannot keep the others from running.
+# target_moe_gemm runs last under each tool, cut at MKERNEL_SANITIZE_MOE_GEMM_S (it froze under both tools
+# from session 31 to 43, a register hand-back since fixed: bench/NOTES.md), so that a stall cannot keep the
+# others from running.
 set -u
 rc=0
 MPI2="mpirun -n 2 --oversubscribe --bind-to none -x MKERNEL_CACHE_DIR -x NCCL_NVLS_ENABLE -x MKERNEL_TIMEOUT_S"
@@ -52,8 +53,8 @@ moe_gemm() {  # tool, extra options; its device timeout a third of the cut (not 
 stalled=
 for tool in memcheck racecheck; do
   if [ -n "$stalled" ]; then
-    # memcheck stalled: racecheck would too (sessions 15-38); instead memcheck with the fused
-    # combine left uninstrumented (session 41: the stall is its retflag wait, after dispatch + GEMM)
+    # memcheck stalled: racecheck would too; instead memcheck with the fused combine left
+    # uninstrumented (sessions 41-43 used it to tell the kernel's own stall from the tool's)
     if compute-sanitizer --help 2>&1 | grep -q -- --kernel-name-exclude; then
       echo "== memcheck, mk_moe_gemm_combine not instrumented: target_moe_gemm (cut at ${limit} s) =="
       moe_gemm memcheck --kernel-name-exclude kns=mk_moe_gemm_combine
