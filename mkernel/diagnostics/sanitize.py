@@ -297,12 +297,12 @@ def _wait_reading_counters(comm, counters, every_s: float, tiles: int = 0, span0
             when = "at the stall" if looks == 0 else f"{2 * every_s:.0f} s later"
             log.info("counters %s: %s", when, ", ".join(f"{n} {int(v)}" for n, v in zip(_moe.CNT_NAMES, words)))
             if comm.trace.path:
-                _log_stalled_spans(comm.trace, tiles, span0)
+                _log_stalled_spans(comm.trace, tiles, span0, when)
             looks, again = looks + 1, time.monotonic() + 2 * every_s
         time.sleep(min(every_s, 0.5))  # a run that ends is not held up by the watch's period
 
 
-def _log_stalled_spans(trace, tiles: int, span0: int):
+def _log_stalled_spans(trace, tiles: int, span0: int, when: str):
     """The compute spans (role 0, id = tile id) recorded from the span0-th on (the stalled kernel's):
     tiles finished, the first missing ones, the CTAs that finished any."""
     from mkernel.runtime import trace as _trace
@@ -314,7 +314,7 @@ def _log_stalled_spans(trace, tiles: int, span0: int):
     raw = _read_stalled(trace.events[: n * _trace.WORDS], "trace events") if n else None
     spans = [] if raw is None else raw.reshape(n, _trace.WORDS)[span0:]
     count, missing, blocks = compute_span_summary(spans, tiles)
-    log.info("compute spans at the stall: %d spans; tiles finished %d of %d, missing %s%s; CTAs with a span %d",
+    log.info("compute spans %s: %d spans; tiles finished %d of %d, missing %s%s; CTAs with a span %d", when,
              count, tiles - len(missing), tiles, missing[:24], " ..." if len(missing) > 24 else "", blocks)
 
 
