@@ -467,9 +467,11 @@ class SharedMode:
         compute_ms = cc.batch_ms(comm, self.barrier, computing)
         import mkernel
 
-        flip = not mkernel.config.get().comm_staged  # the forwarders' loads the other way (A/B, same run)
-        with mkernel.config.override(comm_staged=flip):
-            variants = {f"comm_staged={flip}": cc.batch_ms(comm, self.barrier, mk)}
+        variants = {}  # the default call with a knob flipped (A/B, same run)
+        cfg = mkernel.config.get()
+        for change in ({"comm_staged": not cfg.comm_staged}, {"mps_full_share": not cfg.mps_full_share}):
+            with mkernel.config.override(**change):
+                variants[",".join(f"{k}={v}" for k, v in change.items())] = cc.batch_ms(comm, self.barrier, mk)
         sent = ((W - 1) if self.nodes == 1 else (self.nodes - 1)) * 2 * block_bytes
         link_ms = sent / (self.link_gbs * 1e9) * 1e3
         S, H, Hkv, D, causal = shape

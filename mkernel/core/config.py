@@ -52,9 +52,9 @@ class Config:
     tp_ag_copy_first: bool = True
     # allgather_gemm's push CTAs take GEMM tiles once no push or forward item is left
     tp_ag_join_gemm: bool = True
-    # Under MPS in one node the TP ops' grids take the client's whole SM share, not 7/8 of it
-    # (their work finishes with any resident subset of CTAs; runtime/launch.py MPS_RESIDENT_FRACTION)
-    tp_mps_full_share: bool = True
+    # Under MPS in one node the fused TP, ring attention and MoE kernels' grids take the client's whole
+    # SM share, not 7/8 (their work finishes with any resident subset of CTAs; launch.MPS_RESIDENT_FRACTION)
+    mps_full_share: bool = True
     # communication CTAs (the TP ops', ring attention's forwarders) stage their loads in their idle
     # shared memory (cp.async, copy.cuh MkStage; False: in registers, 4-8 vectors a thread)
     comm_staged: bool = True
@@ -112,7 +112,7 @@ class Config:
         if not (isinstance(self.tp_join_reduce, bool) or self.tp_join_reduce == "auto"):
             raise ArgumentError(f"tp_join_reduce must be True, False or \"auto\"; got {self.tp_join_reduce!r}")
         for name in ("moe_join_gemm", "tp_latency_ll_overlap", "gemm_split_k", "gemm_overlap",
-                     "tp_ag_copy_first", "tp_ag_join_gemm", "tp_mps_full_share", "comm_staged", "tp_join_staged"):
+                     "tp_ag_copy_first", "tp_ag_join_gemm", "mps_full_share", "comm_staged", "tp_join_staged"):
             if not isinstance(getattr(self, name), bool):
                 raise ArgumentError(f"{name} must be True or False; got {getattr(self, name)!r}")
         v = self.tp_join_min_gemm_share

@@ -112,11 +112,11 @@ def moe_dispatch_gemm(x, topk_ids, topk_weights, w, *, comm, num_experts, capaci
     args.m = d.plan_args()
     _gemm_args(args.g, d.plan["recv"], wb, layout, out, d.plan["group_rows"], d.capacity, d.H, F, El, args.m.sync,
                d.plan, op)
-    sms = launch.sm_count()
+    sms = _tp.grid_sms(comm)
     args.gemm_ctas = sms - comm_sms
     args.join = 1 if config.get().moe_join_gemm else 0
     d.exchange()
-    _launch(op, SPEC, KERNEL, layout, d.x.dtype, args, sms, stream)
+    _launch(op, SPEC, KERNEL, layout, d.x.dtype, args, sms, stream, _tp.full_share(comm))
     return out, d.handle()
 
 
@@ -163,9 +163,9 @@ def _staging(comm, cap, H, El, dtype, stream):
     return st[0][:need].view(dtype).reshape(cap, H), st[1]
 
 
-def _launch(op, spec, kernel, layout, dtype, args, grid, stream):
+def _launch(op, spec, kernel, layout, dtype, args, grid, stream, full_share):
     fn = _compile.module(spec).function(f"{kernel}<{_gemm.DT[dtype.name]},{layout}>")
-    persistent_grid(fn, THREADS, _gemm.SMEM_GROUPED, blocks=grid, what=op)
+    persistent_grid(fn, THREADS, _gemm.SMEM_GROUPED, blocks=grid, what=op, full_share=full_share)
     # roles by arrival, work claimed: any resident part of the grid finishes (docs/MOE.md "Residency")
     launch_persistent(fn, (grid,), (THREADS,), args, smem=_gemm.SMEM_GROUPED, stream=stream)
 
@@ -222,7 +222,7 @@ def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=No
     args.g.tile_flags = tile_flags.data.ptr
     counters = plan["counters"].data.ptr
     args.g.sched.tile_counter, args.g.sched.done_count = counters + 4 * CNT_TILE, counters + 4 * CNT_GEMM_DONE
-    sms = launch.sm_count()
+    sms = _tp.grid_sms(comm)
     args.gemm_ctas = sms - comm_sms
-    _launch(op, COMBINE_SPEC, COMBINE_KERNEL, layout, handle.dtype, args, sms, stream)
+    _launch(op, COMBINE_SPEC, COMBINE_KERNEL, layout, handle.dtype, args, sms, stream, _tp.full_share(comm))
     return out

@@ -169,7 +169,8 @@ def _plan(comm, c):
         if remote:  # (starts the proxy on first use: collective, like this whole branch)
             plan["pflags"] = comm.proxy_flag_block(PF_CHUNK + PROXY_CHUNK_FLAGS)
         cupy.cuda.runtime.deviceSynchronize()
-    return plan, _tp.launch_template(plan, (c.causal, c.scale, c.comm_sms), lambda: _static_args(comm, plan, c))
+    key = (c.causal, c.scale, c.comm_sms, _tp.full_share(comm))  # attn_ctas follows the grid
+    return plan, _tp.launch_template(plan, key, lambda: _static_args(comm, plan, c))
 
 
 def _static_args(comm, plan, c):
@@ -198,7 +199,7 @@ def _static_args(comm, plan, c):
     r.flags_off = comm.offset_of(plan["flags"])
     r.o_acc, r.m_acc, r.l_acc = plan["o_acc"].data.ptr, plan["m_acc"].data.ptr, plan["l_acc"].data.ptr
     r.tile_flags, r.counters = plan["tile_flags"].data.ptr, plan["counters"].data.ptr
-    grid = persistent_grid(_function(c), _attn.THREADS, _attn.SMEM[D], what="ring_attention")
+    grid = _grid(comm, c)
     r.world, r.me, r.attn_ctas, r.zigzag = W, me, grid - min(c.comm_sms, grid - 1), int(c.causal)
     r.local, r.lrank = comm.local_size, comm.local_rank
     r.tiles_per_step = plan["tiles"]
@@ -216,6 +217,13 @@ def _static_args(comm, plan, c):
         r.chunk_bytes = -(-chunk // 16) * 16
         r.chunks = -(-r.kv_bytes // r.chunk_bytes)
     return r
+
+
+def _grid(comm, c):
+    """CTAs of the launch (cached): roles go by arrival and tiles are claimed, so any resident
+    subset finishes; in a node under MPS the whole share (tp.full_share)."""
+    return persistent_grid(_function(c), _attn.THREADS, _attn.SMEM[c.q4.shape[3]], what="ring_attention",
+                           full_share=_tp.full_share(comm))
 
 
 def _function(c):
@@ -257,6 +265,5 @@ def _launch(comm, planned, c, return_lse, stream):
             stage[0][...] = k4
             stage[1][...] = v4
     fn = _function(c)
-    grid = persistent_grid(fn, _attn.THREADS, _attn.SMEM[D], what="ring_attention")  # (cached)
-    launch_persistent(fn, (grid,), (_attn.THREADS,), r, smem=_attn.SMEM[D], stream=stream)
+    launch_persistent(fn, (_grid(comm, c),), (_attn.THREADS,), r, smem=_attn.SMEM[D], stream=stream)
     return out, lse

@@ -386,13 +386,14 @@ def check_comm_sms(op, comm_sms):
 
 
 def full_share(comm) -> bool:
-    """Whether the fused TP kernels' grids take the whole MPS share (config.tp_mps_full_share; in
-    one node only: between nodes AR x14336 measured 27% slower with it, bench/NOTES.md session 29)."""
-    return config.get().tp_mps_full_share and comm.num_nodes == 1
+    """Whether the grids of kernels that finish with any resident subset of CTAs (the fused TP ops,
+    ring attention, MoE) take the whole MPS share (config.mps_full_share; in one node only: between
+    nodes TP's AR x14336 measured 27% slower with it, bench/NOTES.md session 29)."""
+    return config.get().mps_full_share and comm.num_nodes == 1
 
 
 def grid_sms(comm) -> int:
-    """SMs the fused TP kernels' grids take (under MPS 7/8 of the share, or all of it: full_share)."""
+    """SMs such a kernel's grid takes (under MPS 7/8 of the share, or all of it: full_share)."""
     return _launch.sm_count(full_share=full_share(comm))
 
 

@@ -143,7 +143,10 @@ def test_fused_exact(comm, join):
 def _repeat_body(comm):
     """Shapes A (bf16 H 256 El 4 k 2 zipf T 500, two inputs) and B (fp16 H 512 El 16 k 8 uniform T 200):
     A0 A1 B, four times, queued without synchronisation, each y into a buffer of its own: each bitwise
-    equal to its solo run, the epoch moved by 12."""
+    equal to its solo run, the epoch moved by 12; the second and fourth rounds with config.mps_full_share
+    flipped (the grid's size under MPS: the same bits)."""
+    from mkernel import config
+
     W, me = comm.size, comm.rank
     probs = {"A0": tm._problem("fused repeat A0", W, "bf16", 256, 4, 2, "zipf", 500, values="unit"),
              "A1": tm._problem("fused repeat A1", W, "bf16", 256, 4, 2, "zipf", 500, values="unit"),
@@ -163,9 +166,10 @@ def _repeat_body(comm):
     order = ["A0", "A1", "B"] * 4
     e0 = comm.sync.epoch()
     runs = []
-    for s in order:  # dispatch+GEMM, then GEMM+combine of its y, each into buffers of their own
-        _, y, h = tm._run(probs[s], me, W1s[s], Fs[s], "kn", comm)
-        runs.append((y, tm._combine(probs[s], me, y, h, "kn", comm)[1]))
+    for i, s in enumerate(order):  # dispatch+GEMM, then GEMM+combine of its y, each into buffers of their own
+        with config.override(mps_full_share=config.get().mps_full_share != (i // 3 % 2 == 1)):
+            _, y, h = tm._run(probs[s], me, W1s[s], Fs[s], "kn", comm)
+            runs.append((y, tm._combine(probs[s], me, y, h, "kn", comm)[1]))
     tm._sync("fused repeats", 60.0)
     comm.check()
     moved = (comm.sync.epoch() - e0) % (1 << 32)

@@ -230,7 +230,8 @@ def _repeat_body(comm, n=20):
     """n launches in a row on the same buffers (the output poisoned before each, a copy of its bits
     taken after, nothing synchronised in between): every result identical bitwise, and right. Even
     launches return lse, odd ones do not (calls with out= and no lse may reuse a launch plan); launches
-    2-3, 6-7, ... forward with config.comm_staged (through shared memory: the same bits)."""
+    2-3, 6-7, ... forward with config.comm_staged (through shared memory: the same bits); 4-7, 12-15,
+    ... run with config.mps_full_share flipped (the grid's size under MPS: the same bits)."""
     import cupy
 
     from mkernel import config
@@ -243,7 +244,8 @@ def _repeat_body(comm, n=20):
     snaps, lses = [], []
     for i in range(n):
         _poison(out)
-        with config.override(comm_staged=i % 4 >= 2):
+        full = config.get().mps_full_share != (i % 8 >= 4)
+        with config.override(comm_staged=i % 4 >= 2, mps_full_share=full):
             if i % 2 == 0:
                 res = ring(dq, dk, dv, comm=comm, causal=True, out=out, return_lse=True)
                 lses.append(res[1].copy())

@@ -160,7 +160,7 @@ def test_comm_staging_changes_no_bit(comm, op):
 
 @pytest.mark.parametrize("op", ["rs", "ar", "ag"])
 def test_full_mps_share_changes_no_bit(comm, op):
-    """config.tp_mps_full_share (under MPS in a node the grid takes the whole SM share; CTAs that
+    """config.mps_full_share (under MPS in a node the grid takes the whole SM share; CTAs that
     find no SM start late and find no work): exact on integer inputs and bitwise equal launch to
     launch, the setting alternating, with more tiles than CTAs."""
     ref, shape, row0, call = _integer_case(comm, op, 25 if op == "ag" else 15, 1024, 2056)
@@ -169,7 +169,7 @@ def test_full_mps_share_changes_no_bit(comm, op):
         first = {}
         for full in (True, False, True, True):
             what = f"{op} full_share {full}"
-            with config.override(tp_mps_full_share=full):
+            with config.override(mps_full_share=full):
                 out = call(_poisoned(shape, "bf16"), "fused")
             _sync(what)
             comm.check()
