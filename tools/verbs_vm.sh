@@ -27,6 +27,9 @@ if ! have_parts; then
     { echo "tools/verbs_vm.sh: installing the VM's parts failed" >&2; exit 1; }
 fi
 [ "${1:-}" = --check ] && exit 0
+# The guest cannot write bytecode (a read-only view) and compiling our modules under software
+# emulation took 20-50 s a process (bench/NOTES.md session 44): compile them here (__pycache__, ignored)
+"$PY" -m compileall -q "$ROOT/mkernel" "$ROOT/tests" "$ROOT/tools" >/dev/null || true
 
 if [ "${1:-}" = --sh ]; then
   RUN=$2

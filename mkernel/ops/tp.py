@@ -33,7 +33,7 @@ from mkernel.engines import gemm as _gemm
 from mkernel.runtime import compile as _compile
 from mkernel.runtime import launch as _launch
 from mkernel.runtime import tma as _tma
-from mkernel.runtime.arrays import DT, HALF_TYPES, as_cupy, check_matrix, cupy_mod, row_stride
+from mkernel.runtime.arrays import DT, as_cupy, check_matrix, cupy_mod, row_stride
 from mkernel.runtime.launch import launch_all, launch_persistent, persistent_grid
 from mkernel.split import search as autosplit
 from mkernel.split.policy import MkSplitCtl
@@ -155,7 +155,7 @@ def check_inputs(op, a, b, b_layout, stream):
         layout, b_arr = B_NK, b
     else:
         raise ArgumentError(f"{op}: b_layout must be None, 'kn' or 'nk'; got {b_layout!r}")
-    check_matrix(b_arr, "b", dtypes=HALF_TYPES)
+    check_matrix(b_arr, "b")
     N = b_arr.shape[1] if layout == B_KN else b_arr.shape[0]
     if K % 8 or N % 8:
         raise ArgumentError(f"{op}: K = {K} and N = {N} must be multiples of 8 (TMA rows are multiples of "

@@ -11,14 +11,23 @@ import numpy as np
 
 from mkernel.core.errors import ArgumentError, NoGPUError
 
-try:
-    import ml_dtypes
-    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # ml_dtypes is a dependency; keep import-time failure out of CPU-only tools
-    BFLOAT16 = None
 FLOAT16 = np.dtype(np.float16)
-HALF_TYPES = tuple(d for d in (BFLOAT16, FLOAT16) if d is not None)
+HALF_NAMES = ("bfloat16", "float16")  # the kernels' input dtypes, by NumPy name
 DT = {"bfloat16": 0, "float16": 1}  # the kernels' input dtype codes by NumPy name (MK_DT_*, wgmma.cuh)
+
+
+def __getattr__(name):
+    """BFLOAT16 (ml_dtypes' bfloat16) and HALF_TYPES on first use: importing ml_dtypes takes ~0.6 s,
+    which every rank of every job paid in ``import mkernel``; None / float16 only without it."""
+    if name not in ("BFLOAT16", "HALF_TYPES"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        import ml_dtypes
+        bf16 = np.dtype(ml_dtypes.bfloat16)
+    except ImportError:  # ml_dtypes is a dependency; keep import-time failure out of CPU-only tools
+        bf16 = None
+    globals().update(BFLOAT16=bf16, HALF_TYPES=tuple(d for d in (bf16, FLOAT16) if d is not None))
+    return globals()[name]
 
 
 def cupy_mod():
@@ -60,14 +69,15 @@ def row_stride(x) -> int:
     return x.strides[0] if x.shape[0] > 1 else x.shape[1] * x.itemsize
 
 
-def check_matrix(arr, name: str, dtypes=HALF_TYPES, shape=None):
-    """A 2-D array of one of ``dtypes`` (None: any) whose rows are contiguous, 16-byte aligned and
-    16-byte strided; ``shape`` entries may be None. A stride along an axis of length 1 is never
-    used, so it is not checked."""
+def check_matrix(arr, name: str, dtypes=HALF_NAMES, shape=None):
+    """A 2-D array of one of ``dtypes`` (dtypes or their names; None: any) whose rows are contiguous,
+    16-byte aligned and 16-byte strided; ``shape`` entries may be None. A stride along an axis of
+    length 1 is never used, so it is not checked."""
     if arr.ndim != 2:
         raise ArgumentError(f"{name} must be 2-D, got shape {tuple(arr.shape)}")
-    if dtypes is not None and arr.dtype not in dtypes:
-        raise ArgumentError(f"{name} has dtype {arr.dtype}; expected one of {[str(d) for d in dtypes]}")
+    names = None if dtypes is None else [d if isinstance(d, str) else np.dtype(d).name for d in dtypes]
+    if names is not None and arr.dtype.name not in names:
+        raise ArgumentError(f"{name} has dtype {arr.dtype}; expected one of {names}")
     if shape is not None:
         for axis, (got, want) in enumerate(zip(arr.shape, shape)):
             if want is not None and got != want:
@@ -76,12 +86,6 @@ def check_matrix(arr, name: str, dtypes=HALF_TYPES, shape=None):
         return arr
     if (arr.shape[1] > 1 and arr.strides[1] != arr.itemsize) or \
             (arr.shape[0] > 1 and (arr.strides[0] <= 0 or arr.strides[0] % 16)):
-        raise ArgumentError(f"{name} must be row-major with rows 16-byte aligned (strides {arr.strides}); "
-                            f"pass a contiguous copy (cupy.ascontiguousarray)")
-    if arr.data.ptr % 16:
-        raise ArgumentError(f"{name} must start on a 16-byte boundary")
-    return arr
-    if arr.strides[1] != arr.itemsize or arr.strides[0] % 16:
         raise ArgumentError(f"{name} must be row-major with rows 16-byte aligned (strides {arr.strides}); "
                             f"pass a contiguous copy (cupy.ascontiguousarray)")
     if arr.data.ptr % 16:

@@ -49,3 +49,12 @@ def test_every_mkernel_variable_in_the_sources_is_registered():
 def test_version_is_exported():
     import mkernel
     assert re.fullmatch(r"\d+\.\d+\.\d+", mkernel.__version__)
+
+
+def test_import_leaves_ml_dtypes_until_bfloat16_is_asked_for():
+    """ml_dtypes takes ~0.6 s to import (every rank of every job paid it in ``import mkernel``)."""
+    code = ("import sys, mkernel; assert 'ml_dtypes' not in sys.modules; "
+            "from mkernel.runtime.arrays import BFLOAT16, HALF_TYPES; "
+            "assert BFLOAT16.name == 'bfloat16' and [d.name for d in HALF_TYPES] == ['bfloat16', 'float16']")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    assert r.returncode == 0, r.stderr

@@ -120,6 +120,11 @@ def test_b_layout_inference_and_host_checks():
                 _Fake((5, 64), strides=(-256, 2))):
         with pytest.raises(ArgumentError):
             mg.check_matrix(bad, "a", dtypes=None)
+    mg.check_matrix(_Fake((5, 64)), "a")  # the default: bfloat16 or float16, by name
+    mg.check_matrix(_Fake((5, 64), np.float16), "a")
+    mg.check_matrix(_Fake((5, 64), np.float32), "a", dtypes=(np.dtype(np.float32),))
+    with pytest.raises(ArgumentError, match=r"float32; expected one of \['bfloat16', 'float16'\]"):
+        mg.check_matrix(_Fake((5, 64), np.float32), "a")
     with pytest.raises(ArgumentError):
         mg._check_inputs(_Fake((4, 60)), None, 60, 64)
     with pytest.raises(ArgumentError):
