@@ -553,13 +553,18 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
         if mps is not None:  # the GEMMs alone (the routing of the last unfused dispatch), every rank at once
             fns.update(gemm_dg=lambda: mkernel.grouped_gemm(B["recv_uf"], w1, st["h"].group_rows, out=B["y_uf"]),
                        gemm_gc=lambda: mkernel.grouped_gemm(B["y_uf"], w2, st["h"].group_rows, out=B["z_uf"]))
-            if nodes == 1:  # the fused kernels with config.mps_full_share flipped (A/B; a no-op between nodes)
-                def flipped(f):
-                    def call():
-                        with mkernel.config.override(mps_full_share=not mkernel.config.get().mps_full_share):
-                            f()
-                    return call
-                fns.update(flip_dg=flipped(mk_dg), flip_gc=flipped(mk_gc))
+            import mps_timing as cc
+
+            share = cc.full_share_change(nodes)  # the fused kernels on the other grid size (A/B, same run)
+
+            def flipped(f):
+                def call():
+                    with mkernel.config.override(**share):
+                        f()
+                return call
+            fns["flip_dg"] = flipped(mk_dg)
+            if nodes == 1:  # (between nodes the combine is the blocks: no fused kernel)
+                fns["flip_gc"] = flipped(mk_gc)
         if have_baseline and base is not None:
             fns.update(bg_dg=lambda: base.dispatch_gemm("gather"), bg_gc=lambda: base.gemm_combine("gather"),
                        bs_dg=lambda: base.dispatch_gemm("segments"), bs_gc=lambda: base.gemm_combine("segments"))
@@ -627,8 +632,7 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
                          default_path=default, default_speedup=r["vs_unfused"] if default == "fused" else 1.0,
                          sms_per_rank=cc.sms_per_rank(), **net)
                 if f"flip_{sfx}" in ts:
-                    r["variants_ms"] = {f"mps_full_share={not mkernel.config.get().mps_full_share}":
-                                        harness.median(ts[f"flip_{sfx}"])}
+                    r["variants_ms"] = {f"mps_full_share={share['mps_full_share']}": harness.median(ts[f"flip_{sfx}"])}
                 if nodes > 1:
                     least = 0.80 if comm.local_size == 1 else 0.70
                     r.update(goal=f"fraction_of_bound >= {least}, speedup >= 1.0",

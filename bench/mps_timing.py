@@ -175,3 +175,14 @@ def sms_per_rank():
     from mkernel.runtime.launch import device_sms
 
     return device_sms()
+
+
+def full_share_change(num_nodes):
+    """The config change that times the other grid size (config.mps_full_share) beside the default:
+    in a node the setting flipped; between nodes, where True takes 7/8 of the share, "always"."""
+    import mkernel
+
+    v = mkernel.config.get().mps_full_share
+    if num_nodes > 1:
+        return {"mps_full_share": True if v == "always" else "always"}
+    return {"mps_full_share": not v}

@@ -53,8 +53,9 @@ class Config:
     # allgather_gemm's push CTAs take GEMM tiles once no push or forward item is left
     tp_ag_join_gemm: bool = True
     # Under MPS in one node the fused TP, ring attention and MoE kernels' grids take the client's whole
-    # SM share, not 7/8 (their work finishes with any resident subset of CTAs; launch.MPS_RESIDENT_FRACTION)
-    mps_full_share: bool = True
+    # SM share, not 7/8 (their work finishes with any resident subset of CTAs; launch.MPS_RESIDENT_FRACTION);
+    # "always": between nodes too (measured slower there once, bench/NOTES.md session 29)
+    mps_full_share: object = True
     # communication CTAs (the TP ops', ring attention's forwarders) stage their loads in their idle
     # shared memory (cp.async, copy.cuh MkStage; False: in registers, 4-8 vectors a thread)
     comm_staged: bool = True
@@ -112,9 +113,11 @@ class Config:
         if not (isinstance(self.tp_join_reduce, bool) or self.tp_join_reduce == "auto"):
             raise ArgumentError(f"tp_join_reduce must be True, False or \"auto\"; got {self.tp_join_reduce!r}")
         for name in ("moe_join_gemm", "tp_latency_ll_overlap", "gemm_split_k", "gemm_overlap",
-                     "tp_ag_copy_first", "tp_ag_join_gemm", "mps_full_share", "comm_staged", "tp_join_staged"):
+                     "tp_ag_copy_first", "tp_ag_join_gemm", "comm_staged", "tp_join_staged"):
             if not isinstance(getattr(self, name), bool):
                 raise ArgumentError(f"{name} must be True or False; got {getattr(self, name)!r}")
+        if not (isinstance(self.mps_full_share, bool) or self.mps_full_share == "always"):
+            raise ArgumentError(f"mps_full_share must be True, False or \"always\"; got {self.mps_full_share!r}")
         v = self.tp_join_min_gemm_share
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
             raise ArgumentError(f"tp_join_min_gemm_share must be a number >= 0; got {v!r}")

@@ -387,9 +387,10 @@ def check_comm_sms(op, comm_sms):
 
 def full_share(comm) -> bool:
     """Whether the grids of kernels that finish with any resident subset of CTAs (the fused TP ops,
-    ring attention, MoE) take the whole MPS share (config.mps_full_share; in one node only: between
-    nodes TP's AR x14336 measured 27% slower with it, bench/NOTES.md session 29)."""
-    return config.get().mps_full_share and comm.num_nodes == 1
+    ring attention, MoE) take the whole MPS share (config.mps_full_share; True: in one node only,
+    since between nodes TP's AR x14336 measured 27% slower with it, bench/NOTES.md session 29)."""
+    v = config.get().mps_full_share
+    return v == "always" or (v is True and comm.num_nodes == 1)
 
 
 def grid_sms(comm) -> int:

@@ -32,6 +32,8 @@ def test_configure_sets_the_knobs_for_the_process():
                                            ({"tp_join_reduce": "sometimes"}, "tp_join_reduce"),
                                            ({"tp_join_min_gemm_share": -1}, "tp_join_min_gemm_share"),
                                            ({"tp_join_min_gemm_share": "0.3"}, "tp_join_min_gemm_share"),
+                                           ({"mps_full_share": "sometimes"}, "mps_full_share"),
+                                           ({"mps_full_share": 1}, "mps_full_share"),
                                            ({"no_such_knob": 1}, "unknown configuration")])
 def test_bad_values_raise_where_they_are_set(changes, match):
     with pytest.raises(ArgumentError, match=match):
@@ -47,3 +49,14 @@ def test_the_object_and_its_tables_are_read_only():
     with pytest.raises(TypeError):
         cfg.tp_comm_sms["gemm_allreduce"] = 1
     assert mkernel.config is config
+
+
+def test_the_whole_mps_share_in_a_node_and_between_nodes_only_when_always():
+    from types import SimpleNamespace
+
+    from mkernel.ops import tp
+
+    one, two = SimpleNamespace(num_nodes=1), SimpleNamespace(num_nodes=2)
+    for setting, want in ((True, (True, False)), (False, (False, False)), ("always", (True, True))):
+        with config.override(mps_full_share=setting):
+            assert (tp.full_share(one), tp.full_share(two)) == want, setting

@@ -78,9 +78,11 @@ def _run_cases(comm, allreduce):
             before = bytes_sent(comm)
             staged = rep >= 1  # config.comm_staged from the second launch on: the same bits
             join = rep >= 1  # the GEMM CTAs join the reduction and forwards; the third launch stages theirs
-            what = f"{fn.__name__} {path} case {i} {M}x{N}x{K} {kind} launch {rep} staged {staged} join {join}"
+            share = "always" if rep == 1 else True  # the second on the whole MPS share between nodes too
+            what = f"{fn.__name__} {path} case {i} {M}x{N}x{K} {kind} launch {rep} staged {staged} join {join} " \
+                   f"share {share}"
             try:
-                with config.override(comm_staged=staged, tp_join_staged=rep == 2):
+                with config.override(comm_staged=staged, tp_join_staged=rep == 2, mps_full_share=share):
                     fn(a, b, comm=comm, out=out, b_layout=bl, path=path, join=join)
                 sync_or_exit(what, HANG_S)
                 comm.check()
@@ -162,10 +164,12 @@ def _run_ag_cases(comm):
             copy_first = rep % 2 == 1  # launches alternate who copies the shard into its own rows
             staged = rep >= 1  # config.comm_staged from the second launch on: the same bits
             join = rep == REPEATS - 1  # config.tp_ag_join_gemm on the last launch
+            share = "always" if rep == 1 else True  # the second on the whole MPS share between nodes too
             what = f"allgather_gemm {path} case {i} {mb}x{N}x{K} {kind} launch {rep} copy_first {copy_first} " \
-                   f"staged {staged} join {join}"
+                   f"staged {staged} join {join} share {share}"
             try:
-                with config.override(tp_ag_copy_first=copy_first, comm_staged=staged, tp_ag_join_gemm=join):
+                with config.override(tp_ag_copy_first=copy_first, comm_staged=staged, tp_ag_join_gemm=join,
+                                     mps_full_share=share):
                     out, gathered = allgather_gemm(a, b, comm=comm, out=_poisoned((W * mb, N), kind), path=path,
                                                    return_gathered=True)
                 sync_or_exit(what, HANG_S)
