@@ -69,15 +69,18 @@ def row_stride(x) -> int:
     return x.strides[0] if x.shape[0] > 1 else x.shape[1] * x.itemsize
 
 
+def _dtype_names(dtypes):
+    return dtypes if dtypes is HALF_NAMES else tuple(d if isinstance(d, str) else np.dtype(d).name for d in dtypes)
+
+
 def check_matrix(arr, name: str, dtypes=HALF_NAMES, shape=None):
     """A 2-D array of one of ``dtypes`` (dtypes or their names; None: any) whose rows are contiguous,
     16-byte aligned and 16-byte strided; ``shape`` entries may be None. A stride along an axis of
     length 1 is never used, so it is not checked."""
     if arr.ndim != 2:
         raise ArgumentError(f"{name} must be 2-D, got shape {tuple(arr.shape)}")
-    names = None if dtypes is None else [d if isinstance(d, str) else np.dtype(d).name for d in dtypes]
-    if names is not None and arr.dtype.name not in names:
-        raise ArgumentError(f"{name} has dtype {arr.dtype}; expected one of {names}")
+    if dtypes is not None and arr.dtype.name not in (names := _dtype_names(dtypes)):
+        raise ArgumentError(f"{name} has dtype {arr.dtype}; expected one of {list(names)}")
     if shape is not None:
         for axis, (got, want) in enumerate(zip(arr.shape, shape)):
             if want is not None and got != want:
