@@ -154,7 +154,7 @@ def _plan(op, comm, H, dtype, k, E, capacity, stream):
              ("recv", (capacity, H), dtype), ("ret", (capacity, H), dtype)]
     plan = _tp.plan_buffers(op, comm, key, sizes, counter_words=CNT_WORDS)
     if "generation" not in plan:
-        sms = launch.sm_count()
+        sms = launch.sm_count(full_share=True)  # the most CTAs a launch takes (hist's rows); each takes grid_sms
         with _tp.on_stream(stream):  # zeroed on the stream the kernels run on, before them
             plan.update(generation=0, capacity=capacity, E=E, k=k, H=H, sms=sms,
                         send_order=cupy.empty(capacity, dtype=cupy.int32), esent=cupy.zeros(E, dtype=cupy.uint32),
@@ -180,9 +180,9 @@ def _args(comm, plan, op, T, k, E, H):
     return a
 
 
-def _launch(op, expr, args, ctas, stream, smem=0):
+def _launch(op, expr, args, ctas, stream, smem=0, full_share=False):
     fn = _compile.module(SPEC).function(expr)
-    persistent_grid(fn, THREADS, smem, blocks=ctas, what=op)
+    persistent_grid(fn, THREADS, smem, blocks=ctas, what=op, full_share=full_share)
     # roles by arrival, work claimed: any resident part of the grid finishes (docs/MOE.md "Residency")
     launch_persistent(fn, (ctas,), (THREADS,), args, smem=smem, stream=stream)
 
@@ -213,9 +213,9 @@ def launch_dispatch(d, out, stream):
     a.out = out.data.ptr
     a.ldo = (out.strides[0] if d.capacity > 1 else d.H * out.itemsize) // out.itemsize
     pairs = d.capacity if d.nodes is not None else d.T * d.k  # between nodes: counted on the device
-    ctas = max(1, min(d.plan["sms"], -(-pairs // PAIRS_PER_CTA)))
+    ctas = max(1, min(_tp.grid_sms(d.comm), -(-pairs // PAIRS_PER_CTA)))
     d.exchange()
-    _launch(d.op, "mk_moe_dispatch_kernel", a, ctas, stream, smem=DISPATCH_SMEM)
+    _launch(d.op, "mk_moe_dispatch_kernel", a, ctas, stream, smem=DISPATCH_SMEM, full_share=_tp.full_share(d.comm))
     return d.handle()
 
 
@@ -296,8 +296,8 @@ def combine(op, y, handle, *, comm, out, stream):
         _nodes.set_virtual(a, nodes, comm)
         a.topk_w, a.out, a.ldo, a.partial_out = nodes["vw"].data.ptr, nodes["part"].data.ptr, handle.H, 1
         tokens = nodes["fwd_rows"]
-    ctas = max(1, min(plan["sms"], -(-handle.capacity // ROWS_PER_CTA), max(1, tokens)))
-    _launch(op, f"mk_moe_combine_kernel<{DT[handle.dtype.name]}>", a, ctas, stream)
+    ctas = max(1, min(_tp.grid_sms(comm), -(-handle.capacity // ROWS_PER_CTA), max(1, tokens)))
+    _launch(op, f"mk_moe_combine_kernel<{DT[handle.dtype.name]}>", a, ctas, stream, full_share=_tp.full_share(comm))
     if nodes is not None:
         _nodes.partials(op, comm, handle, out, stream)
     return out

@@ -111,7 +111,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(cupy.cuda.runtime, "deviceSynchronize", lambda: None)
 
     def record(module):
-        def launch(op, expr, args, ctas, stream, smem=0):
+        def launch(op, expr, args, ctas, stream, smem=0, full_share=False):
             calls["launches"].append(dict(module=module, op=op, expr=expr, args=args, grid=ctas))
         return launch
 
