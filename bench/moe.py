@@ -548,7 +548,7 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
         counts_ok = all(c for c, _ in every)
         err_uf = max(e for _, e in every)
 
-        # the timed variants, interleaved; each combine right after its own dispatch
+        # the timed variants (interleaved without MPS; under MPS 5 batches each); each combine after its dispatch
         fns = {"mk_dg": mk_dg, "mk_gc": mk_gc, "uf_dg": uf_dg, "uf_gc": uf_gc}  # between nodes mk_gc is the blocks
         if mps is not None:  # the GEMMs alone (the routing of the last unfused dispatch), every rank at once
             fns.update(gemm_dg=lambda: mkernel.grouped_gemm(B["recv_uf"], w1, st["h"].group_rows, out=B["y_uf"]),

@@ -154,9 +154,9 @@ def _plan(op, comm, H, dtype, k, E, capacity, stream):
              ("recv", (capacity, H), dtype), ("ret", (capacity, H), dtype)]
     plan = _tp.plan_buffers(op, comm, key, sizes, counter_words=CNT_WORDS)
     if "generation" not in plan:
-        sms = launch.sm_count(full_share=True)  # the most CTAs a launch takes (hist's rows); each takes grid_sms
+        sms = launch.sm_count(full_share=True)  # hist's rows: the most CTAs a launch takes (tp.grid_sms)
         with _tp.on_stream(stream):  # zeroed on the stream the kernels run on, before them
-            plan.update(generation=0, capacity=capacity, E=E, k=k, H=H, sms=sms,
+            plan.update(generation=0, capacity=capacity, E=E, k=k, H=H,
                         send_order=cupy.empty(capacity, dtype=cupy.int32), esent=cupy.zeros(E, dtype=cupy.uint32),
                         hist=cupy.empty(sms * E, dtype=cupy.uint32),
                         group_rows=cupy.zeros(E // W, dtype=cupy.int32), received=cupy.zeros(1, dtype=cupy.int32))
