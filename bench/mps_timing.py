@@ -177,7 +177,7 @@ def sms_per_rank():
     return device_sms()
 
 
-def full_share_change(comm, op=None):
+def full_share_change(comm, op):
     """The config change that times the other grid size (config.mps_full_share) beside the default:
     7/8 of the share where the default takes it whole (tp.full_share), else the whole share."""
     from mkernel.ops import tp

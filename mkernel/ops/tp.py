@@ -385,12 +385,12 @@ def check_comm_sms(op, comm_sms):
     return comm_sms
 
 
-# Kernels measured faster on the whole MPS share between nodes too (RS and AG ~9-10%; AR x14336 27% and
-# 3% slower: bench/NOTES.md sessions 29, 45); ring attention and MoE not yet measured there
+# Ops measured faster on the whole MPS share between nodes too (RS, AG ~9-10%; AR x14336 27% and 3% slower:
+# bench/NOTES.md sessions 29, 45); ring attention and MoE (its four ops as one: bench/moe.py) not measured
 FULL_SHARE_BETWEEN_NODES = frozenset({"gemm_reduce_scatter", "allgather_gemm"})
 
 
-def full_share(comm, op=None) -> bool:
+def full_share(comm, op) -> bool:
     """Whether the grids of kernels that finish with any resident subset of CTAs (the fused TP ops,
     ring attention, MoE) take the whole MPS share (config.mps_full_share; True: in one node, and
     between nodes for the ops in FULL_SHARE_BETWEEN_NODES)."""
@@ -398,7 +398,7 @@ def full_share(comm, op=None) -> bool:
     return v == "always" or (v is True and (comm.num_nodes == 1 or op in FULL_SHARE_BETWEEN_NODES))
 
 
-def grid_sms(comm, op=None) -> int:
+def grid_sms(comm, op) -> int:
     """SMs such a kernel's grid takes (under MPS 7/8 of the share, or all of it: full_share)."""
     return _launch.sm_count(full_share=full_share(comm, op))
 

@@ -58,7 +58,7 @@ def test_the_whole_mps_share_in_a_node_between_nodes_for_rs_and_ag_and_everywher
 
     one, two = SimpleNamespace(num_nodes=1), SimpleNamespace(num_nodes=2)
     monkeypatch.setattr(tp._launch, "sm_count", lambda full_share=False: 66 if full_share else 57)
-    ops = (None, "gemm_allreduce", "gemm_reduce_scatter", "allgather_gemm")
+    ops = ("ring_attention", "gemm_allreduce", "gemm_reduce_scatter", "allgather_gemm")
     wants = {True: ((True,) * 4, (False, False, True, True)), False: ((False,) * 4,) * 2, "always": ((True,) * 4,) * 2}
     for setting, want in wants.items():
         with config.override(mps_full_share=setting):
