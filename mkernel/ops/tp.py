@@ -385,9 +385,10 @@ def check_comm_sms(op, comm_sms):
     return comm_sms
 
 
-# Ops measured faster on the whole MPS share between nodes too (RS, AG ~9-10%; AR x14336 27% and 3% slower:
-# bench/NOTES.md sessions 29, 45); ring attention and MoE (its four ops as one: bench/moe.py) not measured
-FULL_SHARE_BETWEEN_NODES = frozenset({"gemm_reduce_scatter", "allgather_gemm"})
+# Ops measured faster on the whole MPS share between nodes too (RS, AG ~9%, ring 5-8%, MoE 1-4%); AR x14336
+# 3-27% slower there at 2 x 1 (bench/NOTES.md sessions 29, 45, 46), so AR keeps 7/8 of it
+FULL_SHARE_BETWEEN_NODES = frozenset({"gemm_reduce_scatter", "allgather_gemm", "ring_attention", "moe_dispatch",
+                                      "moe_combine", "moe_dispatch_gemm", "moe_gemm_combine"})
 
 
 def full_share(comm, op) -> bool:

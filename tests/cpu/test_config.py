@@ -51,15 +51,16 @@ def test_the_object_and_its_tables_are_read_only():
     assert mkernel.config is config
 
 
-def test_the_whole_mps_share_in_a_node_between_nodes_for_rs_and_ag_and_everywhere_when_always(monkeypatch):
+def test_the_whole_mps_share_in_a_node_between_nodes_but_for_ar_and_everywhere_when_always(monkeypatch):
     from types import SimpleNamespace
 
     from mkernel.ops import tp
 
     one, two = SimpleNamespace(num_nodes=1), SimpleNamespace(num_nodes=2)
     monkeypatch.setattr(tp._launch, "sm_count", lambda full_share=False: 66 if full_share else 57)
-    ops = ("ring_attention", "gemm_allreduce", "gemm_reduce_scatter", "allgather_gemm")
-    wants = {True: ((True,) * 4, (False, False, True, True)), False: ((False,) * 4,) * 2, "always": ((True,) * 4,) * 2}
+    ops = ("ring_attention", "gemm_allreduce", "gemm_reduce_scatter", "allgather_gemm", "moe_dispatch_gemm")
+    wants = {True: ((True,) * 5, (True, False, True, True, True)), False: ((False,) * 5,) * 2,
+             "always": ((True,) * 5,) * 2}
     for setting, want in wants.items():
         with config.override(mps_full_share=setting):
             got = tuple(tuple(tp.full_share(c, op) for op in ops) for c in (one, two))
