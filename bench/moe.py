@@ -555,7 +555,7 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
                        gemm_gc=lambda: mkernel.grouped_gemm(B["y_uf"], w2, st["h"].group_rows, out=B["z_uf"]))
             import mps_timing as cc
 
-            share = cc.full_share_change(nodes)  # the fused kernels on the other grid size (A/B, same run)
+            share = cc.full_share_change(comm, "moe_dispatch_gemm")  # every MoE kernel on the other grid size (A/B)
 
             def flipped(f):
                 def call():

@@ -177,12 +177,9 @@ def sms_per_rank():
     return device_sms()
 
 
-def full_share_change(num_nodes):
+def full_share_change(comm, op):
     """The config change that times the other grid size (config.mps_full_share) beside the default:
-    in a node the setting flipped; between nodes, where True takes 7/8 of the share, "always"."""
-    import mkernel
+    7/8 of the share where the default takes it whole (tp.full_share), else the whole share."""
+    from mkernel.ops import tp
 
-    v = mkernel.config.get().mps_full_share
-    if num_nodes > 1:
-        return {"mps_full_share": True if v == "always" else "always"}
-    return {"mps_full_share": not v}
+    return {"mps_full_share": False if tp.full_share(comm, op) else "always"}

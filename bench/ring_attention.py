@@ -469,7 +469,7 @@ class SharedMode:
 
         variants = {}  # the default call with a knob flipped (A/B, same run)
         cfg = mkernel.config.get()
-        for change in ({"comm_staged": not cfg.comm_staged}, cc.full_share_change(comm.num_nodes)):
+        for change in ({"comm_staged": not cfg.comm_staged}, cc.full_share_change(comm, "ring_attention")):
             with mkernel.config.override(**change):
                 variants[",".join(f"{k}={v}" for k, v in change.items())] = cc.batch_ms(comm, self.barrier, mk)
         sent = ((W - 1) if self.nodes == 1 else (self.nodes - 1)) * 2 * block_bytes

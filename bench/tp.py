@@ -300,7 +300,7 @@ def bench_op_shared(op, comm, shapes, dt, barrier, link_gbs, comm_sms="auto"):
             import mkernel
 
             cfg = mkernel.config.get()
-            changes = [{"comm_staged": not cfg.comm_staged}, cc.full_share_change(comm.num_nodes)]
+            changes = [{"comm_staged": not cfg.comm_staged}, cc.full_share_change(comm, op)]
             if op == "allgather_gemm":
                 changes.append({"tp_ag_copy_first": not cfg.tp_ag_copy_first})
                 changes.append({"tp_ag_join_gemm": not cfg.tp_ag_join_gemm})

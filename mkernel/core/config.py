@@ -52,9 +52,8 @@ class Config:
     tp_ag_copy_first: bool = True
     # allgather_gemm's push CTAs take GEMM tiles once no push or forward item is left
     tp_ag_join_gemm: bool = True
-    # Under MPS in one node the fused TP, ring attention and MoE kernels' grids take the client's whole
-    # SM share, not 7/8 (their work finishes with any resident subset of CTAs; launch.MPS_RESIDENT_FRACTION);
-    # "always": between nodes too (measured slower there once, bench/NOTES.md session 29)
+    # Under MPS the fused TP, ring attention and MoE grids take the client's whole SM share, not 7/8 (any
+    # resident subset finishes): in a node, and between nodes for tp.FULL_SHARE_BETWEEN_NODES; "always": all
     mps_full_share: object = True
     # communication CTAs (the TP ops', ring attention's forwarders) stage their loads in their idle
     # shared memory (cp.async, copy.cuh MkStage; False: in registers, 4-8 vectors a thread)

@@ -123,7 +123,7 @@ def _launch(comm, plan, template, c, stream, keys):
     comm_items = (L + nodes - 1) * tiles_mb
     n, token = tp.resolve_comm_sms(OP, comm, c.comm_sms, c.path, M=c.M, N=c.N, K=c.K, esize=esize,
                                    comm_items=comm_items)
-    gemm_ctas, comm_ctas = tp.grid_split(OP, n, W * tiles_mb * args.tiles_n, comm_items, tp.grid_sms(comm))
+    gemm_ctas, comm_ctas = tp.grid_split(OP, n, W * tiles_mb * args.tiles_n, comm_items, tp.grid_sms(comm, OP))
     if c.path == "unfused":  # the kernel only gathers; the GEMM follows it
         gemm_ctas = 0
     tp.set_split(args, plan, gemm_ctas, tp.controller_mode(OP, c.comm_sms, c.path), comm)

@@ -213,9 +213,10 @@ def launch_dispatch(d, out, stream):
     a.out = out.data.ptr
     a.ldo = (out.strides[0] if d.capacity > 1 else d.H * out.itemsize) // out.itemsize
     pairs = d.capacity if d.nodes is not None else d.T * d.k  # between nodes: counted on the device
-    ctas = max(1, min(_tp.grid_sms(d.comm), -(-pairs // PAIRS_PER_CTA)))
+    ctas = max(1, min(_tp.grid_sms(d.comm, d.op), -(-pairs // PAIRS_PER_CTA)))
     d.exchange()
-    _launch(d.op, "mk_moe_dispatch_kernel", a, ctas, stream, smem=DISPATCH_SMEM, full_share=_tp.full_share(d.comm))
+    _launch(d.op, "mk_moe_dispatch_kernel", a, ctas, stream, smem=DISPATCH_SMEM,
+            full_share=_tp.full_share(d.comm, d.op))
     return d.handle()
 
 
@@ -296,8 +297,8 @@ def combine(op, y, handle, *, comm, out, stream):
         _nodes.set_virtual(a, nodes, comm)
         a.topk_w, a.out, a.ldo, a.partial_out = nodes["vw"].data.ptr, nodes["part"].data.ptr, handle.H, 1
         tokens = nodes["fwd_rows"]
-    ctas = max(1, min(_tp.grid_sms(comm), -(-handle.capacity // ROWS_PER_CTA), max(1, tokens)))
-    _launch(op, f"mk_moe_combine_kernel<{DT[handle.dtype.name]}>", a, ctas, stream, full_share=_tp.full_share(comm))
+    ctas = max(1, min(_tp.grid_sms(comm, op), -(-handle.capacity // ROWS_PER_CTA), max(1, tokens)))
+    _launch(op, f"mk_moe_combine_kernel<{DT[handle.dtype.name]}>", a, ctas, stream, full_share=_tp.full_share(comm, op))
     if nodes is not None:
         _nodes.partials(op, comm, handle, out, stream)
     return out

@@ -169,7 +169,7 @@ def _plan(comm, c):
         if remote:  # (starts the proxy on first use: collective, like this whole branch)
             plan["pflags"] = comm.proxy_flag_block(PF_CHUNK + PROXY_CHUNK_FLAGS)
         cupy.cuda.runtime.deviceSynchronize()
-    key = (c.causal, c.scale, c.comm_sms, _tp.full_share(comm))  # attn_ctas follows the grid
+    key = (c.causal, c.scale, c.comm_sms, _tp.full_share(comm, "ring_attention"))  # attn_ctas follows the grid
     return plan, _tp.launch_template(plan, key, lambda: _static_args(comm, plan, c))
 
 
@@ -223,7 +223,7 @@ def _grid(comm, c):
     """CTAs of the launch (cached): roles go by arrival and tiles are claimed, so any resident
     subset finishes; in a node under MPS the whole share (tp.full_share)."""
     return persistent_grid(_function(c), _attn.THREADS, _attn.SMEM[c.q4.shape[3]], what="ring_attention",
-                           full_share=_tp.full_share(comm))
+                           full_share=_tp.full_share(comm, "ring_attention"))
 
 
 def _function(c):

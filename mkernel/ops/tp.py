@@ -385,17 +385,23 @@ def check_comm_sms(op, comm_sms):
     return comm_sms
 
 
-def full_share(comm) -> bool:
+# Ops measured faster on the whole MPS share between nodes too (RS, AG ~9%, ring 5-8%, MoE 1-4%); AR x14336
+# 3-27% slower there at 2 x 1 (bench/NOTES.md sessions 29, 45, 46), so AR keeps 7/8 of it
+FULL_SHARE_BETWEEN_NODES = frozenset({"gemm_reduce_scatter", "allgather_gemm", "ring_attention", "moe_dispatch",
+                                      "moe_combine", "moe_dispatch_gemm", "moe_gemm_combine"})
+
+
+def full_share(comm, op) -> bool:
     """Whether the grids of kernels that finish with any resident subset of CTAs (the fused TP ops,
-    ring attention, MoE) take the whole MPS share (config.mps_full_share; True: in one node only,
-    since between nodes TP's AR x14336 measured 27% slower with it, bench/NOTES.md session 29)."""
+    ring attention, MoE) take the whole MPS share (config.mps_full_share; True: in one node, and
+    between nodes for the ops in FULL_SHARE_BETWEEN_NODES)."""
     v = config.get().mps_full_share
-    return v == "always" or (v is True and comm.num_nodes == 1)
+    return v == "always" or (v is True and (comm.num_nodes == 1 or op in FULL_SHARE_BETWEEN_NODES))
 
 
-def grid_sms(comm) -> int:
+def grid_sms(comm, op) -> int:
     """SMs such a kernel's grid takes (under MPS 7/8 of the share, or all of it: full_share)."""
-    return _launch.sm_count(full_share=full_share(comm))
+    return _launch.sm_count(full_share=full_share(comm, op))
 
 
 def resolve_comm_sms(op, comm, comm_sms, chosen, *, M, N, K, esize, comm_items, joined_in_node=False):
@@ -406,7 +412,7 @@ def resolve_comm_sms(op, comm, comm_sms, chosen, *, M, N, K, esize, comm_items, 
         return comm_sms, None
     if chosen != "fused":
         return config.get().tp_comm_sms[op], None
-    return autosplit.choose(comm, op, M=M, N=N, K=K, esize=esize, comm_items=comm_items, sms=grid_sms(comm),
+    return autosplit.choose(comm, op, M=M, N=N, K=K, esize=esize, comm_items=comm_items, sms=grid_sms(comm, op),
                             joined_in_node=joined_in_node)
 
 
@@ -513,7 +519,7 @@ def call_args(template, c, *, a_ptr, a_row_bytes):
 def launch_fused(comm, op, spec, kernel, args, dtype, layout, grid, stream):
     fn = _compile.module(spec).function(kernel_expr(kernel, DT[dtype.name], layout))
     persistent_grid(fn, THREADS, SMEM_BYTES, blocks=grid, what=op,  # checked once per grid (cached)
-                    full_share=full_share(comm))
+                    full_share=full_share(comm, op))
     args.g.sync = comm.sync_args(op)
     args.g.c = args.dst[0]
     args.comm_staged = int(config.get().comm_staged)

@@ -78,7 +78,7 @@ def _run_cases(comm, allreduce):
             before = bytes_sent(comm)
             staged = rep >= 1  # config.comm_staged from the second launch on: the same bits
             join = rep >= 1  # the GEMM CTAs join the reduction and forwards; the third launch stages theirs
-            share = "always" if rep == 1 else True  # the second on the whole MPS share between nodes too
+            share = (True, "always", False)[rep % 3]  # both grid sizes (7/8 or all of the MPS share) for every op
             what = f"{fn.__name__} {path} case {i} {M}x{N}x{K} {kind} launch {rep} staged {staged} join {join} " \
                    f"share {share}"
             try:
@@ -164,7 +164,7 @@ def _run_ag_cases(comm):
             copy_first = rep % 2 == 1  # launches alternate who copies the shard into its own rows
             staged = rep >= 1  # config.comm_staged from the second launch on: the same bits
             join = rep == REPEATS - 1  # config.tp_ag_join_gemm on the last launch
-            share = "always" if rep == 1 else True  # the second on the whole MPS share between nodes too
+            share = (True, "always", False)[rep % 3]  # both grid sizes (7/8 or all of the MPS share) for every op
             what = f"allgather_gemm {path} case {i} {mb}x{N}x{K} {kind} launch {rep} copy_first {copy_first} " \
                    f"staged {staged} join {join} share {share}"
             try:
