@@ -308,6 +308,8 @@ def bench_op_shared(op, comm, shapes, dt, barrier, link_gbs, comm_sms="auto"):
                 joins = _tp.default_join(op, comm, M=M, N=N, K=K, esize=dt.itemsize)
                 changes.append({"tp_join_reduce": not joins})
                 changes.append({"tp_join_reduce": True, "tp_join_staged": not (joins and cfg.tp_join_staged)})
+                if nodes > 1:  # larger WRITEs between nodes (the host transport's rate grows with them)
+                    changes += [{"tp_send_tiles": 2 * cfg.tp_send_tiles}, {"tp_send_tiles": 4 * cfg.tp_send_tiles}]
             for change in changes:
                 with mkernel.config.override(**change):
                     name = ",".join(f"{k}={v}" for k, v in change.items())

@@ -52,6 +52,9 @@ class Config:
     tp_ag_copy_first: bool = True
     # allgather_gemm's push CTAs take GEMM tiles once no push or forward item is left
     tp_ag_join_gemm: bool = True
+    # RS / AR between nodes: node partial tiles (64 KiB each) sent in one WRITE (16: 1 MiB; a 64 KiB
+    # WRITE ran the host transport at a third of its 1 MiB rate). A shape's plan keeps the value it met.
+    tp_send_tiles: int = 16
     # Under MPS the fused TP, ring attention and MoE grids take the client's whole SM share, not 7/8 (any
     # resident subset finishes): in a node, and between nodes for tp.FULL_SHARE_BETWEEN_NODES; "always": all
     mps_full_share: object = True
@@ -94,7 +97,8 @@ class Config:
         if self.tp_controller not in CONTROLLER_SETTINGS:
             raise ArgumentError(f"tp_controller must be one of {CONTROLLER_SETTINGS}; got {self.tp_controller!r}")
         for name in ("tp_fuse_min_tiles", "tp_fuse_min_k", "tp_lend_share", "moe_comm_sms", "ring_comm_sms",
-                     "gemm_decode_max_m", "tp_latency_max_rows", "tp_latency_ll_max_rows", "allreduce_ll_max_bytes"):
+                     "tp_send_tiles", "gemm_decode_max_m", "tp_latency_max_rows", "tp_latency_ll_max_rows",
+                     "allreduce_ll_max_bytes"):
             v = getattr(self, name)
             zero_ok = name.startswith("tp_fuse") or name in ("gemm_decode_max_m", "tp_latency_max_rows",
                                                              "tp_latency_ll_max_rows", "allreduce_ll_max_bytes")

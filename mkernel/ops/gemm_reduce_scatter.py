@@ -5,6 +5,7 @@ computed by one fused kernel that reduces every output tile as soon as all its p
 Importable without CuPy; the kernels are registered with mkernel.compile at import.
 """
 
+from mkernel.core import config
 from mkernel.core.errors import ArgumentError
 from mkernel.engines import gemm as _gemm
 from mkernel.ops import allreduce as _ar
@@ -150,6 +151,7 @@ def _latency_out(comm, c):
 def _plan(op, allreduce, comm, c):
     """(plan, launch template, plan key) of this shape: buffers per (M, N, dtype), shared by layouts and K."""
     W, L, nodes, dt = comm.size, comm.local_size, comm.num_nodes, c.a.dtype
+    send = config.get().tp_send_tiles  # tiles per WRITE between nodes (part of the plan)
     tiles_blk = (-(-c.mb // tp.BM)) * (-(-c.N // tp.BN))
     # recv[sender lrank][block j]: this node's partials of the blocks j * L + lrank (all W at one node)
     sizes = [("recv", (L, nodes, c.mb, c.N), dt), ("rflag", (L * nodes * tiles_blk,), "uint32")]
@@ -159,14 +161,14 @@ def _plan(op, allreduce, comm, c):
         # at this node's index) and received (by source node); AR: reduced tiles received
         tiles = (nodes, tiles_blk, tp.TILE_BYTES // 2)
         sizes += [("stage", tiles, dt), ("xrecv", tiles, dt)] + ([("xgath", tiles, dt)] if allreduce else [])
-        sizes += [("xstaged", (tp.send_groups(tiles_blk),), "uint32")]
-    plan_key = ("buffers", op, c.M, c.N, dt.name)
+        sizes += [("xstaged", (tp.send_groups(tiles_blk, send),), "uint32")]
+    plan_key = ("buffers", op, c.M, c.N, dt.name) + ((send,) if nodes > 1 else ())
     plan = tp.plan_buffers(op, comm, plan_key, sizes)
-    build = lambda: _static_args(allreduce, comm, plan, c, tiles_blk)  # noqa: E731
+    build = lambda: _static_args(allreduce, comm, plan, c, tiles_blk, send)  # noqa: E731
     return plan, tp.launch_template(plan, (c.K, c.layout, c.join, c.path), build), plan_key
 
 
-def _static_args(allreduce, comm, plan, c, tiles_blk):
+def _static_args(allreduce, comm, plan, c, tiles_blk, send):
     args = tp.TpArgs()
     tp.fill_static(args, comm, a_rows=c.M, K=c.K, N=c.N, mb=c.mb, counters=plan["counters"])
     args.recv_off = comm.offset_of(plan["recv"])
@@ -176,7 +178,7 @@ def _static_args(allreduce, comm, plan, c, tiles_blk):
         args.gflag_off = comm.offset_of(plan["gflag"])
     nodes, L, lr, esize = comm.num_nodes, comm.local_size, comm.local_rank, c.a.dtype.itemsize
     if nodes > 1:  # arrival counters of node partials (AR: and of reduced tiles)
-        tp.plan_between_nodes(comm, plan, args, tiles_blk, kinds=2 if allreduce else 1, min_group=tp.SEND_TILES)
+        tp.plan_between_nodes(comm, plan, args, tiles_blk, kinds=2 if allreduce else 1, min_group=send)
         args.xstaged = plan["xstaged"].data.ptr
         args.stage_off = comm.offset_of(plan["stage"])
         args.xrecv_off = comm.offset_of(plan["xrecv"])

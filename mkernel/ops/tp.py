@@ -48,12 +48,11 @@ CNT_WORDS = 8  # TP_CNT_WORDS (reset by the kernel), then TP_CNT_LAUNCHES
 TILE_BYTES = BM * BN * 2  # TP_TILE_BYTES: one node partial tile between nodes (compact)
 PF_ARRIVED = 2 * MAX_WORLD  # TP_PF_ARRIVED: the first arrival counter of a plan's proxy flags
 ARRIVAL_FLAGS = 1024  # arrival counters of one plan (source nodes x tile or chunk groups)
-SEND_TILES = 16  # RS / AR between nodes: tiles per WRITE (1 MiB; one 64 KiB WRITE each ran at a third of the link)
 
 
-def send_groups(items, min_group=SEND_TILES):
+def send_groups(items, min_group):
     """RS / AR: the staged-tile counters' length, [2 kinds][nodes][groups] for any node count: groups
-    of at least ``min_group`` tiles (plan_between_nodes's xgroup is at least that)."""
+    of at least ``min_group`` tiles (config.tp_send_tiles; plan_between_nodes's xgroup is at least that)."""
     return 2 * MAX_WORLD * -(-items // min_group)
 
 

@@ -210,18 +210,19 @@ def test_reduce_scatter_and_allreduce_launch_arguments(fake_launch, world, rank)
 @pytest.mark.parametrize("tiles_blk", [1, 4, 15, 16, 17, 255, 1024, 4096, 16384])
 @pytest.mark.parametrize("nodes", [2, 3, 8])
 def test_send_groups_cover_every_tile_once(tiles_blk, nodes):
-    """RS / AR between nodes (tp_send_staged): groups of consecutive tiles, at least SEND_TILES each
+    """RS / AR between nodes (tp_send_staged): groups of consecutive tiles, at least tp_send_tiles each
     (ARRIVAL_FLAGS permitting), partition the block; the staged-tile word of every (kind, node,
     group) lies inside xstaged, and the arrival counters fit their flag block."""
     comm = _Comm(nodes, 0, nodes)
     plan, args = {}, tp.TpArgs()
-    tp.plan_between_nodes(comm, plan, args, tiles_blk, kinds=2, min_group=tp.SEND_TILES)
+    send = config.get().tp_send_tiles
+    tp.plan_between_nodes(comm, plan, args, tiles_blk, kinds=2, min_group=send)
     xgroup, xgroups = args.xgroup, args.xgroups
-    assert xgroup >= tp.SEND_TILES
+    assert xgroup >= send
     groups = [(g * xgroup, min(xgroup, tiles_blk - g * xgroup)) for g in range(xgroups)]
     assert sum(n for _, n in groups) == tiles_blk and all(n > 0 for _, n in groups)
     assert max((kind * nodes + j) * xgroups + g for kind in (0, 1) for j in range(nodes)
-               for g in range(xgroups)) < tp.send_groups(tiles_blk)
+               for g in range(xgroups)) < tp.send_groups(tiles_blk, send)
     assert comm.flag_blocks == [tp.PF_ARRIVED + 2 * nodes * xgroups]
     assert 2 * nodes * xgroups <= tp.ARRIVAL_FLAGS + 2 * nodes  # the flag block stays bounded
 
@@ -251,8 +252,8 @@ def test_reduce_ops_between_nodes_launch_arguments(fake_launch, world, nodes, ra
         assert plan[name].size_bytes == nodes * tiles_blk * tp.TILE_BYTES
     assert args.stage_off == comm.offset_of(plan["stage"]) and args.xrecv_off == comm.offset_of(plan["xrecv"])
     assert args.xgath_off == (comm.offset_of(plan["xgath"]) if allreduce else 0)
-    # tiles go out in groups of SEND_TILES (here all 4 in one WRITE), counted in the plan's xstaged words
-    assert args.xgroup == tp.SEND_TILES and args.xgroups == 1
+    # tiles go out in groups of tp_send_tiles (here all 4 in one WRITE), counted in the plan's xstaged words
+    assert args.xgroup == config.get().tp_send_tiles and args.xgroups == 1
     assert comm.flag_blocks == [tp.PF_ARRIVED + (2 if allreduce else 1) * nodes]
     assert args.xstaged == plan["xstaged"].data.ptr and plan["xstaged"].size_bytes == 4 * 2 * tp.MAX_WORLD
     assert args.queue.flag_base == 100 and args.pflags == 0x7000000 + 4 * 100
@@ -263,6 +264,28 @@ def test_reduce_ops_between_nodes_launch_arguments(fake_launch, world, nodes, ra
         c = _Comm(world, rank, nodes)
         c.topology.node_of = tuple(reversed(c.topology.node_of))
         fn(a, b, comm=c, out=out, path="fused")
+
+
+@pytest.mark.parametrize("allreduce", [False, True], ids=["rs", "ar"])
+def test_send_tiles_knob_makes_its_own_plan_between_nodes_only(fake_launch, allreduce):
+    """config.tp_send_tiles sets the tiles per WRITE of a shape's plan between nodes; a changed value
+    gets a plan of its own (its staged-tile counters count over that plan's launches), in a node none."""
+    M, K, N = 4 * 128 * 2, 136, 4 * 256  # 16 tiles a block
+    fn = ar.gemm_allreduce if allreduce else rs.gemm_reduce_scatter
+    a, b = _Arr((M, K), "float16", 0x100000), _Arr((K, N), "float16", 0x200000)
+    out = _Arr((M, N) if allreduce else (M // 2, N), "float16", 0x300000)
+    for nodes in (2, 1):
+        comm = _Comm(2, 1, nodes)
+        fn(a, b, comm=comm, out=out, path="fused")
+        first, xgroup = fake_launch["plan_key"], fake_launch["launch"]["args"].xgroup
+        with config.override(tp_send_tiles=4):
+            fn(a, b, comm=comm, out=out, path="fused")
+        args, plan = fake_launch["launch"]["args"], fake_launch["plan"]
+        if nodes == 1:
+            assert fake_launch["plan_key"] == first and args.xgroups == 0
+            continue
+        assert fake_launch["plan_key"] != first and (xgroup, args.xgroup, args.xgroups) == (16, 4, 4)
+        assert plan["xstaged"].size_bytes == 4 * tp.send_groups(16, 4) == 4 * 2 * tp.MAX_WORLD * 4
 
 
 @pytest.mark.parametrize("world,nodes,rank", [(2, 2, 1), (4, 2, 3), (8, 4, 5)])

@@ -122,7 +122,7 @@ def fake_launch(monkeypatch):
             off += -(-plan[name].size_bytes // 1024) * 1024
         plan["counters"] = _Arr((8, 1), "uint32", 0x5000)
         plan["ctl"] = _Arr((ctypes.sizeof(tp.TpCtl) // 4, 1), "uint32", 0x6000)
-        calls["plan"] = plan
+        calls["plan"], calls["plan_key"] = plan, key
         comm.plans.add(key, plan)  # a recorded call names its plans
         return plan
 
