@@ -179,7 +179,7 @@ def sms_per_rank():
 
 def full_share_change(comm, op):
     """The config change that times the other grid size (config.mps_full_share) beside the default:
-    7/8 of the share where the default takes it whole (tp.full_share), else the whole share."""
-    from mkernel.ops import tp
+    7/8 of the share where the default takes it whole (launch.full_share), else the whole share."""
+    from mkernel.runtime import launch
 
-    return {"mps_full_share": False if tp.full_share(comm, op) else "always"}
+    return {"mps_full_share": False if launch.full_share(comm, op) else "always"}

@@ -8,6 +8,7 @@ from mkernel.core import config
 from mkernel.core.errors import ArgumentError
 from mkernel.engines import gemm as _gemm
 from mkernel.ops import tp
+from mkernel.runtime import launch
 from mkernel.runtime.arrays import row_stride
 from mkernel.split import search as autosplit
 
@@ -123,7 +124,7 @@ def _launch(comm, plan, template, c, stream, keys):
     comm_items = (L + nodes - 1) * tiles_mb
     n, token = tp.resolve_comm_sms(OP, comm, c.comm_sms, c.path, M=c.M, N=c.N, K=c.K, esize=esize,
                                    comm_items=comm_items)
-    gemm_ctas, comm_ctas = tp.grid_split(OP, n, W * tiles_mb * args.tiles_n, comm_items, tp.grid_sms(comm, OP))
+    gemm_ctas, comm_ctas = tp.grid_split(OP, n, W * tiles_mb * args.tiles_n, comm_items, launch.grid_sms(comm, OP))
     if c.path == "unfused":  # the kernel only gathers; the GEMM follows it
         gemm_ctas = 0
     tp.set_split(args, plan, gemm_ctas, tp.controller_mode(OP, c.comm_sms, c.path), comm)

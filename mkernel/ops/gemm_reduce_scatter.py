@@ -11,6 +11,7 @@ from mkernel.engines import gemm as _gemm
 from mkernel.ops import allreduce as _ar
 from mkernel.ops import gemm_allreduce_ll as _ll
 from mkernel.ops import tp
+from mkernel.runtime import launch
 from mkernel.runtime.arrays import row_stride
 from mkernel.split import search as autosplit
 
@@ -211,7 +212,7 @@ def _launch(op, spec, kernel, allreduce, comm, planned, c, stream, key):
     joined_in_node = c.join and nodes == 1  # the joined CTAs take the reduction: start at 1, lend nothing
     n, token = tp.resolve_comm_sms(op, comm, c.comm_sms, c.path, M=c.M, N=c.N, K=c.K, esize=esize,
                                    comm_items=comm_items, joined_in_node=joined_in_node)
-    gemm_ctas, comm_ctas = tp.grid_split(op, n, W * tiles_blk, comm_items, tp.grid_sms(comm, op))
+    gemm_ctas, comm_ctas = tp.grid_split(op, n, W * tiles_blk, comm_items, launch.grid_sms(comm, op))
     mode = tp.controller_mode(op, c.comm_sms, c.path, joined_in_node=joined_in_node)
     tp.set_split(args, plan, gemm_ctas, mode, comm)
     with autosplit.timed(token, stream):

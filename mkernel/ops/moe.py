@@ -154,7 +154,7 @@ def _plan(op, comm, H, dtype, k, E, capacity, stream):
              ("recv", (capacity, H), dtype), ("ret", (capacity, H), dtype)]
     plan = _tp.plan_buffers(op, comm, key, sizes, counter_words=CNT_WORDS)
     if "generation" not in plan:
-        sms = launch.sm_count(full_share=True)  # hist's rows: the most CTAs a launch takes (tp.grid_sms)
+        sms = launch.sm_count(full_share=True)  # hist's rows: the most CTAs a launch takes (launch.grid_sms)
         with _tp.on_stream(stream):  # zeroed on the stream the kernels run on, before them
             plan.update(generation=0, capacity=capacity, E=E, k=k, H=H,
                         send_order=cupy.empty(capacity, dtype=cupy.int32), esent=cupy.zeros(E, dtype=cupy.uint32),
@@ -213,10 +213,10 @@ def launch_dispatch(d, out, stream):
     a.out = out.data.ptr
     a.ldo = (out.strides[0] if d.capacity > 1 else d.H * out.itemsize) // out.itemsize
     pairs = d.capacity if d.nodes is not None else d.T * d.k  # between nodes: counted on the device
-    ctas = max(1, min(_tp.grid_sms(d.comm, d.op), -(-pairs // PAIRS_PER_CTA)))
+    ctas = max(1, min(launch.grid_sms(d.comm, d.op), -(-pairs // PAIRS_PER_CTA)))
     d.exchange()
     _launch(d.op, "mk_moe_dispatch_kernel", a, ctas, stream, smem=DISPATCH_SMEM,
-            full_share=_tp.full_share(d.comm, d.op))
+            full_share=launch.full_share(d.comm, d.op))
     return d.handle()
 
 
@@ -297,8 +297,9 @@ def combine(op, y, handle, *, comm, out, stream):
         _nodes.set_virtual(a, nodes, comm)
         a.topk_w, a.out, a.ldo, a.partial_out = nodes["vw"].data.ptr, nodes["part"].data.ptr, handle.H, 1
         tokens = nodes["fwd_rows"]
-    ctas = max(1, min(_tp.grid_sms(comm, op), -(-handle.capacity // ROWS_PER_CTA), max(1, tokens)))
-    _launch(op, f"mk_moe_combine_kernel<{DT[handle.dtype.name]}>", a, ctas, stream, full_share=_tp.full_share(comm, op))
+    ctas = max(1, min(launch.grid_sms(comm, op), -(-handle.capacity // ROWS_PER_CTA), max(1, tokens)))
+    _launch(op, f"mk_moe_combine_kernel<{DT[handle.dtype.name]}>", a, ctas, stream,
+            full_share=launch.full_share(comm, op))
     if nodes is not None:
         _nodes.partials(op, comm, handle, out, stream)
     return out

@@ -112,11 +112,11 @@ def moe_dispatch_gemm(x, topk_ids, topk_weights, w, *, comm, num_experts, capaci
     args.m = d.plan_args()
     _gemm_args(args.g, d.plan["recv"], wb, layout, out, d.plan["group_rows"], d.capacity, d.H, F, El, args.m.sync,
                d.plan, op)
-    sms = _tp.grid_sms(comm, op)
+    sms = launch.grid_sms(comm, op)
     args.gemm_ctas = sms - comm_sms
     args.join = 1 if config.get().moe_join_gemm else 0
     d.exchange()
-    _launch(op, SPEC, KERNEL, layout, d.x.dtype, args, sms, stream, _tp.full_share(comm, op))
+    _launch(op, SPEC, KERNEL, layout, d.x.dtype, args, sms, stream, launch.full_share(comm, op))
     return out, d.handle()
 
 
@@ -222,7 +222,7 @@ def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=No
     args.g.tile_flags = tile_flags.data.ptr
     counters = plan["counters"].data.ptr
     args.g.sched.tile_counter, args.g.sched.done_count = counters + 4 * CNT_TILE, counters + 4 * CNT_GEMM_DONE
-    sms = _tp.grid_sms(comm, op)
+    sms = launch.grid_sms(comm, op)
     args.gemm_ctas = sms - comm_sms
-    _launch(op, COMBINE_SPEC, COMBINE_KERNEL, layout, handle.dtype, args, sms, stream, _tp.full_share(comm, op))
+    _launch(op, COMBINE_SPEC, COMBINE_KERNEL, layout, handle.dtype, args, sms, stream, launch.full_share(comm, op))
     return out

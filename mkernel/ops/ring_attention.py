@@ -27,6 +27,7 @@ from mkernel.engines import attention as _attn
 from mkernel.engines import gemm as _gemm
 from mkernel.ops import tp as _tp
 from mkernel.runtime import compile as _compile
+from mkernel.runtime import launch
 from mkernel.runtime import tma as _tma
 from mkernel.runtime.arrays import as_cupy
 from mkernel.runtime.launch import launch_persistent, persistent_grid
@@ -169,7 +170,7 @@ def _plan(comm, c):
         if remote:  # (starts the proxy on first use: collective, like this whole branch)
             plan["pflags"] = comm.proxy_flag_block(PF_CHUNK + PROXY_CHUNK_FLAGS)
         cupy.cuda.runtime.deviceSynchronize()
-    key = (c.causal, c.scale, c.comm_sms, _tp.full_share(comm, "ring_attention"))  # attn_ctas follows the grid
+    key = (c.causal, c.scale, c.comm_sms, launch.full_share(comm, "ring_attention"))  # attn_ctas follows the grid
     return plan, _tp.launch_template(plan, key, lambda: _static_args(comm, plan, c))
 
 
@@ -221,9 +222,9 @@ def _static_args(comm, plan, c):
 
 def _grid(comm, c):
     """CTAs of the launch (cached): roles go by arrival and tiles are claimed, so any resident
-    subset finishes; in a node under MPS the whole share (tp.full_share)."""
+    subset finishes; under MPS the whole share (launch.full_share)."""
     return persistent_grid(_function(c), _attn.THREADS, _attn.SMEM[c.q4.shape[3]], what="ring_attention",
-                           full_share=_tp.full_share(comm, "ring_attention"))
+                           full_share=launch.full_share(comm, "ring_attention"))
 
 
 def _function(c):

@@ -384,26 +384,6 @@ def check_comm_sms(op, comm_sms):
     return comm_sms
 
 
-# Ops measured faster on the whole MPS share between nodes too (RS, AG ~9%, ring 5-8%, MoE 1-4%); AR only
-# with several ranks per node (2 x 2: 2-6% faster; 2 x 1: 3-27% slower at K 14336; bench/NOTES.md sessions 29, 45, 46)
-FULL_SHARE_BETWEEN_NODES = frozenset({"gemm_reduce_scatter", "allgather_gemm", "ring_attention", "moe_dispatch",
-                                      "moe_combine", "moe_dispatch_gemm", "moe_gemm_combine"})
-
-
-def full_share(comm, op) -> bool:
-    """Whether the grids of kernels that finish with any resident subset of CTAs (the fused TP ops,
-    ring attention, MoE) take the whole MPS share (config.mps_full_share; True: in one node, between
-    nodes for the ops in FULL_SHARE_BETWEEN_NODES, and for every op with several ranks per node)."""
-    v = config.get().mps_full_share
-    between = op in FULL_SHARE_BETWEEN_NODES or comm.local_size > 1
-    return v == "always" or (v is True and (comm.num_nodes == 1 or between))
-
-
-def grid_sms(comm, op) -> int:
-    """SMs such a kernel's grid takes (under MPS 7/8 of the share, or all of it: full_share)."""
-    return _launch.sm_count(full_share=full_share(comm, op))
-
-
 def resolve_comm_sms(op, comm, comm_sms, chosen, *, M, N, K, esize, comm_items, joined_in_node=False):
     """(comm CTAs of this launch, the token for ``autosplit.timed``): an integer as given; "auto"
     asks the key's split search on the fused path (the unfused baseline runs the default).
@@ -412,7 +392,7 @@ def resolve_comm_sms(op, comm, comm_sms, chosen, *, M, N, K, esize, comm_items, 
         return comm_sms, None
     if chosen != "fused":
         return config.get().tp_comm_sms[op], None
-    return autosplit.choose(comm, op, M=M, N=N, K=K, esize=esize, comm_items=comm_items, sms=grid_sms(comm, op),
+    return autosplit.choose(comm, op, M=M, N=N, K=K, esize=esize, comm_items=comm_items, sms=_launch.grid_sms(comm, op),
                             joined_in_node=joined_in_node)
 
 
@@ -519,7 +499,7 @@ def call_args(template, c, *, a_ptr, a_row_bytes):
 def launch_fused(comm, op, spec, kernel, args, dtype, layout, grid, stream):
     fn = _compile.module(spec).function(kernel_expr(kernel, DT[dtype.name], layout))
     persistent_grid(fn, THREADS, SMEM_BYTES, blocks=grid, what=op,  # checked once per grid (cached)
-                    full_share=full_share(comm, op))
+                    full_share=_launch.full_share(comm, op))
     args.g.sync = comm.sync_args(op)
     args.g.c = args.dst[0]
     args.comm_staged = int(config.get().comm_staged)

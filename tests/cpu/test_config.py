@@ -55,15 +55,15 @@ def test_the_whole_mps_share_in_a_node_between_nodes_but_for_ar_at_one_rank_a_no
         monkeypatch):
     from types import SimpleNamespace
 
-    from mkernel.ops import tp
+    from mkernel.runtime import launch
 
     comms = [SimpleNamespace(num_nodes=n, local_size=L) for n, L in ((1, 2), (2, 1), (2, 2))]
-    monkeypatch.setattr(tp._launch, "sm_count", lambda full_share=False: 66 if full_share else 57)
+    monkeypatch.setattr(launch, "sm_count", lambda full_share=False: 66 if full_share else 57)
     ops = ("ring_attention", "gemm_allreduce", "gemm_reduce_scatter", "allgather_gemm", "moe_dispatch_gemm")
     wants = {True: ((True,) * 5, (True, False, True, True, True), (True,) * 5), False: ((False,) * 5,) * 3,
              "always": ((True,) * 5,) * 3}
     for setting, want in wants.items():
         with config.override(mps_full_share=setting):
-            got = tuple(tuple(tp.full_share(c, op) for op in ops) for c in comms)
+            got = tuple(tuple(launch.full_share(c, op) for op in ops) for c in comms)
             assert got == want, setting
-            assert [tp.grid_sms(c, op) for c in comms for op in ops] == [66 if f else 57 for r in want for f in r]
+            assert [launch.grid_sms(c, op) for c in comms for op in ops] == [66 if f else 57 for r in want for f in r]
