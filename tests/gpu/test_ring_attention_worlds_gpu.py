@@ -61,7 +61,8 @@ def test_world_one_equals_attention():
 def _against_engine(make_comm, world, nodes):
     """Ring attention on the communicator make_comm() returns (its root last; ``nodes`` nodes),
     against the single-GPU engine on the whole sequence, causal (zigzag) and not, three launches
-    each (stale flags), and the proxy's byte counter: the ranks at a node's end send every step's
+    each (stale flags; the grid on 7/8 or all of the MPS share: config.mps_full_share), and the
+    proxy's byte counter: the ranks at a node's end send every step's
     block across the network once per launch, the others (and every rank of one node) nothing."""
     import cupy
     from mpi4py import MPI
@@ -86,7 +87,8 @@ def _against_engine(make_comm, world, nodes):
                            for x in (qg, kg, vg))
                 for rep in range(3):
                     out = cupy.full(q.shape, float("nan"), dtype=BF16)
-                    o, lse = _ring()(q, k, v, comm=comm, causal=causal, out=out, return_lse=True)
+                    with mkernel.config.override(mps_full_share=(True, "always", False)[rep]):
+                        o, lse = _ring()(q, k, v, comm=comm, causal=causal, out=out, return_lse=True)
                     cupy.cuda.get_current_stream().synchronize()
                     comm.check()
                     rel = float(cupy.linalg.norm(o.astype(cupy.float32) - want) / cupy.linalg.norm(want))
