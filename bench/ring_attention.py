@@ -296,7 +296,7 @@ class GatherBaseline:
             self.kg = cupy.empty((2 * W, S // 2, Hkv, D), k.dtype)  # global chunk order
             self.vg = cupy.empty_like(self.kg)
         # Every kernel after the gather loads its module here, with nothing of ours in flight: a first
-        # load behind a gather between nodes blocks the proxy's copies it waits for (tp.quiesced_first_use).
+        # load behind a gather between nodes blocks the proxy's copies it waits for (calls.quiesced_first_use).
         cupy.cuda.runtime.deviceSynchronize()
         self._stage()
         self._attend(cupy.zeros((W * S, 2 * Hkv * D), k.dtype))

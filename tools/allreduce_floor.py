@@ -5,7 +5,7 @@ device, per call from 50 calls captured in a CUDA graph (bench/mps_timing.py's r
   empty       a kernel of one block that does nothing (the stream's launch-to-launch floor)
   ar <bytes>  mkernel.allreduce of that many bf16 bytes (16 bytes: its protocol alone)
 host, per steady-state call, microseconds (the GPU kept busy, so no wait is counted):
-  key         tp.call_key (pointers, shapes, stream, device)
+  key         calls.call_key (pointers, shapes, stream, device)
   lookup      comm.plans.launches (the recorded launch)
   check       comm.check (the error words)
   launch      launch.launch_all of the recorded launch (cuLaunchKernel through CuPy)
@@ -99,7 +99,7 @@ def main():
     import mkernel
     from mkernel.core import config
     from mkernel.ops import allreduce as _ar
-    from mkernel.ops import tp
+    from mkernel.ops import calls as op_calls
     from mkernel.runtime import launch
 
     comm = mkernel.init()
@@ -145,10 +145,10 @@ def main():
 
         call()
         cupy.cuda.get_current_stream().synchronize()
-        key = tp.call_key(comm, "allreduce", None, (x, out), ())
+        key = op_calls.call_key(comm, "allreduce", None, (x, out), ())
         launches = comm.plans.launches(key)
         assert launches is not None, "the call was not recorded"
-        h = {"key": host_us(lambda: tp.call_key(comm, "allreduce", None, (x, out), ())),
+        h = {"key": host_us(lambda: op_calls.call_key(comm, "allreduce", None, (x, out), ())),
              "lookup": host_us(lambda: comm.plans.launches(key)),
              "check": host_us(comm.check)}
         barrier()

@@ -9,15 +9,26 @@ import tempfile
 import mkernel
 from mkernel.comm.communicator import init
 from mkernel.core import config
+from mkernel.core.errors import MKernelError
 from mkernel.core.log import get_logger
 from mkernel.engines import attention as _attn
+from mkernel.engines import gemm as _gemm
 from mkernel.engines.attention import HEAD_DIMS, reference
 from mkernel.ops import moe as _moe
-from mkernel.ops import tp
 from mkernel.ops.sequence import shard_sequence
 from mkernel.runtime.arrays import cupy_mod
 
 log = get_logger("sanitize")
+
+
+def check_result(got, want_f64, what, atol):
+    """Raises MKernelError when got (device) differs from a float64 reference by more than atol."""
+    import numpy
+    cupy = cupy_mod()
+    g = cupy.asnumpy(got.view(cupy.uint16)).view(got.dtype).astype(numpy.float64)
+    err = float(numpy.max(numpy.abs(g - want_f64))) if g.size else 0.0
+    if not numpy.isfinite(err) or err > atol:
+        raise MKernelError(f"{what}: max error {err} > {atol}")
 
 
 def target_gemm():
@@ -92,7 +103,7 @@ def target_allreduce(world=None):
                     mkernel.allreduce(cupy.asarray(x_of(comm.rank)), comm=comm, out=out)
                     cupy.cuda.runtime.deviceSynchronize()
                     comm.check()
-                    tp.check_result(out, want, f"allreduce (LL up to {ll_bytes} bytes)", 0.0)
+                    check_result(out, want, f"allreduce (LL up to {ll_bytes} bytes)", 0.0)
     finally:
         comm.close()
     _latency_paths(world)
@@ -119,7 +130,7 @@ def _latency_paths(world):
                                            out=out, path="latency")
                     cupy.cuda.runtime.deviceSynchronize()
                     comm.check()
-                    tp.check_result(out, want, f"gemm_allreduce latency (LL rows {ll_rows})", 0.0)
+                    check_result(out, want, f"gemm_allreduce latency (LL rows {ll_rows})", 0.0)
     finally:
         comm.close()
 
@@ -172,8 +183,8 @@ def target_allgather_gemm(world=None):
                                                        return_gathered=True, comm_sms=1)
             cupy.cuda.runtime.deviceSynchronize()
             comm.check()
-            tp.check_result(out, a_all @ b.astype(np.float64), f"allgather_gemm {controller}", 0.0)
-            tp.check_result(gathered, a_all, f"allgather_gemm {controller} gathered A", 0.0)
+            check_result(out, a_all @ b.astype(np.float64), f"allgather_gemm {controller}", 0.0)
+            check_result(gathered, a_all, f"allgather_gemm {controller} gathered A", 0.0)
 
 
 def target_tp_world():
@@ -361,7 +372,7 @@ def target_moe_gemm(watch_s: float = 0):
         w2 = (rng.integers(-1, 2, size=(E, F, H)) * (rng.random((E, F, H)) < 0.1)).astype(np.float16)
         group_rows = h.group_rows.get()  # before the launch: a copy after it would wait for it
         rows_back = int(group_rows.sum())
-        tiles = int(sum(-(-int(r) // tp.BM) for r in group_rows)) * -(-H // tp.BN)  # the combine GEMM's tiles
+        tiles = int(sum(-(-int(r) // _gemm.BM) for r in group_rows)) * -(-H // _gemm.BN)  # the combine GEMM's tiles
         span0 = int(comm.trace.count.get()[0]) if comm.trace.path else 0
         fused = mkernel.moe_gemm_combine(y, cupy.asarray(w2), h, comm=comm, comm_sms=3, path="fused")
         if watch_s > 0:
@@ -450,7 +461,7 @@ def _tp_reduce(op_fn, world):
                 out = op_fn(cupy.asarray(a[:M]), cupy.asarray(b), comm=comm, path="fused", join=join, comm_sms=1)
             cupy.cuda.runtime.deviceSynchronize()
             comm.check()
-            tp.check_result(out, want, f"{op_fn.__name__} join={join} join_staged={staged} controller={controller}",
+            check_result(out, want, f"{op_fn.__name__} join={join} join_staged={staged} controller={controller}",
                             0.0)
 
 

@@ -278,7 +278,13 @@ def c_map(out, out_code):
     return _tma.encode_tiled(dt, out.data.ptr, (N, M), (row_stride(out),), (128 // esize, 16))
 
 
-def b_map(b_arr, layout, K, N, G, step=1, bn=BN):
+def a_map(dtype_name, ptr, rows, K, row_bytes):
+    """A's TMA map: [rows, K] with rows ``row_bytes`` apart (box BK x BM)."""
+    tdt = _tma.DTYPE_BFLOAT16 if dtype_name == "bfloat16" else _tma.DTYPE_FLOAT16
+    return _tma.encode_tiled(tdt, ptr, (K, rows), (row_bytes,), (BK, BM))
+
+
+def b_map(b_arr, layout, K, N, G=1, step=1, bn=BN):
     """B's 3-D tensor map (G matrices; a 2-D B is G = 1): [N, K] rows (layout B_NK, box 64 x bn / step
     rows: a cluster's CTAs load bn / step each) or [K, N] rows (B_KN, boxes of 64 columns)."""
     tdt = _tma.DTYPE_BFLOAT16 if _dtype_name(b_arr) == "bfloat16" else _tma.DTYPE_FLOAT16
@@ -308,9 +314,8 @@ def _launch(cupy, *, a, b_arr, layout, N, K, M, G, out, out_code, group_rows, ep
     if not step <= int(sms) <= _num_sms() or int(sms) % step:
         raise ArgumentError(f"sms must be {'an even number in ' if cluster else ''}{step}..{_num_sms()}; got {sms}")
     dt_name = _dtype_name(a)
-    tdt = _tma.DTYPE_BFLOAT16 if dt_name == "bfloat16" else _tma.DTYPE_FLOAT16
     args = MkGemmArgs()
-    args.a = _tma.encode_tiled(tdt, a.data.ptr, (K, M), (row_stride(a),), (BK, BM))
+    args.a = a_map(dt_name, a.data.ptr, M, K, row_stride(a))
     args.b = b_map(b_arr, layout, K, N, G, step, bn)
     args.c = c_map(out, out_code)
     ws = workspace(stream)

@@ -7,7 +7,7 @@ without CuPy; the kernels are registered at import.
 from mkernel.core import config
 from mkernel.core.errors import ArgumentError
 from mkernel.engines import gemm as _gemm
-from mkernel.ops import tp
+from mkernel.ops import buffers, calls, tp
 from mkernel.runtime import launch
 from mkernel.runtime.arrays import row_stride
 from mkernel.split import search as autosplit
@@ -32,8 +32,8 @@ def allgather_gemm(a, b, *, comm, out=None, stream=None, return_gathered=False, 
     with the same local index there, which passes it on to its node's peers over NVLink): each
     rank sends ``(nodes - 1) * M / world * K`` elements, the minimum.
     """
-    key = None if return_gathered else tp.call_key(comm, OP, stream, (a, b, out), (b_layout, comm_sms, path))
-    if tp.replay(comm, key, stream):  # a repeated fused call: its recorded launch
+    key = None if return_gathered else calls.call_key(comm, OP, stream, (a, b, out), (b_layout, comm_sms, path))
+    if calls.replay(comm, key, stream):  # a repeated fused call: its recorded launch
         return out
     c = _check(comm, a, b, out, stream, b_layout, comm_sms, path, return_gathered)
     if c.path == "gemm":
@@ -60,9 +60,9 @@ def _check(comm, a, b, out, stream, b_layout, comm_sms, path, return_gathered):
     comm_sms = tp.check_comm_sms(OP, comm_sms)
     if not isinstance(return_gathered, bool):
         raise ArgumentError(f"{OP}: return_gathered must be True or False")
-    out = tp.prepare_out(OP, out, (M, N), a.dtype, comm)
+    out = calls.prepare_out(OP, out, (M, N), a.dtype, comm)
     chosen, reason = tp.choose_path(OP, comm, path, rows=M, N=N, K=K)
-    tp.agree_call(OP, comm, (OP, mb, N, K, a.dtype.name, layout, chosen), reason)  # comm_sms may differ
+    calls.agree_call(OP, comm, (OP, mb, N, K, a.dtype.name, layout, chosen), reason)  # comm_sms may differ
     return tp.Call(a=a, b=b_arr, layout=layout, M=M, N=N, K=K, mb=mb, out=out, path=chosen, comm_sms=comm_sms,
                    join=False)
 
@@ -70,14 +70,14 @@ def _check(comm, a, b, out, stream, b_layout, comm_sms, path, return_gathered):
 def _fallback(comm, c, stream):
     """NCCL's all-gather, then the GEMM engine (ranks on distinct GPUs); returns the gathered A."""
     cupy = tp.cupy_mod()
-    with tp.on_stream(stream):
+    with calls.on_stream(stream):
         if comm.size == 1:
             gathered = c.a
         else:
             src = c.a if c.a.flags.c_contiguous else cupy.ascontiguousarray(c.a)
             gathered = cupy.empty((c.M, c.K), dtype=c.a.dtype)
             comm.nccl.allGather(src.data.ptr, gathered.data.ptr, c.mb * c.K, tp.nccl_dtype(c.a.dtype),
-                                tp.stream_ptr(stream))
+                                calls.stream_ptr(stream))
         c.out[...] = tp.matmul(gathered, c.b, c.layout)
     return gathered
 
@@ -97,7 +97,7 @@ def _plan(comm, c):
         if comm.num_nodes > 1:  # arrival counters of the chunks that come through the proxy
             tp.plan_between_nodes(comm, plan, args, tiles_mb)
         return args
-    return plan, tp.launch_template(plan, (c.N, c.layout, c.path), build), plan_key
+    return plan, buffers.launch_template(plan, (c.N, c.layout, c.path), build), plan_key
 
 
 def _launch(comm, plan, template, c, stream, keys):
@@ -110,11 +110,12 @@ def _launch(comm, plan, template, c, stream, keys):
     args.a_local = c.a.data.ptr
     args.lda = row_stride(c.a) // esize
     out = c.out
-    if c.path == "unfused" and tp.quiesced_first_use(comm, plan, ("matmul", c.N, c.layout, c.b.strides, out.strides)):
-        with tp.on_stream(stream):  # cuBLAS loads its kernel for this shape now, not behind the gather
+    loads = ("matmul", c.N, c.layout, c.b.strides, out.strides)
+    if c.path == "unfused" and calls.quiesced_first_use(comm, plan, loads):
+        with calls.on_stream(stream):  # cuBLAS loads its kernel for this shape now, not behind the gather
             tp.matmul(ga, c.b, c.layout, out=out)
     ldo_bytes = row_stride(out)
-    dst = tp.operand_map(template, "out", (out.data.ptr, ldo_bytes), lambda: [
+    dst = buffers.operand_map(template, "out", (out.data.ptr, ldo_bytes), lambda: [
         tp.out_map(c.a.dtype, out.data.ptr + o * c.mb * ldo_bytes, c.mb, c.N, ldo_bytes) for o in range(W)])
     for o in range(W):
         args.dst[o] = dst[o]
@@ -133,12 +134,13 @@ def _launch(comm, plan, template, c, stream, keys):
     launches = ()
     with autosplit.timed(token, stream):
         if args.own_copied:  # the shard into this rank's own gathered rows (a copy, no kernel: no module load)
-            launches = (tp.copy_rows(ga.data.ptr + comm.rank * c.mb * c.K * esize, c.K * esize, c.a, c.mb,
+            launches = (calls.copy_rows(ga.data.ptr + comm.rank * c.mb * c.K * esize, c.K * esize, c.a, c.mb,
                                      c.K * esize, stream),)
         launches += (tp.launch_fused(comm, OP, SPEC, KERNEL, args, c.a.dtype, c.layout, gemm_ctas + comm_ctas,
                                      stream),)
     if c.path == "fused":
-        tp.record_call(comm, keys[0], OP, "fused", launches, (keys[1],), token=token, ctl=plan["ctl"])
+        calls.record_call(comm, keys[0], OP, "fused", launches, (keys[1],), token=token,
+                          on_replay=tp.remember_ctl(comm, plan))
     if c.path == "unfused":
-        with tp.on_stream(stream):
+        with calls.on_stream(stream):
             tp.matmul(ga, c.b, c.layout, out=out)

@@ -12,7 +12,7 @@ import ctypes
 
 from mkernel.core import config
 from mkernel.core.errors import ArgumentError
-from mkernel.ops import tp
+from mkernel.ops import buffers, calls, tp
 from mkernel.runtime import compile as _compile
 from mkernel.runtime import launch
 from mkernel.runtime.arrays import as_cupy
@@ -51,8 +51,8 @@ def allreduce(x, *, comm, out=None, stream=None):
     rank order rounded once, so every rank holds the same bits. The same shape and dtype on every
     rank (ranks that disagree raise ArgumentError together). Inside one node (ranks between nodes
     raise ArgumentError). Collective; returns without synchronising."""
-    key = tp.call_key(comm, OP, stream, (x, out), ())
-    if tp.replay(comm, key, stream):
+    key = calls.call_key(comm, OP, stream, (x, out), ())
+    if calls.replay(comm, key, stream):
         return out
     x, out, ll = _check(comm, x, out, stream)
     if comm.size == 1:  # a device copy, not a kernel
@@ -67,7 +67,7 @@ def allreduce(x, *, comm, out=None, stream=None):
     if key is not None and dst is out and (src is x or in_place):  # only the kernel: recorded
         comm.plans.record_launches(key, (launched,), [plan_key(x.size, x.dtype, ll)])
     if dst is not out:
-        with tp.on_stream(stream):
+        with calls.on_stream(stream):
             out[...] = dst
     return out
 
@@ -82,7 +82,7 @@ def own_slot(comm, shape, dtype):
 
     dt = numpy.dtype(dtype)
     count = int(numpy.prod(shape))
-    tp.agree_call(OP, comm, (OP, count, dt.name, "from slot"), "one node")
+    calls.agree_call(OP, comm, (OP, count, dt.name, "from slot"), "one node")
     plan, template = _plan(comm, count, dt)
     slot = plan["slots"][comm.local_rank, :count].reshape(shape)
 
@@ -112,9 +112,9 @@ def _check(comm, x, out, stream):
         raise ArgumentError(f"{OP}: out must be contiguous")
     elif out.data.ptr != x.data.ptr and out.data.ptr < x.data.ptr + x.nbytes and x.data.ptr < out.data.ptr + out.nbytes:
         raise ArgumentError(f"{OP}: out overlaps x without being x (pass out=x to sum in place)")
-    tp.check_outside_workspace(OP, out, comm)
+    calls.check_outside_workspace(OP, out, comm)
     ll = use_ll(x.nbytes)
-    tp.agree_call(OP, comm, (OP, x.size, x.dtype.name, "oneshot", ll), "one node")
+    calls.agree_call(OP, comm, (OP, x.size, x.dtype.name, "oneshot", ll), "one node")
     return x, out, ll
 
 
@@ -129,7 +129,7 @@ def _aligned(arr, stream, keep):
     if arr.data.ptr % 16 == 0:
         return arr
     cupy = tp.cupy_mod()
-    with tp.on_stream(stream):
+    with calls.on_stream(stream):
         copy = cupy.empty_like(arr)
         if keep:
             copy[...] = arr
@@ -163,7 +163,7 @@ def _plan(comm, count, dt, ll=False):
     else:
         slot = -(-count * dt.itemsize // 16) * 16 // dt.itemsize
         sizes, slot_bytes = [("slots", (W, slot), dt), ("flags", (W * chunks,), "uint32")], slot * dt.itemsize
-    plan = tp.plan_buffers(OP, comm, plan_key(count, dt, ll), sizes, counter_words=CNT_WORDS)
+    plan = buffers.plan_buffers(OP, comm, plan_key(count, dt, ll), sizes, {"counters": CNT_WORDS})
 
     def build():
         args = MkAllreduceArgs()
@@ -176,7 +176,7 @@ def _plan(comm, count, dt, ll=False):
         args.count, args.slot_bytes, args.chunk, args.chunks = count, slot_bytes, chunk, chunks
         args.world, args.me = W, comm.local_rank
         return args
-    return plan, tp.launch_template(plan, (), build)
+    return plan, buffers.launch_template(plan, (), build)
 
 
 def _launch(comm, template, src, out, stream, src_is_slot=False, ll=False):

@@ -17,7 +17,7 @@ import ctypes
 from mkernel.core import config
 from mkernel.engines import gemm as _gemm
 from mkernel.engines import gemm_decode as _decode
-from mkernel.ops import tp
+from mkernel.ops import buffers, tp
 from mkernel.runtime import compile as _compile
 from mkernel.runtime import launch
 from mkernel.runtime.arrays import row_stride
@@ -64,8 +64,8 @@ def run(comm, c, stream):
     key and the decode partials' buffer they use: (launches, plans, keep), for comm.plans' record."""
     W, dt, pairs = comm.size, c.a.dtype, -(-c.M // 2)
     plan_key = ("buffers", "gemm_allreduce_ll", c.M, c.N, dt.name)
-    plan = tp.plan_buffers("gemm_allreduce_ll", comm, plan_key, [("ll", (W, pairs, c.N, 2), "uint32")],
-                           counter_words=CNT_WORDS)
+    plan = buffers.plan_buffers("gemm_allreduce_ll", comm, plan_key, [("ll", (W, pairs, c.N, 2), "uint32")],
+                                 {"counters": CNT_WORDS})
     sync = comm.sync_args(OP)
     rows = config.get().gemm_decode_rows or ROWS
     _, grid, block, g, buffer, smem = _decode.build(c.a, c.b, c.out, tp.DT[dt.name], M=c.M, N=c.N, K=c.K,

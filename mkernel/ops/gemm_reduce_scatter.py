@@ -9,8 +9,8 @@ from mkernel.core import config
 from mkernel.core.errors import ArgumentError
 from mkernel.engines import gemm as _gemm
 from mkernel.ops import allreduce as _ar
+from mkernel.ops import buffers, calls, tp
 from mkernel.ops import gemm_allreduce_ll as _ll
-from mkernel.ops import tp
 from mkernel.runtime import launch
 from mkernel.runtime.arrays import row_stride
 from mkernel.split import search as autosplit
@@ -54,8 +54,8 @@ def gemm_reduce(op, spec, kernel, allreduce, a, b, *, comm, out, stream, b_layou
                 join=None):
     """The driver of both ops: check, plan, launch (a repeated call of the latency or fused path:
     its recorded launches)."""
-    key = tp.call_key(comm, op, stream, (a, b, out), (b_layout, comm_sms, deterministic, path, join))
-    if tp.replay(comm, key, stream):
+    key = calls.call_key(comm, op, stream, (a, b, out), (b_layout, comm_sms, deterministic, path, join))
+    if calls.replay(comm, key, stream):
         return out
     c = _check(op, allreduce, comm, a, b, out, stream, b_layout, comm_sms, deterministic, path, join)
     if c.path == "gemm":
@@ -65,7 +65,7 @@ def gemm_reduce(op, spec, kernel, allreduce, a, b, *, comm, out, stream, b_layou
     elif c.path == "latency":
         record = _latency(comm, c, stream)
         if record is not None:
-            tp.record_call(comm, key, op, "latency", *record)
+            calls.record_call(comm, key, op, "latency", *record)
     else:
         _launch(op, spec, kernel, allreduce, comm, _plan(op, allreduce, comm, c), c, stream, key)
     return c.out
@@ -87,8 +87,8 @@ def _check(op, allreduce, comm, a, b, out, stream, b_layout, comm_sms, determini
     if not isinstance(join, bool):
         raise ArgumentError(f"{op}: join must be None, True or False")
     comm_sms = tp.check_comm_sms(op, comm_sms)
-    out = tp.prepare_out(op, out, (M, N) if allreduce else (M // W, N), a.dtype, comm)
-    tp.agree_call(op, comm, (op, M, N, K, a.dtype.name, layout, join, chosen), reason)  # comm_sms may differ
+    out = calls.prepare_out(op, out, (M, N) if allreduce else (M // W, N), a.dtype, comm)
+    calls.agree_call(op, comm, (op, M, N, K, a.dtype.name, layout, join, chosen), reason)  # comm_sms may differ
     return tp.Call(a=a, b=b_arr, layout=layout, M=M, N=N, K=K, mb=M // W, out=out, path=chosen, comm_sms=comm_sms,
                    join=join)
 
@@ -97,7 +97,7 @@ def _fallback(allreduce, comm, c, stream):
     """The GEMM engine (tp.matmul), then NCCL (ranks on distinct GPUs)."""
     cupy = tp.cupy_mod()
     out = c.out
-    with tp.on_stream(stream):
+    with calls.on_stream(stream):
         partial = tp.matmul(c.a, c.b, c.layout)
         if comm.size == 1:
             out[...] = partial
@@ -106,10 +106,10 @@ def _fallback(allreduce, comm, c, stream):
         from cupy.cuda import nccl
         if allreduce:
             comm.nccl.allReduce(partial.data.ptr, dst.data.ptr, c.M * c.N, tp.nccl_dtype(c.a.dtype), nccl.NCCL_SUM,
-                                tp.stream_ptr(stream))
+                                calls.stream_ptr(stream))
         else:
             comm.nccl.reduceScatter(partial.data.ptr, dst.data.ptr, c.mb * c.N, tp.nccl_dtype(c.a.dtype),
-                                    nccl.NCCL_SUM, tp.stream_ptr(stream))
+                                    nccl.NCCL_SUM, calls.stream_ptr(stream))
         if dst is not out:
             out[...] = dst
 
@@ -133,7 +133,7 @@ def _latency(comm, c, stream):
         return None if kept is None else ((kept[1], reduce), (_ar.plan_key(c.M * c.N, c.a.dtype),), (kept[0],))
     dst = _latency_out(comm, c)
     finish(dst, stream)
-    with tp.on_stream(stream):
+    with calls.on_stream(stream):
         c.out[...] = dst
     return None
 
@@ -166,7 +166,7 @@ def _plan(op, allreduce, comm, c):
     plan_key = ("buffers", op, c.M, c.N, dt.name) + ((send,) if nodes > 1 else ())
     plan = tp.plan_buffers(op, comm, plan_key, sizes)
     build = lambda: _static_args(allreduce, comm, plan, c, tiles_blk, send)  # noqa: E731
-    return plan, tp.launch_template(plan, (c.K, c.layout, c.join, c.path), build), plan_key
+    return plan, buffers.launch_template(plan, (c.K, c.layout, c.join, c.path), build), plan_key
 
 
 def _static_args(allreduce, comm, plan, c, tiles_blk, send):
@@ -201,8 +201,8 @@ def _launch(op, spec, kernel, allreduce, comm, planned, c, stream, key):
     args.out = c.out.data.ptr
     args.ldo = row_stride(c.out) // esize
     if c.path == "unfused":  # the GEMM first; the kernel's GEMM CTAs then only move its tiles
-        tp.quiesced_first_use(comm, plan, ("matmul", c.K, c.layout, c.a.strides, c.b.strides))  # cuBLAS may load one
-        with tp.on_stream(stream):
+        calls.quiesced_first_use(comm, plan, ("matmul", c.K, c.layout, c.a.strides, c.b.strides))  # cuBLAS may load one
+        with calls.on_stream(stream):
             partial = tp.matmul(c.a, c.b, c.layout)
         args.partial, args.ldp = partial.data.ptr, row_stride(partial) // esize
     # Items of the communication CTAs: the node's reductions of this rank's blocks; AR also the
@@ -218,4 +218,5 @@ def _launch(op, spec, kernel, allreduce, comm, planned, c, stream, key):
     with autosplit.timed(token, stream):
         launched = tp.launch_fused(comm, op, spec, kernel, args, c.a.dtype, c.layout, gemm_ctas + comm_ctas, stream)
     if c.path == "fused":
-        tp.record_call(comm, key, op, "fused", (launched,), (plan_key,), token=token, ctl=plan["ctl"])
+        calls.record_call(comm, key, op, "fused", (launched,), (plan_key,), token=token,
+                          on_replay=tp.remember_ctl(comm, plan))

@@ -22,8 +22,9 @@ import ctypes
 
 from mkernel.comm.communicator import Communicator
 from mkernel.core.errors import ArgumentError
+from mkernel.ops import buffers as _buffers
+from mkernel.ops import calls as _calls
 from mkernel.ops import moe_nodes as _nodes
-from mkernel.ops import tp as _tp
 from mkernel.runtime import compile as _compile
 from mkernel.runtime import launch
 from mkernel.runtime.arrays import DT, as_cupy, check_matrix
@@ -114,7 +115,7 @@ class MoeHandle:
 def _check_comm(op, comm):
     if not isinstance(comm, Communicator):
         raise ArgumentError(f"{op} needs comm=, an mkernel.Communicator (mkernel.init()); got {type(comm).__name__}")
-    _tp.check_node_major(op, comm)  # between nodes, node j owns the experts of its ranks
+    _calls.check_node_major(op, comm)  # between nodes, node j owns the experts of its ranks
     if comm.size > MAX_WORLD:
         raise ArgumentError(f"{op}: at most {MAX_WORLD} ranks; this communicator has {comm.size}")
 
@@ -148,14 +149,14 @@ def _plan(op, comm, H, dtype, k, E, capacity, stream):
 
     W, E = comm.local_size, E // comm.num_nodes  # the node's ranks and experts (between nodes: moe_nodes.py)
     key = ("buffers", "moe", H, dtype.name, k, E, capacity)
-    _tp.agree_call(op, comm, key + ("moe",), f"capacity {capacity} rows")
+    _calls.agree_call(op, comm, key + ("moe",), f"capacity {capacity} rows")
     sizes = [("counts", (W * (E + 2),), cupy.uint32), ("cflag", (W,), cupy.uint32), ("rflag", (W,), cupy.uint32),
              ("retflag", (W,), cupy.uint32), ("eflag", (E,), cupy.uint32), ("meta", (capacity,), cupy.uint32),
              ("recv", (capacity, H), dtype), ("ret", (capacity, H), dtype)]
-    plan = _tp.plan_buffers(op, comm, key, sizes, counter_words=CNT_WORDS)
+    plan = _buffers.plan_buffers(op, comm, key, sizes, {"counters": CNT_WORDS})
     if "generation" not in plan:
         sms = launch.sm_count(full_share=True)  # hist's rows: the most CTAs a launch takes (launch.grid_sms)
-        with _tp.on_stream(stream):  # zeroed on the stream the kernels run on, before them
+        with _calls.on_stream(stream):  # zeroed on the stream the kernels run on, before them
             plan.update(generation=0, capacity=capacity, E=E, k=k, H=H,
                         send_order=cupy.empty(capacity, dtype=cupy.int32), esent=cupy.zeros(E, dtype=cupy.uint32),
                         hist=cupy.empty(sms * E, dtype=cupy.uint32),
@@ -203,7 +204,7 @@ def moe_dispatch(x, topk_ids, topk_weights, *, comm, num_experts, capacity=None,
     """
     op = "moe_dispatch"
     d = check_dispatch(op, x, topk_ids, topk_weights, comm, num_experts, capacity, stream)
-    out = _tp.prepare_out(op, out, (d.capacity, d.H), d.x.dtype, comm)
+    out = _calls.prepare_out(op, out, (d.capacity, d.H), d.x.dtype, comm)
     return out, launch_dispatch(d, out, stream)
 
 
@@ -285,7 +286,7 @@ def combine(op, y, handle, *, comm, out, stream):
     handle._check()
     plan = handle._plan
     y = check_matrix(as_cupy(y, "y", stream=stream), "y", dtypes=(handle.dtype,), shape=(handle.capacity, handle.H))
-    out = _tp.prepare_out(op, out, (handle.T, handle.H), handle.dtype, comm)
+    out = _calls.prepare_out(op, out, (handle.T, handle.H), handle.dtype, comm)
     a = _args(comm, plan, op, handle.T, handle.k, plan["E"], handle.H)
     a.y, a.ldy = y.data.ptr, (y.strides[0] if y.shape[0] > 1 else handle.H * y.itemsize) // y.itemsize
     nodes = handle._nodes

@@ -20,8 +20,9 @@ import types
 from mkernel.core import config
 from mkernel.core.errors import ArgumentError
 from mkernel.engines import gemm as _gemm
+from mkernel.ops import buffers as _buffers
+from mkernel.ops import calls as _calls
 from mkernel.ops import moe as _moe
-from mkernel.ops import tp as _tp
 from mkernel.runtime import compile as _compile
 from mkernel.runtime import launch
 from mkernel.runtime.arrays import as_cupy, check_matrix
@@ -100,9 +101,9 @@ def moe_dispatch_gemm(x, topk_ids, topk_weights, w, *, comm, num_experts, capaci
     d = _moe.check_dispatch(op, x, topk_ids, topk_weights, comm, num_experts, capacity, stream)
     El = num_experts // comm.size
     wb, layout, F = _expert_weights(op, as_cupy(w, "w", stream=stream), El, d.H, d.x.dtype, w_layout)
-    out = _tp.prepare_out(op, out, (d.capacity, F), d.x.dtype, comm)
+    out = _calls.prepare_out(op, out, (d.capacity, F), d.x.dtype, comm)
     if path == "unfused":
-        with _tp.on_stream(stream):
+        with _calls.on_stream(stream):
             recv = cupy.empty((d.capacity, d.H), dtype=d.x.dtype)
         handle = _moe.launch_dispatch(d, recv, stream)
         _gemm.grouped_gemm(recv, wb, handle.group_rows, out=out, stream=stream, b_layout=_b_layout_name(layout))
@@ -133,13 +134,14 @@ def _check_path(op, path, comm_sms):
 def _gemm_args(g, a_arr, wb, layout, out, group_rows, capacity, K, N, El, sync, plan, op):
     """The engine's arguments of a fused op's grouped GEMM: A [capacity, K] (a_arr), B the experts'
     weights, C out [capacity, N], one group per local expert. The TMA maps are the plan's, encoded
-    again only when an operand's pointer or strides changed (tp.operand_map)."""
+    again only when an operand's pointer or strides changed (buffers.operand_map)."""
     esize = out.itemsize
-    maps = _tp.launch_template(plan, ("gemm maps", op, K, N, El, layout, out.dtype.name), lambda: None)
-    g.a = _tp.operand_map(maps, "a", (a_arr.data.ptr, a_arr.strides), lambda: _tp.a_map(
-        out.dtype, a_arr.data.ptr, capacity, K, a_arr.strides[0] if capacity > 1 else K * esize))
-    g.b = _tp.operand_map(maps, "b", (wb.data.ptr, wb.strides), lambda: _gemm.b_map(wb, layout, K, N, El))
-    g.c = _tp.operand_map(maps, "c", (out.data.ptr, out.strides), lambda: _gemm.c_map(out, _gemm.DT[out.dtype.name]))
+    maps = _buffers.launch_template(plan, ("gemm maps", op, K, N, El, layout, out.dtype.name), lambda: None)
+    g.a = _buffers.operand_map(maps, "a", (a_arr.data.ptr, a_arr.strides), lambda: _gemm.a_map(
+        out.dtype.name, a_arr.data.ptr, capacity, K, a_arr.strides[0] if capacity > 1 else K * esize))
+    g.b = _buffers.operand_map(maps, "b", (wb.data.ptr, wb.strides), lambda: _gemm.b_map(wb, layout, K, N, El))
+    g.c = _buffers.operand_map(maps, "c", (out.data.ptr, out.strides),
+                               lambda: _gemm.c_map(out, _gemm.DT[out.dtype.name]))
     g.sync = sync
     g.sched.tiles_n, g.sched.group_m = -(-N // _gemm.BN), _gemm.DEFAULT_GROUP_M
     g.c_ptr, g.group_rows = out.data.ptr, group_rows.data.ptr
@@ -156,7 +158,7 @@ def _staging(comm, cap, H, El, dtype, stream):
     need, flags = cap * H * dtype.itemsize, _gemm.grouped_tiles_bound(cap, H, El)
     st = comm.plans.state.get("moe.combine staging")
     if st is None or st[0].nbytes < need or st[1].size < flags:
-        with _tp.on_stream(stream):  # stream-ordered: the old pair is freed behind its last use
+        with _calls.on_stream(stream):  # stream-ordered: the old pair is freed behind its last use
             st = (cupy.empty(max(need, st[0].nbytes if st else 0), dtype=cupy.uint8),
                   cupy.zeros(max(flags, st[1].size if st else 0), dtype=cupy.uint32))
         comm.plans.state["moe.combine staging"] = st
@@ -203,10 +205,10 @@ def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=No
     y2 = check_matrix(y2, "y2", dtypes=(handle.dtype,))
     if y2.shape[1] % 8:
         raise ArgumentError(f"{op}: y2's width F = {y2.shape[1]} must be a multiple of 8")
-    out = _tp.prepare_out(op, out, (handle.T, H), handle.dtype, comm)
+    out = _calls.prepare_out(op, out, (handle.T, H), handle.dtype, comm)
     comm.check()
     if path == "unfused":
-        with _tp.on_stream(stream):
+        with _calls.on_stream(stream):
             z = cupy.empty((handle.capacity, H), dtype=handle.dtype)
         _gemm.grouped_gemm(y2, wb, handle.group_rows, out=z, stream=stream, b_layout=_b_layout_name(layout))
         return _moe.combine(op, z, handle, comm=comm, out=out, stream=stream)

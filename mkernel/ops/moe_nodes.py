@@ -17,9 +17,10 @@ import ctypes
 
 from mkernel.comm import proxy as _proxy
 from mkernel.core.errors import ArgumentError
-from mkernel.ops import tp as _tp
+from mkernel.ops import buffers as _buffers
 from mkernel.runtime import compile as _compile
 from mkernel.runtime import launch
+from mkernel.runtime.arrays import DT
 from mkernel.runtime.launch import launch_persistent
 from mkernel.runtime.sync import MkSync
 
@@ -94,7 +95,7 @@ def plan(op, comm, H, dtype, k, E, capacity, scratch_start):
     R = fwd_rows(capacity, k)
     key = ("buffers", "moe_nodes", H, dtype.name, k, E, capacity, scratch_start)
     sizes = buffer_sizes(comm.size, N, H, dtype, k, E, capacity)
-    p = _tp.plan_buffers(op, comm, key, sizes, counter_words=CNT_WORDS, scratch_start=scratch_start)
+    p = _buffers.plan_buffers(op, comm, key, sizes, {"counters": CNT_WORDS}, scratch_start=scratch_start)
     if "pflags" not in p:
         p.update(fwd_rows=R, vids=cupy.empty(R * k, dtype=cupy.int32), vw=cupy.empty(R * k, dtype=cupy.float32),
                  vseg=cupy.zeros(MAX_NODES, dtype=cupy.uint32), slots=cupy.empty((N - 1) * R, dtype=cupy.int32),
@@ -151,4 +152,4 @@ def partials(op, comm, handle, out, stream):
     a = args(comm, p, op, handle.T, handle.k, handle.E, handle.H, handle.capacity)
     a.out, a.ldo = out.data.ptr, (out.strides[0] if handle.T > 1 else handle.H * out.itemsize) // out.itemsize
     ctas = max(1, min(launch.sm_count(), -(-handle.T // PARTIAL_TOKENS_PER_CTA)))
-    _launch(op, f"mk_moe_partials_kernel<{_tp.DT[handle.dtype.name]}>", a, ctas, stream)
+    _launch(op, f"mk_moe_partials_kernel<{DT[handle.dtype.name]}>", a, ctas, stream)

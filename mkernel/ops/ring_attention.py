@@ -25,7 +25,8 @@ from mkernel.core import config
 from mkernel.core.errors import ArgumentError
 from mkernel.engines import attention as _attn
 from mkernel.engines import gemm as _gemm
-from mkernel.ops import tp as _tp
+from mkernel.ops import buffers as _buffers
+from mkernel.ops import calls as _calls
 from mkernel.runtime import compile as _compile
 from mkernel.runtime import launch
 from mkernel.runtime import tma as _tma
@@ -112,7 +113,7 @@ def _check(comm, q, k, v, out, stream, causal, softmax_scale, comm_sms):
         raise ArgumentError(f"ring_attention needs comm= an mkernel Communicator (mkernel.init()); got "
                             f"{type(comm).__name__}")
     W = comm.size
-    _tp.check_node_major("ring_attention", comm)  # the ring follows the ranks
+    _calls.check_node_major("ring_attention", comm)  # the ring follows the ranks
     if W > MAX_WORLD:
         raise ArgumentError(f"ring_attention: at most {MAX_WORLD} ranks; this communicator has {W}")
     if comm_sms is None:
@@ -143,7 +144,7 @@ def _check(comm, q, k, v, out, stream, causal, softmax_scale, comm_sms):
 
 
 def _plan(comm, c):
-    """(plan, launch template) of this shape (the plan: tp.plan_buffers, cached in comm.plans, built
+    """(plan, launch template) of this shape (the plan: buffers.plan_buffers, cached in comm.plans, built
     collectively): the receive slots and this rank's fp32 accumulators in the scratch, flags in
     symmetric memory, tile flags and scheduler words in device memory, and every argument but the
     call's q, k, v, out and lse. Between nodes (remote) also a staging copy of this rank's own block
@@ -160,8 +161,8 @@ def _plan(comm, c):
              ("o_acc", (B, S, Hq, D), f32), ("m_acc", (B, Hq, S), f32), ("l_acc", (B, Hq, S), f32)]
     if remote:
         sizes.append(("stage", kv_shape, k4.dtype))
-    plan = _tp.plan_buffers("ring_attention", comm, ("buffers", "ring_attention", B, S, Hq, Hkv, D, k4.dtype.name),
-                            sizes, counter_words=CNT_WORDS)
+    plan = _buffers.plan_buffers("ring_attention", comm, ("buffers", "ring_attention", B, S, Hq, Hkv, D, k4.dtype.name),
+                                 sizes, {"counters": CNT_WORDS})
     if "tiles" not in plan:  # first use of this shape
         tiles = B * Hq * -(-S // _attn.BLOCK_M)
         plan["tile_flags"] = cupy.zeros(2 * tiles, dtype=cupy.uint32)
@@ -171,7 +172,7 @@ def _plan(comm, c):
             plan["pflags"] = comm.proxy_flag_block(PF_CHUNK + PROXY_CHUNK_FLAGS)
         cupy.cuda.runtime.deviceSynchronize()
     key = (c.causal, c.scale, c.comm_sms, launch.full_share(comm, "ring_attention"))  # attn_ctas follows the grid
-    return plan, _tp.launch_template(plan, key, lambda: _static_args(comm, plan, c))
+    return plan, _buffers.launch_template(plan, key, lambda: _static_args(comm, plan, c))
 
 
 def _static_args(comm, plan, c):
@@ -247,7 +248,7 @@ def _launch(comm, planned, c, return_lse, stream):
     a = r.a
     maps = (("q", q4, _attn.BLOCK_M), ("k", k4, _attn.BLOCK_N), ("v", v4, _attn.BLOCK_N), ("o", o4, 64))
     for role, x, box in maps:
-        setattr(a, role, _tp.operand_map(template, role, (x.data.ptr, x.strides),
+        setattr(a, role, _buffers.operand_map(template, role, (x.data.ptr, x.strides),
                                          lambda x=x, box=box: _attn._tensor_map(x, box)))
     a.sync = comm.sync_args("ring_attention")
     a.lse = lse.data.ptr if lse is not None else None
@@ -261,8 +262,8 @@ def _launch(comm, planned, c, return_lse, stream):
     if r.next_remote:  # only a rank sending across reads the staged block
         stage = plan["stage"]
         # a CuPy copy: its first use loads a module, which must not happen behind a launch of ours
-        _tp.quiesced_first_use(comm, plan, ("stage copy", k4.dtype.str, k4.strides, v4.strides))
-        with _tp.on_stream(stream):  # the block of step 0 must lie in a registered region
+        _calls.quiesced_first_use(comm, plan, ("stage copy", k4.dtype.str, k4.strides, v4.strides))
+        with _calls.on_stream(stream):  # the block of step 0 must lie in a registered region
             stage[0][...] = k4
             stage[1][...] = v4
     fn = _function(c)

@@ -1,5 +1,6 @@
-"""Shared planning, buffers, launch and fallback of the fused tensor-parallel ops inside a node:
-``gemm_reduce_scatter``, ``gemm_allreduce`` and ``allgather_gemm`` (design: docs/TP.md).
+"""Planning, launch and fallback of the fused tensor-parallel ops ``gemm_reduce_scatter``,
+``gemm_allreduce`` and ``allgather_gemm`` (design: docs/TP.md), on the call path every op shares
+(mkernel/ops/calls.py, mkernel/ops/buffers.py).
 
 Paths (one per call, a function of the shapes and the topology, agreed by every rank through
 ``comm.agree`` before anything is launched):
@@ -21,26 +22,23 @@ CuPy is imported inside functions, so that importing this module (and registerin
 needs neither a GPU nor CuPy.
 """
 
-import contextlib
 import ctypes
 
 from mkernel.comm import proxy as _proxy
-from mkernel.comm.scratch import layout as scratch_layout
 from mkernel.core import config
-from mkernel.core.errors import ArgumentError, MKernelError, WorkspaceError
-from mkernel.core.log import get_logger
+from mkernel.core.errors import ArgumentError
 from mkernel.engines import gemm as _gemm
+from mkernel.ops import buffers as _buffers
+from mkernel.ops import calls as _calls
 from mkernel.runtime import compile as _compile
 from mkernel.runtime import launch as _launch
 from mkernel.runtime import tma as _tma
-from mkernel.runtime.arrays import DT, as_cupy, check_matrix, cupy_mod, row_stride
-from mkernel.runtime.launch import launch_all, launch_persistent, persistent_grid
+from mkernel.runtime.arrays import DT, as_cupy, check_matrix, cupy_mod
+from mkernel.runtime.launch import launch_persistent, persistent_grid
 from mkernel.split import search as autosplit
 from mkernel.split.policy import MkSplitCtl
 
-log = get_logger("tp")
-
-BM, BN, BK = 128, 256, 64
+BM, BN, BK = _gemm.BM, _gemm.BN, _gemm.BK  # the engine's tile: TP kernels run its mainloop
 THREADS = 384
 MAX_WORLD = 8  # TP_MAX_WORLD
 OP_RS, OP_AR, OP_AG = 0, 1, 2
@@ -74,7 +72,7 @@ def plan_between_nodes(comm, plan, args, items, kinds=1, min_group=1):
 SMEM_BYTES = 230736  # TP_SMEM_BYTES (static_assert in every .cu)
 PATHS = ("fused", "fallback", "gemm", "unfused", "latency")
 CTL_OFF, CTL_ADAPT, CTL_PATTERN = 0, 1, 2  # TP_CTL_*
-B_NK, B_KN = 0, 1
+B_NK, B_KN = _gemm.B_NK, _gemm.B_KN
 # The knobs (fusion crossovers, controller mode, join, default comm CTAs) are mkernel.config's.
 
 
@@ -164,43 +162,13 @@ def check_inputs(op, a, b, b_layout, stream):
     return a, layout, b_arr, N
 
 
-def check_node_major(op, comm):
-    """Nodes of equal size and node-major ranks (rank = node * ranks_per_node + local rank), as every
-    path between nodes assumes. Every rank sees the same node_of, so all raise alike."""
-    L = comm.local_size
-    if comm.size % L or comm.topology.node_of != tuple(r // L for r in range(comm.size)):
-        raise ArgumentError(f"{op}: needs node-major ranks (rank = node * ranks_per_node + local rank) and the "
-                            f"same number of ranks on every node; this communicator's nodes are "
-                            f"{comm.topology.node_of} (launch ranks by node, or split with key=rank)")
-
-
 def check_comm(op, comm):
     """Any number of nodes of equal size (the hierarchical paths); ranks must be node-major."""
     if comm is None:
         raise ArgumentError(f"{op} needs comm= (mkernel.init())")
-    check_node_major(op, comm)
+    _calls.check_node_major(op, comm)
     if comm.size > MAX_WORLD:
         raise ArgumentError(f"{op}: at most {MAX_WORLD} ranks; this communicator has {comm.size}")
-
-
-def prepare_out(op, out, shape, dtype, comm):
-    cupy = cupy_mod()
-
-    if out is None:
-        return cupy.empty(shape, dtype=dtype)
-    if not isinstance(out, cupy.ndarray):
-        raise ArgumentError(f"{op}: out must be a cupy.ndarray")
-    if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
-        raise ArgumentError(f"{op}: out must be {tuple(shape)} of {dtype}; got {tuple(out.shape)} of {out.dtype}")
-    check_matrix(out, "out", dtypes=(dtype,))
-    return check_outside_workspace(op, out, comm)
-
-
-def check_outside_workspace(op, out, comm):
-    heap = comm.heap
-    if heap.base <= out.data.ptr < heap.base + heap.nbytes:
-        raise ArgumentError(f"{op}: out must not lie in the symmetric workspace (the op's buffers live there)")
-    return out
 
 
 def gpus_distinct(comm) -> bool:
@@ -234,135 +202,30 @@ def choose_path(op, comm, path, *, rows, N, K):
     return "fused", f"{tiles} output tiles, K {K}"
 
 
-def agree_call(op, comm, key, reason):
-    """Agrees on a call's shapes, options and path (``key``, whose last entry is the path):
-    collective the first time the key is seen; ranks that disagree raise ArgumentError together."""
-    first = not comm.agreed(key)
-    comm.agree(key, key)
-    note_path(comm, op, key[-1])
-    if first:
-        log.debug("%s %s: %s path (%s)", op, key[1:-1], key[-1], reason)
-
-
-def call_key(comm, op, stream, arrays, options):
-    """The key of a call for ``comm.plans``' recorded launches, or None where a call cannot be
-    recorded: an argument not a CuPy array (out not given), or tracing on (its pointers move)."""
-    cupy = cupy_mod()
-    if comm is None:
-        return None
-    for x in arrays:
-        if not isinstance(x, cupy.ndarray):
-            return None
-    return None if comm.trace.path else _launch.call_key(cupy, stream, arrays, (op, *options))
-
-
-def record_call(comm, key, op, path, launches, plans, keep=(), token=None, ctl=None):
-    """Records a call's launches for :func:`replay` (its path noted again at each replay). A fused
-    call's: ``token`` (``autosplit.choose``'s, None for a fixed comm_sms) lets a replay through only
-    while its split search holds its count (nothing recorded before it does); ``ctl`` is the plan's
-    controller record for :func:`controller_stats`."""
-    if key is None:
-        return
-    st, n = token[:2] if token is not None else (None, None)
-    if st is not None and not st.settled:
-        return
-    state = comm.plans.state
-
-    def gate():
-        if st is not None and not st.steady(n):
-            return False
-        note_path(comm, op, path)
-        if ctl is not None:
-            state["tp.last_ctl"] = ctl
-        return True
-    comm.plans.record_launches(key, launches, plans, keep, gate=gate)
-
-
-def replay(comm, key, stream) -> bool:
-    """A repeated call: raises a pending error, then launches what ``key``'s first call recorded
-    (its checks and agreement held then: the same arrays and options). False if nothing is recorded
-    (or its gate refuses: the full call runs)."""
-    launches = None if key is None else comm.plans.launches(key)
-    if launches is None:
-        return False
-    comm.check()
-    launch_all(launches, stream_handle=key[1])  # the key holds the stream's handle
-    return True
-
-
-def note_path(comm, op, path):
-    """Records the path of ``op``'s latest call (``comm.plans.state["tp.last_path"]``: tests, logs)."""
-    comm.plans.state.setdefault("tp.last_path", {})[op] = path
-
-
-def on_stream(stream):
-    """``with on_stream(stream):`` makes CuPy work (matmul, copies) run on ``stream`` when given."""
-    return stream if stream is not None else contextlib.nullcontext()
-
-
 # ------------------------------------------------------------------------------- buffers
-def plan_buffers(op, comm, key, sizes, counter_words=CNT_WORDS + 1, scratch_start=0):
-    """The plan of one (op, shape key) in ``comm.plans``, built at the shape's first call (collective):
-    its flags (uint32 buffers: symmetric, the plan's own, zeroed before first use), its other buffers
-    (transient within a call: views of the communicator's scratch, from ``scratch_start`` on:
-    mkernel/comm/scratch.py), ``counters`` (device words, zero between launches), ``ctl`` and
-    ``scratch_end``.
-
-    sizes: [(name, shape, dtype)]."""
-    plan = comm.plans.get(key)
-    if plan is not None:
-        return plan
-    import numpy
-
-    cupy = cupy_mod()
-    flags = [(n, s, d) for n, s, d in sizes if numpy.dtype(d) == numpy.uint32]
-    data = [(n, s, d) for n, s, d in sizes if numpy.dtype(d) != numpy.uint32]
-    try:
-        plan = comm.scratch.views(op, data, scratch_start)  # first: growing it releases the cached plans
-        for name, shape, dt in flags:
-            plan[name] = comm.empty(shape, dt)
-    except WorkspaceError as e:
-        need = sum(_nbytes(shape, dt) for _, shape, dt in sizes)
-        raise WorkspaceError(f"{op}: needs {need} bytes of symmetric workspace for this shape ({e})") from e
-    for name, _, _ in flags:
-        plan[name].data.memset_async(0, plan[name].nbytes)  # a memset, not a kernel: see quiesced_first_use
+def plan_buffers(op, comm, key, sizes):
+    """A fused TP op's plan (buffers.plan_buffers): its ``counters`` and controller state ``ctl``
+    (TpCtl) beside the buffers of ``sizes``."""
     autosplit.preload()  # once per process: not in a key's first "auto" call
-    plan["scratch_end"] = scratch_start + scratch_layout(data)[0]
-    plan["counters"] = cupy.zeros(counter_words, dtype=cupy.uint32)
-    plan["ctl"] = cupy.zeros(ctypes.sizeof(TpCtl) // 4, dtype=cupy.uint32)  # TpCtl, zero before the first launch
-    cupy.cuda.runtime.deviceSynchronize()  # zeroed before this rank announces any credit
-    return comm.plans.add(key, plan)
+    return _buffers.plan_buffers(op, comm, key, sizes, {"counters": CNT_WORDS + 1, "ctl": ctypes.sizeof(TpCtl) // 4})
 
 
-def _nbytes(shape, dt):
-    import numpy
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n * numpy.dtype(dt).itemsize
+def remember_ctl(comm, plan):
+    """A callable that makes ``plan``'s controller record the one :func:`controller_stats` reads
+    (calls.record_call's on_replay)."""
+    ctl = plan["ctl"]
+
+    def note():
+        comm.plans.state["tp.last_ctl"] = ctl
+    return note
 
 
 # ------------------------------------------------------------------------------- launch
 
-def tma_dtype(dtype):
-    return _tma.DTYPE_BFLOAT16 if dtype.name == "bfloat16" else _tma.DTYPE_FLOAT16
-
-
-def a_map(dtype, ptr, rows, K, row_bytes):
-    return _tma.encode_tiled(tma_dtype(dtype), ptr, (K, rows), (row_bytes,), (BK, BM))
-
-
-def b_map(b_arr, layout, K, N):
-    ldb = row_stride(b_arr)
-    gstride = max(16, ldb * b_arr.shape[0])
-    if layout == B_NK:
-        return _tma.encode_tiled(tma_dtype(b_arr.dtype), b_arr.data.ptr, (K, N, 1), (ldb, gstride), (BK, BN, 1))
-    return _tma.encode_tiled(tma_dtype(b_arr.dtype), b_arr.data.ptr, (N, K, 1), (ldb, gstride), (64, BK, 1))
-
-
 def out_map(dtype, ptr, rows, N, row_bytes):
     """A TMA store map of a [rows, N] block (box 64 columns x 16 rows, 128B swizzle)."""
-    return _tma.encode_tiled(tma_dtype(dtype), ptr, (N, rows), (row_bytes,), (64, 16))
+    tdt = _tma.DTYPE_BFLOAT16 if dtype.name == "bfloat16" else _tma.DTYPE_FLOAT16
+    return _tma.encode_tiled(tdt, ptr, (N, rows), (row_bytes,), (64, 16))
 
 
 def grid_split(op, comm_sms, total_tiles, comm_items, sms):
@@ -446,30 +309,6 @@ class Call:
             setattr(self, k, v)
 
 
-MAX_TEMPLATES = 16  # launch templates per plan: (K or N, layout, join, path) seen with its buffers
-
-
-def launch_template(plan, key, build):
-    """The prepared TpArgs of ``key`` within ``plan``: every field but the operands' pointers and the
-    per-call split, built by ``build()`` at the key's first call; evicted with the plan."""
-    templates = plan.setdefault("launch", {})
-    t = templates.get(key)
-    if t is None:
-        if len(templates) >= MAX_TEMPLATES:
-            del templates[next(iter(templates))]
-        t = templates[key] = {"args": build(), "maps": {}}
-    return t
-
-
-def operand_map(template, role, key, encode):
-    """``encode()``'s TMA map for an operand, encoded again only when ``key`` (its pointer and
-    strides) differs from the template's last call."""
-    last = template["maps"].get(role)
-    if last is None or last[0] != key:
-        last = template["maps"][role] = (key, encode())
-    return last[1]
-
-
 def fill_static(args, comm, *, a_rows, K, N, mb, counters):
     """The fields of a launch template that hold for every call of one plan and key."""
     W = comm.size
@@ -490,9 +329,10 @@ def call_args(template, c, *, a_ptr, a_row_bytes):
     """A copy of ``template``'s TpArgs with this call's A (``a_ptr``: the rows the GEMM reads) and B maps."""
     args = TpArgs.from_buffer_copy(template["args"])
     dtype, g = c.a.dtype, args.g
-    g.a = operand_map(template, "a", (a_ptr, a_row_bytes), lambda: a_map(dtype, a_ptr, g.m, c.K, a_row_bytes))
+    g.a = _buffers.operand_map(template, "a", (a_ptr, a_row_bytes),
+                               lambda: _gemm.a_map(dtype.name, a_ptr, g.m, c.K, a_row_bytes))
     b = c.b
-    g.b = operand_map(template, "b", (b.data.ptr, b.strides), lambda: b_map(b, c.layout, c.K, c.N))
+    g.b = _buffers.operand_map(template, "b", (b.data.ptr, b.strides), lambda: _gemm.b_map(b, c.layout, c.K, c.N))
     return args
 
 
@@ -505,21 +345,6 @@ def launch_fused(comm, op, spec, kernel, args, dtype, layout, grid, stream):
     args.comm_staged = int(config.get().comm_staged)
     args.join_staged = int(config.get().tp_join_staged)
     return launch_persistent(fn, (grid,), (THREADS,), args, smem=SMEM_BYTES, stream=stream)
-
-
-def quiesced_first_use(comm, plan, key):
-    """Between nodes, True the first time ``key`` is seen for ``plan``, after synchronising the
-    device (ops of ours may run on other streams): the caller then runs host-launched work whose
-    first use loads a CUDA module (cuBLAS picks a new kernel, CuPy a new elementwise kernel). A
-    module load waits for the device to go idle and meanwhile blocks every CUDA call of the
-    process, the proxy thread's copies included; a kernel in flight that waits on the proxy then
-    never finishes (measured on the H200: allgather_gemm between nodes stalled in most fresh
-    processes). So nothing of ours may be in flight when such work first runs."""
-    if comm.num_nodes == 1 or key in plan.setdefault("loaded", set()):
-        return False
-    plan["loaded"].add(key)
-    cupy_mod().cuda.runtime.deviceSynchronize()
-    return True
 
 
 def matmul(a, b_arr, layout, out=None):
@@ -546,38 +371,3 @@ def default_join(op, comm, *, M, N, K, esize) -> bool:
     if share is None:
         share = shares[(op, M, N, K, esize)] = autosplit.gemm_share(op, M, N, K, comm, esize)
     return share >= cfg.tp_join_min_gemm_share
-
-
-class RowCopy:
-    """A 2-D device copy that a recorded call replays like a Launch (``go(stream_handle)``)."""
-
-    def __init__(self, *args):
-        self.args = args
-
-    def go(self, stream_handle):
-        rt = cupy_mod().cuda.runtime
-        rt.memcpy2DAsync(*self.args, rt.memcpyDeviceToDevice, stream_handle)
-
-
-def copy_rows(dst_ptr, dst_pitch, src, rows, row_bytes, stream):
-    """rows x row_bytes of ``src`` (row stride as row_stride) to dst_ptr (dst_pitch bytes apart), on
-    ``stream``; returns the copy (a RowCopy) for a record."""
-    copy = RowCopy(dst_ptr, dst_pitch, src.data.ptr, row_stride(src), row_bytes, rows)
-    copy.go(stream_ptr(stream))
-    return copy
-
-
-def stream_ptr(stream):
-    cupy = cupy_mod()
-    return (stream if stream is not None else cupy.cuda.get_current_stream()).ptr
-
-
-def check_result(got, want_f64, what, atol):
-    """For sanitize targets: raises MKernelError when got (device) differs from a float64 reference."""
-    import numpy
-    cupy = cupy_mod()
-    g = cupy.asnumpy(got.view(cupy.uint16)).view(got.dtype).astype(numpy.float64)
-    err = float(numpy.max(numpy.abs(g - want_f64))) if g.size else 0.0
-    if not numpy.isfinite(err) or err > atol:
-        raise MKernelError(f"{what}: max error {err} > {atol}")
-

@@ -10,6 +10,7 @@ import pytest
 
 from mkernel import config
 from mkernel.core.errors import MKernelError
+from mkernel.ops import calls as op_calls
 from mkernel.ops import tp
 from mkernel.runtime import launch
 from mkernel.split import policy as split
@@ -120,10 +121,10 @@ def test_auto_converges_to_the_best_split_and_then_samples(fake_launch, auto):
 
 @pytest.fixture
 def recorded(fake_launch, monkeypatch):
-    """Calls keyed as CuPy arrays would be (tp.call_key), and the replays of recorded launches."""
+    """Calls keyed as CuPy arrays would be (calls.call_key), and the replays of recorded launches."""
     replays = []
-    monkeypatch.setattr(tp, "call_key", lambda comm, op, stream, arrays, options: (0, 0, op, *options))
-    monkeypatch.setattr(tp, "launch_all", lambda launches, stream_handle=None: replays.append(launches))
+    monkeypatch.setattr(op_calls, "call_key", lambda comm, op, stream, arrays, options: (0, 0, op, *options))
+    monkeypatch.setattr(op_calls, "launch_all", lambda launches, stream_handle=None: replays.append(launches))
     return replays
 
 
@@ -232,7 +233,7 @@ def test_auto_bounds_the_calls_it_keeps_timing(fake_launch, auto):
 def test_auto_is_only_for_the_fused_path(fake_launch, auto, monkeypatch):
     """The unfused baseline runs the default count, untimed."""
     monkeypatch.setattr(tp, "matmul", lambda a, b_arr, layout, out=None: _Arr((8192, 4096), "float16", 0x900000))
-    monkeypatch.setattr(tp, "quiesced_first_use", lambda *args: False)
+    monkeypatch.setattr(op_calls, "quiesced_first_use", lambda *args: False)
     comm = _comm()
     n = _rs_call(comm, fake_launch, path="unfused")
     assert n == config.get().tp_comm_sms["gemm_reduce_scatter"] and auto["timers"] == 0

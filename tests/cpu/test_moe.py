@@ -206,7 +206,7 @@ def test_between_nodes_refusals(monkeypatch):
     """Between nodes, before anything collective: node-major ranks of equal nodes (MoE, ring
     attention and the TP ops share the check), the fused GEMM + combine refused, a bundle's sums
     within one 32-bit WRITE."""
-    from mkernel.ops import tp
+    from mkernel.ops import calls as op_calls
 
     n = importlib.import_module("mkernel.ops.moe_nodes")
     mmoe._check_comm("moe_dispatch", _fake_comm((0, 0, 1, 1), 2))  # node-major: accepted
@@ -214,7 +214,7 @@ def test_between_nodes_refusals(monkeypatch):
         with pytest.raises(ArgumentError, match="node-major"):
             mmoe._check_comm("moe_dispatch", _fake_comm(node_of, L))
         with pytest.raises(ArgumentError, match="node-major"):
-            tp.check_node_major("ring_attention", _fake_comm(node_of, L))
+            op_calls.check_node_major("ring_attention", _fake_comm(node_of, L))
     mg = importlib.import_module("mkernel.ops.moe_gemm")
     monkeypatch.setattr(launch, "sm_count", lambda full_share=False: 132)  # comm_sms is checked against it
     with pytest.raises(ArgumentError, match="inside one node"):

@@ -18,7 +18,8 @@ from tests.helpers.tp_fakes import pass_arrays_through
 
 mmoe = importlib.import_module("mkernel.ops.moe")
 mnodes = importlib.import_module("mkernel.ops.moe_nodes")
-tp = importlib.import_module("mkernel.ops.tp")
+op_buffers = importlib.import_module("mkernel.ops.buffers")
+op_calls = importlib.import_module("mkernel.ops.calls")
 
 HEAP = 1 << 40
 
@@ -93,18 +94,19 @@ def fake(monkeypatch):
         calls["next"] += -(-max(a.nbytes, 1) // 4096) * 4096
         return a
 
-    def plan_buffers(op, comm, key, sizes, counter_words=8, scratch_start=0):
+    def plan_buffers(op, comm, key, sizes, local_words, scratch_start=0):
         plan = comm.plans.get(key)
         if plan is None:
             plan = {name: alloc(shape, dt, HEAP) for name, shape, dt in sizes}
-            plan["counters"] = alloc(counter_words, np.uint32)
+            for name, words in local_words.items():
+                plan[name] = alloc(words, np.uint32)
             plan["scratch_end"] = scratch_start + scratch_layout(sizes)[0]
             comm.plans.add(key, plan)
         return plan
 
     pass_arrays_through(monkeypatch)
-    monkeypatch.setattr(tp, "prepare_out", lambda op, out, shape, dtype, comm: out or alloc(shape, dtype))
-    monkeypatch.setattr(tp, "plan_buffers", plan_buffers)
+    monkeypatch.setattr(op_calls, "prepare_out", lambda op, out, shape, dtype, comm: out or alloc(shape, dtype))
+    monkeypatch.setattr(op_buffers, "plan_buffers", plan_buffers)
     monkeypatch.setattr(launch, "sm_count", lambda full_share=False: 132)
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype=np.float32: alloc(shape, dtype))
     monkeypatch.setattr(cupy, "zeros", lambda shape, dtype=np.float32: alloc(shape, dtype))

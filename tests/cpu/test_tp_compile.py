@@ -11,6 +11,7 @@ import pytest
 from mkernel import config
 from mkernel.comm.plans import PlanRegistry
 from mkernel.core.errors import ArgumentError
+from mkernel.ops import calls as op_calls
 from mkernel.ops import tp
 from mkernel.runtime import compile as mkc
 
@@ -321,7 +322,7 @@ def test_unfused_path_launches_the_collective_after_a_gemm(fake_launch, monkeypa
 
     monkeypatch.setattr(tp, "matmul", fake_matmul)
     quiesced = []  # between nodes the first cuBLAS use of a shape waits for the stream (no GPU here)
-    monkeypatch.setattr(tp, "quiesced_first_use", lambda comm, plan, key: quiesced.append(key) or True)
+    monkeypatch.setattr(op_calls, "quiesced_first_use", lambda comm, plan, key: quiesced.append(key) or True)
     a, b = _Arr((M, K), "float16", 0x100000), _Arr((K, N), "float16", 0x200000)
     out = _Arr((M // world, N), "float16", 0x300000)
     rs.gemm_reduce_scatter(a, b, comm=_Comm(world, rank, nodes), out=out, path="unfused")

@@ -286,7 +286,6 @@ def test_repeated_calls_launch_what_their_first_call_recorded(comm, M, overlap):
     import cupy
 
     from mkernel import config
-    from mkernel.ops import tp
 
     W = comm.size
     if W == 1:
@@ -299,9 +298,11 @@ def test_repeated_calls_launch_what_their_first_call_recorded(comm, M, overlap):
     w = [ints(60, r, (N, K)) for r in range(W)]
     a_d, w_d = cupy.empty((M, K), dt), dev(w[comm.rank].astype(dt))
     out, x, x_out = cupy.empty((M, N), dt), cupy.empty((M, N), dt), cupy.empty((M, N), dt)
-    keys = {"gemm_allreduce": tp.call_key(comm, "gemm_allreduce", None, (a_d, w_d.T, out),
+    from mkernel.ops import calls as op_calls
+
+    keys = {"gemm_allreduce": op_calls.call_key(comm, "gemm_allreduce", None, (a_d, w_d.T, out),
                                           (None, None, True, "latency", None)),
-            "allreduce": tp.call_key(comm, "allreduce", None, (x, x_out), ())}
+            "allreduce": op_calls.call_key(comm, "allreduce", None, (x, x_out), ())}
     msgs = []
     with config.override(tp_latency_ll_overlap=overlap):
         for i in range(2 * HALF):

@@ -212,7 +212,7 @@ def test_reduce_ops_between_two_emulated_nodes(transport):
 @pytest.mark.multi_gpu
 @pytest.mark.parametrize("transport", ["host", "tcp"])
 def test_allgather_gemm_between_two_emulated_nodes(transport):
-    """The first use of a CuPy or cuBLAS kernel behind a launch once stalled it (tp.quiesced_first_use);
+    """The first use of a CuPy or cuBLAS kernel behind a launch once stalled it (calls.quiesced_first_use);
     the 4-rank test below runs in a fresh job, where every use is a first one."""
     _two_emulated_nodes(transport, _run_ag_cases)
 

@@ -5,6 +5,8 @@ read, and ``fake_launch(monkeypatch)``, which records each launch instead of run
 import ctypes
 
 from mkernel.comm.plans import PlanRegistry
+from mkernel.ops import buffers as op_buffers
+from mkernel.ops import calls as op_calls
 from mkernel.ops import tp
 from mkernel.runtime import launch
 
@@ -97,10 +99,10 @@ def pass_arrays_through(monkeypatch):
 def fake_launch(monkeypatch):
     """Fakes what the fused TP ops launch with (arrays, tensor maps, plan buffers, the launch itself)
     on ``monkeypatch``; returns the record of the calls (calls["launch"]: the last launch's arguments,
-    calls["copies"]: tp.copy_rows's)."""
+    calls["copies"]: mkernel.ops.calls.copy_rows's)."""
     calls = {"maps": [], "launch": None}
     pass_arrays_through(monkeypatch)
-    monkeypatch.setattr(tp, "prepare_out",
+    monkeypatch.setattr(op_calls, "prepare_out",
                         lambda op, out, shape, dtype, comm: (out, calls.setdefault("out_shape", shape))[0])
 
     def encode(dtype, ptr, dims, strides, box, swizzle=3, l2=3):
@@ -118,7 +120,7 @@ def fake_launch(monkeypatch):
         for name, shape, dt in sizes:
             plan[name] = _Arr(shape if len(shape) == 2 else (shape[0], 1) if len(shape) == 1 else
                               (shape[0] * shape[1], shape[2]), dt, comm.heap.base + off)
-            plan[name].size_bytes = tp._nbytes(shape, dt)
+            plan[name].size_bytes = op_buffers.nbytes(shape, dt)
             off += -(-plan[name].size_bytes // 1024) * 1024
         plan["counters"] = _Arr((8, 1), "uint32", 0x5000)
         plan["ctl"] = _Arr((ctypes.sizeof(tp.TpCtl) // 4, 1), "uint32", 0x6000)
@@ -135,5 +137,5 @@ def fake_launch(monkeypatch):
         return calls["launch"]
 
     monkeypatch.setattr(tp, "launch_fused", launch_fused)
-    monkeypatch.setattr(tp, "copy_rows", lambda *args: calls.setdefault("copies", []).append(args))
+    monkeypatch.setattr(op_calls, "copy_rows", lambda *args: calls.setdefault("copies", []).append(args))
     return calls
