@@ -242,7 +242,7 @@ def bound(L, H, F, itemsize, link_gbs):
 def network_rows(comm, ids, El, nodes):
     """Rows the most loaded rank sends or receives per direction between nodes (the hierarchical
     minimum): a token crosses once to each other node holding one of its experts, to the rank of the
-    same local index there (docs/MOE.md, "Between nodes"); its fp32 partial sums come back the same way."""
+    same local index there (docs/MOE.md, "Between nodes"); its node sums come back the same way (16-bit)."""
     L = comm.size // nodes
     node_of = np.arange(El * comm.size) // El // L
     hit = np.zeros((ids.shape[0], nodes), dtype=bool)
@@ -620,8 +620,8 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
 
                 compute = harness.median(ts[f"gemm_{sfx}"])
                 link, net = l_ms, {}
-                if nodes > 1:  # the network's share only: token rows out, fp32 partial sums back
-                    nbytes = net_rows * H * (dt.itemsize if sfx == "dg" else 4)
+                if nodes > 1:  # the network's share only: token rows out, node sums back
+                    nbytes = net_rows * H * dt.itemsize  # rows out, node sums back: 16-bit both
                     link = nbytes / (link_gbs * 1e9) * 1e3
                     net = dict(network_rows=net_rows, bytes_per_direction=nbytes, link_GBps=link_gbs)
                 bnd = max(compute, link)
@@ -827,7 +827,7 @@ def main():
                           f"max over ranks of max(2 * rows received * H * F at {PEAK_TFLOPS} TFLOP/s, max(bytes "
                           f"sent to, received from other ranks) at {link_gbs:.1f} GB/s)" if mps is None else
                           "max(compute_ms: the grouped GEMM alone, every rank at once; link_ms: " + (
-                              "the rows a rank sends or receives between nodes (fp32 sums back) over the PCIe copy "
+                              "the rows a rank sends or receives between nodes (16-bit sums back) over the PCIe copy "
                               "rate, every rank at once)" if nodes > 1 else
                               "bytes to and from other ranks over the device copy rate)")),
                       goals=[{"name": g[0], "H_F_E_k": list(g[1]), "T": g[2], "metric": g[3], "at_least": g[4]}

@@ -6,8 +6,8 @@ Ranks are node-major (rank = node * local + local rank) with the same number per
 pair on node j, once (rows, ids, weights); (j, l) then dispatches inside node j, over NVLink, its
 own tokens and the ones it forwards as one list of virtual tokens, with moe.cu / moe_dispatch_gemm.cu
 unchanged but for that list. Combine runs inside each node the same way, leaving per virtual token
-the fp32 sum of its node's pairs; those sums go back to the tokens' ranks, which add the nodes'
-sums in node order and round once.
+the sum of its node's pairs (fp32, summed in fp32); the forwarded tokens' sums go back to their
+ranks rounded to 16 bits (half the bytes), and each rank adds the nodes' sums in node order.
 
 Not a public module: :mod:`mkernel.ops.moe` and :mod:`mkernel.ops.moe_gemm` call it when the communicator
 spans nodes.
@@ -26,7 +26,7 @@ from mkernel.runtime.sync import MkSync
 
 MAX_NODES = 8       # MOE_MAX_NODES
 MAX_WRITE_BYTES = 1 << 32  # a proxy command's size is 32 bits: a bundle's rows and its sums go as one WRITE each
-PARTIAL_BYTES = 4   # the node sums travel in fp32
+PART_BYTES = 2  # a bundle's node sums go back as 16-bit rows: the size of its rows
 THREADS = 512       # MOE_NODE_THREADS
 PF_WORDS = 64       # MOE_PF_WORDS: the plan's proxy flags
 CNT_WORDS = 3       # MOE_NCNT_WORDS
@@ -58,11 +58,12 @@ class MkMoeNodeArgs(ctypes.Structure):
 
 
 def check_sizes(op, H, k, capacity):
-    """Between nodes, before anything collective: a bundle's fp32 sums fit one WRITE (32-bit sizes)."""
+    """Between nodes, before anything collective: a bundle's node sums (as its rows: 16-bit) fit
+    one WRITE (32-bit sizes)."""
     R = fwd_rows(capacity, k)
-    if R * H * PARTIAL_BYTES >= MAX_WRITE_BYTES:
-        raise ArgumentError(f"{op}: between nodes a bundle of up to capacity / k = {R} tokens x H = {H} (its fp32 "
-                            f"sums: {R * H * PARTIAL_BYTES} bytes) must stay under {MAX_WRITE_BYTES} bytes (one "
+    if R * H * PART_BYTES >= MAX_WRITE_BYTES:
+        raise ArgumentError(f"{op}: between nodes a bundle of up to capacity / k = {R} tokens x H = {H} (its "
+                            f"sums: {R * H * PART_BYTES} bytes) must stay under {MAX_WRITE_BYTES} bytes (one "
                             f"WRITE); pass a smaller capacity")
 
 
@@ -82,7 +83,7 @@ def buffer_sizes(W, N, H, dtype, k, E, capacity):
     return [("gcounts", (W * grow_words(E),), u32), ("gcflag", (W,), u32),
             ("xsend", ((N - 1) * R, H), dtype), ("dsend", ((N - 1) * R * 2 * k,), u32),
             ("xrecv", ((N - 1) * R, H), dtype), ("drecv", ((N - 1) * R * 2 * k,), u32),
-            ("part", (R, H), f32), ("precv", ((N - 1) * R, H), f32)]
+            ("part", (R, H), f32), ("precv", ((N - 1) * R, H), dtype)]
 
 
 def plan(op, comm, H, dtype, k, E, capacity, scratch_start):

@@ -51,7 +51,8 @@ def test_the_object_and_its_tables_are_read_only():
     assert mkernel.config is config
 
 
-def test_the_whole_mps_share_in_a_node_between_nodes_for_rs_and_ag_and_everywhere_when_always(monkeypatch):
+def test_the_whole_mps_share_in_a_node_between_nodes_but_for_ar_at_one_rank_a_node_and_everywhere_when_always(
+        monkeypatch):
     from types import SimpleNamespace
 
     from mkernel.runtime import launch
@@ -59,8 +60,7 @@ def test_the_whole_mps_share_in_a_node_between_nodes_for_rs_and_ag_and_everywher
     comms = [SimpleNamespace(num_nodes=n, local_size=L) for n, L in ((1, 2), (2, 1), (2, 2))]
     monkeypatch.setattr(launch, "sm_count", lambda full_share=False: 66 if full_share else 57)
     ops = ("ring_attention", "gemm_allreduce", "gemm_reduce_scatter", "allgather_gemm", "moe_dispatch_gemm")
-    between = (False, False, True, True, False)
-    wants = {True: ((True,) * 5, between, between), False: ((False,) * 5,) * 3,
+    wants = {True: ((True,) * 5, (True, False, True, True, True), (True,) * 5), False: ((False,) * 5,) * 3,
              "always": ((True,) * 5,) * 3}
     for setting, want in wants.items():
         with config.override(mps_full_share=setting):

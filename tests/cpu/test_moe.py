@@ -219,9 +219,9 @@ def test_between_nodes_refusals(monkeypatch):
     monkeypatch.setattr(launch, "sm_count", lambda full_share=False: 132)  # comm_sms is checked against it
     with pytest.raises(ArgumentError, match="inside one node"):
         mg.moe_gemm_combine(None, None, None, comm=_fake_comm((0, 1), 1), path="fused")
-    n.check_sizes("moe_dispatch", 8192, 2, 1 << 17)  # sums of 65536 tokens x 8192: 2 GiB
+    n.check_sizes("moe_dispatch", 8192, 1, 1 << 17)  # 16-bit sums of 131072 tokens x 8192: 2 GiB
     with pytest.raises(ArgumentError, match="WRITE"):
-        n.check_sizes("moe_dispatch", 8192, 1, 1 << 17)  # 4 GiB
+        n.check_sizes("moe_dispatch", 16384, 1, 1 << 17)  # 4 GiB
     src = (Path(mmoe.__file__).parent / "ring_attention.py").read_text()
     assert 'check_node_major("ring_attention", comm)' in src
 

@@ -18,7 +18,8 @@ by case and rank) for the float64 reference:
   a rank with T = 0, skewed routing, repeated experts in a token, experts that receive nothing,
   top-1 and top-8;
 - the bytes the proxy sent for one dispatch + combine equal to the minimum: the count rows, each
-  token once per other node with a pair there (row and 8k bytes of routing), its fp32 sums back;
+  token once per other node with a pair there (row and 8k bytes of routing), its node sums back
+  (16-bit rows);
 - errors found on the device (capacity, expert ids) raise on every rank (a communicator per case).
 """
 
@@ -216,7 +217,7 @@ def _minimum_bytes(comm, P):
         bundle = int(((ids // epn) == j).any(axis=1).sum())
         total += bundle * (H * 2 + 8 * k)
         _, ids_j, _ = P["inp"][j * L + local_rank]  # tokens rank (j, local_rank) sends here: their sums go back
-        total += int(((ids_j // epn) == node).any(axis=1).sum()) * H * 4
+        total += int(((ids_j // epn) == node).any(axis=1).sum()) * H * 2
     return total
 
 

@@ -38,7 +38,9 @@ MK_DEV void moe_returned(const MkMoeArgs& a, const MkPeers& peers, u32 mine, u32
 // rounding. A worker is nthr threads (tid in [0, nthr)) that meet at bar(); `slot` is a shared word
 // to broadcast thread 0's wait. (A whole CTA; or a GEMM CTA's consumer warpgroups after their tiles.)
 // Between nodes (a.nseg): over the virtual tokens, pairs of other nodes (id -1) skipped, and with
-// a.partial_out the fp32 sums are stored unrounded (moe_nodes.cu adds the nodes' partials).
+// a.partial_out (out: the node sums, moe_nodes.cu adds them) this rank's tokens' sums are stored
+// unrounded (fp32 rows, ldo floats apart), the forwarded ones' rounded (16-bit rows after them:
+// they cross the network, at half the bytes).
 template <int DT, class Bar>
 MK_DEV void moe_weighted_sum(const MkMoeArgs& a, const MkPeers& peers, u32 part, u32 parts, u32 tid, u32 nthr, Bar bar,
                              volatile int* slot, u32 Ep) {
@@ -81,7 +83,7 @@ MK_DEV void moe_weighted_sum(const MkMoeArgs& a, const MkPeers& peers, u32 part,
           }
         }
       }
-      if (a.partial_out) {
+      if (a.partial_out && t < (u32)a.T) {
         float4* p = reinterpret_cast<float4*>(out + (u64)t * (u64)a.ldo * 4u + o * 2u);
         p[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
         p[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
@@ -92,7 +94,8 @@ MK_DEV void moe_weighted_sum(const MkMoeArgs& a, const MkPeers& peers, u32 part,
       r.y = pack2<DT>(acc[2], acc[3]);
       r.z = pack2<DT>(acc[4], acc[5]);
       r.w = pack2<DT>(acc[6], acc[7]);
-      *reinterpret_cast<uint4*>(out + (u64)t * (u64)a.ldo * 2u + o) = r;
+      const u64 at = a.partial_out ? moe_fwd_sum_offset((u32)a.T, a.ldo, row_bytes, t) : (u64)t * (u64)a.ldo * 2u;
+      *reinterpret_cast<uint4*>(out + at + o) = r;
     }
   }
 }

@@ -75,6 +75,12 @@ MK_DEV u32 ld_cg(const u32* p) { return __ldcg(p); }
 // then those it forwards), counted on the device by the exchange (moe_nodes.cu).
 MK_DEV u32 moe_tokens(const MkMoeArgs& a) { return a.nseg ? a.vseg[a.nseg] : (u32)a.T; }
 
+// Between nodes, the byte offset in the node sums (MkMoeArgs::partial_out) of forwarded virtual
+// token t >= T: past this rank's T fp32 rows (ldo floats apart), 16-bit rows row_bytes apart.
+MK_DEV u64 moe_fwd_sum_offset(u32 T, long long ldo, u32 row_bytes, u32 t) {
+  return (u64)T * (u64)ldo * 4u + (u64)(t - T) * row_bytes;
+}
+
 // The forwarded segment i (of nseg) that holds virtual token t >= vseg[0]: vseg[i] <= t < vseg[i + 1].
 MK_DEV u32 moe_fwd_segment(const u32* vseg, u32 nseg, u32 t) {
   u32 i = 0;

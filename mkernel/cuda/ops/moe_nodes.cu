@@ -10,9 +10,9 @@
 // node): the ids and weights the node's dispatch and combine (moe.cu, moe_dispatch_gemm.cu) run on.
 //
 // mk_moe_partials_kernel, after the node's combine (which left every virtual token's weighted sum
-// of its node's pairs in part, fp32): each bundle's sums go back to their source as one WRITE,
-// and every rank adds, per token, the sums of all nodes in node order (its own at its place),
-// rounding once: a fixed order, so bitwise reproducible.
+// of its node's pairs in part: this rank's tokens' in fp32, the forwarded ones' rounded to 16 bits):
+// each bundle's sums go back to their source as one WRITE, and every rank adds, per token, the
+// sums of all nodes in node order (its own at its place): a fixed order, so bitwise reproducible.
 #include "queue.cuh"
 #include "moe_nodes_args.cuh"
 #include "moe_combine.cuh"
@@ -334,7 +334,7 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_partials_kernel(co
   __shared__ int s_ok;
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, N = (u32)a.nodes, node = (u32)a.node;
   const u32 R = (u32)a.fwd_rows, H = (u32)a.H;
-  const u64 part_row = (u64)H * 4u;
+  const u64 part_row = (u64)H * 4u, sum_row = (u64)H * 2u;  // own fp32 sums, the 16-bit ones that travel
   const bool first = node_first(a, &s_slot);
   if (tid == 0) {
     s_epoch = launch_epoch(a.sync);
@@ -351,9 +351,10 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_partials_kernel(co
         const u32 r = node_rank(a, j);
         ok = wait_credit(a, MOE_PF_PCREDIT + j, s_epoch, r, MOE_WAIT_PCREDIT + j) &&
              queue_push(a.sync, a.queue,
-                        mk_write_cmd(r, MK_WORKSPACE_REGION, a.part_off + (u64)a.vseg[i - 1] * part_row,
-                                     MK_WORKSPACE_REGION, a.precv_off + (u64)seg_of(node, j) * R * part_row,
-                                     (u32)(n * part_row), MOE_PF_PART + node, s_epoch));
+                        mk_write_cmd(r, MK_WORKSPACE_REGION,
+                                     a.part_off + moe_fwd_sum_offset((u32)a.T, H, (u32)sum_row, a.vseg[i - 1]),
+                                     MK_WORKSPACE_REGION, a.precv_off + (u64)seg_of(node, j) * R * sum_row,
+                                     (u32)(n * sum_row), MOE_PF_PART + node, s_epoch));
       }
     const u32* own =
         peer_ptr<const u32>(node_peers(a), (u32)a.lrank, a.gcounts_off) + (u64)a.me * MOE_GROW_WORDS((u32)a.E);
@@ -374,25 +375,30 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_partials_kernel(co
       for (u32 o = lane * 8u; o < H; o += 32u * 8u) {  // 8 elements a lane
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
         for (u32 j = 0; j < N; ++j) {
-          const float* src;
           if (j == node) {
-            src = reinterpret_cast<const float*>(part + (u64)t * part_row) + o;
-          } else {
-            const u32 sg = seg_of(j, node);
-            const int s = a.slots[(u64)sg * R + t];
-            if (s < 0) continue;
-            src = reinterpret_cast<const float*>(precv + ((u64)sg * R + (u32)s) * part_row) + o;
+            const float* src = reinterpret_cast<const float*>(part + (u64)t * part_row) + o;
+            const float4 v0 = __ldcg(reinterpret_cast<const float4*>(src)),
+                         v1 = __ldcg(reinterpret_cast<const float4*>(src) + 1);
+            acc[0] += v0.x;
+            acc[1] += v0.y;
+            acc[2] += v0.z;
+            acc[3] += v0.w;
+            acc[4] += v1.x;
+            acc[5] += v1.y;
+            acc[6] += v1.z;
+            acc[7] += v1.w;
+            continue;
           }
-          const float4 v0 = __ldcg(reinterpret_cast<const float4*>(src)),
-                       v1 = __ldcg(reinterpret_cast<const float4*>(src) + 1);
-          acc[0] += v0.x;
-          acc[1] += v0.y;
-          acc[2] += v0.z;
-          acc[3] += v0.w;
-          acc[4] += v1.x;
-          acc[5] += v1.y;
-          acc[6] += v1.z;
-          acc[7] += v1.w;
+          const u32 sg = seg_of(j, node);
+          const int s = a.slots[(u64)sg * R + t];
+          if (s < 0) continue;
+          const uint4 v = __ldcg(reinterpret_cast<const uint4*>(precv + ((u64)sg * R + (u32)s) * sum_row + o * 2u));
+          const u32 words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            acc[2 * q] += half_to_float<DT>((u16)(words[q] & 0xFFFFu));
+            acc[2 * q + 1] += half_to_float<DT>((u16)(words[q] >> 16));
+          }
         }
         uint4 r;
         r.x = pack2<DT>(acc[0], acc[1]);

@@ -46,8 +46,8 @@ struct MkMoeNodeArgs {
   unsigned long long dsend_off;  // u32 [N - 1][fwd_rows][2k]: their ids there (node-local, -1: not there), weights
   unsigned long long xrecv_off;  // 16-bit [N - 1][fwd_rows][H]: the tokens this rank forwards, per source node
   unsigned long long drecv_off;  // u32 [N - 1][fwd_rows][2k]
-  unsigned long long part_off;  // fp32 [fwd_rows][H]: the node's weighted sums of the virtual tokens
-  unsigned long long precv_off;  // fp32 [N - 1][fwd_rows][H]: the other nodes' sums of this rank's tokens
+  unsigned long long part_off;  // the node's weighted sums of the virtual tokens: T fp32 rows, then 16-bit ones
+  unsigned long long precv_off;  // 16-bit [N - 1][fwd_rows][H]: the other nodes' sums of this rank's tokens
   // Local device memory.
   const void* x;  // [T, H] (16-bit), row stride ldx
   const int* topk_ids;  // [T, k] global expert ids
