@@ -39,6 +39,25 @@ def batch_ms(comm, barrier, fn, n=BATCH, batches=BATCHES, warmup=WARMUP):
     return statistics.median(batch_times(comm, barrier, fn, n=n, batches=batches))
 
 
+def interleaved_ms(comm, barrier, arms, rounds=4, n=BATCH, warmup=WARMUP):
+    """{name: milliseconds of one call} of each arm (name, fn, config overrides) for an A/B: every
+    round times one batch of each arm, in reverse order every other round, so drift over the run
+    (clocks, a split search settling, the order itself) falls on every arm alike; the median over
+    rounds, the slowest rank's. Each arm is warmed up first, under its overrides."""
+    import mkernel
+
+    for _, fn, over in arms:
+        with mkernel.config.override(**over):
+            for _ in range(warmup):
+                fn()
+    times = {name: [] for name, _, _ in arms}
+    for r in range(rounds):
+        for name, fn, over in (arms if r % 2 == 0 else arms[::-1]):
+            with mkernel.config.override(**over):
+                times[name] += batch_times(comm, barrier, fn, n=n, batches=1)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def batch_times(comm, barrier, fn, n=BATCH, batches=BATCHES):
     """Per batch, the milliseconds of one fn() call (event pair around n back-to-back calls started
     by the device barrier, / n), each the slowest rank's; no warm-up."""

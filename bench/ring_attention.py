@@ -467,11 +467,10 @@ class SharedMode:
         compute_ms = cc.batch_ms(comm, self.barrier, computing)
         import mkernel
 
-        variants = {}  # the default call with a knob flipped (A/B, same run)
-        cfg = mkernel.config.get()
-        for change in ({"comm_staged": not cfg.comm_staged}, cc.full_share_change(comm, "ring_attention")):
-            with mkernel.config.override(**change):
-                variants[",".join(f"{k}={v}" for k, v in change.items())] = cc.batch_ms(comm, self.barrier, mk)
+        cfg = mkernel.config.get()  # the default call with a knob flipped, interleaved with it (A/B, same run)
+        changes = ({"comm_staged": not cfg.comm_staged}, cc.full_share_change(comm, "ring_attention"))
+        variants = cc.interleaved_ms(comm, self.barrier, [("default", mk, {})] + [
+            (",".join(f"{k}={v}" for k, v in c.items()), mk, c) for c in changes])
         sent = ((W - 1) if self.nodes == 1 else (self.nodes - 1)) * 2 * block_bytes
         link_ms = sent / (self.link_gbs * 1e9) * 1e3
         S, H, Hkv, D, causal = shape

@@ -295,7 +295,7 @@ def bench_op_shared(op, comm, shapes, dt, barrier, link_gbs, comm_sms="auto"):
         t = {"default": cc.batch_ms(comm, barrier, f["default"], warmup=AUTO_WARMUP)}
         split = _tp.controller_stats(comm) if path == "fused" else {}  # the timed batch's last launch
         t.update({name: cc.batch_ms(comm, barrier, f[name]) for name in ("unfused", "gemm")})
-        variants = {}  # the default call with knobs changed, timed last (A/B in the same run)
+        variants = {}  # the default call with knobs changed, interleaved with the default (A/B in the same run)
         if path == "fused":
             import mkernel
 
@@ -310,12 +310,11 @@ def bench_op_shared(op, comm, shapes, dt, barrier, link_gbs, comm_sms="auto"):
                 changes.append({"tp_join_reduce": True, "tp_join_staged": not (joins and cfg.tp_join_staged)})
                 if nodes > 1:  # larger WRITEs between nodes (the host transport's rate grows with them)
                     changes += [{"tp_send_tiles": 2 * cfg.tp_send_tiles}, {"tp_send_tiles": 4 * cfg.tp_send_tiles}]
-            for change in changes:
-                with mkernel.config.override(**change):
-                    name = ",".join(f"{k}={v}" for k, v in change.items())
-                    variants[name] = cc.batch_ms(comm, barrier, f["default"], warmup=AUTO_WARMUP)
+            arms = [("default", f["default"], {})] + [(",".join(f"{k}={v}" for k, v in c.items()), f["default"], c)
+                                                      for c in changes]
+            variants = cc.interleaved_ms(comm, barrier, arms, warmup=AUTO_WARMUP)
             if comm.rank == 0:
-                print(f"   {M}x{N}x{K}: default {t['default']:.3f} ms, " +
+                print(f"   {M}x{N}x{K}: default {t['default']:.3f} ms alone; interleaved: " +
                       ", ".join(f"{k} {v:.3f} ms" for k, v in variants.items()), flush=True)
         minimum = f["sent"] if nodes == 1 else f["sent"] * (nodes - 1) // (W - 1)  # per rank, per direction
         link_ms = minimum / (link_gbs * 1e9) * 1e3
