@@ -206,7 +206,8 @@ def choose_path(op, comm, path, *, rows, N, K):
 def plan_buffers(op, comm, key, sizes):
     """A fused TP op's plan (buffers.plan_buffers): its ``counters`` and controller state ``ctl``
     (TpCtl) beside the buffers of ``sizes``."""
-    autosplit.preload()  # once per process: not in a key's first "auto" call
+    if comm.plans.get(key) is None:
+        autosplit.preload()  # at a plan's first call, not in a key's first "auto" call
     return _buffers.plan_buffers(op, comm, key, sizes, {"counters": CNT_WORDS + 1, "ctl": ctypes.sizeof(TpCtl) // 4})
 
 
