@@ -439,7 +439,7 @@ class Communicator:
         self.proxy_flags[1][base:base + size] = 0
         first = 2 * (self._flag_range * self.PROXY_FLAGS + base)
         relay = self._root._proxy.relay[first:first + 2 * size]  # the waiters' copies too, before any launch
-        relay.data.memset_async(0, relay.nbytes)  # a memset, not a kernel: no module load (tp.quiesced_first_use)
+        relay.data.memset_async(0, relay.nbytes)  # a memset, not a kernel: no module load (calls.quiesced_first_use)
         cupy.cuda.runtime.deviceSynchronize()
         # Peers SIGNAL these flags from their kernels' entry, without waiting for this rank (a
         # credit), so no rank may launch before every rank has zeroed them: a SIGNAL landing before
