@@ -396,6 +396,9 @@ class Baseline:
 
 
 # -------------------------------------------------------------------------------------- timing
+MPS_ROUNDS = 6  # under MPS: batches per variant (mps_timing.BATCH calls each), interleaved
+
+
 def timed_interleaved(comm, fns, reps, warmup=harness.WARMUP):
     """{name: per-repetition times (ms), the max over ranks} of every fn, interleaved: each round
     runs every fn once, in order. Each call starts behind a barrier and a spin kernel long enough for
@@ -548,7 +551,7 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
         counts_ok = all(c for c, _ in every)
         err_uf = max(e for _, e in every)
 
-        # the timed variants (interleaved without MPS; under MPS 5 batches each); each combine after its dispatch
+        # the timed variants, interleaved (under MPS in rounds of one batch each); each combine after its dispatch
         fns = {"mk_dg": mk_dg, "mk_gc": mk_gc, "uf_dg": uf_dg, "uf_gc": uf_gc}  # between nodes mk_gc is the blocks
         if mps is not None:  # the GEMMs alone (the routing of the last unfused dispatch), every rank at once
             fns.update(gemm_dg=lambda: mkernel.grouped_gemm(B["recv_uf"], w1, st["h"].group_rows, out=B["y_uf"]),
@@ -574,7 +577,14 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
             if mps is not None:  # per variant: batches of back-to-back calls behind a device barrier
                 import mps_timing as cc
 
-                t = {n: [cc.batch_ms(comm, mps, f, batches=1) for _ in range(5)] for n, f in fns.items()}
+                # rounds of one batch per variant, the families (a dispatch, then its combine) in
+                # reverse order every other round: a drift over the run falls on every variant alike
+                families = list(dict.fromkeys(n.rsplit("_", 1)[0] for n in fns))
+                t = {n: [] for n in fns}
+                for r in range(MPS_ROUNDS):
+                    for fam in (families if r % 2 == 0 else families[::-1]):
+                        for n in (n for n in fns if n.rsplit("_", 1)[0] == fam):
+                            t[n].append(cc.batch_ms(comm, mps, fns[n], batches=1))
             else:
                 t = timed_interleaved(comm, fns, reps)
             comm.check()
