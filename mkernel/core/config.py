@@ -56,7 +56,7 @@ class Config:
     # WRITE ran the host transport at a third of its 1 MiB rate). A shape's plan keeps the value it met.
     tp_send_tiles: int = 16
     # Under MPS the fused TP, ring attention and MoE grids take the client's whole SM share, not 7/8 (any
-    # resident subset finishes): in a node, and between nodes for launch.FULL_SHARE_BETWEEN_NODES; "always": all
+    # resident subset finishes): in a node, and between nodes but launch.PART_SHARE_BETWEEN_NODES; "always": all
     mps_full_share: object = True
     # communication CTAs (the TP ops', ring attention's forwarders) stage their loads in their idle
     # shared memory (cp.async, copy.cuh MkStage; False: in registers, 4-8 vectors a thread)

@@ -147,18 +147,17 @@ def sm_count(full_share: bool = False) -> int:
     return max(1, int(n * MPS_RESIDENT_FRACTION)) if gpu.mps_client() and not full_share else n
 
 
-# Ops measured faster on the whole MPS share between nodes too (RS, AG ~9%, ring 5-8%, MoE 1-4%); AR only
-# with several ranks per node (2 x 2: 2-6% faster; 2 x 1: 3-27% slower at K 14336; bench/NOTES.md sessions 29, 45, 46)
-FULL_SHARE_BETWEEN_NODES = frozenset({"gemm_reduce_scatter", "allgather_gemm", "ring_attention", "moe_dispatch",
-                                      "moe_combine", "moe_dispatch_gemm", "moe_gemm_combine"})
+# Between nodes every op measured faster on the whole MPS share (RS, AG ~9%, ring 5-8%, MoE 1-4%) but AR at one
+# rank per node (3-27% slower at K 14336; at 2 x 2 2-17% faster; bench/NOTES.md sessions 29, 45-47)
+PART_SHARE_BETWEEN_NODES = frozenset({"gemm_allreduce"})
 
 
 def full_share(comm, op) -> bool:
     """Whether the grids of kernels that finish with any resident subset of CTAs (the fused TP ops,
     ring attention, MoE) take the whole MPS share (config.mps_full_share; True: in one node, between
-    nodes for the ops in FULL_SHARE_BETWEEN_NODES, and for every op with several ranks per node)."""
+    nodes too but for the ops in PART_SHARE_BETWEEN_NODES at one rank per node)."""
     v = config.get().mps_full_share
-    between = op in FULL_SHARE_BETWEEN_NODES or comm.local_size > 1
+    between = op not in PART_SHARE_BETWEEN_NODES or comm.local_size > 1
     return v == "always" or (v is True and (comm.num_nodes == 1 or between))
 
 
