@@ -31,13 +31,16 @@ fi
 # emulation took 20-50 s a process (bench/NOTES.md session 44): compile them here (__pycache__, ignored)
 "$PY" -m compileall -q "$ROOT/mkernel" "$ROOT/tests" "$ROOT/tools" >/dev/null || true
 
+# Software emulation runs the tests several times slower than this machine: their limits scale
+# (tests/helpers/jobs.py; pytest-timeout's 300 s from pyproject.toml)
+SLOWDOWN=${MKERNEL_TEST_SLOWDOWN:-3}
 if [ "${1:-}" = --sh ]; then
   RUN=$2
 else
   ARGS=("$@")
   [ ${#ARGS[@]} -gt 0 ] || ARGS=(tests/cpu/test_transport.py tests/cpu/test_proxy_grow.py tests/cpu/test_verbs_probe.py
     -k "verbs and not without_verbs_headers")
-  RUN="\"\$PY\" -m pytest -p no:cacheprovider -v -rs ${ARGS[*]@Q}"
+  RUN="\"\$PY\" -m pytest -p no:cacheprovider -o timeout=$((300 * SLOWDOWN)) -v -rs ${ARGS[*]@Q}"
 fi
 GUEST=$(mktemp /tmp/verbs_vm.XXXXXX.sh)
 trap 'rm -f "$GUEST"' EXIT
@@ -48,7 +51,7 @@ modprobe rdma_rxe
 ip link add mk0 type dummy && ip addr add 10.77.0.1/24 dev mk0 && ip link set mk0 up
 rdma link add rxe0 type rxe netdev mk0
 cd "$ROOT"
-export PYTHONPATH="$ROOT" PY="$PY" PATH="$(dirname "$PY"):\$PATH" PYTHONDONTWRITEBYTECODE=1
+export MKERNEL_TEST_SLOWDOWN=$SLOWDOWN PYTHONPATH="$ROOT" PY="$PY" PATH="$(dirname "$PY"):\$PATH" PYTHONDONTWRITEBYTECODE=1
 "\$PY" -c "from mkernel.comm.proxy import probe_rdma; print('probe:', probe_rdma())"
 $RUN
 GUEST_EOF

@@ -13,11 +13,19 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository: child jobs run the
 WORLD = MPI.COMM_WORLD
 MPI_ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_rmaps_base_oversubscribe="1")
+# >1 on an emulated machine (tools/verbs_vm.sh's VM runs without KVM): every child job's limit scales
+SLOWDOWN = float(os.environ.get("MKERNEL_TEST_SLOWDOWN", "1"))
+
+
+def slow(seconds: float) -> float:
+    """A test's wall-clock limit on this machine: ``seconds`` as measured on an unemulated one."""
+    return seconds * SLOWDOWN
 
 
 def mpiexec(n, args, timeout, extra=()):
     from mkernel.testing import mpi_child_env
 
+    timeout = slow(timeout)
     env, mps = mpi_child_env(n, MPI_ENV)
     env["PYTHONUNBUFFERED"] = "1"  # a job killed at its limit still shows what it printed
     # --bind-to none: bound to one core each (Open MPI's default at 2 ranks), a rank's proxy thread
@@ -46,7 +54,7 @@ def relaunch(request, n=2):
         return False
     # faulthandler_timeout: a test stuck past 60 s prints every thread's stack before the job's limit
     r = mpiexec(n, ["-m", "pytest", request.node.nodeid, "-v", "-x", "-p", "no:cacheprovider",
-                    "-o", "faulthandler_timeout=60"], timeout=90)
+                    "-o", f"faulthandler_timeout={slow(60):g}"], timeout=90)
     assert r.returncode == 0, f"under mpiexec -n {n}:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
     return True
 
