@@ -125,26 +125,31 @@ def max_resident_blocks(fn, block_threads: int, smem: int) -> int:
 # Under MPS a persistent grid counts on this fraction of the client's SMs: two clients given 50%
 # each (66 SMs) were not resident at once with 66 CTAs each, but were with 60 (bench/NOTES.md).
 MPS_RESIDENT_FRACTION = 7 / 8
-_device_sms = {}
+_device_sms = {}  # device -> (its SMs or this client's share, those resident at once)
 
 
-def device_sms() -> int:
-    """The current device's SMs (under MPS the client's share), read once per device."""
+def _sm_counts() -> tuple:
+    """Read once per device: a process's MPS client state is fixed once its context exists."""
     import cupy
 
     dev = cupy.cuda.runtime.getDevice()
-    n = _device_sms.get(dev)
-    if n is None:
-        n = _device_sms[dev] = cupy.cuda.Device(dev).attributes["MultiProcessorCount"]
-    return n
+    c = _device_sms.get(dev)
+    if c is None:
+        n = cupy.cuda.Device(dev).attributes["MultiProcessorCount"]
+        c = _device_sms[dev] = (n, max(1, int(n * MPS_RESIDENT_FRACTION)) if gpu.mps_client() else n)
+    return c
+
+
+def device_sms() -> int:
+    """The current device's SMs (under MPS the client's share)."""
+    return _sm_counts()[0]
 
 
 def sm_count(full_share: bool = False) -> int:
     """SMs whose CTAs a persistent grid may count on being resident at once: :func:`device_sms`,
     under MPS less a margin (``full_share``: the whole share, for kernels whose work any resident
     subset of CTAs finishes; the rest start as SMs free up)."""
-    n = device_sms()
-    return max(1, int(n * MPS_RESIDENT_FRACTION)) if gpu.mps_client() and not full_share else n
+    return _sm_counts()[0 if full_share else 1]
 
 
 # Between nodes every op measured faster on the whole MPS share (RS, AG ~9%, ring 5-8%, MoE 1-4%) but AR at one
