@@ -171,10 +171,11 @@ def plan_bytes(T, H, E, k, W, itemsize, nodes=1):
     mkernel/ops/moe_nodes.py plan), allocation by allocation rounded up as the heap does."""
     import mkernel
     from mkernel.comm.symmetric import ALIGN
-    from mkernel.ops import moe_nodes
+    from mkernel.ops import moe, moe_nodes
 
     cap = mkernel.moe_capacity(T, k, W)
-    sizes = [W * (E + 2) * 4, W * 4, W * 4, W * 4, cap * 4, cap * H * itemsize, cap * H * itemsize]
+    sizes = [W * moe.row_words(E) * 4, W * 4, W * 4, W * 4, 2 * E * 4, cap * 4, cap * H * itemsize,
+             cap * H * itemsize]
     if nodes > 1:
         dt = np.dtype(f"f{itemsize}")  # only the item size matters here
         sizes += [int(np.prod(shape)) * d.itemsize

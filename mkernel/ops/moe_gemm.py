@@ -51,9 +51,9 @@ COMBINE_SPEC = _register("moe_gemm_combine", "moe_gemm_combine.cu", COMBINE_KERN
 
 
 class MkMoeGemmArgs(ctypes.Structure):
-    """Mirror of ``MkMoeGemmArgs`` (mkernel/cuda/ops/moe_gemm_args.cuh), 960 bytes (64-byte aligned)."""
+    """Mirror of ``MkMoeGemmArgs`` (mkernel/cuda/ops/moe_gemm_args.cuh), 1024 bytes (64-byte aligned)."""
     _fields_ = [("g", _gemm.MkGemmArgs), ("m", _moe.MkMoeArgs), ("gemm_ctas", ctypes.c_int32),
-                ("join", ctypes.c_int32), ("tail", ctypes.c_uint8 * 56)]
+                ("join", ctypes.c_int32), ("tail", ctypes.c_uint8 * 16)]
 
 
 def _expert_weights(op, w, E_local, K, dtype, w_layout):
@@ -116,6 +116,8 @@ def moe_dispatch_gemm(x, topk_ids, topk_weights, w, *, comm, num_experts, capaci
     sms = launch.grid_sms(comm, op)
     args.gemm_ctas = sms - comm_sms
     args.join = 1 if config.get().moe_join_gemm else 0
+    if d.nodes is not None:  # own-origin tiles first, while the forwarded rows cross the network
+        _tile_order(args.m, d.plan, El, stream)
     d.exchange()
     _launch(op, SPEC, KERNEL, layout, d.x.dtype, args, sms, stream, launch.full_share(comm, op))
     return out, d.handle()
@@ -129,6 +131,17 @@ def _check_path(op, path, comm_sms):
     if not isinstance(comm_sms, int) or isinstance(comm_sms, bool) or not 1 <= comm_sms < launch.sm_count():
         raise ArgumentError(f"{op}: comm_sms must be an integer in 1..{launch.sm_count() - 1}; got {comm_sms!r}")
     return path, comm_sms
+
+
+def _tile_order(m, plan, El, stream):
+    """Between nodes, the fused GEMM claims its M-tiles in the order the dispatch writes on the
+    device (own-origin rows first: MkMoeArgs::tile_order); its buffer grows with the plan."""
+    import cupy
+
+    if "tile_order" not in plan:
+        with _calls.on_stream(stream):
+            plan["tile_order"] = cupy.zeros(-(-plan["capacity"] // _gemm.BM) + El, dtype=cupy.uint32)
+    m.tile_order, m.tile_m = plan["tile_order"].data.ptr, _gemm.BM
 
 
 def _gemm_args(g, a_arr, wb, layout, out, group_rows, capacity, K, N, El, sync, plan, op):

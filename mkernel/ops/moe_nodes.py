@@ -51,7 +51,7 @@ class MkMoeNodeArgs(ctypes.Structure):
                [(f"{n}_off", ctypes.c_uint64) for n in ("gcounts", "gcflag", "xsend", "dsend", "xrecv", "drecv",
                                                          "part", "precv")] + \
                [(n, ctypes.c_void_p) for n in ("x", "topk_ids", "topk_w", "out", "vids", "vw", "vseg", "slots",
-                                               "verdict", "counters")] + \
+                                               "verdict", "xepoch", "vown", "counters")] + \
                [("ldx", ctypes.c_int64), ("ldo", ctypes.c_int64)] + \
                [(n, ctypes.c_int32) for n in ("T", "H", "k", "E", "e_local", "world", "me", "capacity", "node",
                                               "nodes", "local", "lrank", "fwd_rows", "pad")]
@@ -100,7 +100,8 @@ def plan(op, comm, H, dtype, k, E, capacity, scratch_start):
     if "pflags" not in p:
         p.update(fwd_rows=R, vids=cupy.empty(R * k, dtype=cupy.int32), vw=cupy.empty(R * k, dtype=cupy.float32),
                  vseg=cupy.zeros(MAX_NODES, dtype=cupy.uint32), slots=cupy.empty((N - 1) * R, dtype=cupy.int32),
-                 verdict=cupy.zeros(1, dtype=cupy.uint32))
+                 verdict=cupy.zeros(1, dtype=cupy.uint32), xepoch=cupy.zeros(1, dtype=cupy.uint32),
+                 vown=cupy.zeros(E // N, dtype=cupy.uint32))
         cupy.cuda.runtime.deviceSynchronize()
         p["pflags"] = comm.proxy_flag_block(PF_WORDS)  # collective; peers signal them from their kernels
     return p
@@ -115,7 +116,7 @@ def args(comm, p, op, T, k, E, H, capacity) -> MkMoeNodeArgs:
     a.pflags = comm.proxy_flags[0] + 4 * base
     for n in ("gcounts", "gcflag", "xsend", "dsend", "xrecv", "drecv", "part", "precv"):
         setattr(a, f"{n}_off", comm.offset_of(p[n]))
-    for n in ("vids", "vw", "vseg", "slots", "verdict", "counters"):
+    for n in ("vids", "vw", "vseg", "slots", "verdict", "xepoch", "vown", "counters"):
         setattr(a, n, p[n].data.ptr)
     a.T, a.H, a.k, a.E = T, H, k, E
     a.e_local, a.world, a.me, a.capacity = E // comm.size, comm.size, comm.rank, capacity
@@ -125,10 +126,15 @@ def args(comm, p, op, T, k, E, H, capacity) -> MkMoeNodeArgs:
 
 
 def set_virtual(m, p, comm):
-    """The node's dispatch / combine arguments (MkMoeArgs m) over the virtual tokens of plan p."""
+    """The node's dispatch / combine arguments (MkMoeArgs m) over the virtual tokens of plan p, and
+    what the dispatch waits for: the forwarded rows' and the exchange's flush flags (docs/MOE.md "Overlap")."""
     m.vseg, m.nseg = p["vseg"].data.ptr, comm.num_nodes - 1
     m.xfwd, m.fwd_rows = p["xrecv"].data.ptr, p["fwd_rows"]
     m.topk_ids = p["vids"].data.ptr
+    m.vown, m.xepoch, m.node = p["vown"].data.ptr, p["xepoch"].data.ptr, comm.node
+    base = p["pflags"].offset
+    m.queue = comm.proxy_queue_args(flag_base=base)
+    m.pflags = comm.proxy_flags[0] + 4 * base
 
 
 def _launch(op, expr, a, ctas, stream):

@@ -111,7 +111,7 @@ def test_args_layout_matches_host_compiler(tmp_path):
 
     m = mmoe
     assert_same_layout("moe_args.cuh", m.MkMoeArgs, tmp_path)
-    assert ctypes.sizeof(m.MkMoeArgs) == 320
+    assert ctypes.sizeof(m.MkMoeArgs) == 424
 
 
 def test_fused_args_layout_matches_host_compiler(tmp_path):
@@ -128,7 +128,7 @@ def test_fused_args_layout_matches_host_compiler(tmp_path):
     py = {k: v for k, v in py_offsets(mirror).items() if k not in ("alignof", "tail")}
     assert c.pop("alignof") == 64
     assert c == py, "MkMoeGemmArgs mirror differs from moe_gemm_args.cuh"
-    assert ctypes.sizeof(mirror) == 960
+    assert ctypes.sizeof(mirror) == 1024
 
 
 def _c_constants(header, names, tmp_path):
@@ -157,7 +157,7 @@ def test_constants_match_the_headers(tmp_path):
     assert c["MOE_MAX_WORLD"] == m.MAX_WORLD and c["MOE_MAX_EXPERTS"] == m.MAX_EXPERTS
     assert c["MOE_MAX_TOPK"] == m.MAX_TOPK and c["MOE_CNT_WORDS"] == m.CNT_WORDS
     assert c["MOE_ERR_CAPACITY"] == sync.MOE_ERR_CAPACITY and c["MOE_ERR_EXPERT_ID"] == sync.MOE_ERR_EXPERT_ID
-    assert c["MOE_ROW_WORDS"] == 12
+    assert c["MOE_ROW_WORDS"] == m.row_words(10) == 22
     enum = re.findall(r"MOE_CNT_([A-Z_]+) = (\d+)", cuda_files()["moe_args.cuh"].read_text())
     assert [(n.lower(), int(v)) for n, v in enum if n != "WORDS"] == [(n, i) for i, n in enumerate(m.CNT_NAMES)]
     cu = cuda_files()["moe.cu"].read_text()

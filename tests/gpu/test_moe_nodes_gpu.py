@@ -77,13 +77,14 @@ def _scale(e):
     return float(e % 3 + 1)
 
 
-def _expected_rows(P, me):
-    """Per local expert of rank me: the rows it receives (float64), in any order."""
+def _expected_rows(P, me, origin=lambda r: True):
+    """Per local expert of rank me: the rows it receives (float64), in any order; only those of the
+    tokens of ranks r with origin(r)."""
     out = []
     for le in range(P["El"]):
         e = me * P["El"] + le
-        rows = [x[t].astype(np.float64) for x, ids, _ in P["inp"] for t in range(ids.shape[0])
-                for j in range(P["k"]) if ids[t, j] == e]
+        rows = [x[t].astype(np.float64) for r, (x, ids, _) in enumerate(P["inp"]) if origin(r)
+                for t in range(ids.shape[0]) for j in range(P["k"]) if ids[t, j] == e]
         out.append(np.array(rows).reshape(-1, P["H"]))
     return out
 
@@ -98,17 +99,22 @@ def _sync(comm, what):
     comm.check()
 
 
-def _check_dispatch(P, me, recv, h):
+def _check_dispatch(P, me, recv, h, local):
+    """Per local expert its rows as a multiset: first those of the tokens of rank me's node (the
+    forwarders' own, sent while the others cross the network), then the others (docs/MOE.md)."""
     want = _expected_rows(P, me)
+    here = _expected_rows(P, me, lambda r: r // local == me // local)
     counts = np.asarray(h.counts())
     if counts.tolist() != [len(w) for w in want]:
         return f"counts {counts.tolist()} != {[len(w) for w in want]}"
     got = host(recv).astype(np.float64)
     start = 0
-    for le, w in enumerate(want):
+    for le, (w, o) in enumerate(zip(want, here)):
         g = got[start:start + len(w)]
         if not np.array_equal(_sorted_rows(g), _sorted_rows(w)):
             return f"local expert {le}: its {len(w)} rows differ from the expected multiset"
+        if not np.array_equal(_sorted_rows(g[:len(o)]), _sorted_rows(o)):
+            return f"local expert {le}: its first {len(o)} rows are not those of its node's tokens"
         start += len(w)
     tail = bits(recv)[start:]
     if tail.size and not (tail == NAN[P["dtn"]]).all():
@@ -135,7 +141,7 @@ def _run_dispatch_combine(comm, P):
     recv, h = mkernel.moe_dispatch(dev(x), dev(ids), dev(w), comm=comm, num_experts=P["E"], capacity=P["cap"],
                                    out=recv_out)
     _sync(comm, "moe_dispatch between nodes")
-    msg = _check_dispatch(P, me, recv, h)  # reported after the combine: every rank makes every call
+    msg = _check_dispatch(P, me, recv, h, comm.local_size)  # reported after the combine: every rank makes every call
     y = host(recv).astype(np.float64)
     start = 0
     for le, n in enumerate(np.asarray(h.counts())):
