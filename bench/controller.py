@@ -110,15 +110,16 @@ def bench_shape(op, comm, M, N, K, dt, barrier=None):
     statics = [n for n in (GRID_MPS if barrier else GRID) if n < sms]
     variants = statics + ["auto"]
     times = {v: [] for v in variants}
-    if barrier:  # ranks at once: batches behind a device barrier, interleaved variant by variant
+    # interleaved variant by variant, in reverse order every other round: drift falls on every variant alike
+    if barrier:  # ranks at once: batches behind a device barrier
         import mps_timing as cc
 
-        for _ in range(BATCHES):
-            for v in variants:
+        for r in range(BATCHES):
+            for v in variants if r % 2 == 0 else variants[::-1]:
                 times[v] += cc.batch_times(comm, barrier, lambda v=v: call(v), batches=1)
     else:
-        for _ in range(REPS):
-            for v in variants:
+        for r in range(REPS):
+            for v in variants if r % 2 == 0 else variants[::-1]:
                 times[v].append(one_ms(comm, lambda v=v: call(v), lead)[0])
     record = tp.controller_stats(comm)  # the in-call controller's record of the last "auto" call
     med = {v: harness.median(t) for v, t in times.items()}

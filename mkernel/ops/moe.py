@@ -29,7 +29,7 @@ from mkernel.ops import calls as _calls
 from mkernel.ops import moe_nodes as _nodes
 from mkernel.runtime import compile as _compile
 from mkernel.runtime import launch
-from mkernel.runtime.arrays import DT, as_cupy, check_matrix
+from mkernel.runtime.arrays import DT, as_cupy, check_matrix, row_stride
 from mkernel.runtime.launch import launch_persistent, persistent_grid
 from mkernel.runtime.sync import MkSync
 
@@ -221,7 +221,7 @@ def launch_dispatch(d, out, stream):
     """The standalone dispatch of a checked call into out [capacity, H]; returns its handle."""
     a = d.plan_args()
     a.out = out.data.ptr
-    a.ldo = (out.strides[0] if d.capacity > 1 else d.H * out.itemsize) // out.itemsize
+    a.ldo = row_stride(out) // out.itemsize
     pairs = d.capacity if d.nodes is not None else d.T * d.k  # between nodes: counted on the device
     ctas = max(1, min(launch.grid_sms(d.comm, d.op), -(-pairs // PAIRS_PER_CTA)))
     d.exchange()
@@ -243,7 +243,7 @@ class Dispatch:
         node's dispatch (between nodes: over the virtual tokens the exchange leaves)."""
         self.plan = _plan(self.op, self.comm, self.H, self.x.dtype, self.k, self.E, self.capacity, self.stream)
         a = _args(self.comm, self.plan, self.op, self.T, self.k, self.plan["E"], self.H)
-        a.x, a.ldx = self.x.data.ptr, (self.x.strides[0] if self.T > 1 else self.H * self.x.itemsize) // self.x.itemsize
+        a.x, a.ldx = self.x.data.ptr, row_stride(self.x) // self.x.itemsize
         a.topk_ids = self.ids.data.ptr
         if self.comm.num_nodes > 1:
             self.nodes = _nodes.plan(self.op, self.comm, self.H, self.x.dtype, self.k, self.E, self.capacity,
@@ -297,11 +297,11 @@ def combine(op, y, handle, *, comm, out, stream):
     y = check_matrix(as_cupy(y, "y", stream=stream), "y", dtypes=(handle.dtype,), shape=(handle.capacity, handle.H))
     out = _calls.prepare_out(op, out, (handle.T, handle.H), handle.dtype, comm)
     a = _args(comm, plan, op, handle.T, handle.k, plan["E"], handle.H)
-    a.y, a.ldy = y.data.ptr, (y.strides[0] if y.shape[0] > 1 else handle.H * y.itemsize) // y.itemsize
+    a.y, a.ldy = y.data.ptr, row_stride(y) // y.itemsize
     nodes = handle._nodes
     if nodes is None:
         a.topk_w = handle.topk_weights.data.ptr
-        a.out, a.ldo = out.data.ptr, (out.strides[0] if handle.T > 1 else handle.H * y.itemsize) // y.itemsize
+        a.out, a.ldo = out.data.ptr, row_stride(out) // out.itemsize
         tokens = handle.T
     else:  # the node's sums of the virtual tokens (fp32), then the nodes' sums of this rank's tokens
         _nodes.set_virtual(a, nodes, comm)

@@ -25,7 +25,7 @@ from mkernel.ops import calls as _calls
 from mkernel.ops import moe as _moe
 from mkernel.runtime import compile as _compile
 from mkernel.runtime import launch
-from mkernel.runtime.arrays import as_cupy, check_matrix
+from mkernel.runtime.arrays import as_cupy, check_matrix, row_stride
 from mkernel.runtime.launch import launch_persistent, persistent_grid
 
 KERNEL = "mk_moe_dispatch_gemm_kernel"
@@ -151,14 +151,14 @@ def _gemm_args(g, a_arr, wb, layout, out, group_rows, capacity, K, N, El, sync, 
     esize = out.itemsize
     maps = _buffers.launch_template(plan, ("gemm maps", op, K, N, El, layout, out.dtype.name), lambda: None)
     g.a = _buffers.operand_map(maps, "a", (a_arr.data.ptr, a_arr.strides), lambda: _gemm.a_map(
-        out.dtype.name, a_arr.data.ptr, capacity, K, a_arr.strides[0] if capacity > 1 else K * esize))
+        out.dtype.name, a_arr.data.ptr, capacity, K, row_stride(a_arr)))
     g.b = _buffers.operand_map(maps, "b", (wb.data.ptr, wb.strides), lambda: _gemm.b_map(wb, layout, K, N, El))
     g.c = _buffers.operand_map(maps, "c", (out.data.ptr, out.strides),
                                lambda: _gemm.c_map(out, _gemm.DT[out.dtype.name]))
     g.sync = sync
     g.sched.tiles_n, g.sched.group_m = -(-N // _gemm.BN), _gemm.DEFAULT_GROUP_M
     g.c_ptr, g.group_rows = out.data.ptr, group_rows.data.ptr
-    g.ldc = (out.strides[0] if capacity > 1 else N * esize) // esize
+    g.ldc = row_stride(out) // esize
     g.m, g.n, g.k, g.num_groups, g.epi_op = capacity, N, K, El, _gemm.EPI_STORE
 
 
@@ -232,7 +232,7 @@ def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=No
     args.m = _moe._args(comm, plan, op, handle.T, handle.k, plan["E"], H)
     args.m.topk_w = handle.topk_weights.data.ptr
     args.m.out = out.data.ptr
-    args.m.ldo = (out.strides[0] if handle.T > 1 else H * out.itemsize) // out.itemsize
+    args.m.ldo = row_stride(out) // out.itemsize
     _gemm_args(args.g, y2, wb, layout, z, handle.group_rows, cap, y2.shape[1], H, El, args.m.sync, plan, op)
     args.g.tile_flags = tile_flags.data.ptr
     counters = plan["counters"].data.ptr

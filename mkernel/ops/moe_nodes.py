@@ -20,7 +20,7 @@ from mkernel.core.errors import ArgumentError
 from mkernel.ops import buffers as _buffers
 from mkernel.runtime import compile as _compile
 from mkernel.runtime import launch
-from mkernel.runtime.arrays import DT
+from mkernel.runtime.arrays import DT, row_stride
 from mkernel.runtime.launch import launch_persistent
 from mkernel.runtime.sync import MkSync
 
@@ -146,7 +146,7 @@ def exchange(d, p, stream):
     """The exchange of a checked dispatch call d (moe.Dispatch, its plan between nodes p), launched
     before the node's dispatch."""
     a = args(d.comm, p, d.op, d.T, d.k, d.E, d.H, d.capacity)
-    a.x, a.ldx = d.x.data.ptr, (d.x.strides[0] if d.T > 1 else d.H * d.x.itemsize) // d.x.itemsize
+    a.x, a.ldx = d.x.data.ptr, row_stride(d.x) // d.x.itemsize
     a.topk_ids, a.topk_w = d.ids.data.ptr, d.w.data.ptr
     ctas = max(1, min(launch.sm_count(), EXCHANGE_MAX_CTAS, -(-d.T // TOKENS_PER_CTA)))
     _launch(d.op, "mk_moe_exchange_kernel", a, ctas, stream)
@@ -157,6 +157,6 @@ def partials(op, comm, handle, out, stream):
     tokens into out [T, H]."""
     p = handle._nodes
     a = args(comm, p, op, handle.T, handle.k, handle.E, handle.H, handle.capacity)
-    a.out, a.ldo = out.data.ptr, (out.strides[0] if handle.T > 1 else handle.H * out.itemsize) // out.itemsize
+    a.out, a.ldo = out.data.ptr, row_stride(out) // out.itemsize
     ctas = max(1, min(launch.sm_count(), -(-handle.T // PARTIAL_TOKENS_PER_CTA)))
     _launch(op, f"mk_moe_partials_kernel<{DT[handle.dtype.name]}>", a, ctas, stream)
