@@ -128,7 +128,8 @@ for s in $steps; do
         step "test4_$i" 200 $MPI4 $PYT -rfE ${TEST_ARGS:?TEST_ARGS: the pytest arguments}; done ;;
     sanitp) step sanitp 240 env MKERNEL_SANITIZE_ONLY=tp bash tools/sanitize.sh ;;  # the TP ops' 2-rank target only
     saniar) step saniar 240 env MKERNEL_SANITIZE_ONLY=allreduce bash tools/sanitize.sh ;;  # the all-reduce's (and latency paths')
-    sanimoe) step sanimoe 240 env MKERNEL_SANITIZE_ONLY=moe_gemm bash tools/sanitize.sh ;;  # target_moe_gemm only (memcheck, then its diagnosis)
+    sanimoe) step sanimoe 420 env MKERNEL_SANITIZE_ONLY=moe bash tools/sanitize.sh ;;  # the MoE targets: world 1, 2 ranks as 2 nodes, target_moe_gemm
+    sanimoegemm) step sanimoegemm 240 env MKERNEL_SANITIZE_ONLY=moe_gemm bash tools/sanitize.sh ;;  # target_moe_gemm only (memcheck, then its diagnosis)
     moetcp) step moetcp 120 $MPI2 $PYT -rfE -k 'emulated_nodes and tcp' tests/gpu/test_moe_nodes_gpu.py ;;
     copiestest) step copiestest 120 $MPI2 $PYT -rfE -k caller_copies tests/gpu/test_tp_nodes_gpu.py ;;
     moebench) step moebench 300 $MPI2 python3 bench/moe.py ;;
