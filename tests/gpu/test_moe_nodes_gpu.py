@@ -13,7 +13,7 @@ by case and rank) for the float64 reference:
   shows): out bitwise equal to the float64 sum (integer-valued x, power-of-two weights: exact);
 - moe_dispatch_gemm fused bitwise equal to unfused and to the float64 GEMM of the received rows
   (H <= 128, entries in {-2..2} and {-1, 0, 1}: exact), then moe_gemm_combine within 1e-2 of the
-  float64 layer;
+  float64 layer, its fused path (the node sums sent by the kernel) bitwise equal to the unfused;
 - each case twice, interleaved with the others (stale flags, epochs), with T differing per rank,
   a rank with T = 0, skewed routing, repeated experts in a token, experts that receive nothing,
   top-1 and top-8;
@@ -197,8 +197,14 @@ def _run_gemm_ops(comm, P):
                     f"of {n} rows")
     if not np.array_equal(host(ys["fused"])[:n].astype(np.float64), want):
         msgs.append("moe_dispatch_gemm: y differs from the float64 GEMM of the received rows")
-    out = mkernel.moe_gemm_combine(ys["unfused"], dev(W2[me * El:(me + 1) * El]), h, comm=comm)
-    _sync(comm, "moe_gemm_combine between nodes")
+    outs = {}
+    for path in ("unfused", "fused"):  # both on the last handle; the fused one sends the node sums itself
+        outs[path] = mkernel.moe_gemm_combine(ys["unfused"], dev(W2[me * El:(me + 1) * El]), h, comm=comm,
+                                              out=poisoned((x.shape[0], P["H"]), P["dtn"]), path=path)
+        _sync(comm, f"moe_gemm_combine ({path}) between nodes")
+    if not np.array_equal(bits(outs["fused"]), bits(outs["unfused"])):
+        msgs.append("moe_gemm_combine: fused and unfused differ between nodes")
+    out = outs["unfused"]
     if msgs:
         return msgs[0]
     ref = _combine_ref(P, me, gemm=(W1.astype(np.float64), W2.astype(np.float64)))

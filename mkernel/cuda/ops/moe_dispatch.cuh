@@ -44,6 +44,8 @@ enum : u32 {
   MOE_WAIT_COPY = 0xA700u,
   MOE_WAIT_BUNDLE_ROWS = 0xC280u,  // + node: its bundle's rows (the exchange's ROWS flag)
   MOE_WAIT_FLUSH = 0xC300u,  // + rank: the exchange's commands to it applied
+  MOE_WAIT_FWD_BACK = 0xC600u,  // the fused combine: every forwarded pair's row back here
+  MOE_WAIT_SUMS_CREDIT = 0xC680u,  // + node: its rank's combine entered the epoch (its precv is free)
   MOE_WAIT_TILE_STORED = 0xB0000u  // + tile id (the fused combine's wait for a GEMM tile)
 };
 

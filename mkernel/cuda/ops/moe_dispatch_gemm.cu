@@ -10,50 +10,15 @@
 // group_rows and claim tiles group by group (counters[MOE_CNT_TILE]); before a tile's loads the
 // producer waits for the flags of the sources whose rows the tile holds. So the GEMM starts on the
 // first experts' rows while the later ones are in flight. Between nodes the tiles of own-origin rows
-// only go first (early_mt): they run while the forwarded rows still cross the network. Dispatch
+// only go first (moe_tiles.cuh): they run while the forwarded rows still cross the network. Dispatch
 // goes to the first arrivals because the GEMM waits on it: any resident part of the grid finishes.
-#include "moe_dispatch.cuh"
-#include "gemm_mainloop.cuh"
+#include "moe_tiles.cuh"
 #include "gemm_epilogue.cuh"
 #include "moe_gemm_args.cuh"
 
 constexpr u32 MOE_GEMM_THREADS = 384;  // the GEMM engine's CTA (1 producer + 2 consumer warpgroups)
 // A dispatch CTA's copier buffers, after its MoeShared (128-byte aligned for the bulk copies).
 constexpr u32 MOE_STAGE_OFFSET = (sizeof(MoeShared<MOE_GEMM_THREADS>) + 127u) & ~127u;
-
-// The tile source: tiles in the engine's grouped order (expert by expert: the arrival order), between
-// nodes in the dispatch's tile_order (every group's M-tiles of own-origin rows only first); before a tile's loads, the arrival flags of the (class, source, expert) blocks its rows come
-// from, then a proxy fence so that the TMA (async proxy) sees the rows the senders stored.
-template <class Cfg>
-struct MoeTiles {
-  const MkMoeArgs& a;
-  const MkTileSpace<Cfg::UNIT_M>& space;
-  u32 epoch;
-  MK_DEV u32 claim() const { return atomicAdd(&a.counters[MOE_CNT_TILE], 1u); }
-  MK_DEV bool done(u32 pos) const { return pos >= space.num_tiles; }
-  MK_DEV MkTile decode(u32 pos) const {  // (tile_order: written before the verdict, read past L1)
-    const u32 tn = space.tiles_n;
-    return space.template decode<Cfg::BN>(a.tile_m ? ld_cg(a.tile_order + pos / tn) * tn + pos % tn
-                                                   : space.builtin_id(pos));
-  }
-  MK_DEV void before_loads(const MkTile& t) const {
-    const MkPeers peers = moe_peers(a);
-    const u32 W = (u32)a.world, me = (u32)a.me, El = (u32)a.e_local, g = (u32)t.group, RW = MOE_ROW_WORDS(a.E);
-    const u32* counts = peer_ptr<const u32>(peers, me, a.counts_off) + me * El + g;
-    const u32* eflag = peer_ptr<const u32>(peers, me, a.eflag_off) + g;
-    const u32 r0 = (u32)(t.m0 - space.row_base(g)), r1 = r0 + (u32)t.rows;  // the tile's rows in its group
-    u32 first = 0;  // block b = (class, source)'s rows of the group: [first, first + n); own-origin ones first
-    for (u32 b = 0; b < 2 * W && first < r1; ++b) {
-      const u32* row = counts + (u64)(b < W ? b : b - W) * RW;
-      const u32 own = ld_cg(row + MOE_ROW_OWN(a.E));
-      const u32 n = b < W ? own : ld_cg(row) - own;
-      if (n != 0 && first + n > r0) wait_epoch(a.sync, eflag + b * El, epoch, (i32)(b % W), MOE_WAIT_EXPERT + g);
-      first += n;  // on a timeout the error is recorded; the tile is computed from whatever is there
-    }
-    fence_proxy_async_global();
-  }
-  MK_DEV i32 b_index(const MkTile& t) const { return t.group; }
-};
 
 template <class Cfg>
 MK_DEV u32 moe_gemm_cta(const MkMoeGemmArgs& args) {
@@ -73,7 +38,7 @@ MK_DEV u32 moe_gemm_cta(const MkMoeGemmArgs& args) {
   if (!ok) space.num_tiles = 0;
   warpgroup_roles<Cfg>(
       [&] {
-        MoeTiles<Cfg> src{a, space, epoch};
+        MoeTiles<Cfg, true> src{a, space, epoch};
         gemm_producer_loop<Cfg>(args.g, sm, src);
       },
       [&](int wg) {
@@ -124,4 +89,4 @@ static_assert(MOE_STAGE_OFFSET + MoeShared<MOE_GEMM_THREADS>::STAGE_BYTES <= 231
               "a dispatch CTA's state and buffers fit in the GEMM's shared memory");
 // (the kernel declares no static shared memory: with the 1024-byte aligned dynamic part it would
 // push the total past the SM's 227 KiB; tests/cpu/test_moe_gemm.py reads ptxas's report to keep it so)
-static_assert(sizeof(MkMoeGemmArgs) == 1024, "MkMoeGemmArgs layout changed: update mkernel/ops/moe_gemm.py");
+static_assert(sizeof(MkMoeGemmArgs) == 1088, "MkMoeGemmArgs layout changed: update mkernel/ops/moe_gemm.py");

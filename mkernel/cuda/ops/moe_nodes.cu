@@ -342,12 +342,14 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_partials_kernel(co
   const bool first = node_first(a, &s_slot);
   if (tid == 0) {
     s_epoch = launch_epoch(a.sync);
-    if (first)  // this rank's precv may be written: its previous sums are done
+    const bool send = a.pepoch == nullptr;  // else the fused combine sent them, flags at its epoch
+    const u32 pe = send ? s_epoch : *a.pepoch;
+    if (first && send)  // this rank's precv may be written: its previous sums are done
       for (u32 j = 0; j < N; ++j)
         if (j != node)
           queue_push(a.sync, a.queue, mk_signal_cmd(node_rank(a, j), MOE_PF_PCREDIT + node, s_epoch, MK_FLAG_SET));
     bool ok = *a.verdict == MOE_PLAN_OK;
-    if (ok && first)  // the sums of the tokens this rank forwarded, to their sources
+    if (ok && first && send)  // the sums of the tokens this rank forwarded, to their sources
       for (u32 j = 0; j < N && ok; ++j) {
         if (j == node) continue;
         const u32 i = seg_of(j, node) + 1, n = a.vseg[i] - a.vseg[i - 1];  // forwarded segment i - 1
@@ -364,7 +366,7 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_partials_kernel(co
         peer_ptr<const u32>(node_peers(a), (u32)a.lrank, a.gcounts_off) + (u64)a.me * MOE_GROW_WORDS((u32)a.E);
     for (u32 j = 0; j < N && ok; ++j)  // the other nodes' sums of this rank's tokens
       if (j != node && own[MOE_GROW_BUNDLE((u32)a.E, j)])
-        ok = wait_pf(a, MOE_PF_PART + j, s_epoch, node_rank(a, j), MOE_WAIT_PART + j);
+        ok = wait_pf(a, MOE_PF_PART + j, pe, node_rank(a, j), MOE_WAIT_PART + j);
     s_ok = ok ? 1 : 0;
   }
   __syncthreads();
