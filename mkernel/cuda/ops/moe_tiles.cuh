@@ -13,6 +13,17 @@ MK_DEV u32 moe_mtile_at(const MkMoeArgs& a, u32 mtiles, u32 u, bool backward) {
   return ld_cg(a.tile_order + (backward ? mtiles - 1u - u : u));
 }
 
+// Between nodes, the tile id at claim position pos: blocks of group_m consecutive M-tiles of the order,
+// N-tile by N-tile inside a block (the engine's built-in order over tile_order's M-tiles: CTAs running
+// together share B's columns; M-tile by M-tile, a group's whole B was read again for every M-tile).
+template <class Space>
+MK_DEV u32 moe_tile_id(const MkMoeArgs& a, const Space& space, u32 pos, bool backward) {
+  const u32 tn = space.tiles_n, mtiles = space.num_tiles / tn, span = space.group_m * tn;
+  const u32 blk = pos / span, r = pos - blk * span, first = blk * space.group_m;
+  const u32 gs = min(space.group_m, mtiles - first);
+  return moe_mtile_at(a, mtiles, first + r % gs, backward) * tn + r / gs;
+}
+
 // The tile source. DISPATCH: before a tile's loads, the arrival flags of the (class, source, expert)
 // blocks its rows come from, then a proxy fence so that the TMA (async proxy) sees the rows the
 // senders stored; the combine's rows (y2) are all there at launch.
@@ -24,9 +35,7 @@ struct MoeTiles {
   MK_DEV u32 claim() const { return atomicAdd(&a.counters[MOE_CNT_TILE], 1u); }
   MK_DEV bool done(u32 pos) const { return pos >= space.num_tiles; }
   MK_DEV MkTile decode(u32 pos) const {
-    const u32 tn = space.tiles_n;
-    return space.template decode<Cfg::BN>(
-        a.tile_m ? moe_mtile_at(a, space.num_tiles / tn, pos / tn, !DISPATCH) * tn + pos % tn : space.builtin_id(pos));
+    return space.template decode<Cfg::BN>(a.tile_m ? moe_tile_id(a, space, pos, !DISPATCH) : space.builtin_id(pos));
   }
   MK_DEV void before_loads(const MkTile& t) const {
     if (!DISPATCH) return;
