@@ -95,6 +95,7 @@ MK_DEV void moe_sum_tokens(const MkMoeArgs& a, const u8* ret, u32 lo, u32 hi, u3
 template <int DT, class Bar>
 MK_DEV void moe_weighted_sum(const MkMoeArgs& a, const MkPeers& peers, u32 tokens, u32 part, u32 parts, u32 tid,
                              u32 nthr, Bar bar, volatile int* slot, u32 Ep) {
+  const u64 t0 = trace_start(a.sync);
   bar();
   if (tid == 0) *slot = moe_wait_all(a, peers, a.retflag_off, Ep, MOE_WAIT_RET) ? 1 : 0;
   bar();
@@ -102,6 +103,8 @@ MK_DEV void moe_weighted_sum(const MkMoeArgs& a, const MkPeers& peers, u32 token
   u32 lo, hi;
   cta_range(tokens, MoeCtas{part, parts}, lo, hi);
   moe_sum_tokens<DT>(a, peer_ptr<const u8>(peers, (u32)a.me, a.ret_off), lo, hi, tid, nthr);
+  bar();
+  if (tid == 0) trace_span(a.sync, MK_ROLE_RECV, MOE_TRACE_SUM | part, t0);
 }
 
 // Forwarded tokens a CTA sums per claim (between nodes, the fused combine).
@@ -145,12 +148,14 @@ MK_DEV void moe_forward_sums(const MkMoeArgs& a, const MkPeers& peers, volatile 
   const u32 n = a.vseg[a.nseg] - T, chunks = (n + MOE_FWD_SUM_TOKENS - 1) / MOE_FWD_SUM_TOKENS;
   __syncthreads();
   if (tid == 0) {  // none to wait for once every chunk is claimed
+    const u64 t0 = trace_start(a.sync);
     bool go = ld_cg(&a.counters[MOE_CNT_FWD_CLAIM]) < chunks;
     if (go) {
       const u32* row = peer_ptr<const u32>(peers, (u32)a.me, a.counts_off) + (u64)a.me * MOE_ROW_WORDS(E);
       u32 fwd = 0;
       for (u32 e = 0; e < E; ++e) fwd += ld_cg(row + e) - ld_cg(row + MOE_ROW_OWN(E) + e);
       go = wait_at_least(a.sync, peer_ptr<u32>(peers, (u32)a.me, a.fwdret_off), fwd, -1, MOE_WAIT_FWD_BACK);
+      trace_span(a.sync, MK_ROLE_WAIT, MOE_TRACE_FWD_WAIT, t0);
     }
     *slot = go ? 1 : 0;
   }
@@ -163,13 +168,17 @@ MK_DEV void moe_forward_sums(const MkMoeArgs& a, const MkPeers& peers, volatile 
     __syncthreads();
     const u32 c = (u32)*slot;
     if (c >= chunks) return;
+    const u64 t0 = trace_start(a.sync);
     const u32 lo = T + c * MOE_FWD_SUM_TOKENS;
     moe_sum_tokens<DT>(a, ret, lo, min(T + n, lo + MOE_FWD_SUM_TOKENS), tid, blockDim.x);
     __threadfence_system();
     __syncthreads();
+    if (tid == 0) trace_span(a.sync, MK_ROLE_SEND, MOE_TRACE_FWD_SUM | c, t0);
     if (tid == 0 && atomicAdd(&a.counters[MOE_CNT_FWD_DONE], 1u) == chunks - 1) {
       __threadfence_system();  // every chunk's sums (each CTA fenced before counting) before the WRITEs
+      const u64 t1 = trace_start(a.sync);
       moe_push_sums(a, Ep);
+      trace_span(a.sync, MK_ROLE_CONTROL, MOE_TRACE_PUSH, t1);
     }
   }
 }

@@ -30,7 +30,22 @@
 #include "peers.cuh"
 #include "mbar_wait.cuh"
 #include "queue.cuh"
+#include "trace.cuh"
 #include "moe_args.cuh"
+
+// Trace span ids (trace mode, tools/moe_trace.py): the launch's announce and each CTA's exit (as the TP
+// ops'), then per kind in the top byte, the item in the rest.
+enum : u32 {
+  MOE_TRACE_ANNOUNCE = 0x80000000u,  // | epoch
+  MOE_TRACE_EXIT = 0x40000000u,  // | block
+  MOE_TRACE_GEMM = 0x01000000u,  // a GEMM CTA's tiles
+  MOE_TRACE_RETURN = 0x02000000u,  // | M-tile unit: its wait and copies
+  MOE_TRACE_FWD_WAIT = 0x03000000u,  // forwarded rows back (fwdret)
+  MOE_TRACE_FWD_SUM = 0x04000000u,  // | chunk of forwarded sums
+  MOE_TRACE_PUSH = 0x05000000u,  // the forwarded sums' WRITEs queued
+  MOE_TRACE_SUM = 0x06000000u,  // a CTA's final sums (their wait included)
+  MOE_TRACE_PART_WAIT = 0x07000000u  // partials kernel: the other nodes' sums in
+};
 
 // Wait ids (MkStatus::where) of the kernels' waits.
 enum : u32 {

@@ -83,6 +83,7 @@ MK_DEV void moe_return_rows(const MkMoeGemmArgs& args, MoeReturnShared& rs, u8* 
     if (tid == 0) rs.claim = atomicAdd(&a.counters[MOE_CNT_RET], 1u);
     __syncthreads();
     const u32 unit = rs.claim;
+    const u64 t0 = trace_start(a.sync);
     if (!counted && unit >= fwd_units) {  // this CTA's forwarded rows are stored: counted at their sources
       if (lane == 0) copier.finish();
       __syncthreads();
@@ -119,6 +120,7 @@ MK_DEV void moe_return_rows(const MkMoeGemmArgs& args, MoeReturnShared& rs, u8* 
       }
     }
     mine += (u32)t.rows;
+    if (tid == 0) trace_span(a.sync, MK_ROLE_INTRA, MOE_TRACE_RETURN | unit, t0);
     __syncthreads();  // rs.claim and rs.ok are read before thread 0 writes them again
   }
   if (lane == 0) copier.finish();
@@ -135,6 +137,7 @@ __global__ void __launch_bounds__(MOE_GC_THREADS, 1)
   const MkPeers peers = moe_peers(a);
   const GemmSmem<Cfg> sm = gemm_smem_carve<Cfg, true>(mk_smem);
   MoeReturnShared& rs = *reinterpret_cast<MoeReturnShared*>(sm.base);  // below the GEMM's barriers
+  const u64 t_in = trace_start(a.sync);
   const u32 arrival = moe_arrival(a, reinterpret_cast<volatile u32*>(sm.base));
   fence_proxy_async_smem();  // that word's generic use before the stages' TMA loads
   u32 epoch;
@@ -144,6 +147,7 @@ __global__ void __launch_bounds__(MOE_GC_THREADS, 1)
     if (arrival == 0 && threadIdx.x == 0) {
       credits_announce(peers, epoch);  // this rank entered the epoch
       if (a.pepoch) moe_sums_open(a, epoch);
+      trace_span(a.sync, MK_ROLE_CONTROL, MOE_TRACE_ANNOUNCE | epoch, t_in);
     }
     warpgroup_roles<Cfg>(
         [&] {
@@ -158,6 +162,7 @@ __global__ void __launch_bounds__(MOE_GC_THREADS, 1)
     warpgroup_rejoin<MOE_GC_THREADS>();
     fence_proxy_async_smem();  // the pipeline's async-proxy use of the stages before generic use
     __syncthreads();
+    if (threadIdx.x == 0) trace_span(a.sync, MK_ROLE_COMPUTE, MOE_TRACE_GEMM | arrival, t_in);
   } else {
     epoch = launch_epoch(a.sync);
   }
@@ -167,6 +172,7 @@ __global__ void __launch_bounds__(MOE_GC_THREADS, 1)
   __syncthreads();
   if (threadIdx.x == 0 && counters_reset_by_last_block(a.counters, MOE_CNT_WORDS, MOE_CNT_DONE) && a.pepoch)
     *peer_ptr<u32>(peers, (u32)a.me, a.fwdret_off) = 0;  // every count of this launch is in (or it failed)
+  if (threadIdx.x == 0) trace_span(a.sync, MK_ROLE_CONTROL, MOE_TRACE_EXIT | blockIdx.x, t_in);
   launch_exit(a.sync, epoch);
 }
 

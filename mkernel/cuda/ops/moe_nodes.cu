@@ -340,6 +340,7 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_partials_kernel(co
   const u32 R = (u32)a.fwd_rows, H = (u32)a.H;
   const u64 part_row = (u64)H * 4u, sum_row = (u64)H * 2u;  // own fp32 sums, the 16-bit ones that travel
   const bool first = node_first(a, &s_slot);
+  const u64 t_in = trace_start(a.sync);
   if (tid == 0) {
     s_epoch = launch_epoch(a.sync);
     const bool send = a.pepoch == nullptr;  // else the fused combine sent them, flags at its epoch
@@ -367,6 +368,7 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_partials_kernel(co
     for (u32 j = 0; j < N && ok; ++j)  // the other nodes' sums of this rank's tokens
       if (j != node && own[MOE_GROW_BUNDLE((u32)a.E, j)])
         ok = wait_pf(a, MOE_PF_PART + j, pe, node_rank(a, j), MOE_WAIT_PART + j);
+    trace_span(a.sync, MK_ROLE_WAIT, MOE_TRACE_PART_WAIT | blockIdx.x, t_in);
     s_ok = ok ? 1 : 0;
   }
   __syncthreads();
