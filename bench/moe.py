@@ -57,8 +57,8 @@ moe_gemm_combine-<W>gpu.json (bench/harness.py), prints tables, the goals and a 
 ``--nodes N`` emulates N nodes (``gpus_per_node = W / N``) over ``--transport`` (default host).
 There the issue's baseline is mkernel's unfused building blocks over the same transport
 (baseline_ms = unfused_ms; goal: dispatch+GEMM >= 1.4x at H 7168 / F 2048 / 64 experts / top-8),
-and only moe_dispatch_gemm is timed (the fused GEMM + combine works inside a node only; between
-nodes moe_gemm_combine is its unfused blocks). Results: ``...-<W>gpu-<N>node.json``.
+and both fused ops are timed (the fused GEMM + combine sends the node sums itself between nodes).
+Results: ``...-<W>gpu-<N>node.json``.
 
     mpirun -n 2 python3 bench/moe.py [--quick] [--reps N] [--nodes 2 [--transport host]]
 """
@@ -171,10 +171,11 @@ def plan_bytes(T, H, E, k, W, itemsize, nodes=1):
     mkernel/ops/moe_nodes.py plan), allocation by allocation rounded up as the heap does."""
     import mkernel
     from mkernel.comm.symmetric import ALIGN
-    from mkernel.ops import moe_nodes
+    from mkernel.ops import moe, moe_nodes
 
     cap = mkernel.moe_capacity(T, k, W)
-    sizes = [W * (E + 2) * 4, W * 4, W * 4, W * 4, cap * 4, cap * H * itemsize, cap * H * itemsize]
+    sizes = [W * moe.row_words(E) * 4, W * 4, W * 4, W * 4, 2 * E * 4, cap * 4, cap * H * itemsize,
+             cap * H * itemsize]
     if nodes > 1:
         dt = np.dtype(f"f{itemsize}")  # only the item size matters here
         sizes += [int(np.prod(shape)) * d.itemsize
@@ -497,10 +498,8 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
             with mkernel.config.override(moe_join_gemm=join):
                 mk_dg()
 
-        def mk_gc():  # the fused kernel (not the op's default path, which is unfused while the fused one is slower;
-            # between nodes only the unfused path exists)
-            mkernel.moe_gemm_combine(B["y_mk"], w2, st["h"], comm=comm, out=B["out_mk"],
-                                     path="fused" if nodes == 1 else "unfused")
+        def mk_gc():  # the fused kernel (not the op's default path, which is unfused while the fused one is slower)
+            mkernel.moe_gemm_combine(B["y_mk"], w2, st["h"], comm=comm, out=B["out_mk"], path="fused")
 
         def uf_dg():
             recv, st["h"] = mkernel.moe_dispatch(x, ids_d, w_d, comm=comm, num_experts=E, capacity=cap,
@@ -552,7 +551,7 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
         err_uf = max(e for _, e in every)
 
         # the timed variants, interleaved (under MPS in rounds of one batch each); each combine after its dispatch
-        fns = {"mk_dg": mk_dg, "mk_gc": mk_gc, "uf_dg": uf_dg, "uf_gc": uf_gc}  # between nodes mk_gc is the blocks
+        fns = {"mk_dg": mk_dg, "mk_gc": mk_gc, "uf_dg": uf_dg, "uf_gc": uf_gc}
         if mps is not None:  # the GEMMs alone (the routing of the last unfused dispatch), every rank at once
             fns.update(gemm_dg=lambda: mkernel.grouped_gemm(B["recv_uf"], w1, st["h"].group_rows, out=B["y_uf"]),
                        gemm_gc=lambda: mkernel.grouped_gemm(B["y_uf"], w2, st["h"].group_rows, out=B["z_uf"]))
@@ -565,9 +564,7 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
                     with mkernel.config.override(**share):
                         f()
                 return call
-            fns["flip_dg"] = flipped(mk_dg)
-            if nodes == 1:  # (between nodes the combine is the blocks: no fused kernel)
-                fns["flip_gc"] = flipped(mk_gc)
+            fns.update(flip_dg=flipped(mk_dg), flip_gc=flipped(mk_gc))
             fns.update(flipuf_dg=flipped(uf_dg), flipuf_gc=flipped(uf_gc))  # the blocks' kernels too
         if have_baseline and base is not None:
             fns.update(bg_dg=lambda: base.dispatch_gemm("gather"), bg_gc=lambda: base.gemm_combine("gather"),
@@ -637,9 +634,8 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
                 bnd = max(compute, link)
                 # the default call (path=None) is the fused kernel or the blocks themselves (then 1.0: one call)
                 default = moe_gemm.DEFAULT_PATH[op]
-                path = "unfused" if nodes > 1 and sfx == "gc" else "fused"  # no fused combine between nodes
                 r.update(baseline_ms=t_uf, speedup=r["vs_unfused"], baseline_mode="unfused blocks", compute_ms=compute,
-                         link_ms=link, bound_ms=bnd, fraction_of_bound=bnd / t_mk, mps=True, path=path,
+                         link_ms=link, bound_ms=bnd, fraction_of_bound=bnd / t_mk, mps=True, path="fused",
                          default_path=default, default_speedup=r["vs_unfused"] if default == "fused" else 1.0,
                          sms_per_rank=cc.sms_per_rank(), **net)
                 knob = f"mps_full_share={share['mps_full_share']}"

@@ -128,7 +128,8 @@ for s in $steps; do
         step "test4_$i" 200 $MPI4 $PYT -rfE ${TEST_ARGS:?TEST_ARGS: the pytest arguments}; done ;;
     sanitp) step sanitp 240 env MKERNEL_SANITIZE_ONLY=tp bash tools/sanitize.sh ;;  # the TP ops' 2-rank target only
     saniar) step saniar 240 env MKERNEL_SANITIZE_ONLY=allreduce bash tools/sanitize.sh ;;  # the all-reduce's (and latency paths')
-    sanimoe) step sanimoe 240 env MKERNEL_SANITIZE_ONLY=moe_gemm bash tools/sanitize.sh ;;  # target_moe_gemm only (memcheck, then its diagnosis)
+    sanimoe) step sanimoe 420 env MKERNEL_SANITIZE_ONLY=moe bash tools/sanitize.sh ;;  # the MoE targets: world 1, 2 ranks as 2 nodes, target_moe_gemm
+    sanimoegemm) step sanimoegemm 240 env MKERNEL_SANITIZE_ONLY=moe_gemm bash tools/sanitize.sh ;;  # target_moe_gemm only (memcheck, then its diagnosis)
     moetcp) step moetcp 120 $MPI2 $PYT -rfE -k 'emulated_nodes and tcp' tests/gpu/test_moe_nodes_gpu.py ;;
     copiestest) step copiestest 120 $MPI2 $PYT -rfE -k caller_copies tests/gpu/test_tp_nodes_gpu.py ;;
     moebench) step moebench 300 $MPI2 python3 bench/moe.py ;;
@@ -149,6 +150,7 @@ for s in $steps; do
     branchtpnodes) step branchtpnodes 300 bash -c "cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null && \
       BENCH_COMMIT=${BRANCH_COMMIT:-${BENCH_COMMIT:-}} PYTHONPATH=\$PWD $MPI2 -x BENCH_COMMIT python3 bench/tp.py --nodes 2 --out $BRANCH_OUT" ;;
     tptrace) step tptrace 120 $MPI2 python3 tools/tp_trace.py --out "$LOGS/trace" ${TRACE_ARGS:-} ;;  # one traced TP call per SM
+    moetrace) step moetrace 120 $MPI2 python3 tools/moe_trace.py --out "$LOGS/moetrace" ${MOETRACE_ARGS:-} ;;  # the fused MoE GEMM + combine between 2 emulated nodes, traced
     tptrace4) step tptrace4 120 $MPI4 python3 tools/tp_trace.py --out "$LOGS/trace4" ${TRACE_ARGS:-} ;;  # at 2 x 2 ranks
     controller) step controller 500 $MPI2 python3 bench/controller.py ${CONTROLLER_ARGS:-} ;;  # e.g. --op allgather_gemm
     controller1) step controller1 500 python3 bench/controller.py ;;

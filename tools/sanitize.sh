@@ -4,7 +4,7 @@
 # between nodes with 2 ranks as 2 emulated nodes (host transport). Ranks run under MPS when a daemon
 # runs (tools/mps.sh; pass CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), time-sliced otherwise.
 # MKERNEL_SANITIZE_ONLY=tp / allreduce: only the TP ops' / the all-reduce's 2-rank target (both tools);
-# =moe_gemm: only target_moe_gemm (below).
+# =moe_gemm: only target_moe_gemm (below); =moe: target_moe, target_moe_nodes (2 ranks), target_moe_gemm.
 # target_moe_gemm runs last under each tool, cut at MKERNEL_SANITIZE_MOE_GEMM_S (it froze under both tools
 # from session 31 to 43, a register hand-back since fixed: bench/NOTES.md), so that a stall cannot keep the
 # others from running.
@@ -14,31 +14,29 @@ MPI2="mpirun -n 2 --oversubscribe --bind-to none -x MKERNEL_CACHE_DIR -x NCCL_NV
 MPI2+=" ${CUDA_MPS_ACTIVE_THREAD_PERCENTAGE:+-x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE -x CUDA_MPS_PIPE_DIRECTORY}"
 export MKERNEL_TIMEOUT_S=${MKERNEL_TIMEOUT_S:-120}  # kernels run many times slower under the tools
 source "$(dirname "$0")/mps.sh"
+ranks2() {  # tool, NAME: sanitize.target_NAME() with 2 ranks
+  echo "== $1: $2, 2 ranks =="
+  $MPI2 compute-sanitizer --tool "$1" --error-exitcode 3 --print-limit 20 \
+    python3 -c "from mkernel.diagnostics import sanitize; sanitize.target_$2(); print('$2: ok')" || rc=$?
+}
 for tool in memcheck racecheck; do
-  [ "${MKERNEL_SANITIZE_ONLY:-}" = moe_gemm ] && break
-  if [ "${MKERNEL_SANITIZE_ONLY:-}" = allreduce ]; then
-    $MPI2 compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
-      python3 -c "from mkernel.diagnostics import sanitize; sanitize.target_allreduce(); print('allreduce: ok')" || rc=$?
-    continue
-  fi
-  echo "== $tool: TP ops, 2 ranks =="
-  $MPI2 compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
-    python3 -c "from mkernel.diagnostics import sanitize; sanitize.target_tp_world(); print('tp: ok')" || rc=$?
-  [ "${MKERNEL_SANITIZE_ONLY:-}" = tp ] && continue
+  case ${MKERNEL_SANITIZE_ONLY:-} in
+    moe_gemm) break ;;
+    tp) ranks2 "$tool" tp_world; continue ;;
+    allreduce) ranks2 "$tool" allreduce; continue ;;
+    moe)
+      echo "== $tool: target_moe =="
+      compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 python3 tools/sanitize_targets.py target_moe \
+        || rc=$?
+      ranks2 "$tool" moe_nodes; continue ;;
+  esac
+  ranks2 "$tool" tp_world
   echo "== $tool =="
   compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 python3 tools/sanitize_targets.py -target_moe_gemm \
     || rc=$?
-  echo "== $tool: allreduce, 2 ranks =="
-  $MPI2 compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
-    python3 -c "from mkernel.diagnostics import sanitize; sanitize.target_allreduce(); print('allreduce: ok')" || rc=$?
-  echo "== $tool: ring_attention, 2 ranks =="
-  $MPI2 compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
-    python3 -c "from mkernel.diagnostics import sanitize; sanitize.target_ring_attention(); print('ring_attention: ok')" || rc=$?
-  echo "== $tool: moe between nodes, 2 ranks as 2 emulated nodes =="
-  $MPI2 compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
-    python3 -c "from mkernel.diagnostics import sanitize; sanitize.target_moe_nodes(); print('moe_nodes: ok')" || rc=$?
+  for t in allreduce ring_attention moe_nodes; do ranks2 "$tool" $t; done
 done
-[ -n "${MKERNEL_SANITIZE_ONLY:-}" ] && [ "$MKERNEL_SANITIZE_ONLY" != moe_gemm ] && exit $rc
+case ${MKERNEL_SANITIZE_ONLY:-} in tp | allreduce) exit $rc ;; esac  # moe and moe_gemm go on to target_moe_gemm
 limit=${MKERNEL_SANITIZE_MOE_GEMM_S:-90}
 moe_gemm() {  # tool, extra options; its device timeout a third of the cut (not the 120 s above), so
   # that a stuck wait shows in the error word the target logs

@@ -390,8 +390,9 @@ def target_moe_gemm(watch_s: float = 0):
 
 
 def target_moe_nodes():
-    """Dispatch, combine and the fused dispatch + GEMM once on MPI.COMM_WORLD as one emulated node
-    per rank (run it with 2 ranks: tools/sanitize.sh does), integer inputs; raises on a wrong result."""
+    """Dispatch, combine, the fused dispatch + GEMM and GEMM + combine once on MPI.COMM_WORLD as one
+    emulated node per rank (run it with 2 ranks: tools/sanitize.sh does), integer inputs; raises on a
+    wrong result."""
     import cupy
     import numpy as np
     from mpi4py import MPI
@@ -422,6 +423,12 @@ def target_moe_nodes():
         n = int(h.received())
         if not np.array_equal(y.get()[:n].view(np.uint16), y_blocks.get()[:n].view(np.uint16)):
             raise AssertionError(f"moe_dispatch_gemm between nodes, rank {me}: differs from its blocks")
+        w2 = cupy.asarray(rng.integers(-1, 2, size=(E // W, F, H)).astype(np.float16))
+        z = {p: mkernel.moe_gemm_combine(y, w2, h, comm=comm, path=p, comm_sms=2) for p in ("unfused", "fused")}
+        cupy.cuda.runtime.deviceSynchronize()
+        comm.check()
+        if not np.array_equal(z["fused"].get().view(np.uint16), z["unfused"].get().view(np.uint16)):
+            raise AssertionError(f"moe_gemm_combine between nodes, rank {me}: fused differs from unfused")
     finally:
         comm.close()
 

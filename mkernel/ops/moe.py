@@ -7,9 +7,10 @@ local expert, then by source rank, then in the source's pair order (``t * k + j`
 ``capacity`` rows. Per-expert counts stay on the device (``handle.group_rows``, the grouped GEMM's
 ``group_rows``): nothing on this path synchronises with the host. Combine sends each row back to its
 token's rank and sums a token's rows weighted by its routing weights in fp32, in pair order, with
-one rounding: bitwise reproducible. Between nodes the order of an expert's rows is by forwarding
-rank of the owner's node, then pair order of its virtual tokens, and combine adds the nodes' fp32
-sums in node order: a fixed order too, not the one-node bits (docs/MOE.md "Between nodes").
+one rounding: bitwise reproducible. Between nodes the order of an expert's rows is by origin (the
+forwarding ranks' own tokens first, then the tokens they forward), then forwarding rank of the
+owner's node, then pair order of its virtual tokens, and combine adds the nodes' fp32 sums in node
+order: a fixed order too, not the one-node bits (docs/MOE.md "Between nodes").
 
 Status (docs/MOE.md): dispatch and combine are one persistent kernel each (``mkernel/cuda/ops/moe.cu``);
 the GEMM-carrying ops and their fused kernels are in :mod:`mkernel.ops.moe_gemm`. Between nodes
@@ -20,6 +21,7 @@ above run over the tokens a rank owns and forwards.
 
 import ctypes
 
+from mkernel.comm import proxy as _proxy
 from mkernel.comm.communicator import Communicator
 from mkernel.core.errors import ArgumentError
 from mkernel.ops import buffers as _buffers
@@ -38,7 +40,7 @@ MAX_ROWS = 1 << 24     # meta words hold t * k + j in 24 bits
 THREADS = 512          # MOE_THREADS
 # MOE_CNT_* in order (moe_args.cuh): the kernels' counter words, named for diagnostics
 CNT_NAMES = ("hist", "sent", "done", "order", "plan", "tile", "ret", "gemm_done", "arrive", "claim_hist",
-             "claim_order", "run", "returned")
+             "claim_order", "run", "returned", "fwd_claim", "fwd_done")
 CNT_WORDS = len(CNT_NAMES)  # MOE_CNT_WORDS
 PAIRS_PER_CTA = 256    # dispatch: pairs each CTA routes (its grid: ceil(pairs / this), at most the SMs)
 ROWS_PER_CTA = 64      # combine: rows each CTA returns
@@ -49,7 +51,7 @@ SPEC = _compile.register("moe", "moe.cu", ("mk_moe_dispatch_kernel", "mk_moe_com
 
 
 class MkMoeArgs(ctypes.Structure):
-    """Mirror of ``MkMoeArgs`` (mkernel/cuda/ops/moe_args.cuh), 320 bytes."""
+    """Mirror of ``MkMoeArgs`` (mkernel/cuda/ops/moe_args.cuh), 456 bytes."""
     _fields_ = [("sync", MkSync), ("peer_base", ctypes.c_void_p), ("counts_off", ctypes.c_uint64),
                 ("cflag_off", ctypes.c_uint64), ("recv_off", ctypes.c_uint64), ("meta_off", ctypes.c_uint64),
                 ("rflag_off", ctypes.c_uint64), ("ret_off", ctypes.c_uint64), ("retflag_off", ctypes.c_uint64),
@@ -63,7 +65,10 @@ class MkMoeArgs(ctypes.Structure):
                 ("E", ctypes.c_int32), ("e_local", ctypes.c_int32), ("world", ctypes.c_int32),
                 ("me", ctypes.c_int32), ("capacity", ctypes.c_int32), ("vseg", ctypes.c_void_p),
                 ("xfwd", ctypes.c_void_p), ("fwd_rows", ctypes.c_int64), ("nseg", ctypes.c_int32),
-                ("partial_out", ctypes.c_int32)]
+                ("partial_out", ctypes.c_int32), ("vown", ctypes.c_void_p), ("xepoch", ctypes.c_void_p),
+                ("tile_order", ctypes.c_void_p), ("queue", _proxy.QueueArgs), ("pflags", ctypes.c_void_p),
+                ("node", ctypes.c_int32), ("tile_m", ctypes.c_int32), ("part_off", ctypes.c_uint64),
+                ("precv_off", ctypes.c_uint64), ("fwdret_off", ctypes.c_uint64), ("pepoch", ctypes.c_void_p)]
 
 
 def moe_capacity(max_tokens: int, top_k: int, world: int) -> int:
@@ -144,22 +149,27 @@ def _check_routing(op, x, topk_ids, topk_weights, num_experts, world, stream):
     return x, ids, w, T, H, k
 
 
+def row_words(E):
+    """Words of a count row (MOE_ROW_WORDS): pairs per expert, T, ids out of range, own-origin pairs per expert."""
+    return 2 * E + 2
+
+
 def _plan(op, comm, H, dtype, k, E, capacity, stream):
     import cupy
 
     W, E = comm.local_size, E // comm.num_nodes  # the node's ranks and experts (between nodes: moe_nodes.py)
     key = ("buffers", "moe", H, dtype.name, k, E, capacity)
     _calls.agree_call(op, comm, key + ("moe",), f"capacity {capacity} rows")
-    sizes = [("counts", (W * (E + 2),), cupy.uint32), ("cflag", (W,), cupy.uint32), ("rflag", (W,), cupy.uint32),
-             ("retflag", (W,), cupy.uint32), ("eflag", (E,), cupy.uint32), ("meta", (capacity,), cupy.uint32),
-             ("recv", (capacity, H), dtype), ("ret", (capacity, H), dtype)]
+    sizes = [("counts", (W * row_words(E),), cupy.uint32), ("cflag", (W,), cupy.uint32),
+             ("rflag", (W,), cupy.uint32), ("retflag", (W,), cupy.uint32), ("eflag", (2 * E,), cupy.uint32),
+             ("meta", (capacity,), cupy.uint32), ("recv", (capacity, H), dtype), ("ret", (capacity, H), dtype)]
     plan = _buffers.plan_buffers(op, comm, key, sizes, {"counters": CNT_WORDS})
     if "generation" not in plan:
         sms = launch.sm_count(full_share=True)  # hist's rows: the most CTAs a launch takes (launch.grid_sms)
         with _calls.on_stream(stream):  # zeroed on the stream the kernels run on, before them
             plan.update(generation=0, capacity=capacity, E=E, k=k, H=H,
-                        send_order=cupy.empty(capacity, dtype=cupy.int32), esent=cupy.zeros(E, dtype=cupy.uint32),
-                        hist=cupy.empty(sms * E, dtype=cupy.uint32),
+                        send_order=cupy.empty(capacity, dtype=cupy.int32),
+                        esent=cupy.zeros(2 * E, dtype=cupy.uint32), hist=cupy.empty(sms * E, dtype=cupy.uint32),
                         group_rows=cupy.zeros(E // W, dtype=cupy.int32), received=cupy.zeros(1, dtype=cupy.int32))
     return plan
 

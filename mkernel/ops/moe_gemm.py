@@ -23,6 +23,7 @@ from mkernel.engines import gemm as _gemm
 from mkernel.ops import buffers as _buffers
 from mkernel.ops import calls as _calls
 from mkernel.ops import moe as _moe
+from mkernel.ops import moe_nodes as _nodes
 from mkernel.runtime import compile as _compile
 from mkernel.runtime import launch
 from mkernel.runtime.arrays import as_cupy, check_matrix, row_stride
@@ -51,9 +52,9 @@ COMBINE_SPEC = _register("moe_gemm_combine", "moe_gemm_combine.cu", COMBINE_KERN
 
 
 class MkMoeGemmArgs(ctypes.Structure):
-    """Mirror of ``MkMoeGemmArgs`` (mkernel/cuda/ops/moe_gemm_args.cuh), 960 bytes (64-byte aligned)."""
+    """Mirror of ``MkMoeGemmArgs`` (mkernel/cuda/ops/moe_gemm_args.cuh), 1088 bytes (64-byte aligned)."""
     _fields_ = [("g", _gemm.MkGemmArgs), ("m", _moe.MkMoeArgs), ("gemm_ctas", ctypes.c_int32),
-                ("join", ctypes.c_int32), ("tail", ctypes.c_uint8 * 56)]
+                ("join", ctypes.c_int32), ("tail", ctypes.c_uint8 * 48)]
 
 
 def _expert_weights(op, w, E_local, K, dtype, w_layout):
@@ -179,19 +180,17 @@ def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=No
 
     path: "unfused" (default): grouped_gemm, then moe_combine, back to back on the stream. "fused": one
     kernel; ``comm_sms`` CTAs (default 16) send the rows of every M-tile as soon as its N-tiles are
-    stored. The fused kernel is the default's equal in every bit, and today the slower (at world 1 on
-    the H200: 0.89-0.95x at 4096 x 7168 x 2048 x 64 x 8, 0.92-0.93x at 4096 x 4096 x 14336 x 8 x 2;
-    bench/NOTES.md), so it is opt-in until it is faster; inside one node only (between nodes the
-    unfused path serves).
+    stored. The fused kernel is the default's equal in every bit, and inside a node today the slower
+    (at world 1 on the H200: 0.89-0.95x at 4096 x 7168 x 2048 x 64 x 8, 0.92-0.93x at 4096 x 4096 x
+    14336 x 8 x 2; bench/NOTES.md), so it is opt-in until it is faster. Between nodes it computes
+    the M-tiles with forwarded rows first and sends their tokens' node sums while it computes the
+    rest (docs/MOE.md "Overlap").
     """
     import cupy
 
     op = "moe_gemm_combine"
     path, comm_sms = _check_path(op, path, comm_sms)
     _moe._check_comm(op, comm)
-    if path == "fused" and comm.num_nodes > 1:
-        raise ArgumentError(f"{op}: the fused kernel works inside one node; between nodes use path='unfused' "
-                            f"(the default)")
     if not isinstance(handle, _moe.MoeHandle):
         raise ArgumentError(f"{op}: handle must be the MoeHandle of moe_dispatch; got {type(handle).__name__}")
     handle._check()
@@ -217,9 +216,15 @@ def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=No
     z, tile_flags = _staging(comm, cap, H, El, handle.dtype, stream)
     args = MkMoeGemmArgs()
     args.m = _moe._args(comm, plan, op, handle.T, handle.k, plan["E"], H)
-    args.m.topk_w = handle.topk_weights.data.ptr
-    args.m.out = out.data.ptr
-    args.m.ldo = row_stride(out) // out.itemsize
+    nodes = handle._nodes
+    if nodes is None:
+        args.m.topk_w = handle.topk_weights.data.ptr
+        args.m.out = out.data.ptr
+        args.m.ldo = row_stride(out) // out.itemsize
+    else:  # the node's sums (as moe.combine's), the forwarded ones sent by the kernel
+        _nodes.set_virtual(args.m, nodes, comm)
+        _nodes.set_sums(args.m, nodes, comm)
+        args.m.topk_w, args.m.out, args.m.ldo, args.m.partial_out = nodes["vw"].data.ptr, nodes["part"].data.ptr, H, 1
     _gemm_args(args.g, y2, wb, layout, z, handle.group_rows, cap, y2.shape[1], H, El, args.m.sync, plan, op)
     args.g.tile_flags = tile_flags.data.ptr
     counters = plan["counters"].data.ptr
@@ -227,4 +232,6 @@ def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=No
     sms = launch.grid_sms(comm, op)
     args.gemm_ctas = sms - comm_sms
     _launch(op, COMBINE_SPEC, COMBINE_KERNEL, layout, handle.dtype, args, sms, stream, launch.full_share(comm, op))
+    if nodes is not None:
+        _nodes.partials(op, comm, handle, out, stream, sent=True)
     return out

@@ -17,6 +17,7 @@ import ctypes
 
 from mkernel.comm import proxy as _proxy
 from mkernel.core.errors import ArgumentError
+from mkernel.engines import gemm as _gemm
 from mkernel.ops import buffers as _buffers
 from mkernel.runtime import compile as _compile
 from mkernel.runtime import launch
@@ -51,7 +52,7 @@ class MkMoeNodeArgs(ctypes.Structure):
                [(f"{n}_off", ctypes.c_uint64) for n in ("gcounts", "gcflag", "xsend", "dsend", "xrecv", "drecv",
                                                          "part", "precv")] + \
                [(n, ctypes.c_void_p) for n in ("x", "topk_ids", "topk_w", "out", "vids", "vw", "vseg", "slots",
-                                               "verdict", "counters")] + \
+                                               "verdict", "xepoch", "vown", "pepoch", "counters")] + \
                [("ldx", ctypes.c_int64), ("ldo", ctypes.c_int64)] + \
                [(n, ctypes.c_int32) for n in ("T", "H", "k", "E", "e_local", "world", "me", "capacity", "node",
                                               "nodes", "local", "lrank", "fwd_rows", "pad")]
@@ -83,7 +84,7 @@ def buffer_sizes(W, N, H, dtype, k, E, capacity):
     return [("gcounts", (W * grow_words(E),), u32), ("gcflag", (W,), u32),
             ("xsend", ((N - 1) * R, H), dtype), ("dsend", ((N - 1) * R * 2 * k,), u32),
             ("xrecv", ((N - 1) * R, H), dtype), ("drecv", ((N - 1) * R * 2 * k,), u32),
-            ("part", (R, H), f32), ("precv", ((N - 1) * R, H), dtype)]
+            ("part", (R, H), f32), ("precv", ((N - 1) * R, H), dtype), ("fwdret", (1,), u32)]
 
 
 def plan(op, comm, H, dtype, k, E, capacity, scratch_start):
@@ -100,7 +101,9 @@ def plan(op, comm, H, dtype, k, E, capacity, scratch_start):
     if "pflags" not in p:
         p.update(fwd_rows=R, vids=cupy.empty(R * k, dtype=cupy.int32), vw=cupy.empty(R * k, dtype=cupy.float32),
                  vseg=cupy.zeros(MAX_NODES, dtype=cupy.uint32), slots=cupy.empty((N - 1) * R, dtype=cupy.int32),
-                 verdict=cupy.zeros(1, dtype=cupy.uint32))
+                 verdict=cupy.zeros(1, dtype=cupy.uint32), xepoch=cupy.zeros(1, dtype=cupy.uint32),
+                 vown=cupy.zeros(E // N, dtype=cupy.uint32), pepoch=cupy.zeros(1, dtype=cupy.uint32),
+                 tile_order=cupy.zeros(-(-capacity // _gemm.BM) + E // comm.size, dtype=cupy.uint32))
         cupy.cuda.runtime.deviceSynchronize()
         p["pflags"] = comm.proxy_flag_block(PF_WORDS)  # collective; peers signal them from their kernels
     return p
@@ -115,7 +118,7 @@ def args(comm, p, op, T, k, E, H, capacity) -> MkMoeNodeArgs:
     a.pflags = comm.proxy_flags[0] + 4 * base
     for n in ("gcounts", "gcflag", "xsend", "dsend", "xrecv", "drecv", "part", "precv"):
         setattr(a, f"{n}_off", comm.offset_of(p[n]))
-    for n in ("vids", "vw", "vseg", "slots", "verdict", "counters"):
+    for n in ("vids", "vw", "vseg", "slots", "verdict", "xepoch", "vown", "counters"):
         setattr(a, n, p[n].data.ptr)
     a.T, a.H, a.k, a.E = T, H, k, E
     a.e_local, a.world, a.me, a.capacity = E // comm.size, comm.size, comm.rank, capacity
@@ -125,10 +128,24 @@ def args(comm, p, op, T, k, E, H, capacity) -> MkMoeNodeArgs:
 
 
 def set_virtual(m, p, comm):
-    """The node's dispatch / combine arguments (MkMoeArgs m) over the virtual tokens of plan p."""
+    """The node's dispatch / combine arguments (MkMoeArgs m) over the virtual tokens of plan p, and
+    what the dispatch waits for: the forwarded rows' and the exchange's flush flags; the fused GEMMs'
+    M-tile order, which the dispatch writes (docs/MOE.md "Overlap")."""
     m.vseg, m.nseg = p["vseg"].data.ptr, comm.num_nodes - 1
     m.xfwd, m.fwd_rows = p["xrecv"].data.ptr, p["fwd_rows"]
     m.topk_ids = p["vids"].data.ptr
+    m.vown, m.xepoch, m.node = p["vown"].data.ptr, p["xepoch"].data.ptr, comm.node
+    m.tile_order, m.tile_m = p["tile_order"].data.ptr, _gemm.BM
+    base = p["pflags"].offset
+    m.queue = comm.proxy_queue_args(flag_base=base)
+    m.pflags = comm.proxy_flags[0] + 4 * base
+
+
+def set_sums(m, p, comm):
+    """The fused GEMM + combine sends the forwarded tokens' sums itself (MkMoeArgs m; then
+    partials(..., sent=True))."""
+    m.part_off, m.precv_off, m.fwdret_off = (comm.offset_of(p[n]) for n in ("part", "precv", "fwdret"))
+    m.pepoch = p["pepoch"].data.ptr
 
 
 def _launch(op, expr, a, ctas, stream):
@@ -146,11 +163,12 @@ def exchange(d, p, stream):
     _launch(d.op, "mk_moe_exchange_kernel", a, ctas, stream)
 
 
-def partials(op, comm, handle, out, stream):
+def partials(op, comm, handle, out, stream, sent=False):
     """After the node's combine (its sums in the plan's part): the nodes' sums of this rank's
-    tokens into out [T, H]."""
+    tokens into out [T, H]. sent: the combine (fused, set_sums) sent the forwarded tokens' sums."""
     p = handle._nodes
     a = args(comm, p, op, handle.T, handle.k, handle.E, handle.H, handle.capacity)
     a.out, a.ldo = out.data.ptr, row_stride(out) // out.itemsize
+    a.pepoch = p["pepoch"].data.ptr if sent else None
     ctas = max(1, min(launch.sm_count(), -(-handle.T // PARTIAL_TOKENS_PER_CTA)))
     _launch(op, f"mk_moe_partials_kernel<{DT[handle.dtype.name]}>", a, ctas, stream)

@@ -111,7 +111,7 @@ def test_args_layout_matches_host_compiler(tmp_path):
 
     m = mmoe
     assert_same_layout("moe_args.cuh", m.MkMoeArgs, tmp_path)
-    assert ctypes.sizeof(m.MkMoeArgs) == 320
+    assert ctypes.sizeof(m.MkMoeArgs) == 456
 
 
 def test_fused_args_layout_matches_host_compiler(tmp_path):
@@ -128,7 +128,7 @@ def test_fused_args_layout_matches_host_compiler(tmp_path):
     py = {k: v for k, v in py_offsets(mirror).items() if k not in ("alignof", "tail")}
     assert c.pop("alignof") == 64
     assert c == py, "MkMoeGemmArgs mirror differs from moe_gemm_args.cuh"
-    assert ctypes.sizeof(mirror) == 960
+    assert ctypes.sizeof(mirror) == 1088
 
 
 def _c_constants(header, names, tmp_path):
@@ -157,7 +157,7 @@ def test_constants_match_the_headers(tmp_path):
     assert c["MOE_MAX_WORLD"] == m.MAX_WORLD and c["MOE_MAX_EXPERTS"] == m.MAX_EXPERTS
     assert c["MOE_MAX_TOPK"] == m.MAX_TOPK and c["MOE_CNT_WORDS"] == m.CNT_WORDS
     assert c["MOE_ERR_CAPACITY"] == sync.MOE_ERR_CAPACITY and c["MOE_ERR_EXPERT_ID"] == sync.MOE_ERR_EXPERT_ID
-    assert c["MOE_ROW_WORDS"] == 12
+    assert c["MOE_ROW_WORDS"] == m.row_words(10) == 22
     enum = re.findall(r"MOE_CNT_([A-Z_]+) = (\d+)", cuda_files()["moe_args.cuh"].read_text())
     assert [(n.lower(), int(v)) for n, v in enum if n != "WORDS"] == [(n, i) for i, n in enumerate(m.CNT_NAMES)]
     cu = cuda_files()["moe.cu"].read_text()
@@ -204,8 +204,7 @@ def _fake_comm(node_of, local_size):
 
 def test_between_nodes_refusals(monkeypatch):
     """Between nodes, before anything collective: node-major ranks of equal nodes (MoE, ring
-    attention and the TP ops share the check), the fused GEMM + combine refused, a bundle's sums
-    within one 32-bit WRITE."""
+    attention and the TP ops share the check), a bundle's sums within one 32-bit WRITE."""
     from mkernel.ops import calls as op_calls
 
     n = importlib.import_module("mkernel.ops.moe_nodes")
@@ -217,7 +216,7 @@ def test_between_nodes_refusals(monkeypatch):
             op_calls.check_node_major("ring_attention", _fake_comm(node_of, L))
     mg = importlib.import_module("mkernel.ops.moe_gemm")
     monkeypatch.setattr(launch, "sm_count", lambda full_share=False: 132)  # comm_sms is checked against it
-    with pytest.raises(ArgumentError, match="inside one node"):
+    with pytest.raises(ArgumentError, match="handle must be the MoeHandle"):  # the fused path runs between nodes
         mg.moe_gemm_combine(None, None, None, comm=_fake_comm((0, 1), 1), path="fused")
     n.check_sizes("moe_dispatch", 8192, 1, 1 << 17)  # 16-bit sums of 131072 tokens x 8192: 2 GiB
     with pytest.raises(ArgumentError, match="WRITE"):

@@ -13,7 +13,7 @@ by case and rank) for the float64 reference:
   shows): out bitwise equal to the float64 sum (integer-valued x, power-of-two weights: exact);
 - moe_dispatch_gemm fused bitwise equal to unfused and to the float64 GEMM of the received rows
   (H <= 128, entries in {-2..2} and {-1, 0, 1}: exact), then moe_gemm_combine within 1e-2 of the
-  float64 layer;
+  float64 layer, its fused path (the node sums sent by the kernel) bitwise equal to the unfused;
 - each case twice, interleaved with the others (stale flags, epochs), with T differing per rank,
   a rank with T = 0, skewed routing, repeated experts in a token, experts that receive nothing,
   top-1 and top-8;
@@ -77,13 +77,14 @@ def _scale(e):
     return float(e % 3 + 1)
 
 
-def _expected_rows(P, me):
-    """Per local expert of rank me: the rows it receives (float64), in any order."""
+def _expected_rows(P, me, origin=lambda r: True):
+    """Per local expert of rank me: the rows it receives (float64), in any order; only those of the
+    tokens of ranks r with origin(r)."""
     out = []
     for le in range(P["El"]):
         e = me * P["El"] + le
-        rows = [x[t].astype(np.float64) for x, ids, _ in P["inp"] for t in range(ids.shape[0])
-                for j in range(P["k"]) if ids[t, j] == e]
+        rows = [x[t].astype(np.float64) for r, (x, ids, _) in enumerate(P["inp"]) if origin(r)
+                for t in range(ids.shape[0]) for j in range(P["k"]) if ids[t, j] == e]
         out.append(np.array(rows).reshape(-1, P["H"]))
     return out
 
@@ -98,17 +99,22 @@ def _sync(comm, what):
     comm.check()
 
 
-def _check_dispatch(P, me, recv, h):
+def _check_dispatch(P, me, recv, h, local):
+    """Per local expert its rows as a multiset: first those of the tokens of rank me's node (the
+    forwarders' own, sent while the others cross the network), then the others (docs/MOE.md)."""
     want = _expected_rows(P, me)
+    here = _expected_rows(P, me, lambda r: r // local == me // local)
     counts = np.asarray(h.counts())
     if counts.tolist() != [len(w) for w in want]:
         return f"counts {counts.tolist()} != {[len(w) for w in want]}"
     got = host(recv).astype(np.float64)
     start = 0
-    for le, w in enumerate(want):
+    for le, (w, o) in enumerate(zip(want, here)):
         g = got[start:start + len(w)]
         if not np.array_equal(_sorted_rows(g), _sorted_rows(w)):
             return f"local expert {le}: its {len(w)} rows differ from the expected multiset"
+        if not np.array_equal(_sorted_rows(g[:len(o)]), _sorted_rows(o)):
+            return f"local expert {le}: its first {len(o)} rows are not those of its node's tokens"
         start += len(w)
     tail = bits(recv)[start:]
     if tail.size and not (tail == NAN[P["dtn"]]).all():
@@ -135,7 +141,7 @@ def _run_dispatch_combine(comm, P):
     recv, h = mkernel.moe_dispatch(dev(x), dev(ids), dev(w), comm=comm, num_experts=P["E"], capacity=P["cap"],
                                    out=recv_out)
     _sync(comm, "moe_dispatch between nodes")
-    msg = _check_dispatch(P, me, recv, h)  # reported after the combine: every rank makes every call
+    msg = _check_dispatch(P, me, recv, h, comm.local_size)  # reported after the combine: every rank makes every call
     y = host(recv).astype(np.float64)
     start = 0
     for le, n in enumerate(np.asarray(h.counts())):
@@ -191,8 +197,14 @@ def _run_gemm_ops(comm, P):
                     f"of {n} rows")
     if not np.array_equal(host(ys["fused"])[:n].astype(np.float64), want):
         msgs.append("moe_dispatch_gemm: y differs from the float64 GEMM of the received rows")
-    out = mkernel.moe_gemm_combine(ys["unfused"], dev(W2[me * El:(me + 1) * El]), h, comm=comm)
-    _sync(comm, "moe_gemm_combine between nodes")
+    outs = {}
+    for path in ("unfused", "fused"):  # both on the last handle; the fused one sends the node sums itself
+        outs[path] = mkernel.moe_gemm_combine(ys["unfused"], dev(W2[me * El:(me + 1) * El]), h, comm=comm,
+                                              out=poisoned((x.shape[0], P["H"]), P["dtn"]), path=path)
+        _sync(comm, f"moe_gemm_combine ({path}) between nodes")
+    if not np.array_equal(bits(outs["fused"]), bits(outs["unfused"])):
+        msgs.append("moe_gemm_combine: fused and unfused differ between nodes")
+    out = outs["unfused"]
     if msgs:
         return msgs[0]
     ref = _combine_ref(P, me, gemm=(W1.astype(np.float64), W2.astype(np.float64)))

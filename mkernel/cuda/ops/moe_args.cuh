@@ -3,6 +3,7 @@
 // shared with Python (mkernel/ops/moe.py mirrors it with ctypes; tests/cpu/test_moe.py compares the layouts
 // with g++). Plain fixed-width fields only.
 #include "sync_args.cuh"
+#include "queue_layout.cuh"
 
 #define MOE_MAX_WORLD 8
 #define MOE_MAX_EXPERTS 512  // global experts (shared-memory tables of the kernels)
@@ -10,15 +11,35 @@
 #define MOE_MAX_NODES 8
 
 // Words of one rank's count row: pairs per global expert, then its token count, then how many of its
-// expert ids were out of range (every rank reads every row, so all decide an error alike).
+// expert ids were out of range (every rank reads every row, so all decide an error alike), then its
+// own-origin pairs per expert (between nodes: of its own tokens, not forwarded; else all of them).
 #define MOE_ROW_T(E) (E)
 #define MOE_ROW_BAD(E) ((E) + 1)
-#define MOE_ROW_WORDS(E) ((E) + 2)
+#define MOE_ROW_OWN(E) ((E) + 2)
+#define MOE_ROW_WORDS(E) (2 * (E) + 2)
+
+// Between nodes, the node plan's proxy flags (relative to its block; moe_nodes.cu and the dispatch's
+// waits): CREDIT + s (rank s entered the exchange: its count row and bundle buffers may be written), GCOUNT + s (s's count row arrived), DESC / ROWS + n (node
+// n's bundle of routing words / rows arrived), FLUSH + r (this rank's exchange commands to r applied),
+// PCREDIT + n, PART + n, PFLUSH + n: the same for the partial sums going back.
+// Each kind has MOE_MAX_WORLD slots (ranks or nodes: at most that many).
+enum {
+  MOE_PF_CREDIT = 0,
+  MOE_PF_GCOUNT = MOE_MAX_WORLD,
+  MOE_PF_DESC = 2 * MOE_MAX_WORLD,
+  MOE_PF_ROWS = 3 * MOE_MAX_WORLD,
+  MOE_PF_FLUSH = 4 * MOE_MAX_WORLD,
+  MOE_PF_PCREDIT = 5 * MOE_MAX_WORLD,
+  MOE_PF_PART = 6 * MOE_MAX_WORLD,
+  MOE_PF_PFLUSH = 7 * MOE_MAX_WORLD,
+  MOE_PF_WORDS = 8 * MOE_MAX_WORLD
+};
 
 // Device counters of one plan, zero between launches (the last CTA resets them). A CTA takes its
 // role by arrival (ARRIVE) and every piece of work is claimed (CLAIM_*, RUN, TILE, RET), so any
 // resident subset of the grid finishes (docs/MOE.md "Residency"): HIST and ORDER count the chunks
-// counted and ranked, SENT and RETURNED the rows sent and returned, PLAN is step 3's verdict.
+// counted and ranked, SENT and RETURNED the rows sent and returned, PLAN is step 3's verdict,
+// FWD_CLAIM / FWD_DONE the forwarded tokens' chunks of sums claimed / summed (fused combine, between nodes).
 enum {
   MOE_CNT_HIST = 0,
   MOE_CNT_SENT = 1,
@@ -33,7 +54,9 @@ enum {
   MOE_CNT_CLAIM_ORDER = 10,
   MOE_CNT_RUN = 11,
   MOE_CNT_RETURNED = 12,
-  MOE_CNT_WORDS = 13
+  MOE_CNT_FWD_CLAIM = 13,
+  MOE_CNT_FWD_DONE = 14,
+  MOE_CNT_WORDS = 15
 };
 
 // MkStatus::where of the errors the kernels detect in their inputs (MK_ERR_INPUT).
@@ -45,12 +68,13 @@ struct MkMoeArgs {
   // Symmetric workspace (offsets into every rank's workspace).
   unsigned long long counts_off;  // u32 [W][MOE_ROW_WORDS(E)]: row s, written by rank s
   unsigned long long cflag_off;  // u32 [W]: count row s arrived (epoch)
-  unsigned long long recv_off;  // 16-bit [capacity][H]: rows received, by expert, then source, then pair
+  unsigned long long recv_off;  // 16-bit [capacity][H]: rows received, by expert, then origin class (own-origin
+      // first; between nodes forwarded rows after them), then source, then pair
   unsigned long long meta_off;  // u32 [capacity]: (source << 24) | (t * k + j) of each received row
   unsigned long long rflag_off;  // u32 [W]: every row from rank s arrived (epoch)
   unsigned long long ret_off;  // 16-bit [capacity][H]: combine: this rank's pairs' rows, at t * k + j
   unsigned long long retflag_off;  // u32 [W]: every row returned by rank s arrived (epoch)
-  unsigned long long eflag_off;  // u32 [W][E_local]: every row from rank s to local expert le arrived (epoch)
+  unsigned long long eflag_off;  // u32 [2][W][E_local]: every row of class c from rank s to local expert le arrived
   // Local device memory.
   const void* x;  // dispatch: [T, H] tokens (16-bit), row stride ldx
   const int* topk_ids;  // [T, k] global expert ids
@@ -58,7 +82,7 @@ struct MkMoeArgs {
   void* out;  // dispatch: [capacity, H] received rows; combine: [T, H]
   const void* y;  // combine: [capacity, H] rows to return (as received), row stride ldy
   int* send_order;  // [capacity] scratch: this rank's pair indices in send order
-  unsigned int* esent;  // [E] scratch, zero between launches: rows sent per expert
+  unsigned int* esent;  // [2][E] scratch, zero between launches: rows sent per origin class and expert
   unsigned int* hist;  // [chunks][E] scratch: pairs per expert in each chunk of pairs
   int* group_rows;  // [E_local]: rows received per local expert (the grouped GEMM's counts)
   int* received;  // [1]: rows received in all (combine reads it)
@@ -75,4 +99,20 @@ struct MkMoeArgs {
   long long fwd_rows;  // rows per forwarded segment
   int nseg;  // forwarded segments (nodes - 1); 0 inside one node
   int partial_out;  // combine: out is fp32 [virtual tokens, H] partials (ldo in floats)
+  // Between nodes, dispatch: a forwarded segment's rows are sent once its bundle's proxy flag is in,
+  // after this rank's own ones (docs/MOE.md "Overlap"); the exchange's epoch is in xepoch[0].
+  const unsigned int* vown;  // [E]: this rank's own pairs per node expert (the exchange's count)
+  const unsigned int* xepoch;  // [1]: the epoch of the exchange's proxy flags
+  unsigned int* tile_order;  // fused GEMM: its M-tiles in claim order (own-origin-only ones of every group first)
+  struct MkQueue queue;  // the proxy's queue (flag ids relative to the node plan's block)
+  const unsigned int* pflags;  // the node plan's proxy flags (MOE_PF_*)
+  int node;  // this rank's node (global rank = node * world + me)
+  int tile_m;  // fused GEMMs: their M-tile's rows; 0: the engine's order (no tile_order)
+  // Between nodes, the fused GEMM + combine sends the forwarded tokens' sums itself (pepoch non-null):
+  // once fwdret counts every forwarded pair's row back, chunks of them are summed into part (16-bit
+  // rows) and each segment goes to its source node's precv as one WRITE (docs/MOE.md "Overlap").
+  unsigned long long part_off;  // the node plan's part (as out: fp32 rows of this rank's tokens, then 16-bit)
+  unsigned long long precv_off;  // the node plan's precv [N - 1][fwd_rows][H] at the sources
+  unsigned long long fwdret_off;  // u32 [1]: forwarded pairs' rows returned to this rank (zeroed by its last CTA)
+  unsigned int* pepoch;  // [1]: the epoch of those WRITEs' flags, for the partials kernel
 };

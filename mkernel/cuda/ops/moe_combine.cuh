@@ -33,27 +33,16 @@ MK_DEV void moe_returned(const MkMoeArgs& a, const MkPeers& peers, u32 mine, u32
   }
 }
 
-// Once every rank's rows are back, a warp per token of this worker's share (`part` of `parts`,
-// tokens split evenly): out[t] = sum over j ascending of w[t, j] * ret[t * k + j], fp32, one
-// rounding. A worker is nthr threads (tid in [0, nthr)) that meet at bar(); `slot` is a shared word
-// to broadcast thread 0's wait. (A whole CTA; or a GEMM CTA's consumer warpgroups after their tiles.)
-// Between nodes (a.nseg): over the virtual tokens, pairs of other nodes (id -1) skipped, and with
-// a.partial_out (out: the node sums, moe_nodes.cu adds them) this rank's tokens' sums are stored
-// unrounded (fp32 rows, ldo floats apart), the forwarded ones' rounded (16-bit rows after them:
-// they cross the network, at half the bytes).
-template <int DT, class Bar>
-MK_DEV void moe_weighted_sum(const MkMoeArgs& a, const MkPeers& peers, u32 part, u32 parts, u32 tid, u32 nthr, Bar bar,
-                             volatile int* slot, u32 Ep) {
+// A warp per token of [lo, hi) (tid in [0, nthr)): out[t] = sum over j ascending of w[t, j] *
+// ret[t * k + j], fp32, one rounding. Between nodes (a.nseg): over the virtual tokens, pairs of other
+// nodes (id -1) skipped, and with a.partial_out (out: the node sums, moe_nodes.cu adds them) this
+// rank's tokens' sums are stored unrounded (fp32 rows, ldo floats apart), the forwarded ones' rounded
+// (16-bit rows after them: they cross the network, at half the bytes).
+template <int DT>
+MK_DEV void moe_sum_tokens(const MkMoeArgs& a, const u8* ret, u32 lo, u32 hi, u32 tid, u32 nthr) {
   const u32 lane = tid & 31, warp = tid >> 5, K = (u32)a.k;
   const u32 row_bytes = (u32)a.H * 2u;
-  bar();
-  if (tid == 0) *slot = moe_wait_all(a, peers, a.retflag_off, Ep, MOE_WAIT_RET) ? 1 : 0;
-  bar();
-  if (!*slot) return;
-  const u8* ret = peer_ptr<const u8>(peers, (u32)a.me, a.ret_off);
   u8* out = reinterpret_cast<u8*>(a.out);
-  u32 lo, hi;
-  cta_range(moe_tokens(a), MoeCtas{part, parts}, lo, hi);
   for (u32 t = lo + warp; t < hi; t += nthr / 32) {
     for (u32 o = lane * 16u; o < row_bytes; o += 32u * 16u) {
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -96,6 +85,100 @@ MK_DEV void moe_weighted_sum(const MkMoeArgs& a, const MkPeers& peers, u32 part,
       r.w = pack2<DT>(acc[6], acc[7]);
       const u64 at = a.partial_out ? moe_fwd_sum_offset((u32)a.T, a.ldo, row_bytes, t) : (u64)t * (u64)a.ldo * 2u;
       *reinterpret_cast<uint4*>(out + at + o) = r;
+    }
+  }
+}
+
+// Once every rank's rows are back, this worker's share (`part` of `parts`, contiguous) of the first
+// `tokens` tokens. A worker is nthr threads that meet at bar() (a whole CTA; or a GEMM CTA's
+// consumer warpgroups after their tiles); `slot`: a shared word to broadcast thread 0's wait.
+template <int DT, class Bar>
+MK_DEV void moe_weighted_sum(const MkMoeArgs& a, const MkPeers& peers, u32 tokens, u32 part, u32 parts, u32 tid,
+                             u32 nthr, Bar bar, volatile int* slot, u32 Ep) {
+  const u64 t0 = trace_start(a.sync);
+  bar();
+  if (tid == 0) *slot = moe_wait_all(a, peers, a.retflag_off, Ep, MOE_WAIT_RET) ? 1 : 0;
+  bar();
+  if (!*slot) return;
+  u32 lo, hi;
+  cta_range(tokens, MoeCtas{part, parts}, lo, hi);
+  moe_sum_tokens<DT>(a, peer_ptr<const u8>(peers, (u32)a.me, a.ret_off), lo, hi, tid, nthr);
+  bar();
+  if (tid == 0) trace_span(a.sync, MK_ROLE_RECV, MOE_TRACE_SUM | part, t0);
+}
+
+// Forwarded tokens a CTA sums per claim (between nodes, the fused combine).
+constexpr u32 MOE_FWD_SUM_TOKENS = 32;
+
+// Between nodes, thread 0 of the fused combine's first CTA at entry: its epoch for the partials
+// kernel, and to this index's rank of every other node: this rank's precv may be written (read already).
+MK_DEV void moe_sums_open(const MkMoeArgs& a, u32 Ep) {
+  *a.pepoch = Ep;
+  for (u32 j = 0; j <= (u32)a.nseg; ++j)
+    if (j != (u32)a.node)
+      queue_push(a.sync, a.queue,
+                 mk_signal_cmd(j * (u32)a.world + (u32)a.me, MOE_PF_PCREDIT + (u32)a.node, Ep, MK_FLAG_SET));
+}
+
+// Between nodes, a CTA's thread 0 after the last chunk of forwarded sums: each forwarded segment's
+// sums to its source node's precv, one WRITE each once that rank's combine entered this epoch.
+MK_DEV void moe_push_sums(const MkMoeArgs& a, u32 Ep) {
+  const u32 L = (u32)a.world, node = (u32)a.node, row_bytes = (u32)a.H * 2u;
+  for (u32 i = 0; i < (u32)a.nseg; ++i) {  // segment i: the i-th other node j
+    const u32 j = i < node ? i : i + 1, n = a.vseg[i + 1] - a.vseg[i], r = j * L + (u32)a.me;
+    if (!n) continue;
+    const u32 there = node < j ? node : node - 1;  // this node's segment at j
+    if (!wait_remote_at_least(a.sync, a.queue, a.pflags + MOE_PF_PCREDIT + j, Ep, (i32)r, MOE_WAIT_SUMS_CREDIT + j) ||
+        !queue_push(a.sync, a.queue,
+                    mk_write_cmd(r, MK_WORKSPACE_REGION,
+                                 a.part_off + moe_fwd_sum_offset((u32)a.T, a.ldo, row_bytes, a.vseg[i]),
+                                 MK_WORKSPACE_REGION, a.precv_off + (u64)there * (u64)a.fwd_rows * row_bytes,
+                                 n * row_bytes, MOE_PF_PART + node, Ep)))
+      return;
+  }
+}
+
+// Between nodes, the fused combine, every thread of a CTA once its M-tiles with forwarded rows are
+// returned: when every forwarded pair's row is back here (fwdret reaches this rank's forwarded pairs,
+// its count row's all - own), chunks of the forwarded tokens are claimed and summed; the CTA that
+// finishes the last pushes the sums (moe_push_sums). `slot`: a shared word.
+template <int DT>
+MK_DEV void moe_forward_sums(const MkMoeArgs& a, const MkPeers& peers, volatile int* slot, u32 Ep) {
+  const u32 tid = threadIdx.x, T = (u32)a.T, E = (u32)a.E;
+  const u32 n = a.vseg[a.nseg] - T, chunks = (n + MOE_FWD_SUM_TOKENS - 1) / MOE_FWD_SUM_TOKENS;
+  __syncthreads();
+  if (tid == 0) {  // none to wait for once every chunk is claimed
+    const u64 t0 = trace_start(a.sync);
+    bool go = ld_cg(&a.counters[MOE_CNT_FWD_CLAIM]) < chunks;
+    if (go) {
+      const u32* row = peer_ptr<const u32>(peers, (u32)a.me, a.counts_off) + (u64)a.me * MOE_ROW_WORDS(E);
+      u32 fwd = 0;
+      for (u32 e = 0; e < E; ++e) fwd += ld_cg(row + e) - ld_cg(row + MOE_ROW_OWN(E) + e);
+      go = wait_at_least(a.sync, peer_ptr<u32>(peers, (u32)a.me, a.fwdret_off), fwd, -1, MOE_WAIT_FWD_BACK);
+      trace_span(a.sync, MK_ROLE_WAIT, MOE_TRACE_FWD_WAIT, t0);
+    }
+    *slot = go ? 1 : 0;
+  }
+  __syncthreads();
+  if (!*slot) return;
+  const u8* ret = peer_ptr<const u8>(peers, (u32)a.me, a.ret_off);
+  for (;;) {
+    __syncthreads();  // every thread read *slot before thread 0 writes it
+    if (tid == 0) *slot = (int)atomicAdd(&a.counters[MOE_CNT_FWD_CLAIM], 1u);
+    __syncthreads();
+    const u32 c = (u32)*slot;
+    if (c >= chunks) return;
+    const u64 t0 = trace_start(a.sync);
+    const u32 lo = T + c * MOE_FWD_SUM_TOKENS;
+    moe_sum_tokens<DT>(a, ret, lo, min(T + n, lo + MOE_FWD_SUM_TOKENS), tid, blockDim.x);
+    __threadfence_system();
+    __syncthreads();
+    if (tid == 0) trace_span(a.sync, MK_ROLE_SEND, MOE_TRACE_FWD_SUM | c, t0);
+    if (tid == 0 && atomicAdd(&a.counters[MOE_CNT_FWD_DONE], 1u) == chunks - 1) {
+      __threadfence_system();  // every chunk's sums (each CTA fenced before counting) before the WRITEs
+      const u64 t1 = trace_start(a.sync);
+      moe_push_sums(a, Ep);
+      trace_span(a.sync, MK_ROLE_CONTROL, MOE_TRACE_PUSH, t1);
     }
   }
 }

@@ -20,13 +20,32 @@
 //      start on it while the later experts' rows are in flight. Once every run is sent, rflag[me]
 //      is set on every rank (all of this rank's rows are there).
 //
-// Send order: local expert index le ascending, then owner d = me, me + 1, ... (mod W), then the
-// pair order t * k + j: every owner gets its first experts first.
+// Send order: origin class (own-origin pairs, then between nodes forwarded ones), then local expert
+// index le ascending, then owner d = me, me + 1, ... (mod W), then the pair order t * k + j: every
+// owner gets its first experts first, and between nodes the rows already here go before the
+// forwarded ones, whose bundles are still crossing the network (docs/MOE.md "Overlap"). At the owner
+// an expert's rows are by class, then source, then pair order: one class per block and flag.
 #include "common.cuh"
 #include "signals.cuh"
 #include "peers.cuh"
 #include "mbar_wait.cuh"
+#include "queue.cuh"
+#include "trace.cuh"
 #include "moe_args.cuh"
+
+// Trace span ids (trace mode, tools/moe_trace.py): the launch's announce and each CTA's exit (as the TP
+// ops'), then per kind in the top byte, the item in the rest.
+enum : u32 {
+  MOE_TRACE_ANNOUNCE = 0x80000000u,  // | epoch
+  MOE_TRACE_EXIT = 0x40000000u,  // | block
+  MOE_TRACE_GEMM = 0x01000000u,  // a GEMM CTA's tiles
+  MOE_TRACE_RETURN = 0x02000000u,  // | M-tile unit: its wait and copies
+  MOE_TRACE_FWD_WAIT = 0x03000000u,  // forwarded rows back (fwdret)
+  MOE_TRACE_FWD_SUM = 0x04000000u,  // | chunk of forwarded sums
+  MOE_TRACE_PUSH = 0x05000000u,  // the forwarded sums' WRITEs queued
+  MOE_TRACE_SUM = 0x06000000u,  // a CTA's final sums (their wait included)
+  MOE_TRACE_PART_WAIT = 0x07000000u  // partials kernel: the other nodes' sums in
+};
 
 // Wait ids (MkStatus::where) of the kernels' waits.
 enum : u32 {
@@ -38,6 +57,10 @@ enum : u32 {
   MOE_WAIT_PLAN = 0xA500u,
   MOE_WAIT_EXPERT = 0xA600u,
   MOE_WAIT_COPY = 0xA700u,
+  MOE_WAIT_BUNDLE_ROWS = 0xC280u,  // + node: its bundle's rows (the exchange's ROWS flag)
+  MOE_WAIT_FLUSH = 0xC300u,  // + rank: the exchange's commands to it applied
+  MOE_WAIT_FWD_BACK = 0xC600u,  // the fused combine: every forwarded pair's row back here
+  MOE_WAIT_SUMS_CREDIT = 0xC680u,  // + node: its rank's combine entered the epoch (its precv is free)
   MOE_WAIT_TILE_STORED = 0xB0000u  // + tile id (the fused combine's wait for a GEMM tile)
 };
 
@@ -115,6 +138,28 @@ MK_DEV bool moe_wait_all(const MkMoeArgs& a, const MkPeers& p, u64 off, u32 E, u
 // Positions of the send order a warp sends between two completions (its flags wait for those).
 constexpr u32 MOE_SEND_RUN = 8;
 
+// Between nodes, lane 0 of a sending warp: the bundle that holds forwarded virtual token t has
+// landed (its ROWS flag; `seen`: the segments known to be in). A timeout is recorded, no flag follows.
+MK_DEV void moe_wait_bundle(const MkMoeArgs& a, const u32* vseg, u32 t, u32 xE, u32& seen) {
+  const u32 i = moe_fwd_segment(vseg, (u32)a.nseg, t);
+  if ((seen >> i) & 1u) return;
+  const u32 j = i < (u32)a.node ? i : i + 1;  // segment i: the i-th other node
+  wait_remote_epoch(a.sync, a.queue, a.pflags + MOE_PF_ROWS + j, xE, (i32)(j * (u32)a.world + (u32)a.me),
+                    MOE_WAIT_BUNDLE_ROWS + j);
+  fence_proxy_async_global();  // rows the proxy stored, before the copier's bulk loads read them
+  seen |= 1u << i;
+}
+
+// Between nodes, thread 0 of the first CTA once its rows are sent: the exchange's commands to every
+// rank of the other nodes are applied, so the next exchange may restage their sources.
+MK_DEV void moe_wait_flushed(const MkMoeArgs& a, u32 xE) {
+  const u32 L = (u32)a.world;
+  for (u32 r = 0; r < ((u32)a.nseg + 1) * L; ++r)
+    if (r / L != (u32)a.node &&
+        !wait_remote_epoch(a.sync, a.queue, a.pflags + MOE_PF_FLUSH + r, xE, (i32)r, MOE_WAIT_FLUSH + r))
+      return;
+}
+
 // A warp's bulk copier, run by lane 0: pieces (dst, src, bytes <= CHUNK) go through two shared-memory
 // buffers by TMA, the next piece's load in flight while the current one is stored, so that one
 // thread keeps 2 x CHUNK bytes of every warp moving (a register copy keeps one 16-byte load per lane
@@ -166,12 +211,18 @@ struct MoeShared {
   u32 total[MOE_MAX_EXPERTS];  // this rank's pairs per expert; from step 3 on, all ranks' rows
   u32 sbase[MOE_MAX_EXPERTS];  // first position of expert e's pairs in the send order
   u32 rowbase[MOE_MAX_EXPERTS];  // step 3: first row of this rank's pairs to expert e at its owner
+  u32 own[MOE_MAX_EXPERTS];  // this rank's own-origin pairs per expert (all of them inside a node)
+  u32 sbase2[MOE_MAX_EXPERTS];  // sbase and rowbase of its forwarded pairs
+  u32 rowbase2[MOE_MAX_EXPERTS];
+  u32 aux[MOE_MAX_EXPERTS];  // step 3: own-origin rows of expert e from all ranks
   u16 wcnt[WARPS][MOE_MAX_EXPERTS];  // a chunk's pairs per (warp, expert), then the warp's base
   u32 vseg[MOE_MAX_NODES];  // between nodes: a.vseg (the forwarded segments' first tokens)
   u32 mine;  // this rank's pairs with a valid expert id
+  u32 mine_own;  // of those, own-origin: the send order's first positions
   u32 total_me;  // rows this rank receives
   u32 claim;  // the CTA's last claim (moe_claim)
   u32 epoch;
+  u32 xepoch;  // between nodes: the exchange's epoch (its proxy flags')
   int ok;
 };
 
@@ -201,8 +252,9 @@ MK_DEV void moe_rank_chunk(const MkMoeArgs& a, MoeShared<THREADS>& sh, u32 lo, u
     }
     __syncthreads();
     // send_order has capacity entries: more pairs than that end in a capacity error (step 3), unread.
-    if (e >= 0) {
-      const u32 pos = sh.sbase[e] + sh.hist[e] + sh.wcnt[warp][e] + __popc(before);
+    if (e >= 0) {  // own-origin pairs precede forwarded ones in pair order: the rank tells the class
+      const u32 rank = sh.hist[e] + sh.wcnt[warp][e] + __popc(before);
+      const u32 pos = rank < sh.own[e] ? sh.sbase[e] + rank : sh.sbase2[e] + (rank - sh.own[e]);
       if (pos < (u32)a.capacity) a.send_order[pos] = (int)i;
     }
     __syncthreads();
@@ -254,16 +306,20 @@ MK_DEV bool moe_rank_pairs(const MkMoeArgs& a, MoeShared<THREADS>& sh, MoeCtas c
     u32 t = 0;
     for (u32 c = 0; c < ctas.n; ++c) t += ld_cg(&a.hist[(u64)c * E + e]);
     sh.total[e] = t;
+    sh.own[e] = a.nseg ? min(t, ld_cg(a.vown + e)) : t;  // (the exchange's count: a previous launch)
   }
   __syncthreads();
-  if (tid == 0) {  // the send order's expert bases: local index, then owner from this rank on
+  if (tid == 0) {  // the send order's expert bases: class, local index, then owner from this rank on
     u32 p = 0;
-    for (u32 le = 0; le < El; ++le)
-      for (u32 q = 0; q < W; ++q) {
-        const u32 e = ((me + q) % W) * El + le;
-        sh.sbase[e] = p;
-        p += sh.total[e];
-      }
+    for (u32 c = 0; c < 2; ++c) {
+      for (u32 le = 0; le < El; ++le)
+        for (u32 q = 0; q < W; ++q) {
+          const u32 e = ((me + q) % W) * El + le;
+          (c ? sh.sbase2 : sh.sbase)[e] = p;
+          p += c ? sh.total[e] - sh.own[e] : sh.own[e];
+        }
+      if (c == 0) sh.mine_own = p;
+    }
     sh.mine = p;
   }
   for (u32 ch; (ch = moe_claim<THREADS>(a, sh, MOE_CNT_CLAIM_ORDER)) < ctas.n;) {
@@ -293,7 +349,10 @@ MK_DEV bool moe_send_counts(const MkMoeArgs& a, MoeShared<THREADS>& sh, const Mk
     __syncthreads();
     if (!sh.ok) return false;  // every thread, at the same d
     u32* row = peer_ptr<u32>(peers, d, a.counts_off) + (u64)me * RW;
-    for (u32 e = tid; e < E; e += THREADS) row[e] = sh.total[e];
+    for (u32 e = tid; e < E; e += THREADS) {
+      row[e] = sh.total[e];
+      row[MOE_ROW_OWN(E) + e] = sh.own[e];
+    }
     if (tid == 0) {
       row[MOE_ROW_T(E)] = T;
       // pairs whose id was out of range; between nodes -1 marks another node's pair (the exchange
@@ -306,6 +365,27 @@ MK_DEV bool moe_send_counts(const MkMoeArgs& a, MoeShared<THREADS>& sh, const Mk
     __syncthreads();  // every thread has read sh.ok before thread 0 writes it again
   }
   return true;
+}
+
+// Step 3, the first CTA for a fused GEMM (tile_m): its M-tiles (global index over the groups) in claim
+// order: every group's tiles of own-origin rows only (its first aux / tile_m), then the others.
+template <u32 THREADS>
+MK_DEV void moe_tile_order(const MkMoeArgs& a, const MoeShared<THREADS>& sh) {
+  const u32 El = (u32)a.e_local, bm = (u32)a.tile_m;
+  const u32* rows = sh.total + (u32)a.me * El;  // rows per local expert
+  const u32* own = sh.aux + (u32)a.me * El;  // of them own-origin, first
+  for (u32 le = threadIdx.x; le < El; le += THREADS) {
+    u32 mb = 0, eb = 0, et = 0;  // M-tiles of the groups before, their early ones; all early ones
+    for (u32 g = 0; g < El; ++g) {
+      if (g < le) {
+        mb += (rows[g] + bm - 1) / bm;
+        eb += own[g] / bm;
+      }
+      et += own[g] / bm;
+    }
+    const u32 tm = (rows[le] + bm - 1) / bm, e = own[le] / bm;
+    for (u32 i = 0; i < tm; ++i) a.tile_order[i < e ? eb + i : et + (mb - eb) + (i - e)] = mb + i;
+  }
 }
 
 // Step 3, every CTA of the role: sh.total[e] = rows of expert e from all ranks, sh.rowbase[e] =
@@ -323,14 +403,20 @@ MK_DEV bool moe_plan_rows(const MkMoeArgs& a, MoeShared<THREADS>& sh, const MkPe
   const u32* counts = peer_ptr<const u32>(peers, me, a.counts_off);
   if (ok) {
     for (u32 e = tid; e < E; e += THREADS) {
-      u32 n = 0, before = 0;
+      u32 n = 0, before = 0, own = 0, own_before = 0;
       for (u32 s = 0; s < W; ++s) {
-        const u32 c = ld_cg(&counts[(u64)s * RW + e]);
+        const u32 c = ld_cg(&counts[(u64)s * RW + e]), o = ld_cg(&counts[(u64)s * RW + MOE_ROW_OWN(E) + e]);
         n += c;
-        if (s < me) before += c;
+        own += o;
+        if (s < me) {
+          before += c;
+          own_before += o;
+        }
       }
       sh.total[e] = n;  // rows of expert e in all
-      sh.rowbase[e] = before;  // rows of expert e from ranks before this one
+      sh.aux[e] = own;  // of them own-origin: the expert's first rows
+      sh.rowbase[e] = own_before;  // own-origin rows of expert e from ranks before this one
+      sh.rowbase2[e] = own + (before - own_before);  // then its forwarded rows from ranks before this one
     }
     __syncthreads();
     if (tid == 0) {  // per owner: expert bases (a scan), capacity; every rank's tokens and ids
@@ -340,6 +426,7 @@ MK_DEV bool moe_plan_rows(const MkMoeArgs& a, MoeShared<THREADS>& sh, const MkPe
         for (u32 e = d * El; e < (d + 1) * El; ++e) {
           const u32 n = sh.total[e];
           sh.rowbase[e] += base;
+          sh.rowbase2[e] += base;
           base += n;
         }
         if (d == me) sh.total_me = base;
@@ -374,6 +461,7 @@ MK_DEV bool moe_plan_rows(const MkMoeArgs& a, MoeShared<THREADS>& sh, const MkPe
   if (ctas.idx == 0) {  // the counts of this rank's experts, then the verdict a fused GEMM waits for
     if (ok)
       for (u32 e = tid; e < El; e += THREADS) a.group_rows[e] = (int)sh.total[me * El + e];
+    if (ok && a.tile_m) moe_tile_order(a, sh);
     __threadfence();
     __syncthreads();
     if (tid == 0) {
@@ -398,42 +486,48 @@ MK_DEV void moe_send_rows(const MkMoeArgs& a, MoeShared<THREADS>& sh, const u32*
                           MoeCtas ctas, u32 Ep, u8* stage) {
   using Sh = MoeShared<THREADS>;
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const u32 me = (u32)a.me, El = (u32)a.e_local, K = (u32)a.k;
+  const u32 me = (u32)a.me, El = (u32)a.e_local, K = (u32)a.k, E = (u32)a.E;
   const u32 row_bytes = (u32)a.H * 2u;
   __syncthreads();  // every thread has read sh.ok (moe_plan_rows) before thread 0 writes it
   if (tid == 0)  // every chunk's part of send_order is written
     sh.ok = wait_at_least(a.sync, &a.counters[MOE_CNT_ORDER], ctas.n, -1, MOE_WAIT_ORDER) ? 1 : 0;
   __syncthreads();
   if (!sh.ok) return;
-  const u32 n = sh.mine;
+  const u32 n = sh.mine, n_own = sh.mine_own;
   // A warp sends runs of MOE_SEND_RUN consecutive positions (one fence per run), claimed in order.
   MoeCopier<Sh::CHUNK> copier{smem_u32(stage) + warp * 2u * Sh::CHUNK, smem_u32(&sh.copy_bar[warp][0]), a.sync};
+  u32 seen = 0;
   for (u32 p0; lane == 0 && (p0 = atomicAdd(&a.counters[MOE_CNT_RUN], 1u) * MOE_SEND_RUN) < n;) {
     const u32 p1 = min(n, p0 + MOE_SEND_RUN);
     for (u32 p = p0; p < p1; ++p) {
       const u32 i = (u32)__ldcg(&a.send_order[p]);
       const u32 e = (u32)a.topk_ids[i];
       const u32 d = e / El;
-      const u32 row = sh.rowbase[e] + (p - sh.sbase[e]);
+      const bool fwd = p >= n_own;  // a forwarded pair (positions from n_own on)
+      const u32 row = fwd ? sh.rowbase2[e] + (p - sh.sbase2[e]) : sh.rowbase[e] + (p - sh.sbase[e]);
       u8* dst = peer_ptr<u8>(peers, d, a.recv_off) + (u64)row * row_bytes;
+      if (fwd) moe_wait_bundle(a, sh.vseg, i / K, sh.xepoch, seen);
       const u8* src = moe_token_row(a, sh.vseg, i / K);
       for (u32 o = 0; o < row_bytes; o += Sh::CHUNK) copier.put(dst + o, src + o, min(Sh::CHUNK, row_bytes - o));
       peer_ptr<u32>(peers, d, a.meta_off)[row] = (me << 24) | i;
     }
     copier.finish();
-    {  // count the run per expert (it is sorted by expert); a complete block gets its flag
+    {  // count the run per (class, expert) (it is sorted so); a complete block gets its flag
       for (u32 p = p0; p < p1;) {
         const u32 e = (u32)a.topk_ids[__ldcg(&a.send_order[p])];
+        const u32 fwd = p >= n_own ? 1u : 0u;
         u32 c = 1;
-        while (p + c < p1 && (u32)a.topk_ids[__ldcg(&a.send_order[p + c])] == e) ++c;
+        while (p + c < p1 && (p + c >= n_own) == (fwd != 0) && (u32)a.topk_ids[__ldcg(&a.send_order[p + c])] == e) ++c;
         p += c;
-        if (atomicAdd(&a.esent[e], c) + c == mine[e]) {  // the block (me, e) is complete
+        u32* sent = a.esent + fwd * E + e;
+        if (atomicAdd(sent, c) + c == (fwd ? mine[e] - sh.own[e] : sh.own[e])) {  // block (me, e, class) complete
           const u32 d = e / El;
-          a.esent[e] = 0;  // every count of this launch is in: zero for the next one
+          *sent = 0;  // every count of this launch is in: zero for the next one
           __threadfence_system();
           // No flag after an error of this rank (a copy wait that timed out stored whatever its
           // buffer held): the owner's wait then times out and raises instead of using the rows.
-          if (!error_recorded(a.sync)) set_flag(peer_ptr<u32>(peers, d, a.eflag_off) + me * El + (e - d * El), Ep);
+          if (!error_recorded(a.sync))
+            set_flag(peer_ptr<u32>(peers, d, a.eflag_off) + (fwd * (u32)a.world + me) * El + (e - d * El), Ep);
         }
       }
     }
@@ -460,6 +554,7 @@ MK_DEV bool moe_dispatch_role(const MkMoeArgs& a, MoeShared<THREADS>& sh, MoeCta
     mbar_fence_init();
   }
   for (u32 i = tid; a.nseg && i <= (u32)a.nseg; i += THREADS) sh.vseg[i] = a.vseg[i];
+  if (tid == 0) sh.xepoch = a.nseg ? ld_cg(a.xepoch) : 0u;
   __syncthreads();
   const u32 Ep = sh.epoch;
   bool ok = moe_rank_pairs<THREADS>(a, sh, ctas);
@@ -469,5 +564,6 @@ MK_DEV bool moe_dispatch_role(const MkMoeArgs& a, MoeShared<THREADS>& sh, MoeCta
   for (u32 e = tid; e < (u32)a.E; e += THREADS) sh.hist[e] = sh.total[e];
   ok = moe_plan_rows<THREADS>(a, sh, peers, ctas, Ep, ok);
   if (ok) moe_send_rows<THREADS>(a, sh, sh.hist, peers, ctas, Ep, stage);
+  if (a.nseg && ctas.idx == 0 && tid == 0 && !error_recorded(a.sync)) moe_wait_flushed(a, sh.xepoch);
   return ok;
 }

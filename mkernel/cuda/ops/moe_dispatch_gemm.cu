@@ -1,52 +1,24 @@
 // MoE dispatch fused with the experts' grouped GEMM (mkernel/ops/moe_gemm.py; design: docs/MOE.md).
 //
 // The first grid - gemm_ctas CTAs to arrive run the dispatch role (moe_dispatch.cuh): rows leave
-// local expert by local expert, and the flag eflag[s][le] in the owner's workspace says that every
-// row from rank s to its local expert le is in its receive buffer. With `join` they then take GEMM
+// local expert by local expert, and the flag eflag[c][s][le] in the owner's workspace says that every
+// row of origin class c from rank s to its local expert le is in its receive buffer. With `join` they then take GEMM
 // tiles too (their SM would idle otherwise). The later arrivals run the GEMM engine in grouped
 // mode straight on that receive buffer (A), one group per local expert (B: its weights), into y:
 // they wait for the dispatch's verdict (counters[MOE_CNT_PLAN], after the count rows of every rank
 // are in: the group sizes are then known, and written to group_rows), build the group table from
 // group_rows and claim tiles group by group (counters[MOE_CNT_TILE]); before a tile's loads the
 // producer waits for the flags of the sources whose rows the tile holds. So the GEMM starts on the
-// first experts' rows while the later ones are in flight. Dispatch goes to the first arrivals
-// because the GEMM waits on it: any resident part of the grid finishes.
-#include "moe_dispatch.cuh"
-#include "gemm_mainloop.cuh"
+// first experts' rows while the later ones are in flight. Between nodes the tiles of own-origin rows
+// only go first (moe_tiles.cuh): they run while the forwarded rows still cross the network. Dispatch
+// goes to the first arrivals because the GEMM waits on it: any resident part of the grid finishes.
+#include "moe_tiles.cuh"
 #include "gemm_epilogue.cuh"
 #include "moe_gemm_args.cuh"
 
 constexpr u32 MOE_GEMM_THREADS = 384;  // the GEMM engine's CTA (1 producer + 2 consumer warpgroups)
 // A dispatch CTA's copier buffers, after its MoeShared (128-byte aligned for the bulk copies).
 constexpr u32 MOE_STAGE_OFFSET = (sizeof(MoeShared<MOE_GEMM_THREADS>) + 127u) & ~127u;
-
-// The tile source: tiles in the engine's grouped order (expert by expert: the arrival order); before
-// a tile's loads, the arrival flags of the (source, expert) blocks its rows come from, then a proxy
-// fence so that the TMA (async proxy) sees the rows the senders stored (generic proxy).
-template <class Cfg>
-struct MoeTiles {
-  const MkMoeArgs& a;
-  const MkTileSpace<Cfg::UNIT_M>& space;
-  u32 epoch;
-  MK_DEV u32 claim() const { return atomicAdd(&a.counters[MOE_CNT_TILE], 1u); }
-  MK_DEV bool done(u32 pos) const { return pos >= space.num_tiles; }
-  MK_DEV MkTile decode(u32 pos) const { return space.template decode<Cfg::BN>(space.builtin_id(pos)); }
-  MK_DEV void before_loads(const MkTile& t) const {
-    const MkPeers peers = moe_peers(a);
-    const u32 W = (u32)a.world, me = (u32)a.me, El = (u32)a.e_local, g = (u32)t.group;
-    const u32* counts = peer_ptr<const u32>(peers, me, a.counts_off) + me * El + g;
-    const u32* eflag = peer_ptr<const u32>(peers, me, a.eflag_off) + g;
-    const u32 r0 = (u32)(t.m0 - space.row_base(g)), r1 = r0 + (u32)t.rows;  // the tile's rows in its group
-    u32 first = 0;  // source s's rows of the group: [first, first + c), sources in rank order
-    for (u32 s = 0; s < W && first < r1; ++s) {
-      const u32 c = ld_cg(counts + (u64)s * MOE_ROW_WORDS(a.E));
-      if (c != 0 && first + c > r0) wait_epoch(a.sync, eflag + s * El, epoch, (i32)s, MOE_WAIT_EXPERT + g);
-      first += c;  // on a timeout the error is recorded; the tile is computed from whatever is there
-    }
-    fence_proxy_async_global();
-  }
-  MK_DEV i32 b_index(const MkTile& t) const { return t.group; }
-};
 
 template <class Cfg>
 MK_DEV u32 moe_gemm_cta(const MkMoeGemmArgs& args) {
@@ -66,7 +38,7 @@ MK_DEV u32 moe_gemm_cta(const MkMoeGemmArgs& args) {
   if (!ok) space.num_tiles = 0;
   warpgroup_roles<Cfg>(
       [&] {
-        MoeTiles<Cfg> src{a, space, epoch};
+        MoeTiles<Cfg, true> src{a, space, epoch};
         gemm_producer_loop<Cfg>(args.g, sm, src);
       },
       [&](int wg) {
@@ -109,10 +81,12 @@ __global__ void __launch_bounds__(MOE_GEMM_THREADS, 1)
   launch_exit(args.m.sync, epoch);
 }
 
+// mkernel/ops/moe_gemm.py passes tile_m = gemm.BM: the tile space's M unit (tile_order's).
+static_assert(GemmCfg<0, 0>::UNIT_M == 128 && GemmCfg<1, 1>::UNIT_M == 128, "update moe_gemm.py's tile_m");
 // mkernel/ops/moe_gemm.py launches with the grouped GEMM's shared memory (gemm.SMEM_GROUPED).
 static_assert(gemm_smem_bytes<GemmCfg<0, 0>, true>() == 231768, "update gemm.SMEM_GROUPED");
 static_assert(MOE_STAGE_OFFSET + MoeShared<MOE_GEMM_THREADS>::STAGE_BYTES <= 231768 - 1024,
               "a dispatch CTA's state and buffers fit in the GEMM's shared memory");
 // (the kernel declares no static shared memory: with the 1024-byte aligned dynamic part it would
 // push the total past the SM's 227 KiB; tests/cpu/test_moe_gemm.py reads ptxas's report to keep it so)
-static_assert(sizeof(MkMoeGemmArgs) == 960, "MkMoeGemmArgs layout changed: update mkernel/ops/moe_gemm.py");
+static_assert(sizeof(MkMoeGemmArgs) == 1088, "MkMoeGemmArgs layout changed: update mkernel/ops/moe_gemm.py");

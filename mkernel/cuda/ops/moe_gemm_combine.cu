@@ -3,15 +3,19 @@
 // The first gemm_ctas CTAs to arrive run the GEMM engine in grouped mode (A: y2, B: the experts'
 // weights, one group per local expert with the dispatch's group_rows) into a staging buffer z of
 // this rank, each tile's flag (tile_flags[id] = epoch) set once its stores are performed; the later
-// arrivals return rows: they claim M-tiles in the GEMM's group order (counters[MOE_CNT_RET]), wait
+// arrivals return rows: they claim M-tiles in the GEMM's order (counters[MOE_CNT_RET]), wait
 // until every N-tile of one is stored and send each of its rows whole, by bulk copies, to row
 // t * k + j of the row's source's return buffer (meta word of the dispatch), so the return trip
 // starts with the first finished row blocks. A GEMM CTA out of tiles returns rows too (the M-tiles
 // it claims are then computed or held by running CTAs: any resident part of the grid finishes).
 // Once every row is back, retflag[me] is set on every rank. Then every CTA sums its share of this
 // rank's tokens (moe_combine.cuh): the same sums, in the same order, as mk_moe_combine_kernel.
+// Between nodes (a.pepoch) the M-tiles with forwarded rows go first (moe_tiles.cuh); a CTA past
+// them counts the forwarded rows it returned into each source's fwdret, then sums forwarded tokens
+// once all of its own are back and the last pushes them to their nodes (moe_forward_sums), while
+// the GEMM goes on with the own-origin rows; the final sums then cover this rank's tokens only.
 #include "moe_combine.cuh"
-#include "gemm_mainloop.cuh"
+#include "moe_tiles.cuh"
 #include "gemm_epilogue.cuh"
 #include "moe_gemm_args.cuh"
 
@@ -24,6 +28,8 @@ constexpr u32 MOE_RET_CHUNK = 8192;  // bytes of one copier buffer of a returnin
 struct MoeReturnShared {
   MkGroupTable table;
   u64 copy_bar[MOE_GC_WARPS][2];
+  u32 own[MK_GEMM_MAX_GROUPS];  // between nodes: own-origin rows per group (its first rows)
+  u32 fwd[MOE_MAX_WORLD];  // between nodes: forwarded rows returned per source, not yet counted there
   u32 claim;
   int ok;
   int back;
@@ -31,16 +37,28 @@ struct MoeReturnShared {
 constexpr u32 MOE_RET_STAGE_OFFSET = (sizeof(MoeReturnShared) + 127u) & ~127u;
 
 // Returning rows, every CTA (after its GEMM tiles for a GEMM CTA): M-tiles (a group's 128-row
-// blocks, in the GEMM's group order) claimed one by one; once every N-tile of one is stored (tiles_n flags), its rows are whole in z and each leaves
-// as one row (H * 2 bytes) for row t * k + j of its source's return buffer, by the warps' bulk
-// copiers (a warp per row), the copies of one M-tile overlapping the wait for the next.
+// blocks, in the GEMM's order) claimed one by one; once every N-tile of one is stored (tiles_n flags),
+// its rows are whole in z and each leaves as one row (H * 2 bytes) for row t * k + j of its source's
+// return buffer, by the warps' bulk copiers (a warp per row), the copies of one M-tile overlapping
+// the wait for the next. Between nodes, at its first claim past the M-tiles with forwarded rows, the
+// CTA's forwarded rows are counted at their sources, then it joins moe_forward_sums.
 template <class Cfg>
 MK_DEV void moe_return_rows(const MkMoeGemmArgs& args, MoeReturnShared& rs, u8* stage, const MkPeers& peers, u32 Ep) {
   const MkMoeArgs& a = args.m;
   const MkGemmArgs& g = args.g;
-  const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, W = (u32)a.world, El = (u32)a.e_local;
+  const bool nodes = a.pepoch != nullptr;
   build_group_table<Cfg::BM>(&rs.table, g.group_rows, (u32)g.num_groups, g.m, g.sched.tiles_n);
   const MkTileSpace<Cfg::UNIT_M> space = gemm_tile_space<Cfg>(g, &rs.table);
+  if (nodes) {  // own-origin rows per group, from every source's count row; none counted yet
+    const u32* counts = peer_ptr<const u32>(peers, (u32)a.me, a.counts_off) + MOE_ROW_OWN(a.E) + (u32)a.me * El;
+    for (u32 le = tid; le < El; le += MOE_GC_THREADS) {
+      u32 own = 0;
+      for (u32 s = 0; s < W; ++s) own += ld_cg(counts + (u64)s * MOE_ROW_WORDS(a.E) + le);
+      rs.own[le] = own;
+    }
+    if (tid < MOE_MAX_WORLD) rs.fwd[tid] = 0;
+  }
   if (tid == 0) {
     rs.ok = moe_credits_all(a, peers, Ep) ? 1 : 0;
     for (u32 w = 0; w < MOE_GC_WARPS; ++w) {
@@ -56,14 +74,30 @@ MK_DEV void moe_return_rows(const MkMoeGemmArgs& args, MoeReturnShared& rs, u8* 
   const u32 row_bytes = (u32)a.H * 2u;
   const u64 ldz_bytes = (u64)g.ldc * 2u;
   const u32 tiles_n = space.tiles_n, units = space.num_tiles / tiles_n;  // a group's tiles: M-tiles x tiles_n
+  u32 fwd_units = units;  // between nodes the M-tiles with forwarded rows: the first fwd_units claims
+  for (u32 le = 0; nodes && le < El; ++le) fwd_units -= rs.own[le] / Cfg::BM;
+  bool counted = !nodes;
   u32 mine = 0;  // rows this CTA returned
   MoeCopier<MOE_RET_CHUNK> copier{smem_u32(stage) + warp * 2u * MOE_RET_CHUNK, smem_u32(&rs.copy_bar[warp][0]), a.sync};
   for (;;) {
     if (tid == 0) rs.claim = atomicAdd(&a.counters[MOE_CNT_RET], 1u);
     __syncthreads();
     const u32 unit = rs.claim;
+    const u64 t0 = trace_start(a.sync);
+    if (!counted && unit >= fwd_units) {  // this CTA's forwarded rows are stored: counted at their sources
+      if (lane == 0) copier.finish();
+      __syncthreads();
+      if (tid == 0) {
+        __threadfence_system();
+        for (u32 s = 0; s < W; ++s)
+          if (rs.fwd[s]) atomicAdd(peer_ptr<u32>(peers, s, a.fwdret_off), rs.fwd[s]);
+      }
+      counted = true;
+      moe_forward_sums<Cfg::DT>(a, peers, &rs.back, Ep);
+    }
     if (unit >= units) break;
-    const MkTile t = space.template decode<Cfg::BN>(unit * tiles_n);  // its first N-tile: rows m0 .. m0 + rows
+    const u32 mt = a.tile_m ? moe_mtile_at(a, units, unit, true) : unit;
+    const MkTile t = space.template decode<Cfg::BN>(mt * tiles_n);  // its first N-tile: rows m0 .. m0 + rows
     if (tid == 0) {
       int good = 1;
       for (u32 nt = 0; nt < tiles_n && good; ++nt)
@@ -74,6 +108,7 @@ MK_DEV void moe_return_rows(const MkMoeGemmArgs& args, MoeReturnShared& rs, u8* 
     if (!rs.ok) break;
     if (lane == 0) {
       fence_proxy_async_global();  // the bulk loads (async proxy) after the flags' acquire
+      const u32 fwd_row = nodes ? (u32)space.row_base(t.group) + rs.own[t.group] : ~0u;  // its group's first forwarded row
       for (u32 r = warp; r < (u32)t.rows; r += MOE_GC_WARPS) {
         const u32 row = (u32)t.m0 + r;
         const u32 m = meta[row];
@@ -81,9 +116,11 @@ MK_DEV void moe_return_rows(const MkMoeGemmArgs& args, MoeReturnShared& rs, u8* 
         const u8* src = z + row * ldz_bytes;
         for (u32 o = 0; o < row_bytes; o += MOE_RET_CHUNK)
           copier.put(dst + o, src + o, min(MOE_RET_CHUNK, row_bytes - o));
+        if (row >= fwd_row) atomicAdd(&rs.fwd[m >> 24], 1u);
       }
     }
     mine += (u32)t.rows;
+    if (tid == 0) trace_span(a.sync, MK_ROLE_INTRA, MOE_TRACE_RETURN | unit, t0);
     __syncthreads();  // rs.claim and rs.ok are read before thread 0 writes them again
   }
   if (lane == 0) copier.finish();
@@ -100,29 +137,42 @@ __global__ void __launch_bounds__(MOE_GC_THREADS, 1)
   const MkPeers peers = moe_peers(a);
   const GemmSmem<Cfg> sm = gemm_smem_carve<Cfg, true>(mk_smem);
   MoeReturnShared& rs = *reinterpret_cast<MoeReturnShared*>(sm.base);  // below the GEMM's barriers
+  const u64 t_in = trace_start(a.sync);
   const u32 arrival = moe_arrival(a, reinterpret_cast<volatile u32*>(sm.base));
   fence_proxy_async_smem();  // that word's generic use before the stages' TMA loads
   u32 epoch;
   if (arrival < (u32)args.gemm_ctas) {
     const MkTileSpace<Cfg::UNIT_M> space = gemm_setup<Cfg, true>(args.g, sm);  // the group table of group_rows
     epoch = sm.bars->epoch;
-    if (arrival == 0 && threadIdx.x == 0) credits_announce(peers, epoch);  // this rank entered the epoch
-    warpgroup_roles<Cfg>([&] { gemm_producer<Cfg, true>(args.g, sm, space); },
-                         [&](int wg) {
-                           MkTmaEpilogue<Cfg::DT, Cfg, true> epi{args.g, sm, epoch, MkGemmDest{args.g}};
-                           gemm_consumer<Cfg>(args.g, sm, wg, epi);
-                           epi.finish();
-                         });
+    if (arrival == 0 && threadIdx.x == 0) {
+      credits_announce(peers, epoch);  // this rank entered the epoch
+      if (a.pepoch) moe_sums_open(a, epoch);
+      trace_span(a.sync, MK_ROLE_CONTROL, MOE_TRACE_ANNOUNCE | epoch, t_in);
+    }
+    warpgroup_roles<Cfg>(
+        [&] {
+          MoeTiles<Cfg, false> src{a, space, epoch};
+          gemm_producer_loop<Cfg>(args.g, sm, src);
+        },
+        [&](int wg) {
+          MkTmaEpilogue<Cfg::DT, Cfg, true> epi{args.g, sm, epoch, MkGemmDest{args.g}};
+          gemm_consumer<Cfg>(args.g, sm, wg, epi);
+          epi.finish();
+        });
     warpgroup_rejoin<MOE_GC_THREADS>();
     fence_proxy_async_smem();  // the pipeline's async-proxy use of the stages before generic use
     __syncthreads();
+    if (threadIdx.x == 0) trace_span(a.sync, MK_ROLE_COMPUTE, MOE_TRACE_GEMM | arrival, t_in);
   } else {
     epoch = launch_epoch(a.sync);
   }
   moe_return_rows<Cfg>(args, rs, sm.base + MOE_RET_STAGE_OFFSET, peers, epoch);
-  moe_weighted_sum<DT>(a, peers, blockIdx.x, gridDim.x, threadIdx.x, MOE_GC_THREADS, MkBarCta(), &rs.back, epoch);
+  moe_weighted_sum<DT>(a, peers, a.pepoch ? (u32)a.T : moe_tokens(a), blockIdx.x, gridDim.x, threadIdx.x,
+                       MOE_GC_THREADS, MkBarCta(), &rs.back, epoch);
   __syncthreads();
-  if (threadIdx.x == 0) counters_reset_by_last_block(a.counters, MOE_CNT_WORDS, MOE_CNT_DONE);
+  if (threadIdx.x == 0 && counters_reset_by_last_block(a.counters, MOE_CNT_WORDS, MOE_CNT_DONE) && a.pepoch)
+    *peer_ptr<u32>(peers, (u32)a.me, a.fwdret_off) = 0;  // every count of this launch is in (or it failed)
+  if (threadIdx.x == 0) trace_span(a.sync, MK_ROLE_CONTROL, MOE_TRACE_EXIT | blockIdx.x, t_in);
   launch_exit(a.sync, epoch);
 }
 

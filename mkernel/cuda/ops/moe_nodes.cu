@@ -8,6 +8,8 @@
 // written by two WRITEs. Every rank checks the capacities and ids of every rank from the count
 // rows alike, then builds its virtual tokens (its own, then the bundles it received, node by
 // node): the ids and weights the node's dispatch and combine (moe.cu, moe_dispatch_gemm.cu) run on.
+// It waits for the bundles' routing words only: the dispatch sends this rank's own rows first and
+// waits for a bundle's rows (and for this exchange's FLUSHes) itself (docs/MOE.md, step 2).
 //
 // mk_moe_partials_kernel, after the node's combine (which left every virtual token's weighted sum
 // of its node's pairs in part: this rank's tokens' in fp32, the forwarded ones' rounded to 16 bits):
@@ -25,8 +27,6 @@ enum : u32 {
   MOE_WAIT_NCREDIT = 0xC000u,
   MOE_WAIT_GCOUNT = 0xC100u,
   MOE_WAIT_DESC = 0xC200u,
-  MOE_WAIT_BUNDLE_ROWS = 0xC280u,
-  MOE_WAIT_FLUSH = 0xC300u,
   MOE_WAIT_PFLUSH = 0xC380u,
   MOE_WAIT_PCREDIT = 0xC400u,
   MOE_WAIT_PART = 0xC500u
@@ -268,7 +268,11 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_exchange_kernel(co
   __syncthreads();
   const u32 E = s_epoch;
   stage_bundles(a, first, s_base, s_wcnt, s_hist, &s_bad);
-  if (first) send_count_row(a, s_base, s_hist, s_bad, E, &s_ok);  // (a failure is recorded)
+  if (first) {
+    const u32 epn = (u32)a.E / N;  // this rank's own pairs per expert of its node, for the dispatch's order
+    for (u32 e = tid; e < epn; e += MOE_NODE_THREADS) a.vown[e] = s_hist[node * epn + e];
+    send_count_row(a, s_base, s_hist, s_bad, E, &s_ok);  // (a failure is recorded)
+  }
   __threadfence_system();  // the staged rows and words, before the last CTA's WRITEs read them
   __syncthreads();
   if (tid == 0) {
@@ -284,9 +288,8 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_exchange_kernel(co
       for (u32 n = 0, i = 1; n < N; ++n) {
         if (n == node) continue;
         const u32 cnt = ok ? ld_cg(grow(a, node_rank(a, n)) + MOE_GROW_BUNDLE((u32)a.E, node)) : 0u;
-        if (cnt && !(wait_pf(a, MOE_PF_DESC + n, E, node_rank(a, n), MOE_WAIT_DESC + n) &&
-                     wait_pf(a, MOE_PF_ROWS + n, E, node_rank(a, n), MOE_WAIT_BUNDLE_ROWS + n)))
-          ok = false;
+        // the routing words only: the rows are waited for by the dispatch, after this rank's own
+        if (cnt && !wait_pf(a, MOE_PF_DESC + n, E, node_rank(a, n), MOE_WAIT_DESC + n)) ok = false;
         v += cnt;
         s_vseg[i++] = ok ? v : 0u;
       }
@@ -313,12 +316,13 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_exchange_kernel(co
       a.vw[p] = w;
     }
     if (tid < N) a.vseg[tid] = s_vseg[tid];
-    if (tid == 0) *a.verdict = s_ok ? MOE_PLAN_OK : MOE_PLAN_FAILED;
-    if (tid == 0) {  // every command applied at its destination before the next launch restages
+    if (tid == 0) {
+      *a.xepoch = E;
+      *a.verdict = s_ok ? MOE_PLAN_OK : MOE_PLAN_FAILED;
+      // every command applied at its destination before the next launch restages: the dispatch
+      // waits for these (the bundles are still in flight)
       for (u32 r = 0; r < (u32)a.world; ++r)
         if (r / L != node) queue_push(a.sync, a.queue, mk_flush_cmd(r, MOE_PF_FLUSH + r, E));
-      for (u32 r = 0; r < (u32)a.world; ++r)
-        if (r / L != node && !wait_pf(a, MOE_PF_FLUSH + r, E, r, MOE_WAIT_FLUSH + r)) break;
     }
   }
   __syncthreads();
@@ -336,14 +340,17 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_partials_kernel(co
   const u32 R = (u32)a.fwd_rows, H = (u32)a.H;
   const u64 part_row = (u64)H * 4u, sum_row = (u64)H * 2u;  // own fp32 sums, the 16-bit ones that travel
   const bool first = node_first(a, &s_slot);
+  const u64 t_in = trace_start(a.sync);
   if (tid == 0) {
     s_epoch = launch_epoch(a.sync);
-    if (first)  // this rank's precv may be written: its previous sums are done
+    const bool send = a.pepoch == nullptr;  // else the fused combine sent them, flags at its epoch
+    const u32 pe = send ? s_epoch : *a.pepoch;
+    if (first && send)  // this rank's precv may be written: its previous sums are done
       for (u32 j = 0; j < N; ++j)
         if (j != node)
           queue_push(a.sync, a.queue, mk_signal_cmd(node_rank(a, j), MOE_PF_PCREDIT + node, s_epoch, MK_FLAG_SET));
     bool ok = *a.verdict == MOE_PLAN_OK;
-    if (ok && first)  // the sums of the tokens this rank forwarded, to their sources
+    if (ok && first && send)  // the sums of the tokens this rank forwarded, to their sources
       for (u32 j = 0; j < N && ok; ++j) {
         if (j == node) continue;
         const u32 i = seg_of(j, node) + 1, n = a.vseg[i] - a.vseg[i - 1];  // forwarded segment i - 1
@@ -360,7 +367,8 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_partials_kernel(co
         peer_ptr<const u32>(node_peers(a), (u32)a.lrank, a.gcounts_off) + (u64)a.me * MOE_GROW_WORDS((u32)a.E);
     for (u32 j = 0; j < N && ok; ++j)  // the other nodes' sums of this rank's tokens
       if (j != node && own[MOE_GROW_BUNDLE((u32)a.E, j)])
-        ok = wait_pf(a, MOE_PF_PART + j, s_epoch, node_rank(a, j), MOE_WAIT_PART + j);
+        ok = wait_pf(a, MOE_PF_PART + j, pe, node_rank(a, j), MOE_WAIT_PART + j);
+    trace_span(a.sync, MK_ROLE_WAIT, MOE_TRACE_PART_WAIT | blockIdx.x, t_in);
     s_ok = ok ? 1 : 0;
   }
   __syncthreads();

@@ -13,23 +13,6 @@
 #define MOE_GROW_BUNDLE(E, j) ((E) + 2 + (j))
 #define MOE_GROW_WORDS(E) ((E) + 2 + MOE_MAX_NODES)
 
-// The plan's proxy flags (relative to its block): CREDIT + s (rank s entered the exchange: its count
-// row and bundle buffers may be written), GCOUNT + s (s's count row arrived), DESC / ROWS + n (node
-// n's bundle of routing words / rows arrived), FLUSH + r (this rank's commands to r applied),
-// PCREDIT + n, PART + n, PFLUSH + n: the same for the partial sums going back.
-// Each kind has MOE_MAX_WORLD slots (ranks or nodes: at most that many).
-enum {
-  MOE_PF_CREDIT = 0,
-  MOE_PF_GCOUNT = MOE_MAX_WORLD,
-  MOE_PF_DESC = 2 * MOE_MAX_WORLD,
-  MOE_PF_ROWS = 3 * MOE_MAX_WORLD,
-  MOE_PF_FLUSH = 4 * MOE_MAX_WORLD,
-  MOE_PF_PCREDIT = 5 * MOE_MAX_WORLD,
-  MOE_PF_PART = 6 * MOE_MAX_WORLD,
-  MOE_PF_PFLUSH = 7 * MOE_MAX_WORLD,
-  MOE_PF_WORDS = 8 * MOE_MAX_WORLD
-};
-
 // Counters of one plan (zero between launches): the exchange's CTAs done staging, the CTAs done.
 enum { MOE_NCNT_STAGED = 0, MOE_NCNT_DONE = 1, MOE_NCNT_ARRIVE = 2, MOE_NCNT_WORDS = 3 };
 
@@ -58,6 +41,9 @@ struct MkMoeNodeArgs {
   unsigned int* vseg;  // [N]: MkMoeArgs::vseg
   int* slots;  // [N - 1][fwd_rows]: token t's row in this rank's bundle to each other node (-1: none)
   unsigned int* verdict;  // [1]: MOE_PLAN_OK / MOE_PLAN_FAILED of the last exchange
+  unsigned int* xepoch;  // [1]: the last exchange's epoch (MkMoeArgs::xepoch)
+  unsigned int* vown;  // [E / nodes]: this rank's own pairs per expert of its node (MkMoeArgs::vown)
+  const unsigned int* pepoch;  // partials kernel: null, it sends the sums; else the fused combine did, at *pepoch
   unsigned int* counters;  // MOE_NCNT_WORDS, zero between launches
   long long ldx, ldo;
   int T, H, k, E;  // this rank's tokens, hidden size, experts per token, global experts

@@ -1,0 +1,58 @@
+#pragma once
+// The fused MoE GEMMs' tile order and tile source (moe_dispatch_gemm.cu, moe_gemm_combine.cu): the
+// engine's grouped order (expert by expert), or between nodes (a.tile_m) the M-tiles in the
+// dispatch's tile_order, read forward by the dispatch's GEMM (every group's own-origin-only M-tiles
+// first: their rows are here while the forwarded ones cross the network) and backward by the
+// combine's (M-tiles holding forwarded rows first: their sums cross it). docs/MOE.md "Overlap".
+#include "moe_dispatch.cuh"
+#include "gemm_mainloop.cuh"
+
+// Between nodes, the M-tile at index u (of mtiles) of a fused GEMM's claim order (tile_order: written
+// before the dispatch's verdict, read past L1).
+MK_DEV u32 moe_mtile_at(const MkMoeArgs& a, u32 mtiles, u32 u, bool backward) {
+  return ld_cg(a.tile_order + (backward ? mtiles - 1u - u : u));
+}
+
+// Between nodes, the tile id at claim position pos: blocks of group_m consecutive M-tiles of the order,
+// N-tile by N-tile inside a block (the engine's built-in order over tile_order's M-tiles: CTAs running
+// together share B's columns; M-tile by M-tile, a group's whole B was read again for every M-tile).
+template <class Space>
+MK_DEV u32 moe_tile_id(const MkMoeArgs& a, const Space& space, u32 pos, bool backward) {
+  const u32 tn = space.tiles_n, mtiles = space.num_tiles / tn, span = space.group_m * tn;
+  const u32 blk = pos / span, r = pos - blk * span, first = blk * space.group_m;
+  const u32 gs = min(space.group_m, mtiles - first);
+  return moe_mtile_at(a, mtiles, first + r % gs, backward) * tn + r / gs;
+}
+
+// The tile source. DISPATCH: before a tile's loads, the arrival flags of the (class, source, expert)
+// blocks its rows come from, then a proxy fence so that the TMA (async proxy) sees the rows the
+// senders stored; the combine's rows (y2) are all there at launch.
+template <class Cfg, bool DISPATCH>
+struct MoeTiles {
+  const MkMoeArgs& a;
+  const MkTileSpace<Cfg::UNIT_M>& space;
+  u32 epoch;
+  MK_DEV u32 claim() const { return atomicAdd(&a.counters[MOE_CNT_TILE], 1u); }
+  MK_DEV bool done(u32 pos) const { return pos >= space.num_tiles; }
+  MK_DEV MkTile decode(u32 pos) const {
+    return space.template decode<Cfg::BN>(a.tile_m ? moe_tile_id(a, space, pos, !DISPATCH) : space.builtin_id(pos));
+  }
+  MK_DEV void before_loads(const MkTile& t) const {
+    if (!DISPATCH) return;
+    const MkPeers peers = moe_peers(a);
+    const u32 W = (u32)a.world, me = (u32)a.me, El = (u32)a.e_local, g = (u32)t.group, RW = MOE_ROW_WORDS(a.E);
+    const u32* counts = peer_ptr<const u32>(peers, me, a.counts_off) + me * El + g;
+    const u32* eflag = peer_ptr<const u32>(peers, me, a.eflag_off) + g;
+    const u32 r0 = (u32)(t.m0 - space.row_base(g)), r1 = r0 + (u32)t.rows;  // the tile's rows in its group
+    u32 first = 0;  // block b = (class, source)'s rows of the group: [first, first + n); own-origin ones first
+    for (u32 b = 0; b < 2 * W && first < r1; ++b) {
+      const u32* row = counts + (u64)(b < W ? b : b - W) * RW;
+      const u32 own = ld_cg(row + MOE_ROW_OWN(a.E));
+      const u32 n = b < W ? own : ld_cg(row) - own;
+      if (n != 0 && first + n > r0) wait_epoch(a.sync, eflag + b * El, epoch, (i32)(b % W), MOE_WAIT_EXPERT + g);
+      first += n;  // on a timeout the error is recorded; the tile is computed from whatever is there
+    }
+    fence_proxy_async_global();
+  }
+  MK_DEV i32 b_index(const MkTile& t) const { return t.group; }
+};

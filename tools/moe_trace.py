@@ -1,0 +1,102 @@
+"""The fused MoE GEMM + combine between emulated nodes traced per SM: when its GEMM CTAs finish,
+when the M-tiles are returned, when the forwarded rows are all back, their sums done and WRITten,
+and when the partials kernel has the other nodes' sums (issue 25: the overlap between nodes).
+
+Run (every rank; MKERNEL_TRACE is set here, before the communicator exists):
+    mpirun -n 2 python3 tools/moe_trace.py --nodes 2 --shape 4096x7168x2048x64x8 --out DIR
+Each call is the fused dispatch + GEMM, then the fused GEMM + combine on its output; the last
+combine is summarised (span ids: MOE_TRACE_* in mkernel/cuda/ops/moe_dispatch.cuh). Again from files:
+    python3 tools/moe_trace.py --summarize DIR/trace.rank0.json DIR/trace.rank1.json
+"""
+
+import argparse
+import json
+import os
+import sys
+
+KINDS = {1: "GEMM CTA done", 2: "M-tile returned", 3: "forwarded rows back", 4: "forwarded chunk summed",
+         5: "sums' WRITEs queued", 6: "final sums (CTA)", 7: "partials: other nodes' sums in"}
+ANNOUNCE, EXIT = 0x80000000, 0x40000000
+
+
+def summarize(spans):
+    """Text lines: per kind of span, its count and when its spans end (first, 50%, last), relative
+    to the combine's announce."""
+    if not spans:
+        return ["no launch found (was MKERNEL_TRACE set before mkernel.init?)"]
+    t0 = min(s[2] for s in spans if s[0] == "control" and s[1] & ANNOUNCE)
+    exits = [s[3] - t0 for s in spans if s[0] == "control" and s[1] & EXIT and not s[1] & ANNOUNCE]
+    out = [f"combine kernel: last CTA exit at {max(exits, default=0):9.1f} us ({len(exits)} CTAs)"]
+    for kind, name in KINDS.items():
+        ends = sorted(s[3] - t0 for s in spans if not s[1] & (ANNOUNCE | EXIT) and s[1] >> 24 == kind)
+        starts = sorted(s[2] - t0 for s in spans if not s[1] & (ANNOUNCE | EXIT) and s[1] >> 24 == kind)
+        if ends:
+            out.append(f"{name:32s} {len(ends):6d}  start {starts[0]:9.1f}  end first {ends[0]:9.1f}  "
+                       f"median {ends[len(ends) // 2]:9.1f}  last {ends[-1]:9.1f} us")
+    return out
+
+
+def summarize_files(paths):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from tp_trace import last_launch
+
+    for p in paths:
+        with open(p) as f:
+            events = json.load(f)["traceEvents"]
+        print(f"== {p}")
+        print("\n".join(summarize(last_launch(events))))
+
+
+def run(args):
+    os.environ["MKERNEL_TRACE"] = os.path.join(args.out, "trace.rank{rank}.json")
+    os.makedirs(args.out, exist_ok=True)
+    import cupy
+    import ml_dtypes
+    import numpy as np
+    from mpi4py import MPI
+
+    import mkernel
+
+    W = MPI.COMM_WORLD.size
+    comm = mkernel.init(workspace_bytes=args.workspace_gib << 30, gpus_per_node=W // args.nodes,
+                        transport=args.transport)
+    T, H, F, E, k = (int(x) for x in args.shape.split("x"))
+    rng = np.random.default_rng(17 + comm.rank)
+    dt = ml_dtypes.bfloat16
+    x = cupy.asarray(rng.standard_normal((T, H)).astype(dt))
+    ids = cupy.asarray(np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32))
+    w = cupy.asarray(rng.random((T, k)).astype(np.float32))
+    El = E // W
+    w1 = cupy.asarray((rng.standard_normal((El, H, F)) * H ** -0.5).astype(dt))
+    w2 = cupy.asarray((rng.standard_normal((El, F, H)) * F ** -0.5).astype(dt))
+    cap = args.capacity or mkernel.moe_capacity(T, k, W)
+    for _ in range(args.calls):
+        y, h = mkernel.moe_dispatch_gemm(x, ids, w, w1, comm=comm, num_experts=E, capacity=cap)
+        mkernel.moe_gemm_combine(y, w2, h, comm=comm, path="fused")
+    cupy.cuda.runtime.deviceSynchronize()
+    comm.check()
+    comm.close()  # writes the traces
+    MPI.COMM_WORLD.Barrier()
+    if MPI.COMM_WORLD.rank == 0:
+        summarize_files([os.path.join(args.out, f"trace.rank{i}.json") for i in range(W)])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--summarize", nargs="+", metavar="JSON", help="summarise these trace files and exit")
+    p.add_argument("--shape", default="4096x7168x2048x64x8", help="T x H x F x experts x top-k (per rank)")
+    p.add_argument("--capacity", type=int, default=0, help="rows per rank (default moe_capacity: bench/moe.py's)")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--transport", default="host")
+    p.add_argument("--calls", type=int, default=4, help="calls (the last combine is summarised)")
+    p.add_argument("--workspace-gib", type=int, default=4)
+    p.add_argument("--out", default="trace-out")
+    args = p.parse_args()
+    if args.summarize:
+        summarize_files(args.summarize)
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main()
