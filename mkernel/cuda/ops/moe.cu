@@ -87,7 +87,8 @@ __global__ void __launch_bounds__(MOE_THREADS, 1) mk_moe_combine_kernel(const __
     }
     moe_returned(a, peers, mine, n, Ep);
   }
-  if (s_ok) moe_weighted_sum<DT>(a, peers, moe_tokens(a), blockIdx.x, gridDim.x, tid, MOE_THREADS, MkBarCta(), &s_back, Ep);
+  if (s_ok)
+    moe_weighted_sum<DT>(a, peers, moe_tokens(a), blockIdx.x, gridDim.x, tid, MOE_THREADS, MkBarCta(), &s_back, Ep);
   __syncthreads();
   if (tid == 0) counters_reset_by_last_block(a.counters, MOE_CNT_WORDS, MOE_CNT_DONE);
   launch_exit(a.sync, Ep);

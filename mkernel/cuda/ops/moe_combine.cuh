@@ -129,11 +129,11 @@ MK_DEV void moe_push_sums(const MkMoeArgs& a, u32 Ep) {
     if (!n) continue;
     const u32 there = node < j ? node : node - 1;  // this node's segment at j
     if (!wait_remote_at_least(a.sync, a.queue, a.pflags + MOE_PF_PCREDIT + j, Ep, (i32)r, MOE_WAIT_SUMS_CREDIT + j) ||
-        !queue_push(a.sync, a.queue,
-                    mk_write_cmd(r, MK_WORKSPACE_REGION,
-                                 a.part_off + moe_fwd_sum_offset((u32)a.T, a.ldo, row_bytes, a.vseg[i]),
-                                 MK_WORKSPACE_REGION, a.precv_off + (u64)there * (u64)a.fwd_rows * row_bytes,
-                                 n * row_bytes, MOE_PF_PART + node, Ep)))
+        !queue_push(
+            a.sync, a.queue,
+            mk_write_cmd(r, MK_WORKSPACE_REGION, a.part_off + moe_fwd_sum_offset((u32)a.T, a.ldo, row_bytes, a.vseg[i]),
+                         MK_WORKSPACE_REGION, a.precv_off + (u64)there * (u64)a.fwd_rows * row_bytes, n * row_bytes,
+                         MOE_PF_PART + node, Ep)))
       return;
   }
 }

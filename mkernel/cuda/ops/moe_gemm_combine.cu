@@ -108,7 +108,8 @@ MK_DEV void moe_return_rows(const MkMoeGemmArgs& args, MoeReturnShared& rs, u8* 
     if (!rs.ok) break;
     if (lane == 0) {
       fence_proxy_async_global();  // the bulk loads (async proxy) after the flags' acquire
-      const u32 fwd_row = nodes ? (u32)space.row_base(t.group) + rs.own[t.group] : ~0u;  // its group's first forwarded row
+      const u32 fwd_row =
+          nodes ? (u32)space.row_base(t.group) + rs.own[t.group] : ~0u;  // its group's first forwarded row
       for (u32 r = warp; r < (u32)t.rows; r += MOE_GC_WARPS) {
         const u32 row = (u32)t.m0 + r;
         const u32 m = meta[row];
