@@ -72,7 +72,7 @@ def run(args):
     cap = args.capacity or mkernel.moe_capacity(T, k, W)
     for _ in range(args.calls):
         y, h = mkernel.moe_dispatch_gemm(x, ids, w, w1, comm=comm, num_experts=E, capacity=cap)
-        mkernel.moe_gemm_combine(y, w2, h, comm=comm, path="fused")
+        mkernel.moe_gemm_combine(y, w2, h, comm=comm, path="fused", comm_sms=args.comm_sms)
     cupy.cuda.runtime.deviceSynchronize()
     comm.check()
     comm.close()  # writes the traces
@@ -89,6 +89,7 @@ def main():
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--transport", default="host")
     p.add_argument("--calls", type=int, default=4, help="calls (the last combine is summarised)")
+    p.add_argument("--comm-sms", type=int, default=None, help="the combine's returning CTAs (default moe_comm_sms)")
     p.add_argument("--workspace-gib", type=int, default=4)
     p.add_argument("--out", default="trace-out")
     args = p.parse_args()
