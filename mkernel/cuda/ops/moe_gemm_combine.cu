@@ -147,7 +147,10 @@ __global__ void __launch_bounds__(MOE_GC_THREADS, 1)
     epoch = sm.bars->epoch;
     if (arrival == 0 && threadIdx.x == 0) {
       credits_announce(peers, epoch);  // this rank entered the epoch
-      if (a.pepoch) moe_sums_open(a, epoch);
+      if (a.pepoch) {  // the partials kernel's PART waits take this epoch; this rank's precv is free
+        *a.pepoch = epoch;
+        moe_sums_route(a).credit(epoch);
+      }
       trace_span(a.sync, MK_ROLE_CONTROL, MOE_TRACE_ANNOUNCE | epoch, t_in);
     }
     warpgroup_roles<Cfg>(
