@@ -398,6 +398,7 @@ class Baseline:
 
 # -------------------------------------------------------------------------------------- timing
 MPS_ROUNDS = 6  # under MPS: batches per variant (mps_timing.BATCH calls each), interleaved
+FEW_COMM_SMS = 4  # under MPS: the fused kernels also timed with this many comm CTAs (default moe_comm_sms)
 
 
 def timed_interleaved(comm, fns, reps, warmup=harness.WARMUP):
@@ -559,13 +560,15 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
 
             share = cc.full_share_change(comm, "moe_dispatch_gemm")  # every MoE kernel on the other grid size (A/B)
 
-            def flipped(f):
+            def configured(f, **knobs):  # f with config knobs changed (an A/B in the same run)
                 def call():
-                    with mkernel.config.override(**share):
+                    with mkernel.config.override(**knobs):
                         f()
                 return call
-            fns.update(flip_dg=flipped(mk_dg), flip_gc=flipped(mk_gc))
-            fns.update(flipuf_dg=flipped(uf_dg), flipuf_gc=flipped(uf_gc))  # the blocks' kernels too
+            fns.update(flip_dg=configured(mk_dg, **share), flip_gc=configured(mk_gc, **share),
+                       flipuf_dg=configured(uf_dg, **share), flipuf_gc=configured(uf_gc, **share),  # the blocks too
+                       few_dg=configured(mk_dg, moe_comm_sms=FEW_COMM_SMS),
+                       few_gc=configured(mk_gc, moe_comm_sms=FEW_COMM_SMS))
         if have_baseline and base is not None:
             fns.update(bg_dg=lambda: base.dispatch_gemm("gather"), bg_gc=lambda: base.gemm_combine("gather"),
                        bs_dg=lambda: base.dispatch_gemm("segments"), bs_gc=lambda: base.gemm_combine("segments"))
@@ -640,7 +643,8 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
                          sms_per_rank=cc.sms_per_rank(), **net)
                 knob = f"mps_full_share={share['mps_full_share']}"
                 r["variants_ms"] = {name: harness.median(ts[key]) for name, key in
-                                    ((knob, f"flip_{sfx}"), (f"unfused {knob}", f"flipuf_{sfx}")) if key in ts}
+                                    ((knob, f"flip_{sfx}"), (f"unfused {knob}", f"flipuf_{sfx}"),
+                                     (f"moe_comm_sms={FEW_COMM_SMS}", f"few_{sfx}")) if key in ts}
                 if nodes > 1:
                     least = 0.80 if comm.local_size == 1 else 0.70
                     r.update(goal=f"fraction_of_bound >= {least}, speedup >= 1.0",

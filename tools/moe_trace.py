@@ -10,7 +10,6 @@ combine is summarised (span ids: MOE_TRACE_* in mkernel/cuda/ops/moe_dispatch.cu
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -36,20 +35,11 @@ def summarize(spans):
     return out
 
 
-def summarize_files(paths):
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from tp_trace import last_launch
-
-    for p in paths:
-        with open(p) as f:
-            events = json.load(f)["traceEvents"]
-        print(f"== {p}")
-        print("\n".join(summarize(last_launch(events))))
-
-
 def run(args):
-    os.environ["MKERNEL_TRACE"] = os.path.join(args.out, "trace.rank{rank}.json")
-    os.makedirs(args.out, exist_ok=True)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from tp_trace import close_and_summarize, trace_into
+
+    trace_into(args.out)
     import cupy
     import ml_dtypes
     import numpy as np
@@ -72,13 +62,8 @@ def run(args):
     cap = args.capacity or mkernel.moe_capacity(T, k, W)
     for _ in range(args.calls):
         y, h = mkernel.moe_dispatch_gemm(x, ids, w, w1, comm=comm, num_experts=E, capacity=cap)
-        mkernel.moe_gemm_combine(y, w2, h, comm=comm, path="fused")
-    cupy.cuda.runtime.deviceSynchronize()
-    comm.check()
-    comm.close()  # writes the traces
-    MPI.COMM_WORLD.Barrier()
-    if MPI.COMM_WORLD.rank == 0:
-        summarize_files([os.path.join(args.out, f"trace.rank{i}.json") for i in range(W)])
+        mkernel.moe_gemm_combine(y, w2, h, comm=comm, path="fused", comm_sms=args.comm_sms)
+    close_and_summarize(comm, args.out, summarize)
 
 
 def main():
@@ -89,11 +74,15 @@ def main():
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--transport", default="host")
     p.add_argument("--calls", type=int, default=4, help="calls (the last combine is summarised)")
+    p.add_argument("--comm-sms", type=int, default=None, help="the combine's returning CTAs (default moe_comm_sms)")
     p.add_argument("--workspace-gib", type=int, default=4)
     p.add_argument("--out", default="trace-out")
     args = p.parse_args()
     if args.summarize:
-        summarize_files(args.summarize)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from tp_trace import summarize_files
+
+        summarize_files(args.summarize, summarize)
     else:
         run(args)
 

@@ -74,19 +74,39 @@ def summarize(spans):
     return out
 
 
-def summarize_files(paths):
+def summarize_files(paths, summarize_fn=summarize):
     for p in paths:
         with open(p) as f:
             events = json.load(f)["traceEvents"]
         print(f"== {p}")
-        print("\n".join(summarize(last_launch(events))))
+        print("\n".join(summarize_fn(last_launch(events))))
+
+
+def trace_into(out):
+    """Trace mode for the communicators this process makes next: rank r's Chrome trace goes to
+    out/trace.rank<r>.json when its communicator closes (set before mkernel.init)."""
+    os.environ["MKERNEL_TRACE"] = os.path.join(out, "trace.rank{rank}.json")
+    os.makedirs(out, exist_ok=True)
+
+
+def close_and_summarize(comm, out, summarize_fn=summarize):
+    """Every rank: the traced calls done, close the communicator (which writes its trace); rank 0
+    then summarises every rank's last launch."""
+    import cupy
+    from mpi4py import MPI
+
+    cupy.cuda.runtime.deviceSynchronize()
+    comm.check()
+    comm.close()
+    MPI.COMM_WORLD.Barrier()
+    if MPI.COMM_WORLD.rank == 0:
+        summarize_files([os.path.join(out, f"trace.rank{i}.json") for i in range(MPI.COMM_WORLD.size)],
+                        summarize_fn)
 
 
 def run(args):
-    os.environ["MKERNEL_TRACE"] = os.path.join(args.out, "trace.rank{rank}.json")
-    os.makedirs(args.out, exist_ok=True)
+    trace_into(args.out)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
-    import cupy
     import ml_dtypes
     import numpy as np
     from mpi4py import MPI
@@ -112,12 +132,7 @@ def run(args):
     comm_sms = args.comm_sms if args.comm_sms == "auto" else int(args.comm_sms)
     for _ in range(args.calls):
         fn(a, b, comm=comm, comm_sms=comm_sms)
-    cupy.cuda.runtime.deviceSynchronize()
-    comm.check()
-    comm.close()  # writes the traces
-    MPI.COMM_WORLD.Barrier()
-    if r == 0:
-        summarize_files([os.path.join(args.out, f"trace.rank{i}.json") for i in range(W)])
+    close_and_summarize(comm, args.out)
 
 
 def main():

@@ -22,7 +22,7 @@ from mpi4py import MPI
 from mkernel.comm.proxy import FLAG_ADD, FLAG_SET, FLUSH, SIGNAL, WRITE, CommandQueue, Proxy
 from mkernel.core.errors import PeerError, TimeoutError
 
-from tests.helpers.jobs import WORLD, collectively, mpiexec, relaunch
+from tests.helpers.jobs import WORLD, collectively, mpiexec, relaunch, slow
 from tests.helpers.rdma import NEEDS_RDMA, VERBS
 
 SIZES = [1, 2, 3, 1000, 4096 + 3, (1 << 19) + 1, (1 << 20) + 7, 3 << 20, 64 << 20]  # one WRITE each, per peer
@@ -74,7 +74,7 @@ def _exchange(transport, **proxy_options):
 
         sources = {s: _source(s) for s in peers}
         pending = {(s, k) for s in peers for k in range(K)}
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + slow(60)
         while pending:
             proxy.check()
             assert time.monotonic() < deadline, f"writes {sorted(pending)} never arrived"
@@ -136,13 +136,13 @@ def _rounds(transport, rounds=300, tiles=8, tile=64 << 10):
         for rd in range(1, rounds + 1):
             src[:] = (rank * 31 + rd) & 0xFF  # the partner wrote round rd - 1 and we checked it
             queue.push(SIGNAL, partner, flag=(0, rd, FLAG_SET))
-            proxy.wait_flag(flags, 0, rd, timeout_s=30)
+            proxy.wait_flag(flags, 0, rd, timeout_s=slow(30))
             for t in range(tiles):
                 queue.push(WRITE, partner, tile, src=(0, t * tile), dst=(1, t * tile), flag=(1, 1, FLAG_ADD))
             queue.push(FLUSH, partner, flag=(2, rd, FLAG_SET))
-            proxy.wait_flag(flags, 1, rd * tiles, timeout_s=30)
+            proxy.wait_flag(flags, 1, rd * tiles, timeout_s=slow(30))
             assert (dst == ((partner * 31 + rd) & 0xFF)).all(), f"rank {rank} round {rd}: stale or torn tiles"
-            proxy.wait_flag(flags, 2, rd, timeout_s=30)
+            proxy.wait_flag(flags, 2, rd, timeout_s=slow(30))
         stats = proxy.stats()["peers"][partner]
         assert stats["bytes_received"] == stats["bytes_sent"] == rounds * tiles * tile
         WORLD.Barrier()  # the partner's last FLUSH needs our proxy to answer it
