@@ -110,38 +110,48 @@ MK_DEV void moe_weighted_sum(const MkMoeArgs& a, const MkPeers& peers, u32 token
 // Forwarded tokens a CTA sums per claim (between nodes, the fused combine).
 constexpr u32 MOE_FWD_SUM_TOKENS = 32;
 
-// Between nodes, thread 0 of the fused combine's first CTA at entry: its epoch for the partials
-// kernel, and to this index's rank of every other node: this rank's precv may be written (read already).
-MK_DEV void moe_sums_open(const MkMoeArgs& a, u32 Ep) {
-  *a.pepoch = Ep;
-  for (u32 j = 0; j <= (u32)a.nseg; ++j)
-    if (j != (u32)a.node)
-      queue_push(a.sync, a.queue,
-                 mk_signal_cmd(j * (u32)a.world + (u32)a.me, MOE_PF_PCREDIT + (u32)a.node, Ep, MK_FLAG_SET));
-}
-
-// Between nodes, a CTA's thread 0 after the last chunk of forwarded sums: each forwarded segment's
-// sums to its source node's precv, one WRITE each once that rank's combine entered this epoch.
-MK_DEV void moe_push_sums(const MkMoeArgs& a, u32 Ep) {
-  const u32 L = (u32)a.world, node = (u32)a.node, row_bytes = (u32)a.H * 2u;
-  for (u32 i = 0; i < (u32)a.nseg; ++i) {  // segment i: the i-th other node j
-    const u32 j = i < node ? i : i + 1, n = a.vseg[i + 1] - a.vseg[i], r = j * L + (u32)a.me;
-    if (!n) continue;
-    const u32 there = node < j ? node : node - 1;  // this node's segment at j
-    if (!wait_remote_at_least(a.sync, a.queue, a.pflags + MOE_PF_PCREDIT + j, Ep, (i32)r, MOE_WAIT_SUMS_CREDIT + j) ||
-        !queue_push(
-            a.sync, a.queue,
-            mk_write_cmd(r, MK_WORKSPACE_REGION, a.part_off + moe_fwd_sum_offset((u32)a.T, a.ldo, row_bytes, a.vseg[i]),
-                         MK_WORKSPACE_REGION, a.precv_off + (u64)there * (u64)a.fwd_rows * row_bytes, n * row_bytes,
-                         MOE_PF_PART + node, Ep)))
-      return;
+// Between nodes, where this rank's node sums of the tokens it forwards go: segment i of vseg (the i-th
+// other node j) to rank (j, lrank)'s precv, from part past its T fp32 rows (16-bit rows). The partials
+// kernel sends them, or the fused combine (moe_gemm_combine.cu) does; thread 0 only.
+struct MoeSumsRoute {
+  const MkSync& sync;
+  const MkQueue& queue;
+  const u32* pflags;  // the node plan's proxy flags
+  const u32* vseg;
+  u32 nodes, node, L, lrank, T, H, R;  // R: fwd_rows
+  u64 part_off, precv_off;
+  // To rank (j, lrank) of every other node: this rank's precv may be written (its sums were read).
+  MK_DEV void credit(u32 Ep) const {
+    for (u32 j = 0; j < nodes; ++j)
+      if (j != node) queue_push(sync, queue, mk_signal_cmd(j * L + lrank, MOE_PF_PCREDIT + node, Ep, MK_FLAG_SET));
   }
+  // Each non-empty segment as one WRITE, once its destination's credit of epoch Ep (or later) is in.
+  MK_DEV bool send(u32 Ep) const {
+    const u32 row_bytes = H * 2u;
+    for (u32 i = 0; i + 1 < nodes; ++i) {
+      const u32 j = i < node ? i : i + 1, n = vseg[i + 1] - vseg[i], r = j * L + lrank;
+      const u32 there = node < j ? node : node - 1;  // this node's segment at j
+      if (n &&
+          !(wait_remote_at_least(sync, queue, pflags + MOE_PF_PCREDIT + j, Ep, (i32)r, MOE_WAIT_SUMS_CREDIT + j) &&
+            queue_push(sync, queue,
+                       mk_write_cmd(r, MK_WORKSPACE_REGION, part_off + moe_fwd_sum_offset(T, H, row_bytes, vseg[i]),
+                                    MK_WORKSPACE_REGION, precv_off + (u64)there * R * row_bytes, n * row_bytes,
+                                    MOE_PF_PART + node, Ep))))
+        return false;
+    }
+    return true;
+  }
+};
+
+MK_DEV MoeSumsRoute moe_sums_route(const MkMoeArgs& a) {
+  return MoeSumsRoute{a.sync,    a.queue,  a.pflags, a.vseg,          (u32)a.nseg + 1u, (u32)a.node, (u32)a.world,
+                      (u32)a.me, (u32)a.T, (u32)a.H, (u32)a.fwd_rows, a.part_off,       a.precv_off};
 }
 
 // Between nodes, the fused combine, every thread of a CTA once its M-tiles with forwarded rows are
 // returned: when every forwarded pair's row is back here (fwdret reaches this rank's forwarded pairs,
 // its count row's all - own), chunks of the forwarded tokens are claimed and summed; the CTA that
-// finishes the last pushes the sums (moe_push_sums). `slot`: a shared word.
+// finishes the last sends them (MoeSumsRoute::send). `slot`: a shared word.
 template <int DT>
 MK_DEV void moe_forward_sums(const MkMoeArgs& a, const MkPeers& peers, volatile int* slot, u32 Ep) {
   const u32 tid = threadIdx.x, T = (u32)a.T, E = (u32)a.E;
@@ -177,7 +187,7 @@ MK_DEV void moe_forward_sums(const MkMoeArgs& a, const MkPeers& peers, volatile 
     if (tid == 0 && atomicAdd(&a.counters[MOE_CNT_FWD_DONE], 1u) == chunks - 1) {
       __threadfence_system();  // every chunk's sums (each CTA fenced before counting) before the WRITEs
       const u64 t1 = trace_start(a.sync);
-      moe_push_sums(a, Ep);
+      moe_sums_route(a).send(Ep);
       trace_span(a.sync, MK_ROLE_CONTROL, MOE_TRACE_PUSH, t1);
     }
   }

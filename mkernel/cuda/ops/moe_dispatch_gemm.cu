@@ -13,7 +13,6 @@
 // only go first (moe_tiles.cuh): they run while the forwarded rows still cross the network. Dispatch
 // goes to the first arrivals because the GEMM waits on it: any resident part of the grid finishes.
 #include "moe_tiles.cuh"
-#include "gemm_epilogue.cuh"
 #include "moe_gemm_args.cuh"
 
 constexpr u32 MOE_GEMM_THREADS = 384;  // the GEMM engine's CTA (1 producer + 2 consumer warpgroups)
@@ -36,16 +35,7 @@ MK_DEV u32 moe_gemm_cta(const MkMoeGemmArgs& args) {
   build_group_table<Cfg::UNIT_M>(sm.table, a.group_rows, (u32)args.g.num_groups, args.g.m, args.g.sched.tiles_n);
   MkTileSpace<Cfg::UNIT_M> space = gemm_tile_space<Cfg>(args.g, sm.table);
   if (!ok) space.num_tiles = 0;
-  warpgroup_roles<Cfg>(
-      [&] {
-        MoeTiles<Cfg, true> src{a, space, epoch};
-        gemm_producer_loop<Cfg>(args.g, sm, src);
-      },
-      [&](int wg) {
-        MkTmaEpilogue<Cfg::DT, Cfg, true> epi{args.g, sm, epoch, MkGemmDest{args.g}};
-        gemm_consumer<Cfg>(args.g, sm, wg, epi);
-        epi.finish();
-      });
+  moe_gemm_tiles<Cfg, true>(args.g, a, sm, space, epoch);
   return epoch;
 }
 

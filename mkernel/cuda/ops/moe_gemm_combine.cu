@@ -16,7 +16,6 @@
 // the GEMM goes on with the own-origin rows; the final sums then cover this rank's tokens only.
 #include "moe_combine.cuh"
 #include "moe_tiles.cuh"
-#include "gemm_epilogue.cuh"
 #include "moe_gemm_args.cuh"
 
 constexpr u32 MOE_GC_THREADS = 384;  // the GEMM engine's CTA
@@ -147,19 +146,13 @@ __global__ void __launch_bounds__(MOE_GC_THREADS, 1)
     epoch = sm.bars->epoch;
     if (arrival == 0 && threadIdx.x == 0) {
       credits_announce(peers, epoch);  // this rank entered the epoch
-      if (a.pepoch) moe_sums_open(a, epoch);
+      if (a.pepoch) {  // the partials kernel's PART waits take this epoch; this rank's precv is free
+        *a.pepoch = epoch;
+        moe_sums_route(a).credit(epoch);
+      }
       trace_span(a.sync, MK_ROLE_CONTROL, MOE_TRACE_ANNOUNCE | epoch, t_in);
     }
-    warpgroup_roles<Cfg>(
-        [&] {
-          MoeTiles<Cfg, false> src{a, space, epoch};
-          gemm_producer_loop<Cfg>(args.g, sm, src);
-        },
-        [&](int wg) {
-          MkTmaEpilogue<Cfg::DT, Cfg, true> epi{args.g, sm, epoch, MkGemmDest{args.g}};
-          gemm_consumer<Cfg>(args.g, sm, wg, epi);
-          epi.finish();
-        });
+    moe_gemm_tiles<Cfg, false>(args.g, a, sm, space, epoch);
     warpgroup_rejoin<MOE_GC_THREADS>();
     fence_proxy_async_smem();  // the pipeline's async-proxy use of the stages before generic use
     __syncthreads();

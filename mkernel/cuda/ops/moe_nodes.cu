@@ -13,7 +13,8 @@
 //
 // mk_moe_partials_kernel, after the node's combine (which left every virtual token's weighted sum
 // of its node's pairs in part: this rank's tokens' in fp32, the forwarded ones' rounded to 16 bits):
-// each bundle's sums go back to their source as one WRITE, and every rank adds, per token, the
+// each bundle's sums go back to their source as one WRITE (unless the fused GEMM + combine sent them:
+// MoeSumsRoute in moe_combine.cuh), and every rank adds, per token, the
 // sums of all nodes in node order (its own at its place): a fixed order, so bitwise reproducible.
 #include "queue.cuh"
 #include "moe_nodes_args.cuh"
@@ -28,7 +29,6 @@ enum : u32 {
   MOE_WAIT_GCOUNT = 0xC100u,
   MOE_WAIT_DESC = 0xC200u,
   MOE_WAIT_PFLUSH = 0xC380u,
-  MOE_WAIT_PCREDIT = 0xC400u,
   MOE_WAIT_PART = 0xC500u
 };
 
@@ -345,24 +345,11 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_partials_kernel(co
     s_epoch = launch_epoch(a.sync);
     const bool send = a.pepoch == nullptr;  // else the fused combine sent them, flags at its epoch
     const u32 pe = send ? s_epoch : *a.pepoch;
-    if (first && send)  // this rank's precv may be written: its previous sums are done
-      for (u32 j = 0; j < N; ++j)
-        if (j != node)
-          queue_push(a.sync, a.queue, mk_signal_cmd(node_rank(a, j), MOE_PF_PCREDIT + node, s_epoch, MK_FLAG_SET));
+    const MoeSumsRoute route{a.sync,       a.queue,  a.pflags, a.vseg, N,          node,       (u32)a.local,
+                             (u32)a.lrank, (u32)a.T, H,        R,      a.part_off, a.precv_off};
+    if (first && send) route.credit(s_epoch);  // this rank's precv may be written: its previous sums are done
     bool ok = *a.verdict == MOE_PLAN_OK;
-    if (ok && first && send)  // the sums of the tokens this rank forwarded, to their sources
-      for (u32 j = 0; j < N && ok; ++j) {
-        if (j == node) continue;
-        const u32 i = seg_of(j, node) + 1, n = a.vseg[i] - a.vseg[i - 1];  // forwarded segment i - 1
-        if (!n) continue;
-        const u32 r = node_rank(a, j);
-        ok = wait_credit(a, MOE_PF_PCREDIT + j, s_epoch, r, MOE_WAIT_PCREDIT + j) &&
-             queue_push(a.sync, a.queue,
-                        mk_write_cmd(r, MK_WORKSPACE_REGION,
-                                     a.part_off + moe_fwd_sum_offset((u32)a.T, H, (u32)sum_row, a.vseg[i - 1]),
-                                     MK_WORKSPACE_REGION, a.precv_off + (u64)seg_of(node, j) * R * sum_row,
-                                     (u32)(n * sum_row), MOE_PF_PART + node, s_epoch));
-      }
+    if (ok && first && send) ok = route.send(s_epoch);  // the sums of the tokens this rank forwarded
     const u32* own =
         peer_ptr<const u32>(node_peers(a), (u32)a.lrank, a.gcounts_off) + (u64)a.me * MOE_GROW_WORDS((u32)a.E);
     for (u32 j = 0; j < N && ok; ++j)  // the other nodes' sums of this rank's tokens

@@ -6,6 +6,7 @@
 // combine's (M-tiles holding forwarded rows first: their sums cross it). docs/MOE.md "Overlap".
 #include "moe_dispatch.cuh"
 #include "gemm_mainloop.cuh"
+#include "gemm_epilogue.cuh"
 
 // Between nodes, the M-tile at index u (of mtiles) of a fused GEMM's claim order (tile_order: written
 // before the dispatch's verdict, read past L1).
@@ -56,3 +57,20 @@ struct MoeTiles {
   }
   MK_DEV i32 b_index(const MkTile& t) const { return t.group; }
 };
+
+// A GEMM CTA's tiles: its producer warpgroup claims them from MoeTiles, its consumers store each by
+// TMA and set its flag (g.tile_flags, when set).
+template <class Cfg, bool DISPATCH>
+MK_DEV void moe_gemm_tiles(const MkGemmArgs& g, const MkMoeArgs& a, const GemmSmem<Cfg>& sm,
+                           const MkTileSpace<Cfg::UNIT_M>& space, u32 epoch) {
+  warpgroup_roles<Cfg>(
+      [&] {
+        MoeTiles<Cfg, DISPATCH> src{a, space, epoch};
+        gemm_producer_loop<Cfg>(g, sm, src);
+      },
+      [&](int wg) {
+        MkTmaEpilogue<Cfg::DT, Cfg, true> epi{g, sm, epoch, MkGemmDest{g}};
+        gemm_consumer<Cfg>(g, sm, wg, epi);
+        epi.finish();
+      });
+}
