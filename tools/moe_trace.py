@@ -13,8 +13,8 @@ import argparse
 import os
 import sys
 
-KINDS = {1: "GEMM CTA done", 2: "M-tile returned", 3: "forwarded rows back", 4: "forwarded chunk summed",
-         5: "sums' WRITEs queued", 6: "final sums (CTA)", 7: "partials: other nodes' sums in"}
+KINDS = {1: "GEMM CTA done", 2: "M-tile returned", 3: "forwarded rows back", 4: "forwarded chunk sent",
+         5: "final sums (CTA)", 6: "partials: other nodes' sums in"}
 ANNOUNCE, EXIT = 0x80000000, 0x40000000
 
 

@@ -40,7 +40,7 @@ MAX_ROWS = 1 << 24     # meta words hold t * k + j in 24 bits
 THREADS = 512          # MOE_THREADS
 # MOE_CNT_* in order (moe_args.cuh): the kernels' counter words, named for diagnostics
 CNT_NAMES = ("hist", "sent", "done", "order", "plan", "tile", "ret", "gemm_done", "arrive", "claim_hist",
-             "claim_order", "run", "returned", "fwd_claim", "fwd_done")
+             "claim_order", "run", "returned", "fwd_claim")
 CNT_WORDS = len(CNT_NAMES)  # MOE_CNT_WORDS
 PAIRS_PER_CTA = 256    # dispatch: pairs each CTA routes (its grid: ceil(pairs / this), at most the SMs)
 ROWS_PER_CTA = 64      # combine: rows each CTA returns
@@ -68,7 +68,7 @@ class MkMoeArgs(ctypes.Structure):
                 ("partial_out", ctypes.c_int32), ("vown", ctypes.c_void_p), ("xepoch", ctypes.c_void_p),
                 ("tile_order", ctypes.c_void_p), ("queue", _proxy.QueueArgs), ("pflags", ctypes.c_void_p),
                 ("node", ctypes.c_int32), ("tile_m", ctypes.c_int32), ("part_off", ctypes.c_uint64),
-                ("precv_off", ctypes.c_uint64), ("fwdret_off", ctypes.c_uint64), ("pepoch", ctypes.c_void_p)]
+                ("precv_off", ctypes.c_uint64), ("fwdret_off", ctypes.c_uint64), ("send_sums", ctypes.c_int32), ("pad", ctypes.c_int32)]
 
 
 def moe_capacity(max_tokens: int, top_k: int, world: int) -> int:

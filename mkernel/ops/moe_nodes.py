@@ -52,10 +52,10 @@ class MkMoeNodeArgs(ctypes.Structure):
                [(f"{n}_off", ctypes.c_uint64) for n in ("gcounts", "gcflag", "xsend", "dsend", "xrecv", "drecv",
                                                          "part", "precv")] + \
                [(n, ctypes.c_void_p) for n in ("x", "topk_ids", "topk_w", "out", "vids", "vw", "vseg", "slots",
-                                               "verdict", "xepoch", "vown", "pepoch", "counters")] + \
+                                               "verdict", "xepoch", "vown", "part_total", "counters")] + \
                [("ldx", ctypes.c_int64), ("ldo", ctypes.c_int64)] + \
                [(n, ctypes.c_int32) for n in ("T", "H", "k", "E", "e_local", "world", "me", "capacity", "node",
-                                              "nodes", "local", "lrank", "fwd_rows", "pad")]
+                                              "nodes", "local", "lrank", "fwd_rows", "sent")]
 
 
 def check_sizes(op, H, k, capacity):
@@ -102,7 +102,7 @@ def plan(op, comm, H, dtype, k, E, capacity, scratch_start):
         p.update(fwd_rows=R, vids=cupy.empty(R * k, dtype=cupy.int32), vw=cupy.empty(R * k, dtype=cupy.float32),
                  vseg=cupy.zeros(MAX_NODES, dtype=cupy.uint32), slots=cupy.empty((N - 1) * R, dtype=cupy.int32),
                  verdict=cupy.zeros(1, dtype=cupy.uint32), xepoch=cupy.zeros(1, dtype=cupy.uint32),
-                 vown=cupy.zeros(E // N, dtype=cupy.uint32), pepoch=cupy.zeros(1, dtype=cupy.uint32),
+                 vown=cupy.zeros(E // N, dtype=cupy.uint32), part_total=cupy.zeros(MAX_NODES, dtype=cupy.uint32),
                  tile_order=cupy.zeros(-(-capacity // _gemm.BM) + E // comm.size, dtype=cupy.uint32))
         cupy.cuda.runtime.deviceSynchronize()
         p["pflags"] = comm.proxy_flag_block(PF_WORDS)  # collective; peers signal them from their kernels
@@ -118,7 +118,7 @@ def args(comm, p, op, T, k, E, H, capacity) -> MkMoeNodeArgs:
     a.pflags = comm.proxy_flags[0] + 4 * base
     for n in ("gcounts", "gcflag", "xsend", "dsend", "xrecv", "drecv", "part", "precv"):
         setattr(a, f"{n}_off", comm.offset_of(p[n]))
-    for n in ("vids", "vw", "vseg", "slots", "verdict", "xepoch", "vown", "counters"):
+    for n in ("vids", "vw", "vseg", "slots", "verdict", "xepoch", "vown", "part_total", "counters"):
         setattr(a, n, p[n].data.ptr)
     a.T, a.H, a.k, a.E = T, H, k, E
     a.e_local, a.world, a.me, a.capacity = E // comm.size, comm.size, comm.rank, capacity
@@ -145,7 +145,7 @@ def set_sums(m, p, comm):
     """The fused GEMM + combine sends the forwarded tokens' sums itself (MkMoeArgs m; then
     partials(..., sent=True))."""
     m.part_off, m.precv_off, m.fwdret_off = (comm.offset_of(p[n]) for n in ("part", "precv", "fwdret"))
-    m.pepoch = p["pepoch"].data.ptr
+    m.send_sums = 1
 
 
 def _launch(op, expr, a, ctas, stream):
@@ -169,6 +169,6 @@ def partials(op, comm, handle, out, stream, sent=False):
     p = handle._nodes
     a = args(comm, p, op, handle.T, handle.k, handle.E, handle.H, handle.capacity)
     a.out, a.ldo = out.data.ptr, row_stride(out) // out.itemsize
-    a.pepoch = p["pepoch"].data.ptr if sent else None
+    a.sent = int(sent)
     ctas = max(1, min(launch.sm_count(), -(-handle.T // PARTIAL_TOKENS_PER_CTA)))
     _launch(op, f"mk_moe_partials_kernel<{DT[handle.dtype.name]}>", a, ctas, stream)

@@ -39,7 +39,7 @@ enum {
 // role by arrival (ARRIVE) and every piece of work is claimed (CLAIM_*, RUN, TILE, RET), so any
 // resident subset of the grid finishes (docs/MOE.md "Residency"): HIST and ORDER count the chunks
 // counted and ranked, SENT and RETURNED the rows sent and returned, PLAN is step 3's verdict,
-// FWD_CLAIM / FWD_DONE the forwarded tokens' chunks of sums claimed / summed (fused combine, between nodes).
+// FWD_CLAIM the forwarded tokens' chunks of sums claimed (fused combine, between nodes).
 enum {
   MOE_CNT_HIST = 0,
   MOE_CNT_SENT = 1,
@@ -55,8 +55,7 @@ enum {
   MOE_CNT_RUN = 11,
   MOE_CNT_RETURNED = 12,
   MOE_CNT_FWD_CLAIM = 13,
-  MOE_CNT_FWD_DONE = 14,
-  MOE_CNT_WORDS = 15
+  MOE_CNT_WORDS = 14
 };
 
 // MkStatus::where of the errors the kernels detect in their inputs (MK_ERR_INPUT).
@@ -108,11 +107,12 @@ struct MkMoeArgs {
   const unsigned int* pflags;  // the node plan's proxy flags (MOE_PF_*)
   int node;  // this rank's node (global rank = node * world + me)
   int tile_m;  // fused GEMMs: their M-tile's rows; 0: the engine's order (no tile_order)
-  // Between nodes, the fused GEMM + combine sends the forwarded tokens' sums itself (pepoch non-null):
-  // once fwdret counts every forwarded pair's row back, chunks of them are summed into part (16-bit
-  // rows) and each segment goes to its source node's precv as one WRITE (docs/MOE.md "Overlap").
+  // Between nodes, the fused GEMM + combine sends the forwarded tokens' sums itself (send_sums): once
+  // fwdret counts every forwarded pair's row back, chunks of them are summed into part (16-bit rows),
+  // each chunk WRITten to its source node's precv as it is done (docs/MOE.md "Overlap").
   unsigned long long part_off;  // the node plan's part (as out: fp32 rows of this rank's tokens, then 16-bit)
   unsigned long long precv_off;  // the node plan's precv [N - 1][fwd_rows][H] at the sources
   unsigned long long fwdret_off;  // u32 [1]: forwarded pairs' rows returned to this rank (zeroed by its last CTA)
-  unsigned int* pepoch;  // [1]: the epoch of those WRITEs' flags, for the partials kernel
+  int send_sums;  // 1: the fused GEMM + combine between nodes (the partials kernel then only adds)
+  int pad;
 };

@@ -112,7 +112,8 @@ constexpr u32 MOE_FWD_SUM_TOKENS = 32;
 
 // Between nodes, where this rank's node sums of the tokens it forwards go: segment i of vseg (the i-th
 // other node j) to rank (j, lrank)'s precv, from part past its T fp32 rows (16-bit rows). The partials
-// kernel sends them, or the fused combine (moe_gemm_combine.cu) does; thread 0 only.
+// kernel sends them, or the fused combine (moe_gemm_combine.cu) does; thread 0 only. PART counts the
+// tokens whose sums landed (ADD: WRITEs are unordered), so any split into WRITEs is waited for alike.
 struct MoeSumsRoute {
   const MkSync& sync;
   const MkQueue& queue;
@@ -125,18 +126,20 @@ struct MoeSumsRoute {
     for (u32 j = 0; j < nodes; ++j)
       if (j != node) queue_push(sync, queue, mk_signal_cmd(j * L + lrank, MOE_PF_PCREDIT + node, Ep, MK_FLAG_SET));
   }
-  // Each non-empty segment as one WRITE, once its destination's credit of epoch Ep (or later) is in.
-  MK_DEV bool send(u32 Ep) const {
+  // The sums of virtual tokens [lo, hi) (forwarded: lo >= T), one WRITE per segment they cross, each
+  // once its destination's credit of epoch Ep (or later) is in.
+  MK_DEV bool send(u32 lo, u32 hi, u32 Ep) const {
     const u32 row_bytes = H * 2u;
     for (u32 i = 0; i + 1 < nodes; ++i) {
-      const u32 j = i < node ? i : i + 1, n = vseg[i + 1] - vseg[i], r = j * L + lrank;
+      const u32 j = i < node ? i : i + 1, r = j * L + lrank;
+      const u32 s0 = max(lo, vseg[i]), s1 = min(hi, vseg[i + 1]);
       const u32 there = node < j ? node : node - 1;  // this node's segment at j
-      if (n &&
+      if (s0 < s1 &&
           !(wait_remote_at_least(sync, queue, pflags + MOE_PF_PCREDIT + j, Ep, (i32)r, MOE_WAIT_SUMS_CREDIT + j) &&
             queue_push(sync, queue,
-                       mk_write_cmd(r, MK_WORKSPACE_REGION, part_off + moe_fwd_sum_offset(T, H, row_bytes, vseg[i]),
-                                    MK_WORKSPACE_REGION, precv_off + (u64)there * R * row_bytes, n * row_bytes,
-                                    MOE_PF_PART + node, Ep))))
+                       mk_write_cmd(r, MK_WORKSPACE_REGION, part_off + moe_fwd_sum_offset(T, H, row_bytes, s0),
+                                    MK_WORKSPACE_REGION, precv_off + ((u64)there * R + (s0 - vseg[i])) * row_bytes,
+                                    (s1 - s0) * row_bytes, MOE_PF_PART + node, s1 - s0, MK_FLAG_ADD))))
         return false;
     }
     return true;
@@ -150,8 +153,8 @@ MK_DEV MoeSumsRoute moe_sums_route(const MkMoeArgs& a) {
 
 // Between nodes, the fused combine, every thread of a CTA once its M-tiles with forwarded rows are
 // returned: when every forwarded pair's row is back here (fwdret reaches this rank's forwarded pairs,
-// its count row's all - own), chunks of the forwarded tokens are claimed and summed; the CTA that
-// finishes the last sends them (MoeSumsRoute::send). `slot`: a shared word.
+// its count row's all - own), chunks of the forwarded tokens are claimed, summed and each sent at once
+// (MoeSumsRoute::send), so the WRITEs stream while the rest is summed. `slot`: a shared word.
 template <int DT>
 MK_DEV void moe_forward_sums(const MkMoeArgs& a, const MkPeers& peers, volatile int* slot, u32 Ep) {
   const u32 tid = threadIdx.x, T = (u32)a.T, E = (u32)a.E;
@@ -172,6 +175,7 @@ MK_DEV void moe_forward_sums(const MkMoeArgs& a, const MkPeers& peers, volatile 
   __syncthreads();
   if (!*slot) return;
   const u8* ret = peer_ptr<const u8>(peers, (u32)a.me, a.ret_off);
+  const MoeSumsRoute route = moe_sums_route(a);
   for (;;) {
     __syncthreads();  // every thread read *slot before thread 0 writes it
     if (tid == 0) *slot = (int)atomicAdd(&a.counters[MOE_CNT_FWD_CLAIM], 1u);
@@ -179,16 +183,13 @@ MK_DEV void moe_forward_sums(const MkMoeArgs& a, const MkPeers& peers, volatile 
     const u32 c = (u32)*slot;
     if (c >= chunks) return;
     const u64 t0 = trace_start(a.sync);
-    const u32 lo = T + c * MOE_FWD_SUM_TOKENS;
-    moe_sum_tokens<DT>(a, ret, lo, min(T + n, lo + MOE_FWD_SUM_TOKENS), tid, blockDim.x);
+    const u32 lo = T + c * MOE_FWD_SUM_TOKENS, hi = min(T + n, lo + MOE_FWD_SUM_TOKENS);
+    moe_sum_tokens<DT>(a, ret, lo, hi, tid, blockDim.x);
     __threadfence_system();
-    __syncthreads();
-    if (tid == 0) trace_span(a.sync, MK_ROLE_SEND, MOE_TRACE_FWD_SUM | c, t0);
-    if (tid == 0 && atomicAdd(&a.counters[MOE_CNT_FWD_DONE], 1u) == chunks - 1) {
-      __threadfence_system();  // every chunk's sums (each CTA fenced before counting) before the WRITEs
-      const u64 t1 = trace_start(a.sync);
-      moe_sums_route(a).send(Ep);
-      trace_span(a.sync, MK_ROLE_CONTROL, MOE_TRACE_PUSH, t1);
+    __syncthreads();  // the chunk's sums (every thread's, fenced) before its WRITEs
+    if (tid == 0) {
+      route.send(lo, hi, Ep);  // (a failure is recorded)
+      trace_span(a.sync, MK_ROLE_SEND, MOE_TRACE_FWD_SUM | c, t0);
     }
   }
 }

@@ -41,10 +41,9 @@ enum : u32 {
   MOE_TRACE_GEMM = 0x01000000u,  // a GEMM CTA's tiles
   MOE_TRACE_RETURN = 0x02000000u,  // | M-tile unit: its wait and copies
   MOE_TRACE_FWD_WAIT = 0x03000000u,  // forwarded rows back (fwdret)
-  MOE_TRACE_FWD_SUM = 0x04000000u,  // | chunk of forwarded sums
-  MOE_TRACE_PUSH = 0x05000000u,  // the forwarded sums' WRITEs queued
-  MOE_TRACE_SUM = 0x06000000u,  // a CTA's final sums (their wait included)
-  MOE_TRACE_PART_WAIT = 0x07000000u  // partials kernel: the other nodes' sums in
+  MOE_TRACE_FWD_SUM = 0x04000000u,  // | chunk of forwarded sums, summed and its WRITEs queued
+  MOE_TRACE_SUM = 0x05000000u,  // a CTA's final sums (their wait included)
+  MOE_TRACE_PART_WAIT = 0x06000000u  // partials kernel: the other nodes' sums in
 };
 
 // Wait ids (MkStatus::where) of the kernels' waits.

@@ -10,10 +10,10 @@
 // it claims are then computed or held by running CTAs: any resident part of the grid finishes).
 // Once every row is back, retflag[me] is set on every rank. Then every CTA sums its share of this
 // rank's tokens (moe_combine.cuh): the same sums, in the same order, as mk_moe_combine_kernel.
-// Between nodes (a.pepoch) the M-tiles with forwarded rows go first (moe_tiles.cuh); a CTA past
+// Between nodes (a.send_sums) the M-tiles with forwarded rows go first (moe_tiles.cuh); a CTA past
 // them counts the forwarded rows it returned into each source's fwdret, then sums forwarded tokens
-// once all of its own are back and the last pushes them to their nodes (moe_forward_sums), while
-// the GEMM goes on with the own-origin rows; the final sums then cover this rank's tokens only.
+// in chunks once all of its own are back, each chunk WRITten to its node at once (moe_forward_sums),
+// while the GEMM goes on with the own-origin rows; the final sums then cover this rank's tokens only.
 #include "moe_combine.cuh"
 #include "moe_tiles.cuh"
 #include "moe_gemm_args.cuh"
@@ -46,7 +46,7 @@ MK_DEV void moe_return_rows(const MkMoeGemmArgs& args, MoeReturnShared& rs, u8* 
   const MkMoeArgs& a = args.m;
   const MkGemmArgs& g = args.g;
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, W = (u32)a.world, El = (u32)a.e_local;
-  const bool nodes = a.pepoch != nullptr;
+  const bool nodes = a.send_sums != 0;
   build_group_table<Cfg::BM>(&rs.table, g.group_rows, (u32)g.num_groups, g.m, g.sched.tiles_n);
   const MkTileSpace<Cfg::UNIT_M> space = gemm_tile_space<Cfg>(g, &rs.table);
   if (nodes) {  // own-origin rows per group, from every source's count row; none counted yet
@@ -146,10 +146,7 @@ __global__ void __launch_bounds__(MOE_GC_THREADS, 1)
     epoch = sm.bars->epoch;
     if (arrival == 0 && threadIdx.x == 0) {
       credits_announce(peers, epoch);  // this rank entered the epoch
-      if (a.pepoch) {  // the partials kernel's PART waits take this epoch; this rank's precv is free
-        *a.pepoch = epoch;
-        moe_sums_route(a).credit(epoch);
-      }
+      if (a.send_sums) moe_sums_route(a).credit(epoch);  // this rank's precv is free (its sums were read)
       trace_span(a.sync, MK_ROLE_CONTROL, MOE_TRACE_ANNOUNCE | epoch, t_in);
     }
     moe_gemm_tiles<Cfg, false>(args.g, a, sm, space, epoch);
@@ -161,10 +158,10 @@ __global__ void __launch_bounds__(MOE_GC_THREADS, 1)
     epoch = launch_epoch(a.sync);
   }
   moe_return_rows<Cfg>(args, rs, sm.base + MOE_RET_STAGE_OFFSET, peers, epoch);
-  moe_weighted_sum<DT>(a, peers, a.pepoch ? (u32)a.T : moe_tokens(a), blockIdx.x, gridDim.x, threadIdx.x,
+  moe_weighted_sum<DT>(a, peers, a.send_sums ? (u32)a.T : moe_tokens(a), blockIdx.x, gridDim.x, threadIdx.x,
                        MOE_GC_THREADS, MkBarCta(), &rs.back, epoch);
   __syncthreads();
-  if (threadIdx.x == 0 && counters_reset_by_last_block(a.counters, MOE_CNT_WORDS, MOE_CNT_DONE) && a.pepoch)
+  if (threadIdx.x == 0 && counters_reset_by_last_block(a.counters, MOE_CNT_WORDS, MOE_CNT_DONE) && a.send_sums)
     *peer_ptr<u32>(peers, (u32)a.me, a.fwdret_off) = 0;  // every count of this launch is in (or it failed)
   if (threadIdx.x == 0) trace_span(a.sync, MK_ROLE_CONTROL, MOE_TRACE_EXIT | blockIdx.x, t_in);
   launch_exit(a.sync, epoch);

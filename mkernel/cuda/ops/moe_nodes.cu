@@ -13,8 +13,8 @@
 //
 // mk_moe_partials_kernel, after the node's combine (which left every virtual token's weighted sum
 // of its node's pairs in part: this rank's tokens' in fp32, the forwarded ones' rounded to 16 bits):
-// each bundle's sums go back to their source as one WRITE (unless the fused GEMM + combine sent them:
-// MoeSumsRoute in moe_combine.cuh), and every rank adds, per token, the
+// each bundle's sums go back to their source as one WRITE (unless the fused GEMM + combine sent them,
+// in chunks: MoeSumsRoute in moe_combine.cuh; PART counts tokens), and every rank adds, per token, the
 // sums of all nodes in node order (its own at its place): a fixed order, so bitwise reproducible.
 #include "queue.cuh"
 #include "moe_nodes_args.cuh"
@@ -39,6 +39,9 @@ MK_DEV u32 seg_of(u32 j, u32 node) { return j < node ? j : j - 1; }
 MK_DEV const u32* grow(const MkMoeNodeArgs& a, u32 s) {
   return peer_ptr<const u32>(node_peers(a), (u32)a.lrank, a.gcounts_off) + (u64)s * MOE_GROW_WORDS((u32)a.E);
 }
+
+// Tokens of this rank with a pair on node j (its bundle there; the sums node j sends back).
+MK_DEV u32 bundle(const MkMoeNodeArgs& a, u32 j) { return ld_cg(grow(a, (u32)a.me) + MOE_GROW_BUNDLE((u32)a.E, j)); }
 
 // Thread 0: the epoch-E flag of a proxy flag this rank's queue knows.
 MK_DEV bool wait_pf(const MkMoeNodeArgs& a, u32 flag, u32 E, u32 peer, u32 where) {
@@ -343,18 +346,16 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_partials_kernel(co
   const u64 t_in = trace_start(a.sync);
   if (tid == 0) {
     s_epoch = launch_epoch(a.sync);
-    const bool send = a.pepoch == nullptr;  // else the fused combine sent them, flags at its epoch
-    const u32 pe = send ? s_epoch : *a.pepoch;
+    const bool send = !a.sent;  // else the fused combine sent them
     const MoeSumsRoute route{a.sync,       a.queue,  a.pflags, a.vseg, N,          node,       (u32)a.local,
                              (u32)a.lrank, (u32)a.T, H,        R,      a.part_off, a.precv_off};
     if (first && send) route.credit(s_epoch);  // this rank's precv may be written: its previous sums are done
     bool ok = *a.verdict == MOE_PLAN_OK;
-    if (ok && first && send) ok = route.send(s_epoch);  // the sums of the tokens this rank forwarded
-    const u32* own =
-        peer_ptr<const u32>(node_peers(a), (u32)a.lrank, a.gcounts_off) + (u64)a.me * MOE_GROW_WORDS((u32)a.E);
-    for (u32 j = 0; j < N && ok; ++j)  // the other nodes' sums of this rank's tokens
-      if (j != node && own[MOE_GROW_BUNDLE((u32)a.E, j)])
-        ok = wait_pf(a, MOE_PF_PART + j, pe, node_rank(a, j), MOE_WAIT_PART + j);
+    if (ok && first && send) ok = route.send((u32)a.T, a.vseg[N - 1], s_epoch);  // the tokens it forwarded
+    for (u32 j = 0; j < N && ok; ++j)  // the other nodes' sums of this rank's tokens: PART counts tokens
+      if (j != node && bundle(a, j))
+        ok = wait_remote_at_least(a.sync, a.queue, a.pflags + MOE_PF_PART + j, a.part_total[j] + bundle(a, j),
+                                  (i32)node_rank(a, j), MOE_WAIT_PART + j);
     trace_span(a.sync, MK_ROLE_WAIT, MOE_TRACE_PART_WAIT | blockIdx.x, t_in);
     s_ok = ok ? 1 : 0;
   }
@@ -411,7 +412,9 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_partials_kernel(co
       if (j != node && !wait_pf(a, MOE_PF_PFLUSH + j, E, node_rank(a, j), MOE_WAIT_PFLUSH + j)) break;
   }
   __syncthreads();
-  if (tid == 0) counters_reset_by_last_block(a.counters, MOE_NCNT_WORDS, MOE_NCNT_DONE);
+  if (tid == 0 && counters_reset_by_last_block(a.counters, MOE_NCNT_WORDS, MOE_NCNT_DONE) && *a.verdict == MOE_PLAN_OK)
+    for (u32 j = 0; j < N; ++j)  // every CTA read the targets: the next launch's follow these
+      if (j != node) a.part_total[j] += bundle(a, j);
   launch_exit(a.sync, E);
 }
 

@@ -43,12 +43,12 @@ struct MkMoeNodeArgs {
   unsigned int* verdict;  // [1]: MOE_PLAN_OK / MOE_PLAN_FAILED of the last exchange
   unsigned int* xepoch;  // [1]: the last exchange's epoch (MkMoeArgs::xepoch)
   unsigned int* vown;  // [E / nodes]: this rank's own pairs per expert of its node (MkMoeArgs::vown)
-  const unsigned int* pepoch;  // partials kernel: null, it sends the sums; else the fused combine did, at *pepoch
+  unsigned int* part_total;  // [N]: tokens whose sums node j WRITes here, over this plan's launches (PART's target)
   unsigned int* counters;  // MOE_NCNT_WORDS, zero between launches
   long long ldx, ldo;
   int T, H, k, E;  // this rank's tokens, hidden size, experts per token, global experts
   int e_local, world, me, capacity;
   int node, nodes, local, lrank;
   int fwd_rows;  // capacity / k: tokens of one bundle, virtual tokens of one rank
-  int pad;
+  int sent;  // partials kernel: 1 if the fused combine sent the forwarded tokens' sums (else it sends them)
 };
