@@ -636,7 +636,7 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
                     net = dict(network_rows=net_rows, bytes_per_direction=nbytes, link_GBps=link_gbs)
                 bnd = max(compute, link)
                 # the default call (path=None) is the fused kernel or the blocks themselves (then 1.0: one call)
-                default = moe_gemm.DEFAULT_PATH[op]
+                default = moe_gemm.default_path(op, comm)
                 r.update(baseline_ms=t_uf, speedup=r["vs_unfused"], baseline_mode="unfused blocks", compute_ms=compute,
                          link_ms=link, bound_ms=bnd, fraction_of_bound=bnd / t_mk, mps=True, path="fused",
                          default_path=default, default_speedup=r["vs_unfused"] if default == "fused" else 1.0,
@@ -858,7 +858,7 @@ def main():
         elif mps is not None and rows:  # issue 25 inside a node: the default call never costs time
             sp = [r["default_speedup"] for r in rows]
             geo = float(np.exp(np.mean(np.log(sp))))
-            paths_used = ", ".join(f"{op} {moe_gemm.DEFAULT_PATH[op]}" for op in OPS)
+            paths_used = ", ".join(f"{op} {moe_gemm.default_path(op, comm)}" for op in OPS)
             verdicts.append((f"the default call ({paths_used}) >= 0.98x the unfused blocks on every row, "
                              f"geomean >= 1.0 (MPS)",
                              f"{'met' if min(sp) >= 0.98 and geo >= 1.0 else 'NOT met'} (min {min(sp):.3f}, "

@@ -68,7 +68,8 @@ class MkMoeArgs(ctypes.Structure):
                 ("partial_out", ctypes.c_int32), ("vown", ctypes.c_void_p), ("xepoch", ctypes.c_void_p),
                 ("tile_order", ctypes.c_void_p), ("queue", _proxy.QueueArgs), ("pflags", ctypes.c_void_p),
                 ("node", ctypes.c_int32), ("tile_m", ctypes.c_int32), ("part_off", ctypes.c_uint64),
-                ("precv_off", ctypes.c_uint64), ("fwdret_off", ctypes.c_uint64), ("send_sums", ctypes.c_int32), ("pad", ctypes.c_int32)]
+                ("precv_off", ctypes.c_uint64), ("fwdret_off", ctypes.c_uint64), ("send_sums", ctypes.c_int32),
+                ("pad", ctypes.c_int32)]
 
 
 def moe_capacity(max_tokens: int, top_k: int, world: int) -> int:

@@ -7,11 +7,12 @@ experts' grouped GEMM straight on the receive buffer, each tile once the rows it
 ``moe_gemm_combine``: one persistent kernel (``mkernel/cuda/ops/moe_gemm_combine.cu``) whose GEMM CTAs
 run the experts' second grouped GEMM into a staging buffer while its communication CTAs send the
 whole rows of every finished M-tile back to their sources; then every CTA sums its share of the
-tokens (inside one node; between nodes the unfused path).
+tokens (between nodes: this rank's; the forwarded tokens' node sums go back in chunks as they are done).
 
 ``path="unfused"`` runs the building blocks instead (``moe_dispatch`` then ``grouped_gemm``;
-``grouped_gemm`` then ``moe_combine``), the comparison the benchmark reports. Default paths: fused for
-``moe_dispatch_gemm``; unfused for ``moe_gemm_combine``, whose fused kernel is still the slower.
+``grouped_gemm`` then ``moe_combine``), the comparison the benchmark reports. Default paths
+(``default_path``): fused for ``moe_dispatch_gemm``; for ``moe_gemm_combine`` fused between nodes and
+unfused inside one node, where its fused kernel is still the slower.
 """
 
 import ctypes
@@ -32,8 +33,10 @@ from mkernel.runtime.launch import launch_persistent, persistent_grid
 KERNEL = "mk_moe_dispatch_gemm_kernel"
 THREADS = 384            # MOE_GEMM_THREADS (the GEMM engine's CTA)
 PATHS = ("fused", "unfused")
-# path=None: the fused combine is slower than its blocks wherever measured (world 1; 2 ranks under MPS)
-DEFAULT_PATH = types.MappingProxyType({"moe_dispatch_gemm": "fused", "moe_gemm_combine": "unfused"})
+# path=None, by (op, between nodes): the fused combine beats its blocks between nodes (it sends the node
+# sums while it computes), not inside one node (docs/MOE.md "Status")
+DEFAULT_PATH = types.MappingProxyType({("moe_dispatch_gemm", False): "fused", ("moe_dispatch_gemm", True): "fused",
+                                       ("moe_gemm_combine", False): "unfused", ("moe_gemm_combine", True): "fused"})
 MAX_EXPERTS_LOCAL = _gemm.MAX_GROUPS  # one GEMM group per local expert
 
 COMBINE_KERNEL = "mk_moe_gemm_combine_kernel"
@@ -98,8 +101,8 @@ def moe_dispatch_gemm(x, topk_ids, topk_weights, w, *, comm, num_experts, capaci
     import cupy
 
     op = "moe_dispatch_gemm"
-    path, comm_sms = _check_path(op, path, comm_sms)
     d = _moe.check_dispatch(op, x, topk_ids, topk_weights, comm, num_experts, capacity, stream)
+    path, comm_sms = _check_path(op, path, comm_sms, comm)
     El = num_experts // comm.size
     wb, layout, F = _expert_weights(op, as_cupy(w, "w", stream=stream), El, d.H, d.x.dtype, w_layout)
     out = _calls.prepare_out(op, out, (d.capacity, F), d.x.dtype, comm)
@@ -122,8 +125,13 @@ def moe_dispatch_gemm(x, topk_ids, topk_weights, w, *, comm, num_experts, capaci
     return out, d.handle()
 
 
-def _check_path(op, path, comm_sms):
-    path = DEFAULT_PATH[op] if path is None else path
+def default_path(op, comm):
+    """The path a call of op with path=None takes on comm."""
+    return DEFAULT_PATH[op, comm.num_nodes > 1]
+
+
+def _check_path(op, path, comm_sms, comm):
+    path = default_path(op, comm) if path is None else path
     if path not in PATHS:
         raise ArgumentError(f"{op}: path must be one of {PATHS}; got {path!r}")
     comm_sms = config.get().moe_comm_sms if comm_sms is None else comm_sms
@@ -178,19 +186,18 @@ def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=No
     on its rows, each row back to its token's rank, and every token's rows summed weighted by its
     routing weights: out [T, H], the same bits as ``moe_combine(grouped_gemm(y2, w2))``.
 
-    path: "unfused" (default): grouped_gemm, then moe_combine, back to back on the stream. "fused": one
-    kernel; ``comm_sms`` CTAs (default 16) send the rows of every M-tile as soon as its N-tiles are
-    stored. The fused kernel is the default's equal in every bit, and inside a node today the slower
-    (at world 1 on the H200: 0.89-0.95x at 4096 x 7168 x 2048 x 64 x 8, 0.92-0.93x at 4096 x 4096 x
-    14336 x 8 x 2; bench/NOTES.md), so it is opt-in until it is faster. Between nodes it computes
-    the M-tiles with forwarded rows first and sends their tokens' node sums while it computes the
-    rest (docs/MOE.md "Overlap").
+    path: "unfused": grouped_gemm, then moe_combine, back to back on the stream. "fused": one kernel;
+    ``comm_sms`` CTAs (default 16) send the rows of every M-tile as soon as its N-tiles are stored;
+    between nodes it computes the M-tiles with forwarded rows first and sends their tokens' node sums
+    in chunks while it computes the rest (docs/MOE.md "Overlap"). Both give the same bits. Default
+    (None): fused between nodes, unfused inside one node, where the fused kernel is still the slower
+    (0.89-0.95x its blocks at world 1 on the H200; bench/NOTES.md).
     """
     import cupy
 
     op = "moe_gemm_combine"
-    path, comm_sms = _check_path(op, path, comm_sms)
     _moe._check_comm(op, comm)
+    path, comm_sms = _check_path(op, path, comm_sms, comm)
     if not isinstance(handle, _moe.MoeHandle):
         raise ArgumentError(f"{op}: handle must be the MoeHandle of moe_dispatch; got {type(handle).__name__}")
     handle._check()

@@ -13,3 +13,16 @@ def test_fused_kernel_has_no_static_shared_memory(spec):
 
     log = mkc.compile_spec(mkc.REGISTRY[spec]).log
     assert "ptxas info" in log and "bytes smem" not in log, [line for line in log.splitlines() if "smem" in line]
+
+
+@pytest.mark.parametrize("nodes, combine", [(1, "unfused"), (2, "fused"), (3, "fused")])
+def test_default_paths(nodes, combine):
+    """path=None: the fused dispatch + GEMM everywhere; the fused GEMM + combine only between nodes
+    (inside one node it is slower than its blocks)."""
+    import types
+
+    from mkernel.ops import moe_gemm
+
+    comm = types.SimpleNamespace(num_nodes=nodes)
+    assert moe_gemm.default_path("moe_dispatch_gemm", comm) == "fused"
+    assert moe_gemm.default_path("moe_gemm_combine", comm) == combine
