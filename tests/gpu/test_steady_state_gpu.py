@@ -12,7 +12,7 @@ allreduce (LL words, also with out= through its recorded launches, and flags),
 gemm_allreduce's latency path, ring_attention, moe_dispatch + moe_combine, moe_dispatch_gemm +
 moe_gemm_combine (unfused and fused) in one node (the TP ops in a node: test_tp_controller_gpu.py);
 from 2 ranks on also between emulated nodes (host transport): the three TP ops, ring attention and
-MoE. At 1 rank and in the 2- and 4-rank passes (under MPS there: the ranks run at once).
+MoE (the fused combine too). At 1 rank and in the 2- and 4-rank passes (under MPS there: the ranks run at once).
 """
 
 import time
@@ -110,11 +110,11 @@ def _ops_in_node(comm):
     al, wl = _rand((16, 512), 10, r), _rand((1024, 512), 11, r)
     ops["gemm_allreduce latency"] = lambda: mkernel.gemm_allreduce(al, wl.T, comm=comm)
     ops["ring_attention"] = lambda: mkernel.ring_attention(q, k, v, comm=comm)
-    ops.update(_moe_ops(comm, fused_combine=True))
+    ops.update(_moe_ops(comm))
     return ops
 
 
-def _moe_ops(comm, fused_combine):
+def _moe_ops(comm):
     import cupy
 
     W, r = comm.size, comm.rank
@@ -135,10 +135,8 @@ def _moe_ops(comm, fused_combine):
             return mkernel.moe_gemm_combine(y, w2, h, comm=comm, path=path)
         return call
 
-    ops = {"moe dispatch + combine": dispatch_combine, "moe layer (unfused combine)": layer("unfused")}
-    if fused_combine:
-        ops["moe layer (fused combine)"] = layer("fused")
-    return ops
+    return {"moe dispatch + combine": dispatch_combine, "moe layer (unfused combine)": layer("unfused"),
+            "moe layer (fused combine)": layer("fused")}
 
 
 def _ops_between_nodes(comm):
@@ -151,7 +149,7 @@ def _ops_between_nodes(comm):
     ops["allgather_gemm"] = lambda: mkernel.allgather_gemm(shard, w.T, comm=comm)
     q, k, v = (_rand((256, 4, 128), 19 + i, r) for i in range(3))
     ops["ring_attention"] = lambda: mkernel.ring_attention(q, k, v, comm=comm)
-    ops.update(_moe_ops(comm, fused_combine=False))  # the fused combine works inside one node only
+    ops.update(_moe_ops(comm))  # the fused combine too: the default path between nodes
     return ops
 
 
