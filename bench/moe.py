@@ -18,8 +18,8 @@ A B C ... A B C ... so that clock drift spreads over all of them):
 
 - mkernel: the fused kernels, ``moe_dispatch_gemm`` (y = dispatch(x) @ w1[expert]) and
   ``moe_gemm_combine`` on y2 = y (no activation: it is not part of either op), both with
-  ``path="fused"`` (moe_gemm_combine's default path is the unfused one while its fused kernel is the
-  slower: bench/NOTES.md);
+  ``path="fused"`` (moe_gemm_combine's default path between nodes; inside a node its default is the
+  unfused one, while its fused kernel there is the slower: bench/NOTES.md);
 - unfused: ``moe_dispatch`` then ``grouped_gemm``; ``grouped_gemm`` then ``moe_combine`` (the
   building blocks back to back);
 - join, last for each routing: ``moe_dispatch_gemm`` with and without its dispatch CTAs taking
@@ -499,7 +499,7 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
             with mkernel.config.override(moe_join_gemm=join):
                 mk_dg()
 
-        def mk_gc():  # the fused kernel (not the op's default path, which is unfused while the fused one is slower)
+        def mk_gc():  # the fused kernel (the default path between nodes; inside a node the blocks are)
             mkernel.moe_gemm_combine(B["y_mk"], w2, st["h"], comm=comm, out=B["out_mk"], path="fused")
 
         def uf_dg():
