@@ -19,9 +19,10 @@
 #define MOE_ROW_WORDS(E) (2 * (E) + 2)
 
 // Between nodes, the node plan's proxy flags (relative to its block; moe_nodes.cu and the dispatch's
-// waits): CREDIT + s (rank s entered the exchange: its count row and bundle buffers may be written), GCOUNT + s (s's count row arrived), DESC / ROWS + n (node
-// n's bundle of routing words / rows arrived), FLUSH + r (this rank's exchange commands to r applied),
-// PCREDIT + n, PART + n, PFLUSH + n: the same for the partial sums going back.
+// waits): CREDIT + s (rank s entered the exchange: its count row and bundle buffers may be written),
+// GCOUNT + s (s's count row arrived), DESC / ROWS + n (node n's bundle of routing words / rows
+// arrived), FLUSH + r (this rank's exchange commands to r applied), PCREDIT + n, PFLUSH + n: the same
+// for the partial sums going back; PART + n counts the tokens whose sums node n WRITes here.
 // Each kind has MOE_MAX_WORLD slots (ranks or nodes: at most that many).
 enum {
   MOE_PF_CREDIT = 0,

@@ -131,9 +131,9 @@ struct MoeSumsRoute {
   MK_DEV bool send(u32 lo, u32 hi, u32 Ep) const {
     const u32 row_bytes = H * 2u;
     for (u32 i = 0; i + 1 < nodes; ++i) {
-      const u32 j = i < node ? i : i + 1, r = j * L + lrank;
+      const u32 j = moe_seg_node(i, node), r = j * L + lrank;
       const u32 s0 = max(lo, vseg[i]), s1 = min(hi, vseg[i + 1]);
-      const u32 there = node < j ? node : node - 1;  // this node's segment at j
+      const u32 there = moe_seg_of(node, j);  // this node's segment at j
       if (s0 < s1 &&
           !(wait_remote_at_least(sync, queue, pflags + MOE_PF_PCREDIT + j, Ep, (i32)r, MOE_WAIT_SUMS_CREDIT + j) &&
             queue_push(sync, queue,

@@ -103,6 +103,10 @@ MK_DEV u64 moe_fwd_sum_offset(u32 T, long long ldo, u32 row_bytes, u32 t) {
   return (u64)T * (u64)ldo * 4u + (u64)(t - T) * row_bytes;
 }
 
+// Between nodes, node j's segment in node `node`'s [N - 1] arrays (j != node), and the node of segment i.
+MK_DEV u32 moe_seg_of(u32 j, u32 node) { return j < node ? j : j - 1; }
+MK_DEV u32 moe_seg_node(u32 i, u32 node) { return i < node ? i : i + 1; }
+
 // The forwarded segment i (of nseg) that holds virtual token t >= vseg[0]: vseg[i] <= t < vseg[i + 1].
 MK_DEV u32 moe_fwd_segment(const u32* vseg, u32 nseg, u32 t) {
   u32 i = 0;
@@ -142,7 +146,7 @@ constexpr u32 MOE_SEND_RUN = 8;
 MK_DEV void moe_wait_bundle(const MkMoeArgs& a, const u32* vseg, u32 t, u32 xE, u32& seen) {
   const u32 i = moe_fwd_segment(vseg, (u32)a.nseg, t);
   if ((seen >> i) & 1u) return;
-  const u32 j = i < (u32)a.node ? i : i + 1;  // segment i: the i-th other node
+  const u32 j = moe_seg_node(i, (u32)a.node);
   wait_remote_epoch(a.sync, a.queue, a.pflags + MOE_PF_ROWS + j, xE, (i32)(j * (u32)a.world + (u32)a.me),
                     MOE_WAIT_BUNDLE_ROWS + j);
   fence_proxy_async_global();  // rows the proxy stored, before the copier's bulk loads read them

@@ -34,8 +34,6 @@ enum : u32 {
 
 MK_DEV MkPeers node_peers(const MkMoeNodeArgs& a) { return MkPeers{a.peer_base, (u32)a.local, (u32)a.lrank}; }
 MK_DEV u32 node_rank(const MkMoeNodeArgs& a, u32 j) { return j * (u32)a.local + (u32)a.lrank; }
-// Segment of node j in this rank's [N - 1] arrays, and of node `from` in node j's.
-MK_DEV u32 seg_of(u32 j, u32 node) { return j < node ? j : j - 1; }
 MK_DEV const u32* grow(const MkMoeNodeArgs& a, u32 s) {
   return peer_ptr<const u32>(node_peers(a), (u32)a.lrank, a.gcounts_off) + (u64)s * MOE_GROW_WORDS((u32)a.E);
 }
@@ -113,7 +111,7 @@ MK_DEV void stage_bundles(const MkMoeNodeArgs& a, bool first, u32* s_base, u32 (
 #pragma unroll
       for (u32 j = 0; j < MOE_MAX_NODES; ++j) {
         if (j >= N || j == node) continue;
-        const u32 sg = seg_of(j, node);
+        const u32 sg = moe_seg_of(j, node);
         const bool in = (mask >> j) & 1u;
         if (t < T) a.slots[(u64)sg * R + t] = in ? (int)slot[j] : -1;
         if (in) {  // the token's routing words as node j numbers its experts
@@ -192,7 +190,7 @@ MK_DEV bool send_bundles(const MkMoeNodeArgs& a, const u32* s_base, u32 E) {
   for (u32 j = 0; j < N; ++j) {
     const u32 n = s_base[j];
     if (j == node || n == 0) continue;
-    const u32 r = node_rank(a, j), sg = seg_of(j, node), there = seg_of(node, j);
+    const u32 r = node_rank(a, j), sg = moe_seg_of(j, node), there = moe_seg_of(node, j);
     if (!wait_credit(a, MOE_PF_CREDIT + r, E, r, MOE_WAIT_NCREDIT + r)) return false;
     if (!queue_push(
             a.sync, a.queue,
@@ -385,7 +383,7 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_partials_kernel(co
             acc[7] += v1.w;
             continue;
           }
-          const u32 sg = seg_of(j, node);
+          const u32 sg = moe_seg_of(j, node);
           const int s = a.slots[(u64)sg * R + t];
           if (s < 0) continue;
           const uint4 v = __ldcg(reinterpret_cast<const uint4*>(precv + ((u64)sg * R + (u32)s) * sum_row + o * 2u));
