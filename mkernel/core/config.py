@@ -63,6 +63,7 @@ class Config:
     comm_staged: bool = True
     moe_comm_sms: int = 16        # dispatch CTAs of the fused MoE kernels
     moe_join_gemm: bool = True    # the dispatch CTAs take GEMM tiles once their rows are sent
+    moe_sums_group: int = 4       # between nodes, the fused combine's chunks of sums (32 tokens) per WRITE
     ring_comm_sms: int = 2        # ring attention's forwarding CTAs (a step's block is little next to its compute)
     # The split search's prior (mkernel/split/search.py): rates of its cost model.
     cta_gbps: float = 20.0        # bytes loaded + stored per second by one communication CTA
@@ -96,9 +97,9 @@ class Config:
     def __post_init__(self):
         if self.tp_controller not in CONTROLLER_SETTINGS:
             raise ArgumentError(f"tp_controller must be one of {CONTROLLER_SETTINGS}; got {self.tp_controller!r}")
-        for name in ("tp_fuse_min_tiles", "tp_fuse_min_k", "tp_lend_share", "moe_comm_sms", "ring_comm_sms",
-                     "tp_send_tiles", "gemm_decode_max_m", "tp_latency_max_rows", "tp_latency_ll_max_rows",
-                     "allreduce_ll_max_bytes"):
+        for name in ("tp_fuse_min_tiles", "tp_fuse_min_k", "tp_lend_share", "moe_comm_sms", "moe_sums_group",
+                     "ring_comm_sms", "tp_send_tiles", "gemm_decode_max_m", "tp_latency_max_rows",
+                     "tp_latency_ll_max_rows", "allreduce_ll_max_bytes"):
             v = getattr(self, name)
             zero_ok = name.startswith("tp_fuse") or name in ("gemm_decode_max_m", "tp_latency_max_rows",
                                                              "tp_latency_ll_max_rows", "allreduce_ll_max_bytes")

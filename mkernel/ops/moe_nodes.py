@@ -16,6 +16,7 @@ spans nodes.
 import ctypes
 
 from mkernel.comm import proxy as _proxy
+from mkernel.core import config
 from mkernel.core.errors import ArgumentError
 from mkernel.engines import gemm as _gemm
 from mkernel.ops import buffers as _buffers
@@ -31,6 +32,7 @@ PART_BYTES = 2  # a bundle's node sums go back as 16-bit rows: the size of its r
 THREADS = 512       # MOE_NODE_THREADS
 PF_WORDS = 64       # MOE_PF_WORDS: the plan's proxy flags
 CNT_WORDS = 3       # MOE_NCNT_WORDS
+FWD_SUM_TOKENS = 32  # MOE_FWD_SUM_TOKENS: virtual tokens per chunk of forwarded sums
 TOKENS_PER_CTA = 32  # the exchange stages a warp's 32 tokens per unit; CTAs beyond T / 32 idle
 PARTIAL_TOKENS_PER_CTA = 16  # the final sums: a warp per token
 EXCHANGE_MAX_CTAS = 64  # every CTA scans all T * k ids (cheap): more would only repeat that scan
@@ -103,7 +105,8 @@ def plan(op, comm, H, dtype, k, E, capacity, scratch_start):
                  vseg=cupy.zeros(MAX_NODES, dtype=cupy.uint32), slots=cupy.empty((N - 1) * R, dtype=cupy.int32),
                  verdict=cupy.zeros(1, dtype=cupy.uint32), xepoch=cupy.zeros(1, dtype=cupy.uint32),
                  vown=cupy.zeros(E // N, dtype=cupy.uint32), part_total=cupy.zeros(MAX_NODES, dtype=cupy.uint32),
-                 tile_order=cupy.zeros(-(-capacity // _gemm.BM) + E // comm.size, dtype=cupy.uint32))
+                 tile_order=cupy.zeros(-(-capacity // _gemm.BM) + E // comm.size, dtype=cupy.uint32),
+                 fwdgrp=cupy.zeros(R // FWD_SUM_TOKENS + 1, dtype=cupy.uint32))
         cupy.cuda.runtime.deviceSynchronize()
         p["pflags"] = comm.proxy_flag_block(PF_WORDS)  # collective; peers signal them from their kernels
     return p
@@ -145,7 +148,7 @@ def set_sums(m, p, comm):
     """The fused GEMM + combine sends the forwarded tokens' sums itself (MkMoeArgs m; then
     partials(..., sent=True))."""
     m.part_off, m.precv_off, m.fwdret_off = (comm.offset_of(p[n]) for n in ("part", "precv", "fwdret"))
-    m.send_sums = 1
+    m.send_sums, m.sums_group, m.fwdgrp = 1, config.get().moe_sums_group, p["fwdgrp"].data.ptr
 
 
 def _launch(op, expr, a, ctas, stream):

@@ -204,12 +204,16 @@ def _run_gemm_ops(comm, P):
         _sync(comm, f"moe_gemm_combine ({path}) between nodes")
     if not np.array_equal(bits(outs["fused"]), bits(outs["unfused"])):
         msgs.append("moe_gemm_combine: fused and unfused differ between nodes")
-    again = [mkernel.moe_gemm_combine(ys["unfused"], dev(W2[me * El:(me + 1) * El]), h, comm=comm,
-                                      out=poisoned((x.shape[0], P["H"]), P["dtn"]), path="fused") for _ in range(2)]
-    _sync(comm, "moe_gemm_combine (fused) twice more on one dispatch between nodes")
-    for i, o in enumerate(again):  # the benchmark's batches repeat it on one dispatch too
+    again = []
+    for group in (4, 1, 3):  # chunks of sums per WRITE; the benchmark's batches repeat it on one dispatch too
+        with mkernel.config.override(moe_sums_group=group):
+            again.append(mkernel.moe_gemm_combine(ys["unfused"], dev(W2[me * El:(me + 1) * El]), h, comm=comm,
+                                                  out=poisoned((x.shape[0], P["H"]), P["dtn"]), path="fused"))
+    _sync(comm, "moe_gemm_combine (fused) three times more on one dispatch between nodes")
+    for group, o in zip((4, 1, 3), again):
         if not np.array_equal(bits(o), bits(outs["unfused"])):
-            msgs.append(f"moe_gemm_combine: fused call {i + 2} on one dispatch differs from the unfused path")
+            msgs.append(f"moe_gemm_combine: fused again on one dispatch (moe_sums_group={group}) differs from "
+                        f"the unfused path")
     out = outs["unfused"]
     if msgs:
         return msgs[0]

@@ -36,6 +36,9 @@ enum {
   MOE_PF_WORDS = 8 * MOE_MAX_WORLD
 };
 
+// Between nodes, forwarded tokens the fused combine sums per claim (a chunk; sums_group chunks a WRITE).
+enum { MOE_FWD_SUM_TOKENS = 32 };
+
 // Device counters of one plan, zero between launches (the last CTA resets them). A CTA takes its
 // role by arrival (ARRIVE) and every piece of work is claimed (CLAIM_*, RUN, TILE, RET), so any
 // resident subset of the grid finishes (docs/MOE.md "Residency"): HIST and ORDER count the chunks
@@ -110,10 +113,11 @@ struct MkMoeArgs {
   int tile_m;  // fused GEMMs: their M-tile's rows; 0: the engine's order (no tile_order)
   // Between nodes, the fused GEMM + combine sends the forwarded tokens' sums itself (send_sums): once
   // fwdret counts every forwarded pair's row back, chunks of them are summed into part (16-bit rows),
-  // each chunk WRITten to its source node's precv as it is done (docs/MOE.md "Overlap").
+  // each group of sums_group chunks WRITten to its source's precv once summed (docs/MOE.md "Overlap").
   unsigned long long part_off;  // the node plan's part (as out: fp32 rows of this rank's tokens, then 16-bit)
   unsigned long long precv_off;  // the node plan's precv [N - 1][fwd_rows][H] at the sources
   unsigned long long fwdret_off;  // u32 [1]: forwarded pairs' rows returned to this rank (zeroed by its last CTA)
   int send_sums;  // 1: the fused GEMM + combine between nodes (the partials kernel then only adds)
-  int pad;
+  int sums_group;  // chunks of forwarded sums per WRITE (consecutive; the last group's CTA sends it)
+  unsigned int* fwdgrp;  // [chunks / sums_group + 1]: chunks summed per group (zeroed by the last CTA)
 };

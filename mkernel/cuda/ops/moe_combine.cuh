@@ -107,9 +107,6 @@ MK_DEV void moe_weighted_sum(const MkMoeArgs& a, const MkPeers& peers, u32 token
   if (tid == 0) trace_span(a.sync, MK_ROLE_RECV, MOE_TRACE_SUM | part, t0);
 }
 
-// Forwarded tokens a CTA sums per claim (between nodes, the fused combine).
-constexpr u32 MOE_FWD_SUM_TOKENS = 32;
-
 // Between nodes, where this rank's node sums of the tokens it forwards go: segment i of vseg (the i-th
 // other node j) to rank (j, lrank)'s precv, from part past its T fp32 rows (16-bit rows). The partials
 // kernel sends them, or the fused combine (moe_gemm_combine.cu) does; thread 0 only. PART counts the
@@ -153,8 +150,9 @@ MK_DEV MoeSumsRoute moe_sums_route(const MkMoeArgs& a) {
 
 // Between nodes, the fused combine, every thread of a CTA once its M-tiles with forwarded rows are
 // returned: when every forwarded pair's row is back here (fwdret reaches this rank's forwarded pairs,
-// its count row's all - own), chunks of the forwarded tokens are claimed, summed and each sent at once
-// (MoeSumsRoute::send), so the WRITEs stream while the rest is summed. `slot`: a shared word.
+// its count row's all - own), chunks of the forwarded tokens are claimed and summed, and each group of
+// sums_group chunks is sent once summed (MoeSumsRoute::send), so the WRITEs stream while the rest is
+// summed. `slot`: a shared word.
 template <int DT>
 MK_DEV void moe_forward_sums(const MkMoeArgs& a, const MkPeers& peers, volatile int* slot, u32 Ep) {
   const u32 tid = threadIdx.x, T = (u32)a.T, E = (u32)a.E;
@@ -186,9 +184,13 @@ MK_DEV void moe_forward_sums(const MkMoeArgs& a, const MkPeers& peers, volatile 
     const u32 lo = T + c * MOE_FWD_SUM_TOKENS, hi = min(T + n, lo + MOE_FWD_SUM_TOKENS);
     moe_sum_tokens<DT>(a, ret, lo, hi, tid, blockDim.x);
     __threadfence_system();
-    __syncthreads();  // the chunk's sums (every thread's, fenced) before its WRITEs
+    __syncthreads();  // the chunk's sums (every thread's, fenced) before it is counted in its group
     if (tid == 0) {
-      route.send(lo, hi, Ep);  // (a failure is recorded)
+      const u32 G = (u32)a.sums_group, grp = c / G, in_grp = min(G, chunks - grp * G);
+      if (atomicAdd(&a.fwdgrp[grp], 1u) + 1u == in_grp) {  // the group's last chunk: the group's WRITEs
+        __threadfence_system();  // the other chunks' sums (each CTA fenced before counting)
+        route.send(T + grp * G * MOE_FWD_SUM_TOKENS, min(T + n, T + (grp + 1u) * G * MOE_FWD_SUM_TOKENS), Ep);
+      }
       trace_span(a.sync, MK_ROLE_SEND, MOE_TRACE_FWD_SUM | c, t0);
     }
   }

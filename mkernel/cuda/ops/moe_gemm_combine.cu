@@ -12,7 +12,7 @@
 // rank's tokens (moe_combine.cuh): the same sums, in the same order, as mk_moe_combine_kernel.
 // Between nodes (a.send_sums) the M-tiles with forwarded rows go first (moe_tiles.cuh); a CTA past
 // them counts the forwarded rows it returned into each source's fwdret, then sums forwarded tokens
-// in chunks once all of its own are back, each chunk WRITten to its node at once (moe_forward_sums),
+// in chunks once all of its own are back, each group of chunks WRITten once summed (moe_forward_sums),
 // while the GEMM goes on with the own-origin rows; the final sums then cover this rank's tokens only.
 #include "moe_combine.cuh"
 #include "moe_tiles.cuh"
@@ -161,8 +161,10 @@ __global__ void __launch_bounds__(MOE_GC_THREADS, 1)
   moe_weighted_sum<DT>(a, peers, a.send_sums ? (u32)a.T : moe_tokens(a), blockIdx.x, gridDim.x, threadIdx.x,
                        MOE_GC_THREADS, MkBarCta(), &rs.back, epoch);
   __syncthreads();
-  if (threadIdx.x == 0 && counters_reset_by_last_block(a.counters, MOE_CNT_WORDS, MOE_CNT_DONE) && a.send_sums)
+  if (threadIdx.x == 0 && counters_reset_by_last_block(a.counters, MOE_CNT_WORDS, MOE_CNT_DONE) && a.send_sums) {
     *peer_ptr<u32>(peers, (u32)a.me, a.fwdret_off) = 0;  // every count of this launch is in (or it failed)
+    for (u32 g = 0; g * (u32)a.sums_group * MOE_FWD_SUM_TOKENS < a.vseg[a.nseg] - (u32)a.T; ++g) a.fwdgrp[g] = 0;
+  }
   if (threadIdx.x == 0) trace_span(a.sync, MK_ROLE_CONTROL, MOE_TRACE_EXIT | blockIdx.x, t_in);
   launch_exit(a.sync, epoch);
 }
