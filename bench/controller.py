@@ -93,7 +93,7 @@ def bench_shape(op, comm, M, N, K, dt, barrier=None):
     from mkernel.split import search as autosplit
 
     call = op_call(op, comm, M, N, K, dt)
-    for n in GRID[:2] + ["auto"]:  # compile, allocate the plan; a process's first "auto" call also loads
+    for n in (*GRID[:2], "auto"):  # compile, allocate the plan; a process's first "auto" call also loads
         call(n)  # the split policy's host library (first shapes measured 6.8x without it: bench/NOTES.md)
     harness.wait(f"{op} warm-up")
     lead = comm.mpi.allreduce(harness.launch_lead_ns(lambda: call(GRID[0])), op=MPI.MAX)
