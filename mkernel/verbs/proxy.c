@@ -12,10 +12,14 @@
 
 /* Commands taken per pass before the transport gets to progress, and before tail is published. */
 #define MK_BATCH 256
-/* Idle back-off: spin for the first SPIN_NS of idleness, then sleep SHORT_US, after LONG_NS sleep LONG_US. */
+/* Idle back-off: spin for the first SPIN_NS of idleness, then sleep SHORT_US; after MID_NS sleep MID_US,
+ * after LONG_NS LONG_US. A call's kernel can start well after the last traffic (the host runs ahead):
+ * each sleep tier delays its first command by up to that sleep on each side. */
 #define MK_IDLE_SPIN_NS 200000ULL
-#define MK_IDLE_LONG_NS 20000000ULL
+#define MK_IDLE_MID_NS 20000000ULL
+#define MK_IDLE_LONG_NS 1000000000ULL
 #define MK_IDLE_SHORT_US 50
+#define MK_IDLE_MID_US 200
 #define MK_IDLE_LONG_US 1000
 
 uint64_t mk_now_ns(void) {
@@ -334,9 +338,11 @@ static void* proxy_main(void* arg) {
     }
     uint64_t now = mk_now_ns();
     if (!idle_since) idle_since = now;
-    timeout_us = now - idle_since < MK_IDLE_SPIN_NS   ? 0
-                 : now - idle_since < MK_IDLE_LONG_NS ? MK_IDLE_SHORT_US
-                                                      : MK_IDLE_LONG_US;
+    uint64_t idle = now - idle_since;
+    timeout_us = idle < MK_IDLE_SPIN_NS   ? 0
+                 : idle < MK_IDLE_MID_NS  ? MK_IDLE_SHORT_US
+                 : idle < MK_IDLE_LONG_NS ? MK_IDLE_MID_US
+                                          : MK_IDLE_LONG_US;
   }
   /* Goodbye only on a clean stop: after a failure the connections stay as they are until destroy, so
    * that peers find the root cause themselves instead of seeing this rank hang up on them. */
