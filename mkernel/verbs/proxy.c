@@ -12,9 +12,8 @@
 
 /* Commands taken per pass before the transport gets to progress, and before tail is published. */
 #define MK_BATCH 256
-/* Idle back-off: spin for the first SPIN_NS of idleness, then sleep SHORT_US; after MID_NS sleep MID_US,
- * after LONG_NS LONG_US. A call's kernel can start well after the last traffic (the host runs ahead):
- * each sleep tier delays its first command by up to that sleep on each side. */
+/* Idle back-off: spin SPIN_NS, then sleep SHORT_US; after MID_NS MID_US, after LONG_NS LONG_US. A kernel may
+ * start long after the last traffic (its host ran ahead): its first command waits up to one sleep a side. */
 #define MK_IDLE_SPIN_NS 200000ULL
 #define MK_IDLE_MID_NS 20000000ULL
 #define MK_IDLE_LONG_NS 1000000000ULL
