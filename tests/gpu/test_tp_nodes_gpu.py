@@ -231,6 +231,48 @@ def test_caller_copies_queued_behind_an_op_between_nodes(transport):
     _two_emulated_nodes(transport, run)
 
 
+@pytest.mark.gpu
+@pytest.mark.mpi
+@pytest.mark.multi_gpu
+def test_first_launches_of_fresh_plans_between_nodes():
+    """A fused AR's first launch on a fresh plan, FRESH_PLANS times (the plans released before each),
+    each behind an RS with "auto" comm CTAs: session 51's controller bench hung once in its device
+    barrier's first launch (a tiny fused AR between nodes, both ranks waiting for the other's arrival)."""
+    def run(comm):
+        _collective(comm, _with_state(comm, "gemm_allreduce", lambda: _fresh_plans_body(comm)))
+    _two_emulated_nodes("host", run)
+
+
+FRESH_PLANS = 40
+
+
+def _fresh_plans_body(comm):
+    W = comm.size
+    dt = DTYPES["fp16"]
+    shapes = {"ar": (128 * W, 256, 64), "rs": (512 * W, 1024, 256)}
+    problems = {}
+    for i, (name, (M, N, K)) in enumerate(shapes.items()):
+        (a, b), total, _, _, _ = _reduce_problem(comm, 80 + i, M, K, N, "fp16", True)
+        problems[name] = (M, N, _dev(a.astype(dt)), _dev(b.astype(dt)), total)
+    for it in range(FRESH_PLANS):
+        comm.release_plans()
+        for name, fn in (("rs", gemm_reduce_scatter), ("ar", gemm_allreduce)):
+            M, N, a, b, total = problems[name]
+            out = _poisoned((M, N) if name == "ar" else (M // W, N), "fp16")
+            what = f"{fn.__name__} {M}x{N} on fresh plans, round {it}"
+            try:
+                fn(a, b, comm=comm, out=out, path="fused", comm_sms="auto")
+                sync_or_exit(what, HANG_S)
+                comm.check()
+            except mkernel.MKernelError as e:
+                return False, f"{what}: {type(e).__name__}: {e}"
+            pick = total if name == "ar" else _rows(total, comm, M)
+            ok, msg = _check_exact(_host(out), pick, dt, what, row0=0 if name == "ar" else comm.rank * (M // W))
+            if not ok:
+                return False, msg
+    return True, f"{FRESH_PLANS} rounds of fresh plans"
+
+
 def _copies_behind_body(comm, launches=8):
     import cupy
 
