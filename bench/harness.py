@@ -91,7 +91,8 @@ _spin = None
 
 
 def spin(ns):
-    """Keeps the current stream busy for ns nanoseconds (one thread on one SM)."""
+    """Keeps the current stream busy for ns nanoseconds (one thread on one SM). Its module loads at
+    the first call: load_spin() first where an op between nodes may be in flight."""
     global _spin
     import cupy
     import numpy as np
@@ -104,6 +105,16 @@ extern "C" __global__ void mk_bench_spin(unsigned long long ns) {
   do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
 }""", "mk_bench_spin")
     _spin((1,), (1,), (np.uint64(ns),))
+
+
+def load_spin():
+    """Loads spin()'s module now, the device idle: a module load blocks the proxy's copies until the
+    device is idle, so one behind an op between nodes hangs it (docs/ARCHITECTURE.md)."""
+    import cupy
+
+    cupy.cuda.runtime.deviceSynchronize()
+    spin(0)
+    cupy.cuda.runtime.deviceSynchronize()
 
 
 def launch_lead_ns(fn):

@@ -236,8 +236,7 @@ def test_caller_copies_queued_behind_an_op_between_nodes(transport):
 @pytest.mark.multi_gpu
 def test_first_launches_of_fresh_plans_between_nodes():
     """A fused AR's first launch on a fresh plan, FRESH_PLANS times (the plans released before each),
-    each behind an RS with "auto" comm CTAs: session 51's controller bench hung once in its device
-    barrier's first launch (a tiny fused AR between nodes, both ranks waiting for the other's arrival)."""
+    each behind an RS with "auto" comm CTAs: fresh flag blocks and launch counts every round."""
     def run(comm):
         _collective(comm, _with_state(comm, "gemm_allreduce", lambda: _fresh_plans_body(comm)))
     _two_emulated_nodes("host", run)
