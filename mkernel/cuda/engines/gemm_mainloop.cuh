@@ -333,12 +333,12 @@ MK_DEV u64 gemm_desc_b(const GemmSmem<Cfg>& sm, int s, int kk) {
 template <class Cfg>
 MK_DEV void gemm_release_stage(const GemmSmem<Cfg>& sm, int s) {
   const u32 bar = smem_u32(&sm.bars->empty[s]);
-  if (Cfg::CLUSTER == 1) {
+  if constexpr (Cfg::CLUSTER == 1) {
     mbar_arrive(bar);
-    return;
-  }
+  } else {
 #pragma unroll
-  for (u32 q = 0; q < (u32)Cfg::CLUSTER; ++q) mbar_arrive_remote(bar, q);
+    for (u32 q = 0; q < (u32)Cfg::CLUSTER; ++q) mbar_arrive_remote(bar, q);
+  }
 }
 
 // Warpgroups 1..CONSUMERS (wg = 0..CONSUMERS-1), every thread: for each tile of the ring, the
