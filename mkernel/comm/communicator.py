@@ -161,6 +161,7 @@ class Communicator:
         self._root_ranks = numpy.array(self.mpi.allgather(self._root.rank), dtype=numpy.uint16)
         self._root_ranks_dev = None if self._parent is None else cupy.asarray(self._root_ranks)
         self.sync = SyncState(self.rank)
+        self.sync.between_nodes = self.num_nodes > 1
         self._failures_at_start = peer_failures()
         self.trace = Trace(self.rank)
         log.debug("rank %d: node %d/%d, local rank %d/%d, GPU %d, workspace %d bytes", self.rank, self.node,

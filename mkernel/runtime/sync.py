@@ -34,7 +34,13 @@ class MkSync(ctypes.Structure):
                 ("trace_capacity", ctypes.c_uint32), ("pad", ctypes.c_uint32)]
 
 
-def error_from_status(st: MkStatus) -> Exception:
+# A timeout's hint where ranks talk through the proxy (SyncState.between_nodes).
+MODULE_LOAD_HINT = (" Between nodes a CUDA module loaded by a rank while the op ran (the first use of a CuPy "
+                    "kernel, a cuBLAS shape or a RawKernel) stalls the proxy's copies the same way: warm such "
+                    "code up before, or synchronise the stream first (docs/TP.md, 'Module loads').")
+
+
+def error_from_status(st: MkStatus, between_nodes: bool = False) -> Exception:
     op = OPS[st.op] if st.op < len(OPS) else f"op#{st.op}"
     peer = f"peer {st.peer}" if st.peer >= 0 else "no peer"
     where = (f"(wait #{st.where}: expected {st.expected}, last saw {st.seen}, after "
@@ -42,7 +48,7 @@ def error_from_status(st: MkStatus) -> Exception:
     if st.code == ERR_TIMEOUT:
         return TimeoutError(f"{op} on rank {st.rank} timed out waiting for {peer} {where}. The peer may "
                             f"have died, be stuck, or be issuing ops in a different order; raise "
-                            f"MKERNEL_TIMEOUT_S if it is only slow.")
+                            f"MKERNEL_TIMEOUT_S if it is only slow." + (MODULE_LOAD_HINT if between_nodes else ""))
     if st.code == ERR_INPUT and st.where == MOE_ERR_CAPACITY:
         return CapacityError(f"{op}: a rank would receive (or send) {st.seen} rows, more than the capacity of "
                              f"{st.expected}; nothing was sent. Pass a larger capacity "
@@ -70,6 +76,7 @@ class SyncState:
         ctypes.memset(self._host_ptr, 0, ctypes.sizeof(MkStatus))
         self.host_status = MkStatus.from_address(self._host_ptr)
         self.timeout_ns = int(env.get_float("MKERNEL_TIMEOUT_S") * 1e9)
+        self.between_nodes = False  # the communicator spans nodes: its timeouts name the module-load rule
 
     def args(self, op: str, timeout_s: float = None) -> MkSync:
         base = self._dev.data.ptr
@@ -80,7 +87,7 @@ class SyncState:
         """Raise the first error a kernel of this communicator recorded (no synchronisation)."""
         if self.host_status.code != ERR_NONE:
             st = MkStatus.from_buffer_copy(self.host_status)
-            raise error_from_status(st)
+            raise error_from_status(st, self.between_nodes)
 
     def epoch(self) -> int:
         """The epoch of the last completed launch (synchronises: for tests and debugging)."""
