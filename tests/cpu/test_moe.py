@@ -262,19 +262,6 @@ def test_device_errors_map_to_exceptions():
         assert type(e) is cls and "moe_dispatch" in str(e), (cls, e)
 
 
-def test_timeouts_name_op_rank_peer_and_between_nodes_the_module_load_rule():
-    from mkernel.core.errors import TimeoutError as MkTimeout
-    from mkernel.runtime import sync
-
-    st = sync.MkStatus(code=sync.ERR_TIMEOUT, op=sync.OP_ID["gemm_allreduce"], rank=1, peer=0, where=0x50000,
-                       expected=1, seen=0, waited_ns=10 ** 10)
-    inside, between = sync.error_from_status(st), sync.error_from_status(st, between_nodes=True)
-    assert type(inside) is MkTimeout and type(between) is MkTimeout
-    for e in (inside, between):
-        assert "gemm_allreduce on rank 1" in str(e) and "peer 0" in str(e) and "expected 1, last saw 0" in str(e)
-    assert "Module loads" not in str(inside) and "Module loads" in str(between)
-
-
 def test_reference_row_order_rule():
     """The tests' reference on a hand-worked example (W 2, El 2, k 2): rank 0 owns experts 0 and 1,
     rank 1 experts 2 and 3; rows by local expert, then source, then p = t * k + j."""
