@@ -127,6 +127,7 @@ for s in $steps; do
     test4) for i in $(seq "${REPEAT:-1}"); do
         step "test4_$i" 200 $MPI4 $PYT -rfE ${TEST_ARGS:?TEST_ARGS: the pytest arguments}; done ;;
     sanitp) step sanitp 240 env MKERNEL_SANITIZE_ONLY=tp bash tools/sanitize.sh ;;  # the TP ops' 2-rank target only
+    saniring) step saniring 300 env MKERNEL_SANITIZE_ONLY=ring bash tools/sanitize.sh ;;  # ring attention's, in a node and between nodes
     saniar) step saniar 240 env MKERNEL_SANITIZE_ONLY=allreduce bash tools/sanitize.sh ;;  # the all-reduce's (and latency paths')
     sanimoe) step sanimoe 420 env MKERNEL_SANITIZE_ONLY=moe bash tools/sanitize.sh ;;  # the MoE targets: world 1, 2 ranks as 2 nodes, target_moe_gemm
     sanimoegemm) step sanimoegemm 240 env MKERNEL_SANITIZE_ONLY=moe_gemm bash tools/sanitize.sh ;;  # target_moe_gemm only (memcheck, then its diagnosis)

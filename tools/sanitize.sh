@@ -4,7 +4,8 @@
 # between nodes with 2 ranks as 2 emulated nodes (host transport). Ranks run under MPS when a daemon
 # runs (tools/mps.sh; pass CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), time-sliced otherwise.
 # MKERNEL_SANITIZE_ONLY=tp / allreduce: only the TP ops' / the all-reduce's 2-rank target (both tools);
-# =moe_gemm: only target_moe_gemm (below); =moe: target_moe, target_moe_nodes (2 ranks), target_moe_gemm.
+# =moe_gemm: only target_moe_gemm (below); =moe: target_moe, target_moe_nodes (2 ranks), target_moe_gemm;
+# =ring: ring attention's 2-rank targets, in a node and between 2 emulated nodes.
 # target_moe_gemm runs last under each tool, cut at MKERNEL_SANITIZE_MOE_GEMM_S (it froze under both tools
 # from session 31 to 43, a register hand-back since fixed: bench/NOTES.md), so that a stall cannot keep the
 # others from running.
@@ -24,6 +25,7 @@ for tool in memcheck racecheck; do
     moe_gemm) break ;;
     tp) ranks2 "$tool" tp_world; continue ;;
     allreduce) ranks2 "$tool" allreduce; continue ;;
+    ring) for t in ring_attention ring_attention_nodes; do ranks2 "$tool" $t; done; continue ;;
     moe)
       echo "== $tool: target_moe =="
       compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 python3 tools/sanitize_targets.py target_moe \
@@ -34,9 +36,9 @@ for tool in memcheck racecheck; do
   echo "== $tool =="
   compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 python3 tools/sanitize_targets.py -target_moe_gemm \
     || rc=$?
-  for t in allreduce ring_attention moe_nodes; do ranks2 "$tool" $t; done
+  for t in allreduce ring_attention ring_attention_nodes moe_nodes; do ranks2 "$tool" $t; done
 done
-case ${MKERNEL_SANITIZE_ONLY:-} in tp | allreduce) exit $rc ;; esac  # moe and moe_gemm go on to target_moe_gemm
+case ${MKERNEL_SANITIZE_ONLY:-} in tp | allreduce | ring) exit $rc ;; esac  # moe and moe_gemm go on to target_moe_gemm
 limit=${MKERNEL_SANITIZE_MOE_GEMM_S:-90}
 moe_gemm() {  # tool, extra options; its device timeout a third of the cut (not the 120 s above), so
   # that a stuck wait shows in the error word the target logs

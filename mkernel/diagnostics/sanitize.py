@@ -196,14 +196,16 @@ def target_tp_world():
     target_allgather_gemm(MPI.COMM_WORLD)
 
 
-def target_ring_attention():
+def target_ring_attention(nodes: int = 1):
     """Ring attention once per mask at a small ragged shape on MPI.COMM_WORLD (run it with 2 ranks:
-    tools/sanitize.sh does), against the single-GPU engine on the whole sequence; raises on a
-    wrong result."""
+    tools/sanitize.sh does; nodes=2: one emulated node per rank, host transport), against the
+    single-GPU engine on the whole sequence; raises on a wrong result."""
     import cupy
     from mpi4py import MPI
 
-    comm = init(MPI.COMM_WORLD, workspace_bytes=16 << 20)
+    W0 = MPI.COMM_WORLD.Get_size()
+    comm = init(MPI.COMM_WORLD, workspace_bytes=16 << 20, **(
+        dict(gpus_per_node=W0 // nodes, transport="host") if nodes > 1 else {}))
     W, me = comm.size, comm.rank
     S, H, D = 130, 2, 64
     rng = cupy.random.default_rng(5)
@@ -218,8 +220,13 @@ def target_ring_attention():
         comm.check()
         err = float(cupy.linalg.norm(out.astype(cupy.float32) - ref) / cupy.linalg.norm(ref))
         if not err < 1e-2:
-            raise AssertionError(f"ring_attention causal={causal} rank {me}: relative error {err:.2e}")
+            raise AssertionError(f"ring_attention causal={causal} rank {me} ({nodes} nodes): relative error {err:.2e}")
     comm.close()
+
+
+def target_ring_attention_nodes():
+    """target_ring_attention between 2 emulated nodes (run it with 2 ranks)."""
+    target_ring_attention(nodes=2)
 
 
 def target_moe():
