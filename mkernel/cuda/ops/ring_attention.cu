@@ -217,10 +217,11 @@ MK_DEV void ring_announce(const MkRingArgs& r, u32 E) {
                mk_signal_cmd(((u32)r.me + (u32)r.world - 1) % (u32)r.world, RING_PF_CREDIT, E, MK_FLAG_SET));
 }
 
-// Returns true when this CTA turned to attention instead: from step 2 on, forwarding waits on the
-// next rank's attention (FREE), which waits on ours; were every resident CTA a forwarder (part of
-// the grid resident, under MPS), no rank's attention would start. So a forwarder other than the
-// first stops forwarding there while no attention CTA of this rank has arrived; the first goes on.
+// Returns true when this CTA is to attend: at W = 1 (nothing to forward), or when it turned to
+// attention: from step 2 on, forwarding waits on the next rank's attention (FREE), which waits on
+// ours; were every resident CTA a forwarder (part of the grid resident, under MPS), no rank's
+// attention would start. So a forwarder other than the first stops forwarding there while no
+// attention CTA of this rank has arrived; the first goes on. A forwarder done at W >= 2 exits.
 template <int D>
 MK_DEV bool ring_forward_cta(const MkRingArgs& r, u32 E, u32 role, u32 forwarders) {
   __shared__ u32 s_item;
@@ -309,6 +310,7 @@ MK_DEV bool ring_forward_cta(const MkRingArgs& r, u32 E, u32 role, u32 forwarder
       }
     }
   }
+  return W == 1;
 }
 
 template <int DT, int D, bool CAUSAL>
