@@ -64,6 +64,17 @@ struct MkRingArgs {
   unsigned int pad[9];  // explicit tail: sizeof is a multiple of 64
 };
 
+// Trace span ids (MKERNEL_TRACE; tools/ring_trace.py): kind << 24 | step << 16 | item.
+enum : unsigned int {
+  RING_TRACE_ANNOUNCE = 0x80000000u,  // | epoch: the first forwarder entered
+  RING_TRACE_EXIT = 0x40000000u,  // | block
+  RING_TRACE_SEND = 0x01000000u,  // a chunk copied into the next rank (in a node) or its WRITE queued
+  RING_TRACE_RECV = 0x02000000u,  // a chunk from another node landed (the receiver saw its flag)
+  RING_TRACE_ARRIVED = 0x03000000u,  // a step's block is all here (ARRIVED set)
+  RING_TRACE_FLUSH = 0x04000000u,  // a step's WRITEs landed there (FLUSH done)
+  RING_TRACE_MERGE = 0x05000000u  // | tile: a half tile (consumer 0's) merged; from its merge wait
+};
+
 // Proxy flags (RingArgs::pflags): set by the neighbours' commands, or by this rank's FLUSHes.
 enum {
   RING_PF_CREDIT = 0,  // the next rank entered the epoch

@@ -25,6 +25,7 @@
 #include "ring_args.cuh"
 #include "queue.cuh"
 #include "attn_mainloop.cuh"
+#include "trace.cuh"
 
 // 16-byte loads in flight per forwarding thread (copy_vectors), in registers; or, with
 // args.comm_staged, through RING_STAGE_BYTES of the forwarder's shared memory (idle until it turns
@@ -105,6 +106,7 @@ struct RingMergeEpi {
     const int S = a.seq_q, H = a.heads_q;
     const bool first = t.step == 0, last = t.step + 1 == (u32)r.world;
     unsigned int* flag = r.tile_flags + 2 * t.id + wg;
+    const u64 t0 = trace_start(a.sync);
     if (!first) {
       if (tid == 0) wait_epoch(a.sync, flag, E * 16u + t.step - 1u, -1, 0x5300u + t.step);
       named_bar_sync(MK_BAR_EPI + wg, 128);
@@ -159,6 +161,7 @@ struct RingMergeEpi {
     if (tid == 0) {
       if (!last) set_flag(flag, E * 16u + t.step);
       ring_step_done(r, t.step, E);
+      if (wg == 0) trace_span(a.sync, MK_ROLE_COMPUTE, RING_TRACE_MERGE | t.step << 16 | (t.id & 0xffffu), t0);
     }
   }
 };
@@ -174,10 +177,16 @@ MK_DEV bool ring_receive_remote(const MkRingArgs& r, u32 step, u32 E) {
   __syncthreads();
   const u32 prev = ((u32)r.me + (u32)r.world - 1) % (u32)r.world;
   const u32* f = r.pflags + RING_PF_CHUNK + (step - 1) * r.chunks;
-  for (u32 c = threadIdx.x; c < r.chunks; c += blockDim.x)
+  const u64 t0 = trace_start(r.a.sync);
+  for (u32 c = threadIdx.x; c < r.chunks; c += blockDim.x) {
     if (!wait_remote_epoch(r.a.sync, r.queue, f + c, E, (i32)prev, 0x5600u + step)) s_bad = 1;
+    trace_span(r.a.sync, MK_ROLE_RECV, RING_TRACE_RECV | step << 16 | c, t0);
+  }
   __syncthreads();
-  if (threadIdx.x == 0 && !s_bad) set_flag(ring_flags(r, (u32)r.me) + RING_FLAG_ARRIVED + step, E);
+  if (threadIdx.x == 0 && !s_bad) {
+    set_flag(ring_flags(r, (u32)r.me) + RING_FLAG_ARRIVED + step, E);
+    trace_span(r.a.sync, MK_ROLE_CONTROL, RING_TRACE_ARRIVED | step << 16, t0);
+  }
   return !s_bad;
 }
 
@@ -195,15 +204,19 @@ MK_DEV void ring_send_remote(const MkRingArgs& r, u32 step, u32 E, u32* s_item) 
     __syncthreads();
     if (c >= r.chunks) break;
     if (threadIdx.x == 0) {
+      const u64 t0 = trace_start(r.a.sync);
       const u64 off = (u64)c * r.chunk_bytes;
       const u32 bytes = (u32)min((u64)r.chunk_bytes, r.kv_bytes - off);
       queue_push(
           r.a.sync, r.queue,
           mk_write_cmd(next, 0, src + off, 0, dst + off, bytes, RING_PF_CHUNK + step * r.chunks + c, E, MK_FLAG_SET));
+      trace_span(r.a.sync, MK_ROLE_SEND, RING_TRACE_SEND | step << 16 | c, t0);
       if (atomicAdd(&r.counters[RING_CNT_SENT + step], 1u) + 1 == r.chunks &&
           queue_push(r.a.sync, r.queue, mk_flush_cmd(next, RING_PF_FLUSH + step, E)) &&
-          wait_remote_epoch(r.a.sync, r.queue, r.pflags + RING_PF_FLUSH + step, E, (i32)next, 0x5700u + step))
+          wait_remote_epoch(r.a.sync, r.queue, r.pflags + RING_PF_FLUSH + step, E, (i32)next, 0x5700u + step)) {
         ring_step_done(r, step, E);
+        trace_span(r.a.sync, MK_ROLE_CONTROL, RING_TRACE_FLUSH | step << 16, t0);
+      }
     }
   }
 }
@@ -282,6 +295,7 @@ MK_DEV bool ring_forward_cta(const MkRingArgs& r, u32 E, u32 role, u32 forwarder
       const u32 c = s_item;
       __syncthreads();
       if (c >= chunks) break;
+      const u64 t0 = trace_start(r.a.sync);
       const u32 r0 = c * r.chunk_rows, nr = min(r.chunk_rows, rows - r0);
       const u32 nv = nr * vpr;  // vectors of k; those of v follow
       const auto at = [&](u32 v, i64& src_off, i64& dst_off) {
@@ -304,6 +318,7 @@ MK_DEV bool ring_forward_cta(const MkRingArgs& r, u32 E, u32 role, u32 forwarder
           });
       __threadfence_system();
       __syncthreads();
+      if (threadIdx.x == 0) trace_span(r.a.sync, MK_ROLE_INTRA, RING_TRACE_SEND | step << 16 | c, t0);
       if (threadIdx.x == 0 && atomicAdd(&r.counters[RING_CNT_SENT + step], 1u) + 1 == chunks) {
         set_flag(ring_flags(r, next) + RING_FLAG_ARRIVED + step + 1, E);
         ring_step_done(r, step, E);  // the block of this step has left: my slot may be reused
@@ -328,7 +343,10 @@ __global__ void __launch_bounds__(384, 1) mk_ring_attention_kernel(const __grid_
     __shared__ u32 s_epoch;
     if (threadIdx.x == 0) {
       s_epoch = launch_epoch(a.sync);
-      if (role == 0) ring_announce(r, s_epoch);
+      if (role == 0) {
+        ring_announce(r, s_epoch);
+        trace_span(a.sync, MK_ROLE_CONTROL, RING_TRACE_ANNOUNCE | s_epoch, trace_start(a.sync));
+      }
     }
     __syncthreads();
     attend = ring_forward_cta<D>(r, s_epoch, role, forwarders);
@@ -348,6 +366,7 @@ __global__ void __launch_bounds__(384, 1) mk_ring_attention_kernel(const __grid_
   }
   if (threadIdx.x == 0) {
     sched_finish(a.sched);
+    trace_span(a.sync, MK_ROLE_CONTROL, RING_TRACE_EXIT | blockIdx.x, trace_start(a.sync));
     counters_reset_by_last_block(r.counters, RING_CNT_WORDS, RING_CNT_DONE);
   }
   launch_exit(a.sync, launch_epoch(a.sync));
