@@ -63,8 +63,8 @@ class MkRingArgs(ctypes.Structure):
                 ("queue", _proxy.QueueArgs), ("pflags", ctypes.c_void_p), ("stage_off", ctypes.c_uint64),
                 ("next_remote", ctypes.c_int32), ("prev_remote", ctypes.c_int32), ("chunks", ctypes.c_uint32),
                 ("chunk_bytes", ctypes.c_uint32), ("kv_bytes", ctypes.c_uint64), ("local", ctypes.c_int32),
-                ("lrank", ctypes.c_int32), ("comm_staged", ctypes.c_int32),
-                ("pad", ctypes.c_uint32 * 9)]
+                ("lrank", ctypes.c_int32), ("comm_staged", ctypes.c_int32), ("src0_rows", ctypes.c_uint32),
+                ("pad", ctypes.c_uint32 * 8)]
 
 
 def _rows_contiguous(x):
@@ -206,6 +206,7 @@ def _static_args(comm, plan, c):
     r.local, r.lrank = comm.local_size, comm.local_rank
     r.tiles_per_step = plan["tiles"]
     r.chunk_rows = max(1, CHUNK_BYTES // (Hkv * D * k4.itemsize))
+    r.src0_rows = rows_sent_of_rank0(B, S, c.causal)
     if comm.num_nodes > 1:
         base = plan["pflags"].offset
         r.queue = comm.proxy_queue_args(flag_base=base)
@@ -214,11 +215,23 @@ def _static_args(comm, plan, c):
         r.next_remote = int(node_of[(me + 1) % W] != comm.node)
         r.prev_remote = int(node_of[(me - 1) % W] != comm.node)
         r.kv_bytes = 2 * half_bytes
-        cap = PROXY_CHUNK_FLAGS // (W - 1)
-        chunk = max(2 * CHUNK_BYTES, -(-r.kv_bytes // cap))
-        r.chunk_bytes = -(-chunk // 16) * 16
-        r.chunks = -(-r.kv_bytes // r.chunk_bytes)
+        r.chunk_bytes, r.chunks = remote_chunks(half_bytes, W)
     return r
+
+
+def rows_sent_of_rank0(B, S, causal):
+    """Rows (b, s) of rank 0's key/value block that travel the ring (ring_rows_sent): under the
+    zigzag with one batch only its first chunk's key blocks, since its second chunk (the sequence's
+    last positions) is seen by rank 0's own queries only; else all."""
+    return min(S, -(-(S // 2) // _attn.BLOCK_N) * _attn.BLOCK_N) if causal and B == 1 else B * S
+
+
+def remote_chunks(half_bytes, world):
+    """(chunk bytes, WRITEs of a whole block) between nodes: K's bytes in chunks, then V's; a chunk of
+    at least 2 * CHUNK_BYTES, the flags of world - 1 steps within PROXY_CHUNK_FLAGS."""
+    per_half = PROXY_CHUNK_FLAGS // (world - 1) // 2
+    chunk = -(-max(2 * CHUNK_BYTES, -(-half_bytes // per_half)) // 16) * 16
+    return chunk, 2 * -(-half_bytes // chunk)
 
 
 def _grid(comm, c):

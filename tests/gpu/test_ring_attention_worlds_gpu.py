@@ -63,11 +63,13 @@ def _against_engine(make_comm, world, nodes):
     against the single-GPU engine on the whole sequence, causal (zigzag) and not, three launches
     each (stale flags; the grid on 7/8 or all of the MPS share: config.mps_full_share), and the
     proxy's byte counter: the ranks at a node's end send every step's
-    block across the network once per launch, the others (and every rank of one node) nothing."""
+    block across the network once per launch (of rank 0's, causal, the first chunk's rows only), the
+    others (and every rank of one node) nothing."""
     import cupy
     from mpi4py import MPI
 
     import mkernel
+    from mkernel.ops import ring_attention as ring_op
 
     err = None
     try:
@@ -97,7 +99,10 @@ def _against_engine(make_comm, world, nodes):
             nxt = (me + 1) % W
             sent = sum(p["bytes_sent"] for p in comm.stats().get("peers", {}).values())
             boundary = comm.topology.node_of[nxt] != comm.node
-            want_sent = 6 * (W - 1) * 2 * S * Hkv * D * 2 if boundary else 0
+            src0_rows = {c: ring_op.rows_sent_of_rank0(1, S, c) for c in (False, True)}  # step s sends rank me-s's
+            launch_bytes = {c: sum(2 * Hkv * D * 2 * (src0_rows[c] if (me - s) % W == 0 else S) for s in range(W - 1))
+                            for c in (False, True)}
+            want_sent = 3 * (launch_bytes[False] + launch_bytes[True]) if boundary else 0
             assert sent == want_sent, f"proxy sent {sent} bytes, expected {want_sent}"
         finally:
             root.close()

@@ -55,13 +55,14 @@ struct MkRingArgs {
   unsigned long long stage_off;  // workspace offset of this rank's k | v (a WRITE source needs a region)
   int next_remote;
   int prev_remote;
-  unsigned int chunks;  // per step: WRITEs of chunk_bytes of the combined K | V block
+  unsigned int chunks;  // WRITEs of a whole block (K's rows in chunk_bytes, then V's): the flags' stride per step
   unsigned int chunk_bytes;
   unsigned long long kv_bytes;  // bytes of one combined K | V block (2 * B * S * H_kv * D * 2)
   int local;  // ranks per node (node-major ring: rank = node * local + lrank)
   int lrank;  // this rank's index in its node (its peer_base entry)
   int comm_staged;  // forwarders stage their loads in shared memory (RING_STAGE_BYTES, ring_forward_cta)
-  unsigned int pad[9];  // explicit tail: sizeof is a multiple of 64
+  unsigned int src0_rows;  // rows (b, s) of rank 0's block sent on (ring_rows_sent)
+  unsigned int pad[8];  // explicit tail: sizeof is a multiple of 64
 };
 
 // Trace span ids (MKERNEL_TRACE; tools/ring_trace.py): kind << 24 | step << 16 | item.

@@ -60,6 +60,17 @@ MK_DEV MkAttnPos ring_positions(const MkRingArgs& r, u32 rank) {
   return p;
 }
 
+// Rows (b, s) of a step's block that travel: all, but of rank 0's block under the zigzag (B = 1)
+// only src0_rows, the first chunk's key blocks: its second chunk holds the sequence's last
+// positions, which only rank 0's own queries see.
+MK_DEV u32 ring_rows_sent(const MkRingArgs& r, u32 step) {
+  return ring_src(r, step) == 0 ? r.src0_rows : (u32)r.a.batch * (u32)r.a.seq_kv;
+}
+// Between nodes a step's WRITEs: K's rows in chunks of chunk_bytes, then V's as many.
+MK_DEV u32 ring_remote_chunks(const MkRingArgs& r, u32 step, u64 row_bytes) {
+  return 2u * (u32)(((u64)ring_rows_sent(r, step) * row_bytes + r.chunk_bytes - 1) / r.chunk_bytes);
+}
+
 // A slot step's completion: every half tile merged (2 per tile) and, for steps W-2 and before,
 // the block forwarded. The last to count tells the previous rank the slot is free, when it will
 // write that slot again (step + 2 < W).
@@ -178,7 +189,8 @@ MK_DEV bool ring_receive_remote(const MkRingArgs& r, u32 step, u32 E) {
   const u32 prev = ((u32)r.me + (u32)r.world - 1) % (u32)r.world;
   const u32* f = r.pflags + RING_PF_CHUNK + (step - 1) * r.chunks;
   const u64 t0 = trace_start(r.a.sync);
-  for (u32 c = threadIdx.x; c < r.chunks; c += blockDim.x) {
+  const u32 n = ring_remote_chunks(r, step, r.kv_bytes / 2 / ((u64)r.a.batch * (u64)r.a.seq_kv));
+  for (u32 c = threadIdx.x; c < n; c += blockDim.x) {
     if (!wait_remote_epoch(r.a.sync, r.queue, f + c, E, (i32)prev, 0x5600u + step)) s_bad = 1;
     trace_span(r.a.sync, MK_ROLE_RECV, RING_TRACE_RECV | step << 16 | c, t0);
   }
@@ -190,28 +202,30 @@ MK_DEV bool ring_receive_remote(const MkRingArgs& r, u32 step, u32 E) {
   return !s_bad;
 }
 
-// Next rank on another node: one WRITE per chunk of the combined K | V block (each with its own
+// Next rank on another node: one WRITE per chunk of K's rows sent, then of V's (each with its own
 // arrival flag there); the CTA that enqueued the last chunk of a step flushes, so the step's
 // source (staging or slot) may be reused once the FLUSH completes.
 MK_DEV void ring_send_remote(const MkRingArgs& r, u32 step, u32 E, u32* s_item) {
   const u32 W = (u32)r.world, me = (u32)r.me, next = (me + 1) % W;
   const u64 src = step == 0 ? r.stage_off : r.kslot_off[step % 2];
   const u64 dst = r.kslot_off[(step + 1) % 2];
+  const u64 half = r.kv_bytes / 2, seg = (u64)ring_rows_sent(r, step) * (half / ((u64)r.a.batch * r.a.seq_kv));
+  const u32 n = ring_remote_chunks(r, step, half / ((u64)r.a.batch * r.a.seq_kv));
   for (;;) {
     if (threadIdx.x == 0) *s_item = atomicAdd(&r.counters[RING_CNT_CLAIM + step], 1u);
     __syncthreads();
     const u32 c = *s_item;
     __syncthreads();
-    if (c >= r.chunks) break;
+    if (c >= n) break;
     if (threadIdx.x == 0) {
       const u64 t0 = trace_start(r.a.sync);
-      const u64 off = (u64)c * r.chunk_bytes;
-      const u32 bytes = (u32)min((u64)r.chunk_bytes, r.kv_bytes - off);
+      const u64 in_seg = (u64)(c % (n / 2)) * r.chunk_bytes, off = (c < n / 2 ? 0 : half) + in_seg;
+      const u32 bytes = (u32)min((u64)r.chunk_bytes, seg - in_seg);
       queue_push(
           r.a.sync, r.queue,
           mk_write_cmd(next, 0, src + off, 0, dst + off, bytes, RING_PF_CHUNK + step * r.chunks + c, E, MK_FLAG_SET));
       trace_span(r.a.sync, MK_ROLE_SEND, RING_TRACE_SEND | step << 16 | c, t0);
-      if (atomicAdd(&r.counters[RING_CNT_SENT + step], 1u) + 1 == r.chunks &&
+      if (atomicAdd(&r.counters[RING_CNT_SENT + step], 1u) + 1 == n &&
           queue_push(r.a.sync, r.queue, mk_flush_cmd(next, RING_PF_FLUSH + step, E)) &&
           wait_remote_epoch(r.a.sync, r.queue, r.pflags + RING_PF_FLUSH + step, E, (i32)next, 0x5700u + step)) {
         ring_step_done(r, step, E);
@@ -242,9 +256,8 @@ MK_DEV bool ring_forward_cta(const MkRingArgs& r, u32 E, u32 role, u32 forwarder
   const u32 W = (u32)r.world, me = (u32)r.me, next = (me + 1) % W;
   const bool receiver = r.prev_remote && role == 0;
   const MkPeers peers = ring_peers(r);
-  const u32 S = (u32)r.a.seq_kv, rows = (u32)r.a.batch * S;
+  const u32 S = (u32)r.a.seq_kv;
   const u32 row_bytes = (u32)r.a.heads_kv * D * 2, vpr = row_bytes / 16;
-  const u32 chunks = (rows + r.chunk_rows - 1) / r.chunk_rows;
   extern __shared__ __align__(1024) u8 mk_smem[];
   const MkStage st =
       r.comm_staged ? MkStage{(u32)__cvta_generic_to_shared(mk_smem), RING_STAGE_BYTES<D>} : MkStage{0, 0};
@@ -287,6 +300,7 @@ MK_DEV bool ring_forward_cta(const MkRingArgs& r, u32 E, u32 role, u32 forwarder
     u8* dv = peer_ptr<u8>(peers, dl, r.vslot_off[slot]);
     const u8* sk = step == 0 ? reinterpret_cast<const u8*>(r.k_own) : peer_ptr<u8>(peers, ml, r.kslot_off[step % 2]);
     const u8* sv = step == 0 ? reinterpret_cast<const u8*>(r.v_own) : peer_ptr<u8>(peers, ml, r.vslot_off[step % 2]);
+    const u32 rows = ring_rows_sent(r, step), chunks = (rows + r.chunk_rows - 1) / r.chunk_rows;
     const i64 sb = step == 0 ? r.own_stride_b : (i64)S * row_bytes;
     const i64 ss = step == 0 ? r.own_stride_s : (i64)row_bytes;
     for (;;) {
