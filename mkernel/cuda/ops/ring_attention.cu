@@ -202,10 +202,20 @@ MK_DEV bool ring_receive_remote(const MkRingArgs& r, u32 step, u32 E) {
   return !s_bad;
 }
 
+// The FLUSH of a step's WRITEs completed: the step's source (staging or slot) may be reused.
+MK_DEV void ring_flush_done(const MkRingArgs& r, u32 step, u32 E, u64 t0) {
+  const u32 next = ((u32)r.me + 1) % (u32)r.world;
+  if (wait_remote_epoch(r.a.sync, r.queue, r.pflags + RING_PF_FLUSH + step, E, (i32)next, 0x5700u + step)) {
+    ring_step_done(r, step, E);
+    trace_span(r.a.sync, MK_ROLE_CONTROL, RING_TRACE_FLUSH | step << 16, t0);
+  }
+}
+
 // Next rank on another node: one WRITE per chunk of K's rows sent, then of V's (each with its own
-// arrival flag there); the CTA that enqueued the last chunk of a step flushes, so the step's
-// source (staging or slot) may be reused once the FLUSH completes.
-MK_DEV void ring_send_remote(const MkRingArgs& r, u32 step, u32 E, u32* s_item) {
+// arrival flag there); the CTA that enqueued the last chunk of a step flushes and waits for it,
+// or with defer (the receiver: its next receipt comes first) returns true in thread 0.
+MK_DEV bool ring_send_remote(const MkRingArgs& r, u32 step, u32 E, u32* s_item, bool defer) {
+  bool pending = false;
   const u32 W = (u32)r.world, me = (u32)r.me, next = (me + 1) % W;
   const u64 src = step == 0 ? r.stage_off : r.kslot_off[step % 2];
   const u64 dst = r.kslot_off[(step + 1) % 2];
@@ -226,13 +236,15 @@ MK_DEV void ring_send_remote(const MkRingArgs& r, u32 step, u32 E, u32* s_item) 
           mk_write_cmd(next, 0, src + off, 0, dst + off, bytes, RING_PF_CHUNK + step * r.chunks + c, E, MK_FLAG_SET));
       trace_span(r.a.sync, MK_ROLE_SEND, RING_TRACE_SEND | step << 16 | c, t0);
       if (atomicAdd(&r.counters[RING_CNT_SENT + step], 1u) + 1 == n &&
-          queue_push(r.a.sync, r.queue, mk_flush_cmd(next, RING_PF_FLUSH + step, E)) &&
-          wait_remote_epoch(r.a.sync, r.queue, r.pflags + RING_PF_FLUSH + step, E, (i32)next, 0x5700u + step)) {
-        ring_step_done(r, step, E);
-        trace_span(r.a.sync, MK_ROLE_CONTROL, RING_TRACE_FLUSH | step << 16, t0);
+          queue_push(r.a.sync, r.queue, mk_flush_cmd(next, RING_PF_FLUSH + step, E))) {
+        if (defer)
+          pending = true;
+        else
+          ring_flush_done(r, step, E, t0);
       }
     }
   }
+  return pending;
 }
 
 // This rank entered epoch E: its node's peers may write its slots, and so may the previous rank
@@ -261,8 +273,13 @@ MK_DEV bool ring_forward_cta(const MkRingArgs& r, u32 E, u32 role, u32 forwarder
   extern __shared__ __align__(1024) u8 mk_smem[];
   const MkStage st =
       r.comm_staged ? MkStage{(u32)__cvta_generic_to_shared(mk_smem), RING_STAGE_BYTES<D>} : MkStage{0, 0};
+  u32 flush = 0;  // thread 0 of the receiver: its FLUSH still to wait for, step + 1 (0: none)
   for (u32 step = 0; step < W; ++step) {
     if (receiver && step > 0 && !ring_receive_remote(r, step, E)) return false;
+    if (flush) {  // (the receiver's last step is a receipt: none is left)
+      ring_flush_done(r, flush - 1, E, trace_start(r.a.sync));
+      flush = 0;
+    }
     if (step + 1 == W) break;
     if (step >= 2 && role != 0) {
       if (threadIdx.x == 0) s_ok = ld_relaxed_sys(&r.counters[RING_CNT_ARRIVE]) <= forwarders ? 2 : 1;
@@ -291,7 +308,7 @@ MK_DEV bool ring_forward_cta(const MkRingArgs& r, u32 E, u32 role, u32 forwarder
     __syncthreads();
     if (!s_ok) return false;
     if (r.next_remote) {
-      ring_send_remote(r, step, E, &s_item);
+      if (ring_send_remote(r, step, E, &s_item, receiver)) flush = step + 1;
       continue;
     }
     const int slot = (int)((step + 1) % 2);
