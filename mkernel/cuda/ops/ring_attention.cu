@@ -66,9 +66,11 @@ MK_DEV MkAttnPos ring_positions(const MkRingArgs& r, u32 rank) {
 MK_DEV u32 ring_rows_sent(const MkRingArgs& r, u32 step) {
   return ring_src(r, step) == 0 ? r.src0_rows : (u32)r.a.batch * (u32)r.a.seq_kv;
 }
-// Between nodes a step's WRITEs: K's rows in chunks of chunk_bytes, then V's as many.
-MK_DEV u32 ring_remote_chunks(const MkRingArgs& r, u32 step, u64 row_bytes) {
-  return 2u * (u32)(((u64)ring_rows_sent(r, step) * row_bytes + r.chunk_bytes - 1) / r.chunk_bytes);
+// Between nodes: bytes of one row (b, s) of K (or V), and a step's WRITEs (K's rows sent in
+// chunks of chunk_bytes, then V's as many).
+MK_DEV u64 ring_row_bytes(const MkRingArgs& r) { return r.kv_bytes / 2 / ((u64)r.a.batch * (u64)r.a.seq_kv); }
+MK_DEV u32 ring_remote_chunks(const MkRingArgs& r, u32 step) {
+  return 2u * (u32)(((u64)ring_rows_sent(r, step) * ring_row_bytes(r) + r.chunk_bytes - 1) / r.chunk_bytes);
 }
 
 // A slot step's completion: every half tile merged (2 per tile) and, for steps W-2 and before,
@@ -189,7 +191,7 @@ MK_DEV bool ring_receive_remote(const MkRingArgs& r, u32 step, u32 E) {
   const u32 prev = ((u32)r.me + (u32)r.world - 1) % (u32)r.world;
   const u32* f = r.pflags + RING_PF_CHUNK + (step - 1) * r.chunks;
   const u64 t0 = trace_start(r.a.sync);
-  const u32 n = ring_remote_chunks(r, step, r.kv_bytes / 2 / ((u64)r.a.batch * (u64)r.a.seq_kv));
+  const u32 n = ring_remote_chunks(r, step);
   for (u32 c = threadIdx.x; c < n; c += blockDim.x) {
     if (!wait_remote_epoch(r.a.sync, r.queue, f + c, E, (i32)prev, 0x5600u + step)) s_bad = 1;
     trace_span(r.a.sync, MK_ROLE_RECV, RING_TRACE_RECV | step << 16 | c, t0);
@@ -219,8 +221,8 @@ MK_DEV bool ring_send_remote(const MkRingArgs& r, u32 step, u32 E, u32* s_item, 
   const u32 W = (u32)r.world, me = (u32)r.me, next = (me + 1) % W;
   const u64 src = step == 0 ? r.stage_off : r.kslot_off[step % 2];
   const u64 dst = r.kslot_off[(step + 1) % 2];
-  const u64 half = r.kv_bytes / 2, seg = (u64)ring_rows_sent(r, step) * (half / ((u64)r.a.batch * r.a.seq_kv));
-  const u32 n = ring_remote_chunks(r, step, half / ((u64)r.a.batch * r.a.seq_kv));
+  const u64 half = r.kv_bytes / 2, seg = (u64)ring_rows_sent(r, step) * ring_row_bytes(r);
+  const u32 n = ring_remote_chunks(r, step);
   for (;;) {
     if (threadIdx.x == 0) *s_item = atomicAdd(&r.counters[RING_CNT_CLAIM + step], 1u);
     __syncthreads();
