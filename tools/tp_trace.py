@@ -75,11 +75,22 @@ def summarize(spans):
 
 
 def summarize_files(paths, summarize_fn=summarize):
+    """Each file's last launch summarised; where the files carry t0_ns (ranks sharing one GPU, whose
+    %globaltimer is one clock), also each launch's start against the earliest of them."""
+    starts = {}
     for p in paths:
         with open(p) as f:
-            events = json.load(f)["traceEvents"]
+            data = json.load(f)
+        spans = last_launch(data["traceEvents"])
         print(f"== {p}")
-        print("\n".join(summarize_fn(last_launch(events))))
+        print("\n".join(summarize_fn(spans)))
+        t0_ns = data.get("otherData", {}).get("t0_ns")
+        if spans and t0_ns is not None:
+            starts[p] = t0_ns / 1e3 + min(s[2] for s in spans)
+    if len(starts) == len(paths) > 1:
+        first = min(starts.values())
+        print("launch starts on one clock: " + ", ".join(f"{os.path.basename(p)} +{t - first:.1f} us"
+                                                         for p, t in starts.items()))
 
 
 def trace_into(out):

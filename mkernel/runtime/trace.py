@@ -39,8 +39,8 @@ class Trace:
         return [(int(s), int(e), int(w >> 32), int(w & 0xFFFFFFFF), int(r >> 32), int(r & 0xFFFFFFFF))
                 for s, e, w, r in raw]
 
-    def chrome_events(self):
-        spans = self.spans()
+    def chrome_events(self, spans=None):
+        spans = self.spans() if spans is None else spans
         t0 = min((s[0] for s in spans), default=0)
         out = []
         for start, end, sm, block, role, ident in spans:
@@ -57,4 +57,6 @@ class Trace:
         if "{rank}" not in self.path:
             path = f"{self.path}.rank{self.rank}.json"
         with open(path, "w") as f:
-            json.dump({"traceEvents": self.chrome_events(), "displayTimeUnit": "ns"}, f)
+            spans = self.spans()  # ts is relative to the first span; t0_ns (%globaltimer) aligns ranks of one GPU
+            json.dump({"traceEvents": self.chrome_events(spans), "displayTimeUnit": "ns",
+                       "otherData": {"t0_ns": min((sp[0] for sp in spans), default=0)}}, f)

@@ -45,3 +45,19 @@ def test_summary_of_the_last_launch():
 
 def test_no_launch():
     assert "no launch found" in tp_trace.summarize(tp_trace.last_launch([]))[0]
+
+
+def test_files_of_ranks_sharing_a_gpu_are_aligned_on_one_clock(tmp_path, capsys):
+    """Each trace file's ts are relative to its first span; t0_ns (that span's %globaltimer, one
+    clock for ranks sharing a GPU) puts the ranks' last launches on one axis."""
+    import json
+
+    paths = []
+    for rank, (t0_ns, shift) in enumerate(((5_000_000, 0.0), (5_250_000, 30.0))):
+        p = tmp_path / f"trace.rank{rank}.json"
+        p.write_text(json.dumps({"traceEvents": _launch(1, shift) + _launch(2, 1000.0 + shift),
+                                 "otherData": {"t0_ns": t0_ns}}))
+        paths.append(str(p))
+    tp_trace.summarize_files(paths)
+    out = capsys.readouterr().out
+    assert "launch starts on one clock: trace.rank0.json +0.0 us, trace.rank1.json +280.0 us" in out
