@@ -3,8 +3,8 @@ each step's chunks were sent and landed, when its block was all here, and when i
 
 Run (every rank; MKERNEL_TRACE is set here, before the communicator exists):
     mpirun -n 2 python3 tools/ring_trace.py --nodes 2 --seq 4096 --causal --out DIR
-It makes `--calls` calls (bench/ring_attention.py's heads: 32 query / 8 key-value heads x 128, bf16)
-and summarises each rank's last launch. Again from files:
+It makes `--calls` calls (bench/ring_attention.py's heads: 32 query / 8 key-value heads x 128, bf16),
+each behind a device barrier (bench/mps_timing.py), and summarises each rank's last launch. Again from files:
     python3 tools/ring_trace.py --summarize DIR/trace.rank0.json DIR/trace.rank1.json
 Span ids: RING_TRACE_* in mkernel/cuda/ops/ring_args.cuh.
 """
@@ -43,6 +43,7 @@ def run(args):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from tp_trace import close_and_summarize, trace_into
 
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
     trace_into(args.out)
     import cupy
     import ml_dtypes
@@ -60,7 +61,11 @@ def run(args):
     q = cupy.asarray(rng.standard_normal((S, Hq, D)).astype(dt))
     k, v = (cupy.asarray(rng.standard_normal((S, Hkv, D)).astype(dt)) for _ in range(2))
     out = cupy.empty_like(q)
+    import mps_timing
+
+    barrier = mps_timing.DeviceBarrier(comm)  # each call starts on every rank at once (no launch skew)
     for _ in range(args.calls):
+        barrier()
         mkernel.ring_attention(q, k, v, comm=comm, causal=args.causal, out=out)
     close_and_summarize(comm, args.out, summarize)
 
