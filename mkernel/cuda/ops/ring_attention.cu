@@ -60,9 +60,8 @@ MK_DEV MkAttnPos ring_positions(const MkRingArgs& r, u32 rank) {
   return p;
 }
 
-// Rows (b, s) of a step's block that travel: all, but of rank 0's block under the zigzag (B = 1)
-// only src0_rows, the first chunk's key blocks: its second chunk holds the sequence's last
-// positions, which only rank 0's own queries see.
+// Rows (b, s) of a step's block that travel: of rank 0's, under the zigzag (B = 1), src0_rows: its
+// second chunk holds the sequence's last positions, which only rank 0's own queries see.
 MK_DEV u32 ring_rows_sent(const MkRingArgs& r, u32 step) {
   return ring_src(r, step) == 0 ? r.src0_rows : (u32)r.a.batch * (u32)r.a.seq_kv;
 }
@@ -258,11 +257,8 @@ MK_DEV void ring_announce(const MkRingArgs& r, u32 E) {
                mk_signal_cmd(((u32)r.me + (u32)r.world - 1) % (u32)r.world, RING_PF_CREDIT, E, MK_FLAG_SET));
 }
 
-// Returns true when this CTA is to attend: at W = 1 (nothing to forward), or when it turned to
-// attention: from step 2 on, forwarding waits on the next rank's attention (FREE), which waits on
-// ours; were every resident CTA a forwarder (part of the grid resident, under MPS), no rank's
-// attention would start. So a forwarder other than the first stops forwarding there while no
-// attention CTA of this rank has arrived; the first goes on. A forwarder done at W >= 2 exits.
+// True: this CTA attends (W = 1; or, from step 2 on, no attention CTA of this rank has arrived: a
+// forwarder but the first turns to attention, as forwarding waits on the next rank's attention).
 template <int D>
 MK_DEV bool ring_forward_cta(const MkRingArgs& r, u32 E, u32 role, u32 forwarders) {
   __shared__ u32 s_item;
