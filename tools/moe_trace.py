@@ -9,9 +9,11 @@ combine is summarised (span ids: MOE_TRACE_* in mkernel/cuda/ops/moe_dispatch.cu
     python3 tools/moe_trace.py --summarize DIR/trace.rank0.json DIR/trace.rank1.json
 """
 
-import argparse
 import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tp_trace import close_and_summarize, trace_cli, trace_into  # noqa: E402
 
 KINDS = {1: "GEMM CTA done", 2: "M-tile returned", 3: "forwarded rows back", 4: "forwarded chunk sent",
          5: "final sums (CTA)", 6: "partials: other nodes' sums in"}
@@ -36,9 +38,6 @@ def summarize(spans):
 
 
 def run(args):
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from tp_trace import close_and_summarize, trace_into
-
     trace_into(args.out)
     import cupy
     import ml_dtypes
@@ -67,24 +66,12 @@ def run(args):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--summarize", nargs="+", metavar="JSON", help="summarise these trace files and exit")
-    p.add_argument("--shape", default="4096x7168x2048x64x8", help="T x H x F x experts x top-k (per rank)")
-    p.add_argument("--capacity", type=int, default=0, help="rows per rank (default moe_capacity: bench/moe.py's)")
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--transport", default="host")
-    p.add_argument("--calls", type=int, default=4, help="calls (the last combine is summarised)")
-    p.add_argument("--comm-sms", type=int, default=None, help="the combine's returning CTAs (default moe_comm_sms)")
-    p.add_argument("--workspace-gib", type=int, default=4)
-    p.add_argument("--out", default="trace-out")
-    args = p.parse_args()
-    if args.summarize:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from tp_trace import summarize_files
+    def add_args(p):
+        p.add_argument("--shape", default="4096x7168x2048x64x8", help="T x H x F x experts x top-k (per rank)")
+        p.add_argument("--capacity", type=int, default=0, help="rows per rank (default moe_capacity: bench/moe.py's)")
+        p.add_argument("--comm-sms", type=int, default=None, help="the combine's returning CTAs (default moe_comm_sms)")
 
-        summarize_files(args.summarize, summarize)
-    else:
-        run(args)
+    trace_cli(__doc__.splitlines()[0], add_args, run, summarize, calls=4)
 
 
 if __name__ == "__main__":

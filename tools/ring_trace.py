@@ -9,9 +9,11 @@ each behind a device barrier (bench/mps_timing.py), and summarises each rank's l
 Span ids: RING_TRACE_* in mkernel/cuda/ops/ring_args.cuh.
 """
 
-import argparse
 import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tp_trace import close_and_summarize, trace_cli, trace_into  # noqa: E402
 
 KINDS = {1: "chunk sent (copied or queued)", 2: "chunk landed (receiver)", 3: "block all here (ARRIVED)",
          4: "WRITEs landed there (FLUSH)", 5: "half tile merged"}
@@ -40,9 +42,6 @@ def summarize(spans):
 
 
 def run(args):
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from tp_trace import close_and_summarize, trace_into
-
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
     trace_into(args.out)
     import cupy
@@ -71,24 +70,12 @@ def run(args):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--summarize", nargs="+", metavar="JSON", help="summarise these trace files and exit")
-    p.add_argument("--seq", type=int, default=4096, help="S_local: rows per rank")
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--causal", action="store_true")
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--transport", default="host")
-    p.add_argument("--calls", type=int, default=4, help="calls (the last is summarised)")
-    p.add_argument("--workspace-gib", type=int, default=4)
-    p.add_argument("--out", default="trace-out")
-    args = p.parse_args()
-    if args.summarize:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from tp_trace import summarize_files
+    def add_args(p):
+        p.add_argument("--seq", type=int, default=4096, help="S_local: rows per rank")
+        p.add_argument("--kv-heads", type=int, default=8)
+        p.add_argument("--causal", action="store_true")
 
-        summarize_files(args.summarize, summarize)
-    else:
-        run(args)
+    trace_cli(__doc__.splitlines()[0], add_args, run, summarize, calls=4)
 
 
 if __name__ == "__main__":

@@ -93,6 +93,24 @@ def summarize_files(paths, summarize_fn=summarize):
                                                          for p, t in starts.items()))
 
 
+def trace_cli(description, add_args, run_fn, summarize_fn, calls):
+    """A traced tool's command line: --summarize FILES, or a run (run_fn(args)) with --nodes,
+    --transport, --calls, --workspace-gib, --out and the tool's own arguments (add_args(parser))."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--summarize", nargs="+", metavar="JSON", help="summarise these trace files and exit")
+    add_args(p)
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--transport", default="host")
+    p.add_argument("--calls", type=int, default=calls, help="calls (the last is summarised)")
+    p.add_argument("--workspace-gib", type=int, default=4)
+    p.add_argument("--out", default="trace-out")
+    args = p.parse_args()
+    if args.summarize:
+        summarize_files(args.summarize, summarize_fn)
+    else:
+        run_fn(args)
+
+
 def trace_into(out):
     """Trace mode for the communicators this process makes next: rank r's Chrome trace goes to
     out/trace.rank<r>.json when its communicator closes (set before mkernel.init)."""

@@ -28,3 +28,19 @@ def test_summary_per_kind_and_step():
     assert "step 1 block all here (ARRIVED)           1" in text
     assert "step 1 half tile merged                   4  start     50.0" in text and "(summed       8.0 us)" in text
     assert ring_trace.summarize([]) == ["no launch found (was MKERNEL_TRACE set before mkernel.init?)"]
+
+
+def test_command_line_summarises_files(tmp_path, monkeypatch, capsys):
+    """`--summarize FILES` (tp_trace.trace_cli, shared with moe_trace.py) reads Chrome trace files."""
+    import json
+
+    ev = [{"cat": "control", "ts": 0.0, "dur": 0.1, "tid": 0, "args": {"id": 0x80000001, "block": 0}},
+          {"cat": "send", "ts": 1.0, "dur": 2.0, "tid": 1, "args": {"id": 0x01000000 | 3, "block": 1}},
+          {"cat": "control", "ts": 9.0, "dur": 0.001, "tid": 1, "args": {"id": 0x40000001, "block": 1}}]
+    path = tmp_path / "trace.rank0.json"
+    path.write_text(json.dumps({"traceEvents": ev}))
+    monkeypatch.setattr(sys, "argv", ["ring_trace.py", "--summarize", str(path)])
+    ring_trace.main()
+    out = capsys.readouterr().out
+    assert "launch: last CTA exit at       9.0 us (1 CTAs)" in out
+    assert "step 0 chunk sent (copied or queued)      1  start      1.0  end first      3.0" in out
