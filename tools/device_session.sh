@@ -12,7 +12,7 @@
 # runtime2 queue queue2 tpnodes4 nodestest nodesrate suitets maints (tools/nodes_rate.py: small WRITEs and the TP ops between 2 emulated nodes)
 # mpi2 gemmtest tp attention ring ringbench tpbench tpnodes moebench controller controllernodes (the last six want 2 GPUs)
 # controller1: bench/controller.py at world 1 (the comm is a local tile copy; the mechanism, not the issue's rows).
-# branchsuite / branchnodes / branchtpbench / branchtpnodes / branchringnodes: the GPU suite / its tests between nodes (2 ranks) / bench/tp.py (in a node / 2 emulated nodes) / ringnodes of a branch checked out at scratch/branch
+# branchsuite / branchnodes / branchtpbench / branchtpnodes / branchringnodes / branchringmps: the GPU suite / its tests between nodes (2 ranks) / bench/tp.py (in a node / 2 emulated nodes) / ringnodes / ringmps of a branch checked out at scratch/branch
 # (git worktree add scratch/branch <branch>; carry scratch), results in $OUT/branch.tar.gz (the A/B of
 # a branch against main's tpbench). moe: the MoE tests at
 # 1 and 2 ranks; moebench1: bench/moe.py at world 1; moenodes: tests/gpu/test_moe_nodes_gpu.py (its
@@ -152,8 +152,11 @@ for s in $steps; do
       BENCH_COMMIT=${BRANCH_COMMIT:-${BENCH_COMMIT:-}} PYTHONPATH=\$PWD $MPI2 -x BENCH_COMMIT python3 bench/tp.py --nodes 2 --out $BRANCH_OUT" ;;
     branchringnodes) step branchringnodes 300 bash -c "cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null && \
       BENCH_COMMIT=${BRANCH_COMMIT:-${BENCH_COMMIT:-}} PYTHONPATH=\$PWD $MPI2 -x BENCH_COMMIT python3 bench/ring_attention.py --quick --kv-heads 8 --nodes 2 --out $BRANCH_OUT" ;;
+    branchringmps) step branchringmps 300 bash -c "cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null && \
+      BENCH_COMMIT=${BRANCH_COMMIT:-${BENCH_COMMIT:-}} PYTHONPATH=\$PWD $MPI2 -x BENCH_COMMIT python3 bench/ring_attention.py --quick --kv-heads 8 ${RING_ARGS:-} --out $BRANCH_OUT" ;;
     tptrace) step tptrace 120 $MPI2 python3 tools/tp_trace.py --out "$LOGS/trace" ${TRACE_ARGS:-} ;;  # one traced TP call per SM
     ringtrace) step ringtrace 120 $MPI2 python3 tools/ring_trace.py --out "$LOGS/ringtrace" ${RINGTRACE_ARGS:---causal} ;;  # ring attention between 2 emulated nodes, traced
+    ringtrace4) step ringtrace4 120 $MPI4 python3 tools/ring_trace.py --out "$LOGS/ringtrace4" ${RINGTRACE_ARGS:---causal} ;;  # at 2 x 2 ranks
     moetrace) step moetrace 120 $MPI2 python3 tools/moe_trace.py --out "$LOGS/moetrace" ${MOETRACE_ARGS:-} ;;  # the fused MoE GEMM + combine between 2 emulated nodes, traced
     tptrace4) step tptrace4 120 $MPI4 python3 tools/tp_trace.py --out "$LOGS/trace4" ${TRACE_ARGS:-} ;;  # at 2 x 2 ranks
     controller) step controller 500 $MPI2 python3 bench/controller.py ${CONTROLLER_ARGS:-} ;;  # e.g. --op allgather_gemm

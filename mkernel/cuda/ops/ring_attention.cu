@@ -31,6 +31,8 @@
 // args.comm_staged, through RING_STAGE_BYTES of the forwarder's shared memory (idle until it turns
 // to attention; every staged copy has landed by then).
 constexpr u32 RING_IN_FLIGHT = 4;
+// Loads of the previous step's accumulators in flight per merging thread (registers: 2 each).
+constexpr int RING_MERGE_LOADS = 8;
 template <int D>
 constexpr u32 RING_STAGE_BYTES = (D == 128 ? 192u : 96u) << 10;
 
@@ -127,39 +129,46 @@ struct RingMergeEpi {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = row0 + 8 * h;
-      const bool valid = row < S;
-      const float l = quad_sum(st.l[h]);
-      const float mc = l > 0.f ? st.m[h] * a.scale_log2 : NEG;  // this step (log2 units)
+      const float l = quad_sum(st.l[h]);  // (a warp shuffle: every lane, before any lane leaves)
+      if (row >= S) continue;
       const i64 mi = ((i64)t.b * H + t.h) * S + row;
+      float* acc = r.o_acc + (((i64)t.b * S + row) * H + t.h) * D + 2 * (lane & 3);
+      // Loads go before stores, RING_MERGE_LOADS at a time: interleaved, each waited a round trip.
       float mo = NEG, lo = 0.f;
-      if (!first && valid) {
-        mo = r.m_acc[mi];
-        lo = r.l_acc[mi];
+      if (!first) {
+        mo = __ldcg(r.m_acc + mi);
+        lo = __ldcg(r.l_acc + mi);
       }
+      const float mc = l > 0.f ? st.m[h] * a.scale_log2 : NEG;  // this step (log2 units)
       const float mn = fmaxf(mo, mc);
       const float ao = mo == NEG ? 0.f : ex2_approx(mo - mn);
       const float ac = mc == NEG ? 0.f : ex2_approx(mc - mn);
       const float ln = lo * ao + l * ac;
-      float* acc = r.o_acc + (((i64)t.b * S + row) * H + t.h) * D;
       const float inv = ln > 0.f ? 1.f / ln : 0.f;
-      u8* out =
-          reinterpret_cast<u8*>(r.out) + ((i64)t.b * r.out_stride_b + (i64)row * r.out_stride_s + (i64)t.h * D) * 2;
+      u8* out = reinterpret_cast<u8*>(r.out) +
+                ((i64)t.b * r.out_stride_b + (i64)row * r.out_stride_s + (i64)t.h * D + 2 * (lane & 3)) * 2;
 #pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        const int col = 8 * j + 2 * (int)(lane & 3);
-        float x0 = o[4 * j + 2 * h] * ac, x1 = o[4 * j + 2 * h + 1] * ac;
-        if (!first && valid) {
-          const float2 prev = *reinterpret_cast<const float2*>(acc + col);
-          x0 += prev.x * ao;
-          x1 += prev.y * ao;
+      for (int j0 = 0; j0 < D / 8; j0 += RING_MERGE_LOADS) {
+        float2 prev[RING_MERGE_LOADS];
+        if (!first) {
+#pragma unroll
+          for (int j = 0; j < RING_MERGE_LOADS; ++j)
+            prev[j] = __ldcg(reinterpret_cast<const float2*>(acc + 8 * (j0 + j)));
         }
-        if (!valid) continue;
-        if (last)
-          *reinterpret_cast<u32*>(out + col * 2) = pack2<Cfg::DT>(x0 * inv, x1 * inv);
-        else
-          *reinterpret_cast<float2*>(acc + col) = make_float2(x0, x1);
+#pragma unroll
+        for (int j = 0; j < RING_MERGE_LOADS; ++j) {
+          float x0 = o[4 * (j0 + j) + 2 * h] * ac, x1 = o[4 * (j0 + j) + 2 * h + 1] * ac;
+          if (!first) {
+            x0 += prev[j].x * ao;
+            x1 += prev[j].y * ao;
+          }
+          if (last)
+            *reinterpret_cast<u32*>(out + 16 * (j0 + j)) = pack2<Cfg::DT>(x0 * inv, x1 * inv);
+          else
+            *reinterpret_cast<float2*>(acc + 8 * (j0 + j)) = make_float2(x0, x1);
+        }
       }
-      if (valid && (lane & 3) == 0) {
+      if ((lane & 3) == 0) {
         if (last) {
           if (a.lse) a.lse[mi] = ln > 0.f ? mn * 0.69314718f + __logf(ln) : NEG;
         } else {
