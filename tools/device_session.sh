@@ -156,12 +156,6 @@ for s in $steps; do
       BENCH_COMMIT=${BRANCH_COMMIT:-${BENCH_COMMIT:-}} PYTHONPATH=\$PWD $MPI2 -x BENCH_COMMIT python3 bench/ring_attention.py --quick --kv-heads 8 ${RING_ARGS:-} --out $BRANCH_OUT" ;;
     tptrace) step tptrace 120 $MPI2 python3 tools/tp_trace.py --out "$LOGS/trace" ${TRACE_ARGS:-} ;;  # one traced TP call per SM
     ringtrace) step ringtrace 120 $MPI2 python3 tools/ring_trace.py --out "$LOGS/ringtrace" ${RINGTRACE_ARGS:---causal} ;;  # ring attention between 2 emulated nodes, traced
-    ringnodesif*|ringnodes4if*)  # ringnodes / ringnodes4 with MKERNEL_HOST_COPIES_IN_FLIGHT=<suffix>, results in branch.tar.gz
-      n=${s##*if}; mpi=$MPI2; [ "${s#ringnodes4}" != "$s" ] && mpi=$MPI4
-      step "$s" 300 env MKERNEL_HOST_COPIES_IN_FLIGHT="$n" $mpi -x MKERNEL_HOST_COPIES_IN_FLIGHT \
-        python3 bench/ring_attention.py --quick --kv-heads 8 --nodes 2 ${RING_ARGS:-} --out "$BRANCH_OUT/$s" ;;
-    ringtraceif*) step "$s" 120 env MKERNEL_HOST_COPIES_IN_FLIGHT="${s##*if}" $MPI2 -x MKERNEL_HOST_COPIES_IN_FLIGHT \
-      python3 tools/ring_trace.py --out "$LOGS/$s" ${RINGTRACE_ARGS:---causal} ;;
     ringtrace4) step ringtrace4 120 $MPI4 python3 tools/ring_trace.py --out "$LOGS/ringtrace4" ${RINGTRACE_ARGS:---causal} ;;  # at 2 x 2 ranks
     moetrace) step moetrace 120 $MPI2 python3 tools/moe_trace.py --out "$LOGS/moetrace" ${MOETRACE_ARGS:-} ;;  # the fused MoE GEMM + combine between 2 emulated nodes, traced
     tptrace4) step tptrace4 120 $MPI4 python3 tools/tp_trace.py --out "$LOGS/trace4" ${TRACE_ARGS:-} ;;  # at 2 x 2 ranks

@@ -194,8 +194,7 @@ class Proxy:
     """One per process. See the module docstring for the call sequence."""
 
     def __init__(self, comm, node_ids=None, *, transport: str = "auto", cuda_device=None, timeout_s=None,
-                 bind_address=None, tcp_connections=None, shuffle_seed=None, host_run_chunks=None,
-                 host_copies_in_flight=None):
+                 bind_address=None, tcp_connections=None, shuffle_seed=None, host_run_chunks=None):
         self.comm = comm
         self.rank, self.nranks = comm.Get_rank(), comm.Get_size()
         self.node_ids = list(node_ids) if node_ids is not None else list(range(self.nranks))
@@ -210,10 +209,6 @@ class Proxy:
         if not 1 <= self.host_run_chunks <= 16:
             raise ArgumentError(f"host_run_chunks (MKERNEL_HOST_RUN_CHUNKS) must be 1 to 16; "
                                 f"got {self.host_run_chunks}")
-        self.host_copies_in_flight = int(host_copies_in_flight or env.get("MKERNEL_HOST_COPIES_IN_FLIGHT"))
-        if not 1 <= self.host_copies_in_flight <= 16:
-            raise ArgumentError(f"host_copies_in_flight (MKERNEL_HOST_COPIES_IN_FLIGHT) must be 1 to 16; "
-                                f"got {self.host_copies_in_flight}")
         self.shuffle_seed = shuffle_seed
         self._ffi, self._lib, _ = proxy_ext()
         self._p = self._lib.mk_proxy_create(self.rank, self.nranks, TRANSPORTS.index(self.transport), self.timeout_s)
@@ -427,8 +422,6 @@ class Proxy:
                 lib.mk_host_segment_unlink(name(self.rank, q))
         if lib.mk_host_set_run(self._p, self.host_run_chunks):
             raise ArgumentError(f"could not set the host transport's run of {self.host_run_chunks} chunks")
-        if lib.mk_host_set_in_flight(self._p, self.host_copies_in_flight):
-            raise ArgumentError(f"could not set the host transport's {self.host_copies_in_flight} copies in flight")
 
     def _verbs_open(self):
         ports, report = probe_rdma()

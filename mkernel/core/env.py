@@ -57,10 +57,6 @@ VARS = {
         Var("MKERNEL_HOST_RUN_CHUNKS", "4",
             "Host transport: 1 MiB chunks per copy (1 to 16). Longer runs mean fewer, bigger copies; "
             "shorter ones a shorter tail (the last run is copied out alone)."),
-        Var("MKERNEL_HOST_COPIES_IN_FLIGHT", "16",
-            "Host transport: copies in flight per peer and direction (1 to 16). Ranks sharing a GPU share its "
-            "copy engines, which appear to serve copies in the order queued: fewer may let both directions "
-            "move at once."),
         Var("MKERNEL_TCP_ADDR", "",
             "Address the TCP listener binds to. Unset: loopback when every rank is on one host, else the "
             "interface that routes to rank 0's host. It never binds to all interfaces."),

@@ -66,7 +66,6 @@ int mk_host_segment_unlink(const char* name);
 int mk_host_segment_unmap(unsigned long long segment); /* one that no proxy took (mk_host_add_peer) */
 int mk_host_add_peer(mk_proxy* p, int peer, unsigned long long send_segment, unsigned long long recv_segment);
 int mk_host_set_run(mk_proxy* p, int chunks); /* chunks per copy, 1..16, before start */
-int mk_host_set_in_flight(mk_proxy* p, int copies); /* per peer and direction, 1..16, before start */
 
 /* Verbs: probe, and the connection blobs that the Python side exchanges over MPI. */
 int mk_verbs_available(void); /* 1 when compiled in (the rdma-core headers were present at build time) */

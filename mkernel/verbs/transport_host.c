@@ -91,7 +91,6 @@ typedef struct {
   host_peer* peers;
   uint64_t last_beat, last_pid_check;
   uint64_t run; /* chunks per copy, 1..MK_HOST_SLOTS */
-  uint64_t in_flight; /* copies in flight per peer and direction, 1..MK_HOST_SLOTS (mk_host_set_in_flight) */
 } host_state;
 
 static unsigned char* chunk_of(host_segment* s, uint64_t slot) {
@@ -176,7 +175,6 @@ static host_state* host(mk_proxy* p) {
       return NULL;
     }
     h->run = MK_HOST_RUN;
-    h->in_flight = MK_HOST_SLOTS;
     p->tstate = h;
   }
   return p->tstate;
@@ -199,15 +197,6 @@ int mk_host_set_run(mk_proxy* p, int chunks) {
   host_state* h = host(p);
   if (!h || p->running || chunks < 1 || chunks > MK_HOST_SLOTS) return -1;
   h->run = (uint64_t)chunks;
-  return 0;
-}
-
-/* Ranks sharing a GPU share its copy engines, which take copies in the order they were queued: a
- * proxy with fewer in flight lets the other direction's copies in between its own. */
-int mk_host_set_in_flight(mk_proxy* p, int copies) {
-  host_state* h = host(p);
-  if (!h || p->running || copies < 1 || copies > MK_HOST_SLOTS) return -1;
-  h->in_flight = (uint64_t)copies;
   return 0;
 }
 
@@ -277,12 +266,6 @@ static int push_outbox(mk_proxy* p, int peer, host_peer* hp) {
     }
     uint64_t free_slots = MK_HOST_SLOTS - (head - tail), run = MK_HOST_SLOTS - head % MK_HOST_SLOTS;
     if (!free_slots) break;
-    if (c->type == MK_CMD_WRITE && hp->filling.head - hp->filling.tail >= h->in_flight) {
-      int published = publish_filled(p, peer, hp);
-      if (published < 0) return -1;
-      events += published;
-      if (hp->filling.head - hp->filling.tail >= h->in_flight) break;
-    }
     void* event = NULL;
     uint64_t n = 1;
     if (c->type == MK_CMD_SIGNAL) {
@@ -352,12 +335,6 @@ static int pull_inbox(mk_proxy* p, int peer, host_peer* hp) {
     void* event = NULL;
     if (d.type == DESC_DATA) {
       if (d.bytes > MK_HOST_CHUNK) return bad_desc(p, peer, "chunk larger than a slot");
-      if (hp->emptying.head - hp->emptying.tail >= h->in_flight) {
-        int freed = free_emptied(p, peer, hp);
-        if (freed < 0) return -1;
-        events += freed;
-        if (hp->emptying.head - hp->emptying.tail >= h->in_flight) break;
-      }
       uint64_t bytes = d.bytes;
       while (n < h->run && tail + n != head && (tail + n) % MK_HOST_SLOTS &&
              !s->desc[(tail + n - 1) % MK_HOST_SLOTS].last) {

@@ -113,9 +113,8 @@ def _exchange(transport, **proxy_options):
                                                 ("tcp", dict(shuffle_seed=12345, tcp_connections=3)),
                                                 ("host", {}), ("host", dict(host_run_chunks=1)),
                                                 ("host", dict(host_run_chunks=16)),
-                                                ("host", dict(host_copies_in_flight=1)),
                                                 pytest.param("verbs", {}, marks=NEEDS_RDMA)],
-                         ids=["tcp", "tcp-shuffle", "host", "host-run1", "host-run16", "host-inflight1", "verbs"])
+                         ids=["tcp", "tcp-shuffle", "host", "host-run1", "host-run16", "verbs"])
 def test_payloads_and_flags(request, transport, options):
     if not relaunch(request):
         collectively(_exchange, transport, **options)
