@@ -61,6 +61,11 @@ if [ "${MKERNEL_SESSION_MPS:-1}" = 1 ] && mps_start; then
   MPI4="env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 $MPI4 -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 fi
 PYT="python3 -m pytest -q -p no:cacheprovider"
+branch_bench() {  # branch_bench NAME LIMIT BENCH ARGS...: a benchmark of the tree at scratch/branch, results in $BRANCH_OUT
+  local name=$1 limit=$2; shift 2
+  step "$name" "$limit" bash -c "cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null && \
+    BENCH_COMMIT=${BRANCH_COMMIT:-${BENCH_COMMIT:-}} PYTHONPATH=\$PWD $MPI2 -x BENCH_COMMIT python3 $* --out $BRANCH_OUT"
+}
 for s in $steps; do
   case $s in
     info) step info 30 python3 -m mkernel info ;;
@@ -146,14 +151,10 @@ for s in $steps; do
     branchnodes) step branchnodes 300 bash -c "cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null && \
       PYTHONPATH=\$PWD $MPI2 $PYT -rfE -m 'gpu and mpi and not slow' tests/gpu/test_queue_gpu.py tests/gpu/test_tp_nodes_gpu.py \
       tests/gpu/test_moe_nodes_gpu.py tests/gpu/test_ring_attention_worlds_gpu.py" ;;
-    branchtpbench) step branchtpbench 400 bash -c "cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null && \
-      BENCH_COMMIT=${BRANCH_COMMIT:-${BENCH_COMMIT:-}} PYTHONPATH=\$PWD $MPI2 -x BENCH_COMMIT python3 bench/tp.py --out $BRANCH_OUT" ;;
-    branchtpnodes) step branchtpnodes 300 bash -c "cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null && \
-      BENCH_COMMIT=${BRANCH_COMMIT:-${BENCH_COMMIT:-}} PYTHONPATH=\$PWD $MPI2 -x BENCH_COMMIT python3 bench/tp.py --nodes 2 --out $BRANCH_OUT" ;;
-    branchringnodes) step branchringnodes 300 bash -c "cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null && \
-      BENCH_COMMIT=${BRANCH_COMMIT:-${BENCH_COMMIT:-}} PYTHONPATH=\$PWD $MPI2 -x BENCH_COMMIT python3 bench/ring_attention.py --quick --kv-heads 8 --nodes 2 --out $BRANCH_OUT" ;;
-    branchringmps) step branchringmps 300 bash -c "cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null && \
-      BENCH_COMMIT=${BRANCH_COMMIT:-${BENCH_COMMIT:-}} PYTHONPATH=\$PWD $MPI2 -x BENCH_COMMIT python3 bench/ring_attention.py --quick --kv-heads 8 ${RING_ARGS:-} --out $BRANCH_OUT" ;;
+    branchtpbench) branch_bench branchtpbench 400 bench/tp.py ;;
+    branchtpnodes) branch_bench branchtpnodes 300 bench/tp.py --nodes 2 ;;
+    branchringnodes) branch_bench branchringnodes 300 bench/ring_attention.py --quick --kv-heads 8 --nodes 2 ;;
+    branchringmps) branch_bench branchringmps 300 bench/ring_attention.py --quick --kv-heads 8 ${RING_ARGS:-} ;;
     tptrace) step tptrace 120 $MPI2 python3 tools/tp_trace.py --out "$LOGS/trace" ${TRACE_ARGS:-} ;;  # one traced TP call per SM
     ringtrace) step ringtrace 120 $MPI2 python3 tools/ring_trace.py --out "$LOGS/ringtrace" ${RINGTRACE_ARGS:---causal} ;;  # ring attention between 2 emulated nodes, traced
     ringtrace4) step ringtrace4 120 $MPI4 python3 tools/ring_trace.py --out "$LOGS/ringtrace4" ${RINGTRACE_ARGS:---causal} ;;  # at 2 x 2 ranks
