@@ -157,6 +157,7 @@ for s in $steps; do
     branchringmps) branch_bench branchringmps 300 bench/ring_attention.py --quick --kv-heads 8 ${RING_ARGS:-} ;;
     tptrace) step tptrace 120 $MPI2 python3 tools/tp_trace.py --out "$LOGS/trace" ${TRACE_ARGS:-} ;;  # one traced TP call per SM
     ringtrace) step ringtrace 120 $MPI2 python3 tools/ring_trace.py --out "$LOGS/ringtrace" ${RINGTRACE_ARGS:---causal} ;;  # ring attention between 2 emulated nodes, traced
+    copyorder) step copyorder 60 $MPI2 python3 tools/copy_order.py --out "$LOGS/copyorder" ;;  # do 2 ranks' host copies run at once?
     ringtrace4) step ringtrace4 120 $MPI4 python3 tools/ring_trace.py --out "$LOGS/ringtrace4" ${RINGTRACE_ARGS:---causal} ;;  # at 2 x 2 ranks
     moetrace) step moetrace 120 $MPI2 python3 tools/moe_trace.py --out "$LOGS/moetrace" ${MOETRACE_ARGS:-} ;;  # the fused MoE GEMM + combine between 2 emulated nodes, traced
     tptrace4) step tptrace4 120 $MPI4 python3 tools/tp_trace.py --out "$LOGS/trace4" ${TRACE_ARGS:-} ;;  # at 2 x 2 ranks

@@ -1,0 +1,134 @@
+"""Do two processes' copies between the GPU and host memory run at once? (bench/NOTES.md session 53:
+between emulated nodes on one GPU under MPS, ring attention's two directions crossed one after the
+other, and capping the host transport's copies in flight did not change that.)
+
+Each rank copies a block in 1 MiB pieces, all ranks starting at one host instant; a host thread
+polls one event per piece and stamps its completion on CLOCK_MONOTONIC (one clock for every process
+of the host). Scenarios, every rank at once:
+  d2h      device -> pinned host (cuMemcpyAsync on a non-blocking stream, as the proxy does)
+  h2d      pinned host -> device
+  ring     rank 0 sends 8 MiB (D2H) and receives 16 (H2D), rank 1 the reverse: ring attention's
+           2 x 1 causal pattern, on two streams a rank (the proxy's lanes)
+  kernel   device -> mapped pinned host by a copy kernel (SMs, not copy engines)
+Per rank and scenario: first and last completion (us from the start), GB/s, and how much of the
+ranks' busy intervals overlap (1: fully at once, 0: one after the other).
+
+    mpirun -n 2 python3 tools/copy_order.py [--mib 16] [--out DIR]   (under MPS: tools/mps.sh)
+"""
+
+import argparse
+import json
+import os
+import time
+
+import cupy
+import numpy as np
+from mpi4py import MPI
+
+WORLD = MPI.COMM_WORLD
+MiB = 1 << 20
+COPY_KERNEL = r"""
+extern "C" __global__ void copy16(const uint4* src, uint4* dst, unsigned long long n) {
+  for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+       i += (unsigned long long)gridDim.x * blockDim.x)
+    dst[i] = src[i];
+}
+"""
+
+
+def pinned(nbytes):
+    """A pinned, mapped host buffer's address (the same in kernels: unified addressing)."""
+    rt = cupy.cuda.runtime
+    return rt.hostAlloc(nbytes, rt.hostAllocPortable | rt.hostAllocMapped)
+
+
+def start_together():
+    """Every rank returns at one CLOCK_MONOTONIC instant (rank 0's now + 20 ms)."""
+    t0 = WORLD.bcast(time.monotonic_ns() + 20_000_000 if WORLD.rank == 0 else None)
+    while time.monotonic_ns() < t0:
+        pass
+    return t0
+
+
+def issue(plan, bufs, streams, kernel):
+    """Queues every piece; returns [(direction, event)] in issue order."""
+    out = []
+    for direction, nbytes in plan:
+        dev, host, hdev = bufs[direction]
+        for off in range(0, nbytes, MiB):
+            n = min(MiB, nbytes - off)
+            s = streams[direction]
+            if direction == "kernel":
+                kernel((64,), (256,), (np.uint64(dev.data.ptr + off), np.uint64(hdev + off), np.uint64(n // 16)),
+                       stream=s)
+            elif direction == "d2h":
+                cupy.cuda.runtime.memcpyAsync(host + off, dev.data.ptr + off, n,
+                                              cupy.cuda.runtime.memcpyDeviceToHost, s.ptr)
+            else:
+                cupy.cuda.runtime.memcpyAsync(dev.data.ptr + off, host + off, n,
+                                              cupy.cuda.runtime.memcpyHostToDevice, s.ptr)
+            ev = cupy.cuda.Event(disable_timing=True)
+            ev.record(s)
+            out.append((direction, ev))
+    return out
+
+
+def run_scenario(name, plan, bufs, streams, kernel):
+    WORLD.Barrier()
+    t0 = start_together()
+    pending = issue(plan, bufs, streams, kernel)
+    done = [None] * len(pending)
+    left = set(range(len(pending)))
+    while left:  # stamp each piece's completion as soon as it is seen
+        for i in sorted(left):
+            if pending[i][1].done:
+                done[i] = (time.monotonic_ns() - t0) / 1e3
+                left.discard(i)
+    nbytes = sum(b for _, b in plan)
+    first, last = min(done), max(done)
+    mine = {"scenario": name, "rank": WORLD.rank, "bytes": nbytes, "first_us": first, "last_us": last,
+            "GBps": nbytes / (last * 1e3) if last else None,
+            "pieces": [{"direction": d, "done_us": t} for (d, _), t in zip(pending, done)]}
+    rows = WORLD.gather(mine)
+    if WORLD.rank == 0:
+        spans = [(r["first_us"], r["last_us"]) for r in rows]
+        inter = max(0.0, min(e for _, e in spans) - max(s for s, _ in spans))
+        shorter = min(e - s for s, e in spans) or 1e-9
+        for r in rows:
+            print(f"{name:7s} rank {r['rank']}: {r['bytes'] / MiB:5.0f} MiB  first {r['first_us']:8.1f}  "
+                  f"last {r['last_us']:8.1f} us  {r['GBps']:6.1f} GB/s")
+        print(f"{name:7s} overlap of the ranks' busy intervals: {inter / shorter:.2f} of the shorter")
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=16, help="MiB each rank copies per scenario (ring: 8 / 16)")
+    ap.add_argument("--out", default=None, help="directory for copy_order.json (rank 0)")
+    args = ap.parse_args()
+    nbytes = args.mib * MiB
+    cupy.cuda.runtime.setDevice(0)
+    src = cupy.arange(nbytes, dtype=cupy.uint8)
+    hptr, mapped = pinned(nbytes), pinned(nbytes)
+    kernel = cupy.RawKernel(COPY_KERNEL, "copy16")
+    bufs = {"d2h": (src, hptr, 0), "h2d": (src, hptr, 0), "kernel": (src, 0, mapped)}
+    streams = {k: cupy.cuda.Stream(non_blocking=True) for k in bufs}
+    small, large = nbytes // 2, nbytes
+    me = WORLD.rank
+    scenarios = [("d2h", [("d2h", nbytes)]), ("h2d", [("h2d", nbytes)]),
+                 ("ring", [("d2h", small if me == 0 else large), ("h2d", large if me == 0 else small)]),
+                 ("kernel", [("kernel", nbytes)])]
+    issue([("d2h", MiB), ("h2d", MiB), ("kernel", MiB)], bufs, streams, kernel)  # first use outside the timing
+    cupy.cuda.Device().synchronize()
+    results = []
+    for name, plan in scenarios:
+        results += run_scenario(name, plan, bufs, streams, kernel) or []
+    if me == 0 and args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "copy_order.json"), "w") as f:
+            json.dump({"ranks": WORLD.size, "mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
+                       "rows": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
