@@ -77,6 +77,7 @@ def run_scenario(name, plan, bufs, streams, kernel):
     WORLD.Barrier()
     t0 = start_together()
     pending = issue(plan, bufs, streams, kernel)
+    issued = (time.monotonic_ns() - t0) / 1e3  # the host's time to queue them (cuMemcpyAsync under MPS: us each)
     done = [None] * len(pending)
     left = set(range(len(pending)))
     while left:  # stamp each piece's completion as soon as it is seen
@@ -86,7 +87,8 @@ def run_scenario(name, plan, bufs, streams, kernel):
                 left.discard(i)
     nbytes = sum(b for _, b in plan)
     first, last = min(done), max(done)
-    mine = {"scenario": name, "rank": WORLD.rank, "bytes": nbytes, "first_us": first, "last_us": last,
+    mine = {"scenario": name, "rank": WORLD.rank, "bytes": nbytes, "issued_us": issued, "first_us": first,
+            "last_us": last,
             "GBps": nbytes / (last * 1e3) if last else None,
             "pieces": [{"direction": d, "done_us": t} for (d, _), t in zip(pending, done)]}
     rows = WORLD.gather(mine)
@@ -95,7 +97,8 @@ def run_scenario(name, plan, bufs, streams, kernel):
         inter = max(0.0, min(e for _, e in spans) - max(s for s, _ in spans))
         shorter = min(e - s for s, e in spans) or 1e-9
         for r in rows:
-            print(f"{name:7s} rank {r['rank']}: {r['bytes'] / MiB:5.0f} MiB  first {r['first_us']:8.1f}  "
+            print(f"{name:7s} rank {r['rank']}: {r['bytes'] / MiB:5.0f} MiB  queued by {r['issued_us']:7.1f}  "
+                  f"first {r['first_us']:8.1f}  "
                   f"last {r['last_us']:8.1f} us  {r['GBps']:6.1f} GB/s")
         print(f"{name:7s} overlap of the ranks' busy intervals: {inter / shorter:.2f} of the shorter")
     return rows
