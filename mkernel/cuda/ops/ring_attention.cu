@@ -177,7 +177,7 @@ struct RingMergeEpi {
         }
       }
     }
-    __threadfence();
+    // The barrier orders the warpgroup's stores before thread 0's release (cumulative): no fence each.
     named_bar_sync(MK_BAR_EPI + wg, 128);
     if (tid == 0) {
       if (!last) set_flag(flag, E * 16u + t.step);
