@@ -10,8 +10,8 @@ of the host). Scenarios, every rank at once:
   ring     rank 0 sends 8 MiB (D2H) and receives 16 (H2D), rank 1 the reverse: ring attention's
            2 x 1 causal pattern, on two streams a rank (the proxy's lanes)
   kernel   device -> mapped pinned host by a copy kernel (SMs, not copy engines)
-Per rank and scenario: first and last completion (us from the start), GB/s, and how much of the
-ranks' busy intervals overlap (1: fully at once, 0: one after the other).
+Per rank and scenario: first and last completion (us from the start), GB/s, and per direction how
+much the ranks' copies ran at once (1: at once, 0: one after the other).
 
     mpirun -n 2 python3 tools/copy_order.py [--mib 16] [--out DIR]   (under MPS: tools/mps.sh)
 """
@@ -93,15 +93,29 @@ def run_scenario(name, plan, bufs, streams, kernel):
             "pieces": [{"direction": d, "done_us": t} for (d, _), t in zip(pending, done)]}
     rows = WORLD.gather(mine)
     if WORLD.rank == 0:
-        spans = [(r["first_us"], r["last_us"]) for r in rows]
-        inter = max(0.0, min(e for _, e in spans) - max(s for s, _ in spans))
-        shorter = min(e - s for s, e in spans) or 1e-9
         for r in rows:
             print(f"{name:7s} rank {r['rank']}: {r['bytes'] / MiB:5.0f} MiB  queued by {r['issued_us']:7.1f}  "
                   f"first {r['first_us']:8.1f}  "
                   f"last {r['last_us']:8.1f} us  {r['GBps']:6.1f} GB/s")
-        print(f"{name:7s} overlap of the ranks' busy intervals: {inter / shorter:.2f} of the shorter")
+        for direction in sorted({p["direction"] for r in rows for p in r["pieces"]}):
+            print(f"{name:7s} {direction}: the ranks' copies overlap {overlap(rows, direction):.2f}")
     return rows
+
+
+def overlap(rows, direction):
+    """How much the ranks' pieces of one direction ran at once: the intersection of each rank's span
+    from its 10th to its 90th percentile completion, over the shorter span (1: at once, 0: in turn).
+    First and last alone mislead: a rank's first piece may land before the other rank's run."""
+    spans = []
+    for r in rows:
+        done = sorted(p["done_us"] for p in r["pieces"] if p["direction"] == direction)
+        if len(done) < 2:
+            continue
+        spans.append((float(np.percentile(done, 10)), float(np.percentile(done, 90))))
+    if len(spans) < 2:
+        return float("nan")
+    inter = max(0.0, min(e for _, e in spans) - max(s for s, _ in spans))
+    return inter / (min(e - s for s, e in spans) or 1e-9)
 
 
 def main():
