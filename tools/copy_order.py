@@ -10,6 +10,9 @@ of the host). Scenarios, every rank at once:
   ring     rank 0 sends 8 MiB (D2H) and receives 16 (H2D), rank 1 the reverse: ring attention's
            2 x 1 causal pattern, on two streams a rank (the proxy's lanes)
   kernel   device -> mapped pinned host by a copy kernel (SMs, not copy engines)
+  proxy    the ring pattern through the host transport itself (each rank's proxy copies its sends
+           out of the GPU, the peer's proxy copies them in): WRITEs of 1 MiB, each adding 1 to a
+           flag, whose every step the host stamps as it lands (both halves of a transfer chained)
 Per rank and scenario: first and last completion (us from the start), GB/s, and per direction how
 much the ranks' copies ran at once (1: at once, 0: one after the other).
 
@@ -19,7 +22,9 @@ much the ranks' copies ran at once (1: at once, 0: one after the other).
 import argparse
 import json
 import os
+import sys
 import time
+from pathlib import Path
 
 import cupy
 import numpy as np
@@ -118,6 +123,46 @@ def overlap(rows, direction):
     return inter / (min(e - s for s, e in spans) or 1e-9)
 
 
+def run_proxy(small, large, timeout_s=60.0):
+    """The ring pattern through the host transport: rank 0 WRITEs `small` bytes, rank 1 `large`, at
+    once, in 1 MiB WRITEs that each add 1 to flag 0 at the receiver; the receiver stamps every
+    increment. The second of two rounds is kept (the first warms the proxies)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import transport  # bench/transport.py: the 2-rank proxy exchange
+
+    from mkernel.comm.proxy import FLAG_ADD, WRITE
+
+    me, peer = WORLD.rank, 1 - WORLD.rank
+    send, recv = (small, large) if me == 0 else (large, small)
+    with transport.exchange_proxy("host", large) as (proxy, queue, flags):
+        for _ in range(2):
+            flags[0] = 0  # the peer writes only after the barrier
+            WORLD.Barrier()
+            t0 = start_together()
+            for i in range(send // MiB):
+                queue.push(WRITE, peer, MiB, src=(0, i * MiB), dst=(1, i * MiB), flag=(0, 1, FLAG_ADD))
+            issued = (time.monotonic_ns() - t0) / 1e3
+            done, deadline = [], t0 + int(timeout_s * 1e9)
+            while len(done) < recv // MiB:
+                seen = int(flags[0])
+                now = time.monotonic_ns()
+                done += [(now - t0) / 1e3] * (seen - len(done))
+                if now > deadline:
+                    proxy.check()
+                    raise TimeoutError(f"rank {me}: {seen} of {recv // MiB} WRITEs landed after {timeout_s} s")
+    mine = {"scenario": "proxy", "rank": me, "bytes": recv, "issued_us": issued, "first_us": done[0],
+            "last_us": done[-1], "GBps": recv / (done[-1] * 1e3),
+            "pieces": [{"direction": "landed", "done_us": t} for t in done]}
+    rows = WORLD.gather(mine)
+    if me == 0:
+        for r in rows:
+            print(f"proxy   rank {r['rank']}: {r['bytes'] / MiB:5.0f} MiB landed  sends queued by "
+                  f"{r['issued_us']:7.1f}  first {r['first_us']:8.1f}  last {r['last_us']:8.1f} us  "
+                  f"{r['GBps']:6.1f} GB/s")
+        print(f"proxy   landed: the ranks' receipts overlap {overlap(rows, 'landed'):.2f}")
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=16, help="MiB each rank copies per scenario (ring: 8 / 16)")
@@ -140,6 +185,7 @@ def main():
     results = []
     for name, plan in scenarios:
         results += run_scenario(name, plan, bufs, streams, kernel) or []
+    results += run_proxy(small, large) or []
     if me == 0 and args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "copy_order.json"), "w") as f:
