@@ -30,6 +30,9 @@ import cupy
 import numpy as np
 from mpi4py import MPI
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import transport  # noqa: E402  (bench/transport.py: pinned host arrays, the 2-rank proxy exchange)
+
 WORLD = MPI.COMM_WORLD
 MiB = 1 << 20
 COPY_KERNEL = r"""
@@ -39,12 +42,6 @@ extern "C" __global__ void copy16(const uint4* src, uint4* dst, unsigned long lo
     dst[i] = src[i];
 }
 """
-
-
-def pinned(nbytes):
-    """A pinned, mapped host buffer's address (the same in kernels: unified addressing)."""
-    rt = cupy.cuda.runtime
-    return rt.hostAlloc(nbytes, rt.hostAllocPortable | rt.hostAllocMapped)
 
 
 def start_together():
@@ -127,9 +124,6 @@ def run_proxy(small, large, timeout_s=60.0):
     """The ring pattern through the host transport: rank 0 WRITEs `small` bytes, rank 1 `large`, at
     once, in 1 MiB WRITEs that each add 1 to flag 0 at the receiver; the receiver stamps every
     increment. The second of two rounds is kept (the first warms the proxies)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import transport  # bench/transport.py: the 2-rank proxy exchange
-
     from mkernel.comm.proxy import FLAG_ADD, WRITE
 
     me, peer = WORLD.rank, 1 - WORLD.rank
@@ -171,7 +165,7 @@ def main():
     nbytes = args.mib * MiB
     cupy.cuda.runtime.setDevice(0)
     src = cupy.arange(nbytes, dtype=cupy.uint8)
-    hptr, mapped = pinned(nbytes), pinned(nbytes)
+    (hptr, _), (mapped, _) = transport.host_array(nbytes), transport.host_array(nbytes)
     kernel = cupy.RawKernel(COPY_KERNEL, "copy16")
     bufs = {"d2h": (src, hptr, 0), "h2d": (src, hptr, 0), "kernel": (src, 0, mapped)}
     streams = {k: cupy.cuda.Stream(non_blocking=True) for k in bufs}
