@@ -10,6 +10,9 @@ of the host). Scenarios, every rank at once:
   ring     rank 0 sends 8 MiB (D2H) and receives 16 (H2D), rank 1 the reverse: ring attention's
            2 x 1 causal pattern, on two streams a rank (the proxy's lanes)
   kernel   device -> mapped pinned host by a copy kernel (SMs, not copy engines)
+  chain    the ring pattern with one client doing both halves of each piece on the copy engines: D2H into
+           its own pinned buffer, then H2D into the peer's device buffer (CUDA IPC), as one NIC would
+  kchain   the same two halves by copy kernels (SMs) through mapped host memory
   proxy    the ring pattern through the host transport itself (each rank's proxy copies its sends
            out of the GPU, the peer's proxy copies them in): WRITEs of 1 MiB, each adding 1 to a
            flag, whose every step the host stamps as it lands (both halves of a transfer chained)
@@ -60,7 +63,9 @@ def issue(plan, bufs, streams, kernel):
         for off in range(0, nbytes, MiB):
             n = min(MiB, nbytes - off)
             s = streams[direction]
-            if direction == "kernel":
+            if direction in ("chain", "kchain"):  # the second half waits for the first, on its own stream
+                s = chain_piece(direction, dev.data.ptr + off, host + off, hdev + off, n, streams, kernel)
+            elif direction == "kernel":
                 kernel((64,), (256,), (np.uint64(dev.data.ptr + off), np.uint64(hdev + off), np.uint64(n // 16)),
                        stream=s)
             elif direction == "d2h":
@@ -73,6 +78,33 @@ def issue(plan, bufs, streams, kernel):
             ev.record(s)
             out.append((direction, ev))
     return out
+
+
+def chain_piece(direction, src, host, peer_dst, n, streams, kernel):
+    """One piece sent by this client alone: src -> host (stage 1), host -> the peer's device (stage 2).
+    Returns stage 2's stream (the piece has landed when its event completes)."""
+    first, second = streams[direction]
+    args = ((np.uint64(src), np.uint64(host), np.uint64(n // 16)), (np.uint64(host), np.uint64(peer_dst),
+                                                                     np.uint64(n // 16)))
+    for stage, (s, (a, b, words)) in enumerate(zip((first, second), args)):
+        if stage:
+            ev = cupy.cuda.Event(disable_timing=True)
+            ev.record(first)
+            s.wait_event(ev)
+        if direction == "kchain":
+            kernel((64,), (256,), (a, b, words), stream=s)
+        else:
+            kind = cupy.cuda.runtime.memcpyDeviceToHost if stage == 0 else cupy.cuda.runtime.memcpyHostToDevice
+            cupy.cuda.runtime.memcpyAsync(int(b), int(a), n, kind, s.ptr)
+    return second
+
+
+def peer_buffer(nbytes):
+    """This rank's receive buffer and the peer's, opened through CUDA IPC (2 ranks)."""
+    mine = cupy.zeros(nbytes, dtype=cupy.uint8)
+    handles = WORLD.allgather(cupy.cuda.runtime.ipcGetMemHandle(mine.data.ptr))
+    peer = cupy.cuda.runtime.ipcOpenMemHandle(handles[1 - WORLD.rank])
+    return mine, peer
 
 
 def run_scenario(name, plan, bufs, streams, kernel):
@@ -167,14 +199,19 @@ def main():
     src = cupy.arange(nbytes, dtype=cupy.uint8)
     (hptr, _), (mapped, _) = transport.host_array(nbytes), transport.host_array(nbytes)
     kernel = cupy.RawKernel(COPY_KERNEL, "copy16")
-    bufs = {"d2h": (src, hptr, 0), "h2d": (src, hptr, 0), "kernel": (src, 0, mapped)}
-    streams = {k: cupy.cuda.Stream(non_blocking=True) for k in bufs}
+    _, peer_dst = peer_buffer(nbytes)
+    bufs = {"d2h": (src, hptr, 0), "h2d": (src, hptr, 0), "kernel": (src, 0, mapped),
+            "chain": (src, hptr, peer_dst), "kchain": (src, mapped, peer_dst)}
+    streams = {k: cupy.cuda.Stream(non_blocking=True) for k in ("d2h", "h2d", "kernel")}
+    streams.update({k: (cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True))
+                    for k in ("chain", "kchain")})
     small, large = nbytes // 2, nbytes
     me = WORLD.rank
+    mine = small if me == 0 else large
     scenarios = [("d2h", [("d2h", nbytes)]), ("h2d", [("h2d", nbytes)]),
-                 ("ring", [("d2h", small if me == 0 else large), ("h2d", large if me == 0 else small)]),
-                 ("kernel", [("kernel", nbytes)])]
-    issue([("d2h", MiB), ("h2d", MiB), ("kernel", MiB)], bufs, streams, kernel)  # first use outside the timing
+                 ("ring", [("d2h", mine), ("h2d", large if me == 0 else small)]),
+                 ("kernel", [("kernel", nbytes)]), ("chain", [("chain", mine)]), ("kchain", [("kchain", mine)])]
+    issue([(d, MiB) for d in bufs], bufs, streams, kernel)  # first use outside the timing
     cupy.cuda.Device().synchronize()
     results = []
     for name, plan in scenarios:
