@@ -10,15 +10,21 @@ struct DecodeStore {
   MK_DEV bool ready(Bar) {
     return true;
   }
+  MK_DEV void previous(int, u64 tok, u64 r0, u64 r1, float (&v)[4]) {  // accumulate: out's values added
+    if (args.epi_op != MK_EPI_ADD) return;
+    const u64 ldc = (u64)args.ldc, N = (u64)args.n, M = (u64)args.m;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const u64 tk = tok + (e & 1), row = e < 2 ? r0 : r1;
+      if (tk < M && row < N) v[e] += load_out<OUT>(args.out, tk * ldc + row);
+    }
+  }
   MK_DEV void finish(int, u64 tok, u64 r0, u64 r1, const float (&v)[4]) {
     const u64 ldc = (u64)args.ldc, N = (u64)args.n, M = (u64)args.m;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const u64 tk = tok + (e & 1), row = e < 2 ? r0 : r1;
-      if (tk < M && row < N) {
-        const u64 i = tk * ldc + row;
-        store_out<OUT>(args.out, i, args.epi_op == MK_EPI_ADD ? v[e] + load_out<OUT>(args.out, i) : v[e]);
-      }
+      if (tk < M && row < N) store_out<OUT>(args.out, tk * ldc + row, v[e]);
     }
   }
 };

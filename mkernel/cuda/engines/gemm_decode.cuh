@@ -90,6 +90,9 @@ MK_DEV void store_out(void* out, u64 i, float v) {
   }
 }
 
+// Token blocks whose previous output values an epilogue reads at once (4 loads each; 8 spilled at MT 256).
+constexpr int MK_DECODE_READS = 4;
+
 // The stream-K cut: CTA c's run is units [start(c), start(c + 1)), start(c) = c * U / C; the CTA
 // whose run holds unit x is (x * C + C - 1) / U (ctas <= units: no run is empty).
 MK_DEV u64 decode_run_start(u64 c, u64 units, u64 ctas) { return c * units / ctas; }
@@ -137,9 +140,9 @@ MK_DEV void decode_produce(const MkDecodeArgs& args, u32 smem, u64 u0, u64 u1) {
 // memory). Epi: begin() first (every consumer thread, the producer's first loads in flight: its
 // memory round trips overlap theirs); then per row block this CTA finishes (covered whole,
 // or the last of its CTAs to arrive) ready(bar) (every consumer thread; bar() syncs them; false
-// skips the stores) and finish(j, tok, r0, r1, v) per token block j: v[0..1] the values of row r0
-// and tokens tok, tok + 1, v[2..3] those of row r1 (tokens past m and rows past n included: Epi
-// skips them).
+// skips the stores), previous(j, tok, r0, r1, v) for every token block j (may add values read from
+// memory to v), then finish(j, tok, r0, r1, v) for each: v[0..1] the values of row r0 and tokens
+// tok, tok + 1, v[2..3] those of row r1 (tokens past m and rows past n included: Epi skips them).
 template <int DT, int MT, int ROWS, class Epi>
 MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
   using Cfg = DecodeCfg<MT, ROWS>;
@@ -220,10 +223,23 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
     const u64 r0 = rb * Cfg::ROWS + warp * 16 + g, r1 = r0 + 8;
     const u32 first = decode_cta_of(rb * kb, units, C), n_ctas = decode_cta_of((rb + 1) * kb - 1, units, C) - first + 1;
     const auto hand_out = [&] {  // the block's finished values (in acc) to the epilogue
+      // Reads of previous values go before the stores, MK_DECODE_READS token blocks at a time:
+      // interleaved, each waited a memory round trip.
+      constexpr int G = Cfg::BLOCKS < MK_DECODE_READS ? Cfg::BLOCKS : MK_DECODE_READS;
 #pragma unroll
-      for (int j = 0; j < Cfg::BLOCKS; ++j) {
-        const float v[4] = {acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]};
-        epi.finish(j, (u64)j * 8 + 2 * t, r0, r1, v);
+      for (int j0 = 0; j0 < Cfg::BLOCKS; j0 += G) {
+#pragma unroll
+        for (int j = j0; j < j0 + G; ++j) {
+          float v[4] = {acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]};
+          epi.previous(j, (u64)j * 8 + 2 * t, r0, r1, v);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[4 * j + e] = v[e];
+        }
+#pragma unroll
+        for (int j = j0; j < j0 + G; ++j) {
+          const float v[4] = {acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]};
+          epi.finish(j, (u64)j * 8 + 2 * t, r0, r1, v);
+        }
       }
     };
     if (n_ctas == 1) {

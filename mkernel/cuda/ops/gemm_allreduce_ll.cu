@@ -40,6 +40,7 @@ struct DecodePush {
     bar();
     return *s_ok != 0;
   }
+  MK_DEV void previous(int, u64, u64, u64, float (&)[4]) {}
   MK_DEV void finish(int, u64 tok, u64 r0, u64 r1, const float (&v)[4]) {
     const u64 N = (u64)a.g.n, pairs = (u64)a.pairs, pair = tok / 2, E = *s_epoch;
     if (pair >= pairs) return;
