@@ -205,6 +205,23 @@ def test_float32_output_accumulate_and_strides(split):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", [(37, 1032, 2048), (100, 4096, 4096), (128, 264, 8192)])
+def test_bf16_accumulate_many_token_blocks(M, N, K):
+    """accumulate=True at tiles of several read groups (ragged M and N): out = start + a @ w.T, bitwise
+    on integer inputs (the fp32 sum exact, rounded to bf16 once), within REL_TOL on random ones."""
+    for integer in (True, False):
+        a, w = _inputs(21 + M, M, N, K if not integer else 256, BF16, integer=integer)
+        rng = np.random.default_rng(M)
+        start = rng.integers(-8, 9, (M, N)).astype(np.float64) if integer else rng.standard_normal((M, N))
+        got = host(_run(a, w, BF16, accumulate=True, start=start, out_pad=8)).astype(np.float64)
+        ref = start.astype(BF16).astype(np.float64) + a @ w.T
+        if integer:
+            np.testing.assert_array_equal(got, ref.astype(BF16).astype(np.float64))
+        else:
+            assert _rel(got, ref) < REL_TOL
+
+
+@pytest.mark.gpu
 def test_back_to_back_shapes_stay_exact():
     """Shapes interleaved on one stream (one workspace, grown and reused): each bitwise as alone."""
     shapes = [(4, 4096, 8192), (40, 264, 136), (1, 1024, 16384), (4, 4096, 8192)]
