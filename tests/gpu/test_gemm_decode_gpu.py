@@ -212,9 +212,10 @@ def test_bf16_accumulate_many_token_blocks(M, N, K):
     for integer in (True, False):
         a, w = _inputs(21 + M, M, N, K if not integer else 256, BF16, integer=integer)
         rng = np.random.default_rng(M)
-        start = rng.integers(-8, 9, (M, N)).astype(np.float64) if integer else rng.standard_normal((M, N))
+        shape = (M, N + 8)  # out's rows padded by 8 elements
+        start = rng.integers(-8, 9, shape).astype(np.float64) if integer else rng.standard_normal(shape)
         got = host(_run(a, w, BF16, accumulate=True, start=start, out_pad=8)).astype(np.float64)
-        ref = start.astype(BF16).astype(np.float64) + a @ w.T
+        ref = start[:, :N].astype(BF16).astype(np.float64) + a @ w.T
         if integer:
             np.testing.assert_array_equal(got, ref.astype(BF16).astype(np.float64))
         else:
