@@ -2,7 +2,7 @@
 # One device call that does everything a session needs on the GPU machine (build, suite, sanitizer,
 # benchmarks), logs under $OUT, then a summary last. Usage on the device:
 #   source .whl/prepare.sh || exit 1; bash tools/device_session.sh [steps...]
-# Steps (default: info suite main sanitizer gemm transport); finer ones: decode hostprof phases ncu (tools/ncu_gemm.py under Nsight Compute, NCU_SHAPES) tpdecode arphases arfloor llphases decseq ringmps nodesdiag runtime
+# Steps (default: info suite main sanitizer gemm transport); finer ones: decode accab hostprof phases ncu (tools/ncu_gemm.py under Nsight Compute, NCU_SHAPES) tpdecode arphases arfloor llphases decseq ringmps nodesdiag runtime
 # ringnodes / ringnodes4: bench/ring_attention.py between 2 emulated nodes (2 ranks; 2 x 2 ranks)
 # test1 / test2: the pytest arguments in TEST_ARGS at 1 rank, and at 2 ranks (under MPS)
 # moetcp / copiestest: MoE between 2 emulated nodes over tcp, and a caller's copies behind an op between nodes (2 ranks)
@@ -100,6 +100,8 @@ for s in $steps; do
       [ "${MKERNEL_MPS_STARTED:-0}" = 1 ] && mps_start ;;
     gemm) step gemm 120 python3 bench/gemm.py ;;
     decode) step decode 120 python3 bench/gemm.py --decode ;;
+    accab) step accab 200 bash -c "(cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null) && \
+      for t in \$PWD \$PWD/scratch/branch \$PWD; do PYTHONPATH=\$t python3 -P tools/accumulate_ab.py; done" ;;  # accumulate=True: this tree, main at scratch/branch, this tree
     ncu) step ncu 200 ncu --clock-control none --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis \
       --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
       python3 tools/ncu_gemm.py ${NCU_ARGS:-} ${NCU_SHAPES:-1x8192x8192 16x8192x8192 128x8192x8192} ;;  # not under MPS: MKERNEL_SESSION_MPS=0
