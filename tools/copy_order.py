@@ -16,6 +16,8 @@ of the host). Scenarios, every rank at once:
   proxy    the ring pattern through the host transport itself (each rank's proxy copies its sends
            out of the GPU, the peer's proxy copies them in): WRITEs of 1 MiB, each adding 1 to a
            flag, whose every step the host stamps as it lands (both halves of a transfer chained)
+Every piece is queued behind a gate (a kernel on each stream spinning on a mapped host word) that
+opens at the start, so the host's queueing time (~7-20 us a piece under MPS) is not measured.
 Per rank and scenario: first and last completion (us from the start), GB/s, and per direction how
 much the ranks' copies ran at once (1: at once, 0: one after the other).
 
@@ -43,6 +45,9 @@ extern "C" __global__ void copy16(const uint4* src, uint4* dst, unsigned long lo
   for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
        i += (unsigned long long)gridDim.x * blockDim.x)
     dst[i] = src[i];
+}
+extern "C" __global__ void gate(const volatile unsigned* open) {
+  while (*open == 0) __nanosleep(1000);
 }
 """
 
@@ -107,11 +112,35 @@ def peer_buffer(nbytes):
     return mine, peer
 
 
-def run_scenario(name, plan, bufs, streams, kernel):
+class Gate:
+    """Holds every stream's queued work until open(): a one-thread kernel spinning on a mapped host word."""
+
+    def __init__(self):
+        self.ptr, word = transport.host_array(64)
+        self.word = word[:4].view(np.uint32)
+        self.kernel = cupy.RawKernel(COPY_KERNEL, "gate")
+
+    def close(self, streams):
+        self.word[0] = 0
+        for s in streams:
+            self.kernel((1,), (1,), (np.uint64(self.ptr),), stream=s)
+
+    def open(self):
+        self.word[0] = 1
+
+
+def every_stream(streams):
+    return [s for v in streams.values() for s in (v if isinstance(v, tuple) else (v,))]
+
+
+def run_scenario(name, plan, bufs, streams, kernel, gate):
     WORLD.Barrier()
-    t0 = start_together()
+    gate.close(every_stream(streams))
+    q0 = time.monotonic_ns()
     pending = issue(plan, bufs, streams, kernel)
-    issued = (time.monotonic_ns() - t0) / 1e3  # the host's time to queue them (cuMemcpyAsync under MPS: us each)
+    issued = (time.monotonic_ns() - q0) / 1e3  # the host's time to queue them, before the start
+    t0 = start_together()
+    gate.open()
     done = [None] * len(pending)
     left = set(range(len(pending)))
     while left:  # stamp each piece's completion as soon as it is seen
@@ -128,7 +157,7 @@ def run_scenario(name, plan, bufs, streams, kernel):
     rows = WORLD.gather(mine)
     if WORLD.rank == 0:
         for r in rows:
-            print(f"{name:7s} rank {r['rank']}: {r['bytes'] / MiB:5.0f} MiB  queued by {r['issued_us']:7.1f}  "
+            print(f"{name:7s} rank {r['rank']}: {r['bytes'] / MiB:5.0f} MiB  queued in {r['issued_us']:7.1f}  "
                   f"first {r['first_us']:8.1f}  "
                   f"last {r['last_us']:8.1f} us  {r['GBps']:6.1f} GB/s")
         for direction in sorted({p["direction"] for r in rows for p in r["pieces"]}):
@@ -213,9 +242,9 @@ def main():
                  ("kernel", [("kernel", nbytes)]), ("chain", [("chain", mine)]), ("kchain", [("kchain", mine)])]
     issue([(d, MiB) for d in bufs], bufs, streams, kernel)  # first use outside the timing
     cupy.cuda.Device().synchronize()
-    results = []
+    gate, results = Gate(), []
     for name, plan in scenarios:
-        results += run_scenario(name, plan, bufs, streams, kernel) or []
+        results += run_scenario(name, plan, bufs, streams, kernel, gate) or []
     results += run_proxy(small, large) or []
     if me == 0 and args.out:
         os.makedirs(args.out, exist_ok=True)
