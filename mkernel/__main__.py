@@ -17,16 +17,32 @@ def _cmd_info(args):
     return 0
 
 
+def _precompile_one(name):
+    import time
+
+    import mkernel  # noqa: F401  (registers every kernel)
+    from mkernel.runtime import compile as kcompile
+    t = time.perf_counter()
+    c = kcompile.compile_spec(kcompile.REGISTRY[name])
+    return f"{name:32s} {c.spec.source:24s} {time.perf_counter() - t:6.2f} s  key {c.key[:16]}"
+
+
 def _cmd_precompile(args):
     import time
 
     import mkernel  # noqa: F401  (registers every kernel)
     from mkernel.runtime import compile as kcompile
     names = args.kernels or sorted(kcompile.REGISTRY)
-    for name in names:
-        t = time.perf_counter()
-        c = kcompile.compile_spec(kcompile.REGISTRY[name])
-        print(f"{name:32s} {c.spec.source:24s} {time.perf_counter() - t:6.2f} s  key {c.key[:16]}")
+    if args.jobs > 1:  # forked workers (no CUDA context yet); the cache is written by atomic renames
+        import concurrent.futures
+        import multiprocessing
+
+        with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+            lines = list(pool.map(_precompile_one, names))
+    else:
+        lines = map(_precompile_one, names)
+    for line in lines:
+        print(line)
     if not args.kernels:  # the split policy's host library too (comm_sms="auto"): no g++ run at a first call
         from mkernel.split import policy as split
         t = time.perf_counter()
@@ -63,6 +79,7 @@ def main(argv=None):
     sub.add_parser("info", help="versions, GPUs, links, MPI, transports, cache")
     pc = sub.add_parser("precompile", help="compile every kernel into the cache (no GPU needed)")
     pc.add_argument("kernels", nargs="*")
+    pc.add_argument("--jobs", type=int, default=1, help="kernels compiled at once, each in its own process")
     e = sub.add_parser("env", help="the MKERNEL_* variables and their values")
     e.add_argument("--markdown", action="store_true")
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -25,6 +25,11 @@ use_mps=0
 if [ "${MKERNEL_SUITE_MPS:-1}" = 1 ] && [ "$ngpus" -lt 4 ]; then  # the 4-rank pass shares GPUs
   if mps_start; then use_mps=1; else echo "run_gpu.sh: MPS could not start: time-sliced passes"; fi
 fi
+# Every kernel compiled before the passes, 8 at a time (a pass then times its tests, not NVRTC; cached
+# kernels cost nothing): session 55's 1-rank pass took 294 s with half the kernels compiled inside it.
+t0=$SECONDS
+"$PY" -m mkernel precompile --jobs 8 >/dev/null 2>&1 || echo "run_gpu.sh: precompile failed (each test compiles what it needs)"
+echo "run_gpu.sh: kernels compiled or found cached in $((SECONDS - t0)) s"
 rc=0
 log=$(mktemp)
 pass() {  # pass NAME RANKS CMD...: runs one pass, records its status, restarts MPS after a GPU fault

@@ -1,5 +1,6 @@
 """The command line: the main job's no-GPU exit, info, env, and the one table of MKERNEL_* variables."""
 
+import os
 import re
 import subprocess
 import sys
@@ -31,6 +32,15 @@ def test_info_runs_and_reports_versions_and_cache():
     assert r.returncode == 0, r.stderr
     for word in ("mkernel 0.", "NVRTC", "MPI", "GPUs:", "kernel cache:", "transports"):
         assert word in r.stdout, f"info lacks {word!r}:\n{r.stdout}"
+
+
+def test_precompile_in_parallel_fills_the_cache(tmp_path):
+    names = ("runtime_test", "split_policy_test")
+    r = subprocess.run([sys.executable, "-m", "mkernel", "precompile", "--jobs", "2", *names], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "MKERNEL_CACHE_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    assert [line.split()[0] for line in r.stdout.splitlines()[:2]] == list(names), r.stdout
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / "kernels").glob("*.cubin")) == list(names)
 
 
 def test_environment_doc_is_generated_from_the_table():
