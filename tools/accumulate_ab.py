@@ -4,27 +4,23 @@ is imported: an A/B of two trees runs it twice,
     PYTHONPATH=$PWD python3 -P tools/accumulate_ab.py                  (this tree)
     PYTHONPATH=$PWD/scratch/branch python3 -P tools/accumulate_ab.py   (another)"""
 
+import sys
+from pathlib import Path
+
 import cupy
 import ml_dtypes
 import numpy as np
 
 import mkernel
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import harness  # noqa: E402  (bench/harness.py: CUDA-event timing)
+
 BF16 = ml_dtypes.bfloat16
 
 
-def timed_us(fn, reps=50, warmup=10):
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(reps):
-        s, e = cupy.cuda.Event(), cupy.cuda.Event()
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        out.append(cupy.cuda.get_elapsed_time(s, e) * 1e3)
-    return float(np.median(out))
+def timed_us(fn):
+    return 1e3 * harness.median(harness.time_ms(fn, reps=50, warmup=10))
 
 
 def main():
