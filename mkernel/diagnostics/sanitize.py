@@ -67,19 +67,22 @@ def target_gemm():
 
 def target_gemm_decode():
     """The decode path (few rows, weights as [N, K]) with one K range and with several (row blocks
-    shared by 2 .. 132 CTAs), integer inputs (exact); raises on a wrong result."""
+    shared by 2 .. 132 CTAs), and accumulate=True (out's reads before the stores), integer inputs
+    (exact); raises on a wrong result."""
     import numpy as np
 
     cupy = cupy_mod()
     rng = np.random.default_rng(3)
     # K 4104 over 2 row blocks: many CTAs share them; 130 tokens: 132 runs over 4 row blocks
-    for M, N, K in ((3, 264, 136), (17, 136, 4104), (40, 512, 1032), (130, 512, 4104)):  # 130: 132 runs
+    cases = [(M, N, K, False) for M, N, K in ((3, 264, 136), (17, 136, 4104), (40, 512, 1032), (130, 512, 4104))]
+    for M, N, K, acc in cases + [(37, 264, 1032, True), (100, 512, 4104, True)]:
         a = rng.integers(-1, 2, size=(M, K)).astype(np.float16)
         w = rng.integers(-1, 2, size=(N, K)).astype(np.float16)
-        want = (a.astype(np.float64) @ w.astype(np.float64).T).astype(np.float16)
-        out = cupy.full((M, N), np.nan, dtype=np.float16)
+        start = rng.integers(-8, 9, size=(M, N)).astype(np.float16) if acc else np.zeros((M, N), np.float16)
+        want = (start.astype(np.float64) + a.astype(np.float64) @ w.astype(np.float64).T).astype(np.float16)
+        out = cupy.asarray(start) if acc else cupy.full((M, N), np.nan, dtype=np.float16)
         with config.override(gemm_decode_max_m=256):  # the decode path, not the engine's
-            mkernel.gemm(cupy.asarray(a), cupy.asarray(w).T, out=out)
+            mkernel.gemm(cupy.asarray(a), cupy.asarray(w).T, out=out, accumulate=acc)
         got = out.get()
         if not np.array_equal(got, want):
             raise AssertionError(f"gemm decode {M}x{N}x{K}: {int((got != want).sum())} of {got.size} elements wrong")
