@@ -317,10 +317,10 @@ class GatherBaseline:
 
     def _attend(self, g):
         S, Hkv, D = self.k.shape
-        W, me = self.comm.size, self.comm.rank
+        W = self.comm.size
         if not self.causal:
             g = g.reshape(W * S, 2, Hkv, D)
-            self.attention(self.q, g[:, 0], g[:, 1], out=self.out)
+            attend_gathered(self.attention, self.q, g[:, 0], g[:, 1], self.out, self.comm, False)
             return
         c = S // 2
         g = g.reshape(W, 2, c, 2, Hkv, D)  # (rank, zigzag half, row, K or V, head, dim)
@@ -328,30 +328,29 @@ class GatherBaseline:
             dst[:W] = g[:, 0, :, kv]  # chunk j < W: rank j's first half
             dst[W:] = g[::-1, 1, :, kv]  # chunk j >= W: rank 2W - 1 - j's second half
         kg, vg = (x.reshape(2 * W * c, Hkv, D) for x in (self.kg, self.vg))
-        for half, chunk in ((0, me), (1, 2 * W - 1 - me)):
-            rows = slice(half * c, (half + 1) * c)
-            end = (chunk + 1) * c
-            self.attention(self.q[rows], kg[:end], vg[:end], causal=True, out=self.out[rows])
+        attend_gathered(self.attention, self.q, kg, vg, self.out, self.comm, True)
+
+
+def attend_gathered(attention, q, kg, vg, out, comm, causal):
+    """The engine over every rank's keys in global order: one call; causal (zigzag), one per local
+    query chunk over the global keys up to it (the engine's default offset is the global one)."""
+    if not causal:
+        attention(q, kg, vg, out=out)
+        return
+    c, W, me = q.shape[0] // 2, comm.size, comm.rank
+    for half, chunk in ((0, me), (1, 2 * W - 1 - me)):
+        rows = slice(half * c, (half + 1) * c)
+        attention(q[rows], kg[:(chunk + 1) * c], vg[:(chunk + 1) * c], causal=True, out=out[rows])
 
 
 def engine_alone(comm, attention, q, k, v, causal):
-    """The engine's work of this rank with every rank's keys already gathered (GatherBaseline._attend
+    """The engine's work of this rank with every rank's keys already in place (GatherBaseline
     without the gather and the reordering): a callable, for the bound."""
     import cupy
 
-    S, Hkv, D = k.shape
-    W, me = comm.size, comm.rank
-    kg, vg = cupy.concatenate([k] * W), cupy.concatenate([v] * W)  # values do not change the time
+    kg, vg = cupy.concatenate([k] * comm.size), cupy.concatenate([v] * comm.size)  # values do not change the time
     out = cupy.empty_like(q)
-    if not causal:
-        return lambda: attention(q, kg, vg, out=out)
-    c = S // 2
-    parts = [(slice(h * c, (h + 1) * c), (chunk + 1) * c) for h, chunk in ((0, me), (1, 2 * W - 1 - me))]
-
-    def run():
-        for rows, end in parts:
-            attention(q[rows], kg[:end], vg[:end], causal=True, out=out[rows])
-    return run
+    return lambda: attend_gathered(attention, q, kg, vg, out, comm, causal)
 
 
 # --------------------------------------------------------------------------- sampled reference
