@@ -52,9 +52,9 @@ extern "C" __global__ void gate(const volatile unsigned* open) {
 """
 
 
-def start_together():
-    """Every rank returns at one CLOCK_MONOTONIC instant (rank 0's now + 20 ms)."""
-    t0 = WORLD.bcast(time.monotonic_ns() + 20_000_000 if WORLD.rank == 0 else None)
+def start_together(lead_ns=20_000_000):
+    """Every rank returns at one CLOCK_MONOTONIC instant (rank 0's now + lead_ns)."""
+    t0 = WORLD.bcast(time.monotonic_ns() + lead_ns if WORLD.rank == 0 else None)
     while time.monotonic_ns() < t0:
         pass
     return t0
@@ -193,7 +193,8 @@ def run_proxy(small, large, timeout_s=60.0):
         for _ in range(2):
             flags[0] = 0  # the peer writes only after the barrier
             WORLD.Barrier()
-            t0 = start_together()
+            # 2 ms, not 20: a proxy idle past 20 ms sleeps 200 us at a time (proxy.c), 50 us before
+            t0 = start_together(2_000_000)
             for i in range(send // MiB):
                 queue.push(WRITE, peer, MiB, src=(0, i * MiB), dst=(1, i * MiB), flag=(0, 1, FLAG_ADD))
             issued = (time.monotonic_ns() - t0) / 1e3
