@@ -13,9 +13,10 @@ host, per steady-state call, microseconds (the GPU kept busy, so no wait is coun
               a non-blocking stream instead of the legacy default one)
   call        the whole mkernel.allreduce call (call_own: on a non-blocking stream)
 and the device time per call with other chunk sizes (elements per push / reduce item: --chunks),
-moving LL words and data + flags.
+moving LL words and data + flags; and at larger sizes (--big) one-shot against two-shot (forced at
+any rank count), interleaved, device time per call from graphs.
 
-    mpirun -n 2 python3 tools/allreduce_floor.py [--sizes 16,16384,262144]
+    mpirun -n 4 python3 tools/allreduce_floor.py [--sizes 16,16384,262144] [--big 1048576,16777216]
 """
 
 import argparse
@@ -89,6 +90,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="16,16384,262144", help="bytes of bf16 per call")
     p.add_argument("--chunks", default="8192,4096,2048", help="elements per item to try (device time only)")
+    p.add_argument("--big", default="1048576,4194304,16777216,67108864",
+                   help="bytes of bf16 per call: one-shot against two-shot")
     args = p.parse_args()
     import cupy
     import ml_dtypes
@@ -102,6 +105,7 @@ def main():
     from mkernel.ops import calls as op_calls
     from mkernel.runtime import launch
 
+    chunk_of = _ar.chunk_of  # --chunks patches it; --big runs with the library's own
     comm = mkernel.init()
     barrier = mt.DeviceBarrier(comm)
     empty = cupy.RawKernel(EMPTY, "mk_empty")
@@ -165,7 +169,7 @@ def main():
         comm.check()
         d = mt.graph_batch_ms(comm, barrier, call) * 1e3
         eager = mt.batch_ms(comm, barrier, call) * 1e3
-        lines.append(f"rank {comm.rank} ar {nbytes:>7} B ({'LL' if _ar.use_ll(nbytes) else 'flags'}): device "
+        lines.append(f"rank {comm.rank} ar {nbytes:>7} B ({_ar.path_of(comm.size, nbytes)}): device "
                      f"{d:6.2f} us/call (graph), eager {eager:6.2f}  host us " +
                      "  ".join(f"{k} {v:5.2f}" for k, v in h.items()))
     for chunk in (int(c) for c in args.chunks.split(",") if c):
@@ -182,6 +186,23 @@ def main():
                 times.append(f"{nbytes} B {us:6.2f}")
             lines.append(f"rank {comm.rank} chunk {chunk:5} {'LL   ' if ll else 'flags'}: device us/call (graph) " +
                          "  ".join(times))
+    comm.release_plans()
+    _ar.chunk_of = chunk_of
+    flags = {"allreduce_ll_max_bytes": 0}
+    paths = {"oneshot": {**flags, "allreduce_twoshot_min_bytes": 0},
+             "twoshot": {**flags, "allreduce_twoshot_min_bytes": 1, "allreduce_twoshot_min_world": 2}}
+    for nbytes in (int(s) for s in args.big.split(",") if s):
+        x = cupy.asarray(np.random.default_rng(comm.rank).standard_normal(nbytes // 2).astype(dt))
+        out = cupy.empty_like(x)
+        us = {}
+        for _ in range(2):  # interleaved: one-shot, two-shot, one-shot, two-shot; the later of each kept
+            for name, knobs in paths.items():
+                with config.override(**knobs):
+                    us[name] = mt.graph_batch_ms(comm, barrier,
+                                                 lambda x=x, out=out: mkernel.allreduce(x, comm=comm, out=out)) * 1e3
+        lines.append(f"rank {comm.rank} ar {nbytes:>9} B: one-shot {us['oneshot']:8.2f} us, two-shot "
+                     f"{us['twoshot']:8.2f} us (graph), two-shot / one-shot {us['twoshot'] / us['oneshot']:.3f}")
+        comm.release_plans()
     if comm.rank == 0:
         print(f"world {comm.size}, {os.environ.get('CUDA_MPS_ACTIVE_THREAD_PERCENTAGE', 'no MPS share set')}")
     mt.print_by_rank(comm, f"rank {comm.rank} empty kernel: device {dev['empty']:5.2f} us/call (graph), "

@@ -10,6 +10,8 @@ each launch (its blocks' entry spans carry the launch's epoch) into phases, medi
   push    a chunk's copy into a destination's slot, the system fence, its flag
   flags   the wait for every rank's flag of a chunk
   sum     the chunk's fp32 sum in rank order and its stores
+  result  two-shot: the wait for a chunk's owner's result flag
+  gather  two-shot: the chunk's copy from its owner's results row
   device  the launch's first span start to its last span end
   gap     one launch's last span end to the next launch's first start (launch and host work)
 
@@ -33,7 +35,7 @@ def phases(spans):
         starts.setdefault(s[5], s[0])
     order = sorted(starts.items(), key=lambda kv: kv[1])
     bounds = [(e, t, order[i + 1][1] if i + 1 < len(order) else float("inf")) for i, (e, t) in enumerate(order)]
-    per = {k: [] for k in ("entry", "credit", "push", "flags", "sum", "device", "gap")}
+    per = {k: [] for k in ("entry", "credit", "push", "flags", "sum", "result", "gather", "device", "gap")}
     last_end = None
     for _epoch, lo, hi in bounds:
         mine = [s for s in spans if lo <= s[0] < hi]
@@ -45,9 +47,9 @@ def phases(spans):
             per["gap"].append(first - last_end)
         last_end = end
         for start, stop, _sm, _block, role, ident in mine:
-            name = {5: "entry", 2: "push", 3: "push", 1: "sum"}.get(role)
+            name = {5: "entry", 2: "push", 3: "gather", 1: "sum"}.get(role)
             if role == 4:
-                name = "flags" if ident >= 0x100 else "credit"
+                name = "result" if ident >= 0x200 else "flags" if ident >= 0x100 else "credit"
             if name:
                 per[name].append(stop - start)
     return {k: statistics.median(v) / 1e3 if v else None for k, v in per.items()}

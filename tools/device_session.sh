@@ -2,7 +2,7 @@
 # One device call that does everything a session needs on the GPU machine (build, suite, sanitizer,
 # benchmarks), logs under $OUT, then a summary last. Usage on the device:
 #   source .whl/prepare.sh || exit 1; bash tools/device_session.sh [steps...]
-# Steps (default: info suite main sanitizer gemm transport); finer ones: decode accab hostprof phases ncu (tools/ncu_gemm.py under Nsight Compute, NCU_SHAPES) tpdecode arphases arfloor llphases decseq ringmps nodesdiag runtime
+# Steps (default: info suite main sanitizer gemm transport); finer ones: decode accab hostprof phases ncu (tools/ncu_gemm.py under Nsight Compute, NCU_SHAPES) tpdecode arphases arfloor arbig4 llphases decseq ringmps nodesdiag runtime
 # ringnodes / ringnodes4: bench/ring_attention.py between 2 emulated nodes (2 ranks; 2 x 2 ranks)
 # test1 / test2: the pytest arguments in TEST_ARGS at 1 rank, and at 2 ranks (under MPS)
 # moetcp / copiestest: MoE between 2 emulated nodes over tcp, and a caller's copies behind an op between nodes (2 ranks)
@@ -108,6 +108,7 @@ for s in $steps; do
     tpdecode) step tpdecode 200 $MPI2 python3 bench/tp_decode.py ;;
     arphases) step arphases 90 $MPI2 python3 tools/allreduce_phases.py ${PHASES_ARGS:-} ;;
     arfloor) step arfloor 90 $MPI2 python3 tools/allreduce_floor.py ${FLOOR_ARGS:-} ;;  # what bounds a small all-reduce (device and host)
+    arbig4) step arbig4 150 $MPI4 python3 tools/allreduce_floor.py --sizes 16 --chunks "" ;;  # 4 ranks: one-shot against two-shot, 1-64 MiB
     llphases) step llphases 90 $MPI2 python3 tools/ll_phases.py ;;  # the LL latency path's phases from its trace spans
     phases) step phases 150 python3 tools/gemm_phases.py ${PHASES_GEMM_ARGS:-} ;;  # where a GEMM call's time goes: the decode and engine kernels' trace spans (MKERNEL_SESSION_MPS=0)
     hostprof) step hostprof 120 $MPI2 python3 tools/host_profile.py ${HOSTPROF_ARGS:-} ;;  # a steady-state call's host time by function (cProfile)

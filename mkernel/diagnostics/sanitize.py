@@ -89,8 +89,8 @@ def target_gemm_decode():
 
 
 def target_allreduce(world=None):
-    """The one-shot all-reduce on ``world`` (default MPI.COMM_WORLD: run it with 2 ranks), integer
-    inputs (exact), twice as LL words and twice as data + flags; raises on a wrong result."""
+    """The all-reduce on ``world`` (default MPI.COMM_WORLD: run it with 2 ranks), integer inputs
+    (exact), twice each as LL words, one-shot and two-shot data + flags; raises on a wrong result."""
     import numpy as np
     from mpi4py import MPI
 
@@ -99,14 +99,16 @@ def target_allreduce(world=None):
     try:
         x_of = lambda r: np.random.default_rng(r).integers(-3, 4, size=8200).astype(np.float16)  # noqa: E731
         want = sum(x_of(r).astype(np.float64) for r in range(comm.size))
-        for ll_bytes in (1 << 40, 0):
-            with config.override(allreduce_ll_max_bytes=ll_bytes):
+        flags = {"allreduce_ll_max_bytes": 0}
+        two = {**flags, "allreduce_twoshot_min_bytes": 1, "allreduce_twoshot_min_world": 2}  # 8200 elements: 5 chunks
+        for knobs in ({"allreduce_ll_max_bytes": 1 << 40}, flags, two):
+            with config.override(**knobs):
                 for _ in range(2):
                     out = cupy.full(8200, np.nan, dtype=np.float16)
                     mkernel.allreduce(cupy.asarray(x_of(comm.rank)), comm=comm, out=out)
                     cupy.cuda.runtime.deviceSynchronize()
                     comm.check()
-                    check_result(out, want, f"allreduce (LL up to {ll_bytes} bytes)", 0.0)
+                    check_result(out, want, f"allreduce ({knobs})", 0.0)
     finally:
         comm.close()
     _latency_paths(world)

@@ -2,8 +2,10 @@
 that pushes each rank's data into every peer's scratch once and reduces there (one-shot: the latency
 path for small messages inside a node; mkernel/cuda/ops/allreduce.cu). Up to
 ``config.allreduce_ll_max_bytes`` the pushes are LL words (the flag in the data: no fence, no flag
-round trip), above it the data, then a flag per chunk. At 2 ranks a two-shot (reduce-scatter,
-then all-gather) moves the same bytes per rank in two rounds, so there is none.
+round trip), above it the data, then a flag per chunk; from ``config.allreduce_twoshot_min_world``
+ranks and ``config.allreduce_twoshot_min_bytes`` the two-shot path (each chunk pushed to one owner,
+which sums it, then copied from there: 2 (W - 1) / W of the data a rank sends instead of W - 1; at
+2 ranks the same bytes in two rounds). Every path adds in rank order in fp32: the same bits.
 
 Importable without CuPy; the kernels are registered at import.
 """
@@ -42,7 +44,7 @@ class MkAllreduceArgs(ctypes.Structure):
                 ("counters", ctypes.c_void_p), ("count", ctypes.c_uint64), ("slot_bytes", ctypes.c_uint64),
                 ("chunk", ctypes.c_uint32), ("chunks", ctypes.c_uint32), ("world", ctypes.c_int32),
                 ("me", ctypes.c_int32), ("in_place", ctypes.c_uint32), ("src_is_slot", ctypes.c_uint32),
-                ("pad", ctypes.c_uint32 * 2)]
+                ("twoshot", ctypes.c_uint32), ("pad", ctypes.c_uint32)]
 
 
 def allreduce(x, *, comm, out=None, stream=None):
@@ -54,7 +56,7 @@ def allreduce(x, *, comm, out=None, stream=None):
     key = calls.call_key(comm, OP, stream, (x, out), ())
     if calls.replay(comm, key, stream):
         return out
-    x, out, ll = _check(comm, x, out, stream)
+    x, out, path = _check(comm, x, out, stream)
     if comm.size == 1:  # a device copy, not a kernel
         if out.data.ptr != x.data.ptr:
             out.data.copy_from_device_async(x.data, x.nbytes, stream)
@@ -62,10 +64,10 @@ def allreduce(x, *, comm, out=None, stream=None):
     in_place = out.data.ptr == x.data.ptr
     dst = _aligned(out, stream, keep=in_place)
     src = dst if in_place else _aligned(x, stream, keep=True)  # in place: each chunk is sent before it is summed
-    plan, template = _plan(comm, x.size, x.dtype, ll)
-    launched = _launch(comm, template, src, dst, stream, ll=ll)
+    plan, template = _plan(comm, x.size, x.dtype, path)
+    launched = _launch(comm, template, src, dst, stream, path=path)
     if key is not None and dst is out and (src is x or in_place):  # only the kernel: recorded
-        comm.plans.record_launches(key, (launched,), [plan_key(x.size, x.dtype, ll)])
+        comm.plans.record_launches(key, (launched,), [plan_key(x.size, x.dtype, path)])
     if dst is not out:
         with calls.on_stream(stream):
             out[...] = dst
@@ -74,22 +76,24 @@ def allreduce(x, *, comm, out=None, stream=None):
 
 def own_slot(comm, shape, dtype):
     """For a producer that writes this rank's contribution straight into the all-reduce's scratch
-    (gemm_allreduce's latency path): (slot, finish). ``slot`` is a contiguous array of ``shape``
+    (gemm_allreduce's latency path): (slot, finish, key). ``slot`` is a contiguous array of ``shape``
     and ``dtype`` in this rank's own slot, valid until ``finish(out, stream)`` (collective, after
     the producer's work on ``stream``) has launched the all-reduce of it into ``out`` (contiguous,
-    16-byte aligned, outside the workspace) and returned that launch. No copy, no allocation."""
+    16-byte aligned, outside the workspace) and returned that launch; ``key`` is the plan's (for a
+    call's record). No copy, no allocation."""
     import numpy
 
     dt = numpy.dtype(dtype)
     count = int(numpy.prod(shape))
-    calls.agree_call(OP, comm, (OP, count, dt.name, "from slot"), "one node")
-    plan, template = _plan(comm, count, dt)
+    path = path_of(comm.size, count * dt.itemsize, slot=True)
+    calls.agree_call(OP, comm, (OP, count, dt.name, "from slot", path), "one node")
+    plan, template = _plan(comm, count, dt, path)
     slot = plan["slots"][comm.local_rank, :count].reshape(shape)
 
     def finish(out, stream=None):
         """Launches the all-reduce into out; returns its launch (for a call's record)."""
-        return _launch(comm, template, slot, out, stream, src_is_slot=True)
-    return slot, finish
+        return _launch(comm, template, slot, out, stream, src_is_slot=True, path=path)
+    return slot, finish, plan_key(count, dt, path)
 
 
 def _check(comm, x, out, stream):
@@ -113,14 +117,21 @@ def _check(comm, x, out, stream):
     elif out.data.ptr != x.data.ptr and out.data.ptr < x.data.ptr + x.nbytes and x.data.ptr < out.data.ptr + out.nbytes:
         raise ArgumentError(f"{OP}: out overlaps x without being x (pass out=x to sum in place)")
     calls.check_outside_workspace(OP, out, comm)
-    ll = use_ll(x.nbytes)
-    calls.agree_call(OP, comm, (OP, x.size, x.dtype.name, "oneshot", ll), "one node")
-    return x, out, ll
+    path = path_of(comm.size, x.nbytes)
+    calls.agree_call(OP, comm, (OP, x.size, x.dtype.name, path), "one node")
+    return x, out, path
 
 
-def use_ll(nbytes: int) -> bool:
-    """Whether an all-reduce of nbytes moves LL words (config.allreduce_ll_max_bytes)."""
-    return nbytes <= config.get().allreduce_ll_max_bytes
+def path_of(world: int, nbytes: int, slot: bool = False) -> str:
+    """The kernel's path for nbytes over ``world`` ranks: "ll" (LL words, up to
+    config.allreduce_ll_max_bytes; not from a producer's slot, which holds data), "twoshot" (from
+    config.allreduce_twoshot_min_world ranks and config.allreduce_twoshot_min_bytes) or "oneshot"."""
+    cfg = config.get()
+    if not slot and nbytes <= cfg.allreduce_ll_max_bytes:
+        return "ll"
+    if world >= cfg.allreduce_twoshot_min_world and 0 < cfg.allreduce_twoshot_min_bytes <= nbytes:
+        return "twoshot"
+    return "oneshot"
 
 
 def _aligned(arr, stream, keep):
@@ -145,16 +156,17 @@ def chunk_of(count: int, ll: bool) -> int:
     return chunk
 
 
-def plan_key(count, dt, ll=False):
+def plan_key(count, dt, path="oneshot"):
     """The key of the plan of an all-reduce of ``count`` elements of ``dt`` in ``comm.plans``."""
-    return ("buffers", OP, count, dt.name) + (("ll",) if ll else ())
+    return ("buffers", OP, count, dt.name) + (() if path == "oneshot" else (path,))
 
 
-def _plan(comm, count, dt, ll=False):
-    """(plan, launch template) per (elements, dtype, LL or not): every rank's slot in the scratch
-    (padded to 16 bytes) and the chunk flags the plan's own; LL: every rank's slot of LL words (8
-    bytes per 4 of data) the plan's own, no flags."""
-    W = comm.size
+def _plan(comm, count, dt, path="oneshot"):
+    """(plan, launch template) per (elements, dtype, path): every rank's slot in the scratch
+    (padded to 16 bytes) and the chunk flags the plan's own (two-shot: one more row, the results this
+    rank owns, and one result flag per chunk); LL: every rank's slot of LL words (8 bytes per 4 of
+    data) the plan's own, no flags."""
+    W, ll, two = comm.size, path == "ll", path == "twoshot"
     chunk = chunk_of(count, ll)
     chunks = -(-count // chunk)
     if ll:
@@ -162,8 +174,9 @@ def _plan(comm, count, dt, ll=False):
         sizes, slot_bytes = [("ll", (W, words, 2), "uint32")], words * 8
     else:
         slot = -(-count * dt.itemsize // 16) * 16 // dt.itemsize
-        sizes, slot_bytes = [("slots", (W, slot), dt), ("flags", (W * chunks,), "uint32")], slot * dt.itemsize
-    plan = buffers.plan_buffers(OP, comm, plan_key(count, dt, ll), sizes, {"counters": CNT_WORDS})
+        sizes = [("slots", (W + two, slot), dt), ("flags", ((W + two) * chunks,), "uint32")]
+        slot_bytes = slot * dt.itemsize
+    plan = buffers.plan_buffers(OP, comm, plan_key(count, dt, path), sizes, {"counters": CNT_WORDS})
 
     def build():
         args = MkAllreduceArgs()
@@ -174,18 +187,19 @@ def _plan(comm, count, dt, ll=False):
             args.slots_off, args.flags_off = comm.offset_of(plan["slots"]), comm.offset_of(plan["flags"])
         args.counters = plan["counters"].data.ptr
         args.count, args.slot_bytes, args.chunk, args.chunks = count, slot_bytes, chunk, chunks
-        args.world, args.me = W, comm.local_rank
+        args.world, args.me, args.twoshot = W, comm.local_rank, int(two)
         return args
     return plan, buffers.launch_template(plan, (), build)
 
 
-def _launch(comm, template, src, out, stream, src_is_slot=False, ll=False):
+def _launch(comm, template, src, out, stream, src_is_slot=False, path="oneshot"):
     """Launches the all-reduce of src into out; returns the Launch (to record)."""
     args = MkAllreduceArgs.from_buffer_copy(template["args"])
     args.sync = comm.sync_args(OP)
     args.src, args.out = src.data.ptr, out.data.ptr
     args.in_place = int(src.data.ptr == out.data.ptr)
     args.src_is_slot = int(src_is_slot)
-    fn = _compile.module(SPEC).function(f"{KERNEL}<{ELEMENT[src.dtype.name]},{int(ll)}>")
-    grid = persistent_grid(fn, THREADS, 0, blocks=min(args.chunks * args.world, MAX_CTAS, launch.sm_count()), what=OP)
+    fn = _compile.module(SPEC).function(f"{KERNEL}<{ELEMENT[src.dtype.name]},{int(path == 'll')}>")
+    pushes = args.chunks * (1 if args.twoshot else args.world)  # two-shot: a push per chunk, to its owner
+    grid = persistent_grid(fn, THREADS, 0, blocks=min(pushes, MAX_CTAS, launch.sm_count()), what=OP)
     return launch_persistent(fn, (grid,), (THREADS,), args, smem=0, stream=stream)

@@ -124,13 +124,13 @@ def _latency(comm, c, stream):
     comm.agree(("gemm_allreduce", "latency kernels", c.M, c.N, fused), fused)  # knobs may differ by rank
     if fused:
         return _ll.run(comm, c, stream)
-    slot, finish = _ar.own_slot(comm, (c.M, c.N), c.a.dtype)
+    slot, finish, ar_key = _ar.own_slot(comm, (c.M, c.N), c.a.dtype)
     layout = "kn" if c.layout == tp.B_KN else "nk"
     _gemm.gemm(c.a, c.b, out=slot, stream=stream, b_layout=layout)
     if c.out.flags.c_contiguous and c.out.data.ptr % 16 == 0:
         reduce = finish(c.out, stream)
         kept = _gemm.kept_plan(c.a, c.b, slot, stream=stream, b_layout=layout)
-        return None if kept is None else ((kept[1], reduce), (_ar.plan_key(c.M * c.N, c.a.dtype),), (kept[0],))
+        return None if kept is None else ((kept[1], reduce), (ar_key,), (kept[0],))
     dst = _latency_out(comm, c)
     finish(dst, stream)
     with calls.on_stream(stream):

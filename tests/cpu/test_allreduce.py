@@ -1,6 +1,8 @@
 """CPU: the one-shot all-reduce's argument mirror and kernels (no spills, no stack, 16-byte loads
 and stores, 8-byte LL words), and mkernel.allreduce exported."""
 
+import pytest
+
 import mkernel
 from mkernel.ops import allreduce as ar
 from mkernel.runtime import compile as mkc
@@ -63,3 +65,20 @@ def test_small_messages_split_into_more_chunks():
             assert chunk % 8 == 0 and chunk & (chunk - 1) == 0  # whole LL words and 16-byte vectors per item
             assert -(-count // chunk) <= target or chunk == most
             assert chunk == ar.CHUNK_MIN or -(-count // (chunk // 2)) > target  # the least such
+
+
+def test_path_by_size_and_world():
+    """LL words up to allreduce_ll_max_bytes (never from a producer's slot), two-shot from
+    allreduce_twoshot_min_world ranks and allreduce_twoshot_min_bytes, one-shot otherwise."""
+    from mkernel import config
+
+    with config.override(allreduce_ll_max_bytes=512 << 10, allreduce_twoshot_min_bytes=1 << 20,
+                         allreduce_twoshot_min_world=3):
+        assert ar.path_of(8, 512 << 10) == "ll" and ar.path_of(8, 512 << 10, slot=True) == "oneshot"
+        assert ar.path_of(2, 64 << 20) == "oneshot"  # 2 ranks: the same bytes either way
+        assert ar.path_of(3, (1 << 20) - 1) == "oneshot" and ar.path_of(3, 1 << 20) == "twoshot"
+        assert ar.path_of(4, 1 << 20, slot=True) == "twoshot"
+    with config.override(allreduce_twoshot_min_bytes=0):
+        assert ar.path_of(8, 1 << 30) == "oneshot"  # 0: never
+    with pytest.raises(mkernel.ArgumentError), config.override(allreduce_twoshot_min_world=0):
+        pass

@@ -1,4 +1,4 @@
-"""GPU: mkernel.allreduce (one-shot, inside a node) at any rank count (1-rank pass, the 2- and
+"""GPU: mkernel.allreduce (LL words, one-shot and two-shot, inside a node) at any rank count (1-rank pass, the 2- and
 4-rank passes under MPS). Every output poisoned with NaN first; random inputs against the float64
 sum (relative error below 1e-2) and the same bits on every rank; integer inputs exact; bf16, fp16
 and fp32; sizes from one element to several chunks, off the vector and chunk grids, 1-D and 2-D;
@@ -20,13 +20,17 @@ from tests.helpers.ranks import all_ranks
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 SHAPES = [(1,), (7,), (8,), (1000,), (1001,), (8192,), (8193,), (8200,), (3, 8192 + 67), (64, 8192), (524300,)]
 KINDS = {"bf16": DTYPES["bf16"], "fp16": DTYPES["fp16"], "f32": np.dtype(np.float32)}
-MODES = {"ll": 1 << 40, "flags": 0}  # config.allreduce_ll_max_bytes: every size as LL words, or none
+MODES = {  # every size as LL words, as one-shot data + flags, or as two-shot data + flags at any world
+    "ll": {"allreduce_ll_max_bytes": 1 << 40},
+    "flags": {"allreduce_ll_max_bytes": 0, "allreduce_twoshot_min_bytes": 0},
+    "twoshot": {"allreduce_ll_max_bytes": 0, "allreduce_twoshot_min_bytes": 1, "allreduce_twoshot_min_world": 2},
+}
 
 
 def _mode(mode):
     from mkernel import config
 
-    return config.override(allreduce_ll_max_bytes=MODES[mode])
+    return config.override(**MODES[mode])
 
 
 def _x(seed, rank, shape, dt, integer):
@@ -38,16 +42,16 @@ def _x(seed, rank, shape, dt, integer):
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_sums_every_rank_in_rank_order_the_same_bits_everywhere(comm, kind):
     """Exact integer and random sums of many sizes (odd counts: a partial last LL word or vector),
-    three launches each, as LL words and as data + flags: the same bits on every rank and in both
-    modes (the same fp32 sums in rank order, rounded once)."""
+    three launches each, as LL words, one-shot and two-shot data + flags: the same bits on every rank
+    and in every mode (the same fp32 sums in rank order, rounded once)."""
     dt = KINDS[kind]
     msgs, digests = [], {m: [] for m in MODES}
     for mode in MODES:
         with _mode(mode):
             for rep in range(3):
                 _sums(comm, dt, kind, f"{mode} launch {rep}", msgs, digests[mode])
-    if digests["ll"] != digests["flags"]:
-        msgs.append(f"{kind}: the LL and flag modes' bits differ")
+    if len({tuple(d) for d in digests.values()}) != 1:
+        msgs.append(f"{kind}: the LL, one-shot and two-shot modes' bits differ")
     assert all_ranks(comm.mpi, not msgs), msgs[:6]
 
 

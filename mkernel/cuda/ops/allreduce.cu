@@ -7,6 +7,9 @@
 // LL (small messages): the same items, but a push stores LL words (ll.cuh: 4 bytes of data and E
 // in one 8-byte word) into slot [me] of that rank's LL buffer and sets no flag; a reduce polls its
 // words until they carry E. No fence and no flag round trip; the same sums and bits.
+// Two-shot (large messages, more than 2 ranks): chunk c goes to its owner c % W only; the owner sums
+// it (the same order and bits), stores it into out and its results row, and sets its result flag;
+// the others copy it from there: 2 (W - 1) / W of the data a rank sends, not W - 1.
 // DT: MK_OUT_BF16, MK_OUT_F16 or MK_OUT_F32 (the element type). A chunk's last count % (16 / size)
 // elements (a partial vector) go one per thread.
 #include "tp_reduce.cuh"
@@ -34,10 +37,10 @@ struct ArElem {
   }
 };
 
-// Vectors [0, vecs) at byte `base` of the output: the fp32 sums of every rank's slot in rank order,
-// rounded once; AR_REDUCE_VECS vectors of 2 ranks a thread in flight (one was latency-bound).
+// Vectors [0, vecs) at byte `base` of the output (and of `row` where not null): the fp32 sums of
+// every rank's slot in rank order, rounded once; AR_REDUCE_VECS vectors of 2 ranks a thread in flight.
 template <int DT>
-MK_DEV void ar_reduce_span(const u8* slots, u64 slot_bytes, u32 W, u64 base, u64 vecs, u8* out) {
+MK_DEV void ar_reduce_span(const u8* slots, u64 slot_bytes, u32 W, u64 base, u64 vecs, u8* out, u8* row) {
   constexpr u32 U = AR_REDUCE_VECS;
   const u64 nthr = blockDim.x;
   for (u64 v0 = threadIdx.x; v0 < vecs; v0 += U * nthr) {
@@ -50,8 +53,12 @@ MK_DEV void ar_reduce_span(const u8* slots, u64 slot_bytes, u32 W, u64 base, u64
     tp_add_partials<DT, U, 2>(s, W, here,
                               [&](u32 r, u32 u) { return slots + r * slot_bytes + base + (v0 + u * nthr) * 16; });
 #pragma unroll
-    for (u32 u = 0; u < U; ++u)
-      if (u < here) st_v4(out + base + (v0 + u * nthr) * 16, tp_pack8<DT>(s[u]));
+    for (u32 u = 0; u < U; ++u) {
+      if (u >= here) continue;
+      const uint4 x = tp_pack8<DT>(s[u]);
+      st_v4(out + base + (v0 + u * nthr) * 16, x);
+      if (row) st_v4(row + base + (v0 + u * nthr) * 16, x);  // two-shot: the owner's results row
+    }
   }
 }
 
@@ -106,11 +113,13 @@ MK_DEV bool ar_ll_reduce(const MkAllreduceArgs& a, const u8* slots, u64 w0, u64 
   return true;
 }
 
-// Push item `item`: chunk c to rank d (own slot first, then me + 1, ...), once d entered epoch E.
+// Push item `item`: chunk c to rank d (one-shot: own slot first, then me + 1, ...; two-shot: chunk
+// `item` to its owner), once d entered epoch E.
 template <int DT, int LL>
 MK_DEV void ar_push(const MkAllreduceArgs& a, const MkPeers& peers, u32 E, u32 item, int& s_ok) {
   using El = ArElem<DT>;
-  const u32 W = (u32)a.world, me = (u32)a.me, c = item / W, d = (me + item % W) % W;
+  const u32 W = (u32)a.world, me = (u32)a.me;
+  const u32 c = a.twoshot ? item : item / W, d = a.twoshot ? item % W : (me + item % W) % W;
   const u64 t_wait = trace_start(a.sync);
   if (threadIdx.x == 0) {
     s_ok = credits_wait(a.sync, peers, d, E) ? 1 : 0;
@@ -152,7 +161,18 @@ MK_DEV void ar_push(const MkAllreduceArgs& a, const MkPeers& peers, u32 E, u32 i
   }
 }
 
-// Reduce item c: chunk c of the output, every rank's slot in rank order.
+// In place (out is src), before a CTA's first write of out: every chunk of src has left (claimed
+// pushes finish). Thread 0.
+MK_DEV bool ar_pushes_done(const MkAllreduceArgs& a, int& s_pushed) {
+  const bool good = !a.in_place || s_pushed ||
+                    wait_at_least(a.sync, &a.counters[AR_CNT_PUSHED], a.twoshot ? a.chunks : a.chunks * (u32)a.world,
+                                  a.me, 0x10000u);
+  s_pushed = 1;
+  return good;
+}
+
+// Reduce item c: chunk c of the output, every rank's slot in rank order (two-shot: also into this
+// rank's results row, then its result flag).
 template <int DT, int LL>
 MK_DEV void ar_reduce(const MkAllreduceArgs& a, const MkPeers& peers, u32 E, u32 c, int& s_ok, int& s_pushed) {
   using El = ArElem<DT>;
@@ -161,10 +181,7 @@ MK_DEV void ar_reduce(const MkAllreduceArgs& a, const MkPeers& peers, u32 E, u32
   u8* out = reinterpret_cast<u8*>(a.out);
   const u64 t_flags = trace_start(a.sync);
   if (threadIdx.x == 0) {
-    int good = 1;
-    if (a.in_place && !s_pushed)  // out is src: every chunk of it has left (claimed pushes finish)
-      good = wait_at_least(a.sync, &a.counters[AR_CNT_PUSHED], chunks * W, (i32)me, 0x10000u) ? 1 : 0;
-    s_pushed = 1;
+    int good = ar_pushes_done(a, s_pushed) ? 1 : 0;
     const u32* flags = peer_ptr<u32>(peers, me, a.flags_off);
     for (u32 s = 0; s < W && good && !LL; ++s) good = wait_epoch(a.sync, flags + s * chunks + c, E, (i32)s, c) ? 1 : 0;
     s_ok = good;
@@ -180,16 +197,59 @@ MK_DEV void ar_reduce(const MkAllreduceArgs& a, const MkPeers& peers, u32 E, u32
     if (!ar_ll_reduce<DT>(a, slots, w0, w1, a.count * El::BYTES, E, out)) s_ok = 0;  // any thread: a benign race
   } else {
     const u64 base = first * El::BYTES;
-    ar_reduce_span<DT>(slots, a.slot_bytes, W, base, vecs, out);
+    u8* row = a.twoshot ? peer_ptr<u8>(peers, me, a.slots_off) + W * a.slot_bytes : nullptr;
+    ar_reduce_span<DT>(slots, a.slot_bytes, W, base, vecs, out, row);
     if (threadIdx.x < n % El::PER_VEC) {
       const u64 o = base + vecs * 16 + threadIdx.x * El::BYTES;
       float s = 0.f;
       for (u32 r = 0; r < W; ++r) s += El::load(slots + r * a.slot_bytes + o);
       El::store(out + o, s);
+      if (row) El::store(row + o, s);
     }
+    if (row) __threadfence_system();  // the results row before the flag (cumulative with the barrier)
   }
   __syncthreads();
-  if (threadIdx.x == 0) trace_span(a.sync, MK_ROLE_INTRA, c, t_sum);
+  if (threadIdx.x == 0) {
+    if (a.twoshot && !LL) set_flag(peer_ptr<u32>(peers, me, a.flags_off) + W * chunks + c, E);
+    trace_span(a.sync, MK_ROLE_INTRA, c, t_sum);
+  }
+}
+
+// Two-shot gather item: chunk c of the output, copied from its owner's results row once its result
+// flag carries E.
+template <int DT>
+MK_DEV void ar_gather(const MkAllreduceArgs& a, const MkPeers& peers, u32 E, u32 c, int& s_ok, int& s_pushed) {
+  using El = ArElem<DT>;
+  const u32 W = (u32)a.world, owner = c % W;
+  const u64 t_flag = trace_start(a.sync);
+  if (threadIdx.x == 0) {
+    s_ok = ar_pushes_done(a, s_pushed) &&
+           wait_epoch(a.sync, peer_ptr<u32>(peers, owner, a.flags_off) + W * a.chunks + c, E, (i32)owner, c);
+    trace_span(a.sync, MK_ROLE_WAIT, 0x200u + c, t_flag);
+  }
+  __syncthreads();
+  if (!s_ok) return;
+  const u64 t_copy = trace_start(a.sync);
+  const u64 first = (u64)c * a.chunk, n = min((u64)a.chunk, a.count - first), whole = n / El::PER_VEC * 16;
+  const u8* src = peer_ptr<u8>(peers, owner, a.slots_off) + W * a.slot_bytes + first * El::BYTES;
+  u8* dst = reinterpret_cast<u8*>(a.out) + first * El::BYTES;
+  copy_span<TP_IN_FLIGHT>(dst, src, whole, threadIdx.x, blockDim.x);
+  if (threadIdx.x < n % El::PER_VEC) {
+    const u64 o = whole + threadIdx.x * El::BYTES;
+    El::store(dst + o, El::load(src + o));
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) trace_span(a.sync, MK_ROLE_RECV, c, t_copy);
+}
+
+// Two-shot: the chunks this rank owns (me, me + W, ...), then the others by owner me + 1, me + 2, ...
+MK_DEV u32 ar_owned(u32 chunks, u32 W, u32 r) { return r < chunks ? (chunks - r + W - 1) / W : 0u; }
+MK_DEV u32 ar_gather_chunk(u32 g, u32 chunks, u32 W, u32 me) {
+  for (u32 j = 1;; ++j) {
+    const u32 o = (me + j) % W, n = ar_owned(chunks, W, o);
+    if (g < n) return o + g * W;
+    g -= n;
+  }
 }
 
 template <int DT, int LL>
@@ -206,16 +266,21 @@ __global__ void __launch_bounds__(AR_THREADS, 1) mk_allreduce_kernel(const __gri
     trace_span(a.sync, MK_ROLE_CONTROL, s_epoch, t_enter);  // id: the launch
   }
   __syncthreads();
-  const u32 E = s_epoch, pushes = a.chunks * (u32)a.world, items = pushes + a.chunks;
-  // One counter hands out every push item before any reduce item: a CTA that may wait for peers'
-  // data has pushed, and every push is claimed by a running CTA. The last item's CTA claims no more.
+  const u32 W = (u32)a.world, E = s_epoch, two = !LL && a.twoshot;
+  const u32 pushes = two ? a.chunks : a.chunks * W, reduces = two ? ar_owned(a.chunks, W, (u32)a.me) : a.chunks;
+  const u32 items = two ? 2 * a.chunks : pushes + a.chunks;
+  // One counter hands out every push item before any reduce item (two-shot: then every gather): a
+  // CTA that may wait for peers' data has pushed, and a gather waits only for reduces, which wait
+  // only for pushes; every item is claimed by a running CTA. The last item's CTA claims no more.
   for (u32 item = 0; s_ok && item != items - 1;) {
     item = tp_claim(&a.counters[AR_CNT_ITEM], &s_item, threadIdx.x, MkBarCta());
     if (item >= items) break;
     if (item < pushes)
       ar_push<DT, LL>(a, peers, E, item, s_ok);
-    else
-      ar_reduce<DT, LL>(a, peers, E, item - pushes, s_ok, s_pushed);
+    else if (item < pushes + reduces)
+      ar_reduce<DT, LL>(a, peers, E, two ? (u32)a.me + (item - pushes) * W : item - pushes, s_ok, s_pushed);
+    else if (two)
+      ar_gather<DT>(a, peers, E, ar_gather_chunk(item - pushes - reduces, a.chunks, W, (u32)a.me), s_ok, s_pushed);
   }
   launch_exit(a.sync, E, a.counters, AR_CNT_WORDS);
 }

@@ -26,5 +26,9 @@ struct MkAllreduceArgs {
   int me;
   unsigned int in_place;  // out == src: a CTA reduces only once every push of this rank is done
   unsigned int src_is_slot;  // src is this rank's own slot (written before the launch): no own push
-  unsigned int pad[2];
+  // Two-shot: chunk c is pushed to its owner c % world only, which sums it into out and into its
+  // results row (slot row `world`) and sets its result flag (flags [world][chunks] then [chunks]);
+  // every other rank copies the result from the owner's row.
+  unsigned int twoshot;
+  unsigned int pad;
 };
