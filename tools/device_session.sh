@@ -94,9 +94,9 @@ for s in $steps; do
         --ops "${FAULT_OPS:-ring,rs,ar,ag,moe_dispatch_gemm,moe_gemm_combine}"
       [ "${MKERNEL_MPS_STARTED:-0}" = 1 ] && mps_start ;;
     faultsar)  # the all-reduce (data + flags, LL words) and the LL latency path: a, b, e under MPS, c time-sliced
-      step faultsar_mps 200 env MKERNEL_TIMEOUT_S=5 python3 tools/faults.py --scenarios abe --ops "${FAULT_OPS:-allreduce,allreduce_ll,ar_latency}"
+      step faultsar_mps 270 env MKERNEL_TIMEOUT_S=5 python3 tools/faults.py --scenarios abe --ops "${FAULT_OPS:-allreduce,allreduce_ll,allreduce_2shot,ar_latency}"
       [ "${MKERNEL_MPS_STARTED:-0}" = 1 ] && mps_quit
-      step faultsar_ts 120 env MKERNEL_TIMEOUT_S=5 python3 tools/faults.py --scenarios c --ops "${FAULT_OPS:-allreduce,allreduce_ll,ar_latency}"
+      step faultsar_ts 160 env MKERNEL_TIMEOUT_S=5 python3 tools/faults.py --scenarios c --ops "${FAULT_OPS:-allreduce,allreduce_ll,allreduce_2shot,ar_latency}"
       [ "${MKERNEL_MPS_STARTED:-0}" = 1 ] && mps_start ;;
     gemm) step gemm 120 python3 bench/gemm.py ;;
     decode) step decode 120 python3 bench/gemm.py --decode ;;

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Fault injection: a rank dies or stops inside each op, and every survivor must fail fast.
 
-    python3 tools/faults.py [--ops rs,ar,ag,ring,moe_dispatch_gemm,moe_gemm_combine,allreduce,allreduce_ll,ar_latency]
+    python3 tools/faults.py [--ops rs,ar,ag,ring,moe_dispatch_gemm,moe_gemm_combine,allreduce,allreduce_ll,
+                             allreduce_2shot,ar_latency]
                             [--scenarios abcde] [--logs DIR]
 
 For every (op, scenario) a job of 2 ranks (under MPS when a daemon runs: tools/mps.sh) is started
@@ -30,10 +31,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-OPS = ("rs", "ar", "ag", "ring", "moe_dispatch_gemm", "moe_gemm_combine", "allreduce", "allreduce_ll", "ar_latency")
+OPS = ("rs", "ar", "ag", "ring", "moe_dispatch_gemm", "moe_gemm_combine", "allreduce", "allreduce_ll",
+       "allreduce_2shot", "ar_latency")
 NAMES = {"rs": "gemm_reduce_scatter", "ar": "gemm_allreduce", "ag": "allgather_gemm", "ring": "ring_attention",
          "moe_dispatch_gemm": "moe_dispatch_gemm", "moe_gemm_combine": "moe_gemm_combine", "allreduce": "allreduce",
-         "allreduce_ll": "allreduce", "ar_latency": "gemm_allreduce"}
+         "allreduce_ll": "allreduce", "allreduce_2shot": "allreduce", "ar_latency": "gemm_allreduce"}
 
 
 # ------------------------------------------------------------------------------- the ranks
@@ -59,8 +61,10 @@ def _op_call(op, comm, big):
         S = 4096 if big else 1024
         q, k, v = h(S, 8, 128), h(S, 8, 128), h(S, 8, 128)
         return lambda: mkernel.ring_attention(q, k, v, comm=comm)
-    if op in ("allreduce", "allreduce_ll"):  # 4 MiB: data + flags; 256 KiB: LL words (allreduce_ll_max_bytes)
-        x = h(256 if op == "allreduce" else 16, 8192)
+    if op in ("allreduce", "allreduce_ll", "allreduce_2shot"):  # 4 MiB: data + flags; 256 KiB: LL words
+        if op == "allreduce_2shot":  # the two-shot path, forced at 2 ranks
+            mkernel.config.configure(allreduce_twoshot_min_world=2, allreduce_twoshot_min_bytes=1)
+        x = h(16 if op == "allreduce_ll" else 256, 8192)
         return lambda: mkernel.allreduce(x, comm=comm)
     if op == "ar_latency":  # 8 rows, weights as [N, K]: the fused latency kernels (LL words)
         a, w = h(8, 4096), h(8192, 4096)
@@ -197,7 +201,7 @@ def main():
     failed = 0
     for op in opts.ops.split(","):
         for sc in opts.scenarios:
-            if sc == "d" and op in ("allreduce", "allreduce_ll", "ar_latency"):  # one node only
+            if sc == "d" and op in ("allreduce", "allreduce_ll", "allreduce_2shot", "ar_latency"):  # one node only
                 continue
             text, rc, wall = _mpirun([op, sc], timeout=4 * timeout + 60)
             ok, why = check(op, sc, text, wall, timeout)
