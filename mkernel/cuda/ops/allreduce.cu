@@ -164,9 +164,9 @@ MK_DEV void ar_push(const MkAllreduceArgs& a, const MkPeers& peers, u32 E, u32 i
 // In place (out is src), before a CTA's first write of out: every chunk of src has left (claimed
 // pushes finish). Thread 0.
 MK_DEV bool ar_pushes_done(const MkAllreduceArgs& a, int& s_pushed) {
-  const bool good = !a.in_place || s_pushed ||
-                    wait_at_least(a.sync, &a.counters[AR_CNT_PUSHED], a.twoshot ? a.chunks : a.chunks * (u32)a.world,
-                                  a.me, 0x10000u);
+  const bool good =
+      !a.in_place || s_pushed ||
+      wait_at_least(a.sync, &a.counters[AR_CNT_PUSHED], a.twoshot ? a.chunks : a.chunks * (u32)a.world, a.me, 0x10000u);
   s_pushed = 1;
   return good;
 }
