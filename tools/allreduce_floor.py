@@ -189,8 +189,8 @@ def main():
     comm.release_plans()
     _ar.chunk_of = chunk_of
     flags = {"allreduce_ll_max_bytes": 0}
-    paths = {"oneshot": {**flags, "allreduce_twoshot_min_bytes": 0},
-             "twoshot": {**flags, "allreduce_twoshot_min_bytes": 1, "allreduce_twoshot_min_world": 2}}
+    paths = {"oneshot": {**flags, "allreduce_twoshot_min_bytes": 0, "allreduce_twoshot_min_bytes_2ranks": 0},
+             "twoshot": {**flags, "allreduce_twoshot_min_bytes": 1, "allreduce_twoshot_min_bytes_2ranks": 1}}
     for nbytes in (int(s) for s in args.big.split(",") if s):
         x = cupy.asarray(np.random.default_rng(comm.rank).standard_normal(nbytes // 2).astype(dt))
         out = cupy.empty_like(x)

@@ -108,7 +108,7 @@ for s in $steps; do
     tpdecode) step tpdecode 200 $MPI2 python3 bench/tp_decode.py ;;
     arphases) step arphases 90 $MPI2 python3 tools/allreduce_phases.py ${PHASES_ARGS:-} ;;
     arfloor) step arfloor 90 $MPI2 python3 tools/allreduce_floor.py ${FLOOR_ARGS:-} ;;  # what bounds a small all-reduce (device and host)
-    arbig4) step arbig4 150 $MPI4 python3 tools/allreduce_floor.py --sizes 16 --chunks "" ;;  # 4 ranks: one-shot against two-shot, 1-64 MiB
+    arbig4) step arbig4 150 $MPI4 python3 tools/allreduce_floor.py --sizes 16 --chunks "" ${BIG_ARGS:-} ;;  # 4 ranks: one-shot against two-shot (BIG_ARGS: --big sizes)
     llphases) step llphases 90 $MPI2 python3 tools/ll_phases.py ;;  # the LL latency path's phases from its trace spans
     phases) step phases 150 python3 tools/gemm_phases.py ${PHASES_GEMM_ARGS:-} ;;  # where a GEMM call's time goes: the decode and engine kernels' trace spans (MKERNEL_SESSION_MPS=0)
     hostprof) step hostprof 120 $MPI2 python3 tools/host_profile.py ${HOSTPROF_ARGS:-} ;;  # a steady-state call's host time by function (cProfile)

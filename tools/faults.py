@@ -63,7 +63,7 @@ def _op_call(op, comm, big):
         return lambda: mkernel.ring_attention(q, k, v, comm=comm)
     if op in ("allreduce", "allreduce_ll", "allreduce_2shot"):  # 4 MiB: data + flags; 256 KiB: LL words
         if op == "allreduce_2shot":  # the two-shot path, forced at 2 ranks
-            mkernel.config.configure(allreduce_twoshot_min_world=2, allreduce_twoshot_min_bytes=1)
+            mkernel.config.configure(allreduce_twoshot_min_bytes_2ranks=1, allreduce_twoshot_min_bytes=1)
         x = h(16 if op == "allreduce_ll" else 256, 8192)
         return lambda: mkernel.allreduce(x, comm=comm)
     if op == "ar_latency":  # 8 rows, weights as [N, K]: the fused latency kernels (LL words)

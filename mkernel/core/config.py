@@ -44,11 +44,11 @@ class Config:
     # store: no fence, no flag round trip; twice the bytes), above it data then a flag per chunk
     # (2 ranks under MPS, graphs: LL ahead at 256 KiB, flags from 1 MiB; bench/NOTES.md session 32)
     allreduce_ll_max_bytes: int = 512 << 10
-    # ... and above that limit, from this many ranks, messages of at least this many bytes take the
-    # two-shot path (each chunk summed by one owner, then copied from it: 2 (W - 1) / W of the bytes
-    # a rank sends, not W - 1; 0: never). Provisional: not yet measured (bench/NOTES.md session 56)
+    # ... and above that limit, messages of at least this many bytes take the two-shot path (each
+    # chunk summed by one owner, then copied from it; 0: never): from 3 ranks, and at 2 ranks (less
+    # HBM traffic, one more round). Crossovers measured under MPS: bench/NOTES.md session 57
     allreduce_twoshot_min_bytes: int = 1 << 20
-    allreduce_twoshot_min_world: int = 3
+    allreduce_twoshot_min_bytes_2ranks: int = 8 << 20
     # Communication CTAs where comm_sms is not searched (the unfused baseline, the search's start).
     tp_comm_sms: types.MappingProxyType = dataclasses.field(default_factory=lambda: types.MappingProxyType(
         {"gemm_reduce_scatter": 8, "gemm_allreduce": 16, "allgather_gemm": 8}))
@@ -105,11 +105,12 @@ class Config:
         for name in ("tp_fuse_min_tiles", "tp_fuse_min_k", "tp_lend_share", "moe_comm_sms", "moe_sums_group",
                      "ring_comm_sms", "tp_send_tiles", "gemm_decode_max_m", "tp_latency_max_rows",
                      "tp_latency_ll_max_rows", "allreduce_ll_max_bytes", "allreduce_twoshot_min_bytes",
-                     "allreduce_twoshot_min_world"):
+                     "allreduce_twoshot_min_bytes_2ranks"):
             v = getattr(self, name)
             zero_ok = name.startswith("tp_fuse") or name in ("gemm_decode_max_m", "tp_latency_max_rows",
                                                              "tp_latency_ll_max_rows", "allreduce_ll_max_bytes",
-                                                             "allreduce_twoshot_min_bytes")
+                                                             "allreduce_twoshot_min_bytes",
+                                                             "allreduce_twoshot_min_bytes_2ranks")
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if zero_ok else 1):
                 raise ArgumentError(f"{name} must be a {'non-negative' if zero_ok else 'positive'} integer; got {v!r}")
         if self.gemm_tile_n not in (256, 192, "auto"):

@@ -2,10 +2,10 @@
 that pushes each rank's data into every peer's scratch once and reduces there (one-shot: the latency
 path for small messages inside a node; mkernel/cuda/ops/allreduce.cu). Up to
 ``config.allreduce_ll_max_bytes`` the pushes are LL words (the flag in the data: no fence, no flag
-round trip), above it the data, then a flag per chunk; from ``config.allreduce_twoshot_min_world``
-ranks and ``config.allreduce_twoshot_min_bytes`` the two-shot path (each chunk pushed to one owner,
-which sums it, then copied from there: 2 (W - 1) / W of the data a rank sends instead of W - 1; at
-2 ranks the same bytes in two rounds). Every path adds in rank order in fp32: the same bits.
+round trip), above it the data, then a flag per chunk; from ``config.allreduce_twoshot_min_bytes``
+(``..._2ranks`` at 2 ranks) the two-shot path (each chunk pushed to one owner, which sums it, then
+copied from there: 2 (W - 1) / W of the data a rank sends instead of W - 1; at 2 ranks the same
+bytes in two rounds, but each rank sums and reads half). Every path adds in rank order in fp32: the same bits.
 
 Importable without CuPy; the kernels are registered at import.
 """
@@ -125,11 +125,12 @@ def _check(comm, x, out, stream):
 def path_of(world: int, nbytes: int, slot: bool = False) -> str:
     """The kernel's path for nbytes over ``world`` ranks: "ll" (LL words, up to
     config.allreduce_ll_max_bytes; not from a producer's slot, which holds data), "twoshot" (from
-    config.allreduce_twoshot_min_world ranks and config.allreduce_twoshot_min_bytes) or "oneshot"."""
+    config.allreduce_twoshot_min_bytes, or ..._2ranks at 2 ranks; 0: never) or "oneshot"."""
     cfg = config.get()
     if not slot and nbytes <= cfg.allreduce_ll_max_bytes:
         return "ll"
-    if world >= cfg.allreduce_twoshot_min_world and 0 < cfg.allreduce_twoshot_min_bytes <= nbytes:
+    least = cfg.allreduce_twoshot_min_bytes_2ranks if world == 2 else cfg.allreduce_twoshot_min_bytes
+    if world >= 2 and 0 < least <= nbytes:
         return "twoshot"
     return "oneshot"
 

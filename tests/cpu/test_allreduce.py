@@ -69,16 +69,17 @@ def test_small_messages_split_into_more_chunks():
 
 def test_path_by_size_and_world():
     """LL words up to allreduce_ll_max_bytes (never from a producer's slot), two-shot from
-    allreduce_twoshot_min_world ranks and allreduce_twoshot_min_bytes, one-shot otherwise."""
+    allreduce_twoshot_min_bytes (allreduce_twoshot_min_bytes_2ranks at 2 ranks), one-shot otherwise."""
     from mkernel import config
 
     with config.override(allreduce_ll_max_bytes=512 << 10, allreduce_twoshot_min_bytes=1 << 20,
-                         allreduce_twoshot_min_world=3):
+                         allreduce_twoshot_min_bytes_2ranks=8 << 20):
         assert ar.path_of(8, 512 << 10) == "ll" and ar.path_of(8, 512 << 10, slot=True) == "oneshot"
-        assert ar.path_of(2, 64 << 20) == "oneshot"  # 2 ranks: the same bytes either way
+        assert ar.path_of(2, (8 << 20) - 1) == "oneshot" and ar.path_of(2, 8 << 20) == "twoshot"
         assert ar.path_of(3, (1 << 20) - 1) == "oneshot" and ar.path_of(3, 1 << 20) == "twoshot"
         assert ar.path_of(4, 1 << 20, slot=True) == "twoshot"
-    with config.override(allreduce_twoshot_min_bytes=0):
-        assert ar.path_of(8, 1 << 30) == "oneshot"  # 0: never
-    with pytest.raises(mkernel.ArgumentError), config.override(allreduce_twoshot_min_world=0):
+        assert ar.path_of(1, 1 << 30) == "oneshot"  # a copy: nothing to split
+    with config.override(allreduce_twoshot_min_bytes=0, allreduce_twoshot_min_bytes_2ranks=0):
+        assert ar.path_of(8, 1 << 30) == "oneshot" and ar.path_of(2, 1 << 30) == "oneshot"  # 0: never
+    with pytest.raises(mkernel.ArgumentError), config.override(allreduce_twoshot_min_bytes_2ranks=-1):
         pass

@@ -22,8 +22,8 @@ SHAPES = [(1,), (7,), (8,), (1000,), (1001,), (8192,), (8193,), (8200,), (3, 819
 KINDS = {"bf16": DTYPES["bf16"], "fp16": DTYPES["fp16"], "f32": np.dtype(np.float32)}
 MODES = {  # every size as LL words, as one-shot data + flags, or as two-shot data + flags at any world
     "ll": {"allreduce_ll_max_bytes": 1 << 40},
-    "flags": {"allreduce_ll_max_bytes": 0, "allreduce_twoshot_min_bytes": 0},
-    "twoshot": {"allreduce_ll_max_bytes": 0, "allreduce_twoshot_min_bytes": 1, "allreduce_twoshot_min_world": 2},
+    "flags": {"allreduce_ll_max_bytes": 0, "allreduce_twoshot_min_bytes": 0, "allreduce_twoshot_min_bytes_2ranks": 0},
+    "twoshot": {"allreduce_ll_max_bytes": 0, "allreduce_twoshot_min_bytes": 1, "allreduce_twoshot_min_bytes_2ranks": 1},
 }
 
 
