@@ -100,7 +100,8 @@ def target_allreduce(world=None):
         x_of = lambda r: np.random.default_rng(r).integers(-3, 4, size=8200).astype(np.float16)  # noqa: E731
         want = sum(x_of(r).astype(np.float64) for r in range(comm.size))
         flags = {"allreduce_ll_max_bytes": 0}
-        two = {**flags, "allreduce_twoshot_min_bytes": 1, "allreduce_twoshot_min_bytes_2ranks": 1}  # 8200 elements: 5 chunks
+        # 8200 elements: 5 chunks
+        two = {**flags, "allreduce_twoshot_min_bytes": 1, "allreduce_twoshot_min_bytes_2ranks": 1}
         for knobs in ({"allreduce_ll_max_bytes": 1 << 40}, flags, two):
             with config.override(**knobs):
                 for _ in range(2):
