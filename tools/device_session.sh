@@ -122,7 +122,7 @@ for s in $steps; do
     nodesrate) step nodesrate 240 $MPI2 python3 tools/nodes_rate.py ${NODESRATE_ARGS:-} ;;
     attention) step attention 150 python3 bench/attention.py ;;
     ring) step ring 240 $MPI2 $PYT -m "gpu and mpi" tests/gpu/test_ring_attention_gpu.py tests/gpu/test_ring_attention_errors_gpu.py tests/gpu/test_ring_attention_worlds_gpu.py ;;
-    ringbench) step ringbench 240 $MPI2 python3 bench/ring_attention.py --kv-heads 8 ${RING_ARGS:-} ;;  # issue 25 heads (32/8): the same file as ringmps
+    ringbench) step ringbench 360 $MPI2 python3 bench/ring_attention.py --kv-heads 8 ${RING_ARGS:-} ;;  # issue 25 heads (32/8): the same file as ringmps
     transport) step transport 90 $MPI2 python3 bench/transport.py ;;
     tpbench) step tpbench 400 $MPI2 python3 bench/tp.py ${TP_ARGS:-} ;;
     tpnodes) step tpnodes 300 $MPI2 python3 bench/tp.py --nodes 2 ${TP_ARGS:-} ;;

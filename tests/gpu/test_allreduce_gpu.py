@@ -165,13 +165,17 @@ def test_bad_arguments_raise_before_launch(comm, bad):
         mkernel.allreduce(x, comm=comm, **kwargs)
 
 
+@pytest.mark.parametrize("mode", ["default", "twoshot"])
 @pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("M", [1, 5, 64])
-def test_gemm_allreduce_latency_path(comm, M, strided):
+def test_gemm_allreduce_latency_path(comm, M, strided, mode):
     """gemm_allreduce(path='latency'): this rank's partial by mkernel.gemm into its slot of the
-    one-shot all-reduce, then the all-reduce; against the float64 sum, the same bits on every rank,
-    into a contiguous out and a strided one (three launches each)."""
-    import cupy
+    one-shot all-reduce (twoshot: of the two-shot one, the GEMM path forced), then the all-reduce;
+    against the float64 sum, the same bits on every rank, into a contiguous out and a strided one
+    (three launches each)."""
+    import contextlib
+
+    from mkernel import config
 
     W = comm.size
     if W == 1:
@@ -182,20 +186,30 @@ def test_gemm_allreduce_latency_path(comm, M, strided):
     w = [x.astype(dt).astype(np.float64) for x in w]
     want = sum(a[r] @ w[r].T for r in range(W))
     results = []
-    for _ in range(3):  # repeated launches: stale flags, the slot rewritten by the next GEMM
-        wide = poisoned((M, N + 8), "bf16")
-        out = wide[:, :N] if strided else poisoned((M, N), "bf16")
-        got_arr = mkernel.gemm_allreduce(dev(a[comm.rank].astype(dt)), dev(w[comm.rank].astype(dt)).T, comm=comm,
-                                         path="latency", out=out)
-        cupy.cuda.get_current_stream().synchronize()
-        comm.check()
-        got = host(got_arr).astype(np.float64)
-        err = np.linalg.norm(got - want) / np.linalg.norm(want)
-        digest = hashlib.sha256(bits(cupy.ascontiguousarray(got_arr)).tobytes()).hexdigest()
-        same = len(set(allgather_object(comm.mpi, digest, "comparing bits", 60))) == 1
-        results.append((got_arr is out, bool(np.isfinite(got).all()), err, same, digest))
+    forced = config.override(tp_latency_ll_max_rows=0, **MODES["twoshot"]) if mode == "twoshot" else None
+    with forced or contextlib.nullcontext():
+        for _ in range(3):  # repeated launches: stale flags, the slot rewritten by the next GEMM
+            results.append(_latency_once(comm, a, w, want, M, N, dt, strided))
     ok = all(r[0] and r[1] and r[2] < 1e-2 and r[3] for r in results) and len({r[4] for r in results}) == 1
     assert all_ranks(comm.mpi, ok), results
+
+
+def _latency_once(comm, a, w, want, M, N, dt, strided):
+    """One gemm_allreduce(path="latency") call: (out used, finite, rel. error, same bits on every
+    rank, digest)."""
+    import cupy
+
+    wide = poisoned((M, N + 8), "bf16")
+    out = wide[:, :N] if strided else poisoned((M, N), "bf16")
+    got_arr = mkernel.gemm_allreduce(dev(a[comm.rank].astype(dt)), dev(w[comm.rank].astype(dt)).T, comm=comm,
+                                     path="latency", out=out)
+    cupy.cuda.get_current_stream().synchronize()
+    comm.check()
+    got = host(got_arr).astype(np.float64)
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    digest = hashlib.sha256(bits(cupy.ascontiguousarray(got_arr)).tobytes()).hexdigest()
+    same = len(set(allgather_object(comm.mpi, digest, "comparing bits", 60))) == 1
+    return got_arr is out, bool(np.isfinite(got).all()), err, same, digest
 
 
 @pytest.mark.parametrize("mode", list(MODES))
