@@ -99,7 +99,7 @@ def own_slot(comm, shape, dtype):
 def _check(comm, x, out, stream):
     tp.check_comm(OP, comm)
     if comm.num_nodes > 1:
-        raise ArgumentError(f"{OP}: the one-shot kernel works inside one node; this communicator spans "
+        raise ArgumentError(f"{OP}: the all-reduce kernel works inside one node; this communicator spans "
                             f"{comm.num_nodes} (use gemm_allreduce's paths between nodes)")
     cupy = tp.cupy_mod()
     x = as_cupy(x, "x", stream=stream)

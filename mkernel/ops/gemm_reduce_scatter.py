@@ -117,7 +117,7 @@ def _fallback(allreduce, comm, c, stream):
 def _latency(comm, c, stream):
     """gemm_allreduce at few rows. Fewest rows (B as [N, K]): the fused latency kernels
     (gemm_allreduce_ll). Else this rank's partial by mkernel.gemm (its decode path up to 32 rows) straight into
-    its slot of the one-shot all-reduce's scratch, then the all-reduce into out (through a contiguous
+    its slot of the all-reduce's scratch (one- or two-shot), then the all-reduce into out (through a contiguous
     copy where out's rows are strided). Nothing allocated per call. Returns (launches, plans, keep)
     where the call was only launches (out contiguous and aligned), else None."""
     fused = _ll.eligible(c)
