@@ -10,7 +10,7 @@
 # tptrace: tools/tp_trace.py (TRACE_ARGS: --op, --shape, --nodes, --comm-sms; default AR between 2 nodes), traces in logs
 # suite1 / suite24: the suite's 1-rank pass / its 2- and 4-rank passes (the suite over two calls on a slow host)
 # runtime2 queue queue2 tpnodes4 nodestest nodesrate suitets maints (tools/nodes_rate.py: small WRITEs and the TP ops between 2 emulated nodes)
-# mpi2 gemmtest tp attention ring ringbench tpbench tpnodes moebench controller controllernodes (the last six want 2 GPUs)
+# mpi2 gemmtest tp attention ring ringbench tpbench tpnodes moebench controller controllernodes (the last six want 2 GPUs) controllernodes4 (2 x 2 under MPS)
 # controller1: bench/controller.py at world 1 (the comm is a local tile copy; the mechanism, not the rows).
 # branchsuite / branchnodes / branchtpbench / branchtpnodes / branchringnodes / branchringmps: the GPU suite / its tests between nodes (2 ranks) / bench/tp.py (in a node / 2 emulated nodes) / ringnodes / ringmps of a branch checked out at scratch/branch
 # (git worktree add scratch/branch <branch>; carry scratch), results in $OUT/branch.tar.gz (the A/B of
@@ -126,7 +126,7 @@ for s in $steps; do
     transport) step transport 90 $MPI2 python3 bench/transport.py ;;
     tpbench) step tpbench 400 $MPI2 python3 bench/tp.py ${TP_ARGS:-} ;;
     tpnodes) step tpnodes 300 $MPI2 python3 bench/tp.py --nodes 2 ${TP_ARGS:-} ;;
-    tpnodes4) step tpnodes4 300 $MPI4 python3 bench/tp.py --nodes 2 ;;  # 2 nodes x 2 ranks, 33 SMs each
+    tpnodes4) step tpnodes4 300 $MPI4 python3 bench/tp.py --nodes 2 ${TP_ARGS:-} ;;  # 2 nodes x 2 ranks, 33 SMs each
     nodestest) step nodestest 150 $PYT -rfE tests/gpu/test_tp_nodes_gpu.py ;;
     test1) step test1 200 $PYT -rfE ${TEST_ARGS:?TEST_ARGS: the pytest arguments} ;;  # word-split: no spaces inside -k
     test2) step test2 200 $MPI2 $PYT -rfE ${TEST_ARGS:?TEST_ARGS: the pytest arguments} ;;  # and at 2 (MPS)
@@ -167,6 +167,7 @@ for s in $steps; do
     controller) step controller 500 $MPI2 python3 bench/controller.py ${CONTROLLER_ARGS:-} ;;  # e.g. --op allgather_gemm
     controller1) step controller1 500 python3 bench/controller.py ;;
     controllernodes) step controllernodes 500 $MPI2 python3 bench/controller.py --nodes 2 ;;
+    controllernodes4) step controllernodes4 500 $MPI4 python3 bench/controller.py --nodes 2 ${CONTROLLER_ARGS:-} ;;  # 2 x 2 (e.g. --op gemm_allreduce)
     *) summary+=("unknown step $s") ;;
   esac
   collect
