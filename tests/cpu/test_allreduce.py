@@ -1,4 +1,4 @@
-"""CPU: the one-shot all-reduce's argument mirror and kernels (no spills, no stack, 16-byte loads
+"""CPU: the all-reduce's argument mirror and kernels (no spills, no stack, 16-byte loads
 and stores, 8-byte LL words), and mkernel.allreduce exported."""
 
 import pytest
