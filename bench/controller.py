@@ -86,7 +86,7 @@ def one_ms(comm, fn, lead_ns, barrier=None):
 FIRST_LEAD_NS = 50_000_000  # the first call on a key agrees its bound and computes the prior on the host
 
 
-def bench_shape(op, comm, M, N, K, dt, barrier=None):
+def bench_shape(op, comm, M, N, K, dt, barrier=None, grid=None):
     from mpi4py import MPI
 
     from mkernel.ops import tp
@@ -114,7 +114,7 @@ def bench_shape(op, comm, M, N, K, dt, barrier=None):
     key = comm.plans.state["autosplit.keys"][(op, M, N, K)].key
     search = autosplit.memory(comm).search(key)
     sms = launch.sm_count()
-    statics = [n for n in (GRID_MPS if barrier else GRID) if n < sms]
+    statics = [n for n in (grid or (GRID_MPS if barrier else GRID)) if n < sms]
     variants = statics + ["auto"]
     times = {v: [] for v in variants}
     # interleaved variant by variant, in reverse order every other round: drift falls on every variant alike
@@ -180,7 +180,10 @@ def main():
     p.add_argument("--transport", default="host")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=None)
+    p.add_argument("--grid", default=None, help="static comm CTA counts, e.g. 2,4,8 (default: the issue's grid)")
+    p.add_argument("--shape", action="append", default=[], help="MxNxK: only these rows of the table (repeatable)")
     args = p.parse_args()
+    grid = tuple(int(n) for n in args.grid.split(",")) if args.grid else None
     from mpi4py import MPI
     W = MPI.COMM_WORLD.Get_size()
     if args.nodes < 1 or W % args.nodes:
@@ -199,8 +202,10 @@ def main():
         shapes = table or (tp_bench.ONE_NODE if args.nodes == 1 else tp_bench.BETWEEN_NODES)[op]
         op_rows = []
         for (M, N, K), _goal in shapes:
+            if args.shape and f"{M}x{N}x{K}" not in args.shape:
+                continue
             try:
-                op_rows.append(bench_shape(op, comm, M, N, K, dt, barrier))
+                op_rows.append(bench_shape(op, comm, M, N, K, dt, barrier, grid))
             except mkernel.ArgumentError as e:
                 if comm.rank == 0:
                     print(f"== {op} {M}x{N}x{K}: not run: {e}")
@@ -229,7 +234,7 @@ def write(rows, W, gpus, args, comm):
     transport = (comm.stats()["proxy"] or args.transport) if args.nodes > 1 else "nvlink" if W > 1 else "local"
     note = ("world 1: the comm CTAs reduce (copy) the GEMM's own tiles into out; the split mechanism on "
             "one GPU, not the issue's 2-GPU rows") if W == 1 else ""
-    grid = GRID_MPS if comm.gpus_shared else GRID
+    grid = [int(n) for n in args.grid.split(",")] if args.grid else (GRID_MPS if comm.gpus_shared else GRID)
     path = harness.write("controller", rows, gpus=gpus, nodes=args.nodes, out_dir=args.out, transport=transport,
                          geomean_vs_best_static=geomean, grid=list(grid), note=note, ranks_per_gpu=W // gpus)
     print(f"SUMMARY controller: geomean controller / best static {geomean:.3f} over {len(rows)} rows -> {path}")
