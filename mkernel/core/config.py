@@ -78,7 +78,7 @@ class Config:
     nvlink_gbps: float = 365.0    # one direction, inside a node
     transport_gbps: types.MappingProxyType = dataclasses.field(default_factory=lambda: types.MappingProxyType(
         {"host": 20.0, "tcp": 1.5, "verbs": 25.0}))
-    gemm_tflops: float = 650.0
+    gemm_tflops_per_sm: float = 650.0 / 132  # one SM's share of an H100 / H200's GEMM rate (650 TF/s)
     # mkernel.gemm at M up to this (0: never; at most 256) with B as [N, K] takes the decode path
     # (gemm_decode.py; past 64 rows where its runs fill the SMs); above, the engine (split K where
     # its tiles are few).

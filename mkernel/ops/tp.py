@@ -370,5 +370,6 @@ def default_join(op, comm, *, M, N, K, esize) -> bool:
     shares = comm.plans.state.setdefault("tp.gemm_share", {})  # the shape's first call decides: its transport
     share = shares.get((op, M, N, K, esize))
     if share is None:
-        share = shares[(op, M, N, K, esize)] = autosplit.gemm_share(op, M, N, K, comm, esize)
+        sms = _launch.grid_sms(comm, op)
+        share = shares[(op, M, N, K, esize)] = autosplit.gemm_share(op, M, N, K, comm, esize, sms)
     return share >= cfg.tp_join_min_gemm_share

@@ -84,20 +84,21 @@ def prior_for(op: str, M: int, N: int, K: int, world: int, esize: int, nodes: in
     # link rate scaled to CTA bytes it is max(cta_bytes / (n * cta_rate), comm_bytes / link_rate).
     link_scaled = link_gbps * cb / lb if lb else 1e9
     cta_gbps = config.get().cta_gbps_nodes if nodes > 1 else config.get().cta_gbps
-    return split.prior(comm_bytes=cb, cta_gbps=cta_gbps, link_gbps=link_scaled, gemm_ms=gemm_s(M, N, K) * 1e3,
+    return split.prior(comm_bytes=cb, cta_gbps=cta_gbps, link_gbps=link_scaled, gemm_ms=gemm_s(M, N, K, sms) * 1e3,
                        total=sms, lo=1, hi=hi)
 
 
-def gemm_s(M: int, N: int, K: int) -> float:
-    """The model's time of one rank's GEMM of ``[M, K] x [K, N]`` (config.gemm_tflops)."""
-    return 2.0 * M * N * K / (config.get().gemm_tflops * 1e12)
+def gemm_s(M: int, N: int, K: int, sms: int) -> float:
+    """The model's time of one rank's GEMM of ``[M, K] x [K, N]`` on ``sms`` SMs (under MPS the
+    rank's share, not the GPU's; config.gemm_tflops_per_sm)."""
+    return 2.0 * M * N * K / (config.get().gemm_tflops_per_sm * sms * 1e12)
 
 
-def gemm_share(op: str, M: int, N: int, K: int, comm, esize: int) -> float:
-    """The model's GEMM time over the time its link takes for one call's comm_bytes (the prior's
-    rates): below 1 the link, not the GEMM, sets the call's pace."""
+def gemm_share(op: str, M: int, N: int, K: int, comm, esize: int, sms: int) -> float:
+    """The model's GEMM time on ``sms`` SMs over the time its link takes for one call's comm_bytes
+    (the prior's rates): below 1 the link, not the GEMM, sets the call's pace."""
     lb = comm_bytes(op, M, N, K, comm.size, esize, comm.num_nodes)
-    return gemm_s(M, N, K) * _link_gbps(comm) * 1e9 / lb if lb else float("inf")
+    return gemm_s(M, N, K, sms) * _link_gbps(comm) * 1e9 / lb if lb else float("inf")
 
 
 def _transport(comm) -> str:

@@ -411,6 +411,19 @@ def _curve_at(curve, n):
     return pts[0][1] if n < pts[0][0] else pts[-1][1]
 
 
+def test_the_model_gemm_runs_on_the_ranks_sms():
+    """The prior's GEMM time is the rank's SMs' (under MPS its share), not the whole GPU's: 4 ranks
+    at 32 SMs take 4x the time of one on 128, and the prior gives the GEMM more CTAs there."""
+    t = autosplit.gemm_s(8192, 8192, 14336, 128)
+    assert autosplit.gemm_s(8192, 8192, 14336, 32) == pytest.approx(4 * t)
+    assert t == pytest.approx(2 * 8192 * 8192 * 14336 / (config.get().gemm_tflops_per_sm * 128e12))
+    link = config.get().transport_gbps["host"]
+    at_share = autosplit.prior_for("gemm_allreduce", 8192, 8192, 14336, 4, 2, 2, link, 32, 16)
+    with config.override(gemm_tflops_per_sm=config.get().gemm_tflops_per_sm * 132 / 32):  # the whole GPU's rate
+        whole = autosplit.prior_for("gemm_allreduce", 8192, 8192, 14336, 4, 2, 2, link, 32, 16)
+    assert at_share < whole, (at_share, whole)
+
+
 @pytest.mark.parametrize("op,shape,nodes,sms,curve", MEASURED, ids=lambda v: str(v)[:24])
 def test_the_prior_lands_within_15_percent_on_measured_curves(op, shape, nodes, sms, curve):
     """The first call's split (the prior) on the curves issue 25's rows measured: within 15% of the
