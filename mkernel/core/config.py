@@ -46,8 +46,8 @@ class Config:
     allreduce_ll_max_bytes: int = 512 << 10
     # ... and above that limit, messages of at least this many bytes take the two-shot path (each
     # chunk summed by one owner, then copied from it; 0: never): from 3 ranks, and at 2 ranks (less
-    # HBM traffic, one more round). Crossovers measured under MPS: bench/NOTES.md session 57
-    allreduce_twoshot_min_bytes: int = 1 << 20
+    # HBM traffic, one more round). Crossovers measured under MPS: bench/NOTES.md sessions 57, 58
+    allreduce_twoshot_min_bytes: int = 512 << 10
     allreduce_twoshot_min_bytes_2ranks: int = 8 << 20
     # Communication CTAs where comm_sms is not searched (the unfused baseline, the search's start).
     tp_comm_sms: types.MappingProxyType = dataclasses.field(default_factory=lambda: types.MappingProxyType(
