@@ -4,7 +4,8 @@ Run (every rank; MKERNEL_TRACE is set here, before the communicator exists):
     mpirun -n 2 python3 tools/tp_trace.py --op gemm_allreduce --nodes 2 --shape 8192x8192x14336 --out DIR
 It times `--calls` calls of the op (per-rank shapes as bench/tp.py's), writes each rank's Chrome trace
 (DIR/trace.rank<r>.json, Perfetto) and prints the summary of the last call. Summarise files again:
-    python3 tools/tp_trace.py --summarize DIR/trace.rank0.json DIR/trace.rank1.json
+    python3 tools/tp_trace.py --summarize DIR/trace.rank0.json DIR/trace.rank1.json [--launch 0]
+(every launch's length, then launch --launch summarised: 0 the first call, -1 the last).
 Span ids: TP_TRACE_* in mkernel/cuda/ops/tp_epilogue.cuh; the launch starts at its announce span
 (control, 0x80000000 | epoch) and ends at its last CTA's exit (control, 0x40000000 | block).
 """
@@ -18,14 +19,27 @@ KINDS = {0: "reduce", 1: "forward", 2: "copy", 3: "push", 4: "tile"}
 ANNOUNCE, EXIT = 0x80000000, 0x40000000
 
 
+def launches(events):
+    """The trace's launches in start order: lists of spans (role, id, start_us, end_us, tid), each
+    from its announce span up to the next launch's."""
+    spans = sorted(((e["cat"], e["args"]["id"], e["ts"], e["ts"] + e["dur"], e["tid"]) for e in events),
+                   key=lambda s: s[2])
+    starts = sorted(t0 for r, i, t0, _, _ in spans if r == "control" and i & ANNOUNCE)
+    bounds = [t - 1e-3 for t in starts] + [float("inf")]
+    return [[s for s in spans if lo <= s[2] < hi] for lo, hi in zip(bounds, bounds[1:])]
+
+
 def last_launch(events):
     """The spans (role, id, start_us, end_us, tid) of the trace's last launch."""
-    spans = [(e["cat"], e["args"]["id"], e["ts"], e["ts"] + e["dur"], e["tid"]) for e in events]
-    starts = [(i & 0x7FFFFFFF, t0) for r, i, t0, _, _ in spans if r == "control" and i & ANNOUNCE]
-    if not starts:
-        return []
-    t_start = max(starts)[1]
-    return [s for s in spans if s[2] >= t_start - 1e-3]
+    runs = launches(events)
+    return runs[-1] if runs else []
+
+
+def launch_us(spans) -> float:
+    """A launch's length: its first span's start to its last CTA's exit."""
+    t0 = min(s[2] for s in spans)
+    exits = [s[3] for s in spans if s[0] == "control" and s[1] & EXIT and not s[1] & ANNOUNCE]
+    return (max(exits) if exits else max(s[3] for s in spans)) - t0
 
 
 def _pct(times, fracs=(0.25, 0.5, 0.75, 1.0)):
@@ -39,8 +53,7 @@ def summarize(spans):
     if not spans:
         return ["no launch found (was MKERNEL_TRACE set before mkernel.init?)"]
     t0 = min(s[2] for s in spans)
-    exits = [s[3] for s in spans if s[0] == "control" and s[1] & EXIT and not s[1] & ANNOUNCE]
-    t_end = max(exits) if exits else max(s[3] for s in spans)
+    t_end = t0 + launch_us(spans)
     out = [f"launch {t_end - t0:9.1f} us, {len(spans)} spans, {len({s[4] for s in spans})} SMs"]
     tiles = [s[3] - t0 for s in spans if s[0] == "compute"]
     if tiles:
@@ -74,15 +87,19 @@ def summarize(spans):
     return out
 
 
-def summarize_files(paths, summarize_fn=summarize):
-    """Each file's last launch summarised; where the files carry t0_ns (ranks sharing one GPU, whose
-    %globaltimer is one clock), also each launch's start against the earliest of them."""
+def summarize_files(paths, summarize_fn=summarize, launch=-1):
+    """Each file's launches' lengths, and its launch number ``launch`` (default the last)
+    summarised; where the files carry t0_ns (ranks sharing one GPU, whose %globaltimer is one
+    clock), also that launch's start on each rank against the earliest of them."""
     starts = {}
     for p in paths:
         with open(p) as f:
             data = json.load(f)
-        spans = last_launch(data["traceEvents"])
+        runs = launches(data["traceEvents"])
+        spans = runs[launch] if -len(runs) <= launch < len(runs) else []
         print(f"== {p}")
+        if len(runs) > 1:
+            print(f"{len(runs)} launches, us: " + " ".join(f"{launch_us(r):.0f}" for r in runs))
         print("\n".join(summarize_fn(spans)))
         t0_ns = data.get("otherData", {}).get("t0_ns")
         if spans and t0_ns is not None:
@@ -98,6 +115,7 @@ def trace_cli(description, add_args, run_fn, summarize_fn, calls):
     --transport, --calls, --workspace-gib, --out and the tool's own arguments (add_args(parser))."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--summarize", nargs="+", metavar="JSON", help="summarise these trace files and exit")
+    p.add_argument("--launch", type=int, default=-1, help="with --summarize: which launch (0: the first)")
     add_args(p)
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--transport", default="host")
@@ -106,7 +124,7 @@ def trace_cli(description, add_args, run_fn, summarize_fn, calls):
     p.add_argument("--out", default="trace-out")
     args = p.parse_args()
     if args.summarize:
-        summarize_files(args.summarize, summarize_fn)
+        summarize_files(args.summarize, summarize_fn, args.launch)
     else:
         run_fn(args)
 
@@ -177,9 +195,10 @@ def main():
     p.add_argument("--out", default="trace-out")
     p.add_argument("--knob", action="append", default=[], metavar="NAME=BOOL",
                    help="a boolean mkernel.config knob for the run (e.g. comm_staged=1); repeatable")
+    p.add_argument("--launch", type=int, default=-1, help="with --summarize: which launch (0: the first)")
     args = p.parse_args()
     if args.summarize:
-        summarize_files(args.summarize)
+        summarize_files(args.summarize, launch=args.launch)
     else:
         run(args)
 

@@ -43,6 +43,24 @@ def test_summary_of_the_last_launch():
     assert "on GEMM SMs" not in text
 
 
+def test_launches_in_order_and_any_one_summarised(tmp_path, capsys):
+    """Every launch is cut at the next one's announce; --launch picks one, and the lengths of all
+    of them are listed first (the first call against the steady ones)."""
+    import json
+
+    events = _launch(1, 0.0) + _launch(2, 1000.0)[:-1] + _launch(3, 2000.0)  # launch 2 misses one exit
+    runs = tp_trace.launches(events)
+    assert [min(s[2] for s in r) for r in runs] == [0.0, 1000.0, 2000.0]
+    assert [round(tp_trace.launch_us(r), 3) for r in runs] == [70.001, 70.001, 70.001]
+    p = tmp_path / "trace.rank0.json"
+    p.write_text(json.dumps({"traceEvents": events[::-1]}))  # any order in the file
+    tp_trace.summarize_files([str(p)], launch=0)
+    out = capsys.readouterr().out
+    assert "3 launches, us: 70 70 70" in out and "launch      70.0 us" in out
+    tp_trace.summarize_files([str(p)], launch=5)
+    assert "no launch found" in capsys.readouterr().out
+
+
 def test_no_launch():
     assert "no launch found" in tp_trace.summarize(tp_trace.last_launch([]))[0]
 
