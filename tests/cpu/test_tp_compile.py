@@ -410,12 +410,15 @@ def test_join_follows_the_config_per_op_and_nodes(fake_launch, setting):
             assert fake_launch["launch"]["args"].join == int(not want), (fn.__name__, nodes)
 
 
+@pytest.mark.parametrize("sms", [132, 66])
 @pytest.mark.parametrize("op,K,joins", [("gemm_allreduce", 14336, True), ("gemm_allreduce", 4096, False),
                                         ("gemm_reduce_scatter", 14336, True)])
-def test_join_between_nodes_of_one_rank_follows_the_gemm_share_of_the_link(op, K, joins):
-    """At one rank per node between nodes, "auto" joins where the split model's GEMM time is at
-    least config.tp_join_min_gemm_share of its link time (host transport, 20 GB/s; 650 TFLOP/s):
-    AR 8192^2 x 14336 0.44, x 4096 0.13, RS x 14336 0.88 (bench/NOTES.md session 25's rows)."""
+def test_join_between_nodes_of_one_rank_follows_the_gemm_share_of_the_link(op, K, joins, sms, monkeypatch):
+    """At one rank per node between nodes, "auto" joins where the split model's GEMM time on the
+    rank's SMs is at least config.tp_join_min_gemm_share of its link time (host transport, 20 GB/s;
+    650 TFLOP/s on 132 SMs): AR 8192^2 x 14336 0.44, x 4096 0.13, RS x 14336 0.88 on a whole GPU
+    (bench/NOTES.md session 25's rows), twice that on an MPS share of 66 SMs: the same decisions."""
+    monkeypatch.setattr(tp._launch, "grid_sms", lambda comm, op: sms)
     comm = _Comm(2, 0, nodes=2)
     M = N = 8192
     assert tp.default_join(op, comm, M=M, N=N, K=K, esize=2) is joins
