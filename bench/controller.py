@@ -183,7 +183,7 @@ def main():
     p.add_argument("--grid", default=None, help="static comm CTA counts, e.g. 2,4,8 (default: the issue's grid)")
     p.add_argument("--shape", action="append", default=[], help="MxNxK: only these rows of the table (repeatable)")
     args = p.parse_args()
-    grid = tuple(int(n) for n in args.grid.split(",")) if args.grid else None
+    args.grid = tuple(int(n) for n in args.grid.split(",")) if args.grid else None
     from mpi4py import MPI
     W = MPI.COMM_WORLD.Get_size()
     if args.nodes < 1 or W % args.nodes:
@@ -205,7 +205,7 @@ def main():
             if args.shape and f"{M}x{N}x{K}" not in args.shape:
                 continue
             try:
-                op_rows.append(bench_shape(op, comm, M, N, K, dt, barrier, grid))
+                op_rows.append(bench_shape(op, comm, M, N, K, dt, barrier, args.grid))
             except mkernel.ArgumentError as e:
                 if comm.rank == 0:
                     print(f"== {op} {M}x{N}x{K}: not run: {e}")
@@ -234,7 +234,7 @@ def write(rows, W, gpus, args, comm):
     transport = (comm.stats()["proxy"] or args.transport) if args.nodes > 1 else "nvlink" if W > 1 else "local"
     note = ("world 1: the comm CTAs reduce (copy) the GEMM's own tiles into out; the split mechanism on "
             "one GPU, not the issue's 2-GPU rows") if W == 1 else ""
-    grid = [int(n) for n in args.grid.split(",")] if args.grid else (GRID_MPS if comm.gpus_shared else GRID)
+    grid = args.grid or (GRID_MPS if comm.gpus_shared else GRID)
     path = harness.write("controller", rows, gpus=gpus, nodes=args.nodes, out_dir=args.out, transport=transport,
                          geomean_vs_best_static=geomean, grid=list(grid), note=note, ranks_per_gpu=W // gpus)
     print(f"SUMMARY controller: geomean controller / best static {geomean:.3f} over {len(rows)} rows -> {path}")
