@@ -45,8 +45,9 @@ class Config:
     # (2 ranks under MPS, graphs: LL ahead at 256 KiB, flags from 1 MiB; bench/NOTES.md session 32)
     allreduce_ll_max_bytes: int = 512 << 10
     # ... and above that limit, messages of at least this many bytes take the two-shot path (each
-    # chunk summed by one owner, then copied from it; 0: never): from 3 ranks, and at 2 ranks (less
-    # HBM traffic, one more round). Crossovers measured under MPS: bench/NOTES.md sessions 57, 58
+    # chunk summed by one owner, then copied from it; 0: never) at 3+ ranks, and of at least
+    # ..._2ranks at 2 ranks (less HBM traffic there, one more round). Crossovers measured under MPS:
+    # bench/NOTES.md sessions 57, 58
     allreduce_twoshot_min_bytes: int = 512 << 10
     allreduce_twoshot_min_bytes_2ranks: int = 8 << 20
     # Communication CTAs where comm_sms is not searched (the unfused baseline, the search's start).

@@ -97,12 +97,12 @@ def target_allreduce(world=None):
     cupy = cupy_mod()
     comm = init(world or MPI.COMM_WORLD, workspace_bytes=16 << 20)
     try:
+        # 8200 elements: 5 chunks
         x_of = lambda r: np.random.default_rng(r).integers(-3, 4, size=8200).astype(np.float16)  # noqa: E731
         want = sum(x_of(r).astype(np.float64) for r in range(comm.size))
-        flags = {"allreduce_ll_max_bytes": 0}
-        # 8200 elements: 5 chunks
-        two = {**flags, "allreduce_twoshot_min_bytes": 1, "allreduce_twoshot_min_bytes_2ranks": 1}
-        for knobs in ({"allreduce_ll_max_bytes": 1 << 40}, flags, two):
+        one = {"allreduce_ll_max_bytes": 0, "allreduce_twoshot_min_bytes": 0, "allreduce_twoshot_min_bytes_2ranks": 0}
+        two = {"allreduce_ll_max_bytes": 0, "allreduce_twoshot_min_bytes": 1, "allreduce_twoshot_min_bytes_2ranks": 1}
+        for knobs in ({"allreduce_ll_max_bytes": 1 << 40}, one, two):
             with config.override(**knobs):
                 for _ in range(2):
                     out = cupy.full(8200, np.nan, dtype=np.float16)

@@ -1,11 +1,11 @@
 """``allreduce(x, *, comm)``: the sum over ranks of ``x``, the same bits on every rank, by one kernel
-that pushes each rank's data into every peer's scratch once and reduces there (one-shot: the latency
-path for small messages inside a node; mkernel/cuda/ops/allreduce.cu). Up to
-``config.allreduce_ll_max_bytes`` the pushes are LL words (the flag in the data: no fence, no flag
-round trip), above it the data, then a flag per chunk; from ``config.allreduce_twoshot_min_bytes``
-(``..._2ranks`` at 2 ranks) the two-shot path (each chunk pushed to one owner, which sums it, then
-copied from there: 2 (W - 1) / W of the data a rank sends instead of W - 1; at 2 ranks the same
-bytes in two rounds, but each rank sums and reads half). Every path adds in rank order in fp32: the same bits.
+inside a node (mkernel/cuda/ops/allreduce.cu). One-shot (the latency path): each rank pushes its
+data into every peer's scratch once and each sums there; up to ``config.allreduce_ll_max_bytes`` the
+pushes are LL words (the flag in the data: no fence, no flag round trip), above it the data, then a
+flag per chunk. Two-shot, from ``config.allreduce_twoshot_min_bytes`` (``..._2ranks`` at 2 ranks):
+each chunk is pushed to one owner, which sums it, and copied from there (2 (W - 1) / W of the data a
+rank sends instead of W - 1; at 2 ranks the same bytes in two rounds, but each rank sums and reads
+half). Every path adds in rank order in fp32: the same bits.
 
 Importable without CuPy; the kernels are registered at import.
 """
