@@ -29,12 +29,6 @@ def launches(events):
     return [[s for s in spans if lo <= s[2] < hi] for lo, hi in zip(bounds, bounds[1:])]
 
 
-def last_launch(events):
-    """The spans (role, id, start_us, end_us, tid) of the trace's last launch."""
-    runs = launches(events)
-    return runs[-1] if runs else []
-
-
 def launch_us(spans) -> float:
     """A launch's length: its first span's start to its last CTA's exit."""
     t0 = min(s[2] for s in spans)
@@ -110,7 +104,7 @@ def summarize_files(paths, summarize_fn=summarize, launch=-1):
                                                          for p, t in starts.items()))
 
 
-def trace_cli(description, add_args, run_fn, summarize_fn, calls):
+def trace_cli(description, add_args, run_fn, summarize_fn, calls, workspace_gib=4):
     """A traced tool's command line: --summarize FILES, or a run (run_fn(args)) with --nodes,
     --transport, --calls, --workspace-gib, --out and the tool's own arguments (add_args(parser))."""
     p = argparse.ArgumentParser(description=description)
@@ -120,7 +114,7 @@ def trace_cli(description, add_args, run_fn, summarize_fn, calls):
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--transport", default="host")
     p.add_argument("--calls", type=int, default=calls, help="calls (the last is summarised)")
-    p.add_argument("--workspace-gib", type=int, default=4)
+    p.add_argument("--workspace-gib", type=int, default=workspace_gib)
     p.add_argument("--out", default="trace-out")
     args = p.parse_args()
     if args.summarize:
@@ -163,7 +157,8 @@ def run(args):
     import harness
 
     W = MPI.COMM_WORLD.size
-    comm = mkernel.init(workspace_bytes=6 << 30, gpus_per_node=W // args.nodes if args.nodes > 1 else None,
+    comm = mkernel.init(workspace_bytes=args.workspace_gib << 30,
+                        gpus_per_node=W // args.nodes if args.nodes > 1 else None,
                         transport=args.transport if args.nodes > 1 else "auto")
     dt = np.dtype(ml_dtypes.bfloat16)
     M, N, K = (int(x) for x in args.shape.split("x"))
@@ -183,24 +178,16 @@ def run(args):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--summarize", nargs="+", metavar="JSON", help="summarise these trace files and exit")
-    p.add_argument("--op", default="gemm_allreduce", choices=("gemm_allreduce", "gemm_reduce_scatter",
-                                                               "allgather_gemm"))
-    p.add_argument("--shape", default="8192x8192x14336", help="per-rank MxNxK, as bench/tp.py's")
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--transport", default="host")
-    p.add_argument("--comm-sms", default="auto")
-    p.add_argument("--calls", type=int, default=12, help="calls (the last is summarised; auto searches early)")
-    p.add_argument("--out", default="trace-out")
-    p.add_argument("--knob", action="append", default=[], metavar="NAME=BOOL",
-                   help="a boolean mkernel.config knob for the run (e.g. comm_staged=1); repeatable")
-    p.add_argument("--launch", type=int, default=-1, help="with --summarize: which launch (0: the first)")
-    args = p.parse_args()
-    if args.summarize:
-        summarize_files(args.summarize, launch=args.launch)
-    else:
-        run(args)
+    def add_args(p):
+        p.add_argument("--op", default="gemm_allreduce", choices=("gemm_allreduce", "gemm_reduce_scatter",
+                                                                   "allgather_gemm"))
+        p.add_argument("--shape", default="8192x8192x14336", help="per-rank MxNxK, as bench/tp.py's")
+        p.add_argument("--comm-sms", default="auto")
+        p.add_argument("--knob", action="append", default=[], metavar="NAME=BOOL",
+                       help="a boolean mkernel.config knob for the run (e.g. comm_staged=1); repeatable")
+
+    # 12 calls: "auto" searches in the early ones
+    trace_cli(__doc__.splitlines()[0], add_args, run, summarize, calls=12, workspace_gib=6)
 
 
 if __name__ == "__main__":

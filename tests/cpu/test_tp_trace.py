@@ -30,7 +30,7 @@ def _launch(epoch, t0):
 
 def test_summary_of_the_last_launch():
     events = _launch(1, 0.0) + _launch(2, 1000.0)
-    spans = tp_trace.last_launch(events)
+    spans = tp_trace.launches(events)[-1]
     assert min(s[2] for s in spans) == 1000.0 and len(spans) == len(_launch(2, 0.0))
     text = "\n".join(tp_trace.summarize(spans))
     assert text.startswith("launch      70.0 us")
@@ -62,7 +62,8 @@ def test_launches_in_order_and_any_one_summarised(tmp_path, capsys):
 
 
 def test_no_launch():
-    assert "no launch found" in tp_trace.summarize(tp_trace.last_launch([]))[0]
+    assert tp_trace.launches([]) == []
+    assert "no launch found" in tp_trace.summarize([])[0]
 
 
 def test_files_of_ranks_sharing_a_gpu_are_aligned_on_one_clock(tmp_path, capsys):
