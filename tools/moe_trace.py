@@ -1,11 +1,13 @@
-"""The fused MoE GEMM + combine between emulated nodes traced per SM: when its GEMM CTAs finish,
-when the M-tiles are returned, when the forwarded rows are all back, their sums done and WRITten,
-and when the partials kernel has the other nodes' sums (issue 25: the overlap between nodes).
+"""The fused MoE kernels between emulated nodes traced per SM: the dispatch + GEMM's dispatch
+CTAs' rows sent and each sending warp's wait for a bundle; the GEMM + combine's GEMM CTAs,
+M-tiles returned, forwarded rows back, their sums done and WRITten, and when the partials kernel
+has the other nodes' sums (issue 25: the overlap between nodes).
 
 Run (every rank; MKERNEL_TRACE is set here, before the communicator exists):
     mpirun -n 2 python3 tools/moe_trace.py --nodes 2 --shape 4096x7168x2048x64x8 --out DIR
-Each call is the fused dispatch + GEMM, then the fused GEMM + combine on its output; the last
-combine is summarised (span ids: MOE_TRACE_* in mkernel/cuda/ops/moe_dispatch.cuh). Again from files:
+Each call is the fused dispatch + GEMM, then the fused GEMM + combine on its output (a launch each);
+the last of each is summarised (span ids: MOE_TRACE_* in mkernel/cuda/ops/moe_dispatch.cuh). Again
+from files (--launch -2: the last dispatch + GEMM):
     python3 tools/moe_trace.py --summarize DIR/trace.rank0.json DIR/trace.rank1.json
 """
 
@@ -13,10 +15,11 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tp_trace import close_and_summarize, trace_cli, trace_into  # noqa: E402
+from tp_trace import close_and_summarize, summarize_files, trace_cli, trace_into  # noqa: E402
 
 KINDS = {1: "GEMM CTA done", 2: "M-tile returned", 3: "forwarded rows back", 4: "forwarded chunk sent",
-         5: "final sums (CTA)", 6: "partials: other nodes' sums in"}
+         5: "final sums (CTA)", 6: "partials: other nodes' sums in", 7: "dispatch CTA's rows sent",
+         8: "dispatch: a warp's bundle in"}
 ANNOUNCE, EXIT = 0x80000000, 0x40000000
 
 
@@ -27,7 +30,8 @@ def summarize(spans):
         return ["no launch found (was MKERNEL_TRACE set before mkernel.init?)"]
     t0 = min(s[2] for s in spans if s[0] == "control" and s[1] & ANNOUNCE)
     exits = [s[3] - t0 for s in spans if s[0] == "control" and s[1] & EXIT and not s[1] & ANNOUNCE]
-    out = [f"combine kernel: last CTA exit at {max(exits, default=0):9.1f} us ({len(exits)} CTAs)"]
+    which = "dispatch + GEMM" if any(s[1] >> 24 in (7, 8) for s in spans if not s[1] & (ANNOUNCE | EXIT)) else "kernel"
+    out = [f"{which}: last CTA exit at {max(exits, default=0):9.1f} us ({len(exits)} CTAs)"]
     for kind, name in KINDS.items():
         ends = sorted(s[3] - t0 for s in spans if not s[1] & (ANNOUNCE | EXIT) and s[1] >> 24 == kind)
         starts = sorted(s[2] - t0 for s in spans if not s[1] & (ANNOUNCE | EXIT) and s[1] >> 24 == kind)
@@ -62,7 +66,9 @@ def run(args):
     for _ in range(args.calls):
         y, h = mkernel.moe_dispatch_gemm(x, ids, w, w1, comm=comm, num_experts=E, capacity=cap)
         mkernel.moe_gemm_combine(y, w2, h, comm=comm, path="fused", comm_sms=args.comm_sms)
-    close_and_summarize(comm, args.out, summarize)
+    close_and_summarize(comm, args.out, summarize)  # the last combine
+    if MPI.COMM_WORLD.rank == 0:  # and the last dispatch + GEMM
+        summarize_files([os.path.join(args.out, f"trace.rank{i}.json") for i in range(W)], summarize, -2)
 
 
 def main():

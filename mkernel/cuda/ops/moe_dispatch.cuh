@@ -43,7 +43,9 @@ enum : u32 {
   MOE_TRACE_FWD_WAIT = 0x03000000u,  // forwarded rows back (fwdret)
   MOE_TRACE_FWD_SUM = 0x04000000u,  // | chunk of forwarded sums, summed and its WRITEs queued
   MOE_TRACE_SUM = 0x05000000u,  // a CTA's final sums (their wait included)
-  MOE_TRACE_PART_WAIT = 0x06000000u  // partials kernel: the other nodes' sums in
+  MOE_TRACE_PART_WAIT = 0x06000000u,  // partials kernel: the other nodes' sums in
+  MOE_TRACE_DISPATCH = 0x07000000u,  // | arrival: a dispatch CTA's rows sent (the fused kernel's)
+  MOE_TRACE_BUNDLE_WAIT = 0x08000000u  // | source node: a sending warp's wait for its bundle
 };
 
 // Wait ids (MkStatus::where) of the kernels' waits.
@@ -146,11 +148,13 @@ constexpr u32 MOE_SEND_RUN = 8;
 MK_DEV void moe_wait_bundle(const MkMoeArgs& a, const u32* vseg, u32 t, u32 xE, u32& seen) {
   const u32 i = moe_fwd_segment(vseg, (u32)a.nseg, t);
   if ((seen >> i) & 1u) return;
+  const u64 t0 = trace_start(a.sync);
   const u32 j = moe_seg_node(i, (u32)a.node);
   wait_remote_epoch(a.sync, a.queue, a.pflags + MOE_PF_ROWS + j, xE, (i32)(j * (u32)a.world + (u32)a.me),
                     MOE_WAIT_BUNDLE_ROWS + j);
   fence_proxy_async_global();  // rows the proxy stored, before the copier's bulk loads read them
   seen |= 1u << i;
+  trace_span(a.sync, MK_ROLE_WAIT, MOE_TRACE_BUNDLE_WAIT | j, t0);
 }
 
 // Between nodes, thread 0 of the first CTA once its rows are sent: the exchange's commands to every

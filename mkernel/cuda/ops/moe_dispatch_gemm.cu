@@ -44,6 +44,7 @@ __global__ void __launch_bounds__(MOE_GEMM_THREADS, 1)
     mk_moe_dispatch_gemm_kernel(const __grid_constant__ MkMoeGemmArgs args) {
   extern __shared__ __align__(1024) u8 mk_smem[];
   const u32 ndisp = gridDim.x - (u32)args.gemm_ctas;
+  const u64 t_in = trace_start(args.m.sync);
   MoeShared<MOE_GEMM_THREADS>& sh = *reinterpret_cast<MoeShared<MOE_GEMM_THREADS>*>(mk_smem);
   const u32 arrival = moe_arrival(args.m, &sh.claim);
   fence_proxy_async_smem();  // that word's generic use before a GEMM CTA's TMA loads
@@ -53,6 +54,7 @@ __global__ void __launch_bounds__(MOE_GEMM_THREADS, 1)
   } else {  // the GEMM's shared memory is free in a dispatch CTA: its state, then the copiers' buffers
     moe_dispatch_role<MOE_GEMM_THREADS>(args.m, sh, MoeCtas{arrival, ndisp}, mk_smem + MOE_STAGE_OFFSET);
     epoch = sh.epoch;
+    if (threadIdx.x == 0) trace_span(args.m.sync, MK_ROLE_SEND, MOE_TRACE_DISPATCH | arrival, t_in);
     // Its rows are sent (their copies complete): the SM takes GEMM tiles too. Not after an error on
     // this rank: a copier wait that gave up may have left a bulk load in flight into this memory.
     if (args.join && !__syncthreads_or(threadIdx.x == 0 && error_recorded(args.m.sync))) {
@@ -67,7 +69,11 @@ __global__ void __launch_bounds__(MOE_GEMM_THREADS, 1)
     }
   }
   __syncthreads();
-  if (threadIdx.x == 0) counters_reset_by_last_block(args.m.counters, MOE_CNT_WORDS, MOE_CNT_DONE);
+  if (threadIdx.x == 0) {
+    counters_reset_by_last_block(args.m.counters, MOE_CNT_WORDS, MOE_CNT_DONE);
+    if (arrival == 0) trace_span(args.m.sync, MK_ROLE_CONTROL, MOE_TRACE_ANNOUNCE | epoch, t_in);  // (its start)
+    trace_span(args.m.sync, MK_ROLE_CONTROL, MOE_TRACE_EXIT | blockIdx.x, t_in);
+  }
   launch_exit(args.m.sync, epoch);
 }
 
