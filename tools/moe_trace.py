@@ -25,7 +25,7 @@ ANNOUNCE, EXIT = 0x80000000, 0x40000000
 
 def summarize(spans):
     """Text lines: per kind of span, its count and when its spans end (first, 50%, last), relative
-    to the combine's announce."""
+    to the launch's announce (a dispatch + GEMM's or a GEMM + combine's)."""
     if not spans:
         return ["no launch found (was MKERNEL_TRACE set before mkernel.init?)"]
     t0 = min(s[2] for s in spans if s[0] == "control" and s[1] & ANNOUNCE)
