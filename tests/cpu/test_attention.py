@@ -13,6 +13,7 @@ import pytest
 from mkernel.core.errors import NoGPUError
 
 from tests.helpers.arrays import BF16
+from tests.helpers.tools import load_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,9 +48,7 @@ def test_registration_and_export():
 
 
 def test_wgmma_header_is_generated():
-    spec = importlib.util.spec_from_file_location("gen_wgmma", ROOT / "tools" / "gen_wgmma.py")
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
+    gen = load_tool("gen_wgmma")
     current = (ROOT / "mkernel" / "cuda" / "primitives" / "wgmma_ops.cuh").read_text()
     assert current == gen.header(), "mkernel/cuda/primitives/wgmma_ops.cuh is stale: run python3 tools/gen_wgmma.py"
 

@@ -1,19 +1,15 @@
 """tools/decode_sequences.py's constants for one measurement: set, then restored (also after an error),
 with every kept plan dropped on both sides (a plan's key holds neither constant)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from mkernel.engines import gemm as mg
 from mkernel.engines import gemm_decode as dec
 from mkernel.ops import allreduce as ar
 
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("decode_sequences", ROOT / "tools" / "decode_sequences.py")
-decode_sequences = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(decode_sequences)
+from tests.helpers.tools import load_tool
+
+decode_sequences = load_tool("decode_sequences")
 
 
 class _Comm:

@@ -1,14 +1,13 @@
 """tools/gemm_phases.py on synthetic spans: the decode kernel's stamps (ids as gemm_decode_args.cuh
 defines them) and the engine's tile spans, grouped by CTA and turned into a call's phases."""
 
-import importlib.util
 import re
 from pathlib import Path
 
+from tests.helpers.tools import load_tool
+
 ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("gemm_phases", ROOT / "tools" / "gemm_phases.py")
-gemm_phases = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(gemm_phases)
+gemm_phases = load_tool("gemm_phases")
 
 
 def test_ids_match_the_header():

@@ -1,16 +1,13 @@
 """tools/moe_trace.py's summary on synthetic spans, with the ids the fused MoE kernels write
 (MOE_TRACE_* in mkernel/cuda/ops/moe_dispatch.cuh): a dispatch + GEMM launch and a GEMM + combine one."""
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
+from tests.helpers.tools import load_tool
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
-spec = importlib.util.spec_from_file_location("moe_trace", ROOT / "tools" / "moe_trace.py")
-moe_trace = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(moe_trace)
+moe_trace = load_tool("moe_trace")
 
 
 def test_kinds_are_the_headers_span_ids():

@@ -1,15 +1,11 @@
 """tools/ring_trace.py's summary on synthetic spans: per kind and step, counts and end times
 relative to the launch's announce, as ring_attention.cu writes the ids (RING_TRACE_*)."""
 
-import importlib.util
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
-spec = importlib.util.spec_from_file_location("ring_trace", ROOT / "tools" / "ring_trace.py")
-ring_trace = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(ring_trace)
+from tests.helpers.tools import load_tool
+
+ring_trace = load_tool("ring_trace")
 
 
 def test_summary_per_kind_and_step():

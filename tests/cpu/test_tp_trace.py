@@ -1,13 +1,9 @@
 """tools/tp_trace.py's summary on synthetic spans: the last launch is cut out by its announce span
 and the item kinds, roles and times come out of the ids as the TP kernels write them."""
 
-import importlib.util
-from pathlib import Path
+from tests.helpers.tools import load_tool
 
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("tp_trace", ROOT / "tools" / "tp_trace.py")
-tp_trace = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(tp_trace)
+tp_trace = load_tool("tp_trace")
 
 
 def _ev(cat, ident, ts, dur, sm=0):
