@@ -105,6 +105,10 @@ for s in $steps; do
     ncu) step ncu 200 ncu --clock-control none --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis \
       --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
       python3 tools/ncu_gemm.py ${NCU_ARGS:-} ${NCU_SHAPES:-1x8192x8192 16x8192x8192 128x8192x8192} ;;  # not under MPS: MKERNEL_SESSION_MPS=0
+    ncusrc) step ncusrc 240 bash -c "ncu --clock-control none --profile-from-start off --section SourceCounters \
+      --section WarpStateStats --section SpeedOfLight --section MemoryWorkloadAnalysis -o $LOGS/ncusrc -f \
+      python3 tools/ncu_gemm.py ${NCU_SHAPES:-64x8192x8192 128x8192x8192} && ncu -i $LOGS/ncusrc.ncu-rep --print-summary none \
+      > $LOGS/ncusrc_details.txt && ncu -i $LOGS/ncusrc.ncu-rep --page source --csv --print-source sass > $LOGS/ncusrc_sass.csv" ;;  # per-instruction stall samples (SASS) of each kernel, MKERNEL_SESSION_MPS=0
     tpdecode) step tpdecode 200 $MPI2 python3 bench/tp_decode.py ;;
     arphases) step arphases 90 $MPI2 python3 tools/allreduce_phases.py ${PHASES_ARGS:-} ;;
     arfloor) step arfloor 90 $MPI2 python3 tools/allreduce_floor.py ${FLOOR_ARGS:-} ;;  # what bounds a small all-reduce (device and host)
