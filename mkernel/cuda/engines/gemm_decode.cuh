@@ -120,10 +120,11 @@ template <class Cfg>
 MK_DEV void decode_produce(const MkDecodeArgs& args, u32 smem, u64 u0, u64 u1) {
   const u64 kb = (u64)args.kblocks;
   const u32 full0 = smem + Cfg::OFF_BAR, empty0 = full0 + 8 * Cfg::STAGES;
-  u32 it = 0, rb = (u32)(u0 / kb), kk = (u32)(u0 - rb * kb);  // unit u = (row block rb, k-block kk)
+  u32 rb = (u32)(u0 / kb), kk = (u32)(u0 - rb * kb);  // unit u = (row block rb, k-block kk)
+  const u32 uses = (u32)(u1 - u0);
+  u32 s = 0, ph = 1;  // use it: stage it % STAGES, awaited 'empty' at parity ((it / STAGES) & 1) ^ 1
   bool loads = true;  // false once a stage's bytes never landed: no stage is armed again
-  for (u64 u = u0; u < u1; ++u, ++it) {
-    const u32 s = it % Cfg::STAGES, ph = ((it / Cfg::STAGES) & 1) ^ 1;
+  for (u32 it = 0; it < uses; ++it) {
     mbar_wait_timed(empty0 + 8 * s, ph, args.sync, MK_WAIT_EMPTY);
     loads = loads && mbar_can_arm(full0 + 8 * s, ph, args.sync, MK_WAIT_LANDED);
     if (loads) {
@@ -132,8 +133,9 @@ MK_DEV void decode_produce(const MkDecodeArgs& args, u32 smem, u64 u0, u64 u1) {
       tma_load_2d(smem + Cfg::OFF_A + s * Cfg::A_BYTES, &args.a_map, full0 + 8 * s, (i32)kk * MK_DECODE_BK, 0);
     }
     if (++kk == (u32)kb) kk = 0, ++rb;
+    if (++s == Cfg::STAGES) s = 0, ph ^= 1;
   }
-  mbar_drain_landed(full0, Cfg::STAGES, it);
+  mbar_drain_landed(full0, Cfg::STAGES, uses);
 }
 
 // The decode GEMM of one CTA (DecodeCfg<MT, ROWS>::THREADS threads, ::SMEM bytes of dynamic shared
@@ -186,39 +188,43 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
   const u32 g = lane >> 2, t = lane & 3, wg = warp >> 2;
   const MkBarConsumers<Cfg::CONSUMERS> bar{};
   float acc[Cfg::ACC];  // acc[4j + i]: row r0 (i < 2) or r1, tokens 8j + 2t + (i & 1)
-  u32 it = 0;
+  // Stage 0's descriptors; a stage's and a k-step's offsets add to the address field (bits 0-13,
+  // address / 16: shared memory below 256 KiB never carries out of it).
+  const u64 desc_b0 = wgmma_desc(smem + wg * (64 * 128), 16, 1024), desc_a0 = wgmma_desc(smem + Cfg::OFF_A, 16, 1024);
+  u32 s = 0, ph = 0, prev = 0;  // the ring's next stage and its parity, the stage used last
   for (u64 u = u0; u < u1;) {
     const u64 rb = u / kb, kend = (rb + 1) * kb < u1 ? (rb + 1) * kb : u1;
-    const u32 it0 = it;
+    const u32 uses = (u32)(kend - u);  // this block's k-blocks in the run (at least 1)
+    u = kend;
     if (stamps) {  // the block's first stage, waited for early (the loop's wait then passes at once)
-      mbar_wait_timed(full0 + 8 * (it % Cfg::STAGES), (it / Cfg::STAGES) & 1, args.sync, MK_WAIT_FULL);
+      mbar_wait_timed(full0 + 8 * s, ph, args.sync, MK_WAIT_FULL);
       s_stamps.stamp(MK_DECODE_PH_FILL, rb);
     }
     __syncwarp();  // the last block's epilogue or the stamp may have diverged: converge before .aligned wgmma
 #pragma unroll
     for (int i = 0; i < Cfg::ACC; ++i) acc[i] = 0.f;
-    for (; u < kend; ++u, ++it) {
-      const u32 s = it % Cfg::STAGES;
-      mbar_wait_timed(full0 + 8 * s, (it / Cfg::STAGES) & 1, args.sync, MK_WAIT_FULL);
-      const u32 sb = smem + s * Cfg::B_BYTES + wg * (64 * 128), sa = smem + Cfg::OFF_A + s * Cfg::A_BYTES;
+    for (u32 j = 0; j < uses; ++j) {
+      mbar_wait_timed(full0 + 8 * s, ph, args.sync, MK_WAIT_FULL);
+      const u64 db = desc_b0 + s * (Cfg::B_BYTES >> 4), da = desc_a0 + s * (Cfg::A_BYTES >> 4);
 #pragma unroll
       for (int i = 0; i < Cfg::ACC; ++i) wgmma_fence_operand(acc[i]);
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < MK_DECODE_BK / 16; ++kk)
-        wgmma_ss<DT, 0>(acc, wgmma_desc(sb + kk * 32, 16, 1024), wgmma_desc(sa + kk * 32, 16, 1024), 1u);
+      for (int kk = 0; kk < MK_DECODE_BK / 16; ++kk) wgmma_ss<DT, 0>(acc, db + 2 * kk, da + 2 * kk, 1u);
       wgmma_commit();
 #pragma unroll
       for (int i = 0; i < Cfg::ACC; ++i) wgmma_fence_operand(acc[i]);
       wgmma_wait<1>();  // the previous k-block's group is complete: release its stage
-      if (it > it0 && lane == 0) mbar_arrive(empty0 + 8 * ((it + Cfg::STAGES - 1) % Cfg::STAGES));
+      if (j > 0 && lane == 0) mbar_arrive(empty0 + 8 * prev);
+      prev = s;
+      if (++s == Cfg::STAGES) s = 0, ph ^= 1;
     }
     wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < Cfg::ACC; ++i) wgmma_fence_operand(acc[i]);
-    if (lane == 0) mbar_arrive(empty0 + 8 * ((it + Cfg::STAGES - 1) % Cfg::STAGES));
+    if (lane == 0) mbar_arrive(empty0 + 8 * prev);
     if (stamps) s_stamps.stamp(MK_DECODE_PH_MMA, rb);
-    if (kend == u1) griddep_launch_dependents();  // its last wgmma done: a next overlapped kernel may set up
+    if (u == u1) griddep_launch_dependents();  // its last wgmma done: a next overlapped kernel may set up
 
     const u64 r0 = rb * Cfg::ROWS + warp * 16 + g, r1 = r0 + 8;
     const u32 first = decode_cta_of(rb * kb, units, C), n_ctas = decode_cta_of((rb + 1) * kb - 1, units, C) - first + 1;
