@@ -22,8 +22,8 @@ from mkernel.runtime.sync import MkSync
 
 BK = 64  # MK_DECODE_BK: elements of K per stage
 ROW_BLOCKS = (64, 128)  # rows of B per CTA (ROWS / 64 consumer warpgroups and a producer warp)
-# At 128 tokens 64-row blocks beat 128 where they fit the SMs: 3-10% on 8192 x 8192, 4096 x 14336
-# and (under MPS) 8192 x 4096; 6% behind on 8192 x 28672, each CTA streaming A's 7 MB (session 41)
+# At 64-128 tokens 64-row blocks beat 128 where they fit the SMs: 3-10% on 8192 x 8192, 4096 x 14336
+# and (under MPS) 8192 x 4096; 6% behind on 8192 x 28672, each CTA streaming A's 7 MB (sessions 41, 62)
 ROWS64_MAX_K = 16384
 M_TILES = (8, 16, 32, 64, 128, 256)  # token columns of the instantiations (wgmma's N)
 MAX_M = M_TILES[-1]  # tokens the path takes at most (config.gemm_decode_max_m picks up to this)
@@ -115,12 +115,11 @@ def runs(N: int, K: int, rows: int = 128) -> tuple:
 def row_block(N: int, K: int, mt: int = 8) -> int:
     """Rows of B per CTA (config.gemm_decode_rows, or by shape): 128, or below 64 token columns
     (mt) 64 where that makes every row block one CTA's (no reduction at the end) and 128 would not
-    (561df40: 64 rows ahead only at N 8192, 1-32 tokens; 128 ahead at 64: bench/NOTES.md session
-    33); at 128 columns 64 where its blocks fit the SMs, on as many CTAs, and K <= ROWS64_MAX_K
-    (session 41)."""
+    (561df40: 64 rows ahead only at N 8192, 1-32 tokens: bench/NOTES.md session 33); at 64 and 128
+    columns 64 where its blocks fit the SMs, on as many CTAs, and K <= ROWS64_MAX_K (sessions 41, 62)."""
     if config.get().gemm_decode_rows:
         return config.get().gemm_decode_rows
-    if mt == 128 and K <= ROWS64_MAX_K and -(-N // 64) <= SPLIT_SMS and runs(N, K, 64)[0] >= runs(N, K)[0]:
+    if mt in (64, 128) and K <= ROWS64_MAX_K and -(-N // 64) <= SPLIT_SMS and runs(N, K, 64)[0] >= runs(N, K)[0]:
         return 64
     if mt >= 64:
         return 128

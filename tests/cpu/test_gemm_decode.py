@@ -72,11 +72,12 @@ def test_row_blocks_by_shape_and_knob():
             assert dec.row_block(8192, 8192) == rows
             assert all(dec.kernel_expr(0, 0, mt, rows) in dec.EXPRESSIONS for mt in dec.M_TILES)
             assert all(dec.smem_bytes(mt, rows) <= 227 * 1024 for mt in dec.M_TILES)  # one CTA per SM
-    assert dec.row_block(8192, 8192, 64) == 128  # 64 token columns: 128 rows
-    # 128 columns: 64 rows where their blocks fit the SMs on as many CTAs and K is not large
-    assert [dec.row_block(N, K, 128) for N, K in ((8192, 8192), (4096, 14336), (8192, 4096), (14336, 4096),
-                                                  (10240, 8192), (8192, 28672), (4288, 4096))] == \
-        [64, 64, 64, 128, 128, 128, 128]
+    # 64 and 128 columns: 64 rows where their blocks fit the SMs on as many CTAs and K is not large
+    for mt in (64, 128):
+        assert [dec.row_block(N, K, mt) for N, K in ((8192, 8192), (4096, 14336), (8192, 4096), (14336, 4096),
+                                                     (10240, 8192), (8192, 28672), (4288, 4096))] == \
+            [64, 64, 64, 128, 128, 128, 128]
+    assert dec.row_block(8192, 8192, 32) == 64 and dec.row_block(4096, 14336, 32) == 128
     assert dec.row_block(8192, 8192, 256) == 128
     for bad in ({"gemm_decode_rows": 96}, {"gemm_decode_rows": 256}, {"gemm_decode_split": "k"},
                 {"gemm_overlap": "tail"}, {"gemm_overlap": 1}):
