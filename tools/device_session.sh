@@ -2,7 +2,7 @@
 # One device call that does everything a session needs on the GPU machine (build, suite, sanitizer,
 # benchmarks), logs under $OUT, then a summary last. Usage on the device:
 #   source .whl/prepare.sh || exit 1; bash tools/device_session.sh [steps...]
-# Steps (default: info suite main sanitizer gemm transport); finer ones: decode accab hostprof phases ncu (tools/ncu_gemm.py under Nsight Compute, NCU_SHAPES) tpdecode arphases arfloor arbig4 llphases decseq ringmps nodesdiag runtime
+# Steps (default: info suite main sanitizer gemm transport); finer ones: decode accab hostprof phases ncu (tools/ncu_gemm.py under Nsight Compute, NCU_SHAPES) ncusrc (ncu's stall samples per SASS instruction, as text) tpdecode arphases arfloor arbig4 llphases decseq ringmps nodesdiag runtime
 # ringnodes / ringnodes4: bench/ring_attention.py between 2 emulated nodes (2 ranks; 2 x 2 ranks)
 # test1 / test2: the pytest arguments in TEST_ARGS at 1 rank, and at 2 ranks (under MPS)
 # moetcp / copiestest: MoE between 2 emulated nodes over tcp, and a caller's copies behind an op between nodes (2 ranks)
