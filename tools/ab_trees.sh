@@ -10,7 +10,7 @@ export NCCL_NVLS_ENABLE=0 MKERNEL_CACHE_DIR=${MKERNEL_CACHE_DIR:-$PWD/.kcache}
 i=0
 for bt in "$@"; do
   b=${bt%%:*} t=${bt#*:}
-  i=$((i + 1)) d=$OUT/ab/$i-$b-$(basename "$(cd "$t" && pwd)")
+  i=$((i + 1)) d=$OUT/ab/$i-$b-$(cat "$t/.abcommit" 2>/dev/null || basename "$(cd "$t" && pwd)")  # named by commit
   mkdir -p "$d"
   (cd "$t" && export PYTHONPATH=$PWD BENCH_COMMIT=$(cat .abcommit 2>/dev/null || echo "${MAIN_COMMIT:-main}") &&
     timeout 150 python3 "bench/$b.py" >"$d/$b.log" 2>&1

@@ -24,14 +24,17 @@
 set -u
 OUT=${OUT:-/tmp/mkernel-out}
 LOGS=$(mktemp -d)/logs  # $OUT gets logs.tar.gz, results.tar.gz and summary.txt (8 files come back at most)
+# A second session in the same call writes logs-2.tar.gz, results-2.tar.gz, summary-2.txt (not over the first's).
+SFX=""
+for i in 2 3 4 5 6 7 8 9; do [ -e "$OUT/summary$SFX.txt" ] || [ -e "$OUT/logs$SFX.tar.gz" ] || break; SFX=-$i; done
 BRANCH_OUT=$(dirname "$LOGS")/branch  # a branch's results, as branch.tar.gz (loose files count against the 8)
 mkdir -p "$LOGS" "$OUT"
 touch "$LOGS/.start"  # results.tar.gz holds only the results this call wrote
 collect() {  # after every step: a cut-off run still reports
-  tar -C "$(dirname "$LOGS")" -czf "$OUT/logs.tar.gz" logs
+  tar -C "$(dirname "$LOGS")" -czf "$OUT/logs$SFX.tar.gz" logs
   find bench/results -newer "$LOGS/.start" \( -name '*.json' -o -name '*.png' \) -print0 |
-    tar --null -T - -czf "$OUT/results.tar.gz"
-  [ -d "$BRANCH_OUT" ] && tar -C "$(dirname "$LOGS")" -czf "$OUT/branch.tar.gz" branch
+    tar --null -T - -czf "$OUT/results$SFX.tar.gz"
+  [ -d "$BRANCH_OUT" ] && tar -C "$(dirname "$LOGS")" -czf "$OUT/branch$SFX.tar.gz" branch
   return 0
 }
 [ -d .kcache ] && export MKERNEL_CACHE_DIR=$PWD/.kcache
@@ -180,4 +183,4 @@ mps_stop
 grep -h "compiling " "$LOGS"/*.log | sort | uniq -c > "$LOGS/compiles.txt" || true
 collect
 echo "== summary =="
-printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
+printf '%s\n' "${summary[@]}" | tee "$OUT/summary$SFX.txt"
