@@ -9,6 +9,7 @@
 # faultsd (tools/faults.py scenario d for every op with a path between nodes, time-sliced)
 # tptrace: tools/tp_trace.py (TRACE_ARGS: --op, --shape, --nodes, --comm-sms; default AR between 2 nodes), traces in logs
 # suite1 / suite24: the suite's 1-rank pass / its 2- and 4-rank passes (the suite over two calls on a slow host)
+# sanidecode: memcheck and racecheck of target_gemm_decode alone
 # runtime2 queue queue2 tpnodes4 nodestest nodesrate suitets maints (tools/nodes_rate.py: small WRITEs and the TP ops between 2 emulated nodes)
 # mpi2 gemmtest tp attention ring ringbench tpbench tpnodes moebench controller controllernodes (the last six want 2 GPUs) controllernodes4 (2 x 2 under MPS)
 # controller1: bench/controller.py at world 1 (the comm is a local tile copy; the mechanism, not the issue's rows).
@@ -144,6 +145,9 @@ for s in $steps; do
     sanitp) step sanitp 240 env MKERNEL_SANITIZE_ONLY=tp bash tools/sanitize.sh ;;  # the TP ops' 2-rank target only
     saniring) step saniring 300 env MKERNEL_SANITIZE_ONLY=ring bash tools/sanitize.sh ;;  # ring attention's, in a node and between nodes
     saniar) step saniar 240 env MKERNEL_SANITIZE_ONLY=allreduce bash tools/sanitize.sh ;;  # the all-reduce's (and latency paths')
+    sanidecode) for t in memcheck racecheck; do  # the decode GEMM's target alone (world 1)
+        step "sanidecode_$t" 150 compute-sanitizer --tool $t --error-exitcode 3 --print-limit 20 \
+          python3 tools/sanitize_targets.py target_gemm_decode; done ;;
     sanimoe) step sanimoe 420 env MKERNEL_SANITIZE_ONLY=moe bash tools/sanitize.sh ;;  # the MoE targets: world 1, 2 ranks as 2 nodes, target_moe_gemm
     sanimoegemm) step sanimoegemm 240 env MKERNEL_SANITIZE_ONLY=moe_gemm bash tools/sanitize.sh ;;  # target_moe_gemm only (memcheck, then its diagnosis)
     moetcp) step moetcp 120 $MPI2 $PYT -rfE -k 'emulated_nodes and tcp' tests/gpu/test_moe_nodes_gpu.py ;;

@@ -67,14 +67,16 @@ def target_gemm():
 
 def target_gemm_decode():
     """The decode path (few rows, weights as [N, K]) with one K range and with several (row blocks
-    shared by 2 .. 132 CTAs), and accumulate=True (out's reads before the stores), integer inputs
-    (exact); raises on a wrong result."""
+    shared by 2 .. 132 CTAs), 16-bit outputs by TMA stores (8-128 token columns) and by scalar ones
+    (256), and accumulate=True (out's reads before the stores), integer inputs (exact); raises on a
+    wrong result."""
     import numpy as np
 
     cupy = cupy_mod()
     rng = np.random.default_rng(3)
     # K 4104 over 2 row blocks: many CTAs share them; 130 tokens: 132 runs over 4 row blocks
-    cases = [(M, N, K, False) for M, N, K in ((3, 264, 136), (17, 136, 4104), (40, 512, 1032), (130, 512, 4104))]
+    cases = [(M, N, K, False) for M, N, K in ((3, 264, 136), (17, 136, 4104), (40, 512, 1032), (100, 520, 2056),
+                                                  (130, 512, 4104))]
     for M, N, K, acc in cases + [(37, 264, 1032, True), (100, 512, 4104, True)]:
         a = rng.integers(-1, 2, size=(M, K)).astype(np.float16)
         w = rng.integers(-1, 2, size=(N, K)).astype(np.float16)

@@ -39,6 +39,8 @@ B_L2 = _tma.L2_128B
 WIDE_M = 64
 WIDE_MIN_CTAS = SPLIT_SMS * 3 // 4
 OUT_F32 = 2
+SMEM_LIMIT = 232448  # dynamic shared memory a CTA may opt in to (227 KiB)
+TMA_OUT = 1  # MK_DECODE_TMA_OUT
 
 
 def threads(rows: int) -> int:
@@ -46,31 +48,68 @@ def threads(rows: int) -> int:
     return 2 * rows + 32
 
 
-def smem_bytes(mt: int, rows: int) -> int:
-    """Dynamic shared memory of an instantiation (DecodeCfg::SMEM; the kernel records MK_ERR_INPUT
-    when given less): 128 KiB of B in flight, the ring within 200 KiB."""
+def smem_bytes(mt: int, rows: int, staged_out: bool = False) -> int:
+    """Dynamic shared memory of an instantiation (DecodeCfg::SMEM, or ::SMEM_OUT with the staged
+    store's room; the kernel records MK_ERR_INPUT when given less): 128 KiB of B in flight, the ring
+    within 200 KiB; staged: then each consumer warp's mt tokens x 16 rows of 16-bit out."""
     b, stage = rows * BK * 2, (rows + mt) * BK * 2
     stages = (128 << 10) // b if (128 << 10) // b * stage <= 200 << 10 else (200 << 10) // stage
-    return stages * stage + 16 * stages + 1024
+    ring = stages * stage + 16 * stages
+    if not staged_out:
+        return ring + 1024
+    return -(-ring // 128) * 128 + (rows // 16) * mt * 32 + 1024
+
+
+def out_fits(mt: int, rows: int) -> bool:
+    """Whether the staged store's room fits beside the ring (DecodeCfg::OUT_FITS): 227 KiB less 1 KiB."""
+    return smem_bytes(mt, rows, True) + 1024 <= SMEM_LIMIT
+
+
+def tma_out(out, out_code: int, mt: int, rows: int, accumulate: bool) -> bool:
+    """Whether a finished block leaves by TMA stores (MK_DECODE_TMA_OUT): 16-bit outputs stored, not
+    added, where the room fits and TMA can address out (16-byte aligned base and rows)."""
+    return (
+        out_code != OUT_F32
+        and not accumulate
+        and out_fits(mt, rows)
+        and out.data.ptr % 16 == 0
+        and row_stride(out) % 16 == 0
+    )
 
 
 def kernel_expr(dt: int, out: int, mt: int, rows: int) -> str:
     return f"mk_gemm_decode_kernel<{dt},{out},{mt},{rows}>"
 
 
-EXPRESSIONS = tuple(kernel_expr(dt, out, mt, rows) for dt in (0, 1) for out in (dt, OUT_F32) for mt in M_TILES
-                    for rows in ROW_BLOCKS)
+EXPRESSIONS = tuple(
+    kernel_expr(dt, out, mt, rows) for dt in (0, 1) for out in (dt, OUT_F32) for mt in M_TILES for rows in ROW_BLOCKS
+)
 SPEC = _compile.register("gemm_decode", "gemm_decode.cu", EXPRESSIONS, hot=True)
 
 
 class MkDecodeArgs(ctypes.Structure):
-    """Mirror of ``MkDecodeArgs`` (mkernel/cuda/engines/gemm_decode_args.cuh), 448 bytes (the C
+    """Mirror of ``MkDecodeArgs`` (mkernel/cuda/engines/gemm_decode_args.cuh), 576 bytes (the C
     struct is 64-byte aligned, its tensor maps; the padding makes the sizes equal)."""
-    _fields_ = [("a_map", _tma.TensorMap), ("b_map", _tma.TensorMap), ("sync", MkSync), ("out", ctypes.c_void_p),
-                ("partial", ctypes.c_void_p), ("counts", ctypes.c_void_p), ("ldc", ctypes.c_int64),
-                ("m", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("kblocks", ctypes.c_int32),
-                ("ctas", ctypes.c_int32), ("slots", ctypes.c_int32), ("epi_op", ctypes.c_uint32),
-                ("pad", ctypes.c_uint32 * 15)]
+
+    _fields_ = [
+        ("a_map", _tma.TensorMap),
+        ("b_map", _tma.TensorMap),
+        ("out_map", _tma.TensorMap),
+        ("sync", MkSync),
+        ("out", ctypes.c_void_p),
+        ("partial", ctypes.c_void_p),
+        ("counts", ctypes.c_void_p),
+        ("ldc", ctypes.c_int64),
+        ("m", ctypes.c_int32),
+        ("n", ctypes.c_int32),
+        ("k", ctypes.c_int32),
+        ("kblocks", ctypes.c_int32),
+        ("ctas", ctypes.c_int32),
+        ("slots", ctypes.c_int32),
+        ("epi_op", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32 * 14),
+    ]
 
 
 def knobs() -> tuple:
@@ -130,6 +169,7 @@ def row_block(N: int, K: int, mt: int = 8) -> int:
 class Built(typing.NamedTuple):
     """One launch of the decode kernel (``launch(fn, grid, block, args, smem=smem)``) and the
     partials' buffer it uses (None: no shared row block)."""
+
     fn: object
     grid: tuple
     block: tuple
@@ -138,9 +178,10 @@ class Built(typing.NamedTuple):
     smem: int
 
 
-def build(a, b_arr, out, out_code, *, M, N, K, accumulate, sync, partial, rows=None) -> Built:
+def build(a, b_arr, out, out_code, *, M, N, K, accumulate, sync, partial, rows=None, staged_out=True) -> Built:
     """One launch. ``partial(nbytes, blocks)`` returns the stream's (partials, counts) buffer of at
-    least that size (only called when row blocks are shared); rows: the row block (None: row_block's)."""
+    least that size (only called when row blocks are shared); rows: the row block (None: row_block's);
+    staged_out: out may be stored by TMA (:func:`tma_out`; False for an epilogue of its own)."""
     mt = m_tile(M)
     rows = rows or row_block(N, K, mt)
     ctas, slots = runs(N, K, rows)
@@ -154,12 +195,16 @@ def build(a, b_arr, out, out_code, *, M, N, K, accumulate, sync, partial, rows=N
     args.ldc = row_stride(out) // out.itemsize
     args.m, args.n, args.k, args.kblocks, args.ctas, args.slots = M, N, K, -(-K // BK), ctas, slots
     args.epi_op = 1 if accumulate else 0
+    staged = staged_out and tma_out(out, out_code, mt, rows, accumulate)
+    if staged:
+        args.out_map = _tma.encode_tiled(tdt, out.data.ptr, (N, M), (row_stride(out),), (16, mt), _tma.SWIZZLE_NONE)
+        args.flags = TMA_OUT
     buffer = None
     if slots > 1:
         buffer = partial(blocks * slots * mt * rows * 4, blocks)
         args.partial, args.counts = buffer.partial_ptr, buffer.counts_ptr
     fn = _compile.module(SPEC).function(kernel_expr(DT[a.dtype.name], out_code, mt, rows))
-    return Built(fn, (ctas,), (threads(rows),), args, buffer, smem_bytes(mt, rows))
+    return Built(fn, (ctas,), (threads(rows),), args, buffer, smem_bytes(mt, rows, staged))
 
 
 class Partials:

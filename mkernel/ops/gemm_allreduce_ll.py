@@ -38,7 +38,7 @@ CNT_WORDS = 1  # LL_CNT_WORDS
 
 
 class MkDecodePushArgs(ctypes.Structure):
-    """Mirror of ``MkDecodePushArgs`` (mkernel/cuda/ops/gemm_allreduce_ll_args.cuh), 512 bytes (64-byte
+    """Mirror of ``MkDecodePushArgs`` (mkernel/cuda/ops/gemm_allreduce_ll_args.cuh), 640 bytes (64-byte
     aligned in C: the padding makes the sizes equal)."""
     _fields_ = [("g", _decode.MkDecodeArgs), ("peer_base", ctypes.c_void_p), ("ll_off", ctypes.c_uint64),
                 ("counters", ctypes.c_void_p), ("pairs", ctypes.c_int32), ("world", ctypes.c_int32),
@@ -69,7 +69,7 @@ def run(comm, c, stream):
     sync = comm.sync_args(OP)
     rows = config.get().gemm_decode_rows or ROWS
     _, grid, block, g, buffer, smem = _decode.build(c.a, c.b, c.out, tp.DT[dt.name], M=c.M, N=c.N, K=c.K,
-                                                     accumulate=False, sync=sync, rows=rows,
+                                                     accumulate=False, sync=sync, rows=rows, staged_out=False,
                                                      partial=_gemm.workspace(stream).decode_partials)
     push = MkDecodePushArgs(g=g, peer_base=comm.peer_table.data.ptr, ll_off=comm.offset_of(plan["ll"]),
                             counters=plan["counters"].data.ptr, pairs=pairs, world=W, me=comm.local_rank)

@@ -183,6 +183,32 @@ def test_an_overlapped_launch_reads_what_the_kernel_before_wrote(M, N, K, monkey
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", dec.ROW_BLOCKS)
+@pytest.mark.parametrize("M,N,K,kind", [(1, 1000, 1032, "bf16"), (13, 8200, 2048, "fp16"), (64, 264, 4104, "bf16"),
+                                        (100, 4096, 1024, "bf16"), (128, 1032, 8192, "fp16")])
+def test_sixteen_bit_outputs_leave_by_tma_store(M, N, K, kind, rows, decode_calls):
+    """A finished 16-bit block leaves through shared memory and one TMA store per warp
+    (MK_DECODE_TMA_OUT): the fp32 output's bits rounded once, and nothing past m or n written (out is
+    a view: the rows and columns beyond it stay poisoned)."""
+    import cupy
+
+    dt = DTYPES[kind]
+    a, w = _inputs(7 + M, M, N, K, dt, integer=False)
+    with config.override(gemm_decode_rows=rows):
+        full = poisoned((M + 3, N + 8), kind)
+        out = full[:M, :N]
+        assert dec.tma_out(out, 0, dec.m_tile(M), rows, False)
+        mkernel.gemm(dev(a.astype(dt)), dev(w.astype(dt)).T, out=out)
+        cupy.cuda.get_current_stream().synchronize()
+        wide = host(_run(a, w, dt, out_kind="f32"))
+    assert decode_calls == [M, M]
+    got = host(full)
+    np.testing.assert_array_equal(got[:M, :N].view(np.uint16), wide.astype(dt).view(np.uint16))
+    assert np.isnan(got[M:].astype(np.float64)).all() and np.isnan(got[:, N:].astype(np.float64)).all()
+    assert _rel(got[:M, :N].astype(np.float64), a @ w.T) < REL_TOL
+
+
+@pytest.mark.gpu
 def test_several_k_ranges_are_taken_and_reduced_in_order():
     M, N, K = 5, 256, 16384  # 2 row blocks: many CTAs share each
     assert dec.runs(N, K, dec.row_block(N, K))[1] > 1

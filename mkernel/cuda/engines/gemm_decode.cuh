@@ -50,6 +50,12 @@ struct DecodeCfg {
   // dynamic bytes with alignment slack (gemm_decode.smem_bytes computes the same on the host; the
   // kernel checks what it was given)
   static constexpr u32 SMEM = OFF_BAR + 2 * 8 * STAGES + 1024;
+  // A staged store's room (MK_DECODE_TMA_OUT): per consumer warp MT tokens x 16 rows of 16-bit out,
+  // past the barriers; only where it fits beside the ring (227 KiB, less 1 KiB of static slack).
+  static constexpr u32 OFF_OUT = (OFF_BAR + 2 * 8 * STAGES + 127u) & ~127u;
+  static constexpr u32 OUT_WARP = MT * 32;
+  static constexpr u32 SMEM_OUT = OFF_OUT + WARPS * OUT_WARP + 1024;
+  static constexpr bool OUT_FITS = SMEM_OUT + 1024 <= 232448u;
   static constexpr u32 SLOT = MT * ROWS;  // floats of one partial slot
   static constexpr int SUM_V = ACC < 32 ? ACC : 32;  // values of a slot the last CTA loads at once
   // and slots a round: at most 4 and 64 loads in flight up to 64 tokens; 32 loads above (registers)
@@ -142,9 +148,11 @@ MK_DEV void decode_produce(const MkDecodeArgs& args, u32 smem, u64 u0, u64 u1) {
 // memory). Epi: begin() first (every consumer thread, the producer's first loads in flight: its
 // memory round trips overlap theirs); then per row block this CTA finishes (covered whole,
 // or the last of its CTAs to arrive) ready(bar) (every consumer thread; bar() syncs them; false
-// skips the stores), previous(j, tok, r0, r1, v) for every token block j (may add values read from
+// skips the stores), staged<Cfg>(acc, smem, row0) (the warp's 16 rows from row0 at once; true: done),
+// else previous(j, tok, r0, r1, v) for every token block j (may add values read from
 // memory to v), then finish(j, tok, r0, r1, v) for each: v[0..1] the values of row r0 and tokens
-// tok, tok + 1, v[2..3] those of row r1 (tokens past m and rows past n included: Epi skips them).
+// tok, tok + 1, v[2..3] those of row r1 (tokens past m and rows past n included: Epi skips them);
+// end() once the run is done.
 template <int DT, int MT, int ROWS, class Epi>
 MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
   using Cfg = DecodeCfg<MT, ROWS>;
@@ -171,9 +179,10 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
   // memory is touched before it completed (a no-op otherwise).
   griddep_wait();
   // The launch gave less shared memory than the ring needs: an error, not a write past it.
-  const bool short_smem = dynamic_smem_bytes() < Cfg::SMEM;
+  const u32 need = Cfg::OUT_FITS && (args.flags & MK_DECODE_TMA_OUT) ? Cfg::SMEM_OUT : Cfg::SMEM;
+  const bool short_smem = dynamic_smem_bytes() < need;
   if (short_smem && threadIdx.x == 0)
-    record_error(args.sync, MK_ERR_INPUT, -1, MK_DECODE_ERR_SMEM, Cfg::SMEM, dynamic_smem_bytes(), 0);
+    record_error(args.sync, MK_ERR_INPUT, -1, MK_DECODE_ERR_SMEM, need, dynamic_smem_bytes(), 0);
   __syncthreads();
   if (short_smem) return;
   const u64 kb = (u64)args.kblocks, blocks = ((u64)args.n + Cfg::ROWS - 1) / Cfg::ROWS;
@@ -229,6 +238,7 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
     const u64 r0 = rb * Cfg::ROWS + warp * 16 + g, r1 = r0 + 8;
     const u32 first = decode_cta_of(rb * kb, units, C), n_ctas = decode_cta_of((rb + 1) * kb - 1, units, C) - first + 1;
     const auto hand_out = [&] {  // the block's finished values (in acc) to the epilogue
+      if (epi.template staged<Cfg>(acc, smem, rb * Cfg::ROWS + warp * 16)) return;
       // Reads of previous values go before the stores, MK_DECODE_READS token blocks at a time:
       // interleaved, each waited a memory round trip.
       constexpr int G = Cfg::BLOCKS < MK_DECODE_READS ? Cfg::BLOCKS : MK_DECODE_READS;
@@ -297,5 +307,6 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
     hand_out();
     if (stamps) s_stamps.stamp(MK_DECODE_PH_OUT, rb);
   }
+  epi.end();
   if (stamps) s_stamps.write(args.sync);
 }

@@ -16,10 +16,14 @@
 #define MK_DECODE_PH_MMA 1u  // to the block's last wgmma group complete
 #define MK_DECODE_PH_PARTIAL 2u  // a shared block: its slot stored and the arrival counted
 #define MK_DECODE_PH_OUT 3u  // the finished values handed to the epilogue (the last CTA: after the sum)
+// MkDecodeArgs.flags: a finished block leaves through shared memory and one TMA store per warp
+// (out_map; 16-bit outputs stored, not added; the host checks the map's alignment and the room).
+#define MK_DECODE_TMA_OUT 1u
 
 struct MkDecodeArgs {
   TmaDesc a_map;  // a [m, k] (the tokens): dims {k, m}, box {64, MT} (all the tokens), 128B swizzle
   TmaDesc b_map;  // b [n, k] (the weights as stored): dims {k, n}, box {64, ROWS}, 128B swizzle
+  TmaDesc out_map;  // out [m, n] (flags & MK_DECODE_TMA_OUT): dims {n, m}, box {16, MT}, no swizzle
   MkSync sync;  // the pipeline waits' deadline and error word
   void* out;  // [m, n] row stride ldc elements
   float* partial;  // [row blocks][slots][MT x ROWS] fp32 partial sums of shared row blocks
@@ -32,5 +36,6 @@ struct MkDecodeArgs {
   int ctas;  // CTAs (gridDim.x): each takes an equal run of (row block, k-block) units
   int slots;  // partial slots per row block (at least its most contributing CTAs)
   unsigned int epi_op;  // MK_EPI_STORE or MK_EPI_ADD (gemm_args.cuh)
-  unsigned int pad[15];
+  unsigned int flags;  // MK_DECODE_TMA_OUT
+  unsigned int pad[14];
 };

@@ -40,7 +40,12 @@ struct DecodePush {
     bar();
     return *s_ok != 0;
   }
+  template <class Cfg>
+  MK_DEV bool staged(float (&)[Cfg::ACC], u32, u64) {
+    return false;
+  }
   MK_DEV void previous(int, u64, u64, u64, float (&)[4]) {}
+  MK_DEV void end() {}
   MK_DEV void finish(int, u64 tok, u64 r0, u64 r1, const float (&v)[4]) {
     const u64 N = (u64)a.g.n, pairs = (u64)a.pairs, pair = tok / 2, E = *s_epoch;
     if (pair >= pairs) return;
@@ -100,7 +105,7 @@ __global__ void __launch_bounds__(LL_REDUCE_THREADS, 1)
   launch_exit(a.sync, E, a.counters, LL_CNT_WORDS);
 }
 
-static_assert(sizeof(MkDecodePushArgs) == 512,
+static_assert(sizeof(MkDecodePushArgs) == 640,
               "MkDecodePushArgs layout changed: update mkernel/ops/gemm_allreduce_ll.py");
 static_assert(sizeof(MkAllreduceLLArgs) == 136,
               "MkAllreduceLLArgs layout changed: update mkernel/ops/gemm_allreduce_ll.py");
