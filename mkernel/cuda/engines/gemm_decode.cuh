@@ -174,6 +174,7 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
   if (threadIdx.x == Cfg::CONSUMERS) {
     tma_prefetch_desc(&args.a_map);
     tma_prefetch_desc(&args.b_map);
+    if (args.flags & MK_DECODE_TMA_OUT) tma_prefetch_desc(&args.out_map);  // not fetched at the tail
   }
   // Launched overlapped (config.gemm_overlap), the kernel before may still run: no global
   // memory is touched before it completed (a no-op otherwise).
