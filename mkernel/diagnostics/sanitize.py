@@ -67,8 +67,8 @@ def target_gemm():
 
 def target_gemm_decode():
     """The decode path (few rows, weights as [N, K]) with one K range and with several (row blocks
-    shared by 2 .. 132 CTAs), 16-bit outputs by TMA stores (8-128 token columns) and by scalar ones
-    (256), and accumulate=True (out's reads before the stores), integer inputs (exact); raises on a
+    shared by 2 .. 132 CTAs), 16-bit outputs by TMA stores (32-128 token columns) and by scalar ones
+    (8, 256), and accumulate=True (out's reads before the stores), integer inputs (exact); raises on a
     wrong result."""
     import numpy as np
 

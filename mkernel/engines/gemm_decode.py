@@ -41,6 +41,9 @@ WIDE_MIN_CTAS = SPLIT_SMS * 3 // 4
 OUT_F32 = 2
 SMEM_LIMIT = 232448  # dynamic shared memory a CTA may opt in to (227 KiB)
 TMA_OUT = 1  # MK_DECODE_TMA_OUT
+# Below 32 token columns a block's 2-byte stores take 0.5 us and staging them measured 0.3-1.3%
+# slower; at 64-128 the staged store is 1-3.5% faster (bench/NOTES.md session 63)
+TMA_OUT_MIN_MT = 32
 
 
 def threads(rows: int) -> int:
@@ -61,8 +64,9 @@ def smem_bytes(mt: int, rows: int, staged_out: bool = False) -> int:
 
 
 def out_fits(mt: int, rows: int) -> bool:
-    """Whether the staged store's room fits beside the ring (DecodeCfg::OUT_FITS): 227 KiB less 1 KiB."""
-    return smem_bytes(mt, rows, True) + 1024 <= SMEM_LIMIT
+    """Whether the staged store is built (DecodeCfg::OUT_FITS): from TMA_OUT_MIN_MT token columns,
+    where its room fits beside the ring (227 KiB less 1 KiB)."""
+    return mt >= TMA_OUT_MIN_MT and smem_bytes(mt, rows, True) + 1024 <= SMEM_LIMIT
 
 
 def tma_out(out, out_code: int, mt: int, rows: int, accumulate: bool) -> bool:

@@ -184,7 +184,7 @@ def test_an_overlapped_launch_reads_what_the_kernel_before_wrote(M, N, K, monkey
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", dec.ROW_BLOCKS)
-@pytest.mark.parametrize("M,N,K,kind", [(1, 1000, 1032, "bf16"), (13, 8200, 2048, "fp16"), (64, 264, 4104, "bf16"),
+@pytest.mark.parametrize("M,N,K,kind", [(17, 1000, 1032, "bf16"), (29, 8200, 2048, "fp16"), (64, 264, 4104, "bf16"),
                                         (100, 4096, 1024, "bf16"), (128, 1032, 8192, "fp16")])
 def test_sixteen_bit_outputs_leave_by_tma_store(M, N, K, kind, rows, decode_calls):
     """A finished 16-bit block leaves through shared memory and one TMA store per warp

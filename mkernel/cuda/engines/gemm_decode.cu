@@ -74,4 +74,5 @@ static_assert(sizeof(MkDecodeArgs) == 576, "MkDecodeArgs layout changed: update 
 // mkernel/engines/gemm_decode.py's smem_bytes(128, 128, True) and out_fits() mirror these.
 static_assert(DecodeCfg<128, 128>::SMEM_OUT == 230528 && DecodeCfg<128, 128>::OUT_FITS,
               "update smem_bytes in mkernel/engines/gemm_decode.py");
-static_assert(!DecodeCfg<256, 64>::OUT_FITS, "update out_fits in mkernel/engines/gemm_decode.py");
+static_assert(!DecodeCfg<256, 64>::OUT_FITS && !DecodeCfg<16, 128>::OUT_FITS && DecodeCfg<32, 64>::OUT_FITS,
+              "update out_fits in mkernel/engines/gemm_decode.py");
