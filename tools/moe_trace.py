@@ -64,7 +64,8 @@ def run(args):
     w2 = cupy.asarray((rng.standard_normal((El, F, H)) * F ** -0.5).astype(dt))
     cap = args.capacity or mkernel.moe_capacity(T, k, W)
     for _ in range(args.calls):
-        y, h = mkernel.moe_dispatch_gemm(x, ids, w, w1, comm=comm, num_experts=E, capacity=cap)
+        with mkernel.config.override(**({"moe_comm_sms": args.dispatch_sms} if args.dispatch_sms else {})):
+            y, h = mkernel.moe_dispatch_gemm(x, ids, w, w1, comm=comm, num_experts=E, capacity=cap)
         mkernel.moe_gemm_combine(y, w2, h, comm=comm, path="fused", comm_sms=args.comm_sms)
     close_and_summarize(comm, args.out, summarize)  # the last combine
     if MPI.COMM_WORLD.rank == 0:  # and the last dispatch + GEMM
@@ -76,6 +77,7 @@ def main():
         p.add_argument("--shape", default="4096x7168x2048x64x8", help="T x H x F x experts x top-k (per rank)")
         p.add_argument("--capacity", type=int, default=0, help="rows per rank (default moe_capacity: bench/moe.py's)")
         p.add_argument("--comm-sms", type=int, default=None, help="the combine's returning CTAs (default moe_comm_sms)")
+        p.add_argument("--dispatch-sms", type=int, default=0, help="dispatch CTAs (moe_comm_sms; 0: default)")
 
     trace_cli(__doc__.splitlines()[0], add_args, run, summarize, calls=4)
 
