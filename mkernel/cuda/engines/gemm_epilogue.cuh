@@ -26,13 +26,9 @@
 #include "tma.cuh"
 #include "gemm_mainloop.cuh"
 
+// Two values of a 16-bit output code (MK_OUT_BF16 / MK_OUT_F16) packed by common.cuh's pack2.
 MK_DEV u32 pack2_out(int out, float lo, float hi) {
-  u32 r;
-  if (out == MK_OUT_BF16)
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  else
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
+  return out == MK_OUT_BF16 ? pack2<MK_DT_BF16>(lo, hi) : pack2<MK_DT_F16>(lo, hi);
 }
 MK_DEV void st_shared_u32(u32 addr, u32 v) { asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory"); }
 MK_DEV void st_shared_v2f32(u32 addr, float a, float b) {
