@@ -63,22 +63,17 @@ def smem_bytes(mt: int, rows: int, staged_out: bool = False) -> int:
     return -(-ring // 128) * 128 + (rows // 16) * mt * 32 + 1024
 
 
-def out_fits(mt: int, rows: int) -> bool:
-    """Whether the staged store is built (DecodeCfg::OUT_FITS): from TMA_OUT_MIN_MT token columns,
+def out_staged(mt: int, rows: int) -> bool:
+    """Whether the staged store is built (DecodeCfg::OUT_STAGED): from TMA_OUT_MIN_MT token columns,
     where its room fits beside the ring (227 KiB less 1 KiB)."""
     return mt >= TMA_OUT_MIN_MT and smem_bytes(mt, rows, True) + 1024 <= SMEM_LIMIT
 
 
-def tma_out(out, out_code: int, mt: int, rows: int, accumulate: bool) -> bool:
+def tma_out(out_code: int, mt: int, rows: int, accumulate: bool) -> bool:
     """Whether a finished block leaves by TMA stores (MK_DECODE_TMA_OUT): 16-bit outputs stored, not
-    added, where the room fits and TMA can address out (16-byte aligned base and rows)."""
-    return (
-        out_code != OUT_F32
-        and not accumulate
-        and out_fits(mt, rows)
-        and out.data.ptr % 16 == 0
-        and row_stride(out) % 16 == 0
-    )
+    added, where the staged store is built. TMA can address out: gemm's check_matrix holds its rows
+    16-byte aligned and strided, and from 32 columns it has more than one row."""
+    return out_code != OUT_F32 and not accumulate and out_staged(mt, rows)
 
 
 def kernel_expr(dt: int, out: int, mt: int, rows: int) -> str:
@@ -199,7 +194,7 @@ def build(a, b_arr, out, out_code, *, M, N, K, accumulate, sync, partial, rows=N
     args.ldc = row_stride(out) // out.itemsize
     args.m, args.n, args.k, args.kblocks, args.ctas, args.slots = M, N, K, -(-K // BK), ctas, slots
     args.epi_op = 1 if accumulate else 0
-    staged = staged_out and tma_out(out, out_code, mt, rows, accumulate)
+    staged = staged_out and tma_out(out_code, mt, rows, accumulate)
     if staged:
         args.out_map = _tma.encode_tiled(tdt, out.data.ptr, (N, M), (row_stride(out),), (16, mt), _tma.SWIZZLE_NONE)
         args.flags = TMA_OUT

@@ -16,7 +16,7 @@ struct DecodeStore {
   // one TMA store (the map clips rows past n and tokens past m): coalesced, unlike 2-byte stores.
   template <class Cfg>
   MK_DEV bool staged(float (&acc)[Cfg::ACC], u32 smem, u64 row0) {
-    if (!Cfg::OUT_FITS || !tma_out()) return false;
+    if (!Cfg::OUT_STAGED || !tma_out()) return false;
     constexpr int DT = OUT == MK_OUT_BF16 ? MK_DT_BF16 : MK_DT_F16;
     const u32 lane = threadIdx.x & 31, q = lane >> 3;  // lane gives line lane % 8 of matrix q
     const u32 stage = smem + Cfg::OFF_OUT + (threadIdx.x >> 5) * Cfg::OUT_WARP;
@@ -71,8 +71,8 @@ __global__ void __launch_bounds__(DecodeCfg<MT, ROWS>::THREADS, 1)
 }
 
 static_assert(sizeof(MkDecodeArgs) == 576, "MkDecodeArgs layout changed: update mkernel/engines/gemm_decode.py");
-// mkernel/engines/gemm_decode.py's smem_bytes(128, 128, True) and out_fits() mirror these.
-static_assert(DecodeCfg<128, 128>::SMEM_OUT == 230528 && DecodeCfg<128, 128>::OUT_FITS,
+// mkernel/engines/gemm_decode.py's smem_bytes(128, 128, True) and out_staged() mirror these.
+static_assert(DecodeCfg<128, 128>::SMEM_OUT == 230528 && DecodeCfg<128, 128>::OUT_STAGED,
               "update smem_bytes in mkernel/engines/gemm_decode.py");
-static_assert(!DecodeCfg<256, 64>::OUT_FITS && !DecodeCfg<16, 128>::OUT_FITS && DecodeCfg<32, 64>::OUT_FITS,
-              "update out_fits in mkernel/engines/gemm_decode.py");
+static_assert(!DecodeCfg<256, 64>::OUT_STAGED && !DecodeCfg<16, 128>::OUT_STAGED && DecodeCfg<32, 64>::OUT_STAGED,
+              "update out_staged in mkernel/engines/gemm_decode.py");

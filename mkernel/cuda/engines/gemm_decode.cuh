@@ -56,7 +56,7 @@ struct DecodeCfg {
   static constexpr u32 OFF_OUT = (OFF_BAR + 2 * 8 * STAGES + 127u) & ~127u;
   static constexpr u32 OUT_WARP = MT * 32;
   static constexpr u32 SMEM_OUT = OFF_OUT + WARPS * OUT_WARP + 1024;
-  static constexpr bool OUT_FITS = MT >= 32 && SMEM_OUT + 1024 <= 232448u;
+  static constexpr bool OUT_STAGED = MT >= 32 && SMEM_OUT + 1024 <= 232448u;
   static constexpr u32 SLOT = MT * ROWS;  // floats of one partial slot
   static constexpr int SUM_V = ACC < 32 ? ACC : 32;  // values of a slot the last CTA loads at once
   // and slots a round: at most 4 and 64 loads in flight up to 64 tokens; 32 loads above (registers)
@@ -181,7 +181,7 @@ MK_DEV void decode_gemm(const MkDecodeArgs& args, Epi& epi) {
   // memory is touched before it completed (a no-op otherwise).
   griddep_wait();
   // The launch gave less shared memory than the ring needs: an error, not a write past it.
-  const u32 need = Cfg::OUT_FITS && (args.flags & MK_DECODE_TMA_OUT) ? Cfg::SMEM_OUT : Cfg::SMEM;
+  const u32 need = Cfg::OUT_STAGED && (args.flags & MK_DECODE_TMA_OUT) ? Cfg::SMEM_OUT : Cfg::SMEM;
   const bool short_smem = dynamic_smem_bytes() < need;
   if (short_smem && threadIdx.x == 0)
     record_error(args.sync, MK_ERR_INPUT, -1, MK_DECODE_ERR_SMEM, need, dynamic_smem_bytes(), 0);
