@@ -63,8 +63,10 @@ def run(args):
     w1 = cupy.asarray((rng.standard_normal((El, H, F)) * H ** -0.5).astype(dt))
     w2 = cupy.asarray((rng.standard_normal((El, F, H)) * F ** -0.5).astype(dt))
     cap = args.capacity or mkernel.moe_capacity(T, k, W)
+    knobs = {"moe_comm_sms": args.dispatch_sms} if args.dispatch_sms else {}
+    knobs.update({"moe_bundle_pieces": args.pieces} if args.pieces else {})
     for _ in range(args.calls):
-        with mkernel.config.override(**({"moe_comm_sms": args.dispatch_sms} if args.dispatch_sms else {})):
+        with mkernel.config.override(**knobs):
             y, h = mkernel.moe_dispatch_gemm(x, ids, w, w1, comm=comm, num_experts=E, capacity=cap)
         mkernel.moe_gemm_combine(y, w2, h, comm=comm, path="fused", comm_sms=args.comm_sms)
     close_and_summarize(comm, args.out, summarize)  # the last combine
@@ -78,6 +80,7 @@ def main():
         p.add_argument("--capacity", type=int, default=0, help="rows per rank (default moe_capacity: bench/moe.py's)")
         p.add_argument("--comm-sms", type=int, default=None, help="the combine's returning CTAs (default moe_comm_sms)")
         p.add_argument("--dispatch-sms", type=int, default=0, help="dispatch CTAs (moe_comm_sms; 0: default)")
+        p.add_argument("--pieces", type=int, default=0, help="WRITEs per bundle (moe_bundle_pieces; 0: default)")
 
     trace_cli(__doc__.splitlines()[0], add_args, run, summarize, calls=4)
 

@@ -51,7 +51,7 @@ SPEC = _compile.register("moe", "moe.cu", ("mk_moe_dispatch_kernel", "mk_moe_com
 
 
 class MkMoeArgs(ctypes.Structure):
-    """Mirror of ``MkMoeArgs`` (mkernel/cuda/ops/moe_args.cuh), 464 bytes."""
+    """Mirror of ``MkMoeArgs`` (mkernel/cuda/ops/moe_args.cuh), 472 bytes."""
     _fields_ = [("sync", MkSync), ("peer_base", ctypes.c_void_p), ("counts_off", ctypes.c_uint64),
                 ("cflag_off", ctypes.c_uint64), ("recv_off", ctypes.c_uint64), ("meta_off", ctypes.c_uint64),
                 ("rflag_off", ctypes.c_uint64), ("ret_off", ctypes.c_uint64), ("retflag_off", ctypes.c_uint64),
@@ -69,7 +69,7 @@ class MkMoeArgs(ctypes.Structure):
                 ("tile_order", ctypes.c_void_p), ("queue", _proxy.QueueArgs), ("pflags", ctypes.c_void_p),
                 ("node", ctypes.c_int32), ("tile_m", ctypes.c_int32), ("part_off", ctypes.c_uint64),
                 ("precv_off", ctypes.c_uint64), ("fwdret_off", ctypes.c_uint64), ("send_sums", ctypes.c_int32),
-                ("sums_group", ctypes.c_int32), ("fwdgrp", ctypes.c_void_p)]
+                ("sums_group", ctypes.c_int32), ("fwdgrp", ctypes.c_void_p), ("pieces", ctypes.c_int32)]
 
 
 def moe_capacity(max_tokens: int, top_k: int, world: int) -> int:

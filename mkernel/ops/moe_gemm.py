@@ -57,7 +57,7 @@ COMBINE_SPEC = _register("moe_gemm_combine", "moe_gemm_combine.cu", COMBINE_KERN
 class MkMoeGemmArgs(ctypes.Structure):
     """Mirror of ``MkMoeGemmArgs`` (mkernel/cuda/ops/moe_gemm_args.cuh), 1088 bytes (64-byte aligned)."""
     _fields_ = [("g", _gemm.MkGemmArgs), ("m", _moe.MkMoeArgs), ("gemm_ctas", ctypes.c_int32),
-                ("join", ctypes.c_int32), ("tail", ctypes.c_uint8 * 40)]
+                ("join", ctypes.c_int32), ("tail", ctypes.c_uint8 * 32)]
 
 
 def _expert_weights(op, w, E_local, K, dtype, w_layout):

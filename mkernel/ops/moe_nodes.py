@@ -27,10 +27,11 @@ from mkernel.runtime.launch import launch_persistent
 from mkernel.runtime.sync import MkSync
 
 MAX_NODES = 8       # MOE_MAX_NODES
+MAX_PIECES = 4      # MOE_MAX_PIECES: WRITEs of a bundle's rows at most (config.moe_bundle_pieces)
 MAX_WRITE_BYTES = 1 << 32  # a proxy command's size is 32 bits: a bundle's rows and its sums go as one WRITE each
 PART_BYTES = 2  # a bundle's node sums go back as 16-bit rows: the size of its rows
 THREADS = 512       # MOE_NODE_THREADS
-PF_WORDS = 64       # MOE_PF_WORDS: the plan's proxy flags
+PF_WORDS = 88       # MOE_PF_WORDS: the plan's proxy flags
 CNT_WORDS = 3       # MOE_NCNT_WORDS
 FWD_SUM_TOKENS = 32  # MOE_FWD_SUM_TOKENS: virtual tokens per chunk of forwarded sums
 TOKENS_PER_CTA = 32  # the exchange stages a warp's 32 tokens per unit; CTAs beyond T / 32 idle
@@ -57,7 +58,7 @@ class MkMoeNodeArgs(ctypes.Structure):
                                                "verdict", "xepoch", "vown", "part_total", "counters")] + \
                [("ldx", ctypes.c_int64), ("ldo", ctypes.c_int64)] + \
                [(n, ctypes.c_int32) for n in ("T", "H", "k", "E", "e_local", "world", "me", "capacity", "node",
-                                              "nodes", "local", "lrank", "fwd_rows", "sent")]
+                                              "nodes", "local", "lrank", "fwd_rows", "sent", "pieces")]
 
 
 def check_sizes(op, H, k, capacity):
@@ -97,14 +98,18 @@ def plan(op, comm, H, dtype, k, E, capacity, scratch_start):
 
     N = comm.num_nodes
     R = fwd_rows(capacity, k)
-    key = ("buffers", "moe_nodes", H, dtype.name, k, E, capacity, scratch_start)
+    pieces = config.get().moe_bundle_pieces  # what crosses the network: the same on every rank
+    key = ("buffers", "moe_nodes", H, dtype.name, k, E, capacity, scratch_start, pieces)
+    comm.agree(key, "moe_bundle_pieces")
     sizes = buffer_sizes(comm.size, N, H, dtype, k, E, capacity)
     p = _buffers.plan_buffers(op, comm, key, sizes, {"counters": CNT_WORDS}, scratch_start=scratch_start)
     if "pflags" not in p:
-        p.update(fwd_rows=R, vids=cupy.empty(R * k, dtype=cupy.int32), vw=cupy.empty(R * k, dtype=cupy.float32),
+        p.update(fwd_rows=R, pieces=pieces, vids=cupy.empty(R * k, dtype=cupy.int32),
+                 vw=cupy.empty(R * k, dtype=cupy.float32),
                  vseg=cupy.zeros(MAX_NODES, dtype=cupy.uint32), slots=cupy.empty((N - 1) * R, dtype=cupy.int32),
                  verdict=cupy.zeros(1, dtype=cupy.uint32), xepoch=cupy.zeros(1, dtype=cupy.uint32),
-                 vown=cupy.zeros(E // N, dtype=cupy.uint32), part_total=cupy.zeros(MAX_NODES, dtype=cupy.uint32),
+                 vown=cupy.zeros(E // N, dtype=cupy.uint32),
+                 part_total=cupy.zeros(MAX_NODES, dtype=cupy.uint32),
                  tile_order=cupy.zeros(-(-capacity // _gemm.BM) + E // comm.size, dtype=cupy.uint32),
                  fwdgrp=cupy.zeros(R // FWD_SUM_TOKENS + 1, dtype=cupy.uint32))
         cupy.cuda.runtime.deviceSynchronize()
@@ -126,7 +131,7 @@ def args(comm, p, op, T, k, E, H, capacity) -> MkMoeNodeArgs:
     a.T, a.H, a.k, a.E = T, H, k, E
     a.e_local, a.world, a.me, a.capacity = E // comm.size, comm.size, comm.rank, capacity
     a.node, a.nodes, a.local, a.lrank = comm.node, comm.num_nodes, comm.local_size, comm.local_rank
-    a.fwd_rows = p["fwd_rows"]
+    a.fwd_rows, a.pieces = p["fwd_rows"], p["pieces"]
     return a
 
 
@@ -138,6 +143,7 @@ def set_virtual(m, p, comm):
     m.xfwd, m.fwd_rows = p["xrecv"].data.ptr, p["fwd_rows"]
     m.topk_ids = p["vids"].data.ptr
     m.vown, m.xepoch, m.node = p["vown"].data.ptr, p["xepoch"].data.ptr, comm.node
+    m.pieces = p["pieces"]
     m.tile_order, m.tile_m = p["tile_order"].data.ptr, _gemm.BM
     base = p["pflags"].offset
     m.queue = comm.proxy_queue_args(flag_base=base)

@@ -14,6 +14,7 @@ by case and rank) for the float64 reference:
 - moe_dispatch_gemm fused bitwise equal to unfused and to the float64 GEMM of the received rows
   (H <= 128, entries in {-2..2} and {-1, 0, 1}: exact), then moe_gemm_combine within 1e-2 of the
   float64 layer, its fused path (the node sums sent by the kernel) bitwise equal to the unfused;
+- the bundles crossing in 1, 2 and 3 pieces (config.moe_bundle_pieces; 4 by default): the same checks;
 - each case twice, interleaved with the others (stale flags, epochs), with T differing per rank,
   a rank with T = 0, skewed routing, repeated experts in a token, experts that receive nothing,
   top-1 and top-8;
@@ -275,6 +276,13 @@ def _run_all(comm, make_comm):
     for i, P in enumerate(problems[:2]):
         with mkernel.config.override(mps_full_share=(False, "always")[i]):  # whatever the default between nodes
             _collective_check(comm, f"{P['name']}: GEMM ops", _guarded(_run_gemm_ops, comm, P))
+    for pieces, P in ((1, problems[1]), (3, problems[1]), (2, problems[0])):  # a bundle in other pieces: new plans
+        with mkernel.config.override(moe_bundle_pieces=pieces):
+            _collective_check(comm, f"{P['name']}: moe_bundle_pieces={pieces}",
+                              _guarded(_run_dispatch_combine, comm, P))
+            if pieces == 2:
+                _collective_check(comm, f"{P['name']}: GEMM ops, moe_bundle_pieces={pieces}",
+                                  _guarded(_run_gemm_ops, comm, P))
     _device_errors(make_comm, problems[0])
 
 

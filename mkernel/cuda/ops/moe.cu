@@ -95,4 +95,4 @@ __global__ void __launch_bounds__(MOE_THREADS, 1) mk_moe_combine_kernel(const __
 }
 
 static_assert(MoeShared<MOE_THREADS>::STAGE_BYTES == 131072, "update moe.DISPATCH_SMEM");
-static_assert(sizeof(MkMoeArgs) == 464, "MkMoeArgs layout changed: update mkernel/ops/moe.py");
+static_assert(sizeof(MkMoeArgs) == 472, "MkMoeArgs layout changed: update mkernel/ops/moe.py");

@@ -9,6 +9,7 @@
 #define MOE_MAX_EXPERTS 512  // global experts (shared-memory tables of the kernels)
 #define MOE_MAX_TOPK 8
 #define MOE_MAX_NODES 8
+#define MOE_MAX_PIECES 4  // between nodes, WRITEs of a bundle's rows at most (MkMoeArgs::pieces)
 
 // Words of one rank's count row: pairs per global expert, then its token count, then how many of its
 // expert ids were out of range (every rank reads every row, so all decide an error alike), then its
@@ -23,17 +24,18 @@
 // GCOUNT + s (s's count row arrived), DESC / ROWS + n (node n's bundle of routing words / rows
 // arrived), FLUSH + r (this rank's exchange commands to r applied), PCREDIT + n, PFLUSH + n: the same
 // for the partial sums going back; PART + n counts the tokens whose sums node n WRITes here.
-// Each kind has MOE_MAX_WORLD slots (ranks or nodes: at most that many).
+// Each kind has MOE_MAX_WORLD slots (ranks or nodes: at most that many), but ROWS + n * MOE_MAX_PIECES
+// + q: piece q of node n's bundle of rows arrived.
 enum {
   MOE_PF_CREDIT = 0,
   MOE_PF_GCOUNT = MOE_MAX_WORLD,
   MOE_PF_DESC = 2 * MOE_MAX_WORLD,
-  MOE_PF_ROWS = 3 * MOE_MAX_WORLD,
-  MOE_PF_FLUSH = 4 * MOE_MAX_WORLD,
-  MOE_PF_PCREDIT = 5 * MOE_MAX_WORLD,
-  MOE_PF_PART = 6 * MOE_MAX_WORLD,
-  MOE_PF_PFLUSH = 7 * MOE_MAX_WORLD,
-  MOE_PF_WORDS = 8 * MOE_MAX_WORLD
+  MOE_PF_FLUSH = 3 * MOE_MAX_WORLD,
+  MOE_PF_PCREDIT = 4 * MOE_MAX_WORLD,
+  MOE_PF_PART = 5 * MOE_MAX_WORLD,
+  MOE_PF_PFLUSH = 6 * MOE_MAX_WORLD,
+  MOE_PF_ROWS = 7 * MOE_MAX_WORLD,
+  MOE_PF_WORDS = 7 * MOE_MAX_WORLD + MOE_MAX_NODES * MOE_MAX_PIECES
 };
 
 // Between nodes, forwarded tokens the fused combine sums per claim (a chunk; sums_group chunks a WRITE).
@@ -102,8 +104,8 @@ struct MkMoeArgs {
   long long fwd_rows;  // rows per forwarded segment
   int nseg;  // forwarded segments (nodes - 1); 0 inside one node
   int partial_out;  // combine: out is fp32 [virtual tokens, H] partials (ldo in floats)
-  // Between nodes, dispatch: a forwarded segment's rows are sent once its bundle's proxy flag is in,
-  // after this rank's own ones (docs/MOE.md "Overlap"); the exchange's epoch is in xepoch[0].
+  // Between nodes, dispatch: a forwarded row is sent once the piece of its bundle that holds it is in
+  // (a proxy flag), after this rank's own ones (docs/MOE.md "Overlap"); the exchange's epoch is in xepoch[0].
   const unsigned int* vown;  // [E]: this rank's own pairs per node expert (the exchange's count)
   const unsigned int* xepoch;  // [1]: the epoch of the exchange's proxy flags
   unsigned int* tile_order;  // fused GEMM: its M-tiles in claim order (own-origin-only ones of every group first)
@@ -120,4 +122,5 @@ struct MkMoeArgs {
   int send_sums;  // 1: the fused GEMM + combine between nodes (the partials kernel then only adds)
   int sums_group;  // chunks of forwarded sums per WRITE (consecutive; the last group's CTA sends it)
   unsigned int* fwdgrp;  // [chunks / sums_group + 1]: chunks summed per group (zeroed by the last CTA)
+  int pieces;  // between nodes: a bundle's rows cross in that many WRITEs (1..MOE_MAX_PIECES; the plan's)
 };

@@ -143,19 +143,27 @@ MK_DEV bool moe_wait_all(const MkMoeArgs& a, const MkPeers& p, u64 off, u32 E, u
 // Positions of the send order a warp sends between two completions (its flags wait for those).
 constexpr u32 MOE_SEND_RUN = 8;
 
-// Between nodes, lane 0 of a sending warp: the bundle that holds forwarded virtual token t has
-// landed (its ROWS flag; `seen`: the segments known to be in). A timeout is recorded, no flag follows.
+// Between nodes, the piece (of F) of an n-token bundle that holds its token s: piece q holds tokens
+// [ceil(n q / F), ceil(n (q + 1) / F)) (moe_nodes.cu WRITEs them so).
+MK_DEV u32 moe_piece_start(u32 n, u32 F, u32 q) { return (u32)(((u64)n * q + F - 1u) / F); }
+MK_DEV u32 moe_piece_of(u32 n, u32 F, u32 s) { return (u32)((u64)s * F / n); }
+
+// Between nodes, lane 0 of a sending warp: the piece of the bundle that holds forwarded virtual
+// token t has landed (its ROWS flag; `seen`: the (segment, piece)s known to be in). A timeout is
+// recorded, no flag follows.
 MK_DEV void moe_wait_bundle(const MkMoeArgs& a, const u32* vseg, u32 t, u32 xE, u32& seen) {
   const u32 i = moe_fwd_segment(vseg, (u32)a.nseg, t);
-  if ((seen >> i) & 1u) return;
+  const u32 q = moe_piece_of(vseg[i + 1] - vseg[i], (u32)a.pieces, t - vseg[i]), bit = i * MOE_MAX_PIECES + q;
+  if ((seen >> bit) & 1u) return;
   const u64 t0 = trace_start(a.sync);
   const u32 j = moe_seg_node(i, (u32)a.node);
-  wait_remote_epoch(a.sync, a.queue, a.pflags + MOE_PF_ROWS + j, xE, (i32)(j * (u32)a.world + (u32)a.me),
-                    MOE_WAIT_BUNDLE_ROWS + j);
+  wait_remote_epoch(a.sync, a.queue, a.pflags + MOE_PF_ROWS + j * MOE_MAX_PIECES + q, xE,
+                    (i32)(j * (u32)a.world + (u32)a.me), MOE_WAIT_BUNDLE_ROWS + j);
   fence_proxy_async_global();  // rows the proxy stored, before the copier's bulk loads read them
-  seen |= 1u << i;
+  seen |= 1u << bit;
   trace_span(a.sync, MK_ROLE_WAIT, MOE_TRACE_BUNDLE_WAIT | j, t0);
 }
+static_assert((MOE_MAX_NODES - 1) * MOE_MAX_PIECES <= 32, "moe_wait_bundle's pieces seen: one word");
 
 // Between nodes, thread 0 of the first CTA once its rows are sent: the exchange's commands to every
 // rank of the other nodes are applied, so the next exchange may restage their sources.

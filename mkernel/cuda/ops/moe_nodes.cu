@@ -5,7 +5,8 @@
 // every rank (same node: NVLink; others: a proxy WRITE), and to rank (j, l) of every other node j
 // the bundle of its tokens with a pair on node j, in token order (rows, and per token its k expert
 // ids as node j numbers them, -1 for pairs elsewhere, and weights), staged in xsend / dsend and
-// written by two WRITEs. Every rank checks the capacities and ids of every rank from the count
+// written by one WRITE of routing words and `pieces` of rows (the bundle sorted so that node j's first
+// experts' rows lead: stage_bundles). Every rank checks the capacities and ids of every rank from the count
 // rows alike, then builds its virtual tokens (its own, then the bundles it received, node by
 // node): the ids and weights the node's dispatch and combine (moe.cu, moe_dispatch_gemm.cu) run on.
 // It waits for the bundles' routing words only: the dispatch sends this rank's own rows first and
@@ -62,49 +63,101 @@ MK_DEV bool node_first(const MkMoeNodeArgs& a, volatile u32* slot) {
   return first;
 }
 
-// Every thread: every token of this rank is scanned (by every CTA: T * k ids, cheap) for the
-// nodes its pairs go to; token t's row in its bundle to node j is the number of earlier tokens
-// with a pair on j. A CTA stages the rows and routing words of the warps' token ranges dealt to it;
-// the first CTA to arrive also counts the pairs per expert. Leaves the bundles' sizes in s_base.
-MK_DEV void stage_bundles(const MkMoeNodeArgs& a, bool first, u32* s_base, u32 (*s_wcnt)[MOE_MAX_NODES], u32* s_hist,
-                          u32* s_bad) {
+// The exchange's shared state while it stages the bundles.
+struct MoeStageShared {
+  u32 base[MOE_MAX_NODES];  // tokens per bundle (per other node)
+  u32 run[MOE_MAX_EXPERTS];  // per key (node, bucket): tokens before it, then the running slot
+  u16 wcnt[MOE_NODE_WARPS][MOE_MAX_EXPERTS];  // a chunk's tokens per (warp, key), then the warp's base
+  u32 chunk[MOE_MAX_EXPERTS];  // a chunk's tokens per key
+  u32 hist[MOE_MAX_EXPERTS];  // the first CTA: pairs per expert
+  u32 bad;  // the first CTA: pairs whose id is out of range
+};
+
+// Per node j (registers, unrolled: no local memory): token t's bucket in its bundle to j, the least
+// place there of its experts in the order node j's rank (j, lrank) sends its rows (local expert, then
+// owner from that rank on: moe_dispatch.cuh), epn if it has no pair on j; each pair counted (`first`).
+MK_DEV void bundle_buckets(const MkMoeNodeArgs& a, u32 t, bool first, MoeStageShared& st, u32 (&b)[MOE_MAX_NODES]) {
+  const u32 K = (u32)a.k, E = (u32)a.E, epn = E / (u32)a.nodes, L = (u32)a.local, El = (u32)a.e_local;
+#pragma unroll
+  for (u32 j = 0; j < MOE_MAX_NODES; ++j) b[j] = epn;
+  if (t >= (u32)a.T) return;
+  for (u32 q = 0; q < K; ++q) {
+    const int e = a.topk_ids[(u64)t * K + q];
+    if (e < 0 || (u32)e >= E) {
+      if (first) atomicAdd(&st.bad, 1u);
+      continue;
+    }
+    if (first) atomicAdd(&st.hist[e], 1u);
+    const u32 j = (u32)e / epn, x = (u32)e - j * epn, d = x / El;
+    const u32 key = (x - d * El) * L + (d + L - (u32)a.lrank) % L;
+#pragma unroll
+    for (u32 i = 0; i < MOE_MAX_NODES; ++i)
+      if (i == j) b[i] = min(b[i], key);
+  }
+}
+
+// Every thread: every token of this rank is scanned (by every CTA: T * k ids, cheap) for the nodes
+// its pairs go to. A bundle is sorted by bucket (bundle_buckets), then token: node j's first experts'
+// rows come in its first pieces, so their forwarded GEMM tiles can start before the whole bundle is
+// in (docs/MOE.md "Overlap"). Token t's slot in the bundle to j: the tokens of lower buckets, then of
+// its bucket before it (a scan per warp and key, as the dispatch ranks its pairs: deterministic). A
+// CTA stages the rows and routing words of the warps' token ranges dealt to it; the first CTA to
+// arrive also counts the pairs per expert. Leaves the bundles' sizes in st.base.
+MK_DEV void stage_bundles(const MkMoeNodeArgs& a, bool first, MoeStageShared& st) {
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const u32 T = (u32)a.T, K = (u32)a.k, E = (u32)a.E, N = (u32)a.nodes, node = (u32)a.node;
   const u32 epn = E / N, row_bytes = (u32)a.H * 2u, R = (u32)a.fwd_rows;
   const bool stage = T <= R;  // else a capacity error (every rank sees this T): stage nothing
   u8* xsend = peer_ptr<u8>(node_peers(a), (u32)a.lrank, a.xsend_off);
   u32* dsend = peer_ptr<u32>(node_peers(a), (u32)a.lrank, a.dsend_off);
-  for (u32 c0 = 0; c0 < T; c0 += MOE_NODE_THREADS) {
-    const u32 t = c0 + tid;
-    u32 mask = 0;
-    if (t < T)
-      for (u32 j = 0; j < K; ++j) {
-        const int e = a.topk_ids[(u64)t * K + j];
-        if (e >= 0 && (u32)e < E) {
-          mask |= 1u << ((u32)e / epn);
-          if (first) atomicAdd(&s_hist[e], 1u);
-        } else if (first) {
-          atomicAdd(s_bad, 1u);
-        }
-      }
-    // Per-node arrays indexed by unrolled loops only (registers, not local memory).
-    u32 pre[MOE_MAX_NODES];
+  u32 b[MOE_MAX_NODES];
+  for (u32 c0 = 0; c0 < T; c0 += MOE_NODE_THREADS) {  // 1: tokens per key (node, bucket)
+    bundle_buckets(a, c0 + tid, first, st, b);
 #pragma unroll
-    for (u32 j = 0; j < MOE_MAX_NODES; ++j) {
-      const u32 b = __ballot_sync(0xFFFFFFFFu, j < N && ((mask >> j) & 1u));
-      pre[j] = __popc(b & ((1u << lane) - 1u));
-      if (lane == 0 && j < N) s_wcnt[warp][j] = __popc(b);
+    for (u32 j = 0; j < MOE_MAX_NODES; ++j)
+      if (j < N && j != node && b[j] < epn) atomicAdd(&st.run[j * epn + b[j]], 1u);
+  }
+  __syncthreads();
+  if (tid < N) {  // the keys' first slots, node by node; the bundles' sizes
+    u32 acc = 0;
+    for (u32 x = tid * epn; x < (tid + 1) * epn; ++x) {
+      const u32 c = st.run[x];
+      st.run[x] = acc;
+      acc += c;
     }
-    __syncthreads();
+    st.base[tid] = tid == node ? 0u : acc;
+  }
+  __syncthreads();
+  for (u32 c0 = 0; c0 < T; c0 += MOE_NODE_THREADS) {  // 2: the slots, chunk by chunk
+    const u32 t = c0 + tid;
+    bundle_buckets(a, t, false, st, b);
     u32 slot[MOE_MAX_NODES];
 #pragma unroll
-    for (u32 j = 0; j < MOE_MAX_NODES; ++j) {
-      u32 s = pre[j];
-      if (j < N) {
-        s += s_base[j];
-        for (u32 w = 0; w < warp; ++w) s += s_wcnt[w][j];
+    for (u32 j = 0; j < MOE_MAX_NODES; ++j) {  // the tokens of its key before it in its warp
+      const bool in = j < N && j != node && b[j] < epn;
+      const int key = in ? (int)(j * epn + b[j]) : -1;
+      const u32 same = __match_any_sync(0xFFFFFFFFu, key), before = same & ((1u << lane) - 1u);
+      if (in && before == 0) st.wcnt[warp][key] = (u16)__popc(same);
+      slot[j] = __popc(before);
+    }
+    __syncthreads();
+    for (u32 x = tid; x < E; x += MOE_NODE_THREADS) {  // per key: the warps' bases, in warp order
+      u32 acc = 0;
+      for (u32 w = 0; w < MOE_NODE_WARPS; ++w) {
+        const u32 c = st.wcnt[w][x];
+        st.wcnt[w][x] = (u16)acc;
+        acc += c;
       }
-      slot[j] = s;
+      st.chunk[x] = acc;
+    }
+    __syncthreads();
+#pragma unroll
+    for (u32 j = 0; j < MOE_MAX_NODES; ++j)
+      if (j < N && j != node && b[j] < epn) slot[j] += st.run[j * epn + b[j]] + st.wcnt[warp][j * epn + b[j]];
+    __syncthreads();
+    for (u32 x = tid; x < E; x += MOE_NODE_THREADS) {  // the next chunk's keys start after this one's
+      st.run[x] += st.chunk[x];
+      for (u32 w = 0; w < MOE_NODE_WARPS; ++w) st.wcnt[w][x] = 0;
     }
     const bool mine = ((c0 / MOE_NODE_THREADS) * MOE_NODE_WARPS + warp) % gridDim.x == blockIdx.x;
     if (stage && mine) {
@@ -112,7 +165,7 @@ MK_DEV void stage_bundles(const MkMoeNodeArgs& a, bool first, u32* s_base, u32 (
       for (u32 j = 0; j < MOE_MAX_NODES; ++j) {
         if (j >= N || j == node) continue;
         const u32 sg = moe_seg_of(j, node);
-        const bool in = (mask >> j) & 1u;
+        const bool in = b[j] < epn;
         if (t < T) a.slots[(u64)sg * R + t] = in ? (int)slot[j] : -1;
         if (in) {  // the token's routing words as node j numbers its experts
           u32* d = dsend + ((u64)sg * R + slot[j]) * 2u * K;
@@ -132,12 +185,6 @@ MK_DEV void stage_bundles(const MkMoeNodeArgs& a, bool first, u32* s_base, u32 (
                                      reinterpret_cast<const u8*>(a.x) + (u64)tl * (u64)a.ldx * 2u, row_bytes, lane, 32);
         }
       }
-    }
-    __syncthreads();
-    if (tid < N) {
-      u32 s = 0;
-      for (u32 w = 0; w < MOE_NODE_WARPS; ++w) s += s_wcnt[w][tid];
-      s_base[tid] += s;
     }
     __syncthreads();
   }
@@ -182,9 +229,10 @@ MK_DEV void send_count_row(const MkMoeNodeArgs& a, const u32* s_base, const u32*
   __syncthreads();
 }
 
-// The last CTA's thread 0: the bundles to their forwarders (two WRITEs each, after the credit).
+// The last CTA's thread 0: the bundles to their forwarders (after the credit): the routing words in
+// one WRITE, the rows in `pieces` (moe_piece_start), each setting its own flag.
 MK_DEV bool send_bundles(const MkMoeNodeArgs& a, const u32* s_base, u32 E) {
-  const u32 N = (u32)a.nodes, node = (u32)a.node, K = (u32)a.k, R = (u32)a.fwd_rows;
+  const u32 N = (u32)a.nodes, node = (u32)a.node, K = (u32)a.k, R = (u32)a.fwd_rows, F = (u32)a.pieces;
   const u64 row_bytes = (u64)a.H * 2u, desc_bytes = 8u * K;
   if ((u32)a.T > R) return true;  // nothing staged: the count rows carry the capacity error
   for (u32 j = 0; j < N; ++j) {
@@ -195,12 +243,17 @@ MK_DEV bool send_bundles(const MkMoeNodeArgs& a, const u32* s_base, u32 E) {
     if (!queue_push(
             a.sync, a.queue,
             mk_write_cmd(r, MK_WORKSPACE_REGION, a.dsend_off + (u64)sg * R * desc_bytes, MK_WORKSPACE_REGION,
-                         a.drecv_off + (u64)there * R * desc_bytes, (u32)(n * desc_bytes), MOE_PF_DESC + node, E)) ||
-        !queue_push(
-            a.sync, a.queue,
-            mk_write_cmd(r, MK_WORKSPACE_REGION, a.xsend_off + (u64)sg * R * row_bytes, MK_WORKSPACE_REGION,
-                         a.xrecv_off + (u64)there * R * row_bytes, (u32)(n * row_bytes), MOE_PF_ROWS + node, E)))
+                         a.drecv_off + (u64)there * R * desc_bytes, (u32)(n * desc_bytes), MOE_PF_DESC + node, E)))
       return false;
+    for (u32 q = 0; q < F; ++q) {
+      const u32 s0 = moe_piece_start(n, F, q), s1 = moe_piece_start(n, F, q + 1);
+      if (s0 == s1) continue;  // (no token of it: not waited for)
+      if (!queue_push(a.sync, a.queue,
+                      mk_write_cmd(r, MK_WORKSPACE_REGION, a.xsend_off + ((u64)sg * R + s0) * row_bytes,
+                                   MK_WORKSPACE_REGION, a.xrecv_off + ((u64)there * R + s0) * row_bytes,
+                                   (u32)((s1 - s0) * row_bytes), MOE_PF_ROWS + node * MOE_MAX_PIECES + q, E)))
+        return false;
+    }
   }
   return true;
 }
@@ -248,7 +301,7 @@ MK_DEV bool check_rows(const MkMoeNodeArgs& a, u32 E) {
 }
 
 __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_exchange_kernel(const __grid_constant__ MkMoeNodeArgs a) {
-  __shared__ u32 s_base[MOE_MAX_NODES], s_wcnt[MOE_NODE_WARPS][MOE_MAX_NODES], s_hist[MOE_MAX_EXPERTS], s_bad;
+  __shared__ MoeStageShared st;
   __shared__ u32 s_epoch, s_vseg[MOE_MAX_NODES];
   __shared__ int s_ok, s_last;
   __shared__ u32 s_slot;
@@ -262,17 +315,19 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_exchange_kernel(co
         if (r / L != node)
           queue_push(a.sync, a.queue, mk_signal_cmd(r, MOE_PF_CREDIT + (u32)a.me, s_epoch, MK_FLAG_SET));
     }
-    s_bad = 0;
+    st.bad = 0;
   }
-  for (u32 i = tid; i < MOE_MAX_EXPERTS; i += MOE_NODE_THREADS) s_hist[i] = 0;
-  if (tid < MOE_MAX_NODES) s_base[tid] = 0;
+  for (u32 i = tid; i < MOE_MAX_EXPERTS; i += MOE_NODE_THREADS) {
+    st.hist[i] = st.run[i] = 0;
+    for (u32 w = 0; w < MOE_NODE_WARPS; ++w) st.wcnt[w][i] = 0;
+  }
   __syncthreads();
   const u32 E = s_epoch;
-  stage_bundles(a, first, s_base, s_wcnt, s_hist, &s_bad);
+  stage_bundles(a, first, st);
   if (first) {
     const u32 epn = (u32)a.E / N;  // this rank's own pairs per expert of its node, for the dispatch's order
-    for (u32 e = tid; e < epn; e += MOE_NODE_THREADS) a.vown[e] = s_hist[node * epn + e];
-    send_count_row(a, s_base, s_hist, s_bad, E, &s_ok);  // (a failure is recorded)
+    for (u32 e = tid; e < epn; e += MOE_NODE_THREADS) a.vown[e] = st.hist[node * epn + e];
+    send_count_row(a, st.base, st.hist, st.bad, E, &s_ok);  // (a failure is recorded)
   }
   __threadfence_system();  // the staged rows and words, before the last CTA's WRITEs read them
   __syncthreads();
@@ -283,7 +338,7 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_exchange_kernel(co
   __syncthreads();
   if (s_last) {
     if (tid == 0) {
-      bool ok = !error_recorded(a.sync) && send_bundles(a, s_base, E) && check_rows(a, E);
+      bool ok = !error_recorded(a.sync) && send_bundles(a, st.base, E) && check_rows(a, E);
       u32 v = (u32)a.T;  // the virtual tokens' segments; nothing to route after a failure
       s_vseg[0] = ok ? v : 0u;
       for (u32 n = 0, i = 1; n < N; ++n) {

@@ -51,4 +51,5 @@ struct MkMoeNodeArgs {
   int node, nodes, local, lrank;
   int fwd_rows;  // capacity / k: tokens of one bundle, virtual tokens of one rank
   int sent;  // partials kernel: 1 if the fused combine sent the forwarded tokens' sums (else it sends them)
+  int pieces;  // MkMoeArgs::pieces
 };
