@@ -14,7 +14,9 @@ by case and rank) for the float64 reference:
 - moe_dispatch_gemm fused bitwise equal to unfused and to the float64 GEMM of the received rows
   (H <= 128, entries in {-2..2} and {-1, 0, 1}: exact), then moe_gemm_combine within 1e-2 of the
   float64 layer, its fused path (the node sums sent by the kernel) bitwise equal to the unfused;
-- the bundles crossing in 1, 2 and 3 pieces (config.moe_bundle_pieces; 4 by default): the same checks;
+- each bundle's order (the plan's slots): by the token's first expert on the receiving node as the
+  receiver sends rows, then by token; the bundles crossing in 1, 2 and 3 pieces
+  (config.moe_bundle_pieces; 4 by default): the same checks;
 - each case twice, interleaved with the others (stale flags, epochs), with T differing per rank,
   a rank with T = 0, skewed routing, repeated experts in a token, experts that receive nothing,
   top-1 and top-8;
@@ -134,6 +136,26 @@ def _combine_ref(P, me, gemm=None):
     return out
 
 
+def _check_bundle_order(comm, P, h):
+    """Each bundle's slots: its tokens sorted by their first expert on the receiving node in the order
+    the receiver sends rows (local expert, then owner from its rank on), then by token."""
+    L, N, node, lr, El = comm.local_size, comm.num_nodes, comm.node, comm.local_rank, P["El"]
+    epn, (_, ids, _) = P["E"] // N, P["inp"][comm.rank]
+    T, R = ids.shape[0], h._nodes["fwd_rows"]
+    slots = host(h._nodes["slots"]).reshape(N - 1, R)
+    for j in (j for j in range(N) if j != node):
+        keys = []
+        for t in range(T):
+            x = [int(e) - j * epn for e in ids[t] if int(e) // epn == j]
+            keys.append(min(((v % El) * L + (v // El - lr) % L for v in x), default=None))
+        order = sorted((k, t) for t, k in enumerate(keys) if k is not None)
+        want = np.full(T, -1)
+        want[[t for _, t in order]] = np.arange(len(order))
+        if not np.array_equal(slots[j - (j > node)][:T], want):
+            return f"bundle to node {j}: slots differ from the order by first expert, then token"
+    return None
+
+
 def _run_dispatch_combine(comm, P):
     """One dispatch + combine, checked; returns an error message or None."""
     me = comm.rank
@@ -142,7 +164,7 @@ def _run_dispatch_combine(comm, P):
     recv, h = mkernel.moe_dispatch(dev(x), dev(ids), dev(w), comm=comm, num_experts=P["E"], capacity=P["cap"],
                                    out=recv_out)
     _sync(comm, "moe_dispatch between nodes")
-    msg = _check_dispatch(P, me, recv, h, comm.local_size)  # reported after the combine: every rank makes every call
+    msg = _check_dispatch(P, me, recv, h, comm.local_size) or _check_bundle_order(comm, P, h)  # (after the combine)
     y = host(recv).astype(np.float64)
     start = 0
     for le, n in enumerate(np.asarray(h.counts())):
