@@ -3,10 +3,10 @@
 //
 // mk_moe_exchange_kernel, before the node's dispatch: every rank (n, l) sends its count row to
 // every rank (same node: NVLink; others: a proxy WRITE), and to rank (j, l) of every other node j
-// the bundle of its tokens with a pair on node j, in token order (rows, and per token its k expert
-// ids as node j numbers them, -1 for pairs elsewhere, and weights), staged in xsend / dsend and
-// written by one WRITE of routing words and `pieces` of rows (the bundle sorted so that node j's first
-// experts' rows lead: stage_bundles). Every rank checks the capacities and ids of every rank from the count
+// the bundle of its tokens with a pair on node j (rows, and per token its k expert ids as node j
+// numbers them, -1 for pairs elsewhere, and weights), sorted so that node j's first experts' rows
+// lead (stage_bundles), staged in xsend / dsend and written by one WRITE of routing words and
+// `pieces` WRITEs of rows. Every rank checks the capacities and ids of every rank from the count
 // rows alike, then builds its virtual tokens (its own, then the bundles it received, node by
 // node): the ids and weights the node's dispatch and combine (moe.cu, moe_dispatch_gemm.cu) run on.
 // It waits for the bundles' routing words only: the dispatch sends this rank's own rows first and
