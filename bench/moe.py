@@ -570,11 +570,11 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
                        few_dg=configured(mk_dg, moe_comm_sms=FEW_COMM_SMS),
                        few_gc=configured(mk_gc, moe_comm_sms=FEW_COMM_SMS))
             if nodes > 1:  # the forwarded sums chunk by chunk (moe_sums_group=1) against the default groups;
-                # each bundle in one piece (moe_bundle_pieces=1: its forwarded rows wait for all of it), two
+                # each bundle in one piece (moe_bundle_pieces=1: its forwarded rows wait for all of it), four
                 fns.update(group1_gc=configured(mk_gc, moe_sums_group=1),
                            pieces1_dg=configured(mk_dg, moe_bundle_pieces=1),
                            pieces1_gc=configured(mk_gc, moe_bundle_pieces=1),
-                           pieces2_dg=configured(mk_dg, moe_bundle_pieces=2))
+                           pieces4_dg=configured(mk_dg, moe_bundle_pieces=4))
         if have_baseline and base is not None:
             fns.update(bg_dg=lambda: base.dispatch_gemm("gather"), bg_gc=lambda: base.gemm_combine("gather"),
                        bs_dg=lambda: base.dispatch_gemm("segments"), bs_gc=lambda: base.gemm_combine("segments"))
@@ -653,7 +653,7 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
                                      (f"moe_comm_sms={FEW_COMM_SMS}", f"few_{sfx}"),
                                      ("moe_sums_group=1", f"group1_{sfx}"),
                                      ("moe_bundle_pieces=1", f"pieces1_{sfx}"),
-                                     ("moe_bundle_pieces=2", f"pieces2_{sfx}")) if key in ts}
+                                     ("moe_bundle_pieces=4", f"pieces4_{sfx}")) if key in ts}
                 if nodes > 1:
                     least = 0.80 if comm.local_size == 1 else 0.70
                     r.update(goal=f"fraction_of_bound >= {least}, speedup >= 1.0",

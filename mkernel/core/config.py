@@ -70,9 +70,10 @@ class Config:
     moe_comm_sms: int = 16        # dispatch CTAs of the fused MoE kernels
     moe_join_gemm: bool = True    # the dispatch CTAs take GEMM tiles once their rows are sent
     moe_sums_group: int = 4       # between nodes, the fused combine's chunks of sums (32 tokens) per WRITE
-    # between nodes, a bundle's rows cross in this many WRITEs (1..4), each flagged: a forwarded row
-    # waits for its piece, not the whole bundle. A shape's plan keeps the value it met.
-    moe_bundle_pieces: int = 4
+    # between nodes, a bundle's rows cross in this many WRITEs (1..8; pieces of its tokens sorted by
+    # their first expert there), each flagged: a forwarded row waits for its piece, not the whole
+    # bundle. A shape's plan keeps the value it met.
+    moe_bundle_pieces: int = 8
     ring_comm_sms: int = 2        # ring attention's forwarding CTAs (a step's block is little next to its compute)
     # The split search's prior (mkernel/split/search.py): rates of its cost model.
     cta_gbps: float = 20.0        # bytes loaded + stored per second by one communication CTA
@@ -124,8 +125,8 @@ class Config:
         if self.gemm_decode_max_m > 256:
             raise ArgumentError(f"gemm_decode_max_m must be at most 256 (the decode path's widest tile); got "
                                 f"{self.gemm_decode_max_m!r}")
-        if self.moe_bundle_pieces not in (1, 2, 3, 4):  # MOE_FWD_CLASSES at most
-            raise ArgumentError(f"moe_bundle_pieces must be 1..4; got {self.moe_bundle_pieces!r}")
+        if self.moe_bundle_pieces not in range(1, 9) or isinstance(self.moe_bundle_pieces, bool):  # MOE_MAX_PIECES
+            raise ArgumentError(f"moe_bundle_pieces must be 1..8; got {self.moe_bundle_pieces!r}")
         if self.gemm_decode_rows not in (0, 64, 128):
             raise ArgumentError(f"gemm_decode_rows must be 0, 64 or 128; got {self.gemm_decode_rows!r}")
         if not (isinstance(self.tp_join_reduce, bool) or self.tp_join_reduce == "auto"):

@@ -27,11 +27,11 @@ from mkernel.runtime.launch import launch_persistent
 from mkernel.runtime.sync import MkSync
 
 MAX_NODES = 8       # MOE_MAX_NODES
-MAX_PIECES = 4      # MOE_MAX_PIECES: WRITEs of a bundle's rows at most (config.moe_bundle_pieces)
+MAX_PIECES = 8      # MOE_MAX_PIECES: WRITEs of a bundle's rows at most (config.moe_bundle_pieces)
 MAX_WRITE_BYTES = 1 << 32  # a proxy command's size is 32 bits: a bundle's rows and its sums go as one WRITE each
 PART_BYTES = 2  # a bundle's node sums go back as 16-bit rows: the size of its rows
 THREADS = 512       # MOE_NODE_THREADS
-PF_WORDS = 88       # MOE_PF_WORDS: the plan's proxy flags
+PF_WORDS = 120      # MOE_PF_WORDS: the plan's proxy flags
 CNT_WORDS = 3       # MOE_NCNT_WORDS
 FWD_SUM_TOKENS = 32  # MOE_FWD_SUM_TOKENS: virtual tokens per chunk of forwarded sums
 TOKENS_PER_CTA = 32  # the exchange stages a warp's 32 tokens per unit; CTAs beyond T / 32 idle

@@ -16,7 +16,7 @@ by case and rank) for the float64 reference:
   float64 layer, its fused path (the node sums sent by the kernel) bitwise equal to the unfused;
 - each bundle's order (the plan's slots): by the token's first expert on the receiving node as the
   receiver sends rows, then by token; the bundles crossing in 1, 2 and 3 pieces
-  (config.moe_bundle_pieces; 4 by default): the same checks;
+  (config.moe_bundle_pieces; 8 by default): the same checks;
 - each case twice, interleaved with the others (stale flags, epochs), with T differing per rank,
   a rank with T = 0, skewed routing, repeated experts in a token, experts that receive nothing,
   top-1 and top-8;

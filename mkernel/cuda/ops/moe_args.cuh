@@ -9,7 +9,7 @@
 #define MOE_MAX_EXPERTS 512  // global experts (shared-memory tables of the kernels)
 #define MOE_MAX_TOPK 8
 #define MOE_MAX_NODES 8
-#define MOE_MAX_PIECES 4  // between nodes, WRITEs of a bundle's rows at most (MkMoeArgs::pieces)
+#define MOE_MAX_PIECES 8  // between nodes, WRITEs of a bundle's rows at most (MkMoeArgs::pieces)
 
 // Words of one rank's count row: pairs per global expert, then its token count, then how many of its
 // expert ids were out of range (every rank reads every row, so all decide an error alike), then its

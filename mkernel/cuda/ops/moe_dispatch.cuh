@@ -143,27 +143,37 @@ MK_DEV bool moe_wait_all(const MkMoeArgs& a, const MkPeers& p, u64 off, u32 E, u
 // Positions of the send order a warp sends between two completions (its flags wait for those).
 constexpr u32 MOE_SEND_RUN = 8;
 
-// Between nodes, the piece (of F) of an n-token bundle that holds its token s: piece q holds tokens
-// [ceil(n q / F), ceil(n (q + 1) / F)) (moe_nodes.cu WRITEs them so).
-MK_DEV u32 moe_piece_start(u32 n, u32 F, u32 q) { return (u32)(((u64)n * q + F - 1u) / F); }
-MK_DEV u32 moe_piece_of(u32 n, u32 F, u32 s) { return (u32)((u64)s * F / n); }
+// Between nodes, the place of node expert x (of L ranks x El) in the order the node's rank `me` sends
+// rows (local expert, then owner from that rank on: the send order above). A bundle is sorted by its
+// tokens' bucket, the least place of their experts there, and cut into P pieces of consecutive
+// buckets: bucket b (of epn) is in piece b P / epn (moe_nodes.cu).
+MK_DEV u32 moe_send_place(u32 x, u32 El, u32 L, u32 me) {
+  const u32 d = x / El;
+  return (x - d * El) * L + (d + L - me) % L;
+}
+MK_DEV u32 moe_piece_of(u32 b, u32 P, u32 epn) { return b * P / epn; }
 
 // Between nodes, lane 0 of a sending warp: the piece of the bundle that holds forwarded virtual
 // token t has landed (its ROWS flag; `seen`: the (segment, piece)s known to be in). A timeout is
 // recorded, no flag follows.
-MK_DEV void moe_wait_bundle(const MkMoeArgs& a, const u32* vseg, u32 t, u32 xE, u32& seen) {
-  const u32 i = moe_fwd_segment(vseg, (u32)a.nseg, t);
-  const u32 q = moe_piece_of(vseg[i + 1] - vseg[i], (u32)a.pieces, t - vseg[i]), bit = i * MOE_MAX_PIECES + q;
+MK_DEV void moe_wait_bundle(const MkMoeArgs& a, const u32* vseg, u32 t, u32 xE, u64& seen) {
+  const u32 i = moe_fwd_segment(vseg, (u32)a.nseg, t), K = (u32)a.k;
+  u32 b = (u32)a.E;  // its bucket: the token has a pair here (the one being sent)
+  for (u32 q = 0; q < K; ++q) {
+    const int x = a.topk_ids[(u64)t * K + q];
+    if (x >= 0) b = min(b, moe_send_place((u32)x, (u32)a.e_local, (u32)a.world, (u32)a.me));
+  }
+  const u32 q = moe_piece_of(b, (u32)a.pieces, (u32)a.E), bit = i * MOE_MAX_PIECES + q;
   if ((seen >> bit) & 1u) return;
   const u64 t0 = trace_start(a.sync);
   const u32 j = moe_seg_node(i, (u32)a.node);
   wait_remote_epoch(a.sync, a.queue, a.pflags + MOE_PF_ROWS + j * MOE_MAX_PIECES + q, xE,
                     (i32)(j * (u32)a.world + (u32)a.me), MOE_WAIT_BUNDLE_ROWS + j);
   fence_proxy_async_global();  // rows the proxy stored, before the copier's bulk loads read them
-  seen |= 1u << bit;
+  seen |= 1ull << bit;
   trace_span(a.sync, MK_ROLE_WAIT, MOE_TRACE_BUNDLE_WAIT | j, t0);
 }
-static_assert((MOE_MAX_NODES - 1) * MOE_MAX_PIECES <= 32, "moe_wait_bundle's pieces seen: one word");
+static_assert((MOE_MAX_NODES - 1) * MOE_MAX_PIECES <= 64, "moe_wait_bundle's pieces seen: one word");
 
 // Between nodes, thread 0 of the first CTA once its rows are sent: the exchange's commands to every
 // rank of the other nodes are applied, so the next exchange may restage their sources.
@@ -511,7 +521,7 @@ MK_DEV void moe_send_rows(const MkMoeArgs& a, MoeShared<THREADS>& sh, const u32*
   const u32 n = sh.mine, n_own = sh.mine_own;
   // A warp sends runs of MOE_SEND_RUN consecutive positions (one fence per run), claimed in order.
   MoeCopier<Sh::CHUNK> copier{smem_u32(stage) + warp * 2u * Sh::CHUNK, smem_u32(&sh.copy_bar[warp][0]), a.sync};
-  u32 seen = 0;
+  u64 seen = 0;
   for (u32 p0; lane == 0 && (p0 = atomicAdd(&a.counters[MOE_CNT_RUN], 1u) * MOE_SEND_RUN) < n;) {
     const u32 p1 = min(n, p0 + MOE_SEND_RUN);
     for (u32 p = p0; p < p1; ++p) {

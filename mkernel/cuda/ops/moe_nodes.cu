@@ -66,6 +66,7 @@ MK_DEV bool node_first(const MkMoeNodeArgs& a, volatile u32* slot) {
 // The exchange's shared state while it stages the bundles.
 struct MoeStageShared {
   u32 base[MOE_MAX_NODES];  // tokens per bundle (per other node)
+  u32 pstart[MOE_MAX_NODES][MOE_MAX_PIECES + 1];  // each piece's first slot (its first bucket's), then the size
   u32 run[MOE_MAX_EXPERTS];  // per key (node, bucket): tokens before it, then the running slot
   u16 wcnt[MOE_NODE_WARPS][MOE_MAX_EXPERTS];  // a chunk's tokens per (warp, key), then the warp's base
   u32 chunk[MOE_MAX_EXPERTS];  // a chunk's tokens per key
@@ -74,8 +75,8 @@ struct MoeStageShared {
 };
 
 // Per node j (registers, unrolled: no local memory): token t's bucket in its bundle to j, the least
-// place there of its experts in the order node j's rank (j, lrank) sends its rows (local expert, then
-// owner from that rank on: moe_dispatch.cuh), epn if it has no pair on j; each pair counted (`first`).
+// place there of its experts in the order node j's rank (j, lrank) sends its rows (moe_send_place),
+// epn if it has no pair on j; each pair counted (`first`).
 MK_DEV void bundle_buckets(const MkMoeNodeArgs& a, u32 t, bool first, MoeStageShared& st, u32 (&b)[MOE_MAX_NODES]) {
   const u32 K = (u32)a.k, E = (u32)a.E, epn = E / (u32)a.nodes, L = (u32)a.local, El = (u32)a.e_local;
 #pragma unroll
@@ -88,8 +89,7 @@ MK_DEV void bundle_buckets(const MkMoeNodeArgs& a, u32 t, bool first, MoeStageSh
       continue;
     }
     if (first) atomicAdd(&st.hist[e], 1u);
-    const u32 j = (u32)e / epn, x = (u32)e - j * epn, d = x / El;
-    const u32 key = (x - d * El) * L + (d + L - (u32)a.lrank) % L;
+    const u32 j = (u32)e / epn, key = moe_send_place((u32)e - j * epn, El, L, (u32)a.lrank);
 #pragma unroll
     for (u32 i = 0; i < MOE_MAX_NODES; ++i)
       if (i == j) b[i] = min(b[i], key);
@@ -97,12 +97,12 @@ MK_DEV void bundle_buckets(const MkMoeNodeArgs& a, u32 t, bool first, MoeStageSh
 }
 
 // Every thread: every token of this rank is scanned (by every CTA: T * k ids, cheap) for the nodes
-// its pairs go to. A bundle is sorted by bucket (bundle_buckets), then token: node j's first experts'
-// rows come in its first pieces, so their forwarded GEMM tiles can start before the whole bundle is
-// in (docs/MOE.md "Overlap"). Token t's slot in the bundle to j: the tokens of lower buckets, then of
+// its pairs go to. A bundle is sorted by bucket (bundle_buckets), then token, and crosses in pieces
+// of consecutive buckets: node j's first experts' rows come in its first pieces, so their forwarded
+// GEMM tiles can start before the whole bundle is in (docs/MOE.md "Overlap"). Token t's slot in the bundle to j: the tokens of lower buckets, then of
 // its bucket before it (a scan per warp and key, as the dispatch ranks its pairs: deterministic). A
 // CTA stages the rows and routing words of the warps' token ranges dealt to it; the first CTA to
-// arrive also counts the pairs per expert. Leaves the bundles' sizes in st.base.
+// arrive also counts the pairs per expert. Leaves the bundles' sizes in st.base, their pieces in st.pstart.
 MK_DEV void stage_bundles(const MkMoeNodeArgs& a, bool first, MoeStageShared& st) {
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const u32 T = (u32)a.T, K = (u32)a.k, E = (u32)a.E, N = (u32)a.nodes, node = (u32)a.node;
@@ -118,13 +118,16 @@ MK_DEV void stage_bundles(const MkMoeNodeArgs& a, bool first, MoeStageShared& st
       if (j < N && j != node && b[j] < epn) atomicAdd(&st.run[j * epn + b[j]], 1u);
   }
   __syncthreads();
-  if (tid < N) {  // the keys' first slots, node by node; the bundles' sizes
-    u32 acc = 0;
-    for (u32 x = tid * epn; x < (tid + 1) * epn; ++x) {
-      const u32 c = st.run[x];
-      st.run[x] = acc;
+  if (tid < N) {  // the keys' first slots, node by node; the pieces' first slots; the bundles' sizes
+    const u32 P = (u32)a.pieces;
+    u32 acc = 0, q = 0;
+    for (u32 x = 0; x < epn; ++x) {
+      for (; q <= moe_piece_of(x, P, epn); ++q) st.pstart[tid][q] = acc;
+      const u32 c = st.run[tid * epn + x];
+      st.run[tid * epn + x] = acc;
       acc += c;
     }
+    for (; q <= P; ++q) st.pstart[tid][q] = acc;
     st.base[tid] = tid == node ? 0u : acc;
   }
   __syncthreads();
@@ -230,8 +233,8 @@ MK_DEV void send_count_row(const MkMoeNodeArgs& a, const u32* s_base, const u32*
 }
 
 // The last CTA's thread 0: the bundles to their forwarders (after the credit): the routing words in
-// one WRITE, the rows in `pieces` (moe_piece_start), each setting its own flag.
-MK_DEV bool send_bundles(const MkMoeNodeArgs& a, const u32* s_base, u32 E) {
+// one WRITE, the rows in `pieces` (stage_bundles' st.pstart), each setting its own flag.
+MK_DEV bool send_bundles(const MkMoeNodeArgs& a, const u32* s_base, const u32 (*pstart)[MOE_MAX_PIECES + 1], u32 E) {
   const u32 N = (u32)a.nodes, node = (u32)a.node, K = (u32)a.k, R = (u32)a.fwd_rows, F = (u32)a.pieces;
   const u64 row_bytes = (u64)a.H * 2u, desc_bytes = 8u * K;
   if ((u32)a.T > R) return true;  // nothing staged: the count rows carry the capacity error
@@ -246,7 +249,7 @@ MK_DEV bool send_bundles(const MkMoeNodeArgs& a, const u32* s_base, u32 E) {
                          a.drecv_off + (u64)there * R * desc_bytes, (u32)(n * desc_bytes), MOE_PF_DESC + node, E)))
       return false;
     for (u32 q = 0; q < F; ++q) {
-      const u32 s0 = moe_piece_start(n, F, q), s1 = moe_piece_start(n, F, q + 1);
+      const u32 s0 = pstart[j][q], s1 = pstart[j][q + 1];
       if (s0 == s1) continue;  // (no token of it: not waited for)
       if (!queue_push(a.sync, a.queue,
                       mk_write_cmd(r, MK_WORKSPACE_REGION, a.xsend_off + ((u64)sg * R + s0) * row_bytes,
@@ -338,7 +341,7 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_exchange_kernel(co
   __syncthreads();
   if (s_last) {
     if (tid == 0) {
-      bool ok = !error_recorded(a.sync) && send_bundles(a, st.base, E) && check_rows(a, E);
+      bool ok = !error_recorded(a.sync) && send_bundles(a, st.base, st.pstart, E) && check_rows(a, E);
       u32 v = (u32)a.T;  // the virtual tokens' segments; nothing to route after a failure
       s_vseg[0] = ok ? v : 0u;
       for (u32 n = 0, i = 1; n < N; ++n) {
