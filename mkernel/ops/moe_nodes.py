@@ -28,7 +28,7 @@ from mkernel.runtime.sync import MkSync
 
 MAX_NODES = 8       # MOE_MAX_NODES
 MAX_PIECES = 8      # MOE_MAX_PIECES: WRITEs of a bundle's rows at most (config.moe_bundle_pieces)
-MAX_WRITE_BYTES = 1 << 32  # a proxy command's size is 32 bits: a bundle's rows and its sums go as one WRITE each
+MAX_WRITE_BYTES = 1 << 32  # a proxy command's size is 32 bits: a bundle's rows (a piece at most all of them), its sums
 PART_BYTES = 2  # a bundle's node sums go back as 16-bit rows: the size of its rows
 THREADS = 512       # MOE_NODE_THREADS
 PF_WORDS = 120      # MOE_PF_WORDS: the plan's proxy flags
