@@ -34,6 +34,9 @@ def test_configure_sets_the_knobs_for_the_process():
                                            ({"tp_join_min_gemm_share": "0.3"}, "tp_join_min_gemm_share"),
                                            ({"mps_full_share": "sometimes"}, "mps_full_share"),
                                            ({"mps_full_share": 1}, "mps_full_share"),
+                                           ({"moe_bundle_pieces": 0}, "moe_bundle_pieces"),
+                                           ({"moe_bundle_pieces": 9}, "moe_bundle_pieces"),
+                                           ({"moe_bundle_pieces": True}, "moe_bundle_pieces"),
                                            ({"no_such_knob": 1}, "unknown configuration")])
 def test_bad_values_raise_where_they_are_set(changes, match):
     with pytest.raises(ArgumentError, match=match):

@@ -12,6 +12,7 @@ import pytest
 from mkernel.comm.communicator import Communicator
 from mkernel.comm.plans import PlanRegistry
 from mkernel.comm.scratch import layout as scratch_layout
+from mkernel.core import config
 from mkernel.runtime import launch
 
 from tests.helpers.tp_fakes import pass_arrays_through
@@ -148,6 +149,7 @@ def test_dispatch_and_combine_between_nodes_arguments(fake, nodes, local, rank):
     assert (m.world, m.me, m.E, m.e_local, m.T, m.capacity) == (local, rank % local, E // nodes, El, T, cap)
     assert (m.nseg, m.vseg, m.topk_ids, m.xfwd, m.fwd_rows) == (nodes - 1, p["vseg"].data.ptr, p["vids"].data.ptr,
                                                                p["xrecv"].data.ptr, R)
+    assert a.pieces == m.pieces == p["pieces"] == config.get().moe_bundle_pieces  # sender and receiver alike
     assert dp["grid"] == min(132, -(-cap // mmoe.PAIRS_PER_CTA))
     assert h.group_rows.shape == (El,)
 
@@ -173,3 +175,16 @@ def test_one_node_arguments_unchanged(fake):
     m = dp["args"]
     assert h._nodes is None and (m.nseg, m.vseg, m.xfwd, m.partial_out) == (0, None, None, 0)
     assert (m.world, m.me, m.E, m.topk_ids) == (2, 1, E, 0x20000)
+
+
+def test_bundle_pieces_are_part_of_the_plan_and_agreed(fake):
+    """What crosses the network: another moe_bundle_pieces is another plan, agreed on by its key."""
+    comm = _FakeComm(2, 1, 0)
+    x, ids, w = _Arr((64, 64), "float16", 0x10000), _Arr((64, 2), "int32", 0x20000), _Arr((64, 2), "float32", 0x30000)
+    _, h8 = mmoe.moe_dispatch(x, ids, w, comm=comm, num_experts=8, capacity=512)
+    with config.override(moe_bundle_pieces=3):
+        _, h3 = mmoe.moe_dispatch(x, ids, w, comm=comm, num_experts=8, capacity=512)
+    assert (h8._nodes["pieces"], h3._nodes["pieces"]) == (config.get().moe_bundle_pieces, 3)
+    assert fake["launches"][-2]["args"].pieces == fake["launches"][-1]["args"].pieces == 3
+    agreed = [key for key, value in comm._agreed.items() if value == "moe_bundle_pieces"]
+    assert sorted(key[-1] for key in agreed) == sorted({3, config.get().moe_bundle_pieces})
