@@ -80,35 +80,19 @@ def kernel_expr(dt: int, out: int, mt: int, rows: int) -> str:
     return f"mk_gemm_decode_kernel<{dt},{out},{mt},{rows}>"
 
 
-EXPRESSIONS = tuple(
-    kernel_expr(dt, out, mt, rows) for dt in (0, 1) for out in (dt, OUT_F32) for mt in M_TILES for rows in ROW_BLOCKS
-)
+EXPRESSIONS = tuple(kernel_expr(dt, out, mt, rows) for dt in (0, 1) for out in (dt, OUT_F32) for mt in M_TILES
+                    for rows in ROW_BLOCKS)
 SPEC = _compile.register("gemm_decode", "gemm_decode.cu", EXPRESSIONS, hot=True)
 
 
 class MkDecodeArgs(ctypes.Structure):
     """Mirror of ``MkDecodeArgs`` (mkernel/cuda/engines/gemm_decode_args.cuh), 576 bytes (the C
     struct is 64-byte aligned, its tensor maps; the padding makes the sizes equal)."""
-
-    _fields_ = [
-        ("a_map", _tma.TensorMap),
-        ("b_map", _tma.TensorMap),
-        ("out_map", _tma.TensorMap),
-        ("sync", MkSync),
-        ("out", ctypes.c_void_p),
-        ("partial", ctypes.c_void_p),
-        ("counts", ctypes.c_void_p),
-        ("ldc", ctypes.c_int64),
-        ("m", ctypes.c_int32),
-        ("n", ctypes.c_int32),
-        ("k", ctypes.c_int32),
-        ("kblocks", ctypes.c_int32),
-        ("ctas", ctypes.c_int32),
-        ("slots", ctypes.c_int32),
-        ("epi_op", ctypes.c_uint32),
-        ("flags", ctypes.c_uint32),
-        ("pad", ctypes.c_uint32 * 14),
-    ]
+    _fields_ = [("a_map", _tma.TensorMap), ("b_map", _tma.TensorMap), ("out_map", _tma.TensorMap), ("sync", MkSync),
+                ("out", ctypes.c_void_p), ("partial", ctypes.c_void_p), ("counts", ctypes.c_void_p),
+                ("ldc", ctypes.c_int64)] + \
+               [(n, ctypes.c_int32) for n in ("m", "n", "k", "kblocks", "ctas", "slots")] + \
+               [("epi_op", ctypes.c_uint32), ("flags", ctypes.c_uint32), ("pad", ctypes.c_uint32 * 14)]
 
 
 def knobs() -> tuple:
@@ -168,7 +152,6 @@ def row_block(N: int, K: int, mt: int = 8) -> int:
 class Built(typing.NamedTuple):
     """One launch of the decode kernel (``launch(fn, grid, block, args, smem=smem)``) and the
     partials' buffer it uses (None: no shared row block)."""
-
     fn: object
     grid: tuple
     block: tuple
