@@ -34,6 +34,8 @@ THREADS = 512       # MOE_NODE_THREADS
 PF_WORDS = 120      # MOE_PF_WORDS: the plan's proxy flags
 CNT_WORDS = 3       # MOE_NCNT_WORDS
 FWD_SUM_TOKENS = 32  # MOE_FWD_SUM_TOKENS: virtual tokens per chunk of forwarded sums
+VSEG_WORDS = MAX_NODES + (MAX_NODES - 1) * (MAX_PIECES + 1)  # MOE_VSEG_WORDS: segments, then their pieces
+FWD_CELLS = (MAX_NODES - 1) * MAX_PIECES  # MOE_FWD_CELLS: a group of forwarded sums lies in one (piece, segment)
 TOKENS_PER_CTA = 32  # the exchange stages a warp's 32 tokens per unit; CTAs beyond T / 32 idle
 PARTIAL_TOKENS_PER_CTA = 16  # the final sums: a warp per token
 EXCHANGE_MAX_CTAS = 64  # every CTA scans all T * k ids (cheap): more would only repeat that scan
@@ -87,7 +89,7 @@ def buffer_sizes(W, N, H, dtype, k, E, capacity):
     return [("gcounts", (W * grow_words(E),), u32), ("gcflag", (W,), u32),
             ("xsend", ((N - 1) * R, H), dtype), ("dsend", ((N - 1) * R * 2 * k,), u32),
             ("xrecv", ((N - 1) * R, H), dtype), ("drecv", ((N - 1) * R * 2 * k,), u32),
-            ("part", (R, H), f32), ("precv", ((N - 1) * R, H), dtype), ("fwdret", (1,), u32)]
+            ("part", (R, H), f32), ("precv", ((N - 1) * R, H), dtype), ("fwdret", (MAX_PIECES,), u32)]
 
 
 def plan(op, comm, H, dtype, k, E, capacity, scratch_start):
@@ -106,12 +108,12 @@ def plan(op, comm, H, dtype, k, E, capacity, scratch_start):
     if "pflags" not in p:
         p.update(fwd_rows=R, pieces=pieces, vids=cupy.empty(R * k, dtype=cupy.int32),
                  vw=cupy.empty(R * k, dtype=cupy.float32),
-                 vseg=cupy.zeros(MAX_NODES, dtype=cupy.uint32), slots=cupy.empty((N - 1) * R, dtype=cupy.int32),
+                 vseg=cupy.zeros(VSEG_WORDS, dtype=cupy.uint32), slots=cupy.empty((N - 1) * R, dtype=cupy.int32),
                  verdict=cupy.zeros(1, dtype=cupy.uint32), xepoch=cupy.zeros(1, dtype=cupy.uint32),
                  vown=cupy.zeros(E // N, dtype=cupy.uint32),
                  part_total=cupy.zeros(MAX_NODES, dtype=cupy.uint32),
                  tile_order=cupy.zeros(-(-capacity // _gemm.BM) + E // comm.size, dtype=cupy.uint32),
-                 fwdgrp=cupy.zeros(R // FWD_SUM_TOKENS + 1, dtype=cupy.uint32))
+                 fwdgrp=cupy.zeros(R // FWD_SUM_TOKENS + FWD_CELLS, dtype=cupy.uint32))
         cupy.cuda.runtime.deviceSynchronize()
         p["pflags"] = comm.proxy_flag_block(PF_WORDS)  # collective; peers signal them from their kernels
     return p

@@ -180,9 +180,11 @@ def test_node_args_layout_and_constants(tmp_path):
     n = importlib.import_module("mkernel.ops.moe_nodes")
     assert_same_layout("moe_nodes_args.cuh", n.MkMoeNodeArgs, tmp_path)
     c = _c_constants("moe_nodes_args.cuh", ["MOE_MAX_NODES", "MOE_PF_WORDS", "MOE_NCNT_WORDS",
-                                            "MOE_GROW_WORDS(10)", "MOE_FWD_SUM_TOKENS", "MOE_MAX_PIECES"], tmp_path)
+                                            "MOE_GROW_WORDS(10)", "MOE_FWD_SUM_TOKENS", "MOE_MAX_PIECES",
+                                            "MOE_VSEG_WORDS", "MOE_FWD_CELLS"], tmp_path)
     assert c["MOE_MAX_NODES"] == n.MAX_NODES and c["MOE_PF_WORDS"] == n.PF_WORDS
     assert c["MOE_FWD_SUM_TOKENS"] == n.FWD_SUM_TOKENS and c["MOE_MAX_PIECES"] == n.MAX_PIECES
+    assert c["MOE_VSEG_WORDS"] == n.VSEG_WORDS and c["MOE_FWD_CELLS"] == n.FWD_CELLS
     assert c["MOE_NCNT_WORDS"] == n.CNT_WORDS and c["MOE_GROW_WORDS"] == n.grow_words(10)
     cu = cuda_files()["moe_nodes.cu"].read_text()
     assert int(re.search(r"MOE_NODE_THREADS\s*=\s*(\d+)", cu).group(1)) == n.THREADS

@@ -41,6 +41,13 @@ enum {
 // Between nodes, forwarded tokens the fused combine sums per claim (a chunk; sums_group chunks a WRITE).
 enum { MOE_FWD_SUM_TOKENS = 32 };
 
+// Between nodes, vseg's words: the segments' first tokens (MOE_MAX_NODES), then per forwarded segment
+// i the first token of each piece q of its bundle, relative to vseg[i], and its size (q = MOE_MAX_PIECES).
+#define MOE_VPST(i, q) (MOE_MAX_NODES + (i) * (MOE_MAX_PIECES + 1) + (q))
+#define MOE_VSEG_WORDS MOE_VPST(MOE_MAX_NODES - 1, 0)
+// (piece, segment) cells of the fused combine's forwarded sums (moe_combine.cuh): a group of chunks lies in one.
+#define MOE_FWD_CELLS ((MOE_MAX_NODES - 1) * MOE_MAX_PIECES)
+
 // Device counters of one plan, zero between launches (the last CTA resets them). A CTA takes its
 // role by arrival (ARRIVE) and every piece of work is claimed (CLAIM_*, RUN, TILE, RET), so any
 // resident subset of the grid finishes (docs/MOE.md "Residency"): HIST and ORDER count the chunks
@@ -99,7 +106,7 @@ struct MkMoeArgs {
   // ranks (world, me, E: the node's), over virtual tokens: this rank's T, then the tokens of the
   // same-index ranks of the other nodes that it forwards (segment i: vseg[i] .. vseg[i + 1], rows at
   // xfwd + i * fwd_rows); topk_ids / topk_w are then the virtual pairs' (-1: not this node's).
-  const unsigned int* vseg;  // [nseg + 1]: vseg[0] = T, vseg[nseg] = virtual tokens (written on the device)
+  const unsigned int* vseg;  // [MOE_VSEG_WORDS]: vseg[0] = T, vseg[nseg] = virtual tokens, then pieces
   const void* xfwd;  // forwarded rows (16-bit, H per row)
   long long fwd_rows;  // rows per forwarded segment
   int nseg;  // forwarded segments (nodes - 1); 0 inside one node
@@ -114,13 +121,13 @@ struct MkMoeArgs {
   int node;  // this rank's node (global rank = node * world + me)
   int tile_m;  // fused GEMMs: their M-tile's rows; 0: the engine's order (no tile_order)
   // Between nodes, the fused GEMM + combine sends the forwarded tokens' sums itself (send_sums): once
-  // fwdret counts every forwarded pair's row back, chunks of them are summed into part (16-bit rows),
+  // fwdret counts every row of a piece's tokens back, chunks of them are summed into part (16-bit rows),
   // each group of sums_group chunks WRITten to its source's precv once summed (docs/MOE.md "Overlap").
   unsigned long long part_off;  // the node plan's part (as out: fp32 rows of this rank's tokens, then 16-bit)
   unsigned long long precv_off;  // the node plan's precv [N - 1][fwd_rows][H] at the sources
-  unsigned long long fwdret_off;  // u32 [1]: forwarded pairs' rows returned to this rank (zeroed by its last CTA)
+  unsigned long long fwdret_off;  // u32 [MOE_MAX_PIECES]: forwarded rows back here per piece of their expert
   int send_sums;  // 1: the fused GEMM + combine between nodes (the partials kernel then only adds)
   int sums_group;  // chunks of forwarded sums per WRITE (consecutive; the last group's CTA sends it)
-  unsigned int* fwdgrp;  // [chunks / sums_group + 1]: chunks summed per group (zeroed by the last CTA)
+  unsigned int* fwdgrp;  // [chunks / sums_group + MOE_FWD_CELLS]: chunks summed per group (zeroed by the last CTA)
   int pieces;  // between nodes: a bundle's rows cross in that many WRITEs (1..MOE_MAX_PIECES; the plan's)
 };

@@ -148,48 +148,117 @@ MK_DEV MoeSumsRoute moe_sums_route(const MkMoeArgs& a) {
                       (u32)a.me, (u32)a.T, (u32)a.H, (u32)a.fwd_rows, a.part_off,       a.precv_off};
 }
 
-// Between nodes, the fused combine, every thread of a CTA once its M-tiles with forwarded rows are
-// returned: when every forwarded pair's row is back here (fwdret reaches this rank's forwarded pairs,
-// its count row's all - own), chunks of the forwarded tokens are claimed and summed, and each group of
-// sums_group chunks is sent once summed (MoeSumsRoute::send), so the WRITEs stream while the rest is
-// summed. `slot`: a shared word.
-template <int DT>
-MK_DEV void moe_forward_sums(const MkMoeArgs& a, const MkPeers& peers, volatile int* slot, u32 Ep) {
-  const u32 tid = threadIdx.x, T = (u32)a.T, E = (u32)a.E;
-  const u32 n = a.vseg[a.nseg] - T, chunks = (n + MOE_FWD_SUM_TOKENS - 1) / MOE_FWD_SUM_TOKENS;
+// Between nodes, the fused combine's forwarded sums, piece by piece. The tokens of piece q of a bundle
+// (vseg's piece starts) have their first bucket in q and the rest later, so they are all back here once
+// every forwarded row of the node experts placed in pieces >= q is (fwdret per piece): the GEMM's order
+// (tile_order read backward: later experts first) brings the last pieces first. Chunks of
+// MOE_FWD_SUM_TOKENS tokens lie in (piece, segment) cells, cells by piece from the last, then segment;
+// sums_group chunks of one cell are WRITten at once (MoeSumsRoute::send).
+struct MoeFwdSums {
+  u32 lo[MOE_FWD_CELLS];  // a cell's first virtual token
+  u32 hi[MOE_FWD_CELLS];
+  u32 chunk0[MOE_FWD_CELLS + 1];  // its first chunk; [cells]: every chunk
+  u32 grp0[MOE_FWD_CELLS + 1];  // its first group; [cells]: every group (fwdgrp's words used)
+  u32 piece[MOE_FWD_CELLS];
+  u32 expect[MOE_MAX_PIECES];  // forwarded rows of this rank whose expert is placed in piece q
+  u32 cells;
+  u32 ready;  // every piece >= ready is back
+  int claim;  // thread 0's claim (a chunk), or -1
+  u32 cell;
+};
+
+// The piece of node expert x's rows forwarded by node rank s: where s's bundles place x (moe_send_place).
+MK_DEV u32 moe_row_piece(const MkMoeArgs& a, u32 x, u32 s) {
+  return moe_piece_of(moe_send_place(x, (u32)a.e_local, (u32)a.world, s), (u32)a.pieces, (u32)a.E);
+}
+
+// Every thread of a CTA: the cells and the rows each piece waits for, from this rank's count row.
+MK_DEV void moe_fwd_sums_setup(const MkMoeArgs& a, const MkPeers& peers, MoeFwdSums& fs) {
+  const u32 tid = threadIdx.x, E = (u32)a.E;
+  if (tid < MOE_MAX_PIECES) fs.expect[tid] = 0;
   __syncthreads();
-  if (tid == 0) {  // none to wait for once every chunk is claimed
-    const u64 t0 = trace_start(a.sync);
-    bool go = ld_cg(&a.counters[MOE_CNT_FWD_CLAIM]) < chunks;
-    if (go) {
-      const u32* row = peer_ptr<const u32>(peers, (u32)a.me, a.counts_off) + (u64)a.me * MOE_ROW_WORDS(E);
-      u32 fwd = 0;
-      for (u32 e = 0; e < E; ++e) fwd += ld_cg(row + e) - ld_cg(row + MOE_ROW_OWN(E) + e);
-      go = wait_at_least(a.sync, peer_ptr<u32>(peers, (u32)a.me, a.fwdret_off), fwd, -1, MOE_WAIT_FWD_BACK);
-      trace_span(a.sync, MK_ROLE_WAIT, MOE_TRACE_FWD_WAIT, t0);
-    }
-    *slot = go ? 1 : 0;
+  const u32* row = peer_ptr<const u32>(peers, (u32)a.me, a.counts_off) + (u64)a.me * MOE_ROW_WORDS(E);
+  for (u32 x = tid; x < E; x += blockDim.x) {
+    const u32 f = ld_cg(row + x) - ld_cg(row + MOE_ROW_OWN(E) + x);
+    if (f) atomicAdd(&fs.expect[moe_row_piece(a, x, (u32)a.me)], f);
+  }
+  if (tid == 0) {
+    const u32 G = (u32)a.sums_group;
+    u32 c = 0, chunks = 0, groups = 0;
+    for (u32 q = (u32)a.pieces; q-- > 0;)
+      for (u32 i = 0; i < (u32)a.nseg; ++i) {
+        const u32 lo = a.vseg[i] + a.vseg[MOE_VPST(i, q)], hi = a.vseg[i] + a.vseg[MOE_VPST(i, q + 1)];
+        if (lo == hi) continue;
+        const u32 n = (hi - lo + MOE_FWD_SUM_TOKENS - 1) / MOE_FWD_SUM_TOKENS;
+        fs.lo[c] = lo;
+        fs.hi[c] = hi;
+        fs.piece[c] = q;
+        fs.chunk0[c] = chunks;
+        fs.grp0[c++] = groups;
+        chunks += n;
+        groups += (n + G - 1) / G;
+      }
+    fs.chunk0[c] = chunks;
+    fs.grp0[c] = groups;
+    fs.cells = c;
+    fs.ready = (u32)a.pieces;
   }
   __syncthreads();
-  if (!*slot) return;
-  const u8* ret = peer_ptr<const u8>(peers, (u32)a.me, a.ret_off);
-  const MoeSumsRoute route = moe_sums_route(a);
-  for (;;) {
-    __syncthreads();  // every thread read *slot before thread 0 writes it
-    if (tid == 0) *slot = (int)atomicAdd(&a.counters[MOE_CNT_FWD_CLAIM], 1u);
-    __syncthreads();
-    const u32 c = (u32)*slot;
-    if (c >= chunks) return;
+}
+
+// Thread 0: every forwarded row of the pieces >= q is back here; waited for (time-bounded) if `wait`.
+MK_DEV bool moe_fwd_ready(const MkMoeArgs& a, const MkPeers& peers, MoeFwdSums& fs, u32 q, bool wait) {
+  const u32* back = peer_ptr<const u32>(peers, (u32)a.me, a.fwdret_off);
+  for (; fs.ready > q; --fs.ready) {
+    const u32 p = fs.ready - 1;
+    if (ld_acquire_sys(back + p) >= fs.expect[p]) continue;
+    if (!wait) return false;
     const u64 t0 = trace_start(a.sync);
-    const u32 lo = T + c * MOE_FWD_SUM_TOKENS, hi = min(T + n, lo + MOE_FWD_SUM_TOKENS);
-    moe_sum_tokens<DT>(a, ret, lo, hi, tid, blockDim.x);
+    if (!wait_at_least(a.sync, back + p, fs.expect[p], -1, MOE_WAIT_FWD_BACK + p)) return false;
+    trace_span(a.sync, MK_ROLE_WAIT, MOE_TRACE_FWD_WAIT | p, t0);
+  }
+  return true;
+}
+
+// Every thread of a CTA: chunks of forwarded sums claimed in order, each summed (16-bit, into part),
+// and the group of its cell sent by the CTA that sums the group's last chunk, so the WRITEs stream
+// while the GEMM goes on. wait = false (a CTA with M-tiles to return): only chunks whose piece is back;
+// true (past every M-tile with forwarded rows): every chunk left, each waited for.
+template <int DT>
+MK_DEV void moe_forward_sums(const MkMoeArgs& a, const MkPeers& peers, MoeFwdSums& fs, bool wait, u32 Ep) {
+  const u32 tid = threadIdx.x, G = (u32)a.sums_group, chunks = fs.chunk0[fs.cells];
+  u32* claims = &a.counters[MOE_CNT_FWD_CLAIM];
+  const u8* ret = peer_ptr<const u8>(peers, (u32)a.me, a.ret_off);
+  for (;;) {
+    __syncthreads();  // every thread read the last claim before thread 0 writes the next
+    if (tid == 0) {
+      fs.claim = -1;
+      for (u32 c = ld_cg(claims); c < chunks;) {
+        const u32 c1 = wait ? atomicAdd(claims, 1u) : c;
+        if (c1 >= chunks) break;
+        u32 i = 0;
+        while (fs.chunk0[i + 1] <= c1) ++i;
+        if (!moe_fwd_ready(a, peers, fs, fs.piece[i], wait)) break;
+        if (!wait && (c = atomicCAS(claims, c1, c1 + 1u)) != c1) continue;  // taken: try the next
+        fs.claim = (int)c1;
+        fs.cell = i;
+        break;
+      }
+    }
+    __syncthreads();
+    if (fs.claim < 0) return;
+    const u64 t0 = trace_start(a.sync);
+    const u32 c = (u32)fs.claim, i = fs.cell, k = c - fs.chunk0[i];
+    const u32 lo = fs.lo[i] + k * MOE_FWD_SUM_TOKENS;
+    moe_sum_tokens<DT>(a, ret, lo, min(fs.hi[i], lo + MOE_FWD_SUM_TOKENS), tid, blockDim.x);
     __threadfence_system();
     __syncthreads();  // the chunk's sums (every thread's, fenced) before it is counted in its group
     if (tid == 0) {
-      const u32 G = (u32)a.sums_group, grp = c / G, in_grp = min(G, chunks - grp * G);
-      if (atomicAdd(&a.fwdgrp[grp], 1u) + 1u == in_grp) {  // the group's last chunk: the group's WRITEs
+      const u32 g = k / G, in_grp = min(G, fs.chunk0[i + 1] - fs.chunk0[i] - g * G);
+      if (atomicAdd(&a.fwdgrp[fs.grp0[i] + g], 1u) + 1u == in_grp) {  // the group's last chunk: its WRITEs
         __threadfence_system();  // the other chunks' sums (each CTA fenced before counting)
-        route.send(T + grp * G * MOE_FWD_SUM_TOKENS, min(T + n, T + (grp + 1u) * G * MOE_FWD_SUM_TOKENS), Ep);
+        const u32 g0 = fs.lo[i] + g * G * MOE_FWD_SUM_TOKENS;
+        moe_sums_route(a).send(g0, min(fs.hi[i], g0 + G * MOE_FWD_SUM_TOKENS), Ep);
       }
       trace_span(a.sync, MK_ROLE_SEND, MOE_TRACE_FWD_SUM | c, t0);
     }

@@ -10,10 +10,11 @@
 // it claims are then computed or held by running CTAs: any resident part of the grid finishes).
 // Once every row is back, retflag[me] is set on every rank. Then every CTA sums its share of this
 // rank's tokens (moe_combine.cuh): the same sums, in the same order, as mk_moe_combine_kernel.
-// Between nodes (a.send_sums) the M-tiles with forwarded rows go first (moe_tiles.cuh); a CTA past
-// them counts the forwarded rows it returned into each source's fwdret, then sums forwarded tokens
-// in chunks once all of its own are back, each group of chunks WRITten once summed (moe_forward_sums),
-// while the GEMM goes on with the own-origin rows; the final sums then cover this rank's tokens only.
+// Between nodes (a.send_sums) the M-tiles with forwarded rows go first (moe_tiles.cuh), each one's
+// forwarded rows counted at their sources per piece once copied; a source sums its forwarded tokens
+// piece by piece as their rows are back (moe_forward_sums: between M-tiles, then all that is left past
+// them), each group of chunks WRITten once summed, while the GEMM goes on with the own-origin rows; the
+// final sums then cover this rank's tokens only.
 #include "moe_combine.cuh"
 #include "moe_tiles.cuh"
 #include "moe_gemm_args.cuh"
@@ -28,7 +29,8 @@ struct MoeReturnShared {
   MkGroupTable table;
   u64 copy_bar[MOE_GC_WARPS][2];
   u32 own[MK_GEMM_MAX_GROUPS];  // between nodes: own-origin rows per group (its first rows)
-  u32 fwd[MOE_MAX_WORLD];  // between nodes: forwarded rows returned per source, not yet counted there
+  u32 fwd[MOE_MAX_WORLD];  // between nodes: forwarded rows of the current M-tile per source
+  MoeFwdSums fs;  // between nodes: this rank's forwarded sums
   u32 claim;
   int ok;
   int back;
@@ -39,8 +41,9 @@ constexpr u32 MOE_RET_STAGE_OFFSET = (sizeof(MoeReturnShared) + 127u) & ~127u;
 // blocks, in the GEMM's order) claimed one by one; once every N-tile of one is stored (tiles_n flags),
 // its rows are whole in z and each leaves as one row (H * 2 bytes) for row t * k + j of its source's
 // return buffer, by the warps' bulk copiers (a warp per row), the copies of one M-tile overlapping
-// the wait for the next. Between nodes, at its first claim past the M-tiles with forwarded rows, the
-// CTA's forwarded rows are counted at their sources, then it joins moe_forward_sums.
+// the wait for the next. Between nodes, an M-tile's forwarded rows are counted at their sources (per
+// piece) once copied; before each claim the CTA sums the forwarded chunks already back, and at its
+// first claim past the M-tiles with forwarded rows, every chunk left (moe_forward_sums).
 template <class Cfg>
 MK_DEV void moe_return_rows(const MkMoeGemmArgs& args, MoeReturnShared& rs, u8* stage, const MkPeers& peers, u32 Ep) {
   const MkMoeArgs& a = args.m;
@@ -57,6 +60,7 @@ MK_DEV void moe_return_rows(const MkMoeGemmArgs& args, MoeReturnShared& rs, u8* 
       rs.own[le] = own;
     }
     if (tid < MOE_MAX_WORLD) rs.fwd[tid] = 0;
+    moe_fwd_sums_setup(a, peers, rs.fs);
   }
   if (tid == 0) {
     rs.ok = moe_credits_all(a, peers, Ep) ? 1 : 0;
@@ -75,24 +79,18 @@ MK_DEV void moe_return_rows(const MkMoeGemmArgs& args, MoeReturnShared& rs, u8* 
   const u32 tiles_n = space.tiles_n, units = space.num_tiles / tiles_n;  // a group's tiles: M-tiles x tiles_n
   u32 fwd_units = units;  // between nodes the M-tiles with forwarded rows: the first fwd_units claims
   for (u32 le = 0; nodes && le < El; ++le) fwd_units -= rs.own[le] / Cfg::BM;
-  bool counted = !nodes;
+  bool summed = !nodes;  // past the M-tiles with forwarded rows: every chunk of sums left was taken
   u32 mine = 0;  // rows this CTA returned
   MoeCopier<MOE_RET_CHUNK> copier{smem_u32(stage) + warp * 2u * MOE_RET_CHUNK, smem_u32(&rs.copy_bar[warp][0]), a.sync};
   for (;;) {
+    if (!summed) moe_forward_sums<Cfg::DT>(a, peers, rs.fs, false, Ep);  // the chunks already back
     if (tid == 0) rs.claim = atomicAdd(&a.counters[MOE_CNT_RET], 1u);
     __syncthreads();
     const u32 unit = rs.claim;
     const u64 t0 = trace_start(a.sync);
-    if (!counted && unit >= fwd_units) {  // this CTA's forwarded rows are stored: counted at their sources
-      if (lane == 0) copier.finish();
-      __syncthreads();
-      if (tid == 0) {
-        __threadfence_system();
-        for (u32 s = 0; s < W; ++s)
-          if (rs.fwd[s]) atomicAdd(peer_ptr<u32>(peers, s, a.fwdret_off), rs.fwd[s]);
-      }
-      counted = true;
-      moe_forward_sums<Cfg::DT>(a, peers, &rs.back, Ep);
+    if (!summed && unit >= fwd_units) {
+      summed = true;
+      moe_forward_sums<Cfg::DT>(a, peers, rs.fs, true, Ep);
     }
     if (unit >= units) break;
     const u32 mt = a.tile_m ? moe_mtile_at(a, units, unit, true) : unit;
@@ -105,10 +103,10 @@ MK_DEV void moe_return_rows(const MkMoeGemmArgs& args, MoeReturnShared& rs, u8* 
     }
     __syncthreads();
     if (!rs.ok) break;
+    const u32 fwd_row =
+        nodes ? (u32)space.row_base(t.group) + rs.own[t.group] : ~0u;  // its group's first forwarded row
     if (lane == 0) {
       fence_proxy_async_global();  // the bulk loads (async proxy) after the flags' acquire
-      const u32 fwd_row =
-          nodes ? (u32)space.row_base(t.group) + rs.own[t.group] : ~0u;  // its group's first forwarded row
       for (u32 r = warp; r < (u32)t.rows; r += MOE_GC_WARPS) {
         const u32 row = (u32)t.m0 + r;
         const u32 m = meta[row];
@@ -117,6 +115,17 @@ MK_DEV void moe_return_rows(const MkMoeGemmArgs& args, MoeReturnShared& rs, u8* 
         for (u32 o = 0; o < row_bytes; o += MOE_RET_CHUNK)
           copier.put(dst + o, src + o, min(MOE_RET_CHUNK, row_bytes - o));
         if (row >= fwd_row) atomicAdd(&rs.fwd[m >> 24], 1u);
+      }
+    }
+    if ((u32)t.m0 + (u32)t.rows > fwd_row) {  // its forwarded rows, once copied, counted at their sources
+      if (lane == 0) copier.finish();
+      __syncthreads();
+      if (tid == 0) {
+        __threadfence_system();
+        const u32 x = (u32)a.me * El + (u32)t.group;  // the M-tile's node expert
+        for (u32 s = 0; s < W; ++s)
+          if (rs.fwd[s]) atomicAdd(peer_ptr<u32>(peers, s, a.fwdret_off) + moe_row_piece(a, x, s), rs.fwd[s]);
+        for (u32 s = 0; s < W; ++s) rs.fwd[s] = 0;
       }
     }
     mine += (u32)t.rows;
@@ -162,8 +171,9 @@ __global__ void __launch_bounds__(MOE_GC_THREADS, 1)
                        MOE_GC_THREADS, MkBarCta(), &rs.back, epoch);
   __syncthreads();
   if (threadIdx.x == 0 && counters_reset_by_last_block(a.counters, MOE_CNT_WORDS, MOE_CNT_DONE) && a.send_sums) {
-    *peer_ptr<u32>(peers, (u32)a.me, a.fwdret_off) = 0;  // every count of this launch is in (or it failed)
-    for (u32 g = 0; g * (u32)a.sums_group * MOE_FWD_SUM_TOKENS < a.vseg[a.nseg] - (u32)a.T; ++g) a.fwdgrp[g] = 0;
+    for (u32 q = 0; q < MOE_MAX_PIECES; ++q)  // every count of this launch is in (or it failed)
+      peer_ptr<u32>(peers, (u32)a.me, a.fwdret_off)[q] = 0;
+    for (u32 g = 0; g < rs.fs.grp0[rs.fs.cells]; ++g) a.fwdgrp[g] = 0;
   }
   if (threadIdx.x == 0) trace_span(a.sync, MK_ROLE_CONTROL, MOE_TRACE_EXIT | blockIdx.x, t_in);
   launch_exit(a.sync, epoch);

@@ -305,7 +305,7 @@ MK_DEV bool check_rows(const MkMoeNodeArgs& a, u32 E) {
 
 __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_exchange_kernel(const __grid_constant__ MkMoeNodeArgs a) {
   __shared__ MoeStageShared st;
-  __shared__ u32 s_epoch, s_vseg[MOE_MAX_NODES];
+  __shared__ u32 s_epoch, s_vseg[MOE_MAX_NODES], s_pcnt[MOE_MAX_NODES - 1][MOE_MAX_PIECES];
   __shared__ int s_ok, s_last;
   __shared__ u32 s_slot;
   const u32 tid = threadIdx.x, N = (u32)a.nodes, node = (u32)a.node, K = (u32)a.k, L = (u32)a.local;
@@ -324,6 +324,7 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_exchange_kernel(co
     st.hist[i] = st.run[i] = 0;
     for (u32 w = 0; w < MOE_NODE_WARPS; ++w) st.wcnt[w][i] = 0;
   }
+  if (tid < MOE_FWD_CELLS) s_pcnt[tid / MOE_MAX_PIECES][tid % MOE_MAX_PIECES] = 0;
   __syncthreads();
   const u32 E = s_epoch;
   stage_bundles(a, first, st);
@@ -374,7 +375,27 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_exchange_kernel(co
       a.vids[p] = e;
       a.vw[p] = w;
     }
+    const u32 P = (u32)a.pieces, El = (u32)a.e_local;
+    for (u32 t = T + tid; t < VT; t += MOE_NODE_THREADS) {  // forwarded tokens per piece (sorted by bucket)
+      const u32 f = moe_fwd_segment(s_vseg, N - 1, t);
+      const u32* d = drecv + ((u64)f * R + (t - s_vseg[f])) * 2u * K;
+      u32 b = epn - 1u;
+      for (u32 q = 0; q < K; ++q) {
+        const int e = (int)__ldcg(d + q);
+        if (e >= 0) b = min(b, moe_send_place((u32)e, El, L, (u32)a.lrank));
+      }
+      atomicAdd(&s_pcnt[f][moe_piece_of(b, P, epn)], 1u);
+    }
+    __syncthreads();
     if (tid < N) a.vseg[tid] = s_vseg[tid];
+    if (tid + 1 < N) {  // each piece's first token in its segment (the fused combine sums them piece by piece)
+      u32 acc = 0;
+      for (u32 q = 0; q < MOE_MAX_PIECES; ++q) {
+        a.vseg[MOE_VPST(tid, q)] = acc;
+        if (q < P) acc += s_pcnt[tid][q];
+      }
+      a.vseg[MOE_VPST(tid, MOE_MAX_PIECES)] = acc;
+    }
     if (tid == 0) {
       *a.xepoch = E;
       *a.verdict = s_ok ? MOE_PLAN_OK : MOE_PLAN_FAILED;

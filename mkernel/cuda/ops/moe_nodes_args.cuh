@@ -38,7 +38,7 @@ struct MkMoeNodeArgs {
   void* out;  // partials kernel: [T, H] (16-bit), row stride ldo
   int* vids;  // [fwd_rows * k]: the virtual pairs' node-local expert ids (-1: another node's)
   float* vw;  // [fwd_rows * k]: their weights
-  unsigned int* vseg;  // [N]: MkMoeArgs::vseg
+  unsigned int* vseg;  // [MOE_VSEG_WORDS]: MkMoeArgs::vseg (segments, then their pieces)
   int* slots;  // [N - 1][fwd_rows]: token t's row in this rank's bundle to each other node (-1: none)
   unsigned int* verdict;  // [1]: MOE_PLAN_OK / MOE_PLAN_FAILED of the last exchange
   unsigned int* xepoch;  // [1]: the last exchange's epoch (MkMoeArgs::xepoch)
