@@ -15,7 +15,7 @@ by case and rank) for the float64 reference:
   (H <= 128, entries in {-2..2} and {-1, 0, 1}: exact), then moe_gemm_combine within 1e-2 of the
   float64 layer, its fused path (the node sums sent by the kernel) bitwise equal to the unfused;
 - each bundle's order (the plan's slots): by the token's first expert on the receiving node as the
-  receiver sends rows, then by token; the bundles crossing in 1, 2 and 3 pieces
+  receiver sends rows, then by token, and the receiver's piece starts; the bundles crossing in 1, 2 and 3 pieces
   (config.moe_bundle_pieces; 8 by default): the same checks;
 - each case twice, interleaved with the others (stale flags, epochs), with T differing per rank,
   a rank with T = 0, skewed routing, repeated experts in a token, experts that receive nothing,
@@ -34,6 +34,7 @@ import pytest
 import mkernel
 from mkernel.comm.collectives import allgather_object
 from mkernel.core.errors import ArgumentError, CapacityError
+from mkernel.ops.moe_nodes import MAX_NODES, MAX_PIECES
 from mkernel.testing import bytes_sent, bytes_sent_since, sync_or_exit
 
 from tests.helpers.arrays import BF16, bits, dev, host, poisoned
@@ -153,6 +154,15 @@ def _check_bundle_order(comm, P, h):
         want[[t for _, t in order]] = np.arange(len(order))
         if not np.array_equal(slots[j - (j > node)][:T], want):
             return f"bundle to node {j}: slots differ from the order by first expert, then token"
+    pcs, vseg = h._nodes["pieces"], host(h._nodes["vseg"])
+    for j in (j for j in range(N) if j != node):  # the bundle received from j: its pieces' first tokens
+        keys = [min(((v % El) * L + (v // El - lr) % L for v in (int(e) - node * epn for e in sids)
+                     if 0 <= v < epn), default=None) for sids in P["inp"][j * L + lr][1]]
+        n = np.bincount([key * pcs // epn for key in keys if key is not None], minlength=pcs)
+        want = np.concatenate([[0], np.cumsum(n), np.full(MAX_PIECES - pcs, n.sum())])
+        at = MAX_NODES + (MAX_PIECES + 1) * (j - (j > node))  # MOE_VPST(segment, 0)
+        if not np.array_equal(vseg[at:at + MAX_PIECES + 1], want):
+            return f"bundle from node {j}: piece starts {vseg[at:at + MAX_PIECES + 1]} != {want}"
     return None
 
 
