@@ -565,11 +565,13 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
                     with mkernel.config.override(**knobs):
                         f()
                 return call
-            fns.update(flip_dg=configured(mk_dg, **share), flip_gc=configured(mk_gc, **share),
-                       flipuf_dg=configured(uf_dg, **share), flipuf_gc=configured(uf_gc, **share),  # the blocks too
-                       few_dg=configured(mk_dg, moe_comm_sms=FEW_COMM_SMS),
-                       few_gc=configured(mk_gc, moe_comm_sms=FEW_COMM_SMS))
-            if nodes > 1:  # the forwarded sums chunk by chunk (moe_sums_group=1) against the default groups;
+            ab = W <= 2  # the knobs' A/B at 2 ranks; at 4 the paths only (a 300 s device step, 4 ranks' memory)
+            if ab:
+                fns.update(flip_dg=configured(mk_dg, **share), flip_gc=configured(mk_gc, **share),
+                           flipuf_dg=configured(uf_dg, **share), flipuf_gc=configured(uf_gc, **share),  # the blocks
+                           few_dg=configured(mk_dg, moe_comm_sms=FEW_COMM_SMS),
+                           few_gc=configured(mk_gc, moe_comm_sms=FEW_COMM_SMS))
+            if ab and nodes > 1:  # the forwarded sums chunk by chunk (moe_sums_group=1) against the default groups;
                 # each bundle in one piece (moe_bundle_pieces=1: its forwarded rows wait for all of it), four
                 fns.update(group1_gc=configured(mk_gc, moe_sums_group=1),
                            pieces1_dg=configured(mk_dg, moe_bundle_pieces=1),
