@@ -166,14 +166,47 @@ def routing(kind, T, E, k, seed):
     return np.ascontiguousarray(ids), np.ascontiguousarray(w.astype(np.float32))
 
 
-def plan_bytes(T, H, E, k, W, itemsize, nodes=1):
+def routing_seed(si, ri, rank):
+    """The seed of rank ``rank``'s routing ``ri`` of shape ``si`` (every rank can draw every rank's)."""
+    return 7919 * (si + 1) + 101 * ri + rank
+
+
+def tight_capacity(shape, si, routings, W, nodes=1):
+    """The rows every routing of this shape needs at W ranks (every rank's routing drawn here): the
+    most any owner receives, and between nodes the most virtual pairs (own tokens and those forwarded
+    from the same-index ranks of the other nodes) any rank sends; rounded up to 1024."""
+    T, H, F, E, k = shape
+    El, L, epn = E // W, W // nodes, E // nodes
+    need = 0
+    for ri, rt in enumerate(routings):
+        ids = [routing(rt, T, E, k, routing_seed(si, ri, r))[0] for r in range(W)]
+        owners = sum(np.bincount(i.ravel(), minlength=E) for i in ids).reshape(W, El).sum(axis=1)
+        need = max(need, int(owners.max()))
+        on_node = [[(i // epn == n).any(axis=1).sum() for n in range(nodes)] for i in ids]  # tokens per node
+        for r in range(W):
+            n, lr = divmod(r, L)
+            need = max(need, k * (T + sum(int(on_node[j * L + lr][n]) for j in range(nodes) if j != n)))
+    return -(-need // 1024) * 1024
+
+
+def bench_capacity(shape, si, routings, W, nodes=1):
+    """moe_capacity (W T k rows) at up to 2 ranks; beyond, the routings' need (tight_capacity), as a user
+    would pass it: 4 ranks' buffers at the default do not fit one 80 GB GPU."""
+    import mkernel
+
+    T, _, _, _, k = shape
+    return mkernel.moe_capacity(T, k, W) if W <= 2 else tight_capacity(shape, si, routings, W, nodes)
+
+
+def plan_bytes(T, H, E, k, W, itemsize, nodes=1, cap=None):
     """Symmetric workspace the MoE plan of one shape takes (mkernel/ops/moe.py _plan, and between nodes
-    mkernel/ops/moe_nodes.py plan), allocation by allocation rounded up as the heap does."""
+    mkernel/ops/moe_nodes.py plan) at capacity ``cap`` (default moe_capacity), allocation by allocation
+    rounded up as the heap does."""
     import mkernel
     from mkernel.comm.symmetric import ALIGN
     from mkernel.ops import moe, moe_nodes
 
-    cap = mkernel.moe_capacity(T, k, W)
+    cap = cap or mkernel.moe_capacity(T, k, W)
     sizes = [W * moe.row_words(E) * 4, W * 4, W * 4, W * 4, 2 * E * 4, cap * 4, cap * H * itemsize,
              cap * H * itemsize]
     if nodes > 1:
@@ -454,7 +487,8 @@ def stage(comm, name, fn, errors, fatal):
 
 
 # ----------------------------------------------------------------------------------- one shape
-def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, errors, fatal, nodes=1, mps=None):
+def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, errors, fatal, nodes=1, mps=None,
+                cap=None):
     """Rows of one shape. ``mps`` (ranks sharing a GPU under MPS, one node: a DeviceBarrier) times by
     bench/mps_timing.py's rule, the baseline the unfused blocks, compute_ms the grouped GEMM alone
     with every rank at once."""
@@ -465,7 +499,7 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
     T, H, F, E, k = shape
     W, me = comm.size, comm.rank
     El = E // W
-    cap = mkernel.moe_capacity(T, k, W)
+    cap = cap or mkernel.moe_capacity(T, k, W)
     rows = []
     sname = "x".join(str(v) for v in shape)
 
@@ -485,7 +519,7 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
 
     for ri, rt in enumerate(routings):
         name = f"{sname} {rt}"
-        ids_h, w_h = routing(rt, T, E, k, 7919 * (si + 1) + 101 * ri + me)
+        ids_h, w_h = routing(rt, T, E, k, routing_seed(si, ri, me))
         counts = comm.bench_mpi.allgather(np.bincount(ids_h.ravel(), minlength=E).astype(np.int64))
         L = Layout(ids_h, counts, E, W, me)
         ids_d, w_d = cupy.asarray(ids_h), cupy.asarray(w_h)
@@ -765,8 +799,9 @@ def main():
     nodes = args.nodes
     if nodes < 1 or W0 % nodes:
         sys.exit(f"bench/moe.py: --nodes {nodes} does not divide the {W0} ranks")
-    ws = (CONTROL_BYTES + max(plan_bytes(T, H, E, k, W0, dt.itemsize, nodes) for T, H, F, E, k in shapes)
-          + WORKSPACE_MARGIN)
+    caps = [bench_capacity(s, si, routings, W0, nodes) for si, s in enumerate(shapes)]
+    ws = (CONTROL_BYTES + max(plan_bytes(T, H, E, k, W0, dt.itemsize, nodes, cap)
+                              for (T, H, F, E, k), cap in zip(shapes, caps)) + WORKSPACE_MARGIN)
     comm = (mkernel.init(workspace_bytes=ws) if nodes == 1 else
             mkernel.init(workspace_bytes=ws, gpus_per_node=W0 // nodes, transport=args.transport))
     # the benchmark's own collectives on a duplicate: never matched against one inside an op
@@ -821,7 +856,7 @@ def main():
     for si, shape in enumerate(shapes):
         try:
             rows += bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, errors, fatal,
-                                nodes, mps=mps)
+                                nodes, mps=mps, cap=caps[si])
         except Stop as e:
             stopped = str(e)
             if me == 0:
@@ -837,6 +872,8 @@ def main():
                       out_dir=args.out, reps=reps, errors=errors,
                       stopped_after=stopped, physical_gpus=physical, shared_gpu=shared, baseline_note=baseline_note,
                       workspace_bytes=ws, link_gbs=link_gbs, peak_tflops=PEAK_TFLOPS,
+                      capacity_rule="moe_capacity (W T k rows) at up to 2 ranks; beyond, the routings' need "
+                                    "rounded up to 1024 (bench/moe.py tight_capacity)",
                       baseline="device sort (cupy.argsort of expert * P + pair) + cupy.take of the token rows, NCCL "
                                "grouped send/recv all-to-all (self included; counts exchanged once on the host, "
                                "outside timing), cupy.matmul per local expert; reverse: cupy.matmul per local expert, "
