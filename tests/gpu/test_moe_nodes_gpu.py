@@ -137,6 +137,13 @@ def _combine_ref(P, me, gemm=None):
     return out
 
 
+def _bucket(ids, j, epn, El, L, lr):
+    """Token ids' bucket at rank (j, lr): the least place of its node-j experts in the order that rank
+    sends rows (local expert, then owner from lr on); None without one."""
+    return min(((v % El) * L + (v // El - lr) % L for v in (int(e) - j * epn for e in ids) if 0 <= v < epn),
+               default=None)
+
+
 def _check_bundle_order(comm, P, h):
     """Each bundle's slots: its tokens sorted by their first expert on the receiving node in the order
     the receiver sends rows (local expert, then owner from its rank on), then by token."""
@@ -145,10 +152,7 @@ def _check_bundle_order(comm, P, h):
     T, R = ids.shape[0], h._nodes["fwd_rows"]
     slots = host(h._nodes["slots"]).reshape(N - 1, R)
     for j in (j for j in range(N) if j != node):
-        keys = []
-        for t in range(T):
-            x = [int(e) - j * epn for e in ids[t] if int(e) // epn == j]
-            keys.append(min(((v % El) * L + (v // El - lr) % L for v in x), default=None))
+        keys = [_bucket(ids[t], j, epn, El, L, lr) for t in range(T)]
         order = sorted((k, t) for t, k in enumerate(keys) if k is not None)
         want = np.full(T, -1)
         want[[t for _, t in order]] = np.arange(len(order))
@@ -156,8 +160,7 @@ def _check_bundle_order(comm, P, h):
             return f"bundle to node {j}: slots differ from the order by first expert, then token"
     pcs, vseg = h._nodes["pieces"], host(h._nodes["vseg"])
     for j in (j for j in range(N) if j != node):  # the bundle received from j: its pieces' first tokens
-        keys = [min(((v % El) * L + (v // El - lr) % L for v in (int(e) - node * epn for e in sids)
-                     if 0 <= v < epn), default=None) for sids in P["inp"][j * L + lr][1]]
+        keys = [_bucket(sids, node, epn, El, L, lr) for sids in P["inp"][j * L + lr][1]]
         n = np.bincount([key * pcs // epn for key in keys if key is not None], minlength=pcs)
         want = np.concatenate([[0], np.cumsum(n), np.full(MAX_PIECES - pcs, n.sum())])
         at = MAX_NODES + (MAX_PIECES + 1) * (j - (j > node))  # MOE_VPST(segment, 0)

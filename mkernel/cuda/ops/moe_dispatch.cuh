@@ -152,17 +152,23 @@ MK_DEV u32 moe_send_place(u32 x, u32 El, u32 L, u32 me) {
   return (x - d * El) * L + (d + L - me) % L;
 }
 MK_DEV u32 moe_piece_of(u32 b, u32 P, u32 epn) { return b * P / epn; }
+// A token's bucket at node rank `me`: the least place of its experts (ids: node-local, -1 elsewhere);
+// `none` if it has no pair there.
+MK_DEV u32 moe_token_bucket(const int* ids, u32 K, u32 El, u32 L, u32 me, u32 none) {
+  u32 b = none;
+  for (u32 q = 0; q < K; ++q) {
+    const int x = __ldcg(ids + q);
+    if (x >= 0) b = min(b, moe_send_place((u32)x, El, L, me));
+  }
+  return b;
+}
 
 // Between nodes, lane 0 of a sending warp: the piece of the bundle that holds forwarded virtual
 // token t has landed (its ROWS flag; `seen`: the (segment, piece)s known to be in). A timeout is
 // recorded, no flag follows.
 MK_DEV void moe_wait_bundle(const MkMoeArgs& a, const u32* vseg, u32 t, u32 xE, u64& seen) {
   const u32 i = moe_fwd_segment(vseg, (u32)a.nseg, t), K = (u32)a.k;
-  u32 b = (u32)a.E;  // its bucket: the token has a pair here (the one being sent)
-  for (u32 q = 0; q < K; ++q) {
-    const int x = a.topk_ids[(u64)t * K + q];
-    if (x >= 0) b = min(b, moe_send_place((u32)x, (u32)a.e_local, (u32)a.world, (u32)a.me));
-  }
+  const u32 b = moe_token_bucket(a.topk_ids + (u64)t * K, K, (u32)a.e_local, (u32)a.world, (u32)a.me, (u32)a.E);
   const u32 q = moe_piece_of(b, (u32)a.pieces, (u32)a.E), bit = i * MOE_MAX_PIECES + q;
   if ((seen >> bit) & 1u) return;
   const u64 t0 = trace_start(a.sync);

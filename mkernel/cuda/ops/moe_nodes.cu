@@ -378,12 +378,8 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_exchange_kernel(co
     const u32 P = (u32)a.pieces, El = (u32)a.e_local;
     for (u32 t = T + tid; t < VT; t += MOE_NODE_THREADS) {  // forwarded tokens per piece (sorted by bucket)
       const u32 f = moe_fwd_segment(s_vseg, N - 1, t);
-      const u32* d = drecv + ((u64)f * R + (t - s_vseg[f])) * 2u * K;
-      u32 b = epn - 1u;
-      for (u32 q = 0; q < K; ++q) {
-        const int e = (int)__ldcg(d + q);
-        if (e >= 0) b = min(b, moe_send_place((u32)e, El, L, (u32)a.lrank));
-      }
+      const int* ids = reinterpret_cast<const int*>(drecv + ((u64)f * R + (t - s_vseg[f])) * 2u * K);
+      const u32 b = moe_token_bucket(ids, K, El, L, (u32)a.lrank, epn - 1u);  // (it has a pair here)
       atomicAdd(&s_pcnt[f][moe_piece_of(b, P, epn)], 1u);
     }
     __syncthreads();
