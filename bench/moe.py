@@ -431,7 +431,7 @@ class Baseline:
 
 # -------------------------------------------------------------------------------------- timing
 MPS_ROUNDS = 6  # under MPS: batches per variant (mps_timing.BATCH calls each), interleaved
-FEW_COMM_SMS = 4  # under MPS: the fused kernels also timed with this many comm CTAs (default moe_comm_sms)
+FEW_COMM_SMS = (4, 8)  # under MPS: the fused kernels also timed with these many comm CTAs (default moe_comm_sms)
 
 
 def timed_interleaved(comm, fns, reps, warmup=harness.WARMUP):
@@ -603,8 +603,8 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
             if ab:
                 fns.update(flip_dg=configured(mk_dg, **share), flip_gc=configured(mk_gc, **share),
                            flipuf_dg=configured(uf_dg, **share), flipuf_gc=configured(uf_gc, **share),  # the blocks
-                           few_dg=configured(mk_dg, moe_comm_sms=FEW_COMM_SMS),
-                           few_gc=configured(mk_gc, moe_comm_sms=FEW_COMM_SMS))
+                           **{f"few{n}_{sfx}": configured(f, moe_comm_sms=n)
+                              for n in FEW_COMM_SMS for sfx, f in (("dg", mk_dg), ("gc", mk_gc))})
             if ab and nodes > 1:  # the forwarded sums chunk by chunk (moe_sums_group=1) against the default groups;
                 # each bundle in one piece (moe_bundle_pieces=1: its forwarded rows wait for all of it), four
                 fns.update(group1_gc=configured(mk_gc, moe_sums_group=1),
@@ -686,7 +686,7 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
                 knob = f"mps_full_share={share['mps_full_share']}"
                 r["variants_ms"] = {name: harness.median(ts[key]) for name, key in
                                     ((knob, f"flip_{sfx}"), (f"unfused {knob}", f"flipuf_{sfx}"),
-                                     (f"moe_comm_sms={FEW_COMM_SMS}", f"few_{sfx}"),
+                                     *((f"moe_comm_sms={n}", f"few{n}_{sfx}") for n in FEW_COMM_SMS),
                                      ("moe_sums_group=1", f"group1_{sfx}"),
                                      ("moe_bundle_pieces=1", f"pieces1_{sfx}"),
                                      ("moe_bundle_pieces=4", f"pieces4_{sfx}")) if key in ts}

@@ -11,9 +11,6 @@
 
 // Loads in flight per lane when a warp copies one row (copy_span over its 32 lanes).
 constexpr u32 MOE_COPY_UNROLL = 8;
-// Rows of a token a lane loads before it adds them (the weighted sum; one at a time is latency-bound).
-constexpr u32 MOE_SUM_IN_FLIGHT = 4;
-
 // Thread 0: every rank entered this epoch (its return buffer may be written).
 MK_DEV bool moe_credits_all(const MkMoeArgs& a, const MkPeers& peers, u32 Ep) {
   for (u32 d = 0; d < (u32)a.world; ++d)
@@ -44,32 +41,33 @@ MK_DEV void moe_sum_tokens(const MkMoeArgs& a, const u8* ret, u32 lo, u32 hi, u3
   const u32 row_bytes = (u32)a.H * 2u;
   u8* out = reinterpret_cast<u8*>(a.out);
   for (u32 t = lo + warp; t < hi; t += nthr / 32) {
+    const u64 pair0 = (u64)t * K;
+    const bool here = lane < K && !(a.nseg && a.topk_ids[pair0 + lane] < 0);  // not another node's pair
+    const float wl = lane < K ? a.topk_w[pair0 + lane] : 0.f;
+    const u32 valid = __ballot_sync(~0u, here), n = __popc(valid);
+    u32 js[MOE_MAX_TOPK];  // the token's rows here, j ascending, and their weights
+    float ws[MOE_MAX_TOPK];
+    u32 m = valid;
+#pragma unroll
+    for (u32 u = 0; u < MOE_MAX_TOPK; ++u) {
+      js[u] = m ? (u32)__ffs(m) - 1u : 0u;
+      ws[u] = __shfl_sync(~0u, wl, js[u]);
+      m &= m - 1u;
+    }
     for (u32 o = lane * 16u; o < row_bytes; o += 32u * 16u) {
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (u32 j0 = 0; j0 < K; j0 += MOE_SUM_IN_FLIGHT) {  // loads first, then the sums in j order
-        uint4 v[MOE_SUM_IN_FLIGHT];
-        float w[MOE_SUM_IN_FLIGHT];
-        bool in[MOE_SUM_IN_FLIGHT];  // a row here: not past k, not another node's pair (id -1)
+      uint4 v[MOE_MAX_TOPK];  // every row's 16 bytes in flight, then the sums in j order
 #pragma unroll
-        for (u32 u = 0; u < MOE_SUM_IN_FLIGHT; ++u)
-          in[u] = j0 + u < K && !(a.nseg && a.topk_ids[(u64)t * K + j0 + u] < 0);
+      for (u32 u = 0; u < MOE_MAX_TOPK; ++u)
+        if (u < n) v[u] = __ldcg(reinterpret_cast<const uint4*>(ret + (pair0 + js[u]) * row_bytes + o));
 #pragma unroll
-        for (u32 u = 0; u < MOE_SUM_IN_FLIGHT; ++u) {
-          const u64 pair = (u64)t * K + j0 + u;
-          if (in[u]) {
-            w[u] = a.topk_w[pair];
-            v[u] = __ldcg(reinterpret_cast<const uint4*>(ret + pair * row_bytes + o));
-          }
-        }
+      for (u32 u = 0; u < MOE_MAX_TOPK; ++u) {
+        if (u >= n) break;
+        const u32 words[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
 #pragma unroll
-        for (u32 u = 0; u < MOE_SUM_IN_FLIGHT; ++u) {
-          if (!in[u]) continue;
-          const u32 words[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            acc[2 * q] = fmaf(w[u], half_to_float<DT>((u16)(words[q] & 0xFFFFu)), acc[2 * q]);
-            acc[2 * q + 1] = fmaf(w[u], half_to_float<DT>((u16)(words[q] >> 16)), acc[2 * q + 1]);
-          }
+        for (int q = 0; q < 4; ++q) {
+          acc[2 * q] = fmaf(ws[u], half_to_float<DT>((u16)(words[q] & 0xFFFFu)), acc[2 * q]);
+          acc[2 * q + 1] = fmaf(ws[u], half_to_float<DT>((u16)(words[q] >> 16)), acc[2 * q + 1]);
         }
       }
       if (a.partial_out && t < (u32)a.T) {
