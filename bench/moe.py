@@ -64,6 +64,7 @@ Results: ``...-<W>gpu-<N>node.json``.
 """
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -431,7 +432,7 @@ class Baseline:
 
 # -------------------------------------------------------------------------------------- timing
 MPS_ROUNDS = 6  # under MPS: batches per variant (mps_timing.BATCH calls each), interleaved
-FEW_COMM_SMS = (4, 8)  # under MPS: the fused kernels also timed with these many comm CTAs (default moe_comm_sms)
+COMM_SMS_VARIANTS = (4, 8, 16)  # under MPS: the fused kernels also timed with these many comm CTAs (comm_sms=)
 
 
 def timed_interleaved(comm, fns, reps, warmup=harness.WARMUP):
@@ -525,16 +526,17 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
         ids_d, w_d = cupy.asarray(ids_h), cupy.asarray(w_h)
         st = {}
 
-        def mk_dg():
+        def mk_dg(comm_sms=None):
             _, st["h"] = mkernel.moe_dispatch_gemm(x, ids_d, w_d, w1, comm=comm, num_experts=E, capacity=cap,
-                                                   out=B["y_mk"], path="fused")
+                                                   out=B["y_mk"], path="fused", comm_sms=comm_sms)
 
         def mk_dg_with(join):  # the dispatch CTAs join the GEMM after their sends, or not (config moe_join_gemm)
             with mkernel.config.override(moe_join_gemm=join):
                 mk_dg()
 
-        def mk_gc():  # the fused kernel (the default path between nodes; inside a node the blocks are)
-            mkernel.moe_gemm_combine(B["y_mk"], w2, st["h"], comm=comm, out=B["out_mk"], path="fused")
+        def mk_gc(comm_sms=None):  # the fused kernel (the default path between nodes; inside a node the blocks are)
+            mkernel.moe_gemm_combine(B["y_mk"], w2, st["h"], comm=comm, out=B["out_mk"], path="fused",
+                                     comm_sms=comm_sms)
 
         def uf_dg():
             recv, st["h"] = mkernel.moe_dispatch(x, ids_d, w_d, comm=comm, num_experts=E, capacity=cap,
@@ -599,12 +601,12 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
                     with mkernel.config.override(**knobs):
                         f()
                 return call
-            ab = W <= 2  # the knobs' A/B at 2 ranks; at 4 the paths only (a 300 s device step, 4 ranks' memory)
+            fns.update({f"sms{n}_{sfx}": functools.partial(f, n)  # at every rank count: the defaults cap with the grid
+                        for sfx, f in (("dg", mk_dg), ("gc", mk_gc)) for n in COMM_SMS_VARIANTS})
+            ab = W <= 2  # the knobs' A/B at 2 ranks only (a 300 s device step, 4 ranks' memory)
             if ab:
                 fns.update(flip_dg=configured(mk_dg, **share), flip_gc=configured(mk_gc, **share),
-                           flipuf_dg=configured(uf_dg, **share), flipuf_gc=configured(uf_gc, **share),  # the blocks
-                           **{f"few{n}_{sfx}": configured(f, moe_comm_sms=n)
-                              for n in FEW_COMM_SMS for sfx, f in (("dg", mk_dg), ("gc", mk_gc))})
+                           flipuf_dg=configured(uf_dg, **share), flipuf_gc=configured(uf_gc, **share))  # the blocks
             if ab and nodes > 1:  # the forwarded sums chunk by chunk (moe_sums_group=1) against the default groups;
                 # each bundle in one piece (moe_bundle_pieces=1: its forwarded rows wait for all of it), four
                 fns.update(group1_gc=configured(mk_gc, moe_sums_group=1),
@@ -686,7 +688,7 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
                 knob = f"mps_full_share={share['mps_full_share']}"
                 r["variants_ms"] = {name: harness.median(ts[key]) for name, key in
                                     ((knob, f"flip_{sfx}"), (f"unfused {knob}", f"flipuf_{sfx}"),
-                                     *((f"moe_comm_sms={n}", f"few{n}_{sfx}") for n in FEW_COMM_SMS),
+                                     *((f"comm_sms={n}", f"sms{n}_{sfx}") for n in COMM_SMS_VARIANTS),
                                      ("moe_sums_group=1", f"group1_{sfx}"),
                                      ("moe_bundle_pieces=1", f"pieces1_{sfx}"),
                                      ("moe_bundle_pieces=4", f"pieces4_{sfx}")) if key in ts}

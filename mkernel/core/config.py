@@ -67,7 +67,9 @@ class Config:
     # communication CTAs (the TP ops', ring attention's forwarders) stage their loads in their idle
     # shared memory (cp.async, copy.cuh MkStage; False: in registers, 4-8 vectors a thread)
     comm_staged: bool = True
-    moe_comm_sms: int = 16        # dispatch CTAs of the fused MoE kernels
+    moe_comm_sms: int = 16        # dispatch CTAs of the fused dispatch + GEMM
+    # returning CTAs of the fused GEMM + combine: fewer, since its GEMM is its tail between nodes
+    moe_combine_comm_sms: int = 8
     moe_join_gemm: bool = True    # the dispatch CTAs take GEMM tiles once their rows are sent
     moe_sums_group: int = 4       # between nodes, the fused combine's chunks of sums (32 tokens) per WRITE
     # between nodes, a bundle's rows cross in this many WRITEs (1..8; pieces of its tokens sorted by
@@ -107,8 +109,8 @@ class Config:
     def __post_init__(self):
         if self.tp_controller not in CONTROLLER_SETTINGS:
             raise ArgumentError(f"tp_controller must be one of {CONTROLLER_SETTINGS}; got {self.tp_controller!r}")
-        for name in ("tp_fuse_min_tiles", "tp_fuse_min_k", "tp_lend_share", "moe_comm_sms", "moe_sums_group",
-                     "ring_comm_sms", "tp_send_tiles", "gemm_decode_max_m", "tp_latency_max_rows",
+        for name in ("tp_fuse_min_tiles", "tp_fuse_min_k", "tp_lend_share", "moe_comm_sms", "moe_combine_comm_sms",
+                     "moe_sums_group", "ring_comm_sms", "tp_send_tiles", "gemm_decode_max_m", "tp_latency_max_rows",
                      "tp_latency_ll_max_rows", "allreduce_ll_max_bytes", "allreduce_twoshot_min_bytes",
                      "allreduce_twoshot_min_bytes_2ranks"):
             v = getattr(self, name)

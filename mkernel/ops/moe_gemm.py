@@ -38,6 +38,7 @@ PATHS = ("fused", "unfused")
 DEFAULT_PATH = types.MappingProxyType({("moe_dispatch_gemm", False): "fused", ("moe_dispatch_gemm", True): "fused",
                                        ("moe_gemm_combine", False): "unfused", ("moe_gemm_combine", True): "fused"})
 MAX_EXPERTS_LOCAL = _gemm.MAX_GROUPS  # one GEMM group per local expert
+COMM_GRID_SHARE = 4      # by default the comm CTAs take at most 1/4 of the grid: the GEMM keeps the rest
 
 COMBINE_KERNEL = "mk_moe_gemm_combine_kernel"
 CNT_TILE, CNT_GEMM_DONE = 5, 7  # MOE_CNT_TILE, MOE_CNT_GEMM_DONE: the combine GEMM's scheduler words
@@ -134,7 +135,10 @@ def _check_path(op, path, comm_sms, comm):
     path = default_path(op, comm) if path is None else path
     if path not in PATHS:
         raise ArgumentError(f"{op}: path must be one of {PATHS}; got {path!r}")
-    comm_sms = config.get().moe_comm_sms if comm_sms is None else comm_sms
+    if comm_sms is None:  # the op's knob, at most a quarter of the grid (4 ranks under MPS: 8 of 33)
+        cfg = config.get()
+        knob = cfg.moe_combine_comm_sms if op == "moe_gemm_combine" else cfg.moe_comm_sms
+        comm_sms = max(1, min(knob, launch.grid_sms(comm, op) // COMM_GRID_SHARE))
     if not isinstance(comm_sms, int) or isinstance(comm_sms, bool) or not 1 <= comm_sms < launch.sm_count():
         raise ArgumentError(f"{op}: comm_sms must be an integer in 1..{launch.sm_count() - 1}; got {comm_sms!r}")
     return path, comm_sms
@@ -187,11 +191,11 @@ def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=No
     routing weights: out [T, H], the same bits as ``moe_combine(grouped_gemm(y2, w2))``.
 
     path: "unfused": grouped_gemm, then moe_combine, back to back on the stream. "fused": one kernel;
-    ``comm_sms`` CTAs (default 16) send the rows of every M-tile as soon as its N-tiles are stored;
-    between nodes it computes the M-tiles with forwarded rows first and sends their tokens' node sums
-    in chunks while it computes the rest (docs/MOE.md "Overlap"). Both give the same bits. Default
-    (None): fused between nodes, unfused inside one node, where the fused kernel is still the slower
-    (0.89-0.95x its blocks at world 1 on the H200; bench/NOTES.md).
+    ``comm_sms`` CTAs (default 8: config moe_combine_comm_sms) send the rows of every M-tile as soon as
+    its N-tiles are stored; between nodes it computes the M-tiles with forwarded rows first and sends
+    their tokens' node sums in chunks while it computes the rest (docs/MOE.md "Overlap"). Both give the
+    same bits. Default (None): fused between nodes, unfused inside one node, where the fused kernel is
+    still the slower (0.89-0.95x its blocks at world 1 on the H200; bench/NOTES.md).
     """
     import cupy
 

@@ -376,3 +376,16 @@ def test_the_sanitizer_summarises_which_gemm_tiles_finished_at_a_stall():
     spans = np.array([row(0, 0, 0), row(0, 0, 2), row(5, 0, 3), row(5, 4, 1), row(9, 2, 4)], dtype=np.uint64)
     assert compute_span_summary(spans, 6) == (5, [1, 4, 5], 2)  # tile 1 only waited, 4 only sent
     assert compute_span_summary(spans[:0], 2) == (0, [0, 1], 0)
+
+
+@pytest.mark.parametrize("grid,dispatch,combine", [(132, 16, 8), (66, 16, 8), (33, 8, 8), (12, 3, 3), (3, 1, 1)])
+def test_moe_default_comm_sms_follow_the_knobs_up_to_a_quarter_of_the_grid(monkeypatch, grid, dispatch, combine):
+    mg = importlib.import_module("mkernel.ops.moe_gemm")
+    monkeypatch.setattr(launch, "sm_count", lambda full_share=False: 132)
+    monkeypatch.setattr(launch, "grid_sms", lambda comm, op: grid)
+    comm = _fake_comm((0, 1), 1)
+    assert mg._check_path("moe_dispatch_gemm", None, None, comm) == ("fused", dispatch)
+    assert mg._check_path("moe_gemm_combine", "fused", None, comm) == ("fused", combine)
+    assert mg._check_path("moe_gemm_combine", "fused", 16, comm) == ("fused", 16)  # an explicit count stays
+    with mkernel.config.override(moe_combine_comm_sms=2):
+        assert mg._check_path("moe_gemm_combine", "fused", None, comm)[1] == min(2, max(1, grid // 4))
