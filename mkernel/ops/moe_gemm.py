@@ -38,7 +38,8 @@ PATHS = ("fused", "unfused")
 DEFAULT_PATH = types.MappingProxyType({("moe_dispatch_gemm", False): "fused", ("moe_dispatch_gemm", True): "fused",
                                        ("moe_gemm_combine", False): "unfused", ("moe_gemm_combine", True): "fused"})
 MAX_EXPERTS_LOCAL = _gemm.MAX_GROUPS  # one GEMM group per local expert
-COMM_GRID_SHARE = 4      # by default the comm CTAs take at most 1/4 of the grid: the GEMM keeps the rest
+# by default an op's comm CTAs take at most 1/n of the grid, the GEMM the rest (bench/NOTES.md session 66)
+COMM_GRID_SHARE = types.MappingProxyType({"moe_dispatch_gemm": 4, "moe_gemm_combine": 8})
 
 COMBINE_KERNEL = "mk_moe_gemm_combine_kernel"
 CNT_TILE, CNT_GEMM_DONE = 5, 7  # MOE_CNT_TILE, MOE_CNT_GEMM_DONE: the combine GEMM's scheduler words
@@ -135,10 +136,10 @@ def _check_path(op, path, comm_sms, comm):
     path = default_path(op, comm) if path is None else path
     if path not in PATHS:
         raise ArgumentError(f"{op}: path must be one of {PATHS}; got {path!r}")
-    if comm_sms is None:  # the op's knob, at most a quarter of the grid (4 ranks under MPS: 8 of 33)
+    if comm_sms is None:  # the op's knob, at most its share of the grid (4 ranks under MPS: 8 and 4 of 33)
         cfg = config.get()
         knob = cfg.moe_combine_comm_sms if op == "moe_gemm_combine" else cfg.moe_comm_sms
-        comm_sms = max(1, min(knob, launch.grid_sms(comm, op) // COMM_GRID_SHARE))
+        comm_sms = max(1, min(knob, launch.grid_sms(comm, op) // COMM_GRID_SHARE[op]))
     if not isinstance(comm_sms, int) or isinstance(comm_sms, bool) or not 1 <= comm_sms < launch.sm_count():
         raise ArgumentError(f"{op}: comm_sms must be an integer in 1..{launch.sm_count() - 1}; got {comm_sms!r}")
     return path, comm_sms
