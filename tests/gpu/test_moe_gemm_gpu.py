@@ -208,5 +208,5 @@ def _split_body(comm):
 
 @collective_cases.gpu_mpi
 def test_fused_split_invariant(comm):
-    tm._collective(comm, "comm_sms 16 (default), 1, 40 (or the most allowed): the same exact y",
+    tm._collective(comm, "comm_sms default (16 and 8), 1, 40 (or the most allowed): the same exact y",
                    lambda: _split_body(comm))
