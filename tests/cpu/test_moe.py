@@ -378,8 +378,11 @@ def test_the_sanitizer_summarises_which_gemm_tiles_finished_at_a_stall():
     assert compute_span_summary(spans[:0], 2) == (0, [0, 1], 0)
 
 
-@pytest.mark.parametrize("grid,dispatch,combine", [(132, 16, 8), (66, 16, 8), (33, 8, 4), (12, 3, 1), (3, 1, 1)])
-def test_moe_default_comm_sms_follow_the_knobs_up_to_a_share_of_the_grid(monkeypatch, grid, dispatch, combine):
+@pytest.mark.parametrize("grid,dispatch,combine,combine2", [(132, 16, 8, 2), (66, 16, 8, 2), (33, 8, 4, 2),
+                                                          (12, 3, 1, 1), (3, 1, 1, 1)])
+def test_moe_default_comm_sms_follow_the_knobs_up_to_a_share_of_the_grid(monkeypatch, grid, dispatch, combine,
+                                                                         combine2):
+    """comm_sms=None: the op's knob, at most 1/4 (dispatch) or 1/8 (combine) of the grid, never 0."""
     mg = importlib.import_module("mkernel.ops.moe_gemm")
     monkeypatch.setattr(launch, "sm_count", lambda full_share=False: 132)
     monkeypatch.setattr(launch, "grid_sms", lambda comm, op: grid)
@@ -388,4 +391,4 @@ def test_moe_default_comm_sms_follow_the_knobs_up_to_a_share_of_the_grid(monkeyp
     assert mg._check_path("moe_gemm_combine", "fused", None, comm) == ("fused", combine)
     assert mg._check_path("moe_gemm_combine", "fused", 16, comm) == ("fused", 16)  # an explicit count stays
     with mkernel.config.override(moe_combine_comm_sms=2):
-        assert mg._check_path("moe_gemm_combine", "fused", None, comm)[1] == min(2, max(1, grid // 8))
+        assert mg._check_path("moe_gemm_combine", "fused", None, comm)[1] == combine2
