@@ -432,7 +432,8 @@ class Baseline:
 
 # -------------------------------------------------------------------------------------- timing
 MPS_ROUNDS = 6  # under MPS: batches per variant (mps_timing.BATCH calls each), interleaved
-COMM_SMS_VARIANTS = (4, 8, 16)  # under MPS: the fused kernels also timed with these many comm CTAs (comm_sms=)
+# under MPS: the fused kernels also timed with these many comm CTAs (comm_sms=), per kernel
+COMM_SMS_VARIANTS = {"dg": (4, 8, 16), "gc": (2, 4, 8)}
 
 
 def timed_interleaved(comm, fns, reps, warmup=harness.WARMUP):
@@ -602,7 +603,7 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
                         f()
                 return call
             fns.update({f"sms{n}_{sfx}": functools.partial(f, n)  # at every rank count: the defaults cap with the grid
-                        for sfx, f in (("dg", mk_dg), ("gc", mk_gc)) for n in COMM_SMS_VARIANTS})
+                        for sfx, f in (("dg", mk_dg), ("gc", mk_gc)) for n in COMM_SMS_VARIANTS[sfx]})
             ab = W <= 2  # the knobs' A/B at 2 ranks only (a 300 s device step, 4 ranks' memory)
             if ab:
                 fns.update(flip_dg=configured(mk_dg, **share), flip_gc=configured(mk_gc, **share),
@@ -688,7 +689,7 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
                 knob = f"mps_full_share={share['mps_full_share']}"
                 r["variants_ms"] = {name: harness.median(ts[key]) for name, key in
                                     ((knob, f"flip_{sfx}"), (f"unfused {knob}", f"flipuf_{sfx}"),
-                                     *((f"comm_sms={n}", f"sms{n}_{sfx}") for n in COMM_SMS_VARIANTS),
+                                     *((f"comm_sms={n}", f"sms{n}_{sfx}") for n in COMM_SMS_VARIANTS[sfx]),
                                      ("moe_sums_group=1", f"group1_{sfx}"),
                                      ("moe_bundle_pieces=1", f"pieces1_{sfx}"),
                                      ("moe_bundle_pieces=4", f"pieces4_{sfx}")) if key in ts}

@@ -5,9 +5,9 @@ communication CTAs dispatch (rows leave local expert by local expert) while its 
 experts' grouped GEMM straight on the receive buffer, each tile once the rows it holds have arrived.
 
 ``moe_gemm_combine``: one persistent kernel (``mkernel/cuda/ops/moe_gemm_combine.cu``) whose GEMM CTAs
-run the experts' second grouped GEMM into a staging buffer while its communication CTAs send the
-whole rows of every finished M-tile back to their sources; then every CTA sums its share of the
-tokens (between nodes: this rank's; the forwarded tokens' node sums go back in chunks as they are done).
+run the experts' second grouped GEMM, their epilogue storing every row straight back at its source,
+while its communication CTAs count the rows of every finished M-tile; then every CTA sums its share of
+the tokens (between nodes: this rank's; the forwarded tokens' node sums go back in chunks as they are done).
 
 ``path="unfused"`` runs the building blocks instead (``moe_dispatch`` then ``grouped_gemm``;
 ``grouped_gemm`` then ``moe_combine``), the comparison the benchmark reports. Default paths
@@ -147,36 +147,35 @@ def _check_path(op, path, comm_sms, comm):
 
 def _gemm_args(g, a_arr, wb, layout, out, group_rows, capacity, K, N, El, sync, plan, op):
     """The engine's arguments of a fused op's grouped GEMM: A [capacity, K] (a_arr), B the experts'
-    weights, C out [capacity, N], one group per local expert. The TMA maps are the plan's, encoded
-    again only when an operand's pointer or strides changed (buffers.operand_map)."""
-    esize = out.itemsize
-    maps = _buffers.launch_template(plan, ("gemm maps", op, K, N, El, layout, out.dtype.name), lambda: None)
+    weights, C out [capacity, N] (None: the kernel's epilogue puts the rows elsewhere), one group per
+    local expert. The TMA maps are the plan's, encoded again only when an operand's pointer or strides
+    changed (buffers.operand_map)."""
+    dt = a_arr.dtype.name
+    maps = _buffers.launch_template(plan, ("gemm maps", op, K, N, El, layout, dt), lambda: None)
     g.a = _buffers.operand_map(maps, "a", (a_arr.data.ptr, a_arr.strides), lambda: _gemm.a_map(
-        out.dtype.name, a_arr.data.ptr, capacity, K, row_stride(a_arr)))
+        dt, a_arr.data.ptr, capacity, K, row_stride(a_arr)))
     g.b = _buffers.operand_map(maps, "b", (wb.data.ptr, wb.strides), lambda: _gemm.b_map(wb, layout, K, N, El))
-    g.c = _buffers.operand_map(maps, "c", (out.data.ptr, out.strides),
-                               lambda: _gemm.c_map(out, _gemm.DT[out.dtype.name]))
+    if out is not None:
+        g.c = _buffers.operand_map(maps, "c", (out.data.ptr, out.strides), lambda: _gemm.c_map(out, _gemm.DT[dt]))
+        g.c_ptr, g.ldc = out.data.ptr, row_stride(out) // out.itemsize
     g.sync = sync
     g.sched.tiles_n, g.sched.group_m = -(-N // _gemm.BN), _gemm.DEFAULT_GROUP_M
-    g.c_ptr, g.group_rows = out.data.ptr, group_rows.data.ptr
-    g.ldc = row_stride(out) // esize
+    g.group_rows = group_rows.data.ptr
     g.m, g.n, g.k, g.num_groups, g.epi_op = capacity, N, K, El, _gemm.EPI_STORE
 
 
-def _staging(comm, cap, H, El, dtype, stream):
-    """The fused combine's local buffers, one pair per communicator grown to the largest call (not
-    one per plan: [capacity, H] each): this rank's GEMM output and its tile flags (epoch-valued:
-    never reset)."""
+def _tile_flags(comm, cap, H, El, stream):
+    """The fused combine's tile flags (epoch-valued: never reset), one array per communicator grown
+    to the largest call (not one per plan)."""
     import cupy
 
-    need, flags = cap * H * dtype.itemsize, _gemm.grouped_tiles_bound(cap, H, El)
-    st = comm.plans.state.get("moe.combine staging")
-    if st is None or st[0].nbytes < need or st[1].size < flags:
-        with _calls.on_stream(stream):  # stream-ordered: the old pair is freed behind its last use
-            st = (cupy.empty(max(need, st[0].nbytes if st else 0), dtype=cupy.uint8),
-                  cupy.zeros(max(flags, st[1].size if st else 0), dtype=cupy.uint32))
-        comm.plans.state["moe.combine staging"] = st
-    return st[0][:need].view(dtype).reshape(cap, H), st[1]
+    need = _gemm.grouped_tiles_bound(cap, H, El)
+    flags = comm.plans.state.get("moe.combine tile flags")
+    if flags is None or flags.size < need:
+        with _calls.on_stream(stream):  # stream-ordered: the old array is freed behind its last use
+            flags = cupy.zeros(need, dtype=cupy.uint32)
+        comm.plans.state["moe.combine tile flags"] = flags
+    return flags
 
 
 def _launch(op, spec, kernel, layout, dtype, args, grid, stream, full_share):
@@ -192,11 +191,12 @@ def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=No
     routing weights: out [T, H], the same bits as ``moe_combine(grouped_gemm(y2, w2))``.
 
     path: "unfused": grouped_gemm, then moe_combine, back to back on the stream. "fused": one kernel;
-    ``comm_sms`` CTAs (default 8: config moe_combine_comm_sms) send the rows of every M-tile as soon as
-    its N-tiles are stored; between nodes it computes the M-tiles with forwarded rows first and sends
-    their tokens' node sums in chunks while it computes the rest (docs/MOE.md "Overlap"). Both give the
-    same bits. Default (None): fused between nodes, unfused inside one node, where the fused kernel is
-    still the slower (0.89-0.95x its blocks at world 1 on the H200; bench/NOTES.md).
+    the GEMM's epilogue stores each row at its source, ``comm_sms`` CTAs (default 8: config
+    moe_combine_comm_sms) count the rows of every M-tile once its N-tiles are stored; between nodes
+    it computes the M-tiles with forwarded rows first and sends their tokens' node sums in chunks
+    while it computes the rest (docs/MOE.md "Overlap"). Both give the same bits. Default (None):
+    fused between nodes, unfused inside one node, where the fused kernel is still the slower
+    (0.89-0.95x its blocks at world 1 on the H200; bench/NOTES.md).
     """
     import cupy
 
@@ -225,7 +225,7 @@ def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=No
         return _moe.combine(op, z, handle, comm=comm, out=out, stream=stream)
 
     plan, cap, El = handle._plan, handle.capacity, handle.group_rows.size
-    z, tile_flags = _staging(comm, cap, H, El, handle.dtype, stream)
+    tile_flags = _tile_flags(comm, cap, H, El, stream)
     args = MkMoeGemmArgs()
     args.m = _moe._args(comm, plan, op, handle.T, handle.k, plan["E"], H)
     nodes = handle._nodes
@@ -237,7 +237,7 @@ def moe_gemm_combine(y2, w2, handle, *, comm, out=None, stream=None, w_layout=No
         _nodes.set_virtual(args.m, nodes, comm)
         _nodes.set_sums(args.m, nodes, comm)
         args.m.topk_w, args.m.out, args.m.ldo, args.m.partial_out = nodes["vw"].data.ptr, nodes["part"].data.ptr, H, 1
-    _gemm_args(args.g, y2, wb, layout, z, handle.group_rows, cap, y2.shape[1], H, El, args.m.sync, plan, op)
+    _gemm_args(args.g, y2, wb, layout, None, handle.group_rows, cap, y2.shape[1], H, El, args.m.sync, plan, op)
     args.g.tile_flags = tile_flags.data.ptr
     counters = plan["counters"].data.ptr
     args.g.sched.tile_counter, args.g.sched.done_count = counters + 4 * CNT_TILE, counters + 4 * CNT_GEMM_DONE

@@ -14,6 +14,8 @@
 //
 // Tiles cut by a group boundary (grouped mode) are written with plain predicated global stores
 // (or red.add) from registers, since a TMA store cannot stop at a group's last row.
+// A ROWS destination puts every row at its own address (a row scatter, which a tensor map cannot
+// express): the warp reads each staged chunk back, 16 bytes a lane, and stores it row by row.
 //
 // Flags. When tile_flags is set, lane 0 of each consumer warp remembers the tile whose stores it
 // just issued, and completes it later, inside the next tile's mainloop (after_issue) or at the
@@ -24,6 +26,7 @@
 #include "common.cuh"
 #include "signals.cuh"
 #include "tma.cuh"
+#include "copy.cuh"
 #include "gemm_mainloop.cuh"
 
 // Two values of a 16-bit output code (MK_OUT_BF16 / MK_OUT_F16) packed by common.cuh's pack2.
@@ -72,6 +75,8 @@ MK_DEV void store2_global(void* p, float a, float b, u32 op) {
 //   void published(u32 id)              after the tile's flag was set (tests count them)
 //   void comm_turn(const MkTile&)       every consumer thread, for an MK_TILE_COMM entry of the ring
 //                                       (after this CTA's pending tile flags are published)
+//   static bool ROWS                    true: rows go to row_at(tile, row in tile) (u8*) by generic
+//                                       stores, not through the map (and are stored, never added)
 template <int OUT, class Cfg, bool GROUPED, class Dest>
 struct MkTileEpilogue {
   static constexpr int ESIZE = OUT == MK_OUT_F32 ? 4 : 2;
@@ -120,11 +125,20 @@ struct MkTileEpilogue {
     u32* flag = dest.flag(t);
     if (!(GROUPED && t.rows < Cfg::BM)) {
       if (wrow < t.rows) {
-        const bool ok = !leader || dest.before_store(t);  // lane 0 alone stores (TMA) and flags
+        // TMA: lane 0 alone stores and flags; ROWS: every lane stores, as lane 0's wait allows
+        const bool ok = Dest::ROWS ? __shfl_sync(~0u, leader && dest.before_store(t), 0) != 0
+                                   : !leader || dest.before_store(t);
         const TmaDesc* map = dest.map(t);
         const i32 row = dest.row(t) + wrow;
         const u32 r0 = lane >> 2;  // this thread's rows in the warp's box: r0 and r0 + 8 (same r % 8)
         const u32 x = r0;  // the swizzle of both rows
+        u8* rows_at[4];  // ROWS: the rows lane >> 3 + 4 i of the warp's 16, where this lane stores unit lane & 7
+        if (Dest::ROWS)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const i32 r = (i32)(lane >> 3) + 4 * i;
+            rows_at[i] = ok && wrow + r < t.rows ? dest.row_at(t, wrow + r) : nullptr;
+          }
         if (leader) bulk_wait_read<0>();  // the previous tile's stores of this warp have read smem
 #pragma unroll
         for (int q = 0; q < NCHUNK; ++q) {
@@ -146,6 +160,18 @@ struct MkTileEpilogue {
               st_shared_u32(a0 + 8 * 128, pack2_out(OUT, acc[4 * j + 2], acc[4 * j + 3]));
             }
           }
+          if (Dest::ROWS) {
+            __syncwarp();
+            const i32 col = t.n0 + q * CW + (i32)(lane & 7) * (16 / ESIZE);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const u32 r = (lane >> 3) + 4u * i;
+              const uint4 v = lds_v4(buf + r * 128u + (((lane & 7) ^ (r & 7)) << 4));
+              if (rows_at[i] != nullptr && col < args.n) st_v4(rows_at[i] + (i64)col * ESIZE, v);
+            }
+            __syncwarp();  // the lanes' reads of this buffer before its reuse, and their stores before the flag
+            continue;
+          }
           fence_proxy_async_smem();
           __syncwarp();
           if (leader && ok) {
@@ -165,21 +191,27 @@ struct MkTileEpilogue {
         publish(flag, t.id, t.seq);  // no row of this warp is in range: count it at once
       }
     } else {
-      // A tile cut by its group's end: predicated stores from registers (the engine's own output).
-      char* base = reinterpret_cast<char*>(args.c_ptr);
+      // A tile cut by its group's end: predicated stores from registers (the engine's own output,
+      // or a ROWS destination's rows).
+      const bool ok = !Dest::ROWS || wrow >= t.rows || __shfl_sync(~0u, leader && dest.before_store(t), 0) != 0;
+      char* at[2];  // this thread's rows: lr = wrow + lane / 4 + 8 h
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const i32 lr = wrow + (i32)(lane >> 2) + 8 * h;
+        at[h] = !ok || lr >= t.rows ? nullptr
+                : Dest::ROWS        ? reinterpret_cast<char*>(dest.row_at(t, lr))
+                                    : reinterpret_cast<char*>(args.c_ptr) + (i64)(t.m0 + lr) * args.ldc * ESIZE;
+      }
 #pragma unroll
       for (int j = 0; j < Cfg::BN / 8; ++j) {
         const i32 col = t.n0 + 8 * j + 2 * (lane & 3);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const i32 lr = wrow + (lane >> 2) + 8 * h;
-          if (col < args.n && lr < t.rows) {
-            const i64 off = ((i64)(t.m0 + lr) * args.ldc + col) * ESIZE;
-            store2_global<OUT>(base + off, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1], args.epi_op);
-          }
-        }
+        for (int h = 0; h < 2; ++h)
+          if (col < args.n && at[h] != nullptr)
+            store2_global<OUT>(at[h] + (i64)col * ESIZE, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1],
+                               Dest::ROWS ? MK_EPI_STORE : args.epi_op);
       }
-      if (flag != nullptr) {
+      if (flag != nullptr && ok) {
         __syncwarp();  // lane 0's fence and release cover the warp's stores
         if (leader) publish(flag, t.id, t.seq);
       }
@@ -205,6 +237,7 @@ struct MkTileEpilogue {
 
 // The engine's destination: the output map args.c at the tile's own rows, flags in args.tile_flags.
 struct MkGemmDest {
+  static constexpr bool ROWS = false;
   const MkGemmArgs& args;
   MK_DEV const TmaDesc* map(const MkTile&) const { return &args.c; }
   MK_DEV i32 row(const MkTile& t) const { return t.m0; }
@@ -216,6 +249,7 @@ struct MkGemmDest {
     if (args.tile_counts) atomicAdd(&args.tile_counts[id], 1u);
   }
   MK_DEV void comm_turn(const MkTile&) const {}  // the engine's sources never claim turns
+  MK_DEV u8* row_at(const MkTile&, i32) const { return nullptr; }  // (not ROWS)
 };
 
 template <int OUT, class Cfg, bool GROUPED>

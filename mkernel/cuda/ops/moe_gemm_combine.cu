@@ -1,17 +1,17 @@
 // The experts' second grouped GEMM fused with combine (mkernel/ops/moe_gemm.py; design: docs/MOE.md).
 //
 // The first gemm_ctas CTAs to arrive run the GEMM engine in grouped mode (A: y2, B: the experts'
-// weights, one group per local expert with the dispatch's group_rows) into a staging buffer z of
-// this rank, each tile's flag (tile_flags[id] = epoch) set once its stores are performed; the later
-// arrivals return rows: they claim M-tiles in the GEMM's order (counters[MOE_CNT_RET]), wait
-// until every N-tile of one is stored and send each of its rows whole, by bulk copies, to row
-// t * k + j of the row's source's return buffer (meta word of the dispatch), so the return trip
-// starts with the first finished row blocks. A GEMM CTA out of tiles returns rows too (the M-tiles
-// it claims are then computed or held by running CTAs: any resident part of the grid finishes).
-// Once every row is back, retflag[me] is set on every rank. Then every CTA sums its share of this
-// rank's tokens (moe_combine.cuh): the same sums, in the same order, as mk_moe_combine_kernel.
+// weights, one group per local expert with the dispatch's group_rows); its epilogue stores every row
+// of a tile straight into row t * k + j of the row's source's return buffer (meta word of the
+// dispatch; MoeReturnDest, a ROWS destination), after that source's credit, and sets the tile's flag
+// (tile_flags[id] = epoch) once its stores are performed. The later arrivals watch the M-tiles in the
+// GEMM's order (counters[MOE_CNT_RET]): once every N-tile of one is flagged its rows are back, and are
+// counted; a GEMM CTA out of tiles watches too (the M-tiles it claims are then computed or held by
+// running CTAs: any resident part of the grid finishes). Once every row is counted, retflag[me] is
+// set on every rank. Then every CTA sums its share of this rank's tokens (moe_combine.cuh): the same
+// sums, in the same order, as mk_moe_combine_kernel.
 // Between nodes (a.send_sums) the M-tiles with forwarded rows go first (moe_tiles.cuh), each one's
-// forwarded rows counted at their sources per piece once copied; a source sums its forwarded tokens
+// forwarded rows counted at their sources per piece once flagged; a source sums its forwarded tokens
 // piece by piece as their rows are back (moe_forward_sums: between M-tiles, then all that is left past
 // them), each group of chunks WRITten once summed, while the GEMM goes on with the own-origin rows; the
 // final sums then cover this rank's tokens only.
@@ -20,14 +20,55 @@
 #include "moe_gemm_args.cuh"
 
 constexpr u32 MOE_GC_THREADS = 384;  // the GEMM engine's CTA
-constexpr u32 MOE_GC_WARPS = MOE_GC_THREADS / 32;
-constexpr u32 MOE_RET_CHUNK = 8192;  // bytes of one copier buffer of a returning warp
 
-// A returning CTA's shared state (in the dynamic shared memory the GEMM CTAs use for the pipeline),
-// then its warps' copier buffers at MOE_RET_STAGE_OFFSET.
+// The GEMM's epilogue destination: each row of a tile at its return slot (meta: source rank << 24 |
+// row t * k + j), on that rank once it entered this epoch (a leader waits once per CTA).
+struct MoeReturnDest {
+  static constexpr bool ROWS = true;
+  const MkGemmArgs& g;
+  const MkMoeArgs& a;
+  MkPeers peers;
+  u32 epoch;
+  bool credited = false;  // leader: every rank's credit for this epoch was seen
+
+  MK_DEV const TmaDesc* map(const MkTile&) const { return &g.c; }  // (not used: ROWS)
+  MK_DEV i32 row(const MkTile& t) const { return t.m0; }
+  MK_DEV u8* row_at(const MkTile& t, i32 r) const {
+    const u32 m = ld_cg(peer_ptr<const u32>(peers, (u32)a.me, a.meta_off) + t.m0 + r);
+    return peer_ptr<u8>(peers, m >> 24, a.ret_off) + (u64)(m & 0xFFFFFFu) * (u32)a.H * 2u;
+  }
+  MK_DEV u32* flag(const MkTile& t) const { return g.tile_flags + t.id; }
+  MK_DEV bool flags() const { return true; }
+  MK_DEV bool add() const { return false; }
+  // A rank whose credit never came may be gone: nothing is written into any rank after that.
+  MK_DEV bool before_store(const MkTile&) {
+    if (!credited) credited = moe_credits_all(a, peers, epoch);
+    return credited;
+  }
+  MK_DEV void published(u32) const {}
+  MK_DEV void comm_turn(const MkTile&) const {}
+};
+
+// A GEMM CTA's tiles: its producer warpgroup claims them from MoeTiles, its consumers store each
+// tile's rows at their return slots and set its flag.
+template <class Cfg>
+MK_DEV void moe_combine_tiles(const MkMoeArgs& a, const MkGemmArgs& g, const GemmSmem<Cfg>& sm,
+                              const MkTileSpace<Cfg::UNIT_M>& space, const MkPeers& peers, u32 epoch) {
+  warpgroup_roles<Cfg>(
+      [&] {
+        MoeTiles<Cfg, false> src{a, space, epoch};
+        gemm_producer_loop<Cfg>(g, sm, src);
+      },
+      [&](int wg) {
+        MkTileEpilogue<Cfg::DT, Cfg, true, MoeReturnDest> epi{g, sm, epoch, MoeReturnDest{g, a, peers, epoch}};
+        gemm_consumer<Cfg>(g, sm, wg, epi);
+        epi.finish();
+      });
+}
+
+// A watching CTA's shared state (in the dynamic shared memory the GEMM CTAs use for the pipeline).
 struct MoeReturnShared {
   MkGroupTable table;
-  u64 copy_bar[MOE_GC_WARPS][2];
   u32 own[MK_GEMM_MAX_GROUPS];  // between nodes: own-origin rows per group (its first rows)
   u32 fwd[MOE_MAX_WORLD];  // between nodes: forwarded rows of the current M-tile per source
   MoeFwdSums fs;  // between nodes: this rank's forwarded sums
@@ -35,20 +76,18 @@ struct MoeReturnShared {
   int ok;
   int back;
 };
-constexpr u32 MOE_RET_STAGE_OFFSET = (sizeof(MoeReturnShared) + 127u) & ~127u;
 
-// Returning rows, every CTA (after its GEMM tiles for a GEMM CTA): M-tiles (a group's 128-row
-// blocks, in the GEMM's order) claimed one by one; once every N-tile of one is stored (tiles_n flags),
-// its rows are whole in z and each leaves as one row (H * 2 bytes) for row t * k + j of its source's
-// return buffer, by the warps' bulk copiers (a warp per row), the copies of one M-tile overlapping
-// the wait for the next. Between nodes, an M-tile's forwarded rows are counted at their sources (per
-// piece) once copied; before each claim the CTA sums the forwarded chunks already back, and at its
-// first claim past the M-tiles with forwarded rows, every chunk left (moe_forward_sums).
+// Watching the returned rows, every CTA (after its GEMM tiles for a GEMM CTA): M-tiles (a group's
+// 128-row blocks, in the GEMM's order) claimed one by one; once every N-tile of one is flagged
+// (tiles_n flags), its rows are at their sources and are counted there. Between nodes, an M-tile's
+// forwarded rows are counted at their sources (per piece); before each claim the CTA sums the
+// forwarded chunks already back, and at its first claim past the M-tiles with forwarded rows, every
+// chunk left (moe_forward_sums).
 template <class Cfg>
-MK_DEV void moe_return_rows(const MkMoeGemmArgs& args, MoeReturnShared& rs, u8* stage, const MkPeers& peers, u32 Ep) {
+MK_DEV void moe_watch_rows(const MkMoeGemmArgs& args, MoeReturnShared& rs, const MkPeers& peers, u32 Ep) {
   const MkMoeArgs& a = args.m;
   const MkGemmArgs& g = args.g;
-  const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, W = (u32)a.world, El = (u32)a.e_local;
+  const u32 tid = threadIdx.x, W = (u32)a.world, El = (u32)a.e_local;
   const bool nodes = a.send_sums != 0;
   build_group_table<Cfg::BM>(&rs.table, g.group_rows, (u32)g.num_groups, g.m, g.sched.tiles_n);
   const MkTileSpace<Cfg::UNIT_M> space = gemm_tile_space<Cfg>(g, &rs.table);
@@ -62,26 +101,15 @@ MK_DEV void moe_return_rows(const MkMoeGemmArgs& args, MoeReturnShared& rs, u8* 
     if (tid < MOE_MAX_WORLD) rs.fwd[tid] = 0;
     moe_fwd_sums_setup(a, peers, rs.fs);
   }
-  if (tid == 0) {
-    rs.ok = moe_credits_all(a, peers, Ep) ? 1 : 0;
-    for (u32 w = 0; w < MOE_GC_WARPS; ++w) {
-      mbar_init(smem_u32(&rs.copy_bar[w][0]), 1);
-      mbar_init(smem_u32(&rs.copy_bar[w][1]), 1);
-    }
-    mbar_fence_init();
-  }
+  if (tid == 0) rs.ok = moe_credits_all(a, peers, Ep) ? 1 : 0;  // (retflag is set on every rank below)
   __syncthreads();
   if (!rs.ok) return;
   const u32* meta = peer_ptr<const u32>(peers, (u32)a.me, a.meta_off);
-  const u8* z = reinterpret_cast<const u8*>(g.c_ptr);
-  const u32 row_bytes = (u32)a.H * 2u;
-  const u64 ldz_bytes = (u64)g.ldc * 2u;
   const u32 tiles_n = space.tiles_n, units = space.num_tiles / tiles_n;  // a group's tiles: M-tiles x tiles_n
   u32 fwd_units = units;  // between nodes the M-tiles with forwarded rows: the first fwd_units claims
   for (u32 le = 0; nodes && le < El; ++le) fwd_units -= rs.own[le] / Cfg::BM;
   bool summed = !nodes;  // past the M-tiles with forwarded rows: every chunk of sums left was taken
-  u32 mine = 0;  // rows this CTA returned
-  MoeCopier<MOE_RET_CHUNK> copier{smem_u32(stage) + warp * 2u * MOE_RET_CHUNK, smem_u32(&rs.copy_bar[warp][0]), a.sync};
+  u32 mine = 0;  // rows this CTA counted
   for (;;) {
     if (!summed) moe_forward_sums<Cfg::DT>(a, peers, rs.fs, false, Ep);  // the chunks already back
     if (tid == 0) rs.claim = atomicAdd(&a.counters[MOE_CNT_RET], 1u);
@@ -103,25 +131,13 @@ MK_DEV void moe_return_rows(const MkMoeGemmArgs& args, MoeReturnShared& rs, u8* 
     }
     __syncthreads();
     if (!rs.ok) break;
-    const u32 fwd_row =
-        nodes ? (u32)space.row_base(t.group) + rs.own[t.group] : ~0u;  // its group's first forwarded row
-    if (lane == 0) {
-      fence_proxy_async_global();  // the bulk loads (async proxy) after the flags' acquire
-      for (u32 r = warp; r < (u32)t.rows; r += MOE_GC_WARPS) {
-        const u32 row = (u32)t.m0 + r;
-        const u32 m = meta[row];
-        u8* dst = peer_ptr<u8>(peers, m >> 24, a.ret_off) + (u64)(m & 0xFFFFFFu) * row_bytes;
-        const u8* src = z + row * ldz_bytes;
-        for (u32 o = 0; o < row_bytes; o += MOE_RET_CHUNK)
-          copier.put(dst + o, src + o, min(MOE_RET_CHUNK, row_bytes - o));
-        if (row >= fwd_row) atomicAdd(&rs.fwd[m >> 24], 1u);
-      }
-    }
-    if ((u32)t.m0 + (u32)t.rows > fwd_row) {  // its forwarded rows, once copied, counted at their sources
-      if (lane == 0) copier.finish();
+    const u32 fwd_row = nodes ? (u32)space.row_base(t.group) + rs.own[t.group] : ~0u;  // its group's first forwarded row
+    if ((u32)t.m0 + (u32)t.rows > fwd_row) {  // its forwarded rows counted at their sources
+      for (u32 row = max((u32)t.m0, fwd_row) + tid; row < (u32)t.m0 + (u32)t.rows; row += MOE_GC_THREADS)
+        atomicAdd(&rs.fwd[meta[row] >> 24], 1u);
       __syncthreads();
       if (tid == 0) {
-        __threadfence_system();
+        __threadfence_system();  // the flags' acquire before the counts' release at the sources
         const u32 x = (u32)a.me * El + (u32)t.group;  // the M-tile's node expert
         for (u32 s = 0; s < W; ++s)
           if (rs.fwd[s]) atomicAdd(peer_ptr<u32>(peers, s, a.fwdret_off) + moe_row_piece(a, x, s), rs.fwd[s]);
@@ -132,8 +148,6 @@ MK_DEV void moe_return_rows(const MkMoeGemmArgs& args, MoeReturnShared& rs, u8* 
     if (tid == 0) trace_span(a.sync, MK_ROLE_INTRA, MOE_TRACE_RETURN | unit, t0);
     __syncthreads();  // rs.claim and rs.ok are read before thread 0 writes them again
   }
-  if (lane == 0) copier.finish();
-  __syncwarp();
   moe_returned(a, peers, mine, (u32)space.row_base(space.num_groups), Ep);
 }
 
@@ -158,7 +172,7 @@ __global__ void __launch_bounds__(MOE_GC_THREADS, 1)
       if (a.send_sums) moe_sums_route(a).credit(epoch);  // this rank's precv is free (its sums were read)
       trace_span(a.sync, MK_ROLE_CONTROL, MOE_TRACE_ANNOUNCE | epoch, t_in);
     }
-    moe_gemm_tiles<Cfg, false>(args.g, a, sm, space, epoch);
+    moe_combine_tiles<Cfg>(a, args.g, sm, space, peers, epoch);
     warpgroup_rejoin<MOE_GC_THREADS>();
     fence_proxy_async_smem();  // the pipeline's async-proxy use of the stages before generic use
     __syncthreads();
@@ -166,7 +180,7 @@ __global__ void __launch_bounds__(MOE_GC_THREADS, 1)
   } else {
     epoch = launch_epoch(a.sync);
   }
-  moe_return_rows<Cfg>(args, rs, sm.base + MOE_RET_STAGE_OFFSET, peers, epoch);
+  moe_watch_rows<Cfg>(args, rs, peers, epoch);
   moe_weighted_sum<DT>(a, peers, a.send_sums ? (u32)a.T : moe_tokens(a), blockIdx.x, gridDim.x, threadIdx.x,
                        MOE_GC_THREADS, MkBarCta(), &rs.back, epoch);
   __syncthreads();
@@ -180,5 +194,4 @@ __global__ void __launch_bounds__(MOE_GC_THREADS, 1)
 }
 
 static_assert(gemm_smem_bytes<GemmCfg<0, 0>, true>() == 231768, "update gemm.SMEM_GROUPED");
-static_assert(MOE_RET_STAGE_OFFSET + MOE_GC_WARPS * 2u * MOE_RET_CHUNK <= GemmCfg<0, 0>::OFF_BAR,
-              "a returning CTA's state and copier buffers lie below the GEMM's barriers");
+static_assert(sizeof(MoeReturnShared) <= GemmCfg<0, 0>::OFF_BAR, "a watching CTA's state lies below the GEMM's barriers");

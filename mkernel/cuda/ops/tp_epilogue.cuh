@@ -203,6 +203,7 @@ struct TpTiles {
 // waits for its credit. A turn (MK_TILE_COMM) runs Turn with the CTA's comm state.
 template <int OP, class Turn = TpNoTurn>
 struct TpDest {
+  static constexpr bool ROWS = false;
   const TpArgs& args;
   u32 epoch;
   TpCommShared* comm = nullptr;
@@ -231,6 +232,7 @@ struct TpDest {
   MK_DEV void published(u32 id) const {
     trace_span(args.g.sync, MK_ROLE_COMPUTE, TP_TRACE_TILE | id, trace_start(args.g.sync));  // no timer read when off
   }
+  MK_DEV u8* row_at(const MkTile&, i32) const { return nullptr; }  // (not ROWS)
   MK_DEV void comm_turn(const MkTile&) const {
     Turn::run(args, epoch, comm);
     if (threadIdx.x == 128) atomicSub(&comm->queued, 1u);  // after the group's last barrier of the turn
