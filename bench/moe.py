@@ -77,6 +77,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import numpy as np  # noqa: E402
 
 from mkernel.ops import moe_gemm  # noqa: E402
+from mkernel.runtime import launch  # noqa: E402
 from mkernel.runtime.gpu import mps_client  # noqa: E402
 from mkernel.testing import sync_or_exit  # noqa: E402
 
@@ -436,6 +437,23 @@ MPS_ROUNDS = 6  # under MPS: batches per variant (mps_timing.BATCH calls each), 
 COMM_SMS_VARIANTS = {"dg": (4, 8, 16), "gc": (2, 4, 8)}
 
 
+def combine_tile_ids(handle, N, group_m=8):
+    """Between nodes, the fused combine's claim order as engine tile ids (moe_tiles.cuh moe_tile_id,
+    backward): the grouped GEMM alone timed in that order tells the order's cost from the fusion's."""
+    import cupy
+
+    tn, bm = -(-N // 256), 128
+    mtiles = int(sum(-(-int(r) // bm) for r in handle.counts()))
+    order = cupy.asnumpy(handle._nodes["tile_order"][:mtiles])[::-1]
+    ids = []
+    for pos in range(mtiles * tn):
+        blk, r = divmod(pos, group_m * tn)
+        first = blk * group_m
+        gs = min(group_m, mtiles - first)
+        ids.append(int(order[first + r % gs]) * tn + r // gs)
+    return cupy.asarray(np.array(ids, dtype=np.uint32))
+
+
 def timed_interleaved(comm, fns, reps, warmup=harness.WARMUP):
     """{name: per-repetition times (ms), the max over ranks} of every fn, interleaved: each round
     runs every fn once, in order. Each call starts behind a barrier and a spin kernel long enough for
@@ -614,6 +632,14 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
                            pieces1_dg=configured(mk_dg, moe_bundle_pieces=1),
                            pieces1_gc=configured(mk_gc, moe_bundle_pieces=1),
                            pieces4_dg=configured(mk_dg, moe_bundle_pieces=4))
+                # the combine's GEMM alone on its CTAs: in the engine's order, and in the fused kernel's
+                ctas = launch.grid_sms(comm, "moe_gemm_combine") - moe_gemm._check_path(
+                    "moe_gemm_combine", "fused", None, comm)[1]
+                ids = combine_tile_ids(st["h"], H)
+                fns.update(gemmsms_gc=lambda: mkernel.grouped_gemm(B["y_uf"], w2, st["h"].group_rows, out=B["z_uf"],
+                                                                   sms=ctas),
+                           gemmord_gc=lambda: mkernel.grouped_gemm(B["y_uf"], w2, st["h"].group_rows, out=B["z_uf"],
+                                                                   sms=ctas, tile_order=ids))
         if have_baseline and base is not None:
             fns.update(bg_dg=lambda: base.dispatch_gemm("gather"), bg_gc=lambda: base.gemm_combine("gather"),
                        bs_dg=lambda: base.dispatch_gemm("segments"), bs_gc=lambda: base.gemm_combine("segments"))
@@ -692,7 +718,9 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
                                      *((f"comm_sms={n}", f"sms{n}_{sfx}") for n in COMM_SMS_VARIANTS[sfx]),
                                      ("moe_sums_group=1", f"group1_{sfx}"),
                                      ("moe_bundle_pieces=1", f"pieces1_{sfx}"),
-                                     ("moe_bundle_pieces=4", f"pieces4_{sfx}")) if key in ts}
+                                     ("moe_bundle_pieces=4", f"pieces4_{sfx}"),
+                                     ("gemm alone, the fused kernel's GEMM CTAs", f"gemmsms_{sfx}"),
+                                     ("gemm alone, those CTAs, the fused order", f"gemmord_{sfx}")) if key in ts}
                 if nodes > 1:
                     least = 0.80 if comm.local_size == 1 else 0.70
                     r.update(goal=f"fraction_of_bound >= {least}, speedup >= 1.0",
