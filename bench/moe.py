@@ -437,20 +437,24 @@ MPS_ROUNDS = 6  # under MPS: batches per variant (mps_timing.BATCH calls each), 
 COMM_SMS_VARIANTS = {"dg": (4, 8, 16), "gc": (2, 4, 8)}
 
 
-def combine_tile_ids(handle, N, group_m=8):
+def combine_tile_ids(handle, N, group_m=8, by_expert=False):
     """Between nodes, the fused combine's claim order as engine tile ids (moe_tiles.cuh moe_tile_id,
-    backward): the grouped GEMM alone timed in that order tells the order's cost from the fusion's."""
+    backward: blocks of group_m M-tiles, N-tile by N-tile inside): the grouped GEMM alone timed in
+    that order tells the order's cost from the fusion's. by_expert: blocks never span two experts."""
     import cupy
 
     tn, bm = -(-N // 256), 128
-    mtiles = int(sum(-(-int(r) // bm) for r in handle.counts()))
-    order = cupy.asnumpy(handle._nodes["tile_order"][:mtiles])[::-1]
-    ids = []
-    for pos in range(mtiles * tn):
-        blk, r = divmod(pos, group_m * tn)
-        first = blk * group_m
-        gs = min(group_m, mtiles - first)
-        ids.append(int(order[first + r % gs]) * tn + r // gs)
+    per = [-(-int(r) // bm) for r in handle.counts()]
+    group = np.repeat(np.arange(len(per)), per)  # each M-tile's expert
+    order = cupy.asnumpy(handle._nodes["tile_order"][:len(group)])[::-1]
+    blocks, i = [], 0
+    while i < len(order):
+        j = i + 1
+        while j < len(order) and j - i < group_m and (not by_expert or group[order[j]] == group[order[i]]):
+            j += 1
+        blocks.append(order[i:j])
+        i = j
+    ids = [int(b[r % len(b)]) * tn + r // len(b) for b in blocks for r in range(len(b) * tn)]
     return cupy.asarray(np.array(ids, dtype=np.uint32))
 
 
@@ -635,11 +639,12 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
                 # the combine's GEMM alone on its CTAs: in the engine's order, and in the fused kernel's
                 ctas = launch.grid_sms(comm, "moe_gemm_combine") - moe_gemm._check_path(
                     "moe_gemm_combine", "fused", None, comm)[1]
-                ids = combine_tile_ids(st["h"], H)
-                fns.update(gemmsms_gc=lambda: mkernel.grouped_gemm(B["y_uf"], w2, st["h"].group_rows, out=B["z_uf"],
-                                                                   sms=ctas),
-                           gemmord_gc=lambda: mkernel.grouped_gemm(B["y_uf"], w2, st["h"].group_rows, out=B["z_uf"],
-                                                                   sms=ctas, tile_order=ids))
+                def gemm_in(order=None):
+                    return lambda: mkernel.grouped_gemm(B["y_uf"], w2, st["h"].group_rows, out=B["z_uf"], sms=ctas,
+                                                        tile_order=order)
+                fns.update(gemmsms_gc=gemm_in(), gemmord_gc=gemm_in(combine_tile_ids(st["h"], H)),
+                           gemmord16_gc=gemm_in(combine_tile_ids(st["h"], H, group_m=16)),
+                           gemmordx_gc=gemm_in(combine_tile_ids(st["h"], H, by_expert=True)))
         if have_baseline and base is not None:
             fns.update(bg_dg=lambda: base.dispatch_gemm("gather"), bg_gc=lambda: base.gemm_combine("gather"),
                        bs_dg=lambda: base.dispatch_gemm("segments"), bs_gc=lambda: base.gemm_combine("segments"))
@@ -720,7 +725,10 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
                                      ("moe_bundle_pieces=1", f"pieces1_{sfx}"),
                                      ("moe_bundle_pieces=4", f"pieces4_{sfx}"),
                                      ("gemm alone, the fused kernel's GEMM CTAs", f"gemmsms_{sfx}"),
-                                     ("gemm alone, those CTAs, the fused order", f"gemmord_{sfx}")) if key in ts}
+                                     ("gemm alone, those CTAs, the fused order", f"gemmord_{sfx}"),
+                                     ("gemm alone, those CTAs, the fused order, group_m 16", f"gemmord16_{sfx}"),
+                                     ("gemm alone, those CTAs, the fused order, blocks by expert", f"gemmordx_{sfx}"))
+                                    if key in ts}
                 if nodes > 1:
                     least = 0.80 if comm.local_size == 1 else 0.70
                     r.update(goal=f"fraction_of_bound >= {least}, speedup >= 1.0",
