@@ -455,7 +455,8 @@ def combine_tile_ids(handle, N, group_m=8, by_expert=False):
         blocks.append(order[i:j])
         i = j
     ids = [int(b[r % len(b)]) * tn + r // len(b) for b in blocks for r in range(len(b) * tn)]
-    return cupy.asarray(np.array(ids, dtype=np.uint32))
+    bound = moe_gemm._gemm.grouped_tiles_bound(handle.capacity, N, len(per))  # the engine's array size
+    return cupy.asarray(np.array(ids + [0] * (bound - len(ids)), dtype=np.uint32))
 
 
 def timed_interleaved(comm, fns, reps, warmup=harness.WARMUP):
