@@ -640,10 +640,12 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
                 # the combine's GEMM alone on its CTAs: in the engine's order, and in the fused kernel's
                 ctas = launch.grid_sms(comm, "moe_gemm_combine") - moe_gemm._check_path(
                     "moe_gemm_combine", "fused", None, comm)[1]
-                def gemm_in(order=None):
+                def gemm_in(order=None, flags=None):
                     return lambda: mkernel.grouped_gemm(B["y_uf"], w2, st["h"].group_rows, out=B["z_uf"], sms=ctas,
-                                                        tile_order=order)
+                                                        tile_order=order, tile_flags=flags)
+                flags = cupy.zeros(moe_gemm._gemm.grouped_tiles_bound(cap, H, El), dtype=cupy.uint32)
                 fns.update(gemmsms_gc=gemm_in(), gemmord_gc=gemm_in(combine_tile_ids(st["h"], H)),
+                           gemmflags_gc=gemm_in(combine_tile_ids(st["h"], H), flags),
                            gemmord16_gc=gemm_in(combine_tile_ids(st["h"], H, group_m=16)),
                            gemmordx_gc=gemm_in(combine_tile_ids(st["h"], H, by_expert=True)))
         if have_baseline and base is not None:
@@ -728,7 +730,8 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
                                      ("gemm alone, the fused kernel's GEMM CTAs", f"gemmsms_{sfx}"),
                                      ("gemm alone, those CTAs, the fused order", f"gemmord_{sfx}"),
                                      ("gemm alone, those CTAs, the fused order, group_m 16", f"gemmord16_{sfx}"),
-                                     ("gemm alone, those CTAs, the fused order, blocks by expert", f"gemmordx_{sfx}"))
+                                     ("gemm alone, those CTAs, the fused order, blocks by expert", f"gemmordx_{sfx}"),
+                                     ("gemm alone, those CTAs, the fused order, tile flags", f"gemmflags_{sfx}"))
                                     if key in ts}
                 if nodes > 1:
                     least = 0.80 if comm.local_size == 1 else 0.70

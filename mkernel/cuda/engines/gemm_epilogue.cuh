@@ -93,9 +93,13 @@ struct MkTileEpilogue {
   u32 pending_id = 0;
   u32 pending_seq = 0;
 
-  // Lane 0: count this warp's part of tile (id, seq); the last part publishes the flag.
+  // Lane 0: count this warp's part of tile (id, seq); the last part publishes the flag. ROWS: a
+  // part is released to the CTA only; the last part's system fence is cumulative over all eight.
   MK_DEV void publish(u32* flag, u32 id, u32 seq) {
-    fence_sys();
+    if (Dest::ROWS)
+      fence_acq_rel_cta();
+    else
+      fence_sys();
     u32* slot = &sm.bars->join[seq % MK_JOIN_SLOTS];
     if (atomicAdd(slot, 1u) == PARTS - 1) {
       atomicExch(slot, 0u);
@@ -107,8 +111,10 @@ struct MkTileEpilogue {
   // Lane 0: complete the pending tile's stores and publish it.
   MK_DEV void flush() {
     if (pending_flag != nullptr) {
-      bulk_wait<0>();
-      fence_proxy_async_global();
+      if (!Dest::ROWS) {  // (ROWS: generic stores, ordered by the warp's __syncwarp)
+        bulk_wait<0>();
+        fence_proxy_async_global();
+      }
       publish(pending_flag, pending_id, pending_seq);
       pending_flag = nullptr;
     }

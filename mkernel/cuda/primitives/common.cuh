@@ -70,6 +70,7 @@ MK_DEV u32 atom_add_release_sys(u32* p, u32 v) {
 }
 MK_DEV void fence_sys() { asm volatile("fence.sc.sys;" ::: "memory"); }
 MK_DEV void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+MK_DEV void fence_acq_rel_cta() { asm volatile("fence.acq_rel.cta;" ::: "memory"); }
 
 // A 16-byte global store (peer memory over NVLink included).
 MK_DEV void st_v4(void* p, uint4 v) {
