@@ -132,8 +132,8 @@ struct MkTileEpilogue {
     if (!(GROUPED && t.rows < Cfg::BM)) {
       if (wrow < t.rows) {
         // TMA: lane 0 alone stores and flags; ROWS: every lane stores, as lane 0's wait allows
-        const bool ok = Dest::ROWS ? __shfl_sync(~0u, leader && dest.before_store(t), 0) != 0
-                                   : !leader || dest.before_store(t);
+        const bool ok =
+            Dest::ROWS ? __shfl_sync(~0u, leader && dest.before_store(t), 0) != 0 : !leader || dest.before_store(t);
         const TmaDesc* map = dest.map(t);
         const i32 row = dest.row(t) + wrow;
         const u32 r0 = lane >> 2;  // this thread's rows in the warp's box: r0 and r0 + 8 (same r % 8)

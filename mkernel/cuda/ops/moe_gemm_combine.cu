@@ -131,7 +131,8 @@ MK_DEV void moe_watch_rows(const MkMoeGemmArgs& args, MoeReturnShared& rs, const
     }
     __syncthreads();
     if (!rs.ok) break;
-    const u32 fwd_row = nodes ? (u32)space.row_base(t.group) + rs.own[t.group] : ~0u;  // its group's first forwarded row
+    const u32 fwd_row =
+        nodes ? (u32)space.row_base(t.group) + rs.own[t.group] : ~0u;  // its group's first forwarded row
     if ((u32)t.m0 + (u32)t.rows > fwd_row) {  // its forwarded rows counted at their sources
       for (u32 row = max((u32)t.m0, fwd_row) + tid; row < (u32)t.m0 + (u32)t.rows; row += MOE_GC_THREADS)
         atomicAdd(&rs.fwd[meta[row] >> 24], 1u);
@@ -194,4 +195,5 @@ __global__ void __launch_bounds__(MOE_GC_THREADS, 1)
 }
 
 static_assert(gemm_smem_bytes<GemmCfg<0, 0>, true>() == 231768, "update gemm.SMEM_GROUPED");
-static_assert(sizeof(MoeReturnShared) <= GemmCfg<0, 0>::OFF_BAR, "a watching CTA's state lies below the GEMM's barriers");
+static_assert(sizeof(MoeReturnShared) <= GemmCfg<0, 0>::OFF_BAR,
+              "a watching CTA's state lies below the GEMM's barriers");
