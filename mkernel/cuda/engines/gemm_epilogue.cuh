@@ -22,7 +22,8 @@
 // end (finish): cp.async.bulk.wait_group 0 (the writes are performed, not just the smem read),
 // fence.proxy.async.global, fence.sc.sys, then it counts its part in the tile's join slot; the
 // last of the 8 parts publishes flag[tile] = epoch with a system-scope release store. So a flag
-// trails its tile by about two k-blocks, and the MMA pipe never waits for a store.
+// trails its tile by about two k-blocks, and the MMA pipe never waits for a store. A ROWS part is
+// released to the CTA only (fence.acq_rel.cta): the last part's fence.sc.sys covers all eight.
 #include "common.cuh"
 #include "signals.cuh"
 #include "tma.cuh"

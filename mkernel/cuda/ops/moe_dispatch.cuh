@@ -39,7 +39,7 @@ enum : u32 {
   MOE_TRACE_ANNOUNCE = 0x80000000u,  // | epoch
   MOE_TRACE_EXIT = 0x40000000u,  // | block
   MOE_TRACE_GEMM = 0x01000000u,  // a GEMM CTA's tiles
-  MOE_TRACE_RETURN = 0x02000000u,  // | M-tile unit: its wait and copies
+  MOE_TRACE_RETURN = 0x02000000u,  // | M-tile unit: its wait and counts
   MOE_TRACE_FWD_WAIT = 0x03000000u,  // forwarded rows back (fwdret)
   MOE_TRACE_FWD_SUM = 0x04000000u,  // | chunk of forwarded sums, summed and its WRITEs queued
   MOE_TRACE_SUM = 0x05000000u,  // a CTA's final sums (their wait included)
