@@ -13,7 +13,7 @@
 # runtime2 queue queue2 tpnodes4 nodestest nodesrate suitets maints (tools/nodes_rate.py: small WRITEs and the TP ops between 2 emulated nodes)
 # mpi2 gemmtest tp attention ring ringbench tpbench tpnodes moebench controller controllernodes (the last six want 2 GPUs) controllernodes4 (2 x 2 under MPS)
 # controller1: bench/controller.py at world 1 (the comm is a local tile copy; the mechanism, not the issue's rows).
-# branchsuite / branchnodes / branchtpbench / branchtpnodes / branchringnodes / branchringmps: the GPU suite / its tests between nodes (2 ranks) / bench/tp.py (in a node / 2 emulated nodes) / ringnodes / ringmps of a branch checked out at scratch/branch
+# branchsuite / branchnodes / branchtpbench / branchtpnodes / branchringnodes / branchringmps / branchmoenodes: the GPU suite / its tests between nodes (2 ranks) / bench/tp.py (in a node / 2 emulated nodes) / ringnodes / ringmps / moebenchnodes of a branch checked out at scratch/branch
 # (git worktree add scratch/branch <branch>; carry scratch), results in $OUT/branch.tar.gz (the A/B of
 # a branch against main's tpbench). moe: the MoE tests at
 # 1 and 2 ranks; moebench1: bench/moe.py at world 1; moenodes: tests/gpu/test_moe_nodes_gpu.py (its
@@ -169,6 +169,7 @@ for s in $steps; do
     branchtpnodes) branch_bench branchtpnodes 300 bench/tp.py --nodes 2 ;;
     branchringnodes) branch_bench branchringnodes 300 bench/ring_attention.py --quick --kv-heads 8 --nodes 2 ;;
     branchringmps) branch_bench branchringmps 300 bench/ring_attention.py --quick --kv-heads 8 ${RING_ARGS:-} ;;
+    branchmoenodes) branch_bench branchmoenodes 300 bench/moe.py --nodes 2 ;;
     tptrace) step tptrace 120 $MPI2 python3 tools/tp_trace.py --out "$LOGS/trace" ${TRACE_ARGS:-} ;;  # one traced TP call per SM
     ringtrace) step ringtrace 120 $MPI2 python3 tools/ring_trace.py --out "$LOGS/ringtrace" ${RINGTRACE_ARGS:---causal} ;;  # ring attention between 2 emulated nodes, traced
     copyorder) step copyorder 60 $MPI2 python3 tools/copy_order.py --out "$LOGS/copyorder" ;;  # do 2 ranks' host copies run at once?
