@@ -443,7 +443,7 @@ def combine_tile_ids(handle, N, group_m=8, by_expert=False):
     that order tells the order's cost from the fusion's. by_expert: blocks never span two experts."""
     import cupy
 
-    tn, bm = -(-N // 256), 128
+    tn, bm = -(-N // moe_gemm._gemm.BN), moe_gemm._gemm.BM
     per = [-(-int(r) // bm) for r in handle.counts()]
     group = np.repeat(np.arange(len(per)), per)  # each M-tile's expert
     order = cupy.asnumpy(handle._nodes["tile_order"][:len(group)])[::-1]
@@ -644,8 +644,8 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
                     return lambda: mkernel.grouped_gemm(B["y_uf"], w2, st["h"].group_rows, out=B["z_uf"], sms=ctas,
                                                         tile_order=order, tile_flags=flags)
                 flags = cupy.zeros(moe_gemm._gemm.grouped_tiles_bound(cap, H, El), dtype=cupy.uint32)
-                fns.update(gemmsms_gc=gemm_in(), gemmord_gc=gemm_in(combine_tile_ids(st["h"], H)),
-                           gemmflags_gc=gemm_in(combine_tile_ids(st["h"], H), flags),
+                ids = combine_tile_ids(st["h"], H)
+                fns.update(gemmsms_gc=gemm_in(), gemmord_gc=gemm_in(ids), gemmflags_gc=gemm_in(ids, flags),
                            gemmord16_gc=gemm_in(combine_tile_ids(st["h"], H, group_m=16)),
                            gemmordx_gc=gemm_in(combine_tile_ids(st["h"], H, by_expert=True)))
         if have_baseline and base is not None:

@@ -78,7 +78,7 @@ def main():
     def add_args(p):
         p.add_argument("--shape", default="4096x7168x2048x64x8", help="T x H x F x experts x top-k (per rank)")
         p.add_argument("--capacity", type=int, default=0, help="rows per rank (default moe_capacity: bench/moe.py's)")
-        p.add_argument("--comm-sms", type=int, default=None, help="returning CTAs of the combine")
+        p.add_argument("--comm-sms", type=int, default=None, help="the combine's comm CTAs (moe_combine_comm_sms)")
         p.add_argument("--dispatch-sms", type=int, default=0, help="dispatch CTAs (moe_comm_sms; 0: default)")
         p.add_argument("--pieces", type=int, default=0, help="WRITEs per bundle (moe_bundle_pieces; 0: default)")
 

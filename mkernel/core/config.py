@@ -68,7 +68,7 @@ class Config:
     # shared memory (cp.async, copy.cuh MkStage; False: in registers, 4-8 vectors a thread)
     comm_staged: bool = True
     moe_comm_sms: int = 16        # dispatch CTAs of the fused dispatch + GEMM
-    # returning CTAs of the fused GEMM + combine: fewer, since its GEMM is its tail between nodes
+    # comm CTAs of the fused GEMM + combine (they count rows, sum forwarded tokens): fewer, the GEMM is its tail
     moe_combine_comm_sms: int = 8
     moe_join_gemm: bool = True    # the dispatch CTAs take GEMM tiles once their rows are sent
     moe_sums_group: int = 4       # between nodes, the fused combine's chunks of sums (32 tokens) per WRITE

@@ -3,8 +3,8 @@
 // back to row t * k + j of its source's return buffer (ret); once every rank's rows are back
 // (retflag), every token's k rows are summed, weighted by its routing weights, in fp32, j
 // ascending, one rounding: bitwise reproducible. mk_moe_combine_kernel (moe.cu) returns rows as
-// the user's y holds them; mk_moe_gemm_combine_kernel (moe_gemm_combine.cu) returns each GEMM tile
-// as soon as it is stored.
+// the user's y holds them; mk_moe_gemm_combine_kernel (moe_gemm_combine.cu) stores each GEMM tile's
+// rows there from its epilogue.
 #include "moe_dispatch.cuh"
 #include "copy.cuh"
 #include "convert.cuh"
@@ -18,9 +18,9 @@ MK_DEV bool moe_credits_all(const MkMoeArgs& a, const MkPeers& peers, u32 Ep) {
   return true;
 }
 
-// Every thread of a returning CTA, after its last row (`mine` rows of the `n` to return): once all
-// are back, retflag[me] on every rank (moe_all_done; none after an error of this rank: a CTA that
-// gave up on a wait returned only part of its rows, and the peers' waits then time out and raise).
+// Every thread of a returning (or watching) CTA, after its last row (`mine` rows of the `n` to
+// return): once all are back, retflag[me] on every rank (moe_all_done; none after an error of this
+// rank: a CTA that gave up on a wait counted only part of its rows, so the peers' waits time out).
 MK_DEV void moe_returned(const MkMoeArgs& a, const MkPeers& peers, u32 mine, u32 n, u32 Ep) {
   __threadfence_system();
   __syncthreads();
