@@ -76,7 +76,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import numpy as np  # noqa: E402
 
-from mkernel.ops import moe_gemm  # noqa: E402
+from mkernel.ops import moe_gemm, moe_nodes  # noqa: E402
 from mkernel.runtime import launch  # noqa: E402
 from mkernel.runtime.gpu import mps_client  # noqa: E402
 from mkernel.testing import sync_or_exit  # noqa: E402
@@ -437,25 +437,15 @@ MPS_ROUNDS = 6  # under MPS: batches per variant (mps_timing.BATCH calls each), 
 COMM_SMS_VARIANTS = {"dg": (4, 8, 16), "gc": (2, 4, 8)}
 
 
-def combine_tile_ids(handle, N, group_m=8, by_expert=False):
-    """Between nodes, the fused combine's claim order as engine tile ids (moe_tiles.cuh moe_tile_id,
-    backward: blocks of group_m M-tiles, N-tile by N-tile inside): the grouped GEMM alone timed in
-    that order tells the order's cost from the fusion's. by_expert: blocks never span two experts."""
+def combine_tile_ids(handle, N):
+    """Between nodes, the fused combine's claim order as engine tile ids (tile_order backward): the
+    grouped GEMM alone timed in that order tells the order's cost from the fusion's."""
     import cupy
 
-    tn, bm = -(-N // moe_gemm._gemm.BN), moe_gemm._gemm.BM
-    per = [-(-int(r) // bm) for r in handle.counts()]
-    group = np.repeat(np.arange(len(per)), per)  # each M-tile's expert
-    order = cupy.asnumpy(handle._nodes["tile_order"][:len(group)])[::-1]
-    blocks, i = [], 0
-    while i < len(order):
-        j = i + 1
-        while j < len(order) and j - i < group_m and (not by_expert or group[order[j]] == group[order[i]]):
-            j += 1
-        blocks.append(order[i:j])
-        i = j
-    ids = [int(b[r % len(b)]) * tn + r // len(b) for b in blocks for r in range(len(b) * tn)]
-    bound = moe_gemm._gemm.grouped_tiles_bound(handle.capacity, N, len(per))  # the engine's array size
+    g = moe_gemm._gemm
+    mtiles = int(sum(-(-int(r) // g.BM) for r in handle.counts()))
+    ids = moe_nodes.claim_order(cupy.asnumpy(handle._nodes["tile_order"][:mtiles]), -(-N // g.BN), backward=True)
+    bound = g.grouped_tiles_bound(handle.capacity, N, len(handle.counts()))  # the engine's array size
     return cupy.asarray(np.array(ids + [0] * (bound - len(ids)), dtype=np.uint32))
 
 
@@ -645,9 +635,7 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
                                                         tile_order=order, tile_flags=flags)
                 flags = cupy.zeros(moe_gemm._gemm.grouped_tiles_bound(cap, H, El), dtype=cupy.uint32)
                 ids = combine_tile_ids(st["h"], H)
-                fns.update(gemmsms_gc=gemm_in(), gemmord_gc=gemm_in(ids), gemmflags_gc=gemm_in(ids, flags),
-                           gemmord16_gc=gemm_in(combine_tile_ids(st["h"], H, group_m=16)),
-                           gemmordx_gc=gemm_in(combine_tile_ids(st["h"], H, by_expert=True)))
+                fns.update(gemmsms_gc=gemm_in(), gemmord_gc=gemm_in(ids), gemmflags_gc=gemm_in(ids, flags))
         if have_baseline and base is not None:
             fns.update(bg_dg=lambda: base.dispatch_gemm("gather"), bg_gc=lambda: base.gemm_combine("gather"),
                        bs_dg=lambda: base.dispatch_gemm("segments"), bs_gc=lambda: base.gemm_combine("segments"))
@@ -729,8 +717,6 @@ def bench_shape(comm, si, shape, routings, dt, reps, have_baseline, link_gbs, er
                                      ("moe_bundle_pieces=4", f"pieces4_{sfx}"),
                                      ("gemm alone, the fused kernel's GEMM CTAs", f"gemmsms_{sfx}"),
                                      ("gemm alone, those CTAs, the fused order", f"gemmord_{sfx}"),
-                                     ("gemm alone, those CTAs, the fused order, group_m 16", f"gemmord16_{sfx}"),
-                                     ("gemm alone, those CTAs, the fused order, blocks by expert", f"gemmordx_{sfx}"),
                                      ("gemm alone, those CTAs, the fused order, tile flags", f"gemmflags_{sfx}"))
                                     if key in ts}
                 if nodes > 1:

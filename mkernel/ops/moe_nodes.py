@@ -137,6 +137,21 @@ def args(comm, p, op, T, k, E, H, capacity) -> MkMoeNodeArgs:
     return a
 
 
+def claim_order(words, tn, backward):
+    """The fused GEMMs' tile ids in claim order from tile_order's words (M-tiles first): the host
+    mirror of moe_tiles.cuh moe_tile_id (benchmarks time the grouped GEMM alone in that order)."""
+    M, ids = len(words), []
+    at = (lambda u: int(words[M - 1 - u])) if backward else (lambda u: int(words[u]))
+    for pos in range(M * tn):
+        u = pos // tn
+        w = at(u)
+        n, off = w >> 28, (w >> 24) & 15
+        first = u - (n - 1 - off) if backward else u - off
+        r = pos - first * tn
+        ids.append((at(first + r % n) & 0xFFFFFF) * tn + r // n)
+    return ids
+
+
 def set_virtual(m, p, comm):
     """The node's dispatch / combine arguments (MkMoeArgs m) over the virtual tokens of plan p, and
     what the dispatch waits for: the forwarded rows' and the exchange's flush flags; the fused GEMMs'

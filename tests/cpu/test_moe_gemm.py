@@ -26,3 +26,39 @@ def test_default_paths(nodes, combine):
     comm = types.SimpleNamespace(num_nodes=nodes)
     assert moe_gemm.default_path("moe_dispatch_gemm", comm) == "fused"
     assert moe_gemm.default_path("moe_gemm_combine", comm) == combine
+
+
+def _order_words(rows, own, bm=128, block=8):
+    """Mirror of moe_dispatch.cuh moe_tile_order: tile_order's words for groups of `rows` rows whose
+    first `own` are own-origin (every group's own-origin-only M-tiles first, then the others)."""
+    tm = [-(-r // bm) for r in rows]
+    early = [o // bm for o in own]
+    words = [0] * sum(tm)
+    for g in range(len(rows)):
+        mb, eb, et, e = sum(tm[:g]), sum(early[:g]), sum(early), early[g]
+        for i in range(tm[g]):
+            j, n = (i, e) if i < e else (i - e, tm[g] - e)
+            b = j // block * block
+            words[eb + i if i < e else et + (mb - eb) + (i - e)] = mb + i | (j - b) << 24 | min(block, n - b) << 28
+    return words
+
+
+@pytest.mark.parametrize("rows, own, tn", [([1016, 1030, 0, 129], [508, 1030, 0, 0], 28),
+                                           ([300, 130], [260, 0], 3), ([5000], [2000], 2), ([1, 1, 1], [0, 1, 0], 1)])
+@pytest.mark.parametrize("backward", [False, True])
+def test_claim_order_walks_blocks_of_one_group(rows, own, tn, backward):
+    """The fused GEMMs' claim order (moe_tiles.cuh moe_tile_id, mirrored by moe_nodes.claim_order):
+    every group's own-origin-only M-tiles, then every group's others, each such run cut into blocks
+    of at most 8 from its start, N-tile by N-tile inside a block; read backward, the blocks reversed."""
+    from mkernel.ops import moe_nodes
+
+    words = _order_words(rows, own)
+    tm = [-(-r // 128) for r in rows]
+    runs = [list(range(sum(tm[:g]), sum(tm[:g]) + own[g] // 128)) for g in range(len(rows))] + \
+           [list(range(sum(tm[:g]) + own[g] // 128, sum(tm[:g + 1]))) for g in range(len(rows))]
+    blocks = [run[i:i + 8] for run in runs for i in range(0, len(run), 8)]
+    assert [w & 0xFFFFFF for w in words] == [m for b in blocks for m in b]
+    if backward:
+        blocks = [b[::-1] for b in reversed(blocks)]
+    want = [m * tn + nt for b in blocks for nt in range(tn) for m in b]
+    assert moe_nodes.claim_order(words, tn, backward) == want

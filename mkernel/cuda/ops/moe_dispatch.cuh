@@ -398,8 +398,18 @@ MK_DEV bool moe_send_counts(const MkMoeArgs& a, MoeShared<THREADS>& sh, const Mk
   return true;
 }
 
+// M-tiles of one group and phase that the fused GEMMs claim together, N-tile by N-tile (moe_tiles.cuh).
+constexpr u32 MOE_TILE_BLOCK = 8;
+// tile_order's word for M-tile mt, the i-th of a run of n (one group's M-tiles of one phase): mt, then
+// its place in its block of the run (bits 24-27) and the block's size (bits 28-31).
+MK_DEV u32 moe_order_word(u32 mt, u32 i, u32 n) {
+  const u32 b = i / MOE_TILE_BLOCK * MOE_TILE_BLOCK;
+  return mt | (i - b) << 24 | min(MOE_TILE_BLOCK, n - b) << 28;
+}
+
 // Step 3, the first CTA for a fused GEMM (tile_m): its M-tiles (global index over the groups) in claim
-// order: every group's tiles of own-origin rows only (its first aux / tile_m), then the others.
+// order: every group's tiles of own-origin rows only (its first aux / tile_m), then the others; each
+// group's run of either phase cut into blocks of MOE_TILE_BLOCK (a block never spans two groups' B).
 template <u32 THREADS>
 MK_DEV void moe_tile_order(const MkMoeArgs& a, const MoeShared<THREADS>& sh) {
   const u32 El = (u32)a.e_local, bm = (u32)a.tile_m;
@@ -415,7 +425,9 @@ MK_DEV void moe_tile_order(const MkMoeArgs& a, const MoeShared<THREADS>& sh) {
       et += own[g] / bm;
     }
     const u32 tm = (rows[le] + bm - 1) / bm, e = own[le] / bm;
-    for (u32 i = 0; i < tm; ++i) a.tile_order[i < e ? eb + i : et + (mb - eb) + (i - e)] = mb + i;
+    for (u32 i = 0; i < tm; ++i)
+      a.tile_order[i < e ? eb + i : et + (mb - eb) + (i - e)] =
+          i < e ? moe_order_word(mb + i, i, e) : moe_order_word(mb + i, i - e, tm - e);
   }
 }
 

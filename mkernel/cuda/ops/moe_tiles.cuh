@@ -8,21 +8,25 @@
 #include "gemm_mainloop.cuh"
 #include "gemm_epilogue.cuh"
 
-// Between nodes, the M-tile at index u (of mtiles) of a fused GEMM's claim order (tile_order: written
-// before the dispatch's verdict, read past L1).
-MK_DEV u32 moe_mtile_at(const MkMoeArgs& a, u32 mtiles, u32 u, bool backward) {
+// Between nodes, tile_order's word at index u (of mtiles) of a fused GEMM's claim order (written
+// before the dispatch's verdict, read past L1), and its M-tile.
+MK_DEV u32 moe_order_at(const MkMoeArgs& a, u32 mtiles, u32 u, bool backward) {
   return ld_cg(a.tile_order + (backward ? mtiles - 1u - u : u));
 }
+MK_DEV u32 moe_mtile_at(const MkMoeArgs& a, u32 mtiles, u32 u, bool backward) {
+  return moe_order_at(a, mtiles, u, backward) & 0xFFFFFFu;
+}
 
-// Between nodes, the tile id at claim position pos: blocks of group_m consecutive M-tiles of the order,
-// N-tile by N-tile inside a block (the engine's built-in order over tile_order's M-tiles: CTAs running
-// together share B's columns; M-tile by M-tile, a group's whole B was read again for every M-tile).
+// Between nodes, the tile id at claim position pos: the order's blocks (at most MOE_TILE_BLOCK M-tiles
+// of one group), N-tile by N-tile inside a block: CTAs running together share B's columns, and a
+// block never reads two groups' B. Positions [first * tn, (first + n) * tn) are its block's.
 template <class Space>
 MK_DEV u32 moe_tile_id(const MkMoeArgs& a, const Space& space, u32 pos, bool backward) {
-  const u32 tn = space.tiles_n, mtiles = space.num_tiles / tn, span = space.group_m * tn;
-  const u32 blk = pos / span, r = pos - blk * span, first = blk * space.group_m;
-  const u32 gs = min(space.group_m, mtiles - first);
-  return moe_mtile_at(a, mtiles, first + r % gs, backward) * tn + r / gs;
+  const u32 tn = space.tiles_n, mtiles = space.num_tiles / tn, u = pos / tn;
+  const u32 w = moe_order_at(a, mtiles, u, backward), n = w >> 28, off = (w >> 24) & 15u;
+  const u32 first = backward ? u - (n - 1u - off) : u - off;  // backward: the block reversed, u its off-th last
+  const u32 r = pos - first * tn;
+  return moe_mtile_at(a, mtiles, first + r % n, backward) * tn + r / n;
 }
 
 // The tile source. DISPATCH: before a tile's loads, the arrival flags of the (class, source, expert)
