@@ -175,6 +175,7 @@ for s in $steps; do
     copyorder) step copyorder 60 $MPI2 python3 tools/copy_order.py --out "$LOGS/copyorder" ;;  # do 2 ranks' host copies run at once?
     ringtrace4) step ringtrace4 120 $MPI4 python3 tools/ring_trace.py --out "$LOGS/ringtrace4" ${RINGTRACE_ARGS:---causal} ;;  # at 2 x 2 ranks
     moetrace) step moetrace 120 $MPI2 python3 tools/moe_trace.py --out "$LOGS/moetrace" ${MOETRACE_ARGS:-} ;;  # the fused MoE GEMM + combine between 2 emulated nodes, traced
+    moetrace4) step moetrace4 150 $MPI4 python3 tools/moe_trace.py --out "$LOGS/moetrace4" ${MOETRACE_ARGS:-} ;;  # the same at 2 nodes x 2 ranks
     tptrace4) step tptrace4 120 $MPI4 python3 tools/tp_trace.py --out "$LOGS/trace4" ${TRACE_ARGS:-} ;;  # at 2 x 2 ranks
     controller) step controller 500 $MPI2 python3 bench/controller.py ${CONTROLLER_ARGS:-} ;;  # e.g. --op allgather_gemm
     controller1) step controller1 500 python3 bench/controller.py ;;
