@@ -6,8 +6,9 @@ has the other nodes' sums (issue 25: the overlap between nodes).
 Run (every rank; MKERNEL_TRACE is set here, before the communicator exists):
     mpirun -n 2 python3 tools/moe_trace.py --nodes 2 --shape 4096x7168x2048x64x8 --out DIR
 Each call is the fused dispatch + GEMM, then the fused GEMM + combine on its output (a launch each);
-the last of each is summarised (span ids: MOE_TRACE_* in mkernel/cuda/ops/moe_dispatch.cuh). Again
-from files (--launch -2: the last dispatch + GEMM):
+the last call starts behind a device barrier (bench/mps_timing.py), and its two launches are
+summarised (span ids: MOE_TRACE_* in mkernel/cuda/ops/moe_dispatch.cuh). Again from files
+(--launch -2: the last dispatch + GEMM):
     python3 tools/moe_trace.py --summarize DIR/trace.rank0.json DIR/trace.rank1.json
 """
 
@@ -15,6 +16,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 from tp_trace import close_and_summarize, summarize_files, trace_cli, trace_into  # noqa: E402
 
 KINDS = {1: "GEMM CTA done", 2: "M-tile returned", 3: "forwarded rows back", 4: "forwarded chunk sent",
@@ -65,7 +67,14 @@ def run(args):
     cap = args.capacity or mkernel.moe_capacity(T, k, W)
     knobs = {"moe_comm_sms": args.dispatch_sms} if args.dispatch_sms else {}
     knobs.update({"moe_bundle_pieces": args.pieces} if args.pieces else {})
-    for _ in range(args.calls):
+    import mps_timing
+
+    barrier = mps_timing.DeviceBarrier(comm)
+    for i in range(args.calls):
+        if i == args.calls - 1:  # the traced call starts on every rank at once (calls drift apart)
+            cupy.cuda.runtime.deviceSynchronize()
+            MPI.COMM_WORLD.Barrier()
+            barrier()
         with mkernel.config.override(**knobs):
             y, h = mkernel.moe_dispatch_gemm(x, ids, w, w1, comm=comm, num_experts=E, capacity=cap)
         mkernel.moe_gemm_combine(y, w2, h, comm=comm, path="fused", comm_sms=args.comm_sms)
