@@ -94,6 +94,8 @@ def summarize_files(paths, summarize_fn=summarize, launch=-1):
         print(f"== {p}")
         if len(runs) > 1:
             print(f"{len(runs)} launches, us: " + " ".join(f"{launch_us(r):.0f}" for r in runs))
+            gaps = (b[0][2] - a[0][2] - launch_us(a) for a, b in zip(runs, runs[1:]))  # idle before each
+            print("gaps between them, us: " + " ".join(f"{g:.0f}" for g in gaps))
         print("\n".join(summarize_fn(spans)))
         t0_ns = data.get("otherData", {}).get("t0_ns")
         if spans and t0_ns is not None:

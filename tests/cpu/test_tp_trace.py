@@ -53,6 +53,7 @@ def test_launches_in_order_and_any_one_summarised(tmp_path, capsys):
     tp_trace.summarize_files([str(p)], launch=0)
     out = capsys.readouterr().out
     assert "3 launches, us: 70 70 70" in out and "launch      70.0 us" in out
+    assert "gaps between them, us: 930 930" in out  # each starts 1000 us after the last, 70 us long
     tp_trace.summarize_files([str(p)], launch=5)
     assert "no launch found" in capsys.readouterr().out
 
