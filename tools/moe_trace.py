@@ -7,8 +7,9 @@ Run (every rank; MKERNEL_TRACE is set here, before the communicator exists):
     mpirun -n 2 python3 tools/moe_trace.py --nodes 2 --shape 4096x7168x2048x64x8 --out DIR
 Each call is the fused dispatch + GEMM, then the fused GEMM + combine on its output (a launch each);
 the last call starts behind a device barrier (bench/mps_timing.py), and its two launches are
-summarised (span ids: MOE_TRACE_* in mkernel/cuda/ops/moe_dispatch.cuh). Again from files
-(--launch -2: the last dispatch + GEMM):
+summarised (span ids: MOE_TRACE_* in mkernel/cuda/ops/moe_dispatch.cuh); --combines N runs that
+call's combine N times back to back. Again from files (--launch -2, or -1 - N after --combines N:
+the last dispatch + GEMM):
     python3 tools/moe_trace.py --summarize DIR/trace.rank0.json DIR/trace.rank1.json
 """
 
