@@ -400,6 +400,7 @@ MK_DEV bool moe_send_counts(const MkMoeArgs& a, MoeShared<THREADS>& sh, const Mk
 
 // M-tiles of one group and phase that the fused GEMMs claim together, N-tile by N-tile (moe_tiles.cuh).
 constexpr u32 MOE_TILE_BLOCK = 8;
+static_assert(MOE_TILE_BLOCK >= 1 && MOE_TILE_BLOCK <= 15, "a block's size and places fit tile_order's 4-bit fields");
 // tile_order's word for M-tile mt, the i-th of a run of n (one group's M-tiles of one phase): mt, then
 // its place in its block of the run (bits 24-27) and the block's size (bits 28-31).
 MK_DEV u32 moe_order_word(u32 mt, u32 i, u32 n) {
