@@ -22,7 +22,7 @@ from tp_trace import close_and_summarize, summarize_files, trace_cli, trace_into
 
 KINDS = {1: "GEMM CTA done", 2: "M-tile returned", 3: "forwarded rows back", 4: "forwarded chunk sent",
          5: "final sums (CTA)", 6: "partials: other nodes' sums in", 7: "dispatch CTA's rows sent",
-         8: "dispatch: a warp's bundle in"}
+         8: "dispatch: a warp's bundle in", 9: "partials: a CTA's sums added", 10: "partials: WRITEs flushed"}
 ANNOUNCE, EXIT = 0x80000000, 0x40000000
 
 

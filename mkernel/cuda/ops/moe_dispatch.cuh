@@ -45,7 +45,9 @@ enum : u32 {
   MOE_TRACE_SUM = 0x05000000u,  // a CTA's final sums (their wait included)
   MOE_TRACE_PART_WAIT = 0x06000000u,  // partials kernel: the other nodes' sums in
   MOE_TRACE_DISPATCH = 0x07000000u,  // | arrival: a dispatch CTA's rows sent (the fused kernel's)
-  MOE_TRACE_BUNDLE_WAIT = 0x08000000u  // | source node: a sending warp's wait for its bundle
+  MOE_TRACE_BUNDLE_WAIT = 0x08000000u,  // | source node: a sending warp's wait for its bundle
+  MOE_TRACE_PART_ADD = 0x09000000u,  // | block: partials kernel, a CTA's tokens added and stored
+  MOE_TRACE_PART_FLUSH = 0x0A000000u  // partials kernel: this rank's WRITEs flushed (its first CTA)
 };
 
 // Wait ids (MkStatus::where) of the kernels' waits.

@@ -434,6 +434,7 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_partials_kernel(co
   }
   __syncthreads();
   const u32 E = s_epoch;
+  const u64 t_add = trace_start(a.sync);
   if (s_ok) {
     const u8* part = peer_ptr<const u8>(node_peers(a), (u32)a.lrank, a.part_off);
     const u8* precv = peer_ptr<const u8>(node_peers(a), (u32)a.lrank, a.precv_off);
@@ -478,11 +479,14 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_partials_kernel(co
       }
   }
   __syncthreads();
+  if (tid == 0) trace_span(a.sync, MK_ROLE_COMPUTE, MOE_TRACE_PART_ADD | blockIdx.x, t_add);
   if (first && tid == 0 && *a.verdict == MOE_PLAN_OK) {  // part is rewritten by the next combine
+    const u64 t_flush = trace_start(a.sync);
     for (u32 j = 0; j < N; ++j)
       if (j != node) queue_push(a.sync, a.queue, mk_flush_cmd(node_rank(a, j), MOE_PF_PFLUSH + j, E));
     for (u32 j = 0; j < N; ++j)
       if (j != node && !wait_pf(a, MOE_PF_PFLUSH + j, E, node_rank(a, j), MOE_WAIT_PFLUSH + j)) break;
+    trace_span(a.sync, MK_ROLE_WAIT, MOE_TRACE_PART_FLUSH, t_flush);
   }
   __syncthreads();
   if (tid == 0 && counters_reset_by_last_block(a.counters, MOE_NCNT_WORDS, MOE_NCNT_DONE) && *a.verdict == MOE_PLAN_OK)
