@@ -13,6 +13,7 @@
 # runtime2 queue queue2 tpnodes4 nodestest nodesrate suitets maints (tools/nodes_rate.py: small WRITEs and the TP ops between 2 emulated nodes)
 # mpi2 gemmtest tp attention ring ringbench tpbench tpnodes moebench controller controllernodes (the last six want 2 GPUs) controllernodes4 (2 x 2 under MPS)
 # controller1: bench/controller.py at world 1 (the comm is a local tile copy; the mechanism, not the issue's rows).
+# branchmoe: a branch's fused MoE kernels under memcheck at world 1, then its MoE tests between 2 emulated nodes
 # branchsuite / branchnodes / branchtpbench / branchtpnodes / branchringnodes / branchringmps / branchmoenodes: the GPU suite / its tests between nodes (2 ranks) / bench/tp.py (in a node / 2 emulated nodes) / ringnodes / ringmps / moebenchnodes of a branch checked out at scratch/branch
 # (git worktree add scratch/branch <branch>; carry scratch), results in $OUT/branch.tar.gz (the A/B of
 # a branch against main's tpbench). moe: the MoE tests at
@@ -165,6 +166,9 @@ for s in $steps; do
     branchnodes) step branchnodes 300 bash -c "cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null && \
       PYTHONPATH=\$PWD $MPI2 $PYT -rfE -m 'gpu and mpi and not slow' tests/gpu/test_queue_gpu.py tests/gpu/test_tp_nodes_gpu.py \
       tests/gpu/test_moe_nodes_gpu.py tests/gpu/test_ring_attention_worlds_gpu.py" ;;
+    branchmoe) step branchmoe 300 bash -c "cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null && \
+      export PYTHONPATH=\$PWD MKERNEL_TIMEOUT_S=30 && compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 10 \
+      python3 tools/sanitize_targets.py target_moe_gemm; $MPI2 $PYT -rfE -x tests/gpu/test_moe_nodes_gpu.py" ;;  # a branch's MoE kernels checked before its A/B
     branchtpbench) branch_bench branchtpbench 400 bench/tp.py ;;
     branchtpnodes) branch_bench branchtpnodes 300 bench/tp.py --nodes 2 ;;
     branchringnodes) branch_bench branchringnodes 300 bench/ring_attention.py --quick --kv-heads 8 --nodes 2 ;;
