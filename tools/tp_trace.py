@@ -19,13 +19,16 @@ KINDS = {0: "reduce", 1: "forward", 2: "copy", 3: "push", 4: "tile"}
 ANNOUNCE, EXIT = 0x80000000, 0x40000000
 
 
+ENTRY_LEAD_US = 5.0  # a CTA stamps its entry before the announcing CTA may: up to this much earlier
+
+
 def launches(events):
     """The trace's launches in start order: lists of spans (role, id, start_us, end_us, tid), each
-    from its announce span up to the next launch's."""
+    from its announce span (less ENTRY_LEAD_US) up to the next launch's."""
     spans = sorted(((e["cat"], e["args"]["id"], e["ts"], e["ts"] + e["dur"], e["tid"]) for e in events),
                    key=lambda s: s[2])
     starts = sorted(t0 for r, i, t0, _, _ in spans if r == "control" and i & ANNOUNCE)
-    bounds = [t - 1e-3 for t in starts] + [float("inf")]
+    bounds = [t - ENTRY_LEAD_US for t in starts] + [float("inf")]
     return [[s for s in spans if lo <= s[2] < hi] for lo, hi in zip(bounds, bounds[1:])]
 
 

@@ -39,6 +39,13 @@ def test_summary_of_the_last_launch():
     assert "on GEMM SMs" not in text
 
 
+def test_a_cta_that_stamps_its_entry_before_the_announce_belongs_to_its_launch():
+    early = _ev("control", 0x40000000 | 7, 999.9, 70.0, sm=7)  # launch 2's CTA, entered 0.1 us ahead
+    runs = tp_trace.launches(_launch(1, 0.0) + _launch(2, 1000.0) + [early])
+    assert 999.9 not in [s[2] for s in runs[0]] and round(tp_trace.launch_us(runs[0]), 3) == 70.001
+    assert len(runs[1]) == len(_launch(2, 0.0)) + 1
+
+
 def test_launches_in_order_and_any_one_summarised(tmp_path, capsys):
     """Every launch is cut at the next one's announce; --launch picks one, and the lengths of all
     of them are listed first (the first call against the steady ones)."""
