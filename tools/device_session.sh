@@ -14,8 +14,8 @@
 # mpi2 gemmtest tp attention ring ringbench tpbench tpnodes moebench controller controllernodes (the last six want 2 GPUs) controllernodes4 (2 x 2 under MPS)
 # controller1: bench/controller.py at world 1 (the comm is a local tile copy; the mechanism, not the issue's rows).
 # branchmoe: a branch's fused MoE kernels under memcheck at world 1, then its MoE tests between 2 emulated nodes
-# branchsuite / branchnodes / branchtpbench / branchtpnodes / branchringnodes / branchringmps / branchmoenodes: the GPU suite / its tests between nodes (2 ranks) / bench/tp.py (in a node / 2 emulated nodes) / ringnodes / ringmps / moebenchnodes of a branch checked out at scratch/branch
-# (git worktree add scratch/branch <branch>; carry scratch), results in $OUT/branch.tar.gz (the A/B of
+# branchsuite / branchnodes / branchtpbench / branchtpnodes / branchringnodes / branchringmps / branchmoenodes: the GPU suite / its tests between nodes (2 ranks) / bench/tp.py (in a node / 2 emulated nodes) / ringnodes / ringmps / moebenchnodes of a branch checked out at $BRANCH_DIR
+# (default scratch/branch: git worktree add scratch/branch <branch>; carry it), results in $OUT/branch.tar.gz (the A/B of
 # a branch against main's tpbench). moe: the MoE tests at
 # 1 and 2 ranks; moebench1: bench/moe.py at world 1; moenodes: tests/gpu/test_moe_nodes_gpu.py (its
 # child jobs at 3 and 4 ranks, then 2 ranks as 2 nodes); moebenchnodes / moebenchnodes4: bench/moe.py --nodes 2 at 2 ranks / 2 x 2 ranks (MPS).
@@ -66,9 +66,10 @@ if [ "${MKERNEL_SESSION_MPS:-1}" = 1 ] && mps_start; then
   MPI4="env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 $MPI4 -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 fi
 PYT="python3 -m pytest -q -p no:cacheprovider"
-branch_bench() {  # branch_bench NAME LIMIT BENCH ARGS...: a benchmark of the tree at scratch/branch, results in $BRANCH_OUT
+BRANCH_DIR=${BRANCH_DIR:-scratch/branch}  # the branch steps' tree (relative to the repository root)
+branch_bench() {  # branch_bench NAME LIMIT BENCH ARGS...: a benchmark of the tree at $BRANCH_DIR, results in $BRANCH_OUT
   local name=$1 limit=$2; shift 2
-  step "$name" "$limit" bash -c "cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null && \
+  step "$name" "$limit" bash -c "cd $BRANCH_DIR && python3 setup.py build_ext --inplace >/dev/null && \
     BENCH_COMMIT=${BRANCH_COMMIT:-${BENCH_COMMIT:-}} PYTHONPATH=\$PWD $MPI2 -x BENCH_COMMIT python3 $* --out $BRANCH_OUT"
 }
 for s in $steps; do
@@ -105,8 +106,8 @@ for s in $steps; do
       [ "${MKERNEL_MPS_STARTED:-0}" = 1 ] && mps_start ;;
     gemm) step gemm 120 python3 bench/gemm.py ;;
     decode) step decode 120 python3 bench/gemm.py --decode ;;
-    accab) step accab 200 bash -c "(cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null) && \
-      for t in \$PWD \$PWD/scratch/branch \$PWD; do PYTHONPATH=\$t python3 -P tools/accumulate_ab.py; done" ;;  # accumulate=True: this tree, main at scratch/branch, this tree
+    accab) step accab 200 bash -c "(cd $BRANCH_DIR && python3 setup.py build_ext --inplace >/dev/null) && \
+      for t in \$PWD \$PWD/$BRANCH_DIR \$PWD; do PYTHONPATH=\$t python3 -P tools/accumulate_ab.py; done" ;;  # accumulate=True: this tree, main at $BRANCH_DIR, this tree
     ncu) step ncu 200 ncu --clock-control none --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis \
       --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
       python3 tools/ncu_gemm.py ${NCU_ARGS:-} ${NCU_SHAPES:-1x8192x8192 16x8192x8192 128x8192x8192} ;;  # not under MPS: MKERNEL_SESSION_MPS=0
@@ -161,12 +162,12 @@ for s in $steps; do
     moebenchnodes4) step moebenchnodes4 300 $MPI4 python3 bench/moe.py --nodes 2 ;;  # 2 nodes x 2 ranks
     moenodes) step moenodes 400 bash -c "$PYT -m gpu tests/gpu/test_moe_nodes_gpu.py; r=\$?; \
       $MPI2 $PYT -m 'gpu and mpi' tests/gpu/test_moe_nodes_gpu.py && exit \$r" ;;
-    branchsuite) step branchsuite 420 bash -c "cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null && \
+    branchsuite) step branchsuite 420 bash -c "cd $BRANCH_DIR && python3 setup.py build_ext --inplace >/dev/null && \
       PYTHONPATH=\$PWD bash tests/run_gpu.sh" ;;
-    branchnodes) step branchnodes 300 bash -c "cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null && \
+    branchnodes) step branchnodes 300 bash -c "cd $BRANCH_DIR && python3 setup.py build_ext --inplace >/dev/null && \
       PYTHONPATH=\$PWD $MPI2 $PYT -rfE -m 'gpu and mpi and not slow' tests/gpu/test_queue_gpu.py tests/gpu/test_tp_nodes_gpu.py \
       tests/gpu/test_moe_nodes_gpu.py tests/gpu/test_ring_attention_worlds_gpu.py" ;;
-    branchmoe) step branchmoe 300 bash -c "cd scratch/branch && python3 setup.py build_ext --inplace >/dev/null && \
+    branchmoe) step branchmoe 300 bash -c "cd $BRANCH_DIR && python3 setup.py build_ext --inplace >/dev/null && \
       export PYTHONPATH=\$PWD MKERNEL_TIMEOUT_S=30 && compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 10 \
       python3 tools/sanitize_targets.py target_moe_gemm; $MPI2 $PYT -rfE -x -m 'gpu and mpi' tests/gpu/test_moe_nodes_gpu.py" ;;  # before its A/B (2 ranks under MPS)
     branchtpbench) branch_bench branchtpbench 400 bench/tp.py ;;
