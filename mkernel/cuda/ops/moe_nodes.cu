@@ -417,17 +417,19 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_partials_kernel(co
   const u64 part_row = (u64)H * 4u, sum_row = (u64)H * 2u;  // own fp32 sums, the 16-bit ones that travel
   const bool first = node_first(a, &s_slot);
   const u64 t_in = trace_start(a.sync);
+  bool flushing = false;  // thread 0: its FLUSHes queued at entry, waited for at the end
   if (tid == 0) {
     s_epoch = launch_epoch(a.sync);
     const bool send = !a.sent;  // else the fused combine sent them
     const MoeSumsRoute route{a.sync,       a.queue,  a.pflags, a.vseg, N,          node,       (u32)a.local,
                              (u32)a.lrank, (u32)a.T, H,        R,      a.part_off, a.precv_off};
     if (first && send) route.credit(s_epoch);  // this rank's precv may be written: its previous sums are done
-    bool ok = *a.verdict == MOE_PLAN_OK;
+    const bool planned = *a.verdict == MOE_PLAN_OK;
+    bool ok = planned;
     if (ok && first && send) ok = route.send((u32)a.T, a.vseg[N - 1], s_epoch);  // the tokens it forwarded
-    if (first && *a.verdict == MOE_PLAN_OK)  // part is rewritten by the next combine: its WRITEs flushed,
-      for (u32 j = 0; j < N; ++j)  // their round trip behind the waits and the add below
-        if (j != node) queue_push(a.sync, a.queue, mk_flush_cmd(node_rank(a, j), MOE_PF_PFLUSH + j, s_epoch));
+    flushing = first && planned;  // part is rewritten by the next combine: its WRITEs flushed, the round trip
+    for (u32 j = 0; flushing && j < N; ++j)  // behind the waits and the add below
+      if (j != node) queue_push(a.sync, a.queue, mk_flush_cmd(node_rank(a, j), MOE_PF_PFLUSH + j, s_epoch));
     for (u32 j = 0; j < N && ok; ++j)  // the other nodes' sums of this rank's tokens: PART counts tokens
       if (j != node && bundle(a, j))
         ok = wait_remote_at_least(a.sync, a.queue, a.pflags + MOE_PF_PART + j, a.part_total[j] + bundle(a, j),
@@ -483,7 +485,7 @@ __global__ void __launch_bounds__(MOE_NODE_THREADS, 1) mk_moe_partials_kernel(co
   }
   __syncthreads();
   if (tid == 0) trace_span(a.sync, MK_ROLE_COMPUTE, MOE_TRACE_PART_ADD | blockIdx.x, t_add);
-  if (first && tid == 0 && *a.verdict == MOE_PLAN_OK) {  // the FLUSHes pushed at entry have landed
+  if (flushing) {  // the FLUSHes queued at entry have landed
     const u64 t_flush = trace_start(a.sync);
     for (u32 j = 0; j < N; ++j)
       if (j != node && !wait_pf(a, MOE_PF_PFLUSH + j, E, node_rank(a, j), MOE_WAIT_PFLUSH + j)) break;
